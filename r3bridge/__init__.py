@@ -1,0 +1,31 @@
+"""r3bridge: MoE routing replay (R2 / R3) for RL trainers on Megatron.
+
+The core (this package's top level) is pure tensor logic on torch and numpy: the `ReplayBatch`
+schema, engine ingest, `ParallelLayout` and the exact rank distribution `shard` / `unshard`.
+`r3bridge.megatron` drives megatron-core; `r3bridge.adapters` plug it into trainers.
+"""
+from r3bridge.errors import (
+    ConfigError,
+    CoverageError,
+    LayerMappingError,
+    LayoutError,
+    PayloadError,
+    ReplayError,
+    ReplayStateError,
+    RouteShapeError,
+    RouteValueError,
+    StitchError,
+)
+from r3bridge.ingest import StitchReport, stitch
+from r3bridge.layout import ParallelLayout
+from r3bridge.schema import ReplayBatch, route_dtype
+from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard, unshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ReplayBatch", "ParallelLayout", "PackPlan", "ShardedTargets", "shard", "unshard",
+    "rank_positions", "stitch", "StitchReport", "route_dtype",
+    "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
+    "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError",
+]

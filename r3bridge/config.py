@@ -1,0 +1,108 @@
+"""`replay_mode` and what it means in each trainer phase: the one place R2/R3 semantics live.
+
+Every adapter asks :func:`phase_plan` what to do in ``compute_log_prob``, the update passes and
+the reference-model pass, so the frameworks cannot drift apart (verl 0.9.1 replayed rollout routes
+under R2: field-notes 8.8).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from typing import Any, Mapping
+
+from r3bridge.errors import ConfigError
+
+__all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan"]
+
+
+class ReplayMode(str, Enum):
+    OFF = "off"
+    R2 = "R2"   # record the trainer's own routes in compute_log_prob, replay them in the updates
+    R3 = "R3"   # replay the rollout engine's routes in every trainer forward
+
+    @classmethod
+    def parse(cls, value: Any) -> "ReplayMode":
+        if isinstance(value, cls):
+            return value
+        s = str(value).strip()
+        for m in cls:
+            if s.lower() == m.value.lower():
+                return m
+        raise ConfigError(f"replay_mode must be one of off, R2, R3; got {value!r}")
+
+
+class Phase(str, Enum):
+    OLD_LOG_PROB = "compute_log_prob"   # forward-only, weights theta_old
+    UPDATE = "update"                   # forward + backward, every mini-batch
+    REF_LOG_PROB = "ref_log_prob"       # reference model: never replays
+
+
+class Action(str, Enum):
+    NATIVE = "native"
+    RECORD = "record"
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    action: Action
+    source: str | None   # which routes to replay: "rollout" or "recorded"
+
+
+_PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
+    (ReplayMode.OFF, Phase.OLD_LOG_PROB): PhasePlan(Action.NATIVE, None),
+    (ReplayMode.OFF, Phase.UPDATE): PhasePlan(Action.NATIVE, None),
+    (ReplayMode.R2, Phase.OLD_LOG_PROB): PhasePlan(Action.RECORD, None),
+    (ReplayMode.R2, Phase.UPDATE): PhasePlan(Action.REPLAY, "recorded"),
+    (ReplayMode.R3, Phase.OLD_LOG_PROB): PhasePlan(Action.REPLAY, "rollout"),
+    (ReplayMode.R3, Phase.UPDATE): PhasePlan(Action.REPLAY, "rollout"),
+}
+
+
+def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
+    """What the driver does in ``phase`` under ``mode``. The reference model never replays."""
+    m, p = ReplayMode.parse(mode), Phase(phase)
+    if p is Phase.REF_LOG_PROB:
+        return PhasePlan(Action.NATIVE, None)
+    return _PLANS[(m, p)]
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The ``r3bridge`` section of a job config. ``configs/r3bridge.yaml`` mirrors these defaults
+    (a test keeps the two equal) for omegaconf / hydra users."""
+
+    replay_mode: ReplayMode = ReplayMode.OFF
+    # Compute, inside the router hook, whether the native top-k equals the replayed one
+    # (per-layer route agreement). Costs one extra top-k per router call, no extra forward.
+    agreement: bool = True
+    # Fail when fewer than this fraction of routed rows have a real route (0 disables).
+    min_coverage: float = 0.0
+    # Rows without a route (invalid): "native" routes them with the router's own top-k (counted
+    # in metrics); "error" refuses any invalid row inside a sequence's covered range.
+    invalid_rows: str = "native"
+    metrics_prefix: str = "r3bridge/"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
+        if not 0.0 <= float(self.min_coverage) <= 1.0:
+            raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
+        if self.invalid_rows not in ("native", "error"):
+            raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any] | None) -> "ReplayConfig":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown r3bridge option(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["replay_mode"] = self.replay_mode.value
+        return out
+
+    def plan(self, phase: Phase | str) -> PhasePlan:
+        return phase_plan(self.replay_mode, phase)

@@ -1,0 +1,46 @@
+"""Every problem with replay input or configuration raises a subclass of :class:`ReplayError`.
+
+Messages name *where* the problem is (sequence, row, layer, rank) so that a user can find the
+offending sample in a batch of thousands.
+"""
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """Base class of every r3bridge error."""
+
+
+class RouteValueError(ReplayError):
+    """An expert id is out of range or duplicated within a row."""
+
+
+class RouteShapeError(ReplayError):
+    """Routes have the wrong rank, top-k, layer count or dtype."""
+
+
+class CoverageError(ReplayError):
+    """Rows do not fit the sequence they claim to cover (start row / row count / seq_len)."""
+
+
+class LayerMappingError(ReplayError):
+    """Layer ids are duplicated, missing for a pipeline stage, or inconsistent with the model."""
+
+
+class LayoutError(ReplayError):
+    """The parallel layout is impossible (e.g. SP with tp == 1, vpp with pp == 1)."""
+
+
+class PayloadError(ReplayError):
+    """A serialized payload (SGLang base64, r3bridge bytes) is malformed or truncated."""
+
+
+class StitchError(ReplayError):
+    """Multi-turn / resubmit routes cannot be stitched unambiguously."""
+
+
+class ConfigError(ReplayError):
+    """A framework or Megatron configuration makes exact replay impossible."""
+
+
+class ReplayStateError(ReplayError):
+    """Replay state was used out of order: missing target, consumed twice, leaked across steps."""

@@ -1,0 +1,462 @@
+"""`ReplayBatch`: the one explicit, ragged, compact schema every adapter produces.
+
+Principles (design.md "Principles", field-notes section 8):
+
+* Everything is a field, nothing is inferred from a length: layer ids, top-k, number of experts,
+  coverage (start row and rows per sequence), a per-row validity mask and provenance.
+* "No route" is ``valid == False``, never a zero row. Invalid rows are *canonicalised* to the
+  distinct filler ids ``0..K-1`` on construction, so two ReplayBatches holding the same routes are
+  byte-identical whichever engine or framework produced them, and a filler row can never crash
+  the dispatcher if it is replayed by mistake.
+* Routes are stored packed, ``[total_rows, L, K]``, in the narrowest integer dtype (uint8 up to
+  256 experts, int16 up to 32767, int32 above): this is what travels between processes.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+from r3bridge._validate import check_routes
+
+__all__ = ["ReplayBatch", "route_dtype"]
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+               torch.uint32, torch.uint64)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Narrowest dtype that holds expert ids ``[0, num_experts)``."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32767:
+        return torch.int16
+    return torch.int32
+
+
+def as_int_tensor(x, *, what: str) -> torch.Tensor:
+    """numpy array (read-only allowed) or tensor -> integer CPU/GPU tensor, no per-row work."""
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        a = np.asarray(x)
+        if a.dtype.kind not in "iu":
+            raise RouteShapeError(f"{what}: routes must have an integer dtype, got {a.dtype}")
+        # uint16/uint32 have no complete torch support: widen in numpy (copy also detaches
+        # read-only buffers such as vLLM's, which torch.from_numpy refuses to share).
+        if a.dtype in (np.uint16, np.uint32):
+            a = a.astype(np.int64 if a.dtype == np.uint32 else np.int32)
+        elif not a.flags.writeable or not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a).copy()
+        t = torch.from_numpy(a)
+    if t.dtype not in _INT_DTYPES:
+        raise RouteShapeError(f"{what}: routes must have an integer dtype, got {t.dtype}")
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        t = t.to(torch.int64)
+    return t
+
+
+@dataclass(frozen=True)
+class ReplayBatch:
+    """Packed ragged routes of a batch of sequences.
+
+    ``routes[offsets[i] + j]`` is the route of token ``start_rows[i] + j`` of sequence ``i``, for
+    every layer in ``layer_ids`` (global 0-based decoder layer index).
+    """
+
+    routes: torch.Tensor            # [total_rows, L, K] uint8 / int16 / int32
+    valid: torch.Tensor             # [total_rows] bool
+    rows_per_seq: list[int]
+    start_rows: list[int]
+    layer_ids: tuple[int, ...]
+    num_experts: int
+    topk: int
+    source: str = "ragged"          # "vllm", "sglang", "recorded", "verl", ... (provenance)
+    policy_versions: list[int] | None = None   # optional, per sequence
+    _offsets: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------------------- construction
+    def __post_init__(self) -> None:
+        if self._offsets is None:
+            offs = torch.zeros(len(self.rows_per_seq) + 1, dtype=torch.int64)
+            if self.rows_per_seq:
+                offs[1:] = torch.cumsum(torch.tensor(self.rows_per_seq, dtype=torch.int64), 0)
+            object.__setattr__(self, "_offsets", offs)
+
+    @classmethod
+    def from_ragged(
+        cls,
+        routes: Sequence,
+        *,
+        num_experts: int,
+        layer_ids: Sequence[int],
+        start_rows: Sequence[int] | None = None,
+        valid: Sequence | None = None,
+        source: str = "ragged",
+        policy_versions: Sequence[int] | None = None,
+    ) -> "ReplayBatch":
+        """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence."""
+        tensors = [as_int_tensor(r, what=f"sequence {i}") for i, r in enumerate(routes)]
+        for i, t in enumerate(tensors):
+            if t.dim() != 3:
+                raise RouteShapeError(
+                    f"sequence {i}: routes must be [rows, layers, topk], got shape {tuple(t.shape)}")
+        rows = [int(t.shape[0]) for t in tensors]
+        if tensors:
+            common = torch.promote_types(tensors[0].dtype, torch.int32)
+            shapes = {tuple(t.shape[1:]) for t in tensors}
+            if len(shapes) > 1:
+                ref = tuple(tensors[0].shape[1:])
+                bad = next(i for i, t in enumerate(tensors) if tuple(t.shape[1:]) != ref)
+                raise RouteShapeError(
+                    f"sequence {bad}: [layers, topk] = {list(tensors[bad].shape[1:])} differs from "
+                    f"sequence 0's {list(ref)} (inconsistent topk or layer count)")
+            flat = torch.cat([t.to(common) for t in tensors], 0) if len(tensors) > 1 else tensors[0]
+        else:
+            flat = torch.zeros((0, len(layer_ids), 1), dtype=torch.int32)
+        v = None
+        if valid is not None:
+            if len(valid) != len(tensors):
+                raise CoverageError(f"valid has {len(valid)} entries for {len(tensors)} sequences")
+            vt = [torch.as_tensor(np.asarray(x, dtype=bool)) for x in valid]
+            for i, x in enumerate(vt):
+                if x.shape != (rows[i],):
+                    raise CoverageError(
+                        f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {rows[i]} rows")
+            v = torch.cat(vt) if vt else torch.zeros(0, dtype=torch.bool)
+        return cls.from_packed(flat, rows, num_experts=num_experts, layer_ids=layer_ids,
+                               start_rows=start_rows, valid=v, source=source,
+                               policy_versions=policy_versions)
+
+    @classmethod
+    def from_packed(
+        cls,
+        routes: torch.Tensor,
+        rows_per_seq: Sequence[int],
+        *,
+        num_experts: int,
+        layer_ids: Sequence[int],
+        start_rows: Sequence[int] | None = None,
+        valid: torch.Tensor | None = None,
+        source: str = "ragged",
+        policy_versions: Sequence[int] | None = None,
+    ) -> "ReplayBatch":
+        """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq``. Validates."""
+        routes = as_int_tensor(routes, what="routes")
+        rows_per_seq = [int(r) for r in rows_per_seq]
+        n = len(rows_per_seq)
+        if routes.dim() != 3:
+            raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
+        if sum(rows_per_seq) != routes.shape[0]:
+            raise CoverageError(
+                f"rows_per_seq sums to {sum(rows_per_seq)} but routes have {routes.shape[0]} rows")
+        if any(r < 0 for r in rows_per_seq):
+            raise CoverageError(f"negative row count in rows_per_seq {rows_per_seq}")
+        layer_ids = tuple(int(x) for x in layer_ids)
+        _check_layer_ids(layer_ids, routes.shape[1])
+        topk = int(routes.shape[2])
+        num_experts = int(num_experts)
+        if num_experts <= 0:
+            raise RouteShapeError(f"num_experts must be positive, got {num_experts}")
+        if topk < 1 or topk > num_experts:
+            raise RouteShapeError(f"topk {topk} must be in [1, num_experts={num_experts}]")
+        starts = [0] * n if start_rows is None else [int(s) for s in start_rows]
+        if len(starts) != n:
+            raise CoverageError(f"start_rows has {len(starts)} entries for {n} sequences")
+        if any(s < 0 for s in starts):
+            bad = next(i for i, s in enumerate(starts) if s < 0)
+            raise CoverageError(f"sequence {bad}: negative start row {starts[bad]}")
+        if policy_versions is not None:
+            policy_versions = [int(p) for p in policy_versions]
+            if len(policy_versions) != n:
+                raise CoverageError(f"policy_versions has {len(policy_versions)} entries for {n} sequences")
+        if valid is None:
+            valid = torch.ones(routes.shape[0], dtype=torch.bool, device=routes.device)
+        else:
+            valid = torch.as_tensor(valid, dtype=torch.bool, device=routes.device)
+            if valid.shape != (routes.shape[0],):
+                raise CoverageError(f"valid has shape {tuple(valid.shape)}, routes have {routes.shape[0]} rows")
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        if n:
+            offsets[1:] = torch.cumsum(torch.tensor(rows_per_seq, dtype=torch.int64), 0)
+        check_routes(routes, valid, num_experts, layer_ids, offsets, starts)
+        packed = _canonical(routes, valid, num_experts)
+        return cls(packed, valid.clone(),
+                   rows_per_seq, starts, layer_ids, num_experts, topk, source,
+                   policy_versions, offsets)
+
+    # Engine / trainer formats live in r3bridge.ingest; these are the contract's entry points.
+    @classmethod
+    def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
+                    valid=None, source: str = "padded") -> "ReplayBatch":
+        """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
+        from r3bridge.ingest import from_padded
+        return from_padded(routes, attention_mask, num_experts=num_experts, layer_ids=layer_ids,
+                           valid=valid, source=source)
+
+    @classmethod
+    def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
+                  start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+        """vLLM ``CompletionOutput``s or their ``routed_experts`` arrays."""
+        from r3bridge.ingest import from_vllm
+        return from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+
+    @classmethod
+    def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
+                    moe_layer_ids: Sequence[int] | None = None,
+                    start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+        """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``)."""
+        from r3bridge.ingest import from_sglang
+        return from_sglang(meta_infos, num_experts=num_experts, num_layers=num_layers, topk=topk,
+                           moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+
+    @staticmethod
+    def stitch(pieces: Sequence["ReplayBatch"]):
+        """Multi-turn / resubmit: see :func:`r3bridge.ingest.stitch`. Returns (batch, report)."""
+        from r3bridge.ingest import stitch
+        return stitch(pieces)
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def num_seqs(self) -> int:
+        return len(self.rows_per_seq)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def total_rows(self) -> int:
+        return int(self.routes.shape[0])
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """int64 ``[num_seqs + 1]``: row offset of each sequence in ``routes``."""
+        return self._offsets
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of rows holding a real route."""
+        return float(self.valid.float().mean()) if self.total_rows else 0.0
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routes ``[rows_i, L, K]``, valid ``[rows_i]``) of sequence ``i`` (views)."""
+        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        return self.routes[a:b], self.valid[a:b]
+
+    def check_seq_lens(self, seq_lens: Sequence[int]) -> None:
+        """Raise unless every sequence's rows cover ``[start, start + rows)`` with
+        ``start + rows`` equal to ``seq_len`` or ``seq_len - 1`` (the last sampled token is never
+        fed forward, so it has no route)."""
+        if len(seq_lens) != self.num_seqs:
+            raise CoverageError(f"batch has {self.num_seqs} sequences but {len(seq_lens)} seq_lens were given")
+        if not self.num_seqs:
+            return
+        lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+        end = torch.tensor(self.start_rows, dtype=torch.int64) + torch.tensor(self.rows_per_seq, dtype=torch.int64)
+        bad = ((end != lens) & (end != lens - 1)).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise CoverageError(
+                f"sequence {i}: start row {self.start_rows[i]} + {self.rows_per_seq[i]} rows ends at "
+                f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
+                f"{int(lens[i]) - 1} or {int(lens[i])})")
+
+    # ----------------------------------------------------------------------------- micro-batching
+    def select(self, indices: Sequence[int]) -> "ReplayBatch":
+        """Sequences ``indices`` in that order (e.g. one micro-batch after re-partitioning)."""
+        idx = torch.as_tensor(list(indices), dtype=torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
+            raise CoverageError(f"select: index out of range for {self.num_seqs} sequences: {list(indices)}")
+        rows = torch.tensor(self.rows_per_seq, dtype=torch.int64)[idx] if idx.numel() else idx
+        starts = self._offsets[idx]
+        row_idx = _ragged_arange(starts, rows)
+        pv = None if self.policy_versions is None else [self.policy_versions[i] for i in idx.tolist()]
+        new_rows = rows.tolist()
+        offsets = torch.zeros(len(new_rows) + 1, dtype=torch.int64)
+        if new_rows:
+            offsets[1:] = torch.cumsum(rows, 0)
+        return ReplayBatch(
+            self.routes.index_select(0, row_idx.to(self.routes.device)),
+            self.valid.index_select(0, row_idx.to(self.valid.device)),
+            new_rows, [self.start_rows[i] for i in idx.tolist()], self.layer_ids,
+            self.num_experts, self.topk, self.source, pv, offsets)
+
+    @staticmethod
+    def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
+        """Sequences of all ``batches``, in order. Schemas must agree."""
+        if not batches:
+            raise CoverageError("concat of no ReplayBatch")
+        a = batches[0]
+        for j, b in enumerate(batches[1:], 1):
+            if (b.layer_ids, b.num_experts, b.topk) != (a.layer_ids, a.num_experts, a.topk):
+                raise LayerMappingError(
+                    f"concat: batch {j} has (layer_ids, num_experts, topk) = "
+                    f"({list(b.layer_ids)}, {b.num_experts}, {b.topk}), batch 0 has "
+                    f"({list(a.layer_ids)}, {a.num_experts}, {a.topk})")
+        pv = None
+        if all(b.policy_versions is not None for b in batches):
+            pv = [p for b in batches for p in b.policy_versions]  # type: ignore[union-attr]
+        sources = {b.source for b in batches}
+        rows = [r for b in batches for r in b.rows_per_seq]
+        return ReplayBatch(
+            torch.cat([b.routes for b in batches]), torch.cat([b.valid for b in batches]), rows,
+            [s for b in batches for s in b.start_rows], a.layer_ids, a.num_experts, a.topk,
+            sources.pop() if len(sources) == 1 else "mixed", pv)
+
+    def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
+        """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
+        want = [int(x) for x in layer_ids]
+        pos = {lid: j for j, lid in enumerate(self.layer_ids)}
+        missing = [x for x in want if x not in pos]
+        if missing:
+            raise LayerMappingError(f"layers {missing} are not in this batch (it has {list(self.layer_ids)})")
+        cols = torch.tensor([pos[x] for x in want], dtype=torch.int64, device=self.routes.device)
+        return ReplayBatch(self.routes.index_select(1, cols), self.valid, self.rows_per_seq,
+                           self.start_rows, tuple(want), self.num_experts, self.topk, self.source,
+                           self.policy_versions, self._offsets)
+
+    def to(self, device: torch.device | str) -> "ReplayBatch":
+        return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
+                           self.start_rows, self.layer_ids, self.num_experts, self.topk,
+                           self.source, self.policy_versions, self._offsets)
+
+    def equals(self, other: "ReplayBatch") -> bool:
+        """Same schema, coverage, validity and routes (provenance is not compared)."""
+        return (
+            self.layer_ids == other.layer_ids and self.num_experts == other.num_experts
+            and self.topk == other.topk and self.rows_per_seq == other.rows_per_seq
+            and self.start_rows == other.start_rows and self.routes.dtype == other.routes.dtype
+            and torch.equal(self.valid.cpu(), other.valid.cpu())
+            and torch.equal(self.routes.cpu(), other.routes.cpu())
+        )
+
+    # ----------------------------------------------------------------------------- transport
+    def to_bytes(self) -> bytes:
+        """Versioned header + raw little-endian buffers. Never pickle (field-notes 8.10)."""
+        return _encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "ReplayBatch":
+        return _decode(bytes(data))
+
+    @property
+    def nbytes(self) -> int:
+        """``len(self.to_bytes())`` without building it."""
+        return _encoded_size(self)
+
+
+# --------------------------------------------------------------------------------- helpers
+def _check_layer_ids(layer_ids: tuple[int, ...], num_layer_axis: int) -> None:
+    if len(layer_ids) != num_layer_axis:
+        raise LayerMappingError(
+            f"layer_ids has {len(layer_ids)} entries but routes have {num_layer_axis} layers")
+    if any(x < 0 for x in layer_ids):
+        raise LayerMappingError(f"negative layer id in {list(layer_ids)}")
+    if len(set(layer_ids)) != len(layer_ids):
+        dup = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
+        raise LayerMappingError(f"duplicate layer ids {dup} in {list(layer_ids)}")
+
+
+def _canonical(routes: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Narrow to the schema dtype and write distinct fillers ``0..K-1`` into invalid rows."""
+    out = routes.to(route_dtype(num_experts))
+    if out.data_ptr() == routes.data_ptr():
+        out = out.clone()  # never alias the caller's buffer: we write fillers into it
+    if not bool(valid.all()):
+        k = out.shape[2]
+        filler = torch.arange(k, dtype=out.dtype, device=out.device)
+        out[~valid] = filler
+    return out
+
+
+def _ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """concat(arange(s, s + l) for s, l) without a Python loop."""
+    lengths = lengths.to(torch.int64)
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    seg_start = torch.cumsum(lengths, 0) - lengths
+    rep_start = torch.repeat_interleave(starts.to(torch.int64) - seg_start, lengths)
+    return torch.arange(total, dtype=torch.int64) + rep_start
+
+
+# --------------------------------------------------------------------------------- wire format
+# Header (little endian):
+#   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present)
+#   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
+# then: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
+#       | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
+_MAGIC = b"R3RB"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHBBIQIIIH")
+_DTYPE_CODES = {torch.uint8: 1, torch.int16: 2, torch.int32: 3}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_NP = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
+
+
+def _encoded_size(rb: ReplayBatch) -> int:
+    n, rows = rb.num_seqs, rb.total_rows
+    return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
+            + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
+            + rb.routes.numel() * rb.routes.element_size())
+
+
+def _encode(rb: ReplayBatch) -> bytes:
+    src = rb.source.encode()
+    flags = 1 if rb.policy_versions is not None else 0
+    parts = [
+        _HEADER.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
+                     rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src)),
+        src,
+        np.asarray(rb.layer_ids, dtype="<i4").tobytes(),
+        np.asarray(rb.rows_per_seq, dtype="<i8").tobytes(),
+        np.asarray(rb.start_rows, dtype="<i8").tobytes(),
+    ]
+    if rb.policy_versions is not None:
+        parts.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
+    parts.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
+    parts.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
+                                                             copy=False).tobytes())
+    return b"".join(parts)
+
+
+def _decode(data: bytes) -> ReplayBatch:
+    if len(data) < _HEADER.size:
+        raise PayloadError(f"ReplayBatch payload truncated: {len(data)} bytes, header needs {_HEADER.size}")
+    magic, version, code, flags, n, rows, nl, k, e, src_len = _HEADER.unpack_from(data, 0)
+    if magic != _MAGIC:
+        raise PayloadError(f"not a ReplayBatch payload (magic {magic!r})")
+    if version != _VERSION:
+        raise PayloadError(f"ReplayBatch payload version {version}; this r3bridge reads version {_VERSION}")
+    if code not in _CODE_DTYPES:
+        raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
+    dtype = _CODE_DTYPES[code]
+    sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
+             rows * nl * k * torch.empty((), dtype=dtype).element_size()]
+    need = _HEADER.size + sum(sizes)
+    if len(data) != need:
+        raise PayloadError(
+            f"ReplayBatch payload is {len(data)} bytes but its header (seqs={n}, rows={rows}, "
+            f"layers={nl}, topk={k}) needs {need}: truncated or corrupted")
+    pos = _HEADER.size
+    chunks = []
+    for s in sizes:
+        chunks.append(memoryview(data)[pos:pos + s])
+        pos += s
+    source = bytes(chunks[0]).decode()
+    layer_ids = np.frombuffer(chunks[1], dtype="<i4").tolist()
+    rows_per_seq = np.frombuffer(chunks[2], dtype="<i8").tolist()
+    start_rows = np.frombuffer(chunks[3], dtype="<i8").tolist()
+    pv = np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & 1 else None
+    valid = np.unpackbits(np.frombuffer(chunks[5], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
+    routes = np.frombuffer(chunks[6], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
+    # Re-validate: a payload from another process is input like any other.
+    return ReplayBatch.from_packed(
+        torch.from_numpy(routes.astype(_NP[dtype], copy=True)), rows_per_seq, num_experts=e,
+        layer_ids=layer_ids, start_rows=start_rows, valid=torch.from_numpy(valid.copy()),
+        source=source, policy_versions=pv)

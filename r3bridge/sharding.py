@@ -1,0 +1,293 @@
+"""Exact rank distribution of routes: ``shard`` (R3 targets) and its inverse ``unshard`` (R2).
+
+The router of a Megatron rank sees rows in this order (field-notes section 3):
+
+* THD packing: sequence ``i`` is padded to ``padded_i`` (a multiple of ``tp*cp*2`` if cp > 1
+  else ``tp``; FP8: ``lcm(16, .)`` and the total to ``align*128``, the extra going to the last
+  sequence) and the padded sequences are concatenated;
+* CP: each padded sequence is cut into ``2*cp`` chunks, CP rank ``r`` keeps chunks ``r`` and
+  ``2cp-1-r`` *of every sequence*, concatenated sequence by sequence (never one zigzag over the
+  whole packed tensor: miles #774);
+* SP: TP rank ``t`` routes the contiguous slice ``t`` of ``tp`` of that concatenation (one slice
+  may straddle sequences); SP off: every TP rank routes all rows;
+* PP/VPP: every stage routes the same rows, each only for its own MoE layers.
+
+BSHD (fixed-length ``[b, s]`` micro-batch, no packing): the zigzag runs over the whole sequence
+dim, SP splits the sequence dim, and rows are s-major: ``row = s * b + b_idx``.
+
+Everything here is vectorised: no Python loop over tokens, rows or sequences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError
+from r3bridge.layout import ParallelLayout
+from r3bridge.schema import ReplayBatch, _ragged_arange
+
+__all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions"]
+
+RankKey = tuple[int, int, int, int]  # (tp_rank, cp_rank, pp_rank, vp_stage)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """How a micro-batch's sequences are laid out in the trainer's packed input."""
+
+    seq_lens: torch.Tensor      # int64 [n]: tokens the trainer sees per sequence
+    padded_lens: torch.Tensor   # int64 [n]: THD padded length (BSHD: the common seq length)
+    format: str                 # "thd" | "bshd"
+
+    @classmethod
+    def build(cls, layout: ParallelLayout, seq_lens: Sequence[int], *, format: str = "thd",
+              cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+              seq_length: int | None = None) -> "PackPlan":
+        lens = torch.as_tensor(list(seq_lens) if not isinstance(seq_lens, torch.Tensor) else seq_lens,
+                               dtype=torch.int64).cpu()
+        if lens.dim() != 1:
+            raise CoverageError(f"seq_lens must be a flat list, got shape {tuple(lens.shape)}")
+        if lens.numel() and int(lens.min()) < 1:
+            i = int((lens < 1).nonzero()[0])
+            raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} must be >= 1")
+        if format == "bshd":
+            s = int(seq_length) if seq_length is not None else (int(lens.max()) if lens.numel() else 0)
+            if lens.numel() and int(lens.max()) > s:
+                i = int(lens.argmax())
+                raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} exceeds BSHD seq_length {s}")
+            split = 2 * layout.cp * layout.sp_split if layout.cp > 1 else layout.sp_split
+            if s % split:
+                raise LayoutError(f"BSHD seq_length {s} is not divisible by {split} "
+                                  f"(2*cp*tp with cp > 1, else tp with SP)")
+            return cls(lens, torch.full_like(lens, s), "bshd")
+        if format != "thd":
+            raise LayoutError(f"unknown packing format {format!r} (use 'thd' or 'bshd')")
+        if cu_seqlens_padded is not None:
+            cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.int64).cpu()
+            if cu.shape != (lens.numel() + 1,) or int(cu[0]) != 0:
+                raise LayoutError(f"cu_seqlens_padded must be [0, ...] with {lens.numel() + 1} entries, "
+                                  f"got {cu.tolist()}")
+            padded = cu[1:] - cu[:-1]
+            short = (padded < lens).nonzero()
+            if short.numel():
+                i = int(short[0])
+                raise LayoutError(f"sequence {i}: cu_seqlens_padded gives {int(padded[i])} tokens, "
+                                  f"fewer than its seq_len {int(lens[i])}")
+            need = 2 * layout.cp if layout.cp > 1 else 1
+            bad = (padded % need != 0).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                raise LayoutError(f"sequence {i}: padded length {int(padded[i])} from cu_seqlens_padded "
+                                  f"is not divisible by 2*cp={need}: the trainer's packing disagrees "
+                                  f"with the layout (cp={layout.cp})")
+            if int(padded.sum()) // layout.cp % layout.sp_split:
+                raise LayoutError(f"packed length {int(padded.sum())} / cp={layout.cp} is not divisible "
+                                  f"by tp={layout.tp} for the SP split: packing disagrees with the layout")
+            return cls(lens, padded, "thd")
+        a = layout.align
+        padded = (lens + a - 1) // a * a
+        if layout.total_align > 1 and padded.numel():
+            t = layout.total_align
+            extra = (-int(padded.sum())) % t
+            padded = padded.clone()
+            padded[-1] += extra
+        return cls(lens, padded, "thd")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.numel())
+
+
+def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id, token position) of every router row of rank (tp_rank, cp_rank), in row order.
+
+    Positions ``>= seq_len`` are padding.
+    """
+    if not 0 <= tp_rank < layout.tp:
+        raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
+    if not 0 <= cp_rank < layout.cp:
+        raise LayoutError(f"cp_rank {cp_rank} out of range for cp={layout.cp}")
+    cp, n = layout.cp, plan.num_seqs
+    if n == 0:
+        z = torch.zeros(0, dtype=torch.int64)
+        return z, z
+    if plan.format == "bshd":
+        s = int(plan.padded_lens[0])
+        pos = _zigzag_positions(torch.tensor([s]), cp, cp_rank)         # positions along s
+        pos = _sp_slice(pos, layout, tp_rank)
+        seq = torch.arange(n, dtype=torch.int64).repeat(pos.numel())    # s-major rows
+        return seq, pos.repeat_interleave(n)
+    padded = plan.padded_lens
+    if cp > 1:
+        chunk = padded // (2 * cp)
+        # per sequence two segments (chunk r, chunk 2cp-1-r), in sequence order
+        seg_start = torch.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
+        seg_len = chunk.repeat_interleave(2)
+        pos = _ragged_arange(seg_start, seg_len)
+        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(2 * chunk)
+    else:
+        pos = _ragged_arange(torch.zeros(n, dtype=torch.int64), padded)
+        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded)
+    lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
+    return seq[lo:hi], pos[lo:hi]
+
+
+def _zigzag_positions(length: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    s = int(length[0])
+    if cp == 1:
+        return torch.arange(s, dtype=torch.int64)
+    c = s // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                      torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)])
+
+
+def _sp_bounds(total: int, layout: ParallelLayout, tp_rank: int) -> tuple[int, int]:
+    k = layout.sp_split
+    if total % k:
+        raise LayoutError(f"{total} CP-local rows are not divisible by tp={k} for the SP split")
+    if k == 1:
+        return 0, total
+    step = total // k
+    return tp_rank * step, (tp_rank + 1) * step
+
+
+def _sp_slice(pos: torch.Tensor, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:
+    lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
+    return pos[lo:hi]
+
+
+@dataclass
+class ShardedTargets:
+    """One rank's replay targets for one micro-batch.
+
+    ``indices[layer_id]`` is the int64 ``[T_local, K]`` target of that MoE layer's router, rows in
+    router order; ``valid[r]`` is False where row ``r`` has no route (filler ids ``0..K-1``).
+    """
+
+    indices: dict[int, torch.Tensor]
+    valid: torch.Tensor
+    layer_ids: tuple[int, ...]
+    topk: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.valid.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.indices.values()) + self.valid.numel()
+
+
+def _lookup(rb: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row index into ``rb.routes`` (0 where uncovered) and validity, for each (seq, pos)."""
+    starts = torch.tensor(rb.start_rows, dtype=torch.int64)
+    rows = torch.tensor(rb.rows_per_seq, dtype=torch.int64)
+    rel = pos - starts[seq]
+    covered = (rel >= 0) & (rel < rows[seq]) & (pos < seq_lens[seq])
+    row = torch.where(covered, rb.offsets[seq] + rel, torch.zeros_like(rel))
+    valid = covered & rb.valid.cpu()[row] if rb.total_rows else covered
+    return row, valid
+
+
+def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, tp_rank: int = 0,
+          cp_rank: int = 0, pp_rank: int = 0, vp_stage: int = 0, format: str = "thd",
+          cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+          seq_length: int | None = None, device: torch.device | str | None = None,
+          layer_ids: Sequence[int] | None = None) -> ShardedTargets:
+    """Targets of rank (tp_rank, cp_rank, pp_rank, vp_stage) for the micro-batch ``rb``.
+
+    Only this stage's layers are selected from the compact batch, then widened to int64 (on
+    ``device``). ``layer_ids`` overrides the stage's MoE layers (the driver passes the layers of
+    the routers it actually found).
+    """
+    rb.check_seq_lens(seq_lens)
+    plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
+                          seq_length=seq_length)
+    want = list(layout.moe_layers(pp_rank, vp_stage) if layer_ids is None else layer_ids)
+    col_of = {lid: j for j, lid in enumerate(rb.layer_ids)}
+    missing = [x for x in want if x not in col_of]
+    if missing:
+        raise LayerMappingError(
+            f"rank (pp={pp_rank}, vp={vp_stage}) needs MoE layers {missing}, but the batch only has "
+            f"layers {list(rb.layer_ids)}")
+    seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
+    row, valid = _lookup(rb, seq, pos, plan.seq_lens)
+    dev = torch.device(device) if device is not None else rb.routes.device
+    k = rb.topk
+    if not want:
+        return ShardedTargets({}, valid.to(dev), (), k)
+    src = rb.routes
+    cols = torch.tensor([col_of[x] for x in want], dtype=torch.int64, device=src.device)
+    # Gather the compact (uint8/int16) rows and layers first, widen last: [nl, T, K] int64.
+    compact = src.index_select(0, row.to(src.device)).index_select(1, cols)
+    out = torch.empty((len(want), row.numel(), k), dtype=torch.int64, device=dev)
+    out.copy_(compact.to(dev, non_blocking=True).permute(1, 0, 2))
+    invalid = (~valid).nonzero().squeeze(1)
+    if invalid.numel():
+        out[:, invalid.to(dev)] = torch.arange(k, dtype=torch.int64, device=dev)
+    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(dev), tuple(want), k)
+
+
+def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
+            seq_lens: Sequence[int], *, num_experts: int, format: str = "thd",
+            cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+            seq_length: int | None = None, start_rows: Sequence[int] | None = None,
+            rows_per_seq: Sequence[int] | None = None, source: str = "recorded") -> ReplayBatch:
+    """Inverse of ``shard``: per-rank targets keyed by (tp_rank, cp_rank, pp_rank, vp_stage) ->
+    one ReplayBatch covering ``[start, start + rows)`` of each sequence (default: all tokens).
+
+    Every MoE layer of the layout and every covered token must come from some rank; rows seen by
+    several ranks (SP off) must agree.
+    """
+    plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
+                          seq_length=seq_length)
+    n = plan.num_seqs
+    starts = torch.zeros(n, dtype=torch.int64) if start_rows is None else torch.as_tensor(list(start_rows), dtype=torch.int64)
+    rows = plan.seq_lens - starts if rows_per_seq is None else torch.as_tensor(list(rows_per_seq), dtype=torch.int64)
+    if n and (bool((starts < 0).any()) or bool((starts + rows > plan.seq_lens).any()) or bool((rows < 0).any())):
+        raise CoverageError("unshard: start_rows/rows_per_seq do not fit seq_lens")
+    layer_ids = sorted({lid for t in targets.values() for lid in t.layer_ids})
+    need = layout.moe_layer_ids
+    if layer_ids != need:
+        raise LayerMappingError(f"unshard: targets hold MoE layers {layer_ids}, the layout has {need} "
+                                f"(a pipeline stage's targets are missing?)")
+    k = next((t.topk for t in targets.values()), 1)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    if n:
+        offsets[1:] = torch.cumsum(rows, 0)
+    total = int(offsets[-1])
+    col_of = {lid: j for j, lid in enumerate(layer_ids)}
+    out = torch.zeros((total, len(layer_ids), k), dtype=torch.int64)
+    seen = torch.zeros((total, len(layer_ids)), dtype=torch.bool)
+    valid = torch.zeros(total, dtype=torch.bool)
+    for (tp_rank, cp_rank, pp_rank, vp_stage), t in sorted(targets.items()):
+        seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
+        if seq.numel() != t.num_rows:
+            raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
+                                   f"has {t.num_rows} rows, the plan gives it {seq.numel()}")
+        rel = pos - starts[seq]
+        keep = (rel >= 0) & (rel < rows[seq])
+        dst = (offsets[seq] + rel)[keep]
+        tv = t.valid.cpu()[keep]
+        valid[dst] |= tv
+        for lid, idx in t.indices.items():
+            j = col_of[lid]
+            vals = idx.cpu()[keep]
+            prev_seen = seen[dst, j]
+            if bool(prev_seen.any()):
+                clash = prev_seen & (out[dst, j] != vals).any(-1) & tv
+                if bool(clash.any()):
+                    r = int(dst[clash.nonzero()[0, 0]])
+                    raise ReplayStateError(f"unshard: ranks disagree on layer {lid}, packed row {r}")
+            out[dst, j] = vals
+            seen[dst, j] = True
+    missing = ~seen.all(1)
+    if bool(missing.any()):
+        r = int(missing.nonzero()[0])
+        raise CoverageError(f"unshard: packed row {r} was not found in any rank's targets")
+    return ReplayBatch.from_packed(out, rows.tolist(), num_experts=num_experts, layer_ids=layer_ids,
+                                   start_rows=starts.tolist(), valid=valid, source=source)
