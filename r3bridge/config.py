@@ -61,7 +61,11 @@ _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
 
 def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
     """What the driver does in ``phase`` under ``mode``. The reference model never replays."""
-    m, p = ReplayMode.parse(mode), Phase(phase)
+    m = ReplayMode.parse(mode)
+    try:
+        p = Phase(phase)
+    except ValueError:   # (was a bare ValueError; every config problem is a ConfigError)
+        raise ConfigError(f"unknown phase {phase!r}; known: {[x.value for x in Phase]}") from None
     if p is Phase.REF_LOG_PROB:
         return PhasePlan(Action.NATIVE, None)
     return _PLANS[(m, p)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -107,6 +107,8 @@ def decode_sglang_routes(payload: Any, *, num_layers: int, topk: int, rows: int 
         flat = np.asarray(payload).reshape(-1)
     if flat.dtype.kind not in "iu":
         raise RouteShapeError(f"sequence {seq}: routed_experts must be integers, got {flat.dtype}")
+    if num_layers < 1 or topk < 1:   # (0 used to raise ZeroDivisionError below)
+        raise RouteShapeError(f"sequence {seq}: num_layers ({num_layers}) and topk ({topk}) must be >= 1")
     per_row = num_layers * topk
     if flat.size % per_row:
         raise PayloadError(f"sequence {seq}: routed_experts has {flat.size} ids, not divisible by "
@@ -127,10 +129,15 @@ def from_sglang(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int
         raise CoverageError(f"start_rows has {len(starts)} entries for {len(meta_infos)} sequences")
     arrays = []
     for i, mi in enumerate(meta_infos):
+        if not isinstance(mi, Mapping):   # (None used to raise TypeError, not a ReplayError)
+            raise PayloadError(f"sequence {i}: meta_info must be a dict, got {type(mi).__name__}")
         try:
             expect = int(mi["prompt_tokens"]) + int(mi["completion_tokens"]) - 1 - starts[i]
         except KeyError as e:
             raise PayloadError(f"sequence {i}: meta_info lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError):
+            raise PayloadError(f"sequence {i}: prompt_tokens / completion_tokens are not integers: "
+                               f"{mi.get('prompt_tokens')!r}, {mi.get('completion_tokens')!r}") from None
         a = decode_sglang_routes(mi.get("routed_experts"), num_layers=num_layers, topk=topk,
                                  rows=expect, seq=i)
         arrays.append(_select_layers(a, moe_layer_ids, i, "SGLang"))

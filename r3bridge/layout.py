@@ -176,9 +176,10 @@ class ParallelLayout:
     # megatron-core 0.16 transformer_block.get_num_layers_to_build
     def _num_to_build(self, pp_rank: int, vp_stage: int) -> int:
         first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
-        if self.pp == 1:
-            per = self.num_layers
-        elif first is not None or last is not None:
+        # No ``pp == 1`` shortcut: megatron counts the embedding/loss "layers" even without
+        # pipelining (L + emb + loss, minus emb on the first and loss on the last chunk = L);
+        # a shortcut to ``num_layers`` subtracted them once too often and refused valid configs.
+        if first is not None or last is not None:
             left = self.num_layers - (first or 0) - (last or 0)
             stages_left = self.pp - (first is not None) - (last is not None)
             per = left // stages_left if stages_left > 0 else 0
@@ -204,6 +205,13 @@ class ParallelLayout:
                                   "account_for_embedding/loss_in_pipeline_split (megatron refuses it)")
             left = self.num_layers - (first or 0) - (last or 0)
             stages_left = self.pp - (first is not None) - (last is not None)
+            # megatron's TransformerConfig refuses empty first/last stages and middle stages
+            # without layers; accepting them here described models megatron cannot build.
+            for name, n in (("first", first), ("last", last)):
+                if n is not None and n <= 0:
+                    raise LayoutError(f"num_layers_in_{name}_pipeline_stage must be > 0, got {n}")
+            if stages_left > 0 and left == 0:
+                raise LayoutError(f"uneven pipeline: no layers left for {stages_left} middle stages")
             if left < 0 or (stages_left > 0 and left % stages_left) or (stages_left == 0 and left):
                 raise LayoutError(f"uneven pipeline: {left} remaining layers cannot be split over {stages_left} middle stages")
             if self.vpp is not None:
@@ -229,8 +237,15 @@ class ParallelLayout:
 
     @property
     def total_align(self) -> int:
-        """Multiple the whole packed micro-batch is padded to (FP8 only, else 1)."""
-        return self.align * 128 if self.fp8 else 1
+        """Multiple the whole packed micro-batch is padded to (FP8 only, else 1).
+
+        ``align * 128`` of the *layout* alignment (``tp*cp*2`` or ``tp``), not of the FP8
+        per-sequence ``lcm(16, .)``: verl's ``_compute_fp8_thd_align_size`` returns
+        ``(lcm(16, a), a * 128)``. Using the lcm here padded the last sequence differently
+        from the trainer and shifted every SP slice boundary.
+        """
+        a = self.tp * self.cp * 2 if self.cp > 1 else self.tp
+        return a * 128 if self.fp8 else 1
 
     @property
     def sp_split(self) -> int:

@@ -107,7 +107,12 @@ class ReplayBatch:
                     f"sequence {i}: routes must be [rows, layers, topk], got shape {tuple(t.shape)}")
         rows = [int(t.shape[0]) for t in tensors]
         if tensors:
-            common = torch.promote_types(tensors[0].dtype, torch.int32)
+            # One common dtype that holds every input exactly. (Promoting only sequence 0's dtype
+            # with int32 wrapped int64 ids >= 2**31 of later sequences into range, so they
+            # passed validation.) All-equal dtypes (the engine case) are kept as they are.
+            common = tensors[0].dtype
+            for t in tensors[1:]:
+                common = torch.promote_types(common, t.dtype)
             shapes = {tuple(t.shape[1:]) for t in tensors}
             if len(shapes) > 1:
                 ref = tuple(tensors[0].shape[1:])
@@ -448,7 +453,10 @@ def _decode(data: bytes) -> ReplayBatch:
     for s in sizes:
         chunks.append(memoryview(data)[pos:pos + s])
         pos += s
-    source = bytes(chunks[0]).decode()
+    try:
+        source = bytes(chunks[0]).decode()
+    except UnicodeDecodeError:
+        raise PayloadError("ReplayBatch payload: source field is not UTF-8: corrupted") from None
     layer_ids = np.frombuffer(chunks[1], dtype="<i4").tolist()
     rows_per_seq = np.frombuffer(chunks[2], dtype="<i8").tolist()
     start_rows = np.frombuffer(chunks[3], dtype="<i8").tolist()

@@ -57,10 +57,13 @@ class PackPlan:
             if lens.numel() and int(lens.max()) > s:
                 i = int(lens.argmax())
                 raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} exceeds BSHD seq_length {s}")
-            split = 2 * layout.cp * layout.sp_split if layout.cp > 1 else layout.sp_split
-            if s % split:
-                raise LayoutError(f"BSHD seq_length {s} is not divisible by {split} "
-                                  f"(2*cp*tp with cp > 1, else tp with SP)")
+            # Megatron needs s % (2*cp) == 0 for the zigzag and (s / cp) % tp == 0 for the SP
+            # split of the CP-local sequence; 2*cp*tp was stricter than that (s=12, cp=2, tp=2
+            # is a valid BSHD batch).
+            zig = 2 * layout.cp if layout.cp > 1 else 1
+            if s % zig or (s // layout.cp) % layout.sp_split:
+                raise LayoutError(f"BSHD seq_length {s} must be divisible by 2*cp={zig} and "
+                                  f"seq_length/cp by tp={layout.sp_split} (SP split)")
             return cls(lens, torch.full_like(lens, s), "bshd")
         if format != "thd":
             raise LayoutError(f"unknown packing format {format!r} (use 'thd' or 'bshd')")
@@ -223,7 +226,12 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     src = rb.routes
     cols = torch.tensor([col_of[x] for x in want], dtype=torch.int64, device=src.device)
     # Gather the compact (uint8/int16) rows and layers first, widen last: [nl, T, K] int64.
-    compact = src.index_select(0, row.to(src.device)).index_select(1, cols)
+    if src.shape[0] == 0:
+        # No row at all (e.g. only 1-token sequences): every row is a filler; index_select on an
+        # empty source raised even though row==0 is only a placeholder for uncovered rows.
+        compact = torch.zeros((row.numel(), len(want), k), dtype=src.dtype, device=src.device)
+    else:
+        compact = src.index_select(0, row.to(src.device)).index_select(1, cols)
     out = torch.empty((len(want), row.numel(), k), dtype=torch.int64, device=dev)
     out.copy_(compact.to(dev, non_blocking=True).permute(1, 0, 2))
     invalid = (~valid).nonzero().squeeze(1)

@@ -1,0 +1,54 @@
+"""CPU test harness: real megatron-core 0.16.1 GPT+MoE models on gloo ranks.
+
+Test-only. Nothing here is imported by product code, and the CPU shims are installed only
+inside processes started by :func:`dist.spawn` (see docs/testing-harness.md).
+
+Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megatron-free):
+
+* ``cpu_shim``  - the minimal CUDA-only call shims (``apply()``)
+* ``dist``      - ``spawn`` / ``spawn_layouts``, ``Layout``, ``RankContext``, ``RankError``
+* ``models``    - ``ModelSpec``, ``build_model_chunks``, deterministic init, reference state
+* ``data``      - packed batches, CP zigzag split, router row -> token mapping
+* ``schedule``  - forward step, ``run_schedule``, gradient sync, optimizer helpers
+* ``probe``     - ``RoutingProbe`` (router call recorder), ``topk_indices``
+* ``cells``     - ready-made build/train/forward cells returning picklable results
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "spawn": "dist",
+    "spawn_layouts": "dist",
+    "Layout": "dist",
+    "RankContext": "dist",
+    "RankError": "dist",
+    "ModelSpec": "models",
+    "build_model_chunks": "models",
+    "load_reference_state": "models",
+    "canonical_state_dict": "models",
+    "PackedBatch": "data",
+    "make_packed_batch": "data",
+    "align_for": "data",
+    "cp_zigzag_index": "data",
+    "router_row_index": "data",
+    "make_forward_step": "schedule",
+    "run_schedule": "schedule",
+    "make_optimizer": "schedule",
+    "optimizer_step": "schedule",
+    "sync_grads": "schedule",
+    "RoutingProbe": "probe",
+    "topk_indices": "probe",
+    "Cell": "cells",
+    "run_cells": "cells",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

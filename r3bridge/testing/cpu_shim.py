@@ -10,9 +10,10 @@ records why it is needed. ``apply()`` is idempotent and returns the names it ins
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -41,6 +42,91 @@ def _shim_current_device() -> None:
     # with CUDA enabled". Returning the string "cpu" makes every such allocation a CPU tensor;
     # an int would mean cuda:<int>, so it must be the string.
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    return None
+
+
+def _shim_synchronize() -> None:
+    # The p2p layer calls ``torch.cuda.synchronize()`` after batched isend/irecv
+    # (p2p_communication.py:398, and :242 after the shape exchange of variable_seq_lengths)
+    # "to protect against race condition when using batch_isend_irecv". On CPU every gloo
+    # request has been waited on by then and there is no device stream: a no-op is exact.
+    torch.cuda.synchronize = _cpu_synchronize  # type: ignore[assignment]
+
+
+class _CpuEvent:
+    """Stand-in for torch.cuda.Event: CPU work is synchronous, so every wait is a no-op."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream (see _shim_streams)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+def _shim_streams() -> None:
+    # Only the alltoall token dispatcher needs this: its __init__ creates a class-level
+    # ``torch.cuda.Stream()`` for device-to-host copies of the split sizes
+    # (token_dispatcher.py:445, "torch.cuda.Stream requires CUDA support" on CPU) and its
+    # ``_maybe_dtoh_and_synchronize`` uses current_stream / wait_stream / torch.cuda.stream /
+    # record_event / Event.synchronize. Tensors are already on the CPU
+    # (``maybe_move_tensor_to_cpu`` is a no-op for non-CUDA tensors), so inert objects keep
+    # the exact semantics.
+    torch.cuda.Stream = _CpuStream  # type: ignore[assignment, misc]
+    torch.cuda.Event = _CpuEvent  # type: ignore[assignment, misc]
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+
+
+def _shim_alltoall_splits() -> None:
+    # The alltoall dispatcher keeps its split sizes as tensors and relies on
+    # ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` to turn them into numpy arrays, but that
+    # helper only converts CUDA tensors. On CPU they stay tensors and gloo's
+    # ``all_to_all_single`` rejects them ("incompatible function arguments"). The dispatcher
+    # module's reference is replaced by one that also converts CPU tensors when asked to.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(orig, "_r3bridge_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._r3bridge_cpu = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _shim_rng_tracker() -> None:
@@ -97,39 +183,83 @@ def _shim_rng_tracker() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
 
 
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+
 class _CpuTorchProxy(types.ModuleType):
-    """Stand-in for ``torch`` inside one megatron module: everything is forwarded to torch,
-    except factory calls with a literal ``device="cuda"``, which are placed on the CPU."""
+    """Stand-in for ``torch`` inside one megatron module: every attribute is forwarded to
+    torch, except tensor factories called with a literal ``device="cuda"``, which are placed
+    on the CPU instead."""
 
     def __init__(self) -> None:
         super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, self._cpu_factory(getattr(torch, name)))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only called for names not set above
         return getattr(torch, name)
 
     @staticmethod
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+    def _cpu_factory(factory: Any) -> Any:
+        def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+                kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return make
 
 
-def _shim_schedules_cuda_literal() -> None:
-    # pipeline_parallel/schedules.py allocates its token counter with a literal
-    # ``torch.zeros([], dtype=torch.int, device="cuda")`` in all three schedules
-    # (schedules.py:596, 983, 2138). Patching torch.zeros process-wide would be a far bigger
-    # hammer, so only that module's ``torch`` name is replaced by a forwarding proxy.
+def _proxy_torch_in(module: types.ModuleType) -> None:
+    if not isinstance(getattr(module, "torch"), _CpuTorchProxy):
+        module.torch = _CpuTorchProxy()  # type: ignore[attr-defined]
+
+
+def _shim_cuda_literals() -> None:
+    # A few megatron modules allocate with a literal ``device="cuda"`` instead of
+    # ``torch.cuda.current_device()``; patching torch.zeros/ones process-wide would be a far
+    # bigger hammer, so only those modules' ``torch`` name is replaced by a forwarding proxy:
+    # * pipeline_parallel/schedules.py: ``total_num_tokens = torch.zeros([], ..., device="cuda")``
+    #   in all three schedules (schedules.py:596, 983, 2138);
+    # * transformer/utils.py: ``get_default_causal_mask`` (``torch.ones(sq, sq, device="cuda")``),
+    #   used by local DotProductAttention's torch softmax whenever attention_mask is None.
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
 
-    if not isinstance(schedules.torch, _CpuTorchProxy):
-        schedules.torch = _CpuTorchProxy()  # type: ignore[assignment]
+    _proxy_torch_in(schedules)
+    _proxy_torch_in(transformer_utils)
+
+
+@contextlib.contextmanager
+def tensor_cuda_is_identity() -> Iterator[None]:
+    """Make ``Tensor.cuda()`` return the CPU tensor itself, only inside this block.
+
+    Needed around model construction only: with MTP and PP > 1, megatron's
+    ``LanguageModule.setup_embeddings_and_output_layer`` does
+    ``weight.data = weight.data.cuda()`` before all-reducing the MTP stage's copy of the word
+    embedding (language_module.py:244). Not installed process-wide so any other ``.cuda()``
+    still fails loudly.
+    """
+    orig = torch.Tensor.cuda
+
+    def _identity(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = _identity  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = orig  # type: ignore[method-assign]
 
 
 _SHIMS = (
     ("moe_utils.te_general_gemm=None", _shim_te_general_gemm),
     ("torch.cuda.current_device->'cpu'", _shim_current_device),
+    ("torch.cuda.synchronize->no-op", _shim_synchronize),
+    ("torch.cuda.Stream/Event/current_stream/stream -> inert CPU objects", _shim_streams),
+    ("alltoall dispatcher: CPU split sizes -> numpy", _shim_alltoall_splits),
     ("tensor_parallel.random: cuda RNG -> CPU RNG", _shim_rng_tracker),
-    ("schedules: device='cuda' literal -> cpu", _shim_schedules_cuda_literal),
+    ("schedules/transformer.utils: device='cuda' literals -> cpu", _shim_cuda_literals),
 )
 
 

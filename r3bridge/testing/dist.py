@@ -144,6 +144,8 @@ def _worker(
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
+    # torch warns that megatron's all_gather_into_tensor / reduce_scatter_tensor are deprecated.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     from r3bridge.testing import cpu_shim

@@ -172,8 +172,10 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         init_method_std=spec.init_std,
-        # Packed batches differ in length from micro-batch to micro-batch: exchange shapes.
-        variable_seq_lengths=True,
+        # PP exchanges activation shapes per micro-batch only if variable_seq_lengths; 0.16.1
+        # refuses that with the allgather dispatcher ("does not support variable sequence
+        # length"), so allgather runs need equal-length micro-batches (see data.pad_to).
+        variable_seq_lengths=spec.moe_token_dispatcher_type == "alltoall",
         deallocate_pipeline_outputs=False,
     )
     if spec.recompute == "full":
@@ -194,11 +196,20 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+
+    from r3bridge.testing import cpu_shim
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_mtp_block_spec,
     )
 
+    # megatron's process-global MoE/MTP loss-logging tracker is sized by the first model that
+    # logs an aux loss (num_layers + mtp_num_layers) and never resized: a second, larger
+    # harness model in the same process would index past it (IndexError in
+    # save_to_aux_losses_tracker). One harness process builds many models, so reset it.
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
     config = make_config(spec, ctx)
     chunks: list[torch.nn.Module] = []
     vp_stages: list[Optional[int]] = list(range(ctx.vpp)) if ctx.vpp else [None]
@@ -219,19 +230,20 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
             )
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=block,
-            vocab_size=spec.vocab_size,
-            max_sequence_length=spec.max_sequence_length,
-            pre_process=pre,
-            post_process=post,
-            parallel_output=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-            mtp_block_spec=mtp_spec,
-            vp_stage=vp,
-        )
+        with cpu_shim.tensor_cuda_is_identity():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=block,
+                vocab_size=spec.vocab_size,
+                max_sequence_length=spec.max_sequence_length,
+                pre_process=pre,
+                post_process=post,
+                parallel_output=True,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="learned_absolute",
+                mtp_block_spec=mtp_spec,
+                vp_stage=vp,
+            )
         model.train()
         chunks.append(model)
     deterministic_init(chunks, spec, ctx)

@@ -1,0 +1,1 @@
+"""Framework adapters (verl, SkyRL, AReaL): importable as ``r3bridge.adapters``."""

@@ -1,0 +1,65 @@
+"""r3bridge for verl 0.9: ``replay_mode: R2 | R3 | off`` in an existing Megatron job.
+
+Loaded in the driver and in every Ray worker, either through verl's plugin entry points (group
+``verl.plugins``: ``import verl`` imports this module) or through
+``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``. Importing it registers
+:class:`~r3bridge.adapters.verl.engine.R3BridgeMegatronEngine` for
+``(language_model, megatron, cuda, nvidia)``, which verl's ``EngineRegistry`` prefers over its
+stock Megatron engine.
+
+verl swallows plugin import errors (it logs them at DEBUG), so this module checks that the
+registration really took effect and logs the outcome itself, at INFO on success and ERROR on
+failure (logger ``r3bridge.adapters.verl``; level from ``R3BRIDGE_LOGGING_LEVEL``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from r3bridge.adapters.verl.config import (  # noqa: F401  (public API)
+    ENV_VAR,
+    check_engine_config,
+    prepare_verl_config,
+    replay_config_from_env,
+    replay_config_from_verl,
+    validate_verl_config,
+)
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
+if not logging.getLogger().handlers and not logger.handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(_h)
+    logger.propagate = False
+
+ENGINE_KEY = ("language_model", "megatron", "cuda", "nvidia")
+LOADED = False          # True once the engine is registered and the registry resolves to it
+LOAD_ERROR: str | None = None
+
+
+def _register() -> None:
+    global LOADED, LOAD_ERROR
+    try:
+        from verl.workers.engine.base import EngineRegistry
+
+        from r3bridge.adapters.verl.engine import R3BridgeMegatronEngine
+
+        model_type, backend, device, vendor = ENGINE_KEY
+        got = EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))
+        if got is not R3BridgeMegatronEngine:
+            raise RuntimeError(f"EngineRegistry holds {got!r} for {ENGINE_KEY}, not the r3bridge engine")
+        LOADED = True
+        logger.info("r3bridge verl adapter loaded (pid %d): %s registered for %s; replay config: %s",
+                    os.getpid(), R3BridgeMegatronEngine.__name__, ENGINE_KEY,
+                    replay_config_from_env().as_dict())
+    except Exception as e:  # noqa: BLE001  (verl would hide it: say it loudly instead)
+        LOAD_ERROR = f"{type(e).__name__}: {e}"
+        logger.error("r3bridge verl adapter NOT loaded in pid %d: %s. Routing replay is inactive in "
+                     "this process.", os.getpid(), LOAD_ERROR)
+
+
+_register()
+
+__all__ = ["LOADED", "LOAD_ERROR", "ENGINE_KEY", "ENV_VAR", "replay_config_from_env",
+           "replay_config_from_verl", "validate_verl_config", "check_engine_config", "prepare_verl_config"]

@@ -1,0 +1,225 @@
+"""The registered engine: verl's ``MegatronEngineWithLMHead`` plus r3bridge's replay driver.
+
+Overrides (everything else is verl's):
+
+* ``initialize``: after verl builds the model, checks the engine config and attaches
+  :class:`r3bridge.megatron.Replayer` to the actor's model chunks (never the reference model's);
+* ``forward_backward_batch`` (one mini-batch, or one log-prob pass): picks the phase, opens
+  ``replayer.step(action)`` around verl's own schedule, and afterwards returns R2's recorded routes
+  in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``;
+* ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets through the
+  driver, then runs verl's own ``forward_step`` on the same micro-batch;
+* ``disable_adapter``: a LoRA "reference in actor" pass never replays.
+
+Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
+disabled are ``ref_log_prob``; other forward-only passes are ``compute_log_prob``; passes with a
+backward are ``update``. What each does is :func:`r3bridge.config.phase_plan`'s call.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from r3bridge.adapters.verl.config import check_engine_config, replay_config_from_env
+from r3bridge.adapters.verl.ingest import (
+    ROUTES_KEY,
+    SAMPLE_KEY,
+    replay_batch_from_tensordict,
+    routes_to_nested,
+)
+from r3bridge.config import Action, Phase, ReplayMode
+from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
+from r3bridge.hf import (
+    moe_layer_ids_from_hf_config,
+    num_experts_from_hf_config,
+    num_hidden_layers_from_hf_config,
+)
+
+logger = logging.getLogger("r3bridge.adapters.verl")
+
+__all__ = ["R3BridgeMegatronEngine"]
+
+
+@EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda", vendor="nvidia")
+class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.r3_init_state(replay_config_from_env())
+        if self.r3_active:
+            check_engine_config(self.r3_config, self.engine_config, hf_config=self.model_config.hf_config)
+
+    def r3_init_state(self, cfg) -> None:
+        self.r3_config = cfg
+        self.r3_replayer = None           # r3bridge.megatron.Replayer, actor engines only
+        self._r3_step = None              # the open driver step while verl's schedule runs
+        self._r3_action: Action | None = None
+        self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
+        self._r3_pending: dict[str, list[float]] = {}   # compute_log_prob metrics, sent with the update
+        # The reference model never replays: no hook is attached to it at all.
+        self.r3_is_ref = bool(getattr(self.engine_config, "forward_only", False))
+
+    @property
+    def r3_active(self) -> bool:
+        return self.r3_config.replay_mode is not ReplayMode.OFF and not self.r3_is_ref
+
+    # ------------------------------------------------------------------------------ set-up
+    def initialize(self) -> None:
+        super().initialize()
+        self.r3_attach()
+
+    def r3_attach(self) -> None:
+        """Check the built model against the HF config and attach the driver (actor only)."""
+        if not self.r3_active:
+            return
+        from r3bridge.layout import ParallelLayout
+        from r3bridge.megatron import Replayer
+
+        hf = self.model_config.hf_config
+        self.r3_moe_layer_ids = moe_layer_ids_from_hf_config(hf)
+        self.r3_num_hidden_layers = num_hidden_layers_from_hf_config(hf)
+        self.r3_num_experts = num_experts_from_hf_config(hf)
+        unwrapped = _unwrap(self.module[0])
+        check_engine_config(self.r3_config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
+                            cp_layout=self._get_context_parallel_layout(unwrapped))
+        mcore_moe = ParallelLayout.from_megatron(self.tf_config).moe_layer_ids
+        if mcore_moe != self.r3_moe_layer_ids:
+            raise LayerMappingError(f"the HF config's MoE layers {self.r3_moe_layer_ids} differ from the "
+                                    f"Megatron model's {mcore_moe} (moe_layer_freq): routes would land on "
+                                    f"the wrong layers")
+        self.r3_replayer = Replayer(self.module, layout=None, agreement=self.r3_config.agreement,
+                                    min_coverage=self.r3_config.min_coverage,
+                                    metrics_prefix=self.r3_config.metrics_prefix)
+        logger.info("r3bridge: replay_mode=%s attached to %d model chunk(s), MoE layers %s",
+                    self.r3_config.replay_mode.value, len(self.module), self.r3_moe_layer_ids)
+
+    def disable_adapter(self):
+        return _counting(self, super().disable_adapter())
+
+    # ------------------------------------------------------------------------------ phases
+    def r3_phase(self, forward_only: bool) -> Phase:
+        if self.r3_is_ref or self._r3_adapter_off:
+            return Phase.REF_LOG_PROB
+        return Phase.OLD_LOG_PROB if forward_only else Phase.UPDATE
+
+    def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
+        phase = self.r3_phase(forward_only)
+        plan = self.r3_config.plan(phase)
+        if self.r3_replayer is None or plan.action is Action.NATIVE:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        has_routes = data.get(ROUTES_KEY, None) is not None
+        if plan.action is Action.RECORD and has_routes:
+            raise ConfigError(f"replay_mode=R2 records routes in compute_log_prob, but the batch already "
+                              f"carries {ROUTES_KEY!r} (rollout routes?): set "
+                              f"actor_rollout_ref.rollout.enable_rollout_routing_replay=False")
+        if plan.action is Action.REPLAY and not has_routes:
+            hint = ("enable actor_rollout_ref.rollout.enable_rollout_routing_replay" if plan.source == "rollout"
+                    else "R2 records them in compute_log_prob: keep algorithm.rollout_correction."
+                         "bypass_mode=False")
+            raise ConfigError(f"replay_mode={self.r3_config.replay_mode.value}: the {phase.value} batch has no "
+                              f"{ROUTES_KEY!r} to replay ({hint})")
+        if plan.action is Action.RECORD:
+            data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
+        self._r3_action = plan.action
+        try:
+            with self.r3_replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
+                self._r3_step = step
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+        finally:
+            self._r3_step = None
+            if plan.action is Action.RECORD:
+                data.pop(SAMPLE_KEY, None)
+        if not output:                                  # not the last pipeline stage
+            return output
+        tag = "old_log_prob" if phase is Phase.OLD_LOG_PROB else "update"
+        metrics = self._r3_metrics(step.metrics, output, data, tag)
+        if plan.action is Action.RECORD:
+            rec = step.recorded
+            if rec.num_seqs != len(data):
+                raise ReplayStateError(f"R2 recorded {rec.num_seqs} sequences for a batch of {len(data)}")
+            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(rec)
+        if phase is Phase.OLD_LOG_PROB:
+            # verl's trainer drops compute_log_prob metrics: report them with the next update.
+            for k, v in metrics.items():
+                self._r3_pending.setdefault(k, []).append(v)
+        else:
+            out_metrics = output.setdefault("metrics", {})
+            for k, v in {**self._r3_pending, **{k: [v] for k, v in metrics.items()}}.items():
+                out_metrics.setdefault(k, []).extend(v)
+            self._r3_pending = {}
+        return output
+
+    def _r3_metrics(self, driver_metrics: dict, output: dict, data, tag: str) -> dict[str, float]:
+        prefix = self.r3_config.metrics_prefix
+        out = {f"{prefix}{tag}/{k[len(prefix):] if k.startswith(prefix) else k}": float(v)
+               for k, v in (driver_metrics or {}).items()}
+        logp = (output.get("model_output") or {}).get("log_probs")
+        if logp is not None and data.get("rollout_log_probs", None) is not None:
+            try:
+                from r3bridge.metrics import logprob_mismatch
+                from verl.workers.utils.padding import no_padding_2_padding
+            except ImportError:
+                return out
+            train = no_padding_2_padding(logp, data).float()
+            rollout = data["rollout_log_probs"].to(train.device).float()
+            mask = data["response_mask"].to(train.device).bool()
+            if train.shape == rollout.shape == mask.shape:
+                # verl's padded response layout: column j is response token j for both, the last
+                # sampled token included (its logits come from the row before): nothing to drop.
+                out.update(logprob_mismatch(train, rollout, mask, exclude_last=False, prefix=f"{prefix}{tag}/"))
+        return out
+
+    # ------------------------------------------------------------------------------ per micro-batch
+    def forward_step(self, batch_iter: Iterator, model, logits_processor_func, postprocess_micro_batch_func):
+        if self._r3_step is None:
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        batch = next(batch_iter)
+        self.r3_install(batch, model)
+        return super().forward_step(iter((batch,)), model, logits_processor_func, postprocess_micro_batch_func)
+
+    def r3_install(self, batch, model) -> None:
+        """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
+        input_ids = batch["input_ids"]
+        seq_lens = input_ids.offsets().diff().tolist()
+        routes, sample_ids = None, None
+        if self._r3_action is Action.REPLAY:
+            source = "recorded" if self.r3_config.replay_mode is ReplayMode.R2 else "rollout"
+            routes = replay_batch_from_tensordict(
+                batch, moe_layer_ids=self.r3_moe_layer_ids, num_experts=self.r3_num_experts,
+                source=source, num_hidden_layers=self.r3_num_hidden_layers,
+                invalid_rows=self.r3_config.invalid_rows)
+        else:
+            sample_ids = batch[SAMPLE_KEY].tolist()
+        self._r3_step.install(model, routes, seq_lens, cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
+                              format="thd", sample_ids=sample_ids)
+
+    def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
+        """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""
+        from verl.models.mcore.util import preprocess_thd_engine
+
+        unwrapped = _unwrap(model)
+        fp8 = getattr(unwrapped.config, "fp8", None)
+        _, params, _ = preprocess_thd_engine(input_ids, pre_process=False,
+                                             use_fp8_padding=fp8 in ("e4m3", "hybrid"),
+                                             cp_layout=self._get_context_parallel_layout(unwrapped))
+        return params.cu_seqlens_q_padded.cpu()
+
+
+def _unwrap(model):
+    from verl.utils.megatron_utils import unwrap_model
+    return unwrap_model(model)
+
+
+@contextlib.contextmanager
+def _counting(engine: R3BridgeMegatronEngine, ctx):
+    engine._r3_adapter_off += 1
+    try:
+        with ctx:
+            yield
+    finally:
+        engine._r3_adapter_off -= 1
+

@@ -1,0 +1,108 @@
+"""verl's ``routed_experts`` TensorDict field <-> :class:`r3bridge.ReplayBatch`.
+
+verl's transport (after ``left_right_2_no_padding``) is a nested jagged tensor
+``[batch, (tokens_i), L, K]``, one row per unmasked token of each sample:
+
+* rollout routes (R3): int16, ``L = num_hidden_layers`` (every decoder layer, dense ones zero);
+  row ``j`` is the route that fed token ``j``; the last token has none (its row is zero and is
+  dropped here, so a sample covers ``tokens - 1`` rows like vLLM's own output) and rows past what
+  the engine returned (multi-turn tails, padding samples) are zero;
+* recorded routes (R2, written by this adapter in verl's own R2 layout): int16,
+  ``L = len(moe_layer_ids)``, every token.
+
+A zero row is never a route (top-k ids are distinct), so zero rows become ``valid = False`` and are
+routed natively: nothing is inferred from a length. With ``K == 1`` a rollout row of expert 0 in
+every MoE layer cannot be told from "no route" and is routed natively too (counted in coverage).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "replay_batch_from_tensordict", "routes_to_nested"]
+
+ROUTES_KEY = "routed_experts"
+SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
+
+
+def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(packed values ``[total, L, K]``, rows per sample) of a nested jagged tensor."""
+    if not getattr(x, "is_nested", False):
+        raise RouteShapeError(f"{ROUTES_KEY} must be a nested jagged tensor [batch, (tokens), layers, "
+                              f"topk] (verl's no-padding layout), got a dense {tuple(x.shape)} tensor")
+    offsets = x.offsets()
+    values = x.values()
+    if values.dim() != 3:
+        raise RouteShapeError(f"{ROUTES_KEY} must be [batch, (tokens), layers, topk], got values of "
+                              f"shape {tuple(values.shape)}")
+    return values, offsets.diff().tolist()
+
+
+def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
+                                 source: str, num_hidden_layers: int | None = None,
+                                 invalid_rows: str = "native") -> ReplayBatch:
+    """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order.
+
+    ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
+    every decoder layer, ``num_hidden_layers`` of them (rollout routes, R3).
+    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range."""
+    routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
+    if routes is None:
+        raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
+    values, rows = _jagged(routes)
+    moe = [int(i) for i in moe_layer_ids]
+    nl = int(values.shape[1])
+    if source == "recorded":
+        if nl != len(moe):
+            raise LayerMappingError(f"recorded {ROUTES_KEY} have {nl} layers, the model has {len(moe)} MoE "
+                                    f"layers {moe}")
+        sel = values
+    else:
+        if num_hidden_layers is None:
+            raise LayerMappingError("rollout routes need num_hidden_layers (their layer axis is every "
+                                    "decoder layer)")
+        if nl != int(num_hidden_layers):
+            raise LayerMappingError(f"rollout {ROUTES_KEY} have {nl} layers but the model has "
+                                    f"num_hidden_layers={num_hidden_layers} (engine and trainer disagree)")
+        sel = values.index_select(1, torch.tensor(moe, dtype=torch.long, device=values.device))
+    k = int(sel.shape[2])
+    if source == "recorded" and k == 1:
+        valid = torch.ones(sel.shape[0], dtype=torch.bool, device=sel.device)
+    else:
+        valid = (sel != 0).flatten(1).any(1)
+    if source != "recorded" and rows:
+        # The final token never fed the engine: drop its (zero) row, keep it if it is a real one.
+        lens = torch.tensor(rows, dtype=torch.long)
+        ends = lens.cumsum(0) - 1
+        last_zero = torch.zeros(len(rows), dtype=torch.bool)
+        last_zero[lens > 0] = ~valid.cpu()[ends[lens > 0]]
+        if bool(last_zero.any()):
+            keep = torch.ones(sel.shape[0], dtype=torch.bool)
+            keep[ends[last_zero]] = False
+            keep = keep.to(sel.device)
+            sel, valid = sel[keep], valid[keep]
+            rows = (lens - last_zero.long()).tolist()
+    if invalid_rows == "error" and not bool(valid.all()):
+        bad = int((~valid).nonzero()[0])
+        seq = int((torch.tensor(rows).cumsum(0) <= bad).sum())
+        raise CoverageError(f"sample {seq} of the micro-batch has rows without a route (zero rows in "
+                            f"{ROUTES_KEY}) and r3bridge.invalid_rows='error'")
+    return ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid,
+                                   source=source)
+
+
+def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:
+    """ReplayBatch (every row of each sample, start 0) -> verl's nested jagged
+    ``[batch, (rows_i), L, K]`` (invalid rows written as zeros, as verl marks "no route")."""
+    if any(s != 0 for s in rb.start_rows):
+        raise RouteShapeError("routes_to_nested needs routes starting at token 0 of every sample")
+    values = rb.routes.to(dtype)
+    if not bool(rb.valid.all()):
+        values = values.clone()
+        values[~rb.valid.to(values.device)] = 0
+    offsets = rb.offsets.to(values.device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)

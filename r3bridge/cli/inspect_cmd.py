@@ -1,0 +1,132 @@
+"""``r3bridge inspect FILE [--json] [--plot OUT.png]``: what a saved route set holds."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from r3bridge.cli._common import (fmt_ids, fmt_num, fmt_pct, info, load_batch, print_json, pyplot,
+                                  save_figure, table)
+from r3bridge.metrics import expert_load
+from r3bridge.schema import ReplayBatch
+
+NAME = "inspect"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        NAME, help="summarise a saved route set (.r3b)",
+        description="Summarise a saved ReplayBatch (the bytes of ReplayBatch.to_bytes(), e.g. a .r3b "
+                    "file): shape, coverage, layers, provenance and the per-layer expert load over "
+                    "valid rows.")
+    p.add_argument("file", help="saved ReplayBatch (ReplayBatch.to_bytes() written to a file)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--plot", metavar="OUT.png", help="write a layers x experts load heatmap (matplotlib)")
+    return p
+
+
+def summarize(batch: ReplayBatch, *, file: str | None = None, file_bytes: int | None = None) -> dict:
+    """The JSON object ``inspect --json`` prints."""
+    load = expert_load(batch).cpu()
+    valid_rows = int(batch.valid.sum())
+    mean = valid_rows * batch.topk / batch.num_experts
+    per_layer = []
+    for j, lid in enumerate(batch.layer_ids):
+        c = load[j]
+        mx = int(c.max()) if c.numel() else 0
+        per_layer.append({
+            "layer": lid,
+            "min": int(c.min()) if c.numel() else 0,
+            "max": mx,
+            "mean": mean,
+            "imbalance": mx / mean if mean else float("nan"),
+            "unused_experts": int((c == 0).sum()),
+            "counts": c.tolist(),
+        })
+    rps = batch.rows_per_seq
+    return {
+        "file": file,
+        "bytes": file_bytes if file_bytes is not None else batch.nbytes,
+        "source": batch.source,
+        "sequences": batch.num_seqs,
+        "rows": batch.total_rows,
+        "valid_rows": valid_rows,
+        "coverage": valid_rows / batch.total_rows if batch.total_rows else float("nan"),
+        "shape": list(batch.routes.shape),
+        "dtype": str(batch.routes.dtype).replace("torch.", ""),
+        "layer_ids": list(batch.layer_ids),
+        "num_experts": batch.num_experts,
+        "topk": batch.topk,
+        "rows_per_seq": {"min": min(rps) if rps else 0, "max": max(rps) if rps else 0,
+                         "mean": sum(rps) / len(rps) if rps else float("nan")},
+        "start_rows": {"min": min(batch.start_rows) if rps else 0,
+                       "max": max(batch.start_rows) if rps else 0},
+        "policy_versions": (None if batch.policy_versions is None else
+                            {"min": min(batch.policy_versions, default=0),
+                             "max": max(batch.policy_versions, default=0)}),
+        "expert_load": per_layer,
+    }
+
+
+def render(s: dict) -> str:
+    lines = [f"r3bridge inspect: {s['file']}"]
+    rps, st = s["rows_per_seq"], s["start_rows"]
+    kv = [
+        ("bytes", f"{s['bytes']:,}"),
+        ("source", s["source"]),
+        ("sequences", f"{s['sequences']}  (rows per sequence: min {rps['min']}, mean "
+                      f"{fmt_num(rps['mean'], 1)}, max {rps['max']}; start rows {st['min']}..{st['max']})"),
+        ("rows", f"{s['rows']}  (valid {s['valid_rows']}, coverage {fmt_pct(s['coverage'])})"),
+        ("routes", f"{s['shape']} {s['dtype']}"),
+        ("layers", f"{len(s['layer_ids'])}: {fmt_ids(s['layer_ids'])}"),
+        ("experts", str(s["num_experts"])),
+        ("topk", str(s["topk"])),
+    ]
+    if s["policy_versions"] is not None:
+        pv = s["policy_versions"]
+        kv.append(("policy", f"versions {pv['min']}..{pv['max']}"))
+    w = max(len(k) for k, _ in kv)
+    lines += [f"  {k.ljust(w)}  {v}" for k, v in kv]
+    lines.append("")
+    mean = s["expert_load"][0]["mean"] if s["expert_load"] else 0.0
+    lines.append(f"expert load per layer (valid rows x topk per expert; uniform = {fmt_num(mean, 1)}; "
+                 f"imbalance = max / uniform)")
+    lines.append(table(["layer", "min", "max", "imbalance", "unused"],
+                       [[r["layer"], r["min"], r["max"], fmt_num(r["imbalance"]), r["unused_experts"]]
+                        for r in s["expert_load"]]))
+    return "\n".join(lines)
+
+
+def plot(s: dict, out: str) -> None:
+    plt = pyplot()
+    import numpy as np
+    data = np.array([r["counts"] for r in s["expert_load"]], dtype=float).reshape(
+        len(s["layer_ids"]), s["num_experts"])
+    L, E = data.shape
+    fig, ax = plt.subplots(figsize=(min(max(6.0, 0.18 * E + 2), 20.0), min(max(3.0, 0.28 * L + 1.5), 14.0)))
+    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(im, ax=ax, label="rows routed (valid rows)")
+    if L <= 48:
+        ax.set_yticks(range(L), [str(x) for x in s["layer_ids"]])
+    ax.set_ylabel("layer id")
+    ax.set_xlabel("expert")
+    name = Path(s["file"]).name if s["file"] else "routes"
+    ax.set_title(f"{name}: expert load ({s['valid_rows']} valid rows, top-{s['topk']}, source {s['source']})",
+                 fontsize=9)
+    save_figure(fig, out)
+
+
+def run(args) -> int:
+    batch, nbytes = load_batch(args.file)
+    s = summarize(batch, file=args.file, file_bytes=nbytes)
+    if args.plot:
+        plot(s, args.plot)
+    if args.json:
+        if args.plot:
+            s["plot"] = args.plot
+        print_json(s)
+    else:
+        print(render(s))
+    if args.plot:
+        info(args, f"wrote {args.plot}")
+    return 0
+

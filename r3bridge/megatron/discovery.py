@@ -1,0 +1,85 @@
+"""Find the routers replay may touch: walk each model chunk's decoder, match by global layer id.
+
+Never by position in megatron's process-global ``RouterReplay`` list: that list also holds the
+routers of reference models, MTP blocks and decoders built twice (verl #7340), and is never pruned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from r3bridge.errors import LayerMappingError
+from r3bridge.layout import ParallelLayout
+
+
+@dataclass
+class ChunkRouters:
+    """The decoder routers of one model chunk (= one virtual pipeline stage)."""
+
+    chunk: torch.nn.Module          # the module the schedule calls (possibly DDP/Float16 wrapped)
+    vp_stage: int
+    routers: dict[int, torch.nn.Module] = field(default_factory=dict)   # global layer id -> router
+    mtp_routers: list[torch.nn.Module] = field(default_factory=list)    # left native, reported only
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self.routers)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """DDP / Float16Module / FSDP wrappers keep the model in ``.module``."""
+    seen = 0
+    while not hasattr(module, "decoder") and hasattr(module, "module") and seen < 8:
+        module = module.module
+        seen += 1
+    if not hasattr(module, "decoder"):
+        raise LayerMappingError(f"model chunk {type(module).__name__} has no .decoder: not a megatron GPT-style model")
+    return module
+
+
+def _router_of(layer: torch.nn.Module):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    mlp = getattr(layer, "mlp", None)
+    router = getattr(mlp, "router", None)
+    return router if isinstance(router, TopKRouter) else None
+
+
+def find_routers(chunks: list[torch.nn.Module]) -> list[ChunkRouters]:
+    """Decoder routers of each chunk, keyed by global 0-based layer id (``layer_number - 1``)."""
+    out = []
+    for vp, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        found = ChunkRouters(chunk, vp)
+        decoder = model.decoder
+        for layer in getattr(decoder, "layers", []):
+            router = _router_of(layer)
+            if router is None:
+                continue
+            lid = int(layer.layer_number) - 1
+            if router.layer_number is not None and int(router.layer_number) != lid + 1:
+                raise LayerMappingError(f"chunk {vp}: router layer_number {router.layer_number} != its layer's {lid + 1}")
+            if lid in found.routers:
+                raise LayerMappingError(f"chunk {vp}: two decoder routers claim global layer {lid}")
+            found.routers[lid] = router
+        mtp = getattr(model, "mtp", None)
+        if mtp is not None:
+            for m in mtp.modules():
+                r = _router_of(m)
+                if r is not None:
+                    found.mtp_routers.append(r)
+        out.append(found)
+    return out
+
+
+def check_against_layout(found: list[ChunkRouters], layout: ParallelLayout, pp_rank: int) -> None:
+    """Routers found must be exactly the layout's MoE layers of (pp_rank, vp_stage)."""
+    if len(found) != layout.vp_size:
+        raise LayerMappingError(f"{len(found)} model chunks, but the layout has vpp={layout.vpp}")
+    for c in found:
+        want = layout.moe_layers(pp_rank, c.vp_stage)
+        if c.layer_ids != want:
+            raise LayerMappingError(
+                f"pp_rank {pp_rank}, chunk {c.vp_stage}: the model's decoder routers are at layers "
+                f"{c.layer_ids}, the layout expects MoE layers {want} (moe_layer_freq / pipeline split mismatch)")

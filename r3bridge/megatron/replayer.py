@@ -1,0 +1,109 @@
+"""`Replayer`: attaches r3bridge's hook to every decoder router of the model chunks and hands out
+one :class:`ReplayStep` per schedule run. See docs/driver-api.md."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from r3bridge.config import Action
+from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.layout import ParallelLayout
+from r3bridge.megatron.compat import check_megatron
+from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, unwrap
+from r3bridge.megatron.guards import check_config
+from r3bridge.megatron.hook import RouterHook
+from r3bridge.megatron.step import ReplayStep
+
+
+def _parallel_state_ranks() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return dict(tp_rank=0, cp_rank=0, pp_rank=0, groups={}, metrics_groups=[])
+    return dict(
+        tp_rank=ps.get_tensor_model_parallel_rank(), cp_rank=ps.get_context_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        groups={"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+                "pp": ps.get_pipeline_model_parallel_group()},
+        # agreement counts are summed over TP x PP, then CP: the ranks that share samples
+        metrics_groups=[ps.get_model_parallel_group(), ps.get_context_parallel_group()],
+    )
+
+
+class Replayer:
+    """Routing replay for one model (its list of chunks, one per virtual pipeline stage)."""
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
+                 layout: Optional[ParallelLayout] = None, *, agreement: bool = True,
+                 min_coverage: float = 0.0, metrics_prefix: str = "r3bridge/",
+                 tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
+                 pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None) -> None:
+        check_megatron()
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if not chunks:
+            raise ConfigError("Replayer needs at least one model chunk")
+        config = unwrap(chunks[0]).config
+        check_config(config)
+        ps = _parallel_state_ranks()
+        self.tp_rank = ps["tp_rank"] if tp_rank is None else tp_rank
+        self.cp_rank = ps["cp_rank"] if cp_rank is None else cp_rank
+        self.pp_rank = ps["pp_rank"] if pp_rank is None else pp_rank
+        self.groups = ps["groups"] if groups is None else groups
+        self.metrics_groups = ps["metrics_groups"] if groups is None else list(groups.get("metrics", []))
+        self.layout = layout if layout is not None else ParallelLayout.from_megatron(config)
+        self.num_experts = int(config.num_moe_experts)
+        self.topk = int(config.moe_router_topk)
+        self.agreement = agreement
+        self.min_coverage = float(min_coverage)
+        self.metrics_prefix = metrics_prefix
+        self.chunks: list[ChunkRouters] = find_routers(chunks)
+        check_against_layout(self.chunks, self.layout, self.pp_rank)
+        self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}
+        self.active_step: Optional[ReplayStep] = None
+        self.unmanaged_calls = 0
+        self._previous: dict[int, Any] = {}
+        self.device = self._device()
+        for c in self.chunks:
+            for lid, router in c.routers.items():
+                self._previous[lid] = router.router_replay
+                router.router_replay = RouterHook(self, c.vp_stage, lid)
+
+    def _device(self) -> torch.device:
+        for c in self.chunks:
+            for r in c.routers.values():
+                return next(r.parameters()).device
+        return torch.device("cpu")
+
+    # -------------------------------------------------------------------------------- public
+    def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:
+        """One schedule run. ``action`` from :func:`r3bridge.config.phase_plan`; ``source`` the
+        plan's route source ("rollout" / "recorded"), checked against each installed batch."""
+        return ReplayStep(self, action, forward_only=forward_only, source=source)
+
+    def chunk_index(self, model: torch.nn.Module | int) -> int:
+        if isinstance(model, int):
+            if not 0 <= model < len(self.chunks):
+                raise ReplayStateError(f"chunk index {model} out of range for {len(self.chunks)} chunks")
+            return model
+        for i, c in enumerate(self.chunks):
+            if c.chunk is model or unwrap(c.chunk) is model:
+                return i
+        raise ReplayStateError(f"{type(model).__name__} is not one of this Replayer's model chunks")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self.layer_chunk)
+
+    @property
+    def mtp_router_count(self) -> int:
+        return sum(len(c.mtp_routers) for c in self.chunks)
+
+    def detach(self) -> None:
+        """Give every router its previous ``router_replay`` back."""
+        if self.active_step is not None:
+            raise ReplayStateError("detach() during an active step")
+        for c in self.chunks:
+            for lid, router in c.routers.items():
+                router.router_replay = self._previous.get(lid)
+        self._previous.clear()

@@ -1,0 +1,301 @@
+"""State of one schedule run (one ``forward_backward_func`` call): targets keyed by
+(chunk, micro-batch), consumed exactly once in the forward and once in the recompute.
+
+Why keys and not megatron's per-router FIFO: a FIFO pairs forward and recompute correctly only if
+every (chunk, micro-batch) pushes exactly once to exactly its own routers and every micro-batch is
+recomputed alike; a forward-only pass or a skipped recompute leaves entries that the next step
+consumes (SkyRL #1908). Here:
+
+* the chunk's forward is bracketed by module hooks, so a router call *inside* it belongs to the
+  micro-batch installed last for that chunk;
+* a call in the forward with grad disabled in a training step is a checkpointed first pass: its
+  key is queued for that layer's recompute; a router call *outside* any forward is a recompute and
+  takes the oldest queued key of its layer (backward runs in forward order per chunk);
+* every use is checked, and the step refuses to end with anything left; all state is dropped in
+  ``close`` whatever happened.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from r3bridge.config import Action
+from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.schema import ReplayBatch, route_dtype
+from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3bridge.megatron.replayer import Replayer
+
+
+@dataclass
+class MicroBatch:
+    """One installed (chunk, micro-batch)."""
+
+    chunk: int
+    index: int
+    rows: int                                   # router rows on this rank
+    token_rows: int                             # of which real tokens (the rest is packing padding)
+    seq_lens: list[int]
+    pack: dict[str, Any]                        # format / cu_seqlens_padded / seq_length
+    sample_ids: list[int]
+    targets: Optional[ShardedTargets] = None    # REPLAY
+    all_valid: bool = True
+    fwd_left: set[int] = field(default_factory=set)     # layers not yet routed in the forward
+    recompute_left: set[int] = field(default_factory=set)
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
+    forwarded: bool = False
+
+
+class ReplayStep:
+    """Created by :meth:`Replayer.step`; use as a context manager."""
+
+    def __init__(self, replayer: "Replayer", action: Action | str, *, forward_only: bool,
+                 source: str | None = None) -> None:
+        self.replayer = replayer
+        self.action = Action(action)
+        self.forward_only = forward_only
+        self.expect_source = source
+        if self.action is Action.RECORD and not forward_only:
+            raise ConfigError("R2 recording runs in the forward-only compute_log_prob pass (forward_only=True)")
+        n = len(replayer.chunks)
+        self._next_index = [0] * n
+        self._last: list[Optional[MicroBatch]] = [None] * n
+        self._current: list[Optional[MicroBatch]] = [None] * n
+        self._live: dict[tuple[int, int], MicroBatch] = {}
+        self._recompute: dict[int, deque[MicroBatch]] = {lid: deque() for lid in replayer.layer_chunk}
+        self._done_records: list[MicroBatch] = []
+        self._handles: list[Any] = []
+        self.recorded: Optional[ReplayBatch] = None
+        self.metrics: dict[str, float] = {}
+        dev = replayer.device
+        # per global layer id: agreeing rows, compared rows, replayed rows, natively routed rows.
+        # Indexed globally so one all_reduce over the model-parallel group sums every stage.
+        self._counts = torch.zeros((4, replayer.layout.num_layers), dtype=torch.int64, device=dev)
+
+    # ---------------------------------------------------------------------------- context
+    def __enter__(self) -> "ReplayStep":
+        if self.replayer.active_step is not None:
+            raise ReplayStateError("a replay step is already active: steps do not nest")
+        for c, found in enumerate(self.replayer.chunks):
+            self._handles.append(found.chunk.register_forward_pre_hook(self._make_pre(c)))
+            self._handles.append(found.chunk.register_forward_hook(self._make_post(c)))
+        self.replayer.active_step = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._check_drained()
+                self.metrics = self._finish_metrics()
+                if self.action is Action.RECORD:
+                    from r3bridge.megatron.recorder import gather_recorded
+                    self.recorded = gather_recorded(self.replayer, self._done_records)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop every target, record, queue and module hook (also after an exception)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._live.clear()
+        self._done_records = []
+        for q in self._recompute.values():
+            q.clear()
+        self._current = [None] * len(self._current)
+        self._last = [None] * len(self._last)
+        if self.replayer.active_step is self:
+            self.replayer.active_step = None
+
+    # ---------------------------------------------------------------------------- install
+    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | None, seq_lens: Sequence[int], *,
+                cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None, format: str = "thd",
+                seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
+        """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
+
+        In a NATIVE step (replay off, reference model) this is a no-op, so adapters can call it
+        unconditionally."""
+        c = self.replayer.chunk_index(model)
+        if self.action is Action.NATIVE:
+            return
+        last = self._last[c]
+        if last is not None and not last.forwarded:
+            raise ReplayStateError(f"chunk {c}: micro-batch {last.index} was installed but never ran forward "
+                                   f"before the next install")
+        rep = self.replayer
+        lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        pack = dict(format=format, cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length)
+        ids = list(range(len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
+        if len(ids) != len(lens):
+            raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
+        layers = rep.chunks[c].layer_ids
+        plan = PackPlan.build(rep.layout, lens, **pack)
+        seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
+        token_rows = int((pos < plan.seq_lens[seq]).sum()) if seq.numel() else 0
+        mb = MicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
+        if self.action is Action.REPLAY:
+            if routes is None:
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
+            self._check_source(routes)
+            mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
+                               pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=rep.device, **pack)
+            if rep.min_coverage > 0:
+                cov = float(mb.targets.valid.float().mean()) if rows else 1.0
+                if cov < rep.min_coverage:
+                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's rows "
+                                        f"have a route (min_coverage={rep.min_coverage})")
+            mb.all_valid = bool(mb.targets.valid.all())
+        elif routes is not None and self.action is not Action.NATIVE:
+            raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
+        mb.fwd_left = set(layers)
+        self._next_index[c] += 1
+        self._last[c] = mb
+        self._live[(c, mb.index)] = mb
+
+    def _check_source(self, routes: ReplayBatch) -> None:
+        want = self.expect_source
+        if want == "recorded" and routes.source != "recorded":
+            raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
+                              f"{routes.source!r} (verl 0.9.1 silently replayed rollout routes under R2)")
+        if want == "rollout" and routes.source == "recorded":
+            raise ConfigError("R3 replays the rollout engine's routes, got routes recorded by the trainer")
+
+    # ---------------------------------------------------------------------------- forward hooks
+    def _make_pre(self, c: int):
+        def pre(module, args, kwargs=None):
+            if self.action is Action.NATIVE:
+                return None
+            mb = self._last[c]
+            if mb is None or mb.forwarded:
+                raise ReplayStateError(f"chunk {c}: forward of micro-batch {self._next_index[c]} without "
+                                       f"install(): refusing to route natively under {self.action.value}")
+            if self._current[c] is not None:
+                raise ReplayStateError(f"chunk {c}: nested forward")
+            self._current[c] = mb
+            return None
+        return pre
+
+    def _make_post(self, c: int):
+        def post(module, args, output):
+            mb = self._current[c]
+            self._current[c] = None
+            if mb is None:
+                return None
+            mb.forwarded = True
+            if mb.fwd_left:
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: routers of layers {sorted(mb.fwd_left)} "
+                                       f"did not run in the forward")
+            self._retire(mb)
+            return None
+        return post
+
+    def _retire(self, mb: MicroBatch) -> None:
+        if mb.forwarded and not mb.recompute_left:
+            self._live.pop((mb.chunk, mb.index), None)
+            mb.targets = None
+            if self.action is Action.RECORD:
+                self._done_records.append(mb)
+
+    # ---------------------------------------------------------------------------- routing
+    def route(self, c: int, layer: int, scores: torch.Tensor, topk: int, num_groups, group_topk, native_fn):
+        if self.action is Action.NATIVE:
+            return native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        mb = self._current[c]
+        in_forward = mb is not None
+        if in_forward:
+            if layer not in mb.fwd_left:
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: layer {layer} routed twice in one forward")
+            mb.fwd_left.discard(layer)
+            if not self.forward_only and not torch.is_grad_enabled():
+                # checkpointed first pass: the same rows come back once in the recompute
+                mb.recompute_left.add(layer)
+                self._recompute[layer].append(mb)
+        else:
+            q = self._recompute[layer]
+            if not q:
+                raise ReplayStateError(f"layer {layer}: router called outside any forward with no recompute pending "
+                                       f"(a forward not bracketed by the schedule?)")
+            mb = q.popleft()
+            mb.recompute_left.discard(layer)
+        if scores.shape[0] != mb.rows:
+            raise ReplayStateError(f"layer {layer}, chunk {c}, micro-batch {mb.index} (tp={self.replayer.tp_rank}, "
+                                   f"cp={self.replayer.cp_rank}, pp={self.replayer.pp_rank}): the router sees "
+                                   f"{scores.shape[0]} rows, the packing plan gives {mb.rows}")
+        if self.action is Action.RECORD:
+            probs, idx = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if in_forward:
+                mb.recorded[layer] = idx.detach().to(route_dtype(self.replayer.num_experts))
+            out = probs, idx
+        else:
+            out = self._replay(mb, layer, scores, topk, num_groups, group_topk, native_fn, count=in_forward)
+        if mb.targets is not None and layer not in mb.fwd_left and layer not in mb.recompute_left:
+            mb.targets.indices.pop(layer, None)   # free this layer's target as soon as it is used up
+        if not in_forward:
+            self._retire(mb)
+        return out
+
+    def _replay(self, mb: MicroBatch, layer: int, scores, topk, num_groups, group_topk, native_fn, *, count: bool):
+        t = mb.targets
+        assert t is not None
+        target = t.indices.get(layer)
+        if target is None:
+            raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: no target left "
+                                   f"(consumed already?)")
+        if target.shape[1] != topk:
+            raise ReplayStateError(f"layer {layer}: target top-k {target.shape[1]} != router top-k {topk}")
+        idx = target
+        need_native = not mb.all_valid or (self.replayer.agreement and count)
+        if need_native:
+            native = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
+            if not mb.all_valid:
+                idx = torch.where(t.valid[:, None], target, native)
+            if count:
+                j = layer
+                if self.replayer.agreement:
+                    same = (native.sort(dim=1).values == target.sort(dim=1).values).all(1) & t.valid
+                    self._counts[0, j] += same.sum()
+                    self._counts[1, j] += t.valid.sum()
+        if count:
+            # coverage is over real tokens: padding rows added by packing are not "missing routes"
+            nvalid = t.valid.sum() if not mb.all_valid else mb.token_rows
+            self._counts[2, layer] += nvalid
+            self._counts[3, layer] += mb.token_rows - nvalid
+        return scores.gather(1, idx), idx
+
+    # ---------------------------------------------------------------------------- end of step
+    def _check_drained(self) -> None:
+        left = [(mb.chunk, mb.index) for mb in self._live.values() if not mb.forwarded]
+        if left:
+            raise ReplayStateError(f"installed micro-batches never ran forward: (chunk, micro-batch) {left}")
+        pend = {lid: [(mb.chunk, mb.index) for mb in q] for lid, q in self._recompute.items() if q}
+        if pend:
+            raise ReplayStateError(f"recompute never consumed the targets of {pend} (layer: (chunk, micro-batch))")
+
+    def _finish_metrics(self) -> dict[str, float]:
+        if self.action is not Action.REPLAY:
+            return {}
+        counts = self._counts.clone()
+        import torch.distributed as dist
+        for group in self.replayer.metrics_groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(counts, group=group)
+        return counts_to_metrics(counts.cpu(), self.replayer.agreement, self.replayer.metrics_prefix)
+
+
+def counts_to_metrics(counts: torch.Tensor, agreement: bool, prefix: str) -> dict[str, float]:
+    """[4, num_layers] counts (agree, compared, replayed rows, native rows) -> metrics dict."""
+    out: dict[str, float] = {}
+    replayed, native = int(counts[2].sum()), int(counts[3].sum())
+    total = replayed + native
+    out[f"{prefix}coverage"] = replayed / total if total else 0.0
+    out[f"{prefix}native_rows"] = float(native)
+    if agreement:
+        agree, comp = counts[0], counts[1]
+        out[f"{prefix}agreement/mean"] = float(agree.sum()) / float(comp.sum()) if int(comp.sum()) else 1.0
+        for lid in comp.nonzero().flatten().tolist():
+            out[f"{prefix}agreement/layer_{lid}"] = float(agree[lid]) / float(comp[lid])
+    return out

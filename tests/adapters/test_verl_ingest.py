@@ -1,0 +1,143 @@
+"""verl's ``routed_experts`` transport -> ReplayBatch, built with verl's own padding utilities.
+
+The padded batch mimics verl 0.9.1's agent loop exactly: prompts left-padded, responses
+right-padded, rollout routes placed at the prompt's first token (``start_pos``), zero elsewhere,
+every decoder layer (dense ones zero), int16. ``left_right_2_no_padding`` (verl's) turns it into
+the nested jagged layout the engine sees.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+from tensordict import TensorDict  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
+
+from r3bridge import ReplayBatch  # noqa: E402
+from r3bridge.adapters.verl.ingest import (  # noqa: E402
+    ROUTES_KEY,
+    SAMPLE_KEY,
+    replay_batch_from_tensordict,
+    routes_to_nested,
+)
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
+
+from _verl_batches import E, K, MOE, NUM_LAYERS, make_verl_batch  # noqa: E402
+
+
+def expected_rollout_batch(engine, prompt_lens, resp_lens):
+    """Independent construction: MoE columns, one row per fed token (tokens - 1), explicit validity."""
+    routes, valid = [], []
+    for arr, p, r in zip(engine, prompt_lens, resp_lens):
+        n_rows = p + r - 1
+        full = np.zeros((n_rows, len(MOE), K), dtype=np.int64)
+        v = np.zeros(n_rows, dtype=bool)
+        full[: len(arr)] = arr[:, MOE]
+        v[: len(arr)] = True
+        routes.append(full)
+        valid.append(v)
+    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, valid=valid, source="rollout")
+
+
+def test_left_right_2_no_padding_batch_converts_exactly():
+    pl, rl = [6, 3, 4], [5, 2, 1]
+    td, engine = make_verl_batch(pl, rl)
+    assert td[ROUTES_KEY].is_nested and td[ROUTES_KEY].dtype == torch.int16
+    rb = replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                      num_hidden_layers=NUM_LAYERS)
+    exp = expected_rollout_batch(engine, pl, rl)
+    assert rb.equals(exp)
+    assert rb.routes.dtype == torch.uint8 and rb.source == "rollout"
+    assert rb.rows_per_seq == [p + r - 1 for p, r in zip(pl, rl)]
+    assert bool(rb.valid.all())
+    seq_lens = td["input_ids"].offsets().diff().tolist()
+    rb.check_seq_lens(seq_lens)                        # last token has no route: rows = seq_len - 1
+
+
+def test_zero_tail_rows_are_invalid_never_replayed():
+    # multi-turn: the engine stopped recording 3 rows early; a padding sample has no routes at all
+    pl, rl = [5, 4, 2], [4, 3, 2]
+    td, engine = make_verl_batch(pl, rl, returned_rows=[None, 3, 0])
+    rb = replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                      num_hidden_layers=NUM_LAYERS)
+    assert rb.equals(expected_rollout_batch(engine, pl, rl))
+    _, v1 = rb.sequence(1)
+    assert v1.tolist() == [True] * 3 + [False] * 3
+    r2, v2 = rb.sequence(2)
+    assert not bool(v2.any())
+    assert r2.tolist() == [[[0, 1]] * len(MOE)] * 3       # canonical distinct fillers, never duplicates
+    with pytest.raises(CoverageError, match="sample 1"):
+        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                     num_hidden_layers=NUM_LAYERS, invalid_rows="error")
+
+
+def test_layer_count_and_layout_errors():
+    td, _ = make_verl_batch([3], [2])
+    with pytest.raises(LayerMappingError, match="num_hidden_layers"):
+        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                     num_hidden_layers=NUM_LAYERS + 1)
+    with pytest.raises(LayerMappingError, match="recorded"):
+        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="recorded")
+    dense = TensorDict({ROUTES_KEY: torch.zeros(1, 4, NUM_LAYERS, K, dtype=torch.int16)}, batch_size=[1])
+    with pytest.raises(RouteShapeError, match="nested"):
+        replay_batch_from_tensordict(dense, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                     num_hidden_layers=NUM_LAYERS)
+    with pytest.raises(RouteShapeError, match="no 'routed_experts'"):
+        replay_batch_from_tensordict(TensorDict({}, batch_size=[1]), moe_layer_ids=MOE, num_experts=E,
+                                     source="rollout", num_hidden_layers=NUM_LAYERS)
+
+
+def test_corrupt_row_with_duplicates_raises():
+    td, _ = make_verl_batch([3], [2])
+    v = td[ROUTES_KEY].values()
+    v[0, 2] = torch.tensor([5, 5], dtype=torch.int16)    # duplicate ids in a valid row
+    with pytest.raises(RouteValueError):
+        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                     num_hidden_layers=NUM_LAYERS)
+
+
+def test_top1_zero_rows():
+    routes = torch.nested.nested_tensor_from_jagged(
+        torch.tensor([[[3]], [[0]], [[0]]], dtype=torch.int16), offsets=torch.tensor([0, 3]))
+    td = TensorDict({ROUTES_KEY: routes}, batch_size=[1])
+    rb = replay_batch_from_tensordict(td, moe_layer_ids=[0], num_experts=4, source="rollout", num_hidden_layers=1)
+    assert rb.rows_per_seq == [2] and rb.valid.tolist() == [True, False]   # expert-0 row: ambiguous -> native
+    rec = replay_batch_from_tensordict(td, moe_layer_ids=[0], num_experts=4, source="recorded")
+    assert rec.rows_per_seq == [3] and bool(rec.valid.all())                # recorded rows are always real
+
+
+def _recorded(seq_lens, seed=1):
+    rng = np.random.default_rng(seed)
+    routes = [np.stack([np.stack([rng.choice(E, K, replace=False) for _ in MOE]) for _ in range(n)])
+              for n in seq_lens]
+    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, source="recorded")
+
+
+def test_recorded_round_trip_survives_dynamic_micro_batching():
+    """R2: routes travel per sample in verl's TensorDict, so verl's dynamic-bsz re-partitioning of the
+    update mini-batch (a different order than compute_log_prob's) keeps every route with its sample."""
+    pl, rl = [6, 3, 4, 2, 5, 1], [5, 2, 1, 4, 3, 5]
+    td, _ = make_verl_batch(pl, rl, seed=3)
+    seq_lens = td["input_ids"].offsets().diff().tolist()
+    rec = _recorded(seq_lens)
+    td[ROUTES_KEY] = routes_to_nested(rec)
+    assert td[ROUTES_KEY].dtype == torch.int16 and td[ROUTES_KEY].values().shape[1:] == (len(MOE), K)
+    assert replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="recorded").equals(rec)
+    td[SAMPLE_KEY] = torch.arange(len(seq_lens))
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=14)
+    micro, idx = prepare_micro_batches(td, dp_group=None, same_micro_num_in_dp=False)
+    assert len(micro) > 1
+    seen = []
+    for mb in micro:
+        ids = mb[SAMPLE_KEY].tolist()
+        seen += ids
+        got = replay_batch_from_tensordict(mb, moe_layer_ids=MOE, num_experts=E, source="recorded")
+        for j, sid in enumerate(ids):
+            r, v = got.sequence(j)
+            r0, v0 = rec.sequence(sid)
+            assert torch.equal(r, r0) and torch.equal(v, v0)
+    assert sorted(seen) == list(range(len(seq_lens)))
+    assert seen != sorted(seen)                       # verl really re-ordered the samples
