@@ -196,6 +196,33 @@ def _lookup(rb: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: tor
     return row, valid
 
 
+def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``src[row][:, cols].permute(1, 0, 2).contiguous()`` (``[nl, T, K]``, src's narrow dtype).
+
+    Speed (P1 in docs/benchmarks.md): an element-wise gather of 1-byte ids is slow, so the
+    ``K`` ids of one (row, layer) are moved as a few machine words instead: ``src`` is viewed as
+    ``[rows, L, n_words]`` of the widest int type dividing ``K * itemsize`` bytes (one int64 per
+    (row, layer) for top-8 uint8), gathered and transposed in that form, and viewed back. The
+    bytes are never reinterpreted, only moved, so the result is identical. Falls back to the
+    plain gather when ``src`` cannot be viewed that way (non-contiguous, misaligned offset).
+    """
+    rows, L, k = src.shape
+    nbytes = k * src.element_size()
+    word = next(w for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+                if nbytes % w == 0)
+    word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    if src.is_contiguous() and word > src.element_size():
+        try:
+            words = src.view(rows, L * k).view(word_dtype).view(rows, L, nbytes // word)
+        except RuntimeError:       # storage offset not aligned to the word size
+            words = None
+        if words is not None:
+            g = words[row[:, None], cols[None, :]]                    # [T, nl, n_words]
+            g = g.permute(1, 0, 2).contiguous()                       # [nl, T, n_words]
+            return g.view(torch.uint8).view(src.dtype).view(len(cols), row.numel(), k)
+    return src.index_select(0, row).index_select(1, cols).permute(1, 0, 2).contiguous()
+
+
 def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, tp_rank: int = 0,
           cp_rank: int = 0, pp_rank: int = 0, vp_stage: int = 0, format: str = "thd",
           cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
@@ -225,15 +252,16 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
         return ShardedTargets({}, valid.to(dev), (), k)
     src = rb.routes
     cols = torch.tensor([col_of[x] for x in want], dtype=torch.int64, device=src.device)
-    # Gather the compact (uint8/int16) rows and layers first, widen last: [nl, T, K] int64.
+    # Gather the compact (uint8/int16) rows and layers first, transpose to [nl, T, K] while still
+    # narrow, then widen to int64 in one contiguous pass (on ``dev``).
     if src.shape[0] == 0:
         # No row at all (e.g. only 1-token sequences): every row is a filler; index_select on an
         # empty source raised even though row==0 is only a placeholder for uncovered rows.
-        compact = torch.zeros((row.numel(), len(want), k), dtype=src.dtype, device=src.device)
+        compact = torch.zeros((len(want), row.numel(), k), dtype=src.dtype, device=src.device)
     else:
-        compact = src.index_select(0, row.to(src.device)).index_select(1, cols)
+        compact = _gather_layer_major(src, row.to(src.device), cols)
     out = torch.empty((len(want), row.numel(), k), dtype=torch.int64, device=dev)
-    out.copy_(compact.to(dev, non_blocking=True).permute(1, 0, 2))
+    out.copy_(compact.to(dev, non_blocking=True))
     invalid = (~valid).nonzero().squeeze(1)
     if invalid.numel():
         out[:, invalid.to(dev)] = torch.arange(k, dtype=torch.int64, device=dev)

@@ -38,7 +38,8 @@ def check_config(config: Any) -> None:
         problems.append("moe_router_force_load_balancing=True: routing uses random logits")
     graphs = g("enable_cuda_graph") or g("external_cuda_graph") or g("cuda_graph_impl", "none") not in (None, "none")
     if graphs and _scopes(config) & _ROUTER_CAPTURING_SCOPES:
-        problems.append(f"CUDA graphs capture the router (cuda_graph_scope={g('cuda_graph_scope')!r}): "
+        problems.append(f"CUDA graphs capture the router (cuda_graph_impl={g('cuda_graph_impl')!r}, "
+                        f"cuda_graph_scope={g('cuda_graph_scope')!r}): "
                         f"the replay branch would be baked into the graph; restrict the scope to 'attn'")
     if g("num_microbatches_with_partial_activation_checkpoints") is not None:
         problems.append("num_microbatches_with_partial_activation_checkpoints is set: micro-batches would be "

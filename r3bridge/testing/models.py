@@ -273,27 +273,32 @@ def canonical_name(chunk: torch.nn.Module, local_name: str, ctx: "RankContext") 
     return local_name
 
 
-def _shard_info(p: torch.nn.Parameter, ctx: "RankContext") -> tuple[int, int, int]:
-    """(partition_dim, rank, world) of a tensor-parallel parameter; world 1 if replicated."""
+def _is_expert_param(name: str) -> bool:
+    # Not ``allreduce``: megatron sets allreduce=False on expert params only when EP > 1.
+    return ".mlp.experts." in f".{name}"
+
+
+def _shard_info(name: str, p: torch.nn.Parameter, ctx: "RankContext") -> tuple[int, int, int]:
+    """(partition_dim, rank, world) of a tensor-parallel parameter; world 1 if replicated.
+    Expert weights are sharded over the expert-tensor-parallel group, the rest over TP."""
     if not getattr(p, "tensor_model_parallel", False):
         return 0, 0, 1
     if getattr(p, "partition_stride", 1) != 1:
         raise NotImplementedError("strided TP partitions are not supported by the harness init")
-    is_expert = not getattr(p, "allreduce", True)
-    rank, world = (ctx.etp_rank, ctx.etp) if is_expert else (ctx.tp_rank, ctx.tp)
+    rank, world = (ctx.etp_rank, ctx.etp) if _is_expert_param(name) else (ctx.tp_rank, ctx.tp)
     return int(p.partition_dim), rank, world
 
 
-def full_shape(p: torch.nn.Parameter, ctx: "RankContext") -> list[int]:
-    dim, _, world = _shard_info(p, ctx)
+def full_shape(name: str, p: torch.nn.Parameter, ctx: "RankContext") -> list[int]:
+    dim, _, world = _shard_info(name, p, ctx)
     shape = list(p.shape)
     shape[dim] *= world
     return shape
 
 
-def shard_of(full: torch.Tensor, p: torch.nn.Parameter, ctx: "RankContext") -> torch.Tensor:
+def shard_of(full: torch.Tensor, name: str, p: torch.nn.Parameter, ctx: "RankContext") -> torch.Tensor:
     """This rank's slice of a full (unsharded) parameter tensor."""
-    dim, rank, world = _shard_info(p, ctx)
+    dim, rank, world = _shard_info(name, p, ctx)
     if world == 1:
         return full
     return full.chunk(world, dim=dim)[rank]
@@ -310,7 +315,7 @@ def _named_params_with_module(
 def _full_init_value(
     cname: str, p: torch.nn.Parameter, mod: torch.nn.Module, spec: ModelSpec, ctx: "RankContext"
 ) -> torch.Tensor:
-    shape = full_shape(p, ctx)
+    shape = full_shape(cname, p, ctx)
     if isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
         return torch.ones(shape) if cname.endswith("weight") else torch.zeros(shape)
     if cname.endswith("bias"):
@@ -336,7 +341,7 @@ def deterministic_init(chunks: list[torch.nn.Module], spec: ModelSpec, ctx: "Ran
     for chunk in chunks:
         for name, p, mod in _named_params_with_module(chunk):
             cname = canonical_name(chunk, name, ctx)
-            p.copy_(shard_of(_full_init_value(cname, p, mod, spec, ctx), p, ctx))
+            p.copy_(shard_of(_full_init_value(cname, p, mod, spec, ctx), cname, p, ctx))
 
 
 def canonical_state_dict(chunks: list[torch.nn.Module], ctx: "RankContext") -> dict[str, torch.Tensor]:
@@ -367,4 +372,4 @@ def load_reference_state(
             cname = canonical_name(chunk, name, ctx)
             if cname not in full_state_dict:
                 raise KeyError(f"{cname} (local {name}) missing from reference state")
-            p.copy_(shard_of(full_state_dict[cname].to(p.dtype), p, ctx))
+            p.copy_(shard_of(full_state_dict[cname].to(p.dtype), cname, p, ctx))

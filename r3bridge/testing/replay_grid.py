@@ -58,7 +58,8 @@ def default_cells() -> list[Cell]:
         Cell("ep2", Layout(ep=2), S()),
         Cell("tp2_ep2", Layout(tp=2, ep=2, etp=2), S()),
         Cell("pp2_uneven_dense_stage", Layout(pp=2),
-             S(num_layers=6, num_layers_in_first_pipeline_stage=2, moe_layer_freq=[0, 0, 1, 1, 1, 1])),
+             S(num_layers=6, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4,
+               moe_layer_freq=[0, 0, 1, 1, 1, 1])),
         Cell("first_k_dense", Layout(pp=2), S(num_layers=4, moe_layer_freq=[0, 1, 1, 1])),
         Cell("int_freq_2", Layout(tp=2, etp=2), S(num_layers=4, moe_layer_freq=2)),
         Cell("mtp", Layout(pp=2), S(num_layers=4, mtp_num_layers=1)),
@@ -164,6 +165,9 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool) -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
     spec = cell.spec
+    if serial:  # the reference run has one stage: no uneven split to ask for
+        spec = dataclasses.replace(spec, num_layers_in_first_pipeline_stage=None,
+                                   num_layers_in_last_pipeline_stage=None)
     chunks = build_model_chunks(spec, ctx)
     rep = Replayer(chunks)
     layout = rep.layout

@@ -1,0 +1,274 @@
+"""SkyRL trainer side: subclasses of SkyRL's own classes (nothing is monkey-patched).
+
+* :func:`model_wrapper_class` - ``MegatronModelWrapper`` subclass. Its ``forward`` (the old-log-prob
+  pass, ``compute_log_prob``) and ``forward_backward_mini_batch`` (one mini-batch update) open one
+  driver step around SkyRL's own schedule and install every (chunk, micro-batch)'s targets right
+  before the chunk's forward (SkyRL's ``forward_step`` is a closure inside those methods, so the
+  install runs from a prepended forward pre-hook, :func:`r3bridge.protocols.install_before_forward`,
+  which also reads SkyRL's real ``packed_seq_params``). VPP works because every chunk has its own
+  hook and micro-batch counter (SkyRL pops the routes in the first chunk's forward_step: VPP broke).
+* :class:`PolicyWorkerMixin` - put before ``MegatronPolicyWorkerBase``: keeps megatron's own
+  ``moe_enable_routing_replay`` off (SkyRL's config validation wants it on with routed experts; the
+  r3bridge guard refuses it), lets route tensors travel in SkyRL's micro-batches, swaps in the
+  wrapper, and for R2 returns the recorded routes per sample with the log-probs.
+* :class:`TrainerMixin` - put before ``RayPPOTrainer``: R2 writes the recorded routes back into the
+  ``TrainingInputBatch`` (``rollout_expert_indices`` + ``router_padding_mask``), so mini-batch /
+  DP re-partitioning carries them with their samples.
+
+The reference worker keeps SkyRL's plain wrapper: the reference model never replays.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl.ingest import (
+    MASK_KEY,
+    ROUTES_KEY,
+    replay_batch_from_training_batch,
+    training_batch_fields,
+)
+from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.protocols import MicroBatchTargets, install_before_forward
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["replay_config", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
+           "RECORDED_KEY", "ROUTES_MARK"]
+
+RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
+ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
+_ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
+
+
+def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
+    """An explicit config, else ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` from the
+    environment (Ray workers inherit it through ``runtime_env``), else off."""
+    if isinstance(cfg, ReplayConfig):
+        return cfg
+    if cfg is not None:
+        return ReplayConfig.from_mapping(cfg)
+    raw = os.environ.get("R3BRIDGE_CONFIG")
+    if raw:
+        try:
+            return ReplayConfig.from_mapping(json.loads(raw))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"R3BRIDGE_CONFIG is not valid JSON ({e})") from None
+    return ReplayConfig(replay_mode=os.environ.get("R3BRIDGE_REPLAY_MODE", "off"))
+
+
+class SkyRLReplay:
+    """Replay state of one policy model: the driver plus SkyRL's micro-batch conventions."""
+
+    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig, *, num_experts: int,
+                 moe_layer_ids: Sequence[int], num_hidden_layers: int, layout=None) -> None:
+        self.cfg = cfg
+        self.chunks = list(actor_module)
+        self.num_experts = int(num_experts)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+        self.num_hidden_layers = int(num_hidden_layers)
+        self.replayer = None
+        if cfg.replay_mode is not ReplayMode.OFF:
+            from r3bridge.megatron import Replayer
+            self.replayer = Replayer(self.chunks, layout, agreement=cfg.agreement, min_coverage=cfg.min_coverage,
+                                     metrics_prefix=cfg.metrics_prefix)
+            if self.replayer.layer_ids and not set(self.replayer.layer_ids) <= set(self.moe_layer_ids):
+                raise ConfigError(f"the model's MoE routers are on layers {self.replayer.layer_ids}, the HF "
+                                  f"config says {self.moe_layer_ids}: routes would land on the wrong layers")
+        self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
+        self.recorded: Optional[ReplayBatch] = None
+        self.metrics: dict[str, float] = {}
+
+    def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
+        """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
+        plan = self.cfg.plan(phase)
+        mbs = [dict(m) for m in micro_batches]
+        carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
+        self.recorded, self.metrics = None, {}
+        if self.replayer is None or plan.action is Action.NATIVE:
+            return call(mbs)
+        routes, ids = [None] * len(mbs), [None] * len(mbs)
+        if plan.action is Action.REPLAY:
+            source = plan.source
+            if self.expect_source is not None and self.expect_source != source:
+                raise ConfigError(f"replay_mode={self.cfg.replay_mode.value} replays {source} routes, the batch "
+                                  f"carries {self.expect_source} routes")
+            for k, (r, mask) in enumerate(carried):
+                if r is None:
+                    raise ConfigError(f"replay_mode={self.cfg.replay_mode.value}: micro-batch {k} carries no "
+                                      f"{ROUTES_KEY!r} (generator.inference_engine.enable_return_routed_experts "
+                                      f"for R3; R2 needs r3bridge's TrainerMixin / PolicyWorkerMixin)")
+                mb = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mbs[k]["attention_mask"],
+                      "sub_seq_lengths": mbs[k].get("sub_seq_lengths")}
+                routes[k] = replay_batch_from_training_batch(
+                    mb, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                    num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+        else:   # RECORD: sample ids ride in ROUTES_KEY (PolicyWorkerMixin), else micro-batch order
+            nxt, extra = 0, 10 ** 9
+            for k, (r, _) in enumerate(carried):
+                n = int(mbs[k]["attention_mask"].shape[0])
+                if r is None:
+                    ids[k], nxt = list(range(nxt, nxt + n)), nxt + n
+                else:
+                    r = torch.as_tensor(r)
+                    if tuple(r.shape[2:]) != (1, 1):
+                        raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries "
+                                          "rollout routes: set generator.inference_engine."
+                                          "enable_return_routed_experts=False")
+                    raw = r.reshape(n, -1).max(1).values.long() - _ID_BIAS
+                    ids[k] = [int(x) if x >= 0 else extra + j for j, x in enumerate(raw.tolist())]
+                    extra += n
+        seq_lens = [m["attention_mask"].sum(-1).long().tolist() for m in mbs]
+
+        def targets(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatchTargets:
+            if k >= len(mbs):
+                raise ReplayStateError(f"chunk {c}: forward #{k + 1} for {len(mbs)} micro-batches")
+            t = MicroBatchTargets(routes=routes[k], seq_lens=seq_lens[k], sample_ids=ids[k])
+            psp = kwargs.get("packed_seq_params")
+            if psp is not None:                  # remove_microbatch_padding: SkyRL's THD packing
+                t.update(format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
+            else:                                # left padding removed: [b, s_aligned] BSHD
+                pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
+                t.update(format="bshd", seq_length=int(pos.shape[1]))
+            return t
+
+        with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
+            with install_before_forward(step, self.chunks, targets, len(mbs)):
+                out = call(mbs)
+        self.metrics = dict(step.metrics)
+        if plan.action is Action.RECORD:
+            rec = step.recorded
+            real = sum(1 for k in ids for x in k if x < 10 ** 9)
+            self.recorded = rec.select(range(real))
+        return out
+
+
+def model_wrapper_class(base: Optional[type] = None) -> type:
+    """``MegatronModelWrapper`` (or ``base``) subclass that drives r3bridge. Construct it like
+    SkyRL's, plus ``r3_replay=SkyRLReplay(...)``, or use :func:`wrap_model`."""
+    if base is None:
+        base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
+
+    class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, r3_replay: SkyRLReplay, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.r3 = r3_replay
+
+        def forward(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0):
+            sup = super().forward
+            return self.r3.run(Phase.OLD_LOG_PROB, micro_batches, forward_only=True,
+                               call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
+
+        def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
+                                        loss_fn=None, loss_fn_config=None, forward_only: bool = False):
+            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update
+            sup = super().forward_backward_mini_batch
+            return self.r3.run(Phase.UPDATE, micro_batches, forward_only=forward_only,
+                               call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
+                                                    loss_fn_config=loss_fn_config, forward_only=forward_only))
+
+    return R3BridgeMegatronModelWrapper
+
+
+def replay_for(actor_module, cfg: ReplayConfig, hf_config: Any) -> SkyRLReplay:
+    from r3bridge.hf import moe_layer_ids_from_hf_config, num_experts_from_hf_config, num_hidden_layers_from_hf_config
+    return SkyRLReplay(actor_module, cfg, num_experts=num_experts_from_hf_config(hf_config),
+                       moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
+                       num_hidden_layers=num_hidden_layers_from_hf_config(hf_config))
+
+
+class PolicyWorkerMixin:
+    """``class MyPolicyWorker(PolicyWorkerMixin, MegatronPolicyWorkerBase)``."""
+
+    r3_config: Optional[ReplayConfig] = None
+
+    def init_configs(self, model_path, megatron_config, *args, **kwargs):
+        mc = copy.copy(megatron_config)
+        mc.moe_enable_routing_replay = False       # megatron's RouterReplay + SkyRL's patches stay off
+        return super().init_configs(model_path, mc, *args, **kwargs)
+
+    def init_model(self, *args, **kwargs):
+        out = super().init_model(*args, **kwargs)
+        self.r3_config = replay_config(self.r3_config)
+        replay = replay_for(self.actor_module, self.r3_config, self.strategy.hf_config)
+        w = self.model
+        self.model = model_wrapper_class(type(w))(config=w.cfg, actor_module=w.actor_module,
+                                                  actor_optimizer=w.actor_optimizer, policy_loss_fn=w.policy_loss_fn,
+                                                  is_vlm=w.is_vlm, r3_replay=replay)
+        # SkyRL copies rollout_expert_indices into its micro-batches only with this flag on
+        self.enable_router_replay = self.r3_config.replay_mode is not ReplayMode.OFF
+        return out
+
+    def forward(self, data, loss_fn=None, loss_fn_config=None):
+        mode = replay_config(self.r3_config).replay_mode
+        if mode is not ReplayMode.R2 or loss_fn is not None:
+            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        if data.get(ROUTES_KEY) is not None:
+            raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries rollout "
+                              "routes: set generator.inference_engine.enable_return_routed_experts=False")
+        attn = data["attention_mask"]
+        ids = (torch.arange(attn.shape[0], dtype=torch.int32) + _ID_BIAS).view(-1, 1, 1, 1)
+        data[ROUTES_KEY] = ids.expand(attn.shape[0], attn.shape[1], 1, 1).contiguous()
+        try:
+            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        finally:
+            data[ROUTES_KEY] = None
+        rec = self.model.r3.recorded
+        if rec is None or rec.num_seqs != len(out.loss_fn_outputs):
+            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
+                                   f"{len(out.loss_fn_outputs)} samples")
+        for i, o in enumerate(out.loss_fn_outputs):
+            o[RECORDED_KEY] = rec.select([i]).to_bytes()
+        return out
+
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
+        mark = (data.metadata or {}).get(ROUTES_MARK)
+        mode = replay_config(self.r3_config).replay_mode
+        if mode is ReplayMode.R2 and mark != "recorded":
+            raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
+                              "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
+        self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
+        return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+
+
+class TrainerMixin:
+    """``class MyTrainer(TrainerMixin, RayPPOTrainer)``: R2's recorded routes go back into the batch."""
+
+    r3_config: Optional[ReplayConfig] = None
+
+    def _execute_forward_pass(self, model, data_fwd_pass, key, mini_batch_boundaries):
+        if model != "policy" or replay_config(self.r3_config).replay_mode is not ReplayMode.R2:
+            return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
+        to_tensor = import_skyrl("skyrl.backends.skyrl_train.distributed.dispatch").loss_fn_outputs_to_tensor
+        outputs: list = []
+        if self.cfg.trainer.recompute_old_logprobs_per_minibatch and mini_batch_boundaries:
+            for refs in self.dispatch.stage_data(model, data_fwd_pass, mini_batch_boundaries):
+                outputs.extend(self.dispatch.forward_from_staged(model, refs).loss_fn_outputs)
+        else:
+            outputs = list(self.dispatch.forward(model, data_fwd_pass).loss_fn_outputs)
+        self._r3_recorded = ReplayBatch.concat([ReplayBatch.from_bytes(o.pop(RECORDED_KEY)) for o in outputs])
+        return to_tensor(outputs, key=key)
+
+    def fwd_logprobs_values_reward(self, training_input):
+        self._r3_recorded = None
+        out = super().fwd_logprobs_values_reward(training_input)
+        rec = self._r3_recorded
+        if replay_config(self.r3_config).replay_mode is ReplayMode.R2:
+            if rec is None:
+                raise ReplayStateError("replay_mode=R2 but the policy forward recorded no routes (skipped forward? "
+                                       "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
+            from r3bridge.hf import num_hidden_layers_from_hf_config
+            n = num_hidden_layers_from_hf_config(self._r3_hf_config())
+            for k, v in training_batch_fields(rec, training_input["attention_mask"], num_hidden_layers=n).items():
+                training_input[k] = v
+            training_input.metadata[ROUTES_MARK] = "recorded"
+        return out
+
+    def _r3_hf_config(self):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(self.cfg.trainer.policy.model.path, trust_remote_code=True)

@@ -1,0 +1,110 @@
+"""Shared helpers of the benchmark scripts (not a test, not part of the package)."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+
+def machine_info() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        info["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    for name in ("megatron.core", "verl"):
+        try:
+            mod = __import__(name, fromlist=["__version__"])
+            info[name] = getattr(mod, "__version__", "?")
+        except Exception:                       # noqa: BLE001 - informational only
+            pass
+    return info
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+@contextlib.contextmanager
+def parallel_state(*, tp: int = 1, cp: int = 1, cp_rank: int = 0):
+    """Answer megatron parallel_state's size/rank getters (read by verl and SkyRL packers)
+    without a process group."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state as ps
+    with contextlib.ExitStack() as st:
+        st.enter_context(mock.patch.object(ps, "get_tensor_model_parallel_world_size", return_value=tp))
+        st.enter_context(mock.patch.object(ps, "get_context_parallel_world_size", return_value=cp))
+        st.enter_context(mock.patch.object(ps, "get_context_parallel_rank", return_value=cp_rank))
+        yield
+
+
+def load_skyrl_replay_utils():
+    """Load ``skyrl/backends/skyrl_train/utils/replay_utils.py`` from the installed skyrl 0.3.0
+    wheel without running ``skyrl/__init__.py`` (it fails to import on Python 3.11: pydantic
+    refuses ``typing.TypedDict``).
+
+    Stubbed: only the *package* modules ``skyrl``, ``skyrl.backends``,
+    ``skyrl.backends.skyrl_train``, ``...distributed``, ``...distributed.megatron`` and
+    ``...utils`` (empty modules whose ``__path__`` points at the real folders, so no package
+    ``__init__`` runs). ``packing_utils.py`` (what replay_utils imports) and ``replay_utils.py``
+    themselves are the real files, loaded with ``spec_from_file_location``.
+    """
+    spec = importlib.util.find_spec("skyrl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("skyrl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    pkgs = {
+        "skyrl": root,
+        "skyrl.backends": root / "backends",
+        "skyrl.backends.skyrl_train": root / "backends" / "skyrl_train",
+        "skyrl.backends.skyrl_train.distributed": root / "backends" / "skyrl_train" / "distributed",
+        "skyrl.backends.skyrl_train.distributed.megatron": root / "backends" / "skyrl_train" / "distributed" / "megatron",
+        "skyrl.backends.skyrl_train.utils": root / "backends" / "skyrl_train" / "utils",
+    }
+    for name, path in pkgs.items():
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = [str(path)]
+            sys.modules[name] = m
+
+    def load(name: str, path: Path):
+        s = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(s)
+        sys.modules[name] = mod
+        s.loader.exec_module(mod)
+        return mod
+
+    load("skyrl.backends.skyrl_train.distributed.megatron.packing_utils",
+         pkgs["skyrl.backends.skyrl_train.distributed.megatron"] / "packing_utils.py")
+    return load("skyrl.backends.skyrl_train.utils.replay_utils",
+                pkgs["skyrl.backends.skyrl_train.utils"] / "replay_utils.py")

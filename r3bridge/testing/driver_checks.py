@@ -1,0 +1,165 @@
+"""Misuse and peer-bug scenarios of the Megatron driver, run on one real CPU model (one rank).
+
+``run_driver_checks`` returns, per scenario, what happened: the exception type and message, or
+the observations the test asserts on. Each scenario is a peer bug of field-notes section 8 or a
+guard of design principle 6.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from r3bridge.testing.data import make_packed_batch
+from r3bridge.testing.dist import RankContext
+from r3bridge.testing.models import ModelSpec, build_model_chunks
+from r3bridge.testing.probe import RoutingProbe
+from r3bridge.testing.replay_grid import _install_step, make_routes
+from r3bridge.testing.schedule import make_forward_step, run_schedule
+
+GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {
+    "fused_router": ("moe_router_fusion", True),
+    "sinkhorn": ("moe_router_load_balancing_type", "sinkhorn"),
+    "capacity_factor": ("moe_expert_capacity_factor", 1.0),
+    "pad_to_capacity": ("moe_pad_expert_input_to_capacity", True),
+    "forced_balancing": ("moe_router_force_load_balancing", True),
+    "router_cuda_graph": ("cuda_graph_impl", "local"),
+    "partial_recompute": ("num_microbatches_with_partial_activation_checkpoints", 1),
+    "overlapped_1f1b": ("overlap_moe_expert_parallel_comm", True),
+    "megatron_replay_on": ("moe_enable_routing_replay", True),
+}
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        value = fn()
+        return {"ok": True, "value": value}
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return {"ok": False, "type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e), "trace": traceback.format_exc()[-2000:]}
+
+
+def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
+    from r3bridge.megatron import Replayer
+
+    spec = ModelSpec()
+    out: dict[str, Any] = {}
+    fs = make_forward_step(ctx, thd=False)
+    b0 = make_packed_batch([13, 7, 20], spec.vocab_size, 1)
+    b1 = make_packed_batch([9, 15, 11], spec.vocab_size, 2, pad_to=40)
+    ids = {id(b0): [0, 1, 2], id(b1): [3, 4, 5]}
+
+    # --- orphan routers: a decoder built twice; only the chunks handed to the Replayer replay
+    orphan = build_model_chunks(spec, ctx)
+    chunks = build_model_chunks(spec, ctx)
+    config = chunks[0].config
+
+    # --- guards: each option alone makes Replayer() refuse
+    for name, (field, value) in GUARDED_OPTIONS.items():
+        old = getattr(config, field)
+        extra = {}
+        if field == "cuda_graph_impl":
+            extra = {"cuda_graph_scope": []}
+        olds = {k: getattr(config, k) for k in extra}
+        setattr(config, field, value)
+        for k, v in extra.items():
+            setattr(config, k, v)
+        try:
+            out[f"guard_{name}"] = _outcome(lambda: Replayer(chunks))
+        finally:
+            setattr(config, field, old)
+            for k, v in olds.items():
+                setattr(config, k, v)
+
+    rep = Replayer(chunks)
+    layout = rep.layout
+    routes0 = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 11)
+    routes1 = make_routes(layout, b1.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
+    by = {id(b0): routes0, id(b1): routes1}
+
+    with RoutingProbe(orphan) as orphan_probe, RoutingProbe(chunks) as probe:
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            run_schedule(chunks, [b0], _install_step(st, fs, by, ids), forward_only=True)
+        run_schedule(orphan, [b0], fs, forward_only=True)
+    out["orphan"] = {
+        "orphan_hooks": [r.router_replay is not None for c in orphan for r in _routers(c)],
+        "orphan_topk": [c.topk().tolist() for c in orphan_probe.calls],
+        "replayed_topk": [c.topk().tolist() for c in probe.calls],
+        "targets": {lid: routes0.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(routes0.layer_ids)},
+        "unmanaged": rep.unmanaged_calls,
+    }
+
+    # --- forward without install under replay; install twice without a forward
+    def forward_without_install():
+        with rep.step("replay", forward_only=True, source="rollout"):
+            run_schedule(chunks, [b0], fs, forward_only=True)
+    out["forward_without_install"] = _outcome(forward_without_install)
+
+    def install_twice():
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            st.install(chunks[0], routes0, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
+            st.install(chunks[0], routes0, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
+    out["install_twice"] = _outcome(install_twice)
+
+    # --- targets whose row count differs from what the router sees
+    def wrong_rows():
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            def bad_step(it, model):
+                batch = next(it)
+                st.install(model, routes1, b1.seq_lens)   # b1's plan for b0's tokens
+                return fs(iter([batch]), model)
+            run_schedule(chunks, [b0], bad_step, forward_only=True)
+    out["wrong_rows"] = _outcome(wrong_rows)
+
+    # --- R2 update fed rollout routes; R3 fed recorded routes
+    def r2_with_rollout():
+        with rep.step("replay", forward_only=False, source="recorded") as st:
+            st.install(chunks[0], routes0, b0.seq_lens)
+    out["r2_with_rollout_routes"] = _outcome(r2_with_rollout)
+
+    # --- an exception mid-schedule leaves no stale target for the next step
+    def raise_mid_schedule():
+        with rep.step("replay", forward_only=False, source="rollout") as st:
+            calls = {"n": 0}
+            def step_fn(it, model):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    st.install(model, routes1, b1.seq_lens, cu_seqlens_padded=b1.cu_seqlens_padded)
+                    raise RuntimeError("data loader failed after install")
+                return _install_step(st, fs, by, ids)(it, model)
+            run_schedule(chunks, [b0, b1], step_fn, forward_only=False)
+    first = _outcome(raise_mid_schedule)
+    state_after = rep.active_step is None
+    with RoutingProbe(chunks) as probe2:
+        with rep.step("replay", forward_only=False, source="rollout") as st:
+            run_schedule(chunks, [b1], _install_step(st, fs, by, ids), forward_only=False)
+    out["stale_after_exception"] = {
+        "first": first, "state_clean": state_after,
+        "next_topk": [c.topk().tolist() for c in probe2.calls],
+        "targets": {lid: routes1.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(routes1.layer_ids)},
+    }
+
+    # --- rows without a route are routed natively, row by row
+    with RoutingProbe(chunks) as native_probe:
+        run_schedule(chunks, [b0], fs, forward_only=True)
+    half = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 11, invalid_every=2)
+    with RoutingProbe(chunks) as mixed_probe:
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            run_schedule(chunks, [b0], _install_step(st, fs, {id(b0): half}, ids), forward_only=True)
+    out["invalid_rows_native"] = {
+        "native": [c.topk().tolist() for c in native_probe.calls],
+        "mixed": [c.topk().tolist() for c in mixed_probe.calls],
+        "valid_seq0": half.sequence(0)[1].tolist(),
+        "metrics": st.metrics,
+    }
+
+    # --- version check: the running megatron-core passes
+    from r3bridge.megatron import check_megatron
+    out["version_ok"] = _outcome(check_megatron)
+    return out
+
+
+def _routers(chunk) -> list:
+    from r3bridge.megatron.discovery import find_routers
+    return list(find_routers([chunk])[0].routers.values())

@@ -1,0 +1,91 @@
+"""Driver guards and the peer bugs of field-notes section 8 on a real CPU megatron model."""
+from __future__ import annotations
+
+import pytest
+
+from r3bridge.testing.driver_checks import GUARDED_OPTIONS, run_driver_checks
+from r3bridge.testing.dist import spawn
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return spawn(run_driver_checks, world_size=1, timeout=900)[0]
+
+
+def _raised(outcome, error: str, *words: str) -> None:
+    assert not outcome["ok"], f"expected {error}, nothing was raised"
+    assert error in outcome["mro"] and "ReplayError" in outcome["mro"], outcome["trace"]
+    for w in words:
+        assert w in outcome["message"], outcome["message"]
+
+
+@pytest.mark.parametrize("name", sorted(GUARDED_OPTIONS))
+def test_inexact_configs_are_refused(checks, name):
+    field = GUARDED_OPTIONS[name][0]
+    _raised(checks[f"guard_{name}"], "ConfigError", field)
+
+
+def test_orphan_routers_are_never_touched(checks):
+    o = checks["orphan"]
+    assert not any(o["orphan_hooks"]), "a decoder built twice got replay hooks (verl #7340)"
+    n = len(o["targets"])
+    replayed = o["replayed_topk"][:n]
+    for (lid, want), got in zip(sorted(o["targets"].items()), replayed):
+        assert got[: len(want)] == want, f"layer {lid} did not replay its targets"
+    # the orphan decoder routed natively: its choice differs from the random targets
+    assert o["orphan_topk"][0][:10] != replayed[0][:10]
+    assert o["unmanaged"] == 0
+
+
+def test_forward_without_install_is_an_error(checks):
+    _raised(checks["forward_without_install"], "ReplayStateError", "without install")
+
+
+def test_install_twice_without_forward_is_an_error(checks):
+    _raised(checks["install_twice"], "ReplayStateError", "never ran forward")
+
+
+def test_row_count_mismatch_names_layer_and_rank(checks):
+    _raised(checks["wrong_rows"], "ReplayStateError", "layer", "rows", "tp=0")
+
+
+def test_r2_update_refuses_rollout_routes(checks):
+    _raised(checks["r2_with_rollout_routes"], "ConfigError", "recorded")
+
+
+def test_exception_mid_schedule_leaves_no_stale_target(checks):
+    s = checks["stale_after_exception"]
+    assert not s["first"]["ok"] and "data loader failed" in s["first"]["message"]
+    assert s["state_clean"]
+    # the next step replays its own routes, not the stale micro-batch of the failed step
+    for (lid, want), got in zip(sorted(s["targets"].items()), s["next_topk"]):
+        assert got[: len(want)] == want, f"layer {lid}: stale target replayed"
+
+
+def test_rows_without_route_are_routed_natively(checks):
+    r = checks["invalid_rows_native"]
+    valid = r["valid_seq0"]
+    for native, mixed in zip(r["native"], r["mixed"]):
+        for row, ok in enumerate(valid):
+            if not ok:
+                assert mixed[row] == native[row], f"row {row} without a route was not routed natively"
+    replayed_rows = [row for row, ok in enumerate(valid) if ok]
+    assert any(m[row] != n[row] for m, n in zip(r["mixed"], r["native"]) for row in replayed_rows), \
+        "rows with a route must be replayed, not routed natively"
+    assert r["metrics"]["r3bridge/native_rows"] > 0
+    assert 0.3 < r["metrics"]["r3bridge/coverage"] < 0.7
+
+
+def test_megatron_version_check_passes_on_016(checks):
+    assert checks["version_ok"]["ok"]
+
+
+def test_old_megatron_is_refused(monkeypatch):
+    from megatron.core import package_info
+
+    from r3bridge import ConfigError
+    from r3bridge.megatron import check_megatron
+
+    monkeypatch.setattr(package_info, "MINOR", 15)
+    with pytest.raises(ConfigError, match="0.16"):
+        check_megatron()
