@@ -137,7 +137,7 @@ def _check_probe(probe: RoutingProbe, batches, routes, ctx, sp, recompute: bool,
                 continue
             for m, call in enumerate(seq):
                 want, valid = expected_rows(batches[m], routes[m], ctx, sp, lid)
-                got = call.topk()
+                got = call.topk().cpu()
                 if got.shape != want.shape:
                     errors.append(f"layer {lid} mb {m} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
                 elif not torch.equal(got[valid], want[valid]):
@@ -151,17 +151,23 @@ def _count_tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-def run_cell(ctx: RankContext, cell: Cell, serial: bool) -> dict[str, Any]:
+def run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -> dict[str, Any]:
     """Everything one rank does for one cell (see module docstring)."""
-    from r3bridge.megatron import Replayer
-
     try:
-        return _run_cell(ctx, cell, serial)
+        return _run_cell(ctx, cell, serial, device)
     except Exception:  # noqa: BLE001 - reported per cell
         return {"error": traceback.format_exc()}
 
 
-def _run_cell(ctx: RankContext, cell: Cell, serial: bool) -> dict[str, Any]:
+def batch_to(batch: PackedBatch, device: str) -> PackedBatch:
+    if device == "cpu":
+        return batch
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
+                                         for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
     spec = cell.spec
@@ -169,13 +175,15 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool) -> dict[str, Any]:
         spec = dataclasses.replace(spec, num_layers_in_first_pipeline_stage=None,
                                    num_layers_in_last_pipeline_stage=None)
     chunks = build_model_chunks(spec, ctx)
+    if device != "cpu":
+        chunks = [c.to(device) for c in chunks]
     rep = Replayer(chunks)
     layout = rep.layout
     sp = bool(layout.sequence_parallel)
     thd = spec.attention == "identity"
     align = align_for(ctx.tp, ctx.cp)
     pad_to = max(sum(-(-n // align) * align for n in lens) for lens in SEQ_LENS)
-    batches = [make_packed_batch(lens, spec.vocab_size, 100 + m, align=align, pad_to=pad_to)
+    batches = [batch_to(make_packed_batch(lens, spec.vocab_size, 100 + m, align=align, pad_to=pad_to), device)
                for m, lens in enumerate(SEQ_LENS)]
     routes = [make_routes(layout, lens, spec.num_moe_experts, spec.moe_router_topk, 7 + m,
                           cell.invalid_every if m == 1 else 0) for m, lens in enumerate(SEQ_LENS)]
@@ -210,6 +218,7 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool) -> dict[str, Any]:
     with rep.step("replay", forward_only=True, source="recorded") as st2:
         res_b = run_schedule(chunks, batches, _install_step(st2, collect, rec_by_batch, ids), forward_only=True)
     out["r2_logits_equal"] = all(torch.equal(a.logits, b.logits) for a, b in zip(res_a, res_b))
+    out["r2_logits_maxdiff"] = max([float((a.logits.float() - b.logits.float()).abs().max()) for a, b in zip(res_a, res_b)] or [0.0])
     out["r2_logits_compared"] = len(res_a)
     out["r2_agreement"] = st2.metrics.get("r3bridge/agreement/mean")
     out["recorded"] = recorded.to_bytes()

@@ -49,7 +49,7 @@ def _gather_logits(local: torch.Tensor, batch: PackedBatch, ctx: "RankContext") 
         return x
     parts = [torch.empty_like(x) for _ in range(ctx.cp)]
     torch.distributed.all_gather(parts, x.contiguous(), group=ps.get_context_parallel_group())
-    full = torch.empty(batch.total, x.shape[-1], dtype=x.dtype)
+    full = torch.empty(batch.total, x.shape[-1], dtype=x.dtype, device=x.device)
     for r, part in enumerate(parts):
         full[cp_zigzag_index(batch.padded_lens, ctx.cp, r)] = part
     return full
