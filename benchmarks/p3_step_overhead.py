@@ -57,7 +57,9 @@ def build(args):
         variable_seq_lengths=True)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=32000,
-                     max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
+                     max_sequence_length=args.seq_len, position_embedding_type="rope")
+    # local-spec norms are torch LayerNorms created in fp32; Float16Module would cast them
+    model = model.to(device="cuda", dtype=torch.bfloat16)
     return cfg, model
 
 

@@ -41,11 +41,11 @@ import contextlib
 
 import torch
 
-from r3bridge.errors import ReplayStateError
+from r3bridge.errors import CoverageError, ReplayStateError
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["RolloutIngest", "BatchCodec", "MicroBatchHook", "MicroBatchTargets",
-           "install_before_forward", "drop_final_invalid_rows"]
+           "install_before_forward", "drop_final_invalid_rows", "canonical_form"]
 
 
 @runtime_checkable
@@ -154,3 +154,25 @@ def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
     return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
                                    source=rb.source, policy_versions=rb.policy_versions)
+
+
+def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
+    """Extend each sequence (start 0) with invalid rows up to its token count, then drop a final
+    row without a route: the canonical trainer-side form shared by every adapter."""
+    if any(s != 0 for s in rb.start_rows):
+        raise CoverageError("canonical form needs routes starting at token 0")
+    lens = [int(n) for n in seq_lens]
+    if len(lens) != rb.num_seqs:
+        raise CoverageError(f"{len(lens)} seq_lens for {rb.num_seqs} sequences")
+    seqs, valids = [], []
+    for i, n in enumerate(lens):
+        r, v = rb.sequence(i)
+        if r.shape[0] > n:
+            raise CoverageError(f"sequence {i}: {r.shape[0]} route rows for {n} tokens")
+        pad = n - r.shape[0]
+        seqs.append(torch.cat([r, torch.zeros((pad,) + tuple(r.shape[1:]), dtype=r.dtype)]))
+        valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool)]))
+    full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
+                                   layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
+                                   source=rb.source)
+    return drop_final_invalid_rows(full)

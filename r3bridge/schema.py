@@ -386,7 +386,8 @@ def _ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
     seg_start = torch.cumsum(lengths, 0) - lengths
-    rep_start = torch.repeat_interleave(starts.to(torch.int64) - seg_start, lengths)
+    # output_size: no size sync on GPU, and ~10x less CPU time for small inputs
+    rep_start = torch.repeat_interleave(starts.to(torch.int64) - seg_start, lengths, output_size=total)
     return torch.arange(total, dtype=torch.int64) + rep_start
 
 

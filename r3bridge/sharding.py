@@ -128,12 +128,12 @@ def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank
         chunk = padded // (2 * cp)
         # per sequence two segments (chunk r, chunk 2cp-1-r), in sequence order
         seg_start = torch.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
-        seg_len = chunk.repeat_interleave(2)
+        seg_len = chunk.repeat_interleave(2, output_size=2 * n)
         pos = _ragged_arange(seg_start, seg_len)
-        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(2 * chunk)
+        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(2 * chunk, output_size=pos.numel())
     else:
         pos = _ragged_arange(torch.zeros(n, dtype=torch.int64), padded)
-        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded)
+        seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded, output_size=pos.numel())
     lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
     return seq[lo:hi], pos[lo:hi]
 
@@ -196,31 +196,41 @@ def _lookup(rb: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: tor
     return row, valid
 
 
-def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -> torch.Tensor:
     """``src[row][:, cols].permute(1, 0, 2).contiguous()`` (``[nl, T, K]``, src's narrow dtype).
 
-    Speed (P1 in docs/benchmarks.md): an element-wise gather of 1-byte ids is slow, so the
-    ``K`` ids of one (row, layer) are moved as a few machine words instead: ``src`` is viewed as
-    ``[rows, L, n_words]`` of the widest int type dividing ``K * itemsize`` bytes (one int64 per
-    (row, layer) for top-8 uint8), gathered and transposed in that form, and viewed back. The
-    bytes are never reinterpreted, only moved, so the result is identical. Falls back to the
-    plain gather when ``src`` cannot be viewed that way (non-contiguous, misaligned offset).
+    Speed (P1 in docs/benchmarks.md), same result:
+
+    * an element-wise gather of 1-byte ids is slow, so the ``K`` ids of one (row, layer) are
+      moved as machine words: ``src`` is viewed as ``[rows, L, n_words]`` of the widest int type
+      dividing ``K * itemsize`` bytes (one int64 per (row, layer) for top-8 uint8), gathered and
+      transposed in that form, and viewed back (bytes are moved, never reinterpreted);
+    * a stage's layers are usually consecutive columns: slice them first (a view) and gather
+      only their bytes with ``index_select`` (advanced indexing with two index tensors is ~20x
+      slower on CPU).
+
+    Falls back to plain element gathers when ``src`` cannot be viewed as words (non-contiguous,
+    misaligned storage offset).
     """
     rows, L, k = src.shape
     nbytes = k * src.element_size()
-    word = next(w for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-                if nbytes % w == 0)
-    word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-    if src.is_contiguous() and word > src.element_size():
+    word, word_dtype = next((w, dt) for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
+                                                   (1, torch.uint8)) if nbytes % w == 0)
+    words = src
+    if word > src.element_size() and src.is_contiguous():
         try:
             words = src.view(rows, L * k).view(word_dtype).view(rows, L, nbytes // word)
-        except RuntimeError:       # storage offset not aligned to the word size
-            words = None
-        if words is not None:
-            g = words[row[:, None], cols[None, :]]                    # [T, nl, n_words]
-            g = g.permute(1, 0, 2).contiguous()                       # [nl, T, n_words]
-            return g.view(torch.uint8).view(src.dtype).view(len(cols), row.numel(), k)
-    return src.index_select(0, row).index_select(1, cols).permute(1, 0, 2).contiguous()
+        except RuntimeError:       # storage offset not aligned to the word size: keep elements
+            words = src
+    c0 = cols[0]
+    if cols == list(range(c0, c0 + len(cols))):
+        part = words[:, c0:c0 + len(cols)].index_select(0, row)          # [T, nl, n]
+    else:
+        part = words.index_select(0, row).index_select(1, torch.tensor(cols, device=src.device))
+    g = part.permute(1, 0, 2).contiguous()                                # [nl, T, n]
+    if words is not src:
+        g = g.view(torch.uint8).view(src.dtype).view(len(cols), row.numel(), k)
+    return g
 
 
 def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, tp_rank: int = 0,
@@ -251,7 +261,7 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     if not want:
         return ShardedTargets({}, valid.to(dev), (), k)
     src = rb.routes
-    cols = torch.tensor([col_of[x] for x in want], dtype=torch.int64, device=src.device)
+    cols = [col_of[x] for x in want]
     # Gather the compact (uint8/int16) rows and layers first, transpose to [nl, T, K] while still
     # narrow, then widen to int64 in one contiguous pass (on ``dev``).
     if src.shape[0] == 0:

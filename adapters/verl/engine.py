@@ -165,8 +165,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             except ImportError:
                 return out
             train = no_padding_2_padding(logp, data).float()
-            rollout = data["rollout_log_probs"].to(train.device).float()
-            mask = data["response_mask"].to(train.device).bool()
+            rollout = _padded(data["rollout_log_probs"], train).float()
+            mask = _padded(data["response_mask"], train).bool()
             if train.shape == rollout.shape == mask.shape:
                 # verl's padded response layout: column j is response token j for both, the last
                 # sampled token included (its logits come from the row before): nothing to drop.
@@ -207,6 +207,15 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                                              use_fp8_padding=fp8 in ("e4m3", "hybrid"),
                                              cp_layout=self._get_context_parallel_layout(unwrapped))
         return params.cu_seqlens_q_padded.cpu()
+
+
+def _padded(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-response field as ``like``'s padded ``[batch, max_response]`` (TransferQueue mode keeps
+    responses nested)."""
+    x = x.to(like.device)
+    if getattr(x, "is_nested", False):
+        x = x.to_padded_tensor(0, output_size=tuple(like.shape))
+    return x
 
 
 def _unwrap(model):

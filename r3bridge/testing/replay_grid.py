@@ -176,7 +176,10 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
                                    num_layers_in_last_pipeline_stage=None)
     chunks = build_model_chunks(spec, ctx)
     if device != "cpu":
-        chunks = [c.to(device) for c in chunks]
+        # without megatron's Float16Module wrapper, local-spec norms (torch LayerNorm) stay fp32:
+        # cast the whole chunk to the configured dtype, as the wrapper would
+        dtype = torch.bfloat16 if spec.extra_config.get("bf16") else None
+        chunks = [c.to(device=device, dtype=dtype) for c in chunks]
     rep = Replayer(chunks)
     layout = rep.layout
     sp = bool(layout.sequence_parallel)

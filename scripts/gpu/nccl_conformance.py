@@ -52,7 +52,7 @@ def worker(rank: int, world: int, port: int, names: list[str], q) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     torch.distributed.init_process_group("nccl", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=300),
+                                         timeout=datetime.timedelta(seconds=90),
                                          device_id=torch.device("cuda", rank))
     results = {}
     for cell in gpu_cells(names):

@@ -237,6 +237,16 @@ def test_mismatch_metrics_and_other_stages():
     for k, v in want.items():
         assert m[k] == [pytest.approx(v)]
     assert m["r3bridge/old_log_prob/coverage"] == [1.0] and "r3bridge/update/mismatch/k3_kl" in m
+    # TransferQueue mode keeps per-response fields nested: same numbers
+    lens = td["response_mask"].sum(1)
+    for key in ("rollout_log_probs", "response_mask"):
+        dense = td[key]
+        td[key] = torch.nested.as_nested_tensor([dense[i, :n] for i, n in enumerate(lens.tolist())],
+                                                layout=torch.jagged)
+    eng.forward_backward_batch(td, None, forward_only=True)
+    m2 = eng.forward_backward_batch(td, None, forward_only=False)["metrics"]
+    for k, v in want.items():
+        assert m2[k] == [pytest.approx(v)]
     # a rank that is not the last pipeline stage gets no output from verl: nothing to add
     mid = make_engine("R3", last_stage=False)
     assert mid.forward_backward_batch(batch(), None, forward_only=True) == {}

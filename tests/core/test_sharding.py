@@ -367,3 +367,45 @@ def test_unshard_detects_missing_stage_and_disagreeing_ranks():
     bad[(1, 0, 0, 0)] = r3bridge.ShardedTargets(idx, t.valid, t.layer_ids, t.topk)
     with pytest.raises(r3bridge.ReplayStateError, match="layer 0"):
         unshard(bad, lay, [6], num_experts=64)
+
+
+# ------------------------------------------------------------------------------ gather fast path
+@settings(max_examples=40, **SETTINGS)
+@given(data=st.data())
+def test_word_gather_equals_plain_gather(data):
+    """``shard`` moves the K ids of a (row, layer) as machine words; whatever the dtype, top-k,
+    column order, contiguity or storage offset, the result is the plain element gather."""
+    from r3bridge.sharding import _gather_layer_major
+
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.int32]))
+    k = data.draw(st.integers(1, 9))
+    L = data.draw(st.integers(1, 6))
+    rows = data.draw(st.integers(1, 20))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    base = torch.randint(0, 100, (rows + 1, L, k), generator=g).to(dtype)
+    kind = data.draw(st.sampled_from(["contiguous", "offset", "transposed"]))
+    if kind == "offset":
+        src = base.view(-1)[1:1 + rows * L * k].view(rows, L, k)      # storage offset of 1 element
+    elif kind == "transposed":
+        src = base[:rows].transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous
+    else:
+        src = base[:rows]
+    row = torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=30)))
+    cols = data.draw(st.lists(st.integers(0, L - 1), min_size=1, max_size=L, unique=True))
+    got = _gather_layer_major(src, row, cols)
+    want = src[row][:, cols].permute(1, 0, 2)
+    assert got.dtype == src.dtype and torch.equal(got, want)
+
+
+def test_shard_with_unsorted_batch_layer_order_and_layer_override():
+    layer_ids = [5, 1, 3, 0, 2, 4]
+    arr = tag_routes(0, 0, 9, layer_ids, 8, 128)
+    rb = ReplayBatch.from_ragged([arr], num_experts=128, layer_ids=layer_ids)
+    lay = ParallelLayout(6, 1, pp=2)
+    for pp, want in ((0, [0, 1, 2]), (1, [3, 4, 5])):
+        t = shard(rb, lay, [10], pp_rank=pp)
+        assert list(t.indices) == want
+        for lid in want:
+            assert np.array_equal(t.indices[lid][:9].numpy(), arr[:, layer_ids.index(lid)])
+    t = shard(rb, lay, [10], layer_ids=[4, 0])
+    assert list(t.indices) == [4, 0] and np.array_equal(t.indices[0][:9].numpy(), arr[:, 3])

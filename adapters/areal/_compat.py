@@ -1,0 +1,78 @@
+"""Importing AReaL 1.0.x modules without its whole agent stack.
+
+``import areal`` runs ``areal/__init__`` -> ``areal.infra`` -> workflow executor -> the OpenAI
+agent client (``openai``, ``litellm``, ...), which this adapter never uses. :func:`import_areal`
+imports normally and, if that fails, registers ``areal`` and ``areal.infra`` as bare package
+objects pointing at the real directories (their ``__init__`` is skipped, every submodule is
+AReaL's own file) and retries.
+
+``stub_binary_deps=True`` (tests only) also registers stand-ins for two compiled packages that
+AReaL imports at module level but the imported code paths never need: ``uvloop`` (whose
+``install()`` at ``areal.api.cli_args`` import would change the process-wide asyncio policy; the
+stand-in's is a no-op) and ``numba`` (``@numba.njit`` becomes the identity: same results, pure
+Python speed). Product code never passes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import os
+import sys
+import types
+
+_SHIMMED = ("areal", "areal.infra")
+
+
+def _stub_binary_deps() -> list[str]:
+    done = []
+    if importlib.util.find_spec("uvloop") is None and "uvloop" not in sys.modules:
+        m = types.ModuleType("uvloop")
+        m.install = lambda: None                       # type: ignore[attr-defined]
+        m.new_event_loop = asyncio.new_event_loop      # type: ignore[attr-defined]
+        m.run = asyncio.run                            # type: ignore[attr-defined]
+        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
+        sys.modules["uvloop"] = m
+        done.append("uvloop")
+    if importlib.util.find_spec("numba") is None and "numba" not in sys.modules:
+        m = types.ModuleType("numba")
+
+        def njit(*a, **k):
+            if len(a) == 1 and callable(a[0]) and not k:
+                return a[0]
+            return lambda f: f
+        m.njit = njit                                  # type: ignore[attr-defined]
+        m.jit = njit                                   # type: ignore[attr-defined]
+        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
+        sys.modules["numba"] = m
+        done.append("numba")
+    return done
+
+
+def _shim_packages() -> None:
+    spec = importlib.util.find_spec("areal")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("areal is not installed")
+    root = list(spec.submodule_search_locations)[0]
+    for name in _SHIMMED:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None) is not None and not hasattr(mod, "__r3bridge_shim__"):
+            continue                                   # the real package imported fine earlier
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.join(root, *name.split(".")[1:])]
+        pkg.__package__ = name
+        pkg.__r3bridge_shim__ = True                   # type: ignore[attr-defined]
+        sys.modules[name] = pkg
+
+
+def import_areal(name: str, *, stub_binary_deps: bool = False):
+    if stub_binary_deps:
+        _stub_binary_deps()
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
+            if sys.modules.get(mod) is None:
+                del sys.modules[mod]
+        _shim_packages()
+        return importlib.import_module(name)

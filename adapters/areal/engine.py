@@ -1,0 +1,307 @@
+"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch).
+
+Rollout:
+
+* :class:`SGLangEngineMixin` - ``class E(SGLangEngineMixin, RemoteSGLangEngine)``. Wraps the
+  engine's ``SGLangBackend`` (composition) so every ``parse_generation_response`` of one
+  ``agenerate`` call is seen, and replaces AReaL's blind ``np.concatenate`` of resubmitted
+  attempts with first-seen rows (``ModelResponse.routed_experts`` keeps AReaL's own format).
+* :class:`WorkflowMixin` - ``class W(WorkflowMixin, RLVRWorkflow)`` (or ``MultiTurnWorkflow``):
+  records the episode's ``ModelResponse``s through a per-episode engine proxy and adds
+  ``r3bridge_routes`` (one ``[1, L_moe, K, S]`` tensor) to the trajectory dict, turns stitched
+  parent-concat first-seen.
+
+Trainer:
+
+* :class:`PPOActorMixin` - ``class A(PPOActorMixin, PPOActor)``: sets the phase around
+  ``compute_logp`` (compute_log_prob) and ``ppo_update`` (update), adds the batch-level sample id
+  that lets the engine slice routes per micro-batch, and under R2 writes the recorded routes back
+  into each trajectory dict (``r3bridge_recorded``), where ``compute_advantages`` /
+  ``ppo_update`` carry them with their samples.
+* :class:`MegatronEngineMixin` - ``class M(MegatronEngineMixin, MegatronEngine)``: attaches the
+  driver after ``initialize``; ``_prepare_mb_list`` attaches to every padded micro-batch its own
+  ReplayBatch slice (explicit, in the micro-batch: no engine-level side channel, AReaL #1207);
+  ``forward_backward_batch`` opens one driver step and installs each (chunk, micro-batch) right
+  before the chunk's forward (every VPP chunk has its own hook: #1207 fed only the first chunk).
+  An engine whose actor never set a phase (the reference model) routes natively.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from r3bridge.adapters.areal.ingest import (
+    RECORDED_KEY,
+    ROUTES_KEY,
+    SAMPLE_KEY,
+    decode_sglang,
+    first_seen_rows,
+    replay_batch_from_tensor,
+    routes_from_responses,
+    trajectory_tensor,
+)
+from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.protocols import MicroBatchTargets, install_before_forward
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["replay_config", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin",
+           "PPOActorMixin", "MegatronEngineMixin", "MB_KEY"]
+
+MB_KEY = "r3bridge_mb"          # in each padded micro-batch: (ReplayBatch | None, seq_lens, sample_ids)
+_ATTEMPTS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("r3bridge_attempts", default=None)
+_PAD_ID = 10 ** 9
+
+
+def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
+    """Explicit config, else ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE``, else off."""
+    if isinstance(cfg, ReplayConfig):
+        return cfg
+    if cfg is not None:
+        return ReplayConfig.from_mapping(cfg)
+    raw = os.environ.get("R3BRIDGE_CONFIG")
+    if raw:
+        try:
+            return ReplayConfig.from_mapping(json.loads(raw))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"R3BRIDGE_CONFIG is not valid JSON ({e})") from None
+    return ReplayConfig(replay_mode=os.environ.get("R3BRIDGE_REPLAY_MODE", "off"))
+
+
+class ModelInfo:
+    """What the adapter needs to know about the model (from its HF config)."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_layers: int, topk: int) -> None:
+        self.num_experts, self.num_layers, self.topk = int(num_experts), int(num_layers), int(topk)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelInfo":
+        from r3bridge.hf import (moe_layer_ids_from_hf_config, num_experts_from_hf_config,
+                                 num_hidden_layers_from_hf_config, topk_from_hf_config)
+        return cls(num_experts=num_experts_from_hf_config(hf_config), moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
+                   num_layers=num_hidden_layers_from_hf_config(hf_config), topk=topk_from_hf_config(hf_config))
+
+
+# ------------------------------------------------------------------------------------ rollout
+class RecordingBackend:
+    """Delegates to AReaL's backend; keeps each parsed response's ``meta_info`` for the current
+    ``agenerate`` call (a context variable: concurrent requests never see each other's)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def parse_generation_response(self, response: dict) -> Any:
+        out = self.inner.parse_generation_response(response)
+        attempts = _ATTEMPTS.get()
+        if attempts is not None:
+            attempts.append(response.get("meta_info", {}))
+        return out
+
+
+class SGLangEngineMixin:
+    """Resubmit dedupe for ``RemoteSGLangEngine`` (AReaL 1.0.x)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        inner = self._engine                       # RemoteSGLangEngine composes a RemoteInfEngine
+        if not isinstance(inner.backend, RecordingBackend):
+            inner.backend = RecordingBackend(inner.backend)
+
+    async def agenerate(self, req: Any) -> Any:
+        token = _ATTEMPTS.set([])
+        try:
+            resp = await super().agenerate(req)
+            attempts = _ATTEMPTS.get()
+        finally:
+            _ATTEMPTS.reset(token)
+        with_routes = [m for m in attempts if m.get("routed_experts") is not None]
+        if with_routes:
+            arrays = [np.frombuffer(np.asarray(decode_sglang(m, num_layers=1, topk=1)).tobytes(), dtype=np.int32)
+                      .reshape(int(m["prompt_tokens"]) + int(m["completion_tokens"]) - 1, -1) for m in with_routes]
+            rows, disagree = first_seen_rows(arrays)
+            resp.routed_experts = rows             # AReaL's [tokens - 1, L_all*K] int32, now deduplicated
+            resp.r3bridge_resubmits = len(with_routes) - 1
+            resp.r3bridge_disagreeing_rows = disagree
+        return resp
+
+
+class _RecordingInferenceEngine:
+    def __init__(self, engine: Any, responses: list) -> None:
+        self._inner, self._responses = engine, responses
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def agenerate(self, req: Any) -> Any:
+        resp = await self._inner.agenerate(req)
+        self._responses.append(resp)
+        return resp
+
+
+class WorkflowMixin:
+    """Adds ``r3bridge_routes`` to the trajectory dict of any workflow whose ``arun_episode`` calls
+    ``engine.agenerate`` and returns ``input_ids`` ``[1, S]`` (RLVR, multi-turn)."""
+
+    r3_model: Optional[ModelInfo] = None
+
+    async def arun_episode(self, engine: Any, data: Any) -> Any:
+        responses: list = []
+        out = await super().arun_episode(_RecordingInferenceEngine(engine, responses), data)
+        if out is None or self.r3_model is None:
+            return out
+        ids = out["input_ids"]
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ConfigError("WorkflowMixin handles one trajectory per episode ([1, S] input_ids)")
+        tokens = ids[0].tolist()
+        m = self.r3_model
+        rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
+                                   topk=m.topk, moe_layer_ids=m.moe_layer_ids)
+        out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
+        return out
+
+
+# ------------------------------------------------------------------------------------ trainer
+class PPOActorMixin:
+    """Phases and R2 write-back for AReaL's ``PPOActor``."""
+
+    def compute_logp(self, data: list) -> Any:
+        mode = replay_config(getattr(self.engine, "r3_config", None)).replay_mode
+        out = super().compute_logp(data)
+        if mode is ReplayMode.R2 and getattr(self.engine, "r3_replay", None) is not None:
+            rec = self.engine.r3_recorded
+            sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
+            if rec is None or rec.num_seqs != sum(sizes):
+                raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
+                                       f"{sum(sizes)} samples")
+            from r3bridge.adapters.areal.ingest import batch_tensor
+            off = 0
+            for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
+                d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
+                off += g
+        return out
+
+    def _compute_logp(self, data: dict) -> Any:
+        return self._r3_phase(Phase.OLD_LOG_PROB, data, lambda: super(PPOActorMixin, self)._compute_logp(data))
+
+    def _ppo_update(self, data: dict) -> Any:
+        return self._r3_phase(Phase.UPDATE, data, lambda: super(PPOActorMixin, self)._ppo_update(data))
+
+    def _r3_phase(self, phase: Phase, data: dict, fn):
+        eng = self.engine
+        attn = data["attention_mask"]
+        data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
+        eng.r3_phase = phase
+        try:
+            return fn()
+        finally:
+            eng.r3_phase = None
+            data.pop(SAMPLE_KEY, None)
+
+
+class MegatronEngineMixin:
+    """Per-micro-batch replay for AReaL's ``MegatronEngine``."""
+
+    r3_config: Optional[ReplayConfig] = None
+    r3_phase: Optional[Phase] = None
+    r3_replay = None            # the Replayer (None: replay off or not attached)
+    r3_recorded: Optional[ReplayBatch] = None
+    r3_metrics: dict = {}
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().initialize(*args, **kwargs)
+        self.r3_attach(ModelInfo.from_hf_config(self.hf_config))
+        return out
+
+    def r3_attach(self, model: ModelInfo, layout=None) -> None:
+        self.r3_config = replay_config(self.r3_config)
+        self.r3_model = model
+        if self.r3_config.replay_mode is ReplayMode.OFF:
+            return
+        for flag, why in (("enable_tree_training", "tree training packs shared prefixes"),
+                          ("is_vision_model", "vision models run on padded [B, S] input"),
+                          ("use_padded_seq", "padded (BSHD) models are not wired")):
+            if getattr(self, flag, False):
+                raise ConfigError(f"r3bridge + AReaL: {flag} is not supported ({why})")
+        from r3bridge.megatron import Replayer
+        c = self.r3_config
+        self.r3_replay = Replayer(list(self.model), layout, agreement=c.agreement, min_coverage=c.min_coverage,
+                                  metrics_prefix=c.metrics_prefix)
+
+    def _r3_plan(self):
+        if self.r3_replay is None or self.r3_phase is None:
+            return None
+        plan = self.r3_config.plan(self.r3_phase)
+        return None if plan.action is Action.NATIVE else plan
+
+    def _prepare_mb_list(self, input_: dict) -> Any:
+        carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY) if k in input_}
+        mb_list = super()._prepare_mb_list(input_)
+        plan = self._r3_plan()
+        if plan is None:
+            return mb_list
+        sample = carried.get(SAMPLE_KEY)
+        if sample is None:
+            raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
+        key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+        if plan.action is Action.REPLAY and key not in carried:
+            hint = ("InferenceEngineConfig.return_routed_experts + WorkflowMixin" if key == ROUTES_KEY
+                    else "R2 routes are written back by PPOActorMixin.compute_logp")
+            raise ConfigError(f"replay_mode={self.r3_config.replay_mode.value}: the batch carries no {key!r} ({hint})")
+        gid_of_row = sample[:, 0].tolist()
+        fwd = mb_list.forward_indices or list(range(len(gid_of_row)))
+        off = 0
+        for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs):
+            n = int(mb["cu_seqlens"].numel()) - 1
+            gids = [gid_of_row[r] for r in fwd[off:off + n]]
+            off += n
+            lens = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+            routes = None
+            if plan.action is Action.REPLAY:     # explicit slice of this micro-batch's samples
+                routes = replay_batch_from_tensor(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
+                                                  moe_layer_ids=self.r3_model.moe_layer_ids,
+                                                  source="recorded" if key == RECORDED_KEY else "rollout")
+            n_pad = int(pmb["cu_seqlens"].numel()) - 1 - n      # AReaL's trailing page-padding "sequence"
+            if n_pad:
+                pad_len = int(pmb["cu_seqlens"][-1] - pmb["cu_seqlens"][-2])
+                lens = lens + [pad_len]
+                gids = gids + [_PAD_ID + off]
+                if routes is not None:
+                    empty = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
+                                                    [0], num_experts=routes.num_experts, layer_ids=routes.layer_ids,
+                                                    start_rows=[pad_len], source=routes.source)
+                    routes = ReplayBatch.concat([routes, empty])
+            pmb[MB_KEY] = (routes, lens, gids)
+        return mb_list
+
+    def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
+        plan = self._r3_plan()
+        if plan is None:
+            return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        items = [pmb.get(MB_KEY) for pmb in mb_list.padded_mbs]
+        if any(x is None for x in items):
+            raise ReplayStateError("micro-batches without r3bridge targets (built outside _prepare_mb_list?)")
+
+        def targets(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatchTargets:
+            routes, lens, gids = items[k]
+            return MicroBatchTargets(routes=routes, seq_lens=lens, format="thd", sample_ids=gids,
+                                     cu_seqlens_padded=mb_list.padded_mbs[k]["cu_seqlens"].cpu())
+
+        chunks = list(self.model)
+        with self.r3_replay.step(plan.action, forward_only=forward_only, source=plan.source) as step:
+            with install_before_forward(step, chunks, targets, len(items)):
+                out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        self.r3_metrics = dict(step.metrics)
+        if plan.action is Action.RECORD:
+            rec = step.recorded
+            real = sum(1 for _, _, g in items for x in g if x < _PAD_ID)
+            self.r3_recorded = rec.select(range(real))
+        return out
