@@ -42,9 +42,13 @@ def build_inputs(n_seqs, seq_len, num_layers, topk, num_experts, seed=0):
     import r3bridge
 
     g = torch.Generator().manual_seed(seed)
-    # random distinct top-k per (token, layer): argsort of random keys
-    full = torch.rand(n_seqs, seq_len, num_layers, num_experts, generator=g).argsort(-1)[..., :topk]
-    full = full.to(torch.uint8)                                  # [B, S, L, K]
+    # distinct top-k per (token, layer): a random offset plus a random stride coprime with E
+    # (cheap: an argsort over all experts would need GBs for this size)
+    off = torch.randint(0, num_experts, (n_seqs, seq_len, num_layers, 1), generator=g)
+    strides = torch.tensor([s for s in range(1, num_experts) if np.gcd(s, num_experts) == 1])
+    step = strides[torch.randint(0, len(strides), (n_seqs, seq_len, num_layers, 1), generator=g)]
+    full = (off + step * torch.arange(topk)) % num_experts
+    full = full.to(torch.uint8 if num_experts <= 256 else torch.int16)   # [B, S, L, K]
     rows = seq_len - 1                                            # vLLM: last sampled token has no row
     rb = r3bridge.ReplayBatch.from_packed(full[:, :rows].reshape(-1, num_layers, topk),
                                           [rows] * n_seqs, num_experts=num_experts,
@@ -66,11 +70,13 @@ def main(argv=None):
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--pp-rank", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch.set_num_threads for every contender (default 1: on a shared 2-core box "
+                         "multi-threaded small ops measure OpenMP barrier stalls, not the code; 0: torch's default)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
 
     import r3bridge

@@ -87,10 +87,17 @@ def main() -> None:
     pos = torch.arange(s).expand(b, s).cuda()
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s).cuda()
     layers = list(range(args.layers))
-    # engine-style routes: distinct random ids, last token of each sequence without a row
-    routes = torch.rand((b * (s - 1), len(layers), args.experts), generator=g).topk(args.topk, -1).indices
-    rb = r3bridge.ReplayBatch.from_packed(routes, [s - 1] * b, num_experts=args.experts, layer_ids=layers,
-                                          source="vllm")
+    # Replay the model's own routes (recorded once, last token of each sequence dropped as the
+    # engines do): the experts then see exactly the native token distribution, so the timing
+    # difference is the replay machinery alone, not a different expert load.
+    rec_rep = Replayer([model], agreement=False)
+    with torch.no_grad(), rec_rep.step("record", forward_only=True) as rs:
+        rs.install(model, None, [s] * b, format="bshd", seq_length=s)
+        model(tokens, pos, mask)
+    rec_rep.detach()
+    recorded = rs.recorded
+    rb = r3bridge.ReplayBatch.from_ragged([recorded.sequence(i)[0][:-1] for i in range(b)],
+                                          num_experts=args.experts, layer_ids=layers, source="vllm")
 
     def fwd_bwd():
         out = model(tokens, pos, mask, labels=tokens)

@@ -188,12 +188,16 @@ def _lookup(rb: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: tor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index into ``rb.routes`` (0 where uncovered) and validity, for each (seq, pos)."""
     starts = torch.tensor(rb.start_rows, dtype=torch.int64)
-    rows = torch.tensor(rb.rows_per_seq, dtype=torch.int64)
-    rel = pos - starts[seq]
-    covered = (rel >= 0) & (rel < rows[seq]) & (pos < seq_lens[seq])
-    row = torch.where(covered, rb.offsets[seq] + rel, torch.zeros_like(rel))
-    valid = covered & rb.valid.cpu()[row] if rb.total_rows else covered
-    return row, valid
+    # per-sequence [lo, hi) of covered token positions, clipped to the real tokens; and the
+    # packed row of position p is base + p. Three per-row gathers instead of five (P1).
+    lo = starts
+    hi = torch.minimum(starts + torch.tensor(rb.rows_per_seq, dtype=torch.int64), seq_lens)
+    base = rb.offsets[:-1] - starts
+    covered = (pos >= lo[seq]) & (pos < hi[seq])
+    row = torch.where(covered, base[seq] + pos, 0)
+    if rb.total_rows and not bool(rb.valid.all()):
+        covered &= rb.valid.cpu()[row]
+    return row, covered
 
 
 def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -> torch.Tensor:

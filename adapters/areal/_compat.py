@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -26,16 +27,18 @@ _SHIMMED = ("areal", "areal.infra")
 
 def _stub_binary_deps() -> list[str]:
     done = []
-    if importlib.util.find_spec("uvloop") is None and "uvloop" not in sys.modules:
+    if "uvloop" not in sys.modules and importlib.util.find_spec("uvloop") is None:
         m = types.ModuleType("uvloop")
+        m.__spec__ = importlib.machinery.ModuleSpec("uvloop", None)
         m.install = lambda: None                       # type: ignore[attr-defined]
         m.new_event_loop = asyncio.new_event_loop      # type: ignore[attr-defined]
         m.run = asyncio.run                            # type: ignore[attr-defined]
         m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
         sys.modules["uvloop"] = m
         done.append("uvloop")
-    if importlib.util.find_spec("numba") is None and "numba" not in sys.modules:
+    if "numba" not in sys.modules and importlib.util.find_spec("numba") is None:
         m = types.ModuleType("numba")
+        m.__spec__ = importlib.machinery.ModuleSpec("numba", None)
 
         def njit(*a, **k):
             if len(a) == 1 and callable(a[0]) and not k:
@@ -61,8 +64,16 @@ def _shim_packages() -> None:
         pkg = types.ModuleType(name)
         pkg.__path__ = [os.path.join(root, *name.split(".")[1:])]
         pkg.__package__ = name
+        pkg.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        pkg.__spec__.submodule_search_locations = list(pkg.__path__)
         pkg.__r3bridge_shim__ = True                   # type: ignore[attr-defined]
         sys.modules[name] = pkg
+    try:    # what areal/__init__ re-exports and the workflows import from it
+        wc = importlib.import_module("areal.infra.workflow_context")
+        sys.modules["areal"].workflow_context = wc              # type: ignore[attr-defined]
+        sys.modules["areal.infra"].workflow_context = wc        # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - only the workflows need it
+        pass
 
 
 def import_areal(name: str, *, stub_binary_deps: bool = False):

@@ -38,7 +38,7 @@ from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.protocols import MicroBatchTargets, install_before_forward
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["replay_config", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
+__all__ = ["replay_config", "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
            "RECORDED_KEY", "ROUTES_MARK"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
@@ -60,6 +60,14 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
         except json.JSONDecodeError as e:
             raise ConfigError(f"R3BRIDGE_CONFIG is not valid JSON ({e})") from None
     return ReplayConfig(replay_mode=os.environ.get("R3BRIDGE_REPLAY_MODE", "off"))
+
+
+def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
+    """R2 record pass: the sample ids travel in ``rollout_expert_indices`` (the one per-sample field
+    SkyRL copies into its micro-batches, also through token-based re-batching and padding), as an
+    ``[n, S, 1, 1]`` int32 of ``id + 1`` (SkyRL's padding samples are zeros)."""
+    ids = torch.as_tensor(list(sample_ids), dtype=torch.int32) + _ID_BIAS
+    return ids.view(-1, 1, 1, 1).expand(ids.numel(), int(seq_len), 1, 1).contiguous()
 
 
 class SkyRLReplay:
@@ -212,8 +220,7 @@ class PolicyWorkerMixin:
             raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries rollout "
                               "routes: set generator.inference_engine.enable_return_routed_experts=False")
         attn = data["attention_mask"]
-        ids = (torch.arange(attn.shape[0], dtype=torch.int32) + _ID_BIAS).view(-1, 1, 1, 1)
-        data[ROUTES_KEY] = ids.expand(attn.shape[0], attn.shape[1], 1, 1).contiguous()
+        data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
         try:
             out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
         finally:

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from r3bridge.testing.data import PackedBatch, align_for, make_packed_batch
-from r3bridge.testing.models import ModelSpec, build_model_chunks
+from r3bridge.testing.models import (
+    ModelSpec,
+    build_model_chunks,
+    canonical_state_dict,
+    load_reference_state,
+)
 from r3bridge.testing.probe import RoutingProbe, topk_indices
 from r3bridge.testing.schedule import (
     make_forward_step,
@@ -39,6 +44,9 @@ class Cell:
     data_seed: int = 0
     lr: float = 0.1  # SGD step between the two forward-only passes
     collect: bool = True  # return logits / top-k of the forward-only passes
+    # Overwrite the deterministic init with this canonical state (load_reference_state).
+    load_state: Optional[dict[str, torch.Tensor]] = None
+    return_state: bool = False  # return canonical_state_dict at init (needs tp=etp=ep=1)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class CellResult:
     fwd1_logits: list[torch.Tensor] = field(default_factory=list)
     params_without_grad: list[str] = field(default_factory=list)
     grads_finite: bool = True
+    state: Optional[dict[str, torch.Tensor]] = None  # canonical state at init, if asked
 
 
 def cell_micro_batches(cell: Cell, ctx: "RankContext") -> list[PackedBatch]:
@@ -108,6 +117,9 @@ def _records(probe: RoutingProbe, with_topk: bool) -> list[CallRecord]:
 
 def run_cell(ctx: "RankContext", cell: Cell) -> CellResult:
     chunks = build_model_chunks(cell.spec, ctx)
+    if cell.load_state is not None:
+        load_reference_state(chunks, cell.load_state, ctx)
+    state = canonical_state_dict(chunks, ctx) if cell.return_state else None
     mbs = cell_micro_batches(cell, ctx)
     thd = cell.spec.attention == "identity"
     fstep = make_forward_step(ctx, thd=thd, collect_logits=cell.collect)
@@ -149,6 +161,7 @@ def run_cell(ctx: "RankContext", cell: Cell) -> CellResult:
         fwd1_logits=[r.logits for r in r1 if r.logits is not None],
         params_without_grad=missing,
         grads_finite=finite,
+        state=state,
     )
 
 

@@ -90,7 +90,7 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _swap_norms(obj: Any, seen: Optional[set[int]] = None) -> Any:
+def _swap_norms(obj: Any) -> Any:
     """Return a copy of a (nested) spec where every local torch norm class is replaced."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -177,6 +177,11 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
         # length"), so allgather runs need equal-length micro-batches (see data.pad_to).
         variable_seq_lengths=spec.moe_token_dispatcher_type == "alltoall",
         deallocate_pipeline_outputs=False,
+        # Batched p2p is wrong on gloo for pp=2 + VPP: both neighbours are the same rank, and
+        # gloo matches sends/recvs to one peer in posting order, while megatron posts
+        # (send_prev, recv_prev, send_next, recv_next) on every rank - so activations and
+        # gradients swap silently (same shapes). The unbatched path orders ops by rank parity.
+        batch_p2p_comm=False,
     )
     if spec.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -196,19 +201,18 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-
-    from r3bridge.testing import cpu_shim
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_mtp_block_spec,
     )
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from r3bridge.testing import cpu_shim
 
     # megatron's process-global MoE/MTP loss-logging tracker is sized by the first model that
     # logs an aux loss (num_layers + mtp_num_layers) and never resized: a second, larger
     # harness model in the same process would index past it (IndexError in
     # save_to_aux_losses_tracker). One harness process builds many models, so reset it.
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
     get_moe_layer_wise_logging_tracker().clear()
     config = make_config(spec, ctx)
     chunks: list[torch.nn.Module] = []
@@ -273,7 +277,8 @@ def canonical_name(chunk: torch.nn.Module, local_name: str, ctx: "RankContext") 
     return local_name
 
 
-def _is_expert_param(name: str) -> bool:
+def is_expert_param(name: str) -> bool:
+    """Expert weights, by name (``.mlp.experts.``)."""
     # Not ``allreduce``: megatron sets allreduce=False on expert params only when EP > 1.
     return ".mlp.experts." in f".{name}"
 
@@ -285,7 +290,7 @@ def _shard_info(name: str, p: torch.nn.Parameter, ctx: "RankContext") -> tuple[i
         return 0, 0, 1
     if getattr(p, "partition_stride", 1) != 1:
         raise NotImplementedError("strided TP partitions are not supported by the harness init")
-    rank, world = (ctx.etp_rank, ctx.etp) if _is_expert_param(name) else (ctx.tp_rank, ctx.tp)
+    rank, world = (ctx.etp_rank, ctx.etp) if is_expert_param(name) else (ctx.tp_rank, ctx.tp)
     return int(p.partition_dim), rank, world
 
 

@@ -200,31 +200,37 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], group: Any, scale: float
 
 @torch.no_grad()
 def sync_grads(chunks: Sequence[torch.nn.Module], ctx: "RankContext") -> None:
-    """The gradient reductions megatron's DDP + finalize_model_grads would do, on .grad:
+    """The gradient reductions of megatron's DDP + finalize_model_grads, on plain ``.grad``.
 
-    1. params marked ``sequence_parallel`` (norms, routers under SP): sum over TP;
+    Convention: the loss is the mean over DP ranks of each sample's token-mean loss; CP ranks
+    hold disjoint tokens of one sample (see make_forward_step), so they are summed.
+
+    1. params marked ``sequence_parallel`` (norms and routers under SP): sum over TP;
     2. word/position embedding copies on the first and last stage (MTP with PP > 1): sum over
        the embedding group;
-    3. dense params: sum over data-parallel x CP, / dp; expert params: sum over the
-       expert-data-parallel group, / dp. (CP ranks hold disjoint tokens of one sample, hence
-       the sum; DP ranks hold different samples, hence the mean.)
+    3. dense params: sum over DP x CP, then / dp;
+    4. expert params (found by name): sum over the expert-data-parallel group, then / dp.
+       megatron's DDP picks experts by ``allreduce=False``, which it only sets when EP > 1;
+       with EP = 1 and ETP < TP it would reduce experts over DP x CP only, although every TP
+       rank routed a different sequence shard through its expert replica. Reducing over the
+       expert-DP group gives the exact gradient in every layout (identical when ETP == TP).
     """
     from megatron.core import parallel_state as ps
 
-    params = _params(chunks)
+    from r3bridge.testing.models import is_expert_param
+
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     if ctx.tp > 1:
-        sp = [p for p in params if getattr(p, "sequence_parallel", False)]
+        sp = [p for _, p in named if getattr(p, "sequence_parallel", False)]
         _all_reduce_grads(sp, ps.get_tensor_model_parallel_group())
     if ctx.pp > 1 and chunks[0].config.mtp_num_layers and ps.is_rank_in_embedding_group():  # type: ignore[union-attr]
         holder = chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]
         emb = [p for _, p in sorted(holder.embedding.named_parameters())]  # type: ignore[union-attr]
         _all_reduce_grads(emb, ps.get_embedding_group())
-    dense = [p for p in params if getattr(p, "allreduce", True)]
-    expert = [p for p in params if not getattr(p, "allreduce", True)]
-    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        _all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True), 1.0 / ctx.dp)
-    if ps.get_expert_data_parallel_world_size() > 1 or ctx.dp > 1:
-        _all_reduce_grads(expert, ps.get_expert_data_parallel_group(), 1.0 / ctx.dp)
+    dense = [p for n, p in named if not is_expert_param(n)]
+    expert = [p for n, p in named if is_expert_param(n)]
+    _all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True), 1.0 / ctx.dp)
+    _all_reduce_grads(expert, ps.get_expert_data_parallel_group(), 1.0 / ctx.dp)
 
 
 def make_optimizer(

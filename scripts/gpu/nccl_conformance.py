@@ -69,6 +69,8 @@ def worker(rank: int, world: int, port: int, names: list[str], q) -> None:
             res = {"error": traceback.format_exc()}
         res.pop("recorded", None)
         res["seconds"] = round(time.time() - t0, 2)
+        brief = res["error"][-800:] if "error" in res else {k: res[k] for k in ("r3_errors", "r2_logits_equal", "state_clean")}
+        print(f"[rank {rank}] {cell.name} {res['seconds']}s {brief}", file=sys.stderr, flush=True)
         results[cell.name] = res
     q.put((rank, results))
     torch.distributed.destroy_process_group()

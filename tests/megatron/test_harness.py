@@ -54,6 +54,7 @@ SPEC_UNEVEN = ModelSpec(**{**BASE, "num_layers": 6}, num_layers_in_first_pipelin
                         num_layers_in_last_pipeline_stage=5, moe_layer_freq=[0, 1, 1, 1, 1, 1])
 SPEC_FREQ2 = ModelSpec(**BASE, moe_layer_freq=2)
 SPEC_FULL_AUX = ModelSpec(**BASE, recompute="full")
+SPEC_MTP_FULL = ModelSpec(**BASE, mtp_num_layers=1, recompute="full")
 SPEC_A2A_AUX = ModelSpec(**BASE, moe_token_dispatcher_type="alltoall")
 
 
@@ -63,18 +64,21 @@ def cell(name: str, spec: ModelSpec, seq_lens: Optional[list[list[int]]] = None)
 
 W1 = Layout()
 TP2, CP2, PP2, VPP, EP2 = Layout(tp=2), Layout(cp=2), Layout(pp=2), Layout(pp=2, vpp=2), Layout(ep=2)
+TP2_ETP2 = Layout(tp=2, etp=2)  # experts TP-sharded too (megatron's default etp=tp)
 TP2EP2, TP2CP2 = Layout(tp=2, ep=2), Layout(tp=2, cp=2)
 
 # Layout() on 2 ranks is dp=2 with identical data: numerically the TP=PP=1 reference.
 PLAN2: dict[Layout, list[Cell]] = {
     W1: [cell("ref_real", SPEC_REAL), cell("ref_ident", SPEC_IDENT), cell("ref_mtp", SPEC_MTP)],
     TP2: [cell("tp2", SPEC_REAL)],
+    TP2_ETP2: [cell("tp2_etp2", SPEC_REAL)],
     CP2: [cell("cp2", SPEC_IDENT)],
     PP2: [
         cell("pp2", SPEC_REAL),
         cell("pp2_uneven_dense_first", SPEC_UNEVEN),
         cell("pp2_freq2", SPEC_FREQ2),
         cell("pp2_mtp", SPEC_MTP),
+        cell("pp2_mtp_full_recompute", SPEC_MTP_FULL),
         cell("pp2_full_recompute", SPEC_FULL),
         cell("pp2_full_recompute_aux", SPEC_FULL_AUX),
         cell("pp2_moe_recompute", SPEC_MOE_RC),
@@ -87,7 +91,11 @@ PLAN4: dict[Layout, list[Cell]] = {
     TP2EP2: [cell("tp2_ep2", SPEC_REAL)],
     TP2CP2: [cell("tp2_cp2", SPEC_IDENT)],
 }
-PLAN1: dict[Layout, list[Cell]] = {W1: [cell("w1_real", SPEC_REAL)]}
+PLAN1: dict[Layout, list[Cell]] = {
+    W1: [Cell("w1_real", SPEC_REAL, SEQ_LENS, return_state=True)]}
+SPEC_OTHER_SEED = ModelSpec(**NOAUX, seed=999)  # init differs; the loaded state makes it equal
+LOADED = {  # layout -> cell name, each loading w1_real's canonical state (load_reference_state)
+    TP2: "tp2_loaded", VPP: "pp2_vpp2_loaded", EP2: "ep2_loaded"}
 REFERENCE = {"real": "ref_real", "identity": "ref_ident", "mtp": "ref_mtp"}
 
 
@@ -105,8 +113,14 @@ def _run(world_size: int, plan: dict[Layout, list[Cell]]) -> dict[str, list[Cell
 
 
 @pytest.fixture(scope="module")
-def w2() -> dict[str, list[CellResult]]:
-    return _run(2, PLAN2)
+def w2(w1: dict[str, list[CellResult]]) -> dict[str, list[CellResult]]:
+    state = w1["w1_real"][0].state
+    assert state is not None
+    plan = {lay: list(cells) for lay, cells in PLAN2.items()}
+    for lay, name in LOADED.items():
+        plan[lay].append(Cell(name, SPEC_OTHER_SEED, SEQ_LENS, load_state=state))
+    plan[TP2].append(cell("tp2_other_seed", SPEC_OTHER_SEED))
+    return _run(2, plan)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +232,7 @@ def check_cell(results: list[CellResult], spec: ModelSpec, *, recompute: bool = 
     ("ref_real", SPEC_REAL, False),
     ("ref_mtp", SPEC_MTP, False),
     ("tp2", SPEC_REAL, False),
+    ("tp2_etp2", SPEC_REAL, False),
     ("cp2", SPEC_IDENT, False),
     ("pp2", SPEC_REAL, False),
     ("pp2_vpp2", SPEC_REAL, False),
@@ -228,6 +243,7 @@ def check_cell(results: list[CellResult], spec: ModelSpec, *, recompute: bool = 
     ("pp2_mtp", SPEC_MTP, False),
     ("pp2_full_recompute", SPEC_FULL, True),
     ("pp2_full_recompute_aux", SPEC_FULL_AUX, True),
+    ("pp2_mtp_full_recompute", SPEC_MTP_FULL, True),
     ("pp2_moe_recompute", SPEC_MOE_RC, True),
     ("pp2_alltoall_varlen", SPEC_A2A_AUX, False),
 ])
@@ -312,9 +328,10 @@ def check_same_as_reference(ref: list[CellResult], par: list[CellResult]) -> Non
 
 
 @pytest.mark.parametrize("name,ref", [
-    ("tp2", "real"), ("pp2", "real"), ("pp2_vpp2", "real"), ("ep2", "real"),
+    ("tp2", "real"), ("tp2_etp2", "real"), ("pp2", "real"), ("pp2_vpp2", "real"), ("ep2", "real"),
     ("ep2_alltoall", "real"), ("cp2", "identity"), ("pp2_mtp", "mtp"),
     ("pp2_full_recompute", "real"), ("pp2_moe_recompute", "real"),
+    ("tp2_loaded", "real"), ("pp2_vpp2_loaded", "real"), ("ep2_loaded", "real"),
 ])
 def test_same_logits_and_routes_as_reference(w2: dict[str, list[CellResult]], name: str,
                                              ref: str) -> None:
@@ -332,6 +349,15 @@ def test_world_size_one(w1: dict[str, list[CellResult]], w2: dict[str, list[Cell
     (res,) = w1["w1_real"]
     check_cell([res], SPEC_REAL)
     check_same_as_reference(w2["ref_real"], [res])
+
+
+def test_other_seed_differs_until_loaded(w2: dict[str, list[CellResult]]) -> None:
+    """Seed 999 alone gives another model; the *_loaded cells match the reference only
+    because load_reference_state copied the TP=PP=1 model's canonical state in."""
+    ref, other = w2["ref_real"][0], w2["tp2_other_seed"][0]
+    a = _stack(_real_rows(ref.fwd0_logits[0], ref.micro_batches[0]))
+    b = _stack(_real_rows(other.fwd0_logits[0], other.micro_batches[0]))
+    assert (a - b).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------
