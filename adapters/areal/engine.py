@@ -39,7 +39,7 @@ from r3bridge.adapters.areal.ingest import (
     RECORDED_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
-    decode_sglang,
+    decode_sglang_rows,
     first_seen_rows,
     replay_batch_from_tensor,
     routes_from_responses,
@@ -125,8 +125,7 @@ class SGLangEngineMixin:
             _ATTEMPTS.reset(token)
         with_routes = [m for m in attempts if m.get("routed_experts") is not None]
         if with_routes:
-            arrays = [np.frombuffer(np.asarray(decode_sglang(m, num_layers=1, topk=1)).tobytes(), dtype=np.int32)
-                      .reshape(int(m["prompt_tokens"]) + int(m["completion_tokens"]) - 1, -1) for m in with_routes]
+            arrays = [decode_sglang_rows(m) for m in with_routes]
             rows, disagree = first_seen_rows(arrays)
             resp.routed_experts = rows             # AReaL's [tokens - 1, L_all*K] int32, now deduplicated
             resp.r3bridge_resubmits = len(with_routes) - 1
@@ -271,13 +270,15 @@ class MegatronEngineMixin:
                                                   source="recorded" if key == RECORDED_KEY else "rollout")
             n_pad = int(pmb["cu_seqlens"].numel()) - 1 - n      # AReaL's trailing page-padding "sequence"
             if n_pad:
-                pad_len = int(pmb["cu_seqlens"][-1] - pmb["cu_seqlens"][-2])
-                lens = lens + [pad_len]
+                # Its rows are all packing padding: declared as a 1-token sequence without routes, so
+                # coverage counts no missing route for it (the plan still takes its padded length
+                # from cu_seqlens, which is what the CP zigzag and the SP split use).
+                lens = lens + [1]
                 gids = gids + [_PAD_ID + off]
                 if routes is not None:
                     empty = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
                                                     [0], num_experts=routes.num_experts, layer_ids=routes.layer_ids,
-                                                    start_rows=[pad_len], source=routes.source)
+                                                    start_rows=[1], source=routes.source)
                     routes = ReplayBatch.concat([routes, empty])
             pmb[MB_KEY] = (routes, lens, gids)
         return mb_list

@@ -32,7 +32,7 @@ from r3bridge.ingest import stitch
 from r3bridge.protocols import canonical_form, drop_final_invalid_rows
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_seen_rows",
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "decode_sglang_rows", "first_seen_rows",
            "routes_from_attempts", "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch",
            "replay_batch_from_tensor",
            "batch_tensor", "sentinel"]
@@ -76,6 +76,25 @@ def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) 
         if rows != expect:
             raise PayloadError(f"sequence {seq}: {rows} route rows, SGLang reports prompt + completion - 1 = {expect}")
     return flat.reshape(rows, num_layers, topk)
+
+
+def decode_sglang_rows(meta_info: dict, *, seq: int = 0) -> np.ndarray:
+    """``meta_info`` -> int32 ``[prompt + completion - 1, L_all*K]`` (AReaL's own layout), for
+    callers that do not know the model's layer count and top-k (the inference engine)."""
+    raw = meta_info.get("routed_experts")
+    if isinstance(raw, (str, bytes, bytearray)):
+        try:
+            flat = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4").astype(np.int32)
+        except (binascii.Error, ValueError) as e:
+            raise PayloadError(f"sequence {seq}: routed_experts is not valid base64 int32 ({e})") from None
+    elif raw is None or isinstance(raw, dict):
+        raise PayloadError(f"sequence {seq}: no usable routed_experts in meta_info ({type(raw).__name__})")
+    else:
+        flat = np.asarray(raw, dtype=np.int32).reshape(-1)
+    rows = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1
+    if rows <= 0 or flat.size % rows:
+        raise PayloadError(f"sequence {seq}: {flat.size} ids are not {rows} rows (prompt + completion - 1)")
+    return flat.reshape(rows, -1)
 
 
 def first_seen_rows(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:

@@ -70,9 +70,11 @@ class Replayer:
                 router.router_replay = RouterHook(self, c.vp_stage, lid)
 
     def _device(self) -> torch.device:
+        # A stage without MoE layers still takes part in the R2 gather: use its parameters'
+        # device (NCCL refuses CPU tensors).
         for c in self.chunks:
-            for r in c.routers.values():
-                return next(r.parameters()).device
+            for p in c.chunk.parameters():
+                return p.device
         return torch.device("cpu")
 
     # -------------------------------------------------------------------------------- public

@@ -58,6 +58,7 @@ class CanonicalRollout:
     calls: list[list[np.ndarray]]
     call_tokens: list[list[list[int]]]
     prompt_lens: list[int]
+    call_prompt_lens: list[list[int]]           # prompt length of each call (resubmit: prompt == previous call's tokens)
     num_experts: int
     num_layers: int
     moe_layer_ids: list[int]
@@ -100,22 +101,24 @@ def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 8, to
     same context) and final tokens no call routed (observations appended after the last call)."""
     rng = np.random.default_rng(seed)
     moe = list(moe_layer_ids)
-    tokens, calls, call_tokens, plens = [], [], [], []
+    tokens, calls, call_tokens, plens, call_plens = [], [], [], [], []
     for i in range(batch_size):
         p = int(rng.integers(2, max_prompt + 1))
         ctx = list(rng.integers(1, vocab, size=p))
         plens.append(p)
-        sample_calls, sample_call_tokens = [], []
+        sample_calls, sample_call_tokens, sample_plens = [], [], []
         turns = 1 if i == 0 else int(rng.integers(1, max_turns + 1))
         for t in range(turns):
             gen = list(rng.integers(1, vocab, size=int(rng.integers(1, 6))))
             full = ctx + gen
             sample_calls.append(_routes(rng, len(full) - 1, num_layers, moe, num_experts, topk, dtype))
             sample_call_tokens.append(list(full))
+            sample_plens.append(len(ctx))
             if i % 3 == 2 and t == 0:       # a resubmit of the same request: the prefix comes back again
                 again = full + list(rng.integers(1, vocab, size=2))
                 sample_calls.append(_routes(rng, len(again) - 1, num_layers, moe, num_experts, topk, dtype))
                 sample_call_tokens.append(list(again))
+                sample_plens.append(len(full))
                 full = again
             ctx = list(full)
             if t < turns - 1 or i % 2:      # an observation / tail the engine never routes
@@ -123,7 +126,8 @@ def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 8, to
         tokens.append([int(x) for x in ctx])
         calls.append(sample_calls)
         call_tokens.append([[int(x) for x in c] for c in sample_call_tokens])
-    return CanonicalRollout(tokens, calls, call_tokens, plens, num_experts, num_layers, moe, topk)
+        call_plens.append(sample_plens)
+    return CanonicalRollout(tokens, calls, call_tokens, plens, call_plens, num_experts, num_layers, moe, topk)
 
 
 def assert_same_batch(got: ReplayBatch, want: ReplayBatch, what: str = "") -> None:
@@ -226,7 +230,8 @@ class MegatronRunner(Protocol):
     def run(self, obj: Any, micro_batches: list, *, phase: str) -> dict:
         """One pass (``phase``: "compute_log_prob" or "update"); returns ``{"logprobs": [per-sample
         tensors], "metrics": {...}, "recorded": ReplayBatch | None, "packing": [per micro-batch
-        dict(seq_lens=..., cu_seqlens_padded=..., format=..., seq_length=...)]}``."""
+        dict(seq_lens=..., cu_seqlens_padded=..., format=..., seq_length=..., samples=...)]}``
+        (``samples``: rollout sample of each sequence, when the framework re-partitions itself)."""
         ...
 
     def write_recorded(self, rollout: CanonicalRollout, recorded: ReplayBatch) -> None:
@@ -255,6 +260,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
         for m, (call, g) in enumerate(zip(calls, groups)):
             pk = dict(res["packing"][m])
             seq_lens = pk.pop("seq_lens")
+            g = pk.pop("samples", g)          # frameworks that re-balance micro-batches report their own
             routes = expected.select(list(g))
             if len(seq_lens) > len(g):        # framework padding "sequences" (no routes)
                 from r3bridge.protocols import canonical_form

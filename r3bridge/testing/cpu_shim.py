@@ -1,8 +1,9 @@
 """CPU shims that let megatron-core 0.16.1 run on a CPU-only torch build, for tests only.
 
 Product code never imports this module: the shims change process-global state
-(``torch.cuda.current_device``, megatron's RNG tracker, one name in a megatron module)
-and only make sense inside a harness process that has no GPU at all.
+(a few ``torch.cuda`` functions, megatron's RNG tracker, names in three megatron modules)
+and only make sense inside a harness process that has no GPU at all; ``dist.spawn`` applies
+them in its worker processes only.
 
 Each shim is the smallest patch found by running the harness layouts on CPU; every one
 records why it is needed. ``apply()`` is idempotent and returns the names it installed.
@@ -49,10 +50,11 @@ def _cpu_synchronize(device: Any = None) -> None:
 
 
 def _shim_synchronize() -> None:
-    # The p2p layer calls ``torch.cuda.synchronize()`` after batched isend/irecv
-    # (p2p_communication.py:398, and :242 after the shape exchange of variable_seq_lengths)
-    # "to protect against race condition when using batch_isend_irecv". On CPU every gloo
-    # request has been waited on by then and there is no device stream: a no-op is exact.
+    # The p2p layer calls ``torch.cuda.synchronize()`` after its batched shape exchange
+    # (p2p_communication.py:242, reached with variable_seq_lengths, i.e. the alltoall
+    # dispatcher under PP; also :398 if batch_p2p_comm were on) "to protect against race
+    # condition when using batch_isend_irecv". On CPU every gloo request has been waited on
+    # by then and there is no device stream: a no-op is exact.
     torch.cuda.synchronize = _cpu_synchronize  # type: ignore[assignment]
 
 
@@ -222,7 +224,9 @@ def _shim_cuda_literals() -> None:
     # * pipeline_parallel/schedules.py: ``total_num_tokens = torch.zeros([], ..., device="cuda")``
     #   in all three schedules (schedules.py:596, 983, 2138);
     # * transformer/utils.py: ``get_default_causal_mask`` (``torch.ones(sq, sq, device="cuda")``),
-    #   used by local DotProductAttention's torch softmax whenever attention_mask is None.
+    #   used by local DotProductAttention's torch softmax whenever attention_mask is None. The
+    #   harness forward step always passes a mask; this is for callers (demo, adapters) that
+    #   call a harness model with attention_mask=None.
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
@@ -238,8 +242,11 @@ def tensor_cuda_is_identity() -> Iterator[None]:
     ``LanguageModule.setup_embeddings_and_output_layer`` does
     ``weight.data = weight.data.cuda()`` before all-reducing the MTP stage's copy of the word
     embedding (language_module.py:244). Not installed process-wide so any other ``.cuda()``
-    still fails loudly.
+    still fails loudly. A no-op when CUDA is available (GPU runs of the harness models).
     """
+    if torch.cuda.is_available():
+        yield
+        return
     orig = torch.Tensor.cuda
 
     def _identity(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

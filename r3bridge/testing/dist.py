@@ -14,6 +14,7 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import re
 import socket
 import time
 import traceback
@@ -180,6 +181,33 @@ def _worker(
                 pass
 
 
+# Errors a rank gets only because *another* rank died (its gloo peer went away).
+_SECONDARY = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|peer closed")
+
+
+def _rank_error(layouts: Sequence[Layout], first: tuple[int, int, str], results: Any) -> RankError:
+    """Collect other ranks' errors for a moment and raise the root cause, not the fallout."""
+    errors = [first]
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        try:
+            rank, idx, status, payload = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            continue
+        if status == "err":
+            errors.append((rank, idx, payload))
+    primary = next((e for e in errors if not _SECONDARY.search(e[2])), errors[0])
+    rank, idx, text = primary
+    others = [
+        f"  rank {r}: {t.strip().splitlines()[-1] if t.strip() else '?'}"
+        for r, _, t in errors
+        if (r, t) != (rank, text)
+    ]
+    if others:
+        text += "\nother ranks failed too:\n" + "\n".join(others)
+    return RankError(rank, layouts[idx] if idx >= 0 else Layout(), text)
+
+
 def spawn_layouts(
     fn: Callable[..., Any],
     *,
@@ -199,6 +227,23 @@ def spawn_layouts(
         raise ValueError("world_size must be >= 1")
     for lay in layouts:
         lay.dp(world_size)
+    try:
+        return _spawn_once(fn, world_size, layouts, args, timeout, seed)
+    except RankError as e:
+        # free_port() can race with another process on a shared box: retry once on a new port.
+        if "Address already in use" not in e.remote_traceback:
+            raise
+        return _spawn_once(fn, world_size, layouts, args, timeout, seed)
+
+
+def _spawn_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    layouts: Sequence[Layout],
+    args: tuple[Any, ...],
+    timeout: float,
+    seed: int,
+) -> list[list[Any]]:
     mp = torch.multiprocessing.get_context("spawn")
     results = mp.Queue()
     port = free_port()
@@ -239,12 +284,11 @@ def spawn_layouts(
                 else:
                     continue
             if status == "err":
-                lay = layouts[idx] if idx >= 0 else Layout()
-                raise RankError(rank, lay, payload)
+                raise _rank_error(layouts, (rank, idx, payload), results)
             out[idx][rank] = pickle.loads(payload)
             pending -= 1
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        for p in procs:  # teardown (destroy_process_group, interpreter exit); killed below if slow
+            p.join(timeout=min(10.0, max(1.0, deadline - time.monotonic())))
     finally:
         for p in procs:
             if p.is_alive():

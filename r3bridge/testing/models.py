@@ -132,6 +132,10 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
     """TransformerConfig for ``spec`` under the layout of ``ctx`` (CPU, fp32, no dropout)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if ctx.cp > 1 and spec.attention != "identity":
+        # megatron's local DotProductAttention asserts "Context parallelism is only supported
+        # by TEDotProductAttention!" and TE is not available on the CPU harness.
+        raise ValueError("cp > 1 needs ModelSpec(attention='identity') without Transformer Engine")
     sp = spec.sequence_parallel if spec.sequence_parallel is not None else ctx.tp > 1
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers,
