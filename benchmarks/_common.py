@@ -5,9 +5,7 @@ import contextlib
 import importlib.util
 import os
 import platform
-import statistics
 import sys
-import time
 import types
 import warnings
 from pathlib import Path
@@ -34,24 +32,13 @@ def machine_info() -> dict:
         info["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
         pass
-    for name in ("megatron.core", "verl"):
+    from importlib import metadata
+    for dist in ("megatron-core", "verl", "skyrl", "numpy"):
         try:
-            mod = __import__(name, fromlist=["__version__"])
-            info[name] = getattr(mod, "__version__", "?")
-        except Exception:                       # noqa: BLE001 - informational only
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
             pass
     return info
-
-
-def median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), ts
 
 
 @contextlib.contextmanager
@@ -83,13 +70,14 @@ def load_skyrl_replay_utils():
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("skyrl is not installed")
     root = Path(list(spec.submodule_search_locations)[0])
+    train = root / "backends" / "skyrl_train"
     pkgs = {
         "skyrl": root,
         "skyrl.backends": root / "backends",
-        "skyrl.backends.skyrl_train": root / "backends" / "skyrl_train",
-        "skyrl.backends.skyrl_train.distributed": root / "backends" / "skyrl_train" / "distributed",
-        "skyrl.backends.skyrl_train.distributed.megatron": root / "backends" / "skyrl_train" / "distributed" / "megatron",
-        "skyrl.backends.skyrl_train.utils": root / "backends" / "skyrl_train" / "utils",
+        "skyrl.backends.skyrl_train": train,
+        "skyrl.backends.skyrl_train.distributed": train / "distributed",
+        "skyrl.backends.skyrl_train.distributed.megatron": train / "distributed" / "megatron",
+        "skyrl.backends.skyrl_train.utils": train / "utils",
     }
     for name, path in pkgs.items():
         if name not in sys.modules:

@@ -70,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--pp-rank", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads for every contender (default 1: on a shared 2-core box "
                          "multi-threaded small ops measure OpenMP barrier stalls, not the code; 0: torch's default)")
@@ -168,11 +168,16 @@ def main(argv=None):
                     samples[name][r].append(time.perf_counter() - t0)
     for name in results:
         per = {f"tp{t}_cp{c}": statistics.median(samples[name][(t, c)]) * 1e3 for t, c in ranks}
-        results[name] = {"per_rank_ms": per, "median_rank_ms": statistics.median(per.values())}
+        best = min(min(v) for v in samples[name].values()) * 1e3
+        results[name] = {"per_rank_ms": per, "median_rank_ms": statistics.median(per.values()),
+                         "best_ms": best}
     base = results["r3bridge"]["median_rank_ms"]
     ratios = {f"{p}_over_r3bridge": results[p]["median_rank_ms"] / base for p in peers}
     ratios["r3bridge_over_copy_floor"] = base / results["copy_floor"]["median_rank_ms"]
     ratios["r3bridge_over_alloc_copy_floor"] = base / results["alloc_copy_floor"]["median_rank_ms"]
+    # best-of-all-samples ratio: on a shared, oversubscribed box a longer call is more often
+    # preempted mid-way, which inflates medians of slower contenders; minima are less biased
+    ratios["best_r3bridge_over_best_copy_floor"] = results["r3bridge"]["best_ms"] / results["copy_floor"]["best_ms"]
     report = {
         "benchmark": "P1 shard",
         "workload": {"seqs": args.seqs, "seq_len": args.seq_len, "layers": args.layers, "topk": args.topk,
@@ -183,7 +188,7 @@ def main(argv=None):
         "machine": machine_info(),
         "results": results,
         "ratios": ratios,
-        "goal_met": all(v > 1 for k, v in ratios.items() if k.endswith("_over_r3bridge"))
+        "goal_met": all(v > 1 for k, v in ratios.items() if k.endswith("_over_r3bridge") and "best" not in k)
                     and ratios["r3bridge_over_copy_floor"] <= 3.0,
     }
     if args.json:
@@ -199,9 +204,10 @@ def main(argv=None):
           f"{w['rows_per_rank']} rows/rank, {w['output_MB_per_rank']:.1f} MB int64 out/rank, "
           f"median of {w['repeats']}")
     cols = [f"tp{t}_cp{c}" for t, c in ranks]
-    print(f"{'':<17}" + "".join(f"{c:>11}" for c in cols) + f"{'median':>11}")
+    print(f"{'':<17}" + "".join(f"{c:>11}" for c in cols) + f"{'median':>11}{'best':>11}")
     for name, r in results.items():
-        print(f"{name:<17}" + "".join(f"{r['per_rank_ms'][c]:>9.2f}ms" for c in cols) + f"{r['median_rank_ms']:>9.2f}ms")
+        print(f"{name:<17}" + "".join(f"{r['per_rank_ms'][c]:>9.2f}ms" for c in cols)
+              + f"{r['median_rank_ms']:>9.2f}ms{r['best_ms']:>9.2f}ms")
     for k, v in ratios.items():
         print(f"{k:<32} {v:6.2f}x")
     print("goal (faster than both peers, within 3x of the copy floor):", "met" if report["goal_met"] else "NOT met")

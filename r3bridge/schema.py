@@ -225,6 +225,22 @@ class ReplayBatch:
         from r3bridge.ingest import stitch
         return stitch(pieces)
 
+    @classmethod
+    def _trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
+                 layer_ids: tuple[int, ...], num_experts: int, source: str) -> "ReplayBatch":
+        """Internal: routes already in the schema dtype whose ids are distinct and in range by
+        construction (the router's own top-k, or shard() output). Shapes are still checked; the
+        per-row duplicate scan is not repeated."""
+        if routes.dtype != route_dtype(num_experts) or routes.dim() != 3 or routes.shape[0] != sum(rows_per_seq):
+            raise RouteShapeError(f"internal: routes {tuple(routes.shape)} {routes.dtype} do not fit the schema")
+        _check_layer_ids(layer_ids, routes.shape[1])
+        out = routes
+        if not bool(valid.all()):
+            out = out.clone()
+            out[~valid] = torch.arange(routes.shape[2], dtype=routes.dtype)
+        return cls(out, valid, list(rows_per_seq), list(start_rows), layer_ids, num_experts,
+                   int(routes.shape[2]), source)
+
     # ----------------------------------------------------------------------------- properties
     @property
     def num_seqs(self) -> int:

@@ -22,11 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError
 from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch, _ragged_arange
+from r3bridge.schema import ReplayBatch, _ragged_arange, route_dtype
 
 __all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions"]
 
@@ -202,13 +203,14 @@ def _lookup(rb: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: tor
 
 def _thd_rows(rb: ReplayBatch, plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """THD fast path of ``rank_positions`` + ``_lookup`` (same result), per segment not per row.
+    """THD fast path of ``rank_positions`` + ``_lookup`` (same result), per run not per row.
 
     A rank's rows are a few contiguous runs of token positions (per sequence the CP chunks
     ``r`` and ``2cp-1-r``, clipped to the rank's SP slice). The packed row of position ``p`` of
     sequence ``i`` is ``offsets[i] - start[i] + p``, so the row indices are one ragged arange
     over the runs, and the covered part of each run is one sub-run, turned into a row mask by a
-    cumulative sum of +1/-1 marks. Only O(runs) gathers; O(rows) work is arange/cumsum (P1).
+    cumulative sum of +1/-1 marks. Per-run arithmetic is done in numpy (tiny arrays, where a
+    torch op's fixed cost dominates); the O(rows) part is three vectorised passes (P1).
     """
     if not 0 <= tp_rank < layout.tp:
         raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
@@ -218,40 +220,40 @@ def _thd_rows(rb: ReplayBatch, plan: PackPlan, layout: ParallelLayout, tp_rank: 
     if n == 0:
         z = torch.zeros(0, dtype=torch.int64)
         return z, z.bool()
-    padded = plan.padded_lens
+    padded = plan.padded_lens.cpu().numpy()
     if cp > 1:
         chunk = padded // (2 * cp)
-        seg_seq = torch.arange(n, dtype=torch.int64).repeat_interleave(2, output_size=2 * n)
-        seg_pos = torch.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
-        seg_len = chunk.repeat_interleave(2, output_size=2 * n)
+        seg_seq = np.repeat(np.arange(n, dtype=np.int64), 2)
+        seg_pos = np.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
+        seg_len = np.repeat(chunk, 2)
     else:
-        seg_seq, seg_pos, seg_len = torch.arange(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), padded
+        seg_seq, seg_pos, seg_len = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), padded
     # clip the runs to this rank's SP slice [lo, hi) of the CP-local concatenation
-    seg_end = torch.cumsum(seg_len, 0)
+    seg_end = np.cumsum(seg_len)
     lo, hi = _sp_bounds(int(seg_end[-1]), layout, tp_rank)
-    a, b = seg_end - seg_len, seg_end
-    ca, cb = a.clamp(lo, hi), b.clamp(lo, hi)
+    a = seg_end - seg_len
+    ca, cb = np.clip(a, lo, hi), np.clip(seg_end, lo, hi)
     seg_pos, seg_len = seg_pos + (ca - a), cb - ca
     total = hi - lo
-    # covered token range [c_lo, c_hi) of each sequence (real tokens only), and row = base + pos
-    starts = torch.tensor(rb.start_rows, dtype=torch.int64)
-    c_lo = starts
-    c_hi = torch.minimum(starts + torch.tensor(rb.rows_per_seq, dtype=torch.int64), plan.seq_lens)
-    base = rb.offsets[:-1] - starts
-    row = _ragged_arange(base[seg_seq] + seg_pos, seg_len)
-    run_a = (c_lo[seg_seq] - seg_pos).clamp(min=0)
-    run_a = torch.minimum(run_a, seg_len)
-    run_b = torch.maximum(torch.minimum((c_hi[seg_seq] - seg_pos).clamp(min=0), seg_len), run_a)
-    seg_off = torch.cumsum(seg_len, 0) - seg_len
-    marks = torch.zeros(total + 1, dtype=torch.int32)
-    one = torch.ones(seg_len.numel(), dtype=torch.int32)
-    marks.index_add_(0, seg_off + run_a, one)
-    marks.index_add_(0, seg_off + run_b, -one)
-    covered = torch.cumsum(marks[:-1], 0, dtype=torch.int32) > 0
-    row = torch.where(covered, row, 0)
+    # covered token range [c_lo, c_hi) of each sequence (real tokens only); row = base + pos
+    starts = np.asarray(rb.start_rows, dtype=np.int64)
+    c_hi = np.minimum(starts + np.asarray(rb.rows_per_seq, dtype=np.int64), plan.seq_lens.cpu().numpy())
+    base = rb.offsets[:-1].numpy() - starts
+    seg_first_row = base[seg_seq] + seg_pos
+    seg_off = np.cumsum(seg_len) - seg_len
+    run_a = np.minimum(np.maximum(starts[seg_seq] - seg_pos, 0), seg_len)
+    run_b = np.maximum(np.minimum(np.maximum(c_hi[seg_seq] - seg_pos, 0), seg_len), run_a)
+    # row[t] = t + (first row of t's run - offset of t's run)
+    row = np.arange(total, dtype=np.int64) + np.repeat(seg_first_row - seg_off, seg_len)
+    marks = np.zeros(total + 1, dtype=np.int32)
+    np.add.at(marks, seg_off + run_a, 1)
+    np.add.at(marks, seg_off + run_b, -1)
+    covered = np.cumsum(marks[:-1], dtype=np.int32) > 0
+    row = np.where(covered, row, 0)
+    row_t, covered_t = torch.from_numpy(row), torch.from_numpy(covered)
     if rb.total_rows and not bool(rb.valid.all()):
-        covered &= rb.valid.cpu()[row]
-    return row, covered
+        covered_t &= rb.valid.cpu()[row_t]
+    return row_t, covered_t
 
 
 def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -> torch.Tensor:
@@ -339,6 +341,48 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(dev), tuple(want), k)
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous ``[..., K]`` id tensor as ``[..., w]`` machine words (same bytes): moving
+    one int64 per (row, layer) instead of K single bytes makes gathers and scatters ~8x cheaper."""
+    nbytes = t.shape[-1] * t.element_size()
+    for size, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0 and size > t.element_size() and t.is_contiguous() and t.storage_offset() % size == 0:
+            return t.view(dt)
+    return t
+
+
+def _layer_major(t: ShardedTargets, lids: list[int]) -> torch.Tensor:
+    """``[nl, rows, K]`` of a rank's layers; a view, not a copy, when the per-layer tensors are
+    consecutive slices of one buffer (what ``shard`` and the R2 recorder produce)."""
+    parts = [t.indices[lid] for lid in lids]
+    first = parts[0]
+    step = first.numel()
+    if first.device.type == "cpu" and all(
+            p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
+            and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and p.storage_offset() == first.storage_offset() + j * step for j, p in enumerate(parts)):
+        return first.as_strided((len(parts), *first.shape), (step, first.shape[1], 1))
+    return torch.stack([p.cpu() for p in parts], 0)
+
+
+def _dedupe_sp_off(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout
+                   ) -> dict[RankKey, ShardedTargets]:
+    """SP off: every TP rank routed the same rows. Check they agree, keep the lowest TP rank."""
+    if layout.sp_split != 1 or layout.tp == 1:
+        return dict(targets)
+    keep: dict[tuple[int, int, int], tuple[RankKey, ShardedTargets]] = {}
+    for key, t in sorted(targets.items()):
+        other = keep.setdefault(key[1:], (key, t))
+        if other[0] is key:
+            continue
+        ref = other[1]
+        for lid, idx in t.indices.items():
+            if lid not in ref.indices or not torch.equal(ref.indices[lid].cpu(), idx.cpu()):
+                raise ReplayStateError(f"unshard: TP ranks {other[0][0]} and {key[0]} disagree on layer {lid} "
+                                       f"(cp={key[1]}, pp={key[2]}, vp={key[3]}) although SP is off")
+    return {key: t for key, t in keep.values()}
+
+
 def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             seq_lens: Sequence[int], *, num_experts: int, format: str = "thd",
             cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
@@ -348,7 +392,8 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
     one ReplayBatch covering ``[start, start + rows)`` of each sequence (default: all tokens).
 
     Every MoE layer of the layout and every covered token must come from some rank; rows seen by
-    several ranks (SP off) must agree.
+    several ranks (SP off) must agree. Targets may be int64 (as ``shard`` makes them) or already
+    compact (the R2 recorder keeps uint8 / int16 end to end). Work is one scatter per rank.
     """
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
@@ -368,33 +413,47 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
         offsets[1:] = torch.cumsum(rows, 0)
     total = int(offsets[-1])
     col_of = {lid: j for j, lid in enumerate(layer_ids)}
-    out = torch.zeros((total, len(layer_ids), k), dtype=torch.int64)
-    seen = torch.zeros((total, len(layer_ids)), dtype=torch.bool)
+    dtype = route_dtype(num_experts)
+    out = torch.zeros((total, len(layer_ids), k), dtype=dtype)
+    out_words = _as_words(out)                  # [total, L, w]: the K ids of a (row, layer) as words
+    written = torch.zeros(len(layer_ids), dtype=torch.int64)
     valid = torch.zeros(total, dtype=torch.bool)
-    for (tp_rank, cp_rank, pp_rank, vp_stage), t in sorted(targets.items()):
+    for (tp_rank, cp_rank, pp_rank, vp_stage), t in sorted(_dedupe_sp_off(targets, layout).items()):
         seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
         if seq.numel() != t.num_rows:
             raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
                                    f"has {t.num_rows} rows, the plan gives it {seq.numel()}")
         rel = pos - starts[seq]
-        keep = (rel >= 0) & (rel < rows[seq])
-        dst = (offsets[seq] + rel)[keep]
-        tv = t.valid.cpu()[keep]
-        valid[dst] |= tv
-        for lid, idx in t.indices.items():
-            j = col_of[lid]
-            vals = idx.cpu()[keep]
-            prev_seen = seen[dst, j]
-            if bool(prev_seen.any()):
-                clash = prev_seen & (out[dst, j] != vals).any(-1) & tv
-                if bool(clash.any()):
-                    r = int(dst[clash.nonzero()[0, 0]])
-                    raise ReplayStateError(f"unshard: ranks disagree on layer {lid}, packed row {r}")
-            out[dst, j] = vals
-            seen[dst, j] = True
-    missing = ~seen.all(1)
-    if bool(missing.any()):
-        r = int(missing.nonzero()[0])
-        raise CoverageError(f"unshard: packed row {r} was not found in any rank's targets")
-    return ReplayBatch.from_packed(out, rows.tolist(), num_experts=num_experts, layer_ids=layer_ids,
-                                   start_rows=starts.tolist(), valid=valid, source=source)
+        keep = ((rel >= 0) & (rel < rows[seq])).nonzero().squeeze(1)
+        dst = (offsets[seq] + rel).index_select(0, keep)
+        valid[dst] |= t.valid.cpu().index_select(0, keep)
+        if not t.indices:
+            continue
+        lids = list(t.indices)
+        cols = [col_of[lid] for lid in lids]
+        stacked = _layer_major(t, lids)                                            # [nl, rows, K]
+        if stacked.numel():
+            lo, hi = int(stacked.min()), int(stacked.max())
+            if lo < 0 or hi >= num_experts:
+                raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
+                                       f"holds expert ids outside [0, {num_experts})")
+        src = _as_words(stacked.to(dtype)).transpose(0, 1)                         # [rows, nl, w]
+        everything = keep.numel() == t.num_rows and bool((dst == torch.arange(total)).all()) \
+            if dst.numel() == total else False
+        if cols == list(range(cols[0], cols[0] + len(cols))):
+            target = out_words[:, cols[0]:cols[0] + len(cols)]
+            if everything:          # tp = cp = 1, full coverage: a plain (transposing) copy
+                target.copy_(src)
+            else:
+                target.index_copy_(0, dst, src.index_select(0, keep))
+        else:
+            out_words[dst[:, None], torch.tensor(cols)[None, :]] = src.index_select(0, keep)
+        written[cols] += dst.numel()
+    short = (written != total).nonzero()
+    if short.numel():
+        j = int(short[0])
+        raise CoverageError(f"unshard: layer {layer_ids[j]} has {int(written[j])} of {total} rows: a rank's "
+                            f"targets are missing or overlap")
+    # The ids come from shard() of a validated batch or from the router's own top-k: distinct by
+    # construction, so only the schema is rebuilt (the O(rows*L*K log K) duplicate scan is skipped).
+    return ReplayBatch._trusted(out, rows.tolist(), starts.tolist(), valid, tuple(layer_ids), num_experts, source)

@@ -44,7 +44,7 @@ from r3bridge.adapters.areal.ingest import (
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_seen_rows", "routes_from_attempts",
            "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor",
            "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
-           "MegatronEngineMixin", "replay_config", "ArealCodec"]
+           "MegatronEngineMixin", "replay_config", "ArealCodec", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
 
 
 class ArealCodec:
@@ -86,3 +86,52 @@ class ArealCodec:
             part.update({k: v[torch.tensor(ids)] for k, v in carried.items()})
             out.append((part, ids))
         return out
+
+
+def megatron_ppo_actor_class(config=None):
+    """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
+    from r3bridge.adapters.areal._compat import import_areal
+    me = import_areal("areal.engine.megatron_engine")
+    ppo = import_areal("areal.trainer.ppo.actor")
+
+    class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
+        pass
+
+    class R3BridgeMegatronPPOActor(MegatronEngineMixin, me.MegatronPPOActor):
+        r3_config = None if config is None else replay_config(config)
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.actor = R3BridgePPOActor(config, self)
+
+    return R3BridgeMegatronPPOActor
+
+
+def trainer_class(config=None):
+    """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
+    SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
+    from r3bridge.adapters.areal._compat import import_areal
+    rl = import_areal("areal.trainer.rl_trainer")
+    actor_cls = megatron_ppo_actor_class(config)
+
+    class R3BridgePPOTrainer(rl.PPOTrainer):
+        def _create_train_engine(self, actor_config, alloc):
+            if actor_config is not getattr(getattr(self, "config", None), "actor", None) or alloc.backend != "megatron":
+                return super()._create_train_engine(actor_config, alloc)
+            if rl.is_single_controller():
+                from r3bridge.errors import ConfigError
+                raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
+            actor = actor_cls(config=actor_config)
+            actor.create_process_group(parallel_strategy=alloc.parallel)
+            return actor
+
+    return R3BridgePPOTrainer
+
+
+def workflow_class(base: type, hf_config) -> type:
+    """``base`` (e.g. ``RLVRWorkflow``, ``MultiTurnWorkflow``) with :class:`WorkflowMixin`, for the
+    model described by ``hf_config`` (a ``PretrainedConfig``, a config dict, or a path)."""
+    if isinstance(hf_config, str):
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(hf_config, trust_remote_code=True)
+    return type(f"R3Bridge{base.__name__}", (WorkflowMixin, base), {"r3_model": ModelInfo.from_hf_config(hf_config)})

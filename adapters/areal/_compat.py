@@ -15,12 +15,14 @@ Python speed). Product code never passes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
+import logging
 
 _SHIMMED = ("areal", "areal.infra")
 
@@ -76,14 +78,31 @@ def _shim_packages() -> None:
         pass
 
 
-def import_areal(name: str, *, stub_binary_deps: bool = False):
-    if stub_binary_deps:
-        _stub_binary_deps()
+@contextlib.contextmanager
+def _keep_logging():
+    """``areal.utils.logging.getLogger`` (called at import by most AReaL modules) replaces
+    ``logging.Logger.root`` / ``Logger.manager`` with fresh ones and applies a dictConfig with
+    ``disable_existing_loggers``: fine in an AReaL process, but in a shared test process every
+    logger created afterwards would hang off AReaL's root. Put the process's own back."""
+    root, manager = logging.Logger.root, logging.Logger.manager
     try:
-        return importlib.import_module(name)
-    except ImportError:
-        for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
-            if sys.modules.get(mod) is None:
-                del sys.modules[mod]
-        _shim_packages()
-        return importlib.import_module(name)
+        yield
+    finally:
+        logging.Logger.root, logging.Logger.manager = root, manager
+
+
+def import_areal(name: str, *, stub_binary_deps: bool = False):
+    """Import ``name`` (see the module docstring). ``stub_binary_deps=True`` is the test mode: also
+    the stand-ins for uvloop / numba, and the process's logging tree is kept."""
+    ctx = _keep_logging() if stub_binary_deps else contextlib.nullcontext()
+    with ctx:
+        if stub_binary_deps:
+            _stub_binary_deps()
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
+                if sys.modules.get(mod) is None:
+                    del sys.modules[mod]
+            _shim_packages()
+            return importlib.import_module(name)

@@ -113,7 +113,7 @@ class StandInInfEngine:
 
 
 class _RemoteSGLangLike:
-    """The shape of ``RemoteSGLangEngine``: composes an inference engine as ``self._engine``."""
+    """The shape of ``RemoteSGLangEngine``: composes a ``RemoteInfEngine`` as ``self._engine``."""
 
     def __init__(self, inner: StandInInfEngine) -> None:
         self._engine = inner
@@ -152,16 +152,39 @@ class _R3Episode(WorkflowMixin, _Episode):
     pass
 
 
+class _PlainRecorder:
+    """AReaL without r3bridge's dedupe: keeps each ModelResponse as AReaL built it."""
+
+    def __init__(self, engine, responses) -> None:
+        self._inner, self._responses = engine, responses
+
+    async def agenerate(self, req):
+        resp = await self._inner.agenerate(req)
+        self._responses.append(resp)
+        return resp
+
+
 def trajectories(rollout: CanonicalRollout, *, dedupe: bool = True) -> list[dict]:
-    """One AReaL trajectory dict per sample, through the engine + workflow mixins."""
+    """One AReaL trajectory dict per sample through r3bridge's WorkflowMixin (``dedupe=False``:
+    the same trajectory field built from AReaL 1.0.4's own concatenated ``routed_experts``)."""
     import asyncio
-    wf = _R3Episode(rollout)
-    wf.r3_model = model_info(rollout)
+
+    from r3bridge.adapters.areal.ingest import routes_from_responses, trajectory_tensor
+    info = model_info(rollout)
     out = []
     for i in range(rollout.batch_size):
-        inner = StandInInfEngine(FakeSGLang(rollout, i))
-        eng = R3SGLang(inner) if dedupe else _RemoteSGLangLike(inner)
-        out.append(asyncio.run(wf.arun_episode(eng, {"i": i})))
+        inner = _RemoteSGLangLike(StandInInfEngine(FakeSGLang(rollout, i)))
+        if dedupe:
+            wf = _R3Episode(rollout)
+            wf.r3_model = info
+            out.append(asyncio.run(wf.arun_episode(inner, {"i": i})))
+        else:
+            responses: list = []
+            traj = asyncio.run(_Episode(rollout).arun_episode(_PlainRecorder(inner, responses), {"i": i}))
+            rb = routes_from_responses(responses, rollout.tokens[i], num_experts=info.num_experts,
+                                       num_layers=info.num_layers, topk=info.topk, moe_layer_ids=info.moe_layer_ids)
+            traj[ROUTES_KEY] = trajectory_tensor(rb, [len(rollout.tokens[i])])
+            out.append(traj)
     return out
 
 
@@ -268,6 +291,10 @@ class ArealRunner:
         self.trajs: Optional[list] = None
 
     def attach(self, ctx, chunks, mode):
+        for c in chunks:   # AReaL's models use RoPE; the harness GPT's learned absolute positions would get
+            emb = getattr(c, "embedding", None)     # un-split position_ids under CP: switch them off
+            if emb is not None:
+                emb.add_position_embedding = False
         eng = R3StandInEngine(chunks, ctx)
         eng.r3_config = ReplayConfig(replay_mode=mode)
         cfg = chunks[0].config

@@ -107,30 +107,36 @@ class RecordingBackend:
         return out
 
 
-class SGLangEngineMixin:
-    """Resubmit dedupe for ``RemoteSGLangEngine`` (AReaL 1.0.x)."""
+async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
+    """One ``agenerate`` with every attempt's SGLang response seen (``RecordingBackend``, installed
+    on the engine instance's backend attribute: composition, no class patch) and AReaL's blind
+    ``np.concatenate`` of resubmitted attempts replaced by first-seen rows."""
+    core = getattr(inner_engine, "_engine", inner_engine)          # RemoteSGLangEngine -> RemoteInfEngine
+    if hasattr(core, "backend") and not isinstance(core.backend, RecordingBackend):
+        core.backend = RecordingBackend(core.backend)
+    if _ATTEMPTS.get() is not None:                                # an outer layer already records
+        return await agenerate(req)
+    token = _ATTEMPTS.set([])
+    try:
+        resp = await agenerate(req)
+        attempts = _ATTEMPTS.get()
+    finally:
+        _ATTEMPTS.reset(token)
+    with_routes = [m for m in attempts if m.get("routed_experts") is not None]
+    if with_routes and getattr(resp, "routed_experts", None) is not None:
+        rows, disagree = first_seen_rows([decode_sglang_rows(m) for m in with_routes])
+        resp.routed_experts = rows                 # AReaL's [tokens - 1, L_all*K] int32, deduplicated
+        resp.r3bridge_resubmits = len(with_routes) - 1
+        resp.r3bridge_disagreeing_rows = disagree
+    return resp
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        inner = self._engine                       # RemoteSGLangEngine composes a RemoteInfEngine
-        if not isinstance(inner.backend, RecordingBackend):
-            inner.backend = RecordingBackend(inner.backend)
+
+class SGLangEngineMixin:
+    """``class E(SGLangEngineMixin, RemoteSGLangEngine)``: resubmit dedupe in the engine itself
+    (:class:`WorkflowMixin` does the same per episode for a stock engine)."""
 
     async def agenerate(self, req: Any) -> Any:
-        token = _ATTEMPTS.set([])
-        try:
-            resp = await super().agenerate(req)
-            attempts = _ATTEMPTS.get()
-        finally:
-            _ATTEMPTS.reset(token)
-        with_routes = [m for m in attempts if m.get("routed_experts") is not None]
-        if with_routes:
-            arrays = [decode_sglang_rows(m) for m in with_routes]
-            rows, disagree = first_seen_rows(arrays)
-            resp.routed_experts = rows             # AReaL's [tokens - 1, L_all*K] int32, now deduplicated
-            resp.r3bridge_resubmits = len(with_routes) - 1
-            resp.r3bridge_disagreeing_rows = disagree
-        return resp
+        return await _generate_deduped(super().agenerate, self, req)
 
 
 class _RecordingInferenceEngine:
@@ -141,7 +147,7 @@ class _RecordingInferenceEngine:
         return getattr(self._inner, name)
 
     async def agenerate(self, req: Any) -> Any:
-        resp = await self._inner.agenerate(req)
+        resp = await _generate_deduped(self._inner.agenerate, self._inner, req)
         self._responses.append(resp)
         return resp
 
@@ -174,6 +180,7 @@ class PPOActorMixin:
 
     def compute_logp(self, data: list) -> Any:
         mode = replay_config(getattr(self.engine, "r3_config", None)).replay_mode
+        self.engine.r3_recorded = None                  # never a previous step's recording
         out = super().compute_logp(data)
         if mode is ReplayMode.R2 and getattr(self.engine, "r3_replay", None) is not None:
             rec = self.engine.r3_recorded
@@ -197,6 +204,12 @@ class PPOActorMixin:
     def _r3_phase(self, phase: Phase, data: dict, fn):
         eng = self.engine
         attn = data["attention_mask"]
+        for key in (ROUTES_KEY, RECORDED_KEY):
+            t = data.get(key)
+            if t is not None and t.shape[1] * t.shape[2] == 1:
+                # [B, 1, 1, S] has B*S elements: AReaL's splitter would cut it like a per-token field
+                raise ConfigError("r3bridge + AReaL: one MoE layer with top-1 is not supported (routes tensor "
+                                  "would be split as a per-token field)")
         data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
         eng.r3_phase = phase
         try:
@@ -242,6 +255,7 @@ class MegatronEngineMixin:
         return None if plan.action is Action.NATIVE else plan
 
     def _prepare_mb_list(self, input_: dict) -> Any:
+        input_ = dict(input_)
         carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY) if k in input_}
         mb_list = super()._prepare_mb_list(input_)
         plan = self._r3_plan()

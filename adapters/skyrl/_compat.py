@@ -1,11 +1,13 @@
 """Importing SkyRL 0.3.x modules.
 
-SkyRL's package ``__init__`` chain (``skyrl.backends`` -> ``backend.py`` -> ``skyrl.tinker.types``)
+SkyRL's package ``__init__`` chains (``skyrl.backends`` -> ``backend.py`` -> ``skyrl.tinker.types``;
+``skyrl.train.generators`` -> the VLM generator -> ``skyrl.backends.renderer`` -> the same types)
 defines pydantic models over ``typing.TypedDict``, which pydantic refuses on Python < 3.12
 ("Please use typing_extensions.TypedDict"). The modules this adapter uses do not need that chain.
 :func:`import_skyrl` imports normally and, only if that fails *in the chain*, registers
-``skyrl.backends`` as a bare package object pointing at the real directory (its ``__init__`` is
-skipped, every submodule is SkyRL's own file) and retries. On Python >= 3.12 nothing is changed.
+``skyrl.backends`` and any parent package of the requested module whose ``__init__`` fails as
+bare package objects pointing at the real directories (the ``__init__`` is skipped, every
+submodule is SkyRL's own file) and retries. On Python >= 3.12 nothing is changed.
 """
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ def import_skyrl(name: str):
         for mod in [m for m in sys.modules if m == "skyrl.backends" or m.startswith("skyrl.backends.")]:
             if sys.modules.get(mod) is None:
                 del sys.modules[mod]
-        for pkg in _SHIMMED:
-            _shim_package(pkg)
+        parts = name.split(".")
+        parents = [".".join(parts[:i]) for i in range(2, len(parts))]   # e.g. skyrl.train.generators
+        for pkg in (*_SHIMMED, *parents):
+            try:
+                importlib.import_module(pkg)
+            except Exception:  # noqa: BLE001 - this package's __init__ is in the failing chain
+                for mod in [m for m in sys.modules if m == pkg and sys.modules.get(m) is None]:
+                    del sys.modules[mod]
+                _shim_package(pkg)
         return importlib.import_module(name)

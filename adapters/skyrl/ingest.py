@@ -151,6 +151,8 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     mask = _get(batch, MASK_KEY)
     if mask is not None:
         valid = attn & ~torch.as_tensor(mask).bool().to(attn.device)
+    elif source == "recorded":              # R2 records every real token (padding samples are dummies)
+        valid = attn
     else:                                   # SkyRL 0.3.0: zero rows are "no route"
         valid = attn & (sel != 0).flatten(2).any(2).to(attn.device)
     rb = from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)

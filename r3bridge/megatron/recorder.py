@@ -95,17 +95,18 @@ def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch
                     for v, lids in enumerate(stage_layers(p)):
                         ind = {}
                         for lid in lids:
-                            ind[lid] = buf[off: off + n_rows * k].view(n_rows, k).to(torch.int64)
+                            ind[lid] = buf[off: off + n_rows * k].view(n_rows, k)   # stays compact
                             off += n_rows * k
                         targets[(tr, cr, p, v)] = ShardedTargets(ind, torch.ones(n_rows, dtype=torch.bool), tuple(lids), k)
         batches.append(unshard(targets, layout, meta.seq_lens, num_experts=rep.num_experts, **meta.pack))
         sample_ids.extend(meta.sample_ids)
     if not batches:
         raise ReplayStateError("R2 record step recorded no micro-batch")
-    out = ReplayBatch.concat(batches)
-    order = sorted(range(len(sample_ids)), key=lambda i: sample_ids[i])
-    if sorted(sample_ids) != sorted(set(sample_ids)):
+    if len(set(sample_ids)) != len(sample_ids):
         raise ReplayStateError(f"duplicate sample_ids across micro-batches: {sample_ids}")
-    out = out.select(order)
+    out = batches[0] if len(batches) == 1 else ReplayBatch.concat(batches)
+    order = sorted(range(len(sample_ids)), key=lambda i: sample_ids[i])
+    if order != list(range(len(order))):
+        out = out.select(order)
     return ReplayBatch(out.routes, out.valid, out.rows_per_seq, out.start_rows, out.layer_ids,
                        out.num_experts, out.topk, "recorded", out.policy_versions)

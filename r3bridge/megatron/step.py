@@ -24,6 +24,7 @@ import torch
 
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard
 
@@ -72,9 +73,9 @@ class ReplayStep:
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
         dev = replayer.device
-        # per global layer id: agreeing rows, compared rows, replayed rows, natively routed rows.
-        # Indexed globally so one all_reduce over the model-parallel group sums every stage.
-        self._counts = torch.zeros((4, replayer.layout.num_layers), dtype=torch.int64, device=dev)
+        # Every MoE layer of the model (not just this stage's), so one all_reduce over the
+        # model-parallel group sums every stage; fed on device, no host sync per router call.
+        self._counter = AgreementCounter(replayer.layout.moe_layer_ids, device=dev)
 
     # ---------------------------------------------------------------------------- context
     def __enter__(self) -> "ReplayStep":
@@ -254,16 +255,13 @@ class ReplayStep:
             if not mb.all_valid:
                 idx = torch.where(t.valid[:, None], target, native)
             if count:
-                j = layer
                 if self.replayer.agreement:
-                    same = (native.sort(dim=1).values == target.sort(dim=1).values).all(1) & t.valid
-                    self._counts[0, j] += same.sum()
-                    self._counts[1, j] += t.valid.sum()
+                    same = topk_sets_equal(native, target) & t.valid
+                    self._counter.add(layer, agree=same.sum(), compared=t.valid.sum())
         if count:
             # coverage is over real tokens: padding rows added by packing are not "missing routes"
             nvalid = t.valid.sum() if not mb.all_valid else mb.token_rows
-            self._counts[2, layer] += nvalid
-            self._counts[3, layer] += mb.token_rows - nvalid
+            self._counter.add(layer, replayed=nvalid, native=mb.token_rows - nvalid)
         return scores.gather(1, idx), idx
 
     # ---------------------------------------------------------------------------- end of step
@@ -278,24 +276,9 @@ class ReplayStep:
     def _finish_metrics(self) -> dict[str, float]:
         if self.action is not Action.REPLAY:
             return {}
-        counts = self._counts.clone()
-        import torch.distributed as dist
         for group in self.replayer.metrics_groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(counts, group=group)
-        return counts_to_metrics(counts.cpu(), self.replayer.agreement, self.replayer.metrics_prefix)
-
-
-def counts_to_metrics(counts: torch.Tensor, agreement: bool, prefix: str) -> dict[str, float]:
-    """[4, num_layers] counts (agree, compared, replayed rows, native rows) -> metrics dict."""
-    out: dict[str, float] = {}
-    replayed, native = int(counts[2].sum()), int(counts[3].sum())
-    total = replayed + native
-    out[f"{prefix}coverage"] = replayed / total if total else 0.0
-    out[f"{prefix}native_rows"] = float(native)
-    if agreement:
-        agree, comp = counts[0], counts[1]
-        out[f"{prefix}agreement/mean"] = float(agree.sum()) / float(comp.sum()) if int(comp.sum()) else 1.0
-        for lid in comp.nonzero().flatten().tolist():
-            out[f"{prefix}agreement/layer_{lid}"] = float(agree[lid]) / float(comp[lid])
-    return out
+            self._counter.all_reduce(group)
+        out = self._counter.as_metrics(self.replayer.metrics_prefix)
+        if not self.replayer.agreement:
+            out = {k: v for k, v in out.items() if "/agreement/" not in k}
+        return out

@@ -159,21 +159,21 @@ def megatron_kwargs(draw):
 @given(megatron_kwargs())
 def test_layer_ranges_and_moe_layers_equal_megatron(args):
     L, freq, kw = args
+    pp, vpp = kw["pipeline_model_parallel_size"], kw["virtual_pipeline_model_parallel_size"]
     try:
         cfg = megatron_config(L, freq, **kw)
-        megatron_stage(cfg, kw["pipeline_model_parallel_size"] - 1, (kw["virtual_pipeline_model_parallel_size"] or 1) - 1
-                       if kw["virtual_pipeline_model_parallel_size"] else None)
+        megatron_stage(cfg, pp - 1, vpp - 1 if vpp else None)
     except ZeroDivisionError:
         # megatron-core 0.16.1 divides by the number of middle stages in the interleaved uneven
         # offset: pp=2 with both first and last set and vpp cannot be built by megatron at all.
-        assert kw["pipeline_model_parallel_size"] == 2 and kw["virtual_pipeline_model_parallel_size"]
+        assert pp == 2 and vpp
         return
-    lay = ParallelLayout(L, freq, pp=kw["pipeline_model_parallel_size"],
-                         vpp=kw["virtual_pipeline_model_parallel_size"],
-                         num_layers_in_first_pipeline_stage=kw.get("num_layers_in_first_pipeline_stage"),
-                         num_layers_in_last_pipeline_stage=kw.get("num_layers_in_last_pipeline_stage"),
-                         account_for_embedding_in_pipeline_split=kw.get("account_for_embedding_in_pipeline_split", False),
-                         account_for_loss_in_pipeline_split=kw.get("account_for_loss_in_pipeline_split", False))
+    lay = ParallelLayout(
+        L, freq, pp=pp, vpp=vpp,
+        num_layers_in_first_pipeline_stage=kw.get("num_layers_in_first_pipeline_stage"),
+        num_layers_in_last_pipeline_stage=kw.get("num_layers_in_last_pipeline_stage"),
+        account_for_embedding_in_pipeline_split=kw.get("account_for_embedding_in_pipeline_split", False),
+        account_for_loss_in_pipeline_split=kw.get("account_for_loss_in_pipeline_split", False))
     assert_layout_matches_megatron(lay, cfg)
     # from_megatron reads the same layout back
     back = ParallelLayout.from_megatron(cfg)

@@ -1,0 +1,147 @@
+"""One rollout (same tokens, same engine routes) through the verl, SkyRL and AReaL ingest paths:
+byte-identical ReplayBatches and identical per-rank targets for several parallel layouts.
+
+* verl 0.9.1: the padded ``routed_experts`` its agent loop builds (engine rows placed from the
+  prompt start, zero rows elsewhere), converted by verl's own ``left_right_2_no_padding`` into the
+  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.ingest.replay_batch_from_tensordict``
+  (the verl adapter's ingest function);
+* SkyRL 0.3.0: every vLLM call's payload (SkyRL's JSON lists) accumulated first-seen, then SkyRL's
+  own ``convert_prompts_responses_to_batch_tensors`` -> ``TrainingInputBatch`` -> the SkyRL codec;
+* AReaL 1.0.4: SGLang's base64 ``meta_info`` per attempt (fake server), resubmits deduplicated,
+  turns stitched parent-concat, trajectories concatenated by AReaL's ``concat_padded_tensors`` ->
+  the AReaL codec.
+
+verl's multi-turn agent loop does not stitch turns itself; its input here is the first-seen
+stitched all-layers array (what r3bridge asks of any rollout), so the verl leg checks verl's
+transport and ingest, the SkyRL and AReaL legs also check their stitching and dedupe.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from r3bridge import ReplayBatch
+from r3bridge.config import Phase, ReplayConfig, phase_plan
+from r3bridge.testing.conformance import assert_same_batch, check_same_targets, make_rollout
+
+for mod in ("verl", "skyrl", "areal", "tensordict"):
+    if importlib.util.find_spec(mod) is None:
+        pytest.skip(f"{mod} is not installed", allow_module_level=True)
+
+
+def _stitched_all_layers(rollout, i) -> np.ndarray:
+    acc = None
+    for c in rollout.calls[i]:
+        acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
+    return acc
+
+
+def verl_batch(rollout):
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from r3bridge.adapters.verl.ingest import ROUTES_KEY
+    b = rollout.batch_size
+    P = max(rollout.prompt_lens)
+    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
+    S = P + R
+    input_ids = torch.zeros(b, S, dtype=torch.long)
+    attn = torch.zeros(b, S, dtype=torch.long)
+    resp_mask = torch.zeros(b, R, dtype=torch.long)
+    routes = torch.zeros(b, S, rollout.num_layers, rollout.topk, dtype=torch.int16)
+    for i, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
+        r = len(toks) - p
+        start = P - p
+        attn[i, start:P + r] = 1
+        input_ids[i, start:P + r] = torch.tensor(toks)
+        resp_mask[i, :r] = 1
+        arr = _stitched_all_layers(rollout, i)[: len(toks)]
+        routes[i, start:start + len(arr)] = torch.from_numpy(arr.astype(np.int16))   # verl agent loop layout
+    td = TensorDict({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+                     "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
+                     "responses": input_ids[:, P:], ROUTES_KEY: routes}, batch_size=[b])
+    return left_right_2_no_padding(td)
+
+
+def ingest_all(rollout) -> dict[str, ReplayBatch]:
+    from r3bridge.adapters.areal import ArealCodec
+    from r3bridge.adapters.areal import conformance as ac
+    from r3bridge.adapters.skyrl import conformance as sk
+    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict
+
+    return {
+        "verl": replay_batch_from_tensordict(verl_batch(rollout), moe_layer_ids=rollout.moe_layer_ids,
+                                             num_experts=rollout.num_experts, source="rollout",
+                                             num_hidden_layers=rollout.num_layers),
+        "skyrl": sk.codec(rollout).to_replay_batch(sk.training_batch(rollout)),
+        "skyrl_main": sk.codec(rollout).to_replay_batch(sk.training_batch(rollout, fmt="main", transport="npy_b64")),
+        "areal": ArealCodec(ac.model_info(rollout)).to_replay_batch(ac.batch(rollout)),
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_same_rollout_same_bytes(seed):
+    rollout = make_rollout(seed, batch_size=6)
+    batches = ingest_all(rollout)
+    want = rollout.expected()
+    for name, rb in batches.items():
+        assert_same_batch(rb, want, name)
+    assert len({rb.to_bytes() for rb in batches.values()}) == 1
+
+
+def test_same_rollout_same_rank_targets():
+    rollout = make_rollout(21, batch_size=6)
+    batches = ingest_all(rollout)
+    seq_lens = [len(t) for t in rollout.tokens]
+    n = check_same_targets(batches, seq_lens)
+    assert n > 20
+
+
+def test_more_experts_than_uint8():
+    """int16 ids (E > 256) through all three transports."""
+    rollout = make_rollout(5, batch_size=4, num_experts=300, topk=4, dtype=np.uint16)
+    batches = ingest_all(rollout)
+    assert all(rb.routes.dtype == torch.int16 for rb in batches.values())
+    assert len({rb.to_bytes() for rb in batches.values()}) == 1
+
+
+def test_recorded_routes_same_in_every_framework():
+    """R2: routes recorded by the trainer, written back in each framework's own layout, read back."""
+    from r3bridge.adapters.areal import ArealCodec
+    from r3bridge.adapters.areal import conformance as ac
+    from r3bridge.adapters.skyrl import conformance as sk
+    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict, routes_to_nested
+
+    rollout = make_rollout(8, batch_size=5)
+    lens = [len(t) for t in rollout.tokens]
+    g = torch.Generator().manual_seed(3)
+    rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
+                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+    td = verl_batch(rollout)
+    td["routed_experts"] = routes_to_nested(rec)
+    got = {"verl": replay_batch_from_tensordict(td, moe_layer_ids=[1, 2, 3], num_experts=8, source="recorded")}
+    sky = sk.codec(rollout)
+    got["skyrl"] = sky.to_replay_batch(sky.write_recorded(sk.training_batch(rollout), rec), source="recorded")
+    ar = ArealCodec(ac.model_info(rollout))
+    got["areal"] = ar.to_replay_batch(ar.write_recorded(ac.batch(rollout), rec), source="recorded")
+    for name, rb in got.items():
+        assert_same_batch(rb, rec, name)
+
+
+def test_same_replay_mode_key(monkeypatch):
+    """Both adapters read the same ``r3bridge`` section (ReplayConfig) and plan phases alike."""
+    from r3bridge.adapters.areal import replay_config as areal_cfg
+    from r3bridge.adapters.skyrl import replay_config as skyrl_cfg
+
+    monkeypatch.setenv("R3BRIDGE_CONFIG", '{"replay_mode": "R2", "min_coverage": 0.5}')
+    assert skyrl_cfg() == areal_cfg() == ReplayConfig(replay_mode="R2", min_coverage=0.5)
+    monkeypatch.delenv("R3BRIDGE_CONFIG")
+    monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "r3")
+    assert skyrl_cfg().replay_mode == areal_cfg().replay_mode
+    for mode in ("off", "R2", "R3"):
+        for phase in Phase:
+            assert skyrl_cfg({"replay_mode": mode}).plan(phase) == areal_cfg({"replay_mode": mode}).plan(phase) \
+                == phase_plan(mode, phase)
