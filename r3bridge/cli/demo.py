@@ -67,7 +67,7 @@ def _plot(summary: dict[str, dict[str, Any]], path: str) -> None:
     a.set_xticks([x + w * (len(modes) - 1) / 2 for x in range(len(layers))], [f"layer {l}" for l in layers])
     a.set_ylabel("route agreement (trainer vs reference)")
     a.set_ylim(0, 1.05)
-    a.legend()
+    a.legend(loc="lower left")
     keys = ["k3_kl", "abs_diff", "F2"]
     for j, m in enumerate(modes):
         b.bar([x + j * w for x in range(len(keys))], [summary[m][k] for k in keys], w, label=m)

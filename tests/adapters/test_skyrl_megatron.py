@@ -52,7 +52,7 @@ _I = 0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,layouts,cells", [
-    (2, [Layout(tp=2), Layout(tp=2)], [(True, {}), (False, {})]),                # THD and BSHD, TP2 + SP
+    (2, [Layout(tp=2), Layout(tp=2), Layout(cp=2)], [(True, {}), (False, {}), (True, {})]),   # THD / BSHD TP2+SP, THD CP2
     # VPP: every chunk replays. THD (SkyRL's own BSHD path un-pads hidden states of non-last virtual
     # stages: a SkyRL VPP bug, not ours); packed lengths differ -> alltoall + variable_seq_lengths
     (2, [Layout(pp=2, vpp=2)], [(True, {"moe_token_dispatcher_type": "alltoall",
