@@ -6,11 +6,16 @@ under R2: field-notes 8.8).
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Mapping
 
 from r3bridge.errors import ConfigError
+
+ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
+ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
 
 __all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan"]
 
@@ -102,6 +107,37 @@ class ReplayConfig:
         if unknown:
             raise ConfigError(f"unknown r3bridge option(s) {unknown}; known: {sorted(known)}")
         return cls(**d)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
+        """``R3BRIDGE_CONFIG`` (JSON of the section) or ``R3BRIDGE_REPLAY_MODE``, else defaults.
+
+        How the section reaches framework workers that never see the job config (verl and SkyRL
+        Ray workers inherit it through ``runtime_env``)."""
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_CONFIG)
+        if raw:
+            try:
+                d = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{ENV_CONFIG} is not valid JSON ({e}): {raw!r}") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{ENV_CONFIG} must be a JSON object, got {raw!r}")
+            if env.get(ENV_MODE) and ReplayMode.parse(env[ENV_MODE]) != ReplayMode.parse(d.get("replay_mode", "off")):
+                raise ConfigError(f"{ENV_CONFIG} and {ENV_MODE} disagree on replay_mode")
+            return cls.from_mapping(d)
+        if env.get(ENV_MODE):
+            return cls(replay_mode=ReplayMode.parse(env[ENV_MODE]))
+        return cls()
+
+    @classmethod
+    def resolve(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None) -> "ReplayConfig":
+        """An explicit config (object or mapping), else :meth:`from_env`."""
+        if isinstance(cfg, cls):
+            return cfg
+        if cfg is not None:
+            return cls.from_mapping(cfg)
+        return cls.from_env()
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -28,8 +28,6 @@ Trainer:
 from __future__ import annotations
 
 import contextvars
-import json
-import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -59,18 +57,8 @@ _PAD_ID = 10 ** 9
 
 
 def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """Explicit config, else ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    if isinstance(cfg, ReplayConfig):
-        return cfg
-    if cfg is not None:
-        return ReplayConfig.from_mapping(cfg)
-    raw = os.environ.get("R3BRIDGE_CONFIG")
-    if raw:
-        try:
-            return ReplayConfig.from_mapping(json.loads(raw))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"R3BRIDGE_CONFIG is not valid JSON ({e})") from None
-    return ReplayConfig(replay_mode=os.environ.get("R3BRIDGE_REPLAY_MODE", "off"))
+    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
+    return ReplayConfig.resolve(cfg)
 
 
 class ModelInfo:

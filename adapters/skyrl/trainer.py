@@ -20,8 +20,6 @@ The reference worker keeps SkyRL's plain wrapper: the reference model never repl
 from __future__ import annotations
 
 import copy
-import json
-import os
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -47,19 +45,8 @@ _ID_BIAS = 1                           # R2 record pass: sample i travels as id 
 
 
 def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` from the
-    environment (Ray workers inherit it through ``runtime_env``), else off."""
-    if isinstance(cfg, ReplayConfig):
-        return cfg
-    if cfg is not None:
-        return ReplayConfig.from_mapping(cfg)
-    raw = os.environ.get("R3BRIDGE_CONFIG")
-    if raw:
-        try:
-            return ReplayConfig.from_mapping(json.loads(raw))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"R3BRIDGE_CONFIG is not valid JSON ({e})") from None
-    return ReplayConfig(replay_mode=os.environ.get("R3BRIDGE_REPLAY_MODE", "off"))
+    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
+    return ReplayConfig.resolve(cfg)
 
 
 def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:

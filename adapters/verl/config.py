@@ -12,14 +12,13 @@ import json
 import os
 from typing import Any, Mapping
 
-from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.config import ENV_CONFIG as ENV_VAR
+from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError
 
-__all__ = ["ENV_VAR", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
+__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
            "check_engine_config", "prepare_verl_config"]
 
-ENV_VAR = "R3BRIDGE_CONFIG"           # JSON of the r3bridge section
-ENV_MODE = "R3BRIDGE_REPLAY_MODE"     # shortcut: only replay_mode
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
 _ACTOR = "actor_rollout_ref.actor"
@@ -58,21 +57,7 @@ def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
 
 
 def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_VAR)
-    if raw:
-        try:
-            d = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{ENV_VAR} is not valid JSON ({e}): {raw!r}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{ENV_VAR} must be a JSON object, got {raw!r}")
-        if env.get(ENV_MODE) and ReplayMode.parse(env[ENV_MODE]) != ReplayMode.parse(d.get("replay_mode", "off")):
-            raise ConfigError(f"{ENV_VAR} and {ENV_MODE} disagree on replay_mode")
-        return ReplayConfig.from_mapping(d)
-    if env.get(ENV_MODE):
-        return ReplayConfig(replay_mode=ReplayMode.parse(env[ENV_MODE]))
-    return ReplayConfig()
+    return ReplayConfig.from_env(environ)
 
 
 def _problems(mode: ReplayMode, f: Mapping[str, Any]) -> list[str]:

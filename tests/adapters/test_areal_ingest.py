@@ -19,8 +19,7 @@ import torch
 
 import importlib.util  # noqa: E402
 
-if importlib.util.find_spec("areal") is None:          # not importorskip: `import areal` needs its agent stack
-    pytest.skip("areal is not installed", allow_module_level=True)
+assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
 from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.errors import PayloadError, StitchError  # noqa: E402

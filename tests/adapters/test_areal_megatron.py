@@ -19,8 +19,7 @@ import pytest
 
 from r3bridge.testing.dist import Layout, spawn_layouts
 
-if importlib.util.find_spec("areal") is None:
-    pytest.skip("areal is not installed", allow_module_level=True)
+assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
 GROUPS = [[0, 3], [1, 2], [4, 5], [6, 7]]
 REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]

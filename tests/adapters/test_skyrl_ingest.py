@@ -27,7 +27,6 @@ from r3bridge.adapters.skyrl import (
 from r3bridge.adapters.skyrl import conformance as sk
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
 
-pytest.importorskip("skyrl")
 
 
 def _arr(rows, layers=4, k=2, seed=0, dtype=np.uint8):

@@ -11,7 +11,7 @@ import pytest
 
 from r3bridge.testing.dist import Layout, spawn_layouts
 
-pytest.importorskip("skyrl")
+import skyrl  # noqa: E402,F401  (installed by `make install`: never skipped)
 
 GROUPS = [[0, 3], [1, 2], [4, 5], [6, 7]]           # micro-batches of the compute_log_prob pass
 REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]        # R2 replay re-partitioned differently

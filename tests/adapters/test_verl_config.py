@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("verl")
+import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from r3bridge.adapters.verl import config as vc  # noqa: E402

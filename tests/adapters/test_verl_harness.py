@@ -17,8 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("verl")
-pytest.importorskip("r3bridge.megatron")
+import verl  # noqa: E402,F401
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402

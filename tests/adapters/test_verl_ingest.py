@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl")
+import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from r3bridge import ConfigError
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode, phase_plan
 
-omegaconf = pytest.importorskip("omegaconf")
+import omegaconf
 
 YAML = Path(__file__).resolve().parents[2] / "configs" / "r3bridge.yaml"
 

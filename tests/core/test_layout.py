@@ -16,7 +16,7 @@ from ._reference import megatron_parallel_state
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
-mcore = pytest.importorskip("megatron.core")
+import megatron.core as mcore
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.enums import LayerType  # noqa: E402

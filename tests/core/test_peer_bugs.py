@@ -110,7 +110,7 @@ def test_whole_tensor_zigzag_on_packed_batch_differs_and_ours_is_per_sequence():
     different tokens than the per-sequence zigzag the THD attention kernel uses."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    vu = pytest.importorskip("verl.models.mcore.util")
+    import verl.models.mcore.util as vu
     cp, seq_lens = 2, [8, 16]
     tags = torch.cat([torch.arange(n) + 1 + 100 * i for i, n in enumerate(seq_lens)])   # padded already
     arrays = [np.stack([[[p % 8, (p + 1) % 8]] for p in range(n)]) for n in seq_lens]

@@ -122,7 +122,7 @@ def test_thd_matches_verl_thd_engine_packer_and_megatron_sp_split(data):
     """verl 0.9.1 ``preprocess_thd_engine`` (per-sequence zigzag, its own alignment/FP8 rules)
     packs a tag tensor; megatron-core's ``scatter_to_sequence_parallel_region`` splits it. Our
     target must hold, row by row, the route of the tag verl put there."""
-    vu = pytest.importorskip("verl.models.mcore.util")
+    import verl.models.mcore.util as vu
     tp = data.draw(st.sampled_from([1, 2, 4]))
     cp = data.draw(st.sampled_from([1, 2, 4]))
     fp8 = tp * cp <= 4 and data.draw(st.booleans())
@@ -153,7 +153,7 @@ def test_thd_matches_verl_thd_engine_packer_and_megatron_sp_split(data):
 @given(data=st.data())
 def test_thd_matches_verl_preprocess_packed_seqs_with_left_and_right_padding(data):
     """verl's older BSHD->THD packer (``preprocess_packed_seqs``) from a padded tag batch."""
-    vu = pytest.importorskip("verl.models.mcore.util")
+    import verl.models.mcore.util as vu
     tp = data.draw(st.sampled_from([1, 2]))
     cp = data.draw(st.sampled_from([1, 2]))
     lay = ParallelLayout(1, 1, tp=tp, cp=cp)
