@@ -89,7 +89,7 @@ class TemplateEngineMixin:
     def attach_replay(self, chunks: list[torch.nn.Module]) -> None:
         from r3bridge.megatron import Replayer
         self.r3_chunks = list(chunks)
-        self.r3_replayer = Replayer(self.r3_chunks)   # finds routers per chunk, runs the guards, attaches hooks
+        self.r3_replayer = Replayer.from_config(self.r3_chunks, ReplayConfig.resolve(self.r3_config))  # finds routers per chunk, runs the guards, attaches hooks
 
     def run_mini_batch(self, micro_batches: list, call) -> Any:
         plan = self.r3_config.plan(self.r3_phase) if self.r3_phase is not None else None

@@ -233,8 +233,7 @@ class MegatronEngineMixin:
                 raise ConfigError(f"r3bridge + AReaL: {flag} is not supported ({why})")
         from r3bridge.megatron import Replayer
         c = self.r3_config
-        self.r3_replay = Replayer(list(self.model), layout, agreement=c.agreement, min_coverage=c.min_coverage,
-                                  metrics_prefix=c.metrics_prefix)
+        self.r3_replay = Replayer.from_config(list(self.model), c, layout)
 
     def _r3_plan(self):
         if self.r3_replay is None or self.r3_phase is None:

@@ -70,8 +70,7 @@ class SkyRLReplay:
         self.replayer = None
         if cfg.replay_mode is not ReplayMode.OFF:
             from r3bridge.megatron import Replayer
-            self.replayer = Replayer(self.chunks, layout, agreement=cfg.agreement, min_coverage=cfg.min_coverage,
-                                     metrics_prefix=cfg.metrics_prefix)
+            self.replayer = Replayer.from_config(self.chunks, cfg, layout)
             if self.replayer.layer_ids and not set(self.replayer.layer_ids) <= set(self.moe_layer_ids):
                 raise ConfigError(f"the model's MoE routers are on layers {self.replayer.layer_ids}, the HF "
                                   f"config says {self.moe_layer_ids}: routes would land on the wrong layers")

@@ -91,9 +91,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             raise LayerMappingError(f"the HF config's MoE layers {self.r3_moe_layer_ids} differ from the "
                                     f"Megatron model's {mcore_moe} (moe_layer_freq): routes would land on "
                                     f"the wrong layers")
-        self.r3_replayer = Replayer(self.module, layout=None, agreement=self.r3_config.agreement,
-                                    min_coverage=self.r3_config.min_coverage,
-                                    metrics_prefix=self.r3_config.metrics_prefix)
+        self.r3_replayer = Replayer.from_config(self.module, self.r3_config)
         logger.info("r3bridge: replay_mode=%s attached to %d model chunk(s), MoE layers %s",
                     self.r3_config.replay_mode.value, len(self.module), self.r3_moe_layer_ids)
 

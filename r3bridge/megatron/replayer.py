@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.config import Action
+from r3bridge.config import Action, ReplayConfig
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron
@@ -36,10 +36,12 @@ class Replayer:
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
                  layout: Optional[ParallelLayout] = None, *, agreement: bool = True,
-                 min_coverage: float = 0.0, metrics_prefix: str = "r3bridge/",
+                 min_coverage: float = 0.0, invalid_rows: str = "native", metrics_prefix: str = "r3bridge/",
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None) -> None:
         check_megatron()
+        if invalid_rows not in ("native", "error"):
+            raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if not chunks:
             raise ConfigError("Replayer needs at least one model chunk")
@@ -56,6 +58,7 @@ class Replayer:
         self.topk = int(config.moe_router_topk)
         self.agreement = agreement
         self.min_coverage = float(min_coverage)
+        self.invalid_rows = invalid_rows
         self.metrics_prefix = metrics_prefix
         self.chunks: list[ChunkRouters] = find_routers(chunks)
         check_against_layout(self.chunks, self.layout, self.pp_rank)
@@ -64,6 +67,11 @@ class Replayer:
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
         self.device = self._device()
+        for c in self.chunks:
+            for lid, router in c.routers.items():
+                if isinstance(router.router_replay, RouterHook):
+                    raise ConfigError(f"layer {lid}'s router already belongs to another Replayer: two replays "
+                                      f"at once; detach() the other one first")
         for c in self.chunks:
             for lid, router in c.routers.items():
                 self._previous[lid] = router.router_replay
@@ -76,6 +84,13 @@ class Replayer:
             for p in c.chunk.parameters():
                 return p.device
         return torch.device("cpu")
+
+    @classmethod
+    def from_config(cls, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, config: ReplayConfig,
+                    layout: Optional[ParallelLayout] = None, **kwargs: Any) -> "Replayer":
+        """Every option of the job's ``r3bridge`` section, so adapters cannot forget one."""
+        return cls(model_chunks, layout, agreement=config.agreement, min_coverage=config.min_coverage,
+                   invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix, **kwargs)
 
     # -------------------------------------------------------------------------------- public
     def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from r3bridge.config import Action
+from r3bridge._validate import locate
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.schema import ReplayBatch, route_dtype
@@ -142,6 +143,10 @@ class ReplayStep:
             if routes is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
             self._check_source(routes)
+            if rep.invalid_rows == "error" and not bool(routes.valid.all()):
+                seq, row, tok = locate(routes.offsets, routes.start_rows, int((~routes.valid).nonzero()[0]))
+                raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
+                                    f"has no route and invalid_rows='error'")
             mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
                                pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=rep.device, **pack)
             if rep.min_coverage > 0:

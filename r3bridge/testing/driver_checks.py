@@ -154,6 +154,18 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
         "metrics": st.metrics,
     }
 
+    # --- invalid_rows="error": a row without a route inside a sequence's coverage is refused
+    from r3bridge.config import ReplayConfig
+    out["second_replayer"] = _outcome(lambda: Replayer(chunks))
+    rep.detach()
+    strict = Replayer.from_config(chunks, ReplayConfig(invalid_rows="error"))
+
+    def strict_install():
+        with strict.step("replay", forward_only=True, source="rollout") as st:
+            st.install(chunks[0], half, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
+    out["invalid_rows_error"] = _outcome(strict_install)
+    strict.detach()
+
     # --- version check: the running megatron-core passes
     from r3bridge.megatron import check_megatron
     out["version_ok"] = _outcome(check_megatron)

@@ -89,3 +89,11 @@ def test_old_megatron_is_refused(monkeypatch):
     monkeypatch.setattr(package_info, "MINOR", 15)
     with pytest.raises(ConfigError, match="0.16"):
         check_megatron()
+
+
+def test_invalid_rows_error_mode_refuses_rows_without_route(checks):
+    _raised(checks["invalid_rows_error"], "CoverageError", "sequence 0", "row 0", "invalid_rows='error'")
+
+
+def test_second_replayer_on_the_same_routers_is_refused(checks):
+    _raised(checks["second_replayer"], "ConfigError", "another Replayer")
