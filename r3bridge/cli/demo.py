@@ -24,8 +24,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--steps", type=int, default=2, help="RL steps (each: rollout, log-prob pass, mini-batch updates)")
-    p.add_argument("--device", choices=["cpu"], default="cpu",
-                   help="CPU gloo ranks (GPU runs: scripts/gpu/ in the repository)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: one gloo process per rank; cuda: one process per GPU (NCCL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="r3bridge_demo.png", help="PNG path ('' to skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
@@ -87,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
 
     modes = ["off", "R2", "R3"] if args.mode == "all" else [args.mode]
     world = max(args.tp * args.cp * args.pp, args.ep * args.pp)
-    opts = DemoOptions(modes=tuple(modes), steps=args.steps, seed=args.seed, verbose=not args.json)
+    opts = DemoOptions(modes=tuple(modes), steps=args.steps, seed=args.seed, verbose=not args.json,
+                       device=args.device)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"[r3bridge demo] {world} CPU rank(s): tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep} "
+    log(f"[r3bridge demo] {world} {args.device.upper()} rank(s): tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep} "
         f"cp={args.cp}; modes {', '.join(modes)}; {args.steps} step(s)")
     t0 = time.time()
     results = spawn(run_demo, world_size=world, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
-                    args=(opts,), timeout=1800)
+                    args=(opts,), timeout=1800, backend="nccl" if args.device == "cuda" else "gloo")
     summary = summarize(results, modes)
     if args.plot:
         _plot(summary, args.plot)

@@ -32,6 +32,7 @@ from r3bridge.testing.data import align_for, make_packed_batch
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
+from r3bridge.testing.replay_grid import batch_to
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 
@@ -46,6 +47,7 @@ class DemoOptions:
     lr: float = 0.02
     seed: int = 0
     verbose: bool = True
+    device: str = "cpu"          # "cuda": ranks run on GPUs (NCCL), fp32 trainer as on CPU
 
 
 def demo_spec(cp: int) -> ModelSpec:
@@ -110,9 +112,9 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
     spec = demo_spec(ctx.cp)
-    trainer = build_model_chunks(spec, ctx)
+    trainer = [c.to(opts.device) for c in build_model_chunks(spec, ctx)]
     _amplify(trainer)
-    engine = build_model_chunks(spec, ctx)
+    engine = [c.to(opts.device) for c in build_model_chunks(spec, ctx)]
     for c in engine:
         c.eval()
     rep = Replayer(trainer)
@@ -135,8 +137,8 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
         per_mb = n // opts.mini_batches
         groups = [lens[i * per_mb:(i + 1) * per_mb] for i in range(opts.mini_batches)]
         pad_to = max(sum(-(-x // align) * align for x in grp) for grp in groups)
-        batches = [make_packed_batch(grp, spec.vocab_size, 1000 * step_i + i + opts.seed, align=align, pad_to=pad_to)
-                   for i, grp in enumerate(groups)]
+        batches = [batch_to(make_packed_batch(grp, spec.vocab_size, 1000 * step_i + i + opts.seed, align=align,
+                                              pad_to=pad_to), opts.device) for i, grp in enumerate(groups)]
         ids_of, start = {}, 0
         for b in batches:
             ids_of[id(b)] = list(range(start, start + len(b.seq_lens)))
@@ -182,8 +184,8 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
                     train_lp = _logprobs(res[0].logits, b.labels)
                     keep = b.loss_mask.bool()
-                    sums = logprob_mismatch_sums(train_lp, rollout_lp[i], keep, cu_seqlens=b.cu_seqlens_padded,
-                                                 exclude_last=True)
+                    sums = logprob_mismatch_sums(train_lp.cpu(), rollout_lp[i].cpu(), keep.cpu(),
+                                                 cu_seqlens=b.cu_seqlens_padded.cpu(), exclude_last=True)
                     pm["sums"] = sums if pm["sums"] is None else pm["sums"] + sums
             lineage[mode] = _state(trainer)
             if opts.verbose and ctx.rank == 0:
@@ -210,7 +212,7 @@ def _count_agreement(probe: RoutingProbe, batch, ref: ReplayBatch, layout, ctx: 
     for lid, calls in by_layer.items():
         t = shard(ref, layout, batch.seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
                   cu_seqlens_padded=batch.cu_seqlens_padded, layer_ids=[lid])
-        got = calls[0].topk()
+        got = calls[0].topk().cpu()
         same = (got.sort(1).values == t.indices[lid].sort(1).values).all(1) & t.valid
         pm["agree"][lid] += float(same.sum())
         pm["total"][lid] += float(t.valid.sum())

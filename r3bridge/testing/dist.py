@@ -140,6 +140,7 @@ def _worker(
     results: Any,
     timeout: float,
     seed: int,
+    backend: str = "gloo",
 ) -> None:
     # Two CI cores shared by several ranks: one intra-op thread per rank avoids thrashing.
     torch.set_num_threads(1)
@@ -153,9 +154,17 @@ def _worker(
 
     idx = -1
     try:
-        cpu_shim.apply()
+        if backend == "nccl":
+            # one GPU per rank, no CPU shim; only the TE-less router name megatron 0.16.1 needs
+            from megatron.core.transformer.moe import moe_utils
+
+            torch.cuda.set_device(rank)
+            if not hasattr(moe_utils, "te_general_gemm"):
+                moe_utils.te_general_gemm = None
+        else:
+            cpu_shim.apply()
         torch.distributed.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
@@ -216,8 +225,11 @@ def spawn_layouts(
     args: tuple[Any, ...] = (),
     timeout: float = 300.0,
     seed: int = 1234,
+    backend: str = "gloo",
 ) -> list[list[Any]]:
     """Run ``fn(ctx, *args)`` under each layout in turn in one set of ``world_size`` processes.
+
+    ``backend="nccl"``: one GPU per rank (``cuda:rank``), no CPU shim.
 
     Returns ``results[layout_index][rank]``. ``fn`` must be importable (module level) and its
     return value picklable. The first failing rank's traceback is raised as :class:`RankError`
@@ -228,12 +240,12 @@ def spawn_layouts(
     for lay in layouts:
         lay.dp(world_size)
     try:
-        return _spawn_once(fn, world_size, layouts, args, timeout, seed)
+        return _spawn_once(fn, world_size, layouts, args, timeout, seed, backend)
     except RankError as e:
         # free_port() can race with another process on a shared box: retry once on a new port.
         if "Address already in use" not in e.remote_traceback:
             raise
-        return _spawn_once(fn, world_size, layouts, args, timeout, seed)
+        return _spawn_once(fn, world_size, layouts, args, timeout, seed, backend)
 
 
 def _spawn_once(
@@ -243,6 +255,7 @@ def _spawn_once(
     args: tuple[Any, ...],
     timeout: float,
     seed: int,
+    backend: str = "gloo",
 ) -> list[list[Any]]:
     mp = torch.multiprocessing.get_context("spawn")
     results = mp.Queue()
@@ -250,7 +263,7 @@ def _spawn_once(
     procs = [
         mp.Process(
             target=_worker,
-            args=(r, world_size, port, list(layouts), fn, args, results, timeout, seed),
+            args=(r, world_size, port, list(layouts), fn, args, results, timeout, seed, backend),
             daemon=True,
         )
         for r in range(world_size)
@@ -311,14 +324,16 @@ def spawn(
     args: tuple[Any, ...] = (),
     timeout: float = 300.0,
     seed: int = 1234,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks under one layout.
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks (gloo CPU, or nccl GPUs) under one layout.
 
     Returns the per-rank return values in rank order. See :func:`spawn_layouts`.
     """
     layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
     return spawn_layouts(
-        fn, world_size=world_size, layouts=[layout], args=args, timeout=timeout, seed=seed
+        fn, world_size=world_size, layouts=[layout], args=args, timeout=timeout, seed=seed,
+        backend=backend,
     )[0]
 
 
