@@ -88,7 +88,7 @@ def make_forward_step(
             output = model(
                 loc["input_ids"],
                 loc["position_ids"],
-                None if thd else packed_causal_mask(batch),
+                None if thd else packed_causal_mask(batch).to(loc["input_ids"].device),
                 labels=loc["labels"],
                 loss_mask=loc["loss_mask"],
                 packed_seq_params=packed_seq_params(batch) if thd else None,
