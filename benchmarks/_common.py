@@ -96,3 +96,33 @@ def load_skyrl_replay_utils():
          pkgs["skyrl.backends.skyrl_train.distributed.megatron"] / "packing_utils.py")
     return load("skyrl.backends.skyrl_train.utils.replay_utils",
                 pkgs["skyrl.backends.skyrl_train.utils"] / "replay_utils.py")
+
+
+def load_verl_router_replay_utils():
+    """``verl.utils.megatron.router_replay_utils`` (verl 0.9.1's R2/R3 helpers: ``pp_gather``).
+
+    Where verl imports normally (this machine, after ``make install``) this is a plain import.
+    The GPU image has no ray, and ``verl/__init__.py`` -> ``verl.protocol`` imports ray although
+    ``pp_gather`` never uses it; there the *package* modules ``verl``, ``verl.models`` and
+    ``verl.models.mcore`` are stubbed (empty modules whose ``__path__`` points at the real
+    folders, as for SkyRL above) and ``router_replay_utils.py`` with everything it imports is
+    the real verl code (it needs omegaconf and tensordict, carried as wheels: docs/gpu.md).
+    """
+    try:
+        from verl.utils.megatron import router_replay_utils
+        return router_replay_utils
+    except ImportError as e:
+        if "ray" not in str(e):
+            raise
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+        del sys.modules[name]   # the half-imported package of the failed attempt
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("verl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    for name, path in {"verl": root, "verl.models": root / "models",
+                       "verl.models.mcore": root / "models" / "mcore"}.items():
+        m = types.ModuleType(name)
+        m.__path__ = [str(path)]
+        sys.modules[name] = m
+    return importlib.import_module("verl.utils.megatron.router_replay_utils")

@@ -237,7 +237,7 @@ class ReplayBatch:
         out = routes
         if not bool(valid.all()):
             out = out.clone()
-            out[~valid] = torch.arange(routes.shape[2], dtype=routes.dtype)
+            out[~valid] = torch.arange(routes.shape[2], dtype=routes.dtype, device=routes.device)
         return cls(out, valid, list(rows_per_seq), list(start_rows), layer_ids, num_experts,
                    int(routes.shape[2]), source)
 

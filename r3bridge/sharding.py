@@ -351,18 +351,19 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _layer_major(t: ShardedTargets, lids: list[int]) -> torch.Tensor:
-    """``[nl, rows, K]`` of a rank's layers; a view, not a copy, when the per-layer tensors are
-    consecutive slices of one buffer (what ``shard`` and the R2 recorder produce)."""
+def _layer_major(t: ShardedTargets, lids: list[int], device: torch.device) -> torch.Tensor:
+    """``[nl, rows, K]`` of a rank's layers on ``device``; a view, not a copy, when the per-layer
+    tensors are consecutive slices of one buffer there (what ``shard`` and the R2 recorder
+    produce)."""
     parts = [t.indices[lid] for lid in lids]
     first = parts[0]
     step = first.numel()
-    if first.device.type == "cpu" and all(
+    if first.device == device and all(
             p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
             and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
             and p.storage_offset() == first.storage_offset() + j * step for j, p in enumerate(parts)):
         return first.as_strided((len(parts), *first.shape), (step, first.shape[1], 1))
-    return torch.stack([p.cpu() for p in parts], 0)
+    return torch.stack([p.to(device) for p in parts], 0)
 
 
 def _dedupe_sp_off(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout
@@ -377,7 +378,7 @@ def _dedupe_sp_off(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLa
             continue
         ref = other[1]
         for lid, idx in t.indices.items():
-            if lid not in ref.indices or not torch.equal(ref.indices[lid].cpu(), idx.cpu()):
+            if lid not in ref.indices or not torch.equal(ref.indices[lid], idx.to(ref.indices[lid].device)):
                 raise ReplayStateError(f"unshard: TP ranks {other[0][0]} and {key[0]} disagree on layer {lid} "
                                        f"(cp={key[1]}, pp={key[2]}, vp={key[3]}) although SP is off")
     return {key: t for key, t in keep.values()}
@@ -393,7 +394,9 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
 
     Every MoE layer of the layout and every covered token must come from some rank; rows seen by
     several ranks (SP off) must agree. Targets may be int64 (as ``shard`` makes them) or already
-    compact (the R2 recorder keeps uint8 / int16 end to end). Work is one scatter per rank.
+    compact (the R2 recorder keeps uint8 / int16 end to end). Work is one scatter per rank, on
+    the device of the targets' ids (the R2 recorder gathers them on the GPU); the result stays
+    there.
     """
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
@@ -414,7 +417,8 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
     total = int(offsets[-1])
     col_of = {lid: j for j, lid in enumerate(layer_ids)}
     dtype = route_dtype(num_experts)
-    out = torch.zeros((total, len(layer_ids), k), dtype=dtype)
+    dev = next((i.device for t in targets.values() for i in t.indices.values()), torch.device("cpu"))
+    out = torch.zeros((total, len(layer_ids), k), dtype=dtype, device=dev)
     out_words = _as_words(out)                  # [total, L, w]: the K ids of a (row, layer) as words
     written = torch.zeros(len(layer_ids), dtype=torch.int64)
     valid = torch.zeros(total, dtype=torch.bool)
@@ -431,10 +435,10 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             continue
         lids = list(t.indices)
         cols = [col_of[lid] for lid in lids]
-        stacked = _layer_major(t, lids)                                            # [nl, rows, K]
+        stacked = _layer_major(t, lids, dev)                                       # [nl, rows, K]
         if stacked.numel():
-            lo, hi = int(stacked.min()), int(stacked.max())
-            if lo < 0 or hi >= num_experts:
+            lo, hi = torch.aminmax(stacked)
+            if int(lo) < 0 or int(hi) >= num_experts:
                 raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
                                        f"holds expert ids outside [0, {num_experts})")
         src = _as_words(stacked.to(dtype)).transpose(0, 1)                         # [rows, nl, w]
@@ -445,9 +449,9 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             if everything:          # tp = cp = 1, full coverage: a plain (transposing) copy
                 target.copy_(src)
             else:
-                target.index_copy_(0, dst, src.index_select(0, keep))
+                target.index_copy_(0, dst.to(dev), src.index_select(0, keep.to(dev)))
         else:
-            out_words[dst[:, None], torch.tensor(cols)[None, :]] = src.index_select(0, keep)
+            out_words[dst.to(dev)[:, None], torch.tensor(cols, device=dev)[None, :]] = src.index_select(0, keep.to(dev))
         written[cols] += dst.numel()
     short = (written != total).nonzero()
     if short.numel():
@@ -456,4 +460,5 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
                             f"targets are missing or overlap")
     # The ids come from shard() of a validated batch or from the router's own top-k: distinct by
     # construction, so only the schema is rebuilt (the O(rows*L*K log K) duplicate scan is skipped).
-    return ReplayBatch._trusted(out, rows.tolist(), starts.tolist(), valid, tuple(layer_ids), num_experts, source)
+    return ReplayBatch._trusted(out, rows.tolist(), starts.tolist(), valid.to(dev), tuple(layer_ids), num_experts,
+                                source)
