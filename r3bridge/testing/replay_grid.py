@@ -237,7 +237,10 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
                 run_schedule(chunks, one, _install_step(st3, inner, by_batch, ids), forward_only=True)
             if i == 4:
                 base = _count_tensors()
+                base_bytes = torch.cuda.memory_allocated() if device != "cpu" else 0
         out["tensor_growth"] = _count_tensors() - (base or 0)
+        if device != "cpu":
+            out["device_bytes_growth"] = torch.cuda.memory_allocated() - base_bytes
     out["unmanaged_calls"] = rep.unmanaged_calls
     return out
 

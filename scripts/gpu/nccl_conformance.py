@@ -36,7 +36,7 @@ def gpu_cells(names):
                 c.spec, moe_token_dispatcher_type="alltoall", attention="identity",
                 extra_config={**c.spec.extra_config, "bf16": True, "params_dtype": torch.bfloat16,
                               "pipeline_dtype": torch.bfloat16})
-            out.append(dataclasses.replace(c, spec=spec, memory_steps=0))
+            out.append(dataclasses.replace(c, spec=spec))
     return out
 
 
@@ -79,9 +79,12 @@ def worker(rank: int, world: int, port: int, names: list[str], q) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count())
-    p.add_argument("--cells", default=",".join(CELLS))
+    p.add_argument("--cells", default=",".join(CELLS), help="comma-separated cell names, or 'all' (the whole CPU grid)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.cells == "all":
+        from r3bridge.testing.replay_grid import default_cells
+        a.cells = ",".join(c.name for c in default_cells())
     mp = torch.multiprocessing.get_context("spawn")
     q = mp.Queue()
     port = 29500 + os.getpid() % 1000
@@ -104,7 +107,8 @@ def main() -> int:
             summary[name] = {"error": errs[0][-1500:]}
             continue
         passed = all(not x["r3_errors"] and x["state_clean"] and x["r2_agreement"] == 1.0
-                     and (x["r2_logits_equal"] or not x["r2_logits_compared"]) for x in per_rank)
+                     and (x["r2_logits_equal"] or not x["r2_logits_compared"])
+                     and x.get("tensor_growth", 0) <= 0 and x.get("device_bytes_growth", 0) <= 0 for x in per_rank)
         ok &= passed
         summary[name] = {"pass": passed, "r3_errors": sum(len(x["r3_errors"]) for x in per_rank),
                          "r2_logits_bit_equal": all(x["r2_logits_equal"] for x in per_rank if x["r2_logits_compared"]),
@@ -112,6 +116,9 @@ def main() -> int:
                          "coverage": per_rank[0]["r3_metrics"].get("r3bridge/coverage"),
                          "agreement_random_targets": per_rank[0]["r3_metrics"].get("r3bridge/agreement/mean"),
                          "seconds": max(x["seconds"] for x in per_rank)}
+        if "tensor_growth" in per_rank[0]:   # cells with memory_steps: nothing may accumulate
+            summary[name]["tensor_growth"] = max(x["tensor_growth"] for x in per_rank)
+            summary[name]["device_bytes_growth"] = max(x["device_bytes_growth"] for x in per_rank)
     info = {"device": torch.cuda.get_device_name(0), "gpus": a.gpus, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cells": summary, "all_pass": ok}
     text = json.dumps(info, indent=1)
