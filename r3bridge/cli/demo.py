@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from r3bridge.cli._common import CliError, pyplot, save_figure
+
 NAME = "demo"
 
 
@@ -43,21 +45,22 @@ def summarize(results: list[dict[str, Any]], modes: list[str]) -> dict[str, dict
         mm = next(r[mode]["mismatch"] for r in results if r[mode]["mismatch"] is not None)
         cov = [r[mode]["coverage"] for r in results]
         per_layer = {int(i): float(agree[i] / total[i]) for i in range(len(total)) if total[i] > 0}
+        native = [r[mode]["native_agreement"] for r in results if r[mode].get("native_agreement") is not None]
         out[mode] = {
             "route_agreement": float(agree.sum() / total.sum()) if float(total.sum()) else 0.0,
             "k3_kl": mm["mismatch/k3_kl"], "abs_diff": mm["mismatch/abs_diff"],
             "F2": mm["mismatch/F2"], "F5": mm["mismatch/F5"],
             "replay_coverage": sum(cov) / len(cov),
             "_layers": per_layer,
+            # the driver's own metric: how often the trainer's router alone would have picked
+            # the replayed set (None without replay); not part of the JSON contract
+            "_native_agreement": sum(native) / len(native) if native else None,
         }
     return out
 
 
 def _plot(summary: dict[str, dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = list(summary)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     layers = sorted({l for m in modes for l in summary[m]["_layers"]})
@@ -77,14 +80,18 @@ def _plot(summary: dict[str, dict[str, Any]], path: str) -> None:
     b.legend()
     fig.suptitle("r3bridge demo: routing replay on a tiny megatron-core MoE model")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
-    from r3bridge.testing.demo_job import DemoOptions, run_demo
+    from r3bridge.testing.demo_job import DemoOptions, layout_problem, run_demo
     from r3bridge.testing.dist import spawn
 
+    problem = layout_problem(args.tp, args.pp, args.vpp, args.ep, args.cp, args.steps)
+    if problem:
+        raise CliError(problem)
+    if args.plot:
+        pyplot()    # fail before the run, not after it, when matplotlib is missing
     modes = ["off", "R2", "R3"] if args.mode == "all" else [args.mode]
     world = max(args.tp * args.cp * args.pp, args.ep * args.pp)
     opts = DemoOptions(modes=tuple(modes), steps=args.steps, seed=args.seed, verbose=not args.json,
@@ -96,20 +103,22 @@ def run(args: argparse.Namespace) -> int:
     results = spawn(run_demo, world_size=world, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                     args=(opts,), timeout=1800, backend="nccl" if args.device == "cuda" else "gloo")
     summary = summarize(results, modes)
-    if args.plot:
-        _plot(summary, args.plot)
     public = {m: {k: v for k, v in s.items() if not k.startswith("_")} for m, s in summary.items()}
     if args.json:
-        print(json.dumps(public))
-        return 0
-    print(f"{'mode':<5} {'agreement':>10} {'k3_kl':>10} {'|d|':>10} {'F(2)':>9} {'F(5)':>9} {'coverage':>9}")
-    for m, s in public.items():
-        print(f"{m:<5} {s['route_agreement']:>10.4f} {s['k3_kl']:>10.3e} {s['abs_diff']:>10.3e} "
-              f"{s['F2']:>9.2e} {s['F5']:>9.2e} {s['replay_coverage']:>9.3f}")
-    for m, s in summary.items():
-        layers = " ".join(f"L{l}={v:.3f}" for l, v in s["_layers"].items())
-        print(f"  {m} per-layer agreement: {layers}")
+        print(json.dumps(public, allow_nan=False))
+    else:
+        print(f"{'mode':<5} {'agreement':>10} {'native':>8} {'k3_kl':>10} {'|d|':>10} {'F(2)':>9} {'F(5)':>9} "
+              f"{'coverage':>9}")
+        for m, s in public.items():
+            nat = summary[m]["_native_agreement"]
+            print(f"{m:<5} {s['route_agreement']:>10.4f} {'-' if nat is None else f'{nat:.4f}':>8} "
+                  f"{s['k3_kl']:>10.3e} {s['abs_diff']:>10.3e} {s['F2']:>9.2e} {s['F5']:>9.2e} "
+                  f"{s['replay_coverage']:>9.3f}")
+        for m, s in summary.items():
+            layers = " ".join(f"L{l}={v:.3f}" for l, v in s["_layers"].items())
+            print(f"  {m} per-layer agreement: {layers}")
     if args.plot:
-        print(f"plot: {args.plot}")
+        _plot(summary, args.plot)
+        log(f"plot: {args.plot}")
     log(f"[r3bridge demo] done in {time.time() - t0:.0f}s")
     return 0

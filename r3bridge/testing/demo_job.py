@@ -19,6 +19,7 @@ routing replay, not generation).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,37 @@ class DemoOptions:
     seed: int = 0
     verbose: bool = True
     device: str = "cpu"          # "cuda": ranks run on GPUs (NCCL), fp32 trainer as on CPU
+
+
+def layout_problem(tp: int, pp: int, vpp: int | None, ep: int, cp: int, steps: int,
+                   opts: "DemoOptions | None" = None) -> str | None:
+    """Why the demo model cannot run under this layout (None if it can): checked before any
+    process starts, so a bad flag is one clear line, not a traceback from every rank."""
+    spec, o = demo_spec(cp), opts or DemoOptions()
+    if steps < 1:
+        return f"--steps must be >= 1, got {steps}"
+    if min(tp, pp, ep, cp) < 1:
+        return "--tp/--pp/--ep/--cp must be >= 1"
+    if vpp is not None and (vpp < 2 or pp < 2):
+        return "--vpp N needs N >= 2 and --pp >= 2 (Megatron refuses virtual stages without pipelining)"
+    if spec.num_layers % (pp * (vpp or 1)):
+        return f"the demo model has {spec.num_layers} layers: pp x vpp = {pp * (vpp or 1)} must divide it"
+    if spec.num_attention_heads % tp or spec.num_moe_experts % ep:
+        return (f"the demo model has {spec.num_attention_heads} attention heads and {spec.num_moe_experts} "
+                f"experts: --tp must divide the first, --ep the second")
+    n, per_update = o.seqs_per_step, _micro_batches_per_update(pp, vpp)
+    if n % (_mini_batches(o, pp, vpp) * per_update):
+        return f"{n} sequences per step cannot be split into updates of {per_update} micro-batches (--pp {pp})"
+    return None
+
+
+def _micro_batches_per_update(pp: int, vpp: int | None) -> int:
+    # the interleaved (VPP) schedule needs at least pp micro-batches per schedule run
+    return pp if vpp else 1
+
+
+def _mini_batches(opts: "DemoOptions", pp: int, vpp: int | None) -> int:
+    return max(1, min(opts.mini_batches, opts.seqs_per_step // _micro_batches_per_update(pp, vpp)))
 
 
 def demo_spec(cp: int) -> ModelSpec:
@@ -129,13 +161,15 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
     num_layers = layout.num_layers
     out: dict[str, Any] = {}
     per_mode = {m: dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers),
-                        sums=None, cov=[], layer_sums=torch.zeros(2, num_layers)) for m in opts.modes}
+                        sums=None, cov=[], native=[]) for m in opts.modes}
     g = torch.Generator().manual_seed(opts.seed)
     for step_i in range(opts.steps):
         n = opts.seqs_per_step
         lens = torch.randint(opts.min_len, opts.max_len + 1, (n,), generator=g).tolist()
-        per_mb = n // opts.mini_batches
-        groups = [lens[i * per_mb:(i + 1) * per_mb] for i in range(opts.mini_batches)]
+        per_update = _micro_batches_per_update(ctx.pp, ctx.vpp)
+        n_groups = _mini_batches(opts, ctx.pp, ctx.vpp) * per_update
+        per_mb = n // n_groups
+        groups = [lens[i * per_mb:(i + 1) * per_mb] for i in range(n_groups)]
         pad_to = max(sum(-(-x // align) * align for x in grp) for grp in groups)
         batches = [batch_to(make_packed_batch(grp, spec.vocab_size, 1000 * step_i + i + opts.seed, align=align,
                                               pad_to=pad_to), opts.device) for i, grp in enumerate(groups)]
@@ -171,29 +205,35 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 ref_of = roll_of
             opt = torch.optim.SGD([p for c in trainer for p in c.parameters()], lr=opts.lr)
             pm = per_mode[mode]
-            for i, b in enumerate(batches):
+            for u in range(0, len(batches), per_update):
+                mini = batches[u:u + per_update]
                 opt.zero_grad(set_to_none=True)
                 with RoutingProbe(trainer, include_mtp=False) as probe:
                     with rep.step(plan.action, forward_only=False, source=plan.source) as us:
-                        res = run_schedule(trainer, [b], _install(us, fwd_logits, ref_of if plan.source else {}, ids_of),
+                        res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.source else {}, ids_of),
                                            forward_only=False)
                 _sync_grads(trainer, ctx)
                 opt.step()
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
-                _count_agreement(probe, b, ref_of[id(b)], layout, ctx, pm)
+                if plan.source:
+                    pm["native"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
+                _count_agreement(probe, mini, ref_of, layout, ctx, pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
-                    train_lp = _logprobs(res[0].logits, b.labels)
-                    keep = b.loss_mask.bool()
-                    sums = logprob_mismatch_sums(train_lp.cpu(), rollout_lp[i].cpu(), keep.cpu(),
-                                                 cu_seqlens=b.cu_seqlens_padded.cpu(), exclude_last=True)
-                    pm["sums"] = sums if pm["sums"] is None else pm["sums"] + sums
+                    for j, b in enumerate(mini):
+                        train_lp = _logprobs(res[j].logits, b.labels)
+                        # the loss mask already drops each sequence's last token (it has no label
+                        # and no rollout log-prob): nothing more to exclude
+                        sums = logprob_mismatch_sums(train_lp.cpu(), rollout_lp[u + j].cpu(), b.loss_mask.bool().cpu(),
+                                                     cu_seqlens=b.cu_seqlens_padded.cpu(), exclude_last=False)
+                        pm["sums"] = sums if pm["sums"] is None else pm["sums"] + sums
             lineage[mode] = _state(trainer)
             if opts.verbose and ctx.rank == 0:
-                print(f"[r3bridge demo] step {step_i + 1}/{opts.steps} mode {mode} done", flush=True)
+                print(f"[r3bridge demo] step {step_i + 1}/{opts.steps} mode {mode} done", file=sys.stderr, flush=True)
     for mode, pm in per_mode.items():
         out[mode] = {"agree": pm["agree"].tolist(), "total": pm["total"].tolist(),
                      "mismatch": mismatch_from_sums(pm["sums"], prefix="") if pm["sums"] is not None else None,
-                     "coverage": sum(pm["cov"]) / len(pm["cov"]) if pm["cov"] else 0.0}
+                     "coverage": sum(pm["cov"]) / len(pm["cov"]) if pm["cov"] else 0.0,
+                     "native_agreement": sum(pm["native"]) / len(pm["native"]) if pm["native"] else None}
     out["rank"] = dict(pp=ctx.pp_rank, tp=ctx.tp_rank, cp=ctx.cp_rank, last=last_stage)
     return out
 
@@ -203,16 +243,19 @@ def _sync_grads(chunks, ctx: RankContext) -> None:
     sync_grads(chunks, ctx)
 
 
-def _count_agreement(probe: RoutingProbe, batch, ref: ReplayBatch, layout, ctx: RankContext, pm) -> None:
-    """Trainer's dispatched top-k vs the reference routes on rows that have a reference route."""
+def _count_agreement(probe: RoutingProbe, batches: list, ref_of: dict, layout, ctx: RankContext, pm) -> None:
+    """Trainer's dispatched top-k vs the reference routes on rows that have a reference route.
+    Per layer, the router calls of one schedule run come in micro-batch order (the forward; a
+    recompute, identical by construction, would come later)."""
     by_layer: dict[int, list] = {}
     for call in probe.calls:
-        if call.grad_enabled:   # the forward (or the recompute, identical by construction)
+        if call.grad_enabled:
             by_layer.setdefault(call.layer_id, []).append(call)
     for lid, calls in by_layer.items():
-        t = shard(ref, layout, batch.seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
-                  cu_seqlens_padded=batch.cu_seqlens_padded, layer_ids=[lid])
-        got = calls[0].topk().cpu()
-        same = (got.sort(1).values == t.indices[lid].sort(1).values).all(1) & t.valid
-        pm["agree"][lid] += float(same.sum())
-        pm["total"][lid] += float(t.valid.sum())
+        for b, call in zip(batches, calls):
+            t = shard(ref_of[id(b)], layout, b.seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
+                      cu_seqlens_padded=b.cu_seqlens_padded, layer_ids=[lid])
+            got = call.topk().cpu()
+            same = (got.sort(1).values == t.indices[lid].sort(1).values).all(1) & t.valid
+            pm["agree"][lid] += float(same.sum())
+            pm["total"][lid] += float(t.valid.sum())

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 KEYS = {"route_agreement", "k3_kl", "abs_diff", "F2", "F5", "replay_coverage"}
 
 
@@ -40,3 +42,24 @@ def test_demo_parallel_ranks(tmp_path):
     out = _demo(tmp_path, "--steps", "1", "--mode", "R3", "--tp", "2")
     assert set(out) == {"R3"}
     assert out["R3"]["route_agreement"] == 1.0
+
+
+def test_demo_interleaved_pipeline_same_as_serial(tmp_path):
+    # VPP runs each update as pp micro-batches (the interleaved schedule needs >= pp); the
+    # recorded routes of R2 are replayed exactly there too
+    out = _demo(tmp_path, "--steps", "1", "--mode", "R2", "--pp", "2", "--vpp", "2")
+    assert out["R2"]["route_agreement"] == 1.0 and out["R2"]["replay_coverage"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--vpp", "2"], "--vpp N needs N >= 2 and --pp >= 2"),
+    (["--pp", "3"], "pp x vpp = 3 must divide"),
+    (["--tp", "3"], "--tp must divide"),
+])
+def test_demo_rejects_impossible_layouts_before_starting(args, message):
+    proc = subprocess.run([sys.executable, "-m", "r3bridge.cli.main", "demo", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "[r3bridge demo]" not in proc.stderr
