@@ -149,12 +149,16 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     sel = routes.index_select(2, torch.tensor(moe, dtype=torch.long, device=routes.device))
     attn = torch.as_tensor(attn).bool()
     mask = _get(batch, MASK_KEY)
+    # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
+    # micro-batching too, whose first token is "real"), and its worker does not carry
+    # router_padding_mask into micro-batches. A zero row is never a top-k set when K > 1.
+    has_route = (sel != 0).flatten(2).any(2).to(attn.device)
     if mask is not None:
         valid = attn & ~torch.as_tensor(mask).bool().to(attn.device)
-    elif source == "recorded":              # R2 records every real token (padding samples are dummies)
-        valid = attn
-    else:                                   # SkyRL 0.3.0: zero rows are "no route"
-        valid = attn & (sel != 0).flatten(2).any(2).to(attn.device)
+    elif source == "recorded" and sel.shape[-1] == 1:
+        valid = attn                        # top-1 R2: expert 0 is a real recorded route
+    else:
+        valid = attn & has_route
     rb = from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
     if source != "recorded":
         rb = drop_final_invalid_rows(rb)

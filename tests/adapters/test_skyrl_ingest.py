@@ -157,3 +157,38 @@ def test_zero_rows_without_mask_are_invalid_and_k1_counts_expert0_as_missing():
     k1[0, 1, 1] = 4
     rb3 = replay_batch_from_training_batch({ROUTES_KEY: k1, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1])
     assert rb3.valid.tolist() == [False, True]        # K == 1: expert 0 reads as "no route" (as in verl)
+
+
+def test_r2_update_through_skyrl_padding_microbatch():
+    # Token-based micro-batching pads with SkyRL's own dummy micro-batch (zero routes, first token
+    # "real") and SkyRL 0.3.0's worker drops router_padding_mask: its zero row is no route, not a
+    # recorded [0, 0] (that raised "duplicate expert ids").
+    from r3bridge.adapters.skyrl._compat import import_skyrl
+    wu = import_skyrl("skyrl.backends.skyrl_train.workers.worker_utils")
+    tb = import_skyrl("skyrl.backends.skyrl_train.training_batch")
+    b, s, k, e = 3, 8, 2, 8
+    attn = torch.zeros(b, s, dtype=torch.long)
+    for i, n in enumerate([8, 5, 3]):
+        attn[i, s - n:] = 1
+    g = torch.Generator().manual_seed(0)
+    rec = ReplayBatch.from_ragged([torch.rand(n, 3, e, generator=g).topk(k, -1).indices for n in [8, 5, 3]],
+                                  num_experts=e, layer_ids=[1, 2, 3], source="recorded")
+    zeros = torch.zeros(b, 4)
+    data = tb.TrainingInputBatch({"sequences": torch.randint(1, 50, (b, s)), "attention_mask": attn,
+                                  "action_log_probs": zeros, "base_action_log_probs": zeros, "values": zeros,
+                                  "returns": zeros, "advantages": zeros, "loss_mask": zeros.long(),
+                                  "response_mask": zeros.long(),
+                                  **training_batch_fields(rec, attn, num_hidden_layers=4)})
+    data.metadata = {"response_length": 4}
+    it = wu.TokenBasedBatchIterator.__new__(wu.TokenBasedBatchIterator)
+    it.data = data
+    pad = it._create_padding_microbatch()
+    assert pad[ROUTES_KEY].abs().sum() == 0 and pad["attention_mask"].sum() > 0
+    got = replay_batch_from_training_batch({ROUTES_KEY: pad[ROUTES_KEY].to(torch.int32),
+                                            "attention_mask": pad["attention_mask"]},
+                                           num_experts=e, moe_layer_ids=[1, 2, 3], source="recorded")
+    assert not bool(got.valid.any())
+    # the real samples' recorded routes still come back whole, without the mask as well
+    real = replay_batch_from_training_batch({ROUTES_KEY: data[ROUTES_KEY], "attention_mask": attn},
+                                            num_experts=e, moe_layer_ids=[1, 2, 3], source="recorded")
+    assert real.equals(rec)
