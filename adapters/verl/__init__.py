@@ -57,6 +57,20 @@ def _register() -> None:
         LOAD_ERROR = f"{type(e).__name__}: {e}"
         logger.error("r3bridge verl adapter NOT loaded in pid %d: %s. Routing replay is inactive in "
                      "this process.", os.getpid(), LOAD_ERROR)
+        mode = _requested_mode()
+        if mode != "off":
+            # A job that asked for replay must not train without it. verl's plugin loader only
+            # logs this at DEBUG, but its external_lib import (which the launcher always sets)
+            # re-imports this module and fails the worker with it.
+            raise ImportError(f"r3bridge verl adapter failed to load in pid {os.getpid()} although "
+                              f"replay_mode={mode}: {LOAD_ERROR}") from e
+
+
+def _requested_mode() -> str:
+    try:
+        return replay_config_from_env().replay_mode.value
+    except Exception as e:  # noqa: BLE001  (a broken R3BRIDGE_CONFIG is a request we cannot read)
+        return f"unreadable ({e})"
 
 
 _register()

@@ -192,7 +192,12 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init
         model = _select(verl_cfg, "actor_rollout_ref.model")
-        if cfg.replay_mode is not ReplayMode.OFF and model is not None and not model.get("external_lib"):
-            model["external_lib"] = ADAPTER_MODULE
+        if cfg.replay_mode is not ReplayMode.OFF and model is not None:
+            # verl imports external_lib in every worker and, unlike its plugin loader, lets an
+            # import error fail the worker; it takes a list, so a user's own module stays
+            libs = model.get("external_lib")
+            libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
+            if ADAPTER_MODULE not in libs:
+                model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
     os.environ[ENV_VAR] = payload
     return cfg

@@ -96,7 +96,8 @@ def test_bad_section(base_cfg):
 
 
 def test_prepare_forwards_section_to_workers(base_cfg, monkeypatch):
-    monkeypatch.delenv(vc.ENV_VAR, raising=False)
+    monkeypatch.setenv(vc.ENV_VAR, "")     # recorded, so prepare()'s os.environ write is undone
+    monkeypatch.delenv(vc.ENV_VAR)
     cfg = job(base_cfg, "R3", **{"r3bridge.min_coverage": 0.5})
     got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
     assert got == ReplayConfig(replay_mode="R3", min_coverage=0.5)
@@ -106,6 +107,18 @@ def test_prepare_forwards_section_to_workers(base_cfg, monkeypatch):
     assert cfg.actor_rollout_ref.model.external_lib == "r3bridge.adapters.verl"
     assert cfg.r3bridge.agreement is True                                      # defaults filled in
     assert vc.replay_config_from_env() == got                                  # what a worker reads
+
+
+def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
+    # verl's HFModelConfig.external_lib takes a list; the adapter must still load with plugins off
+    monkeypatch.setenv(vc.ENV_VAR, "")     # recorded, so prepare()'s os.environ write is undone
+    monkeypatch.delenv(vc.ENV_VAR)
+    cfg = job(base_cfg, "R2", **{"actor_rollout_ref.model.external_lib": "my_models",
+                                 "actor_rollout_ref.rollout.enable_rollout_routing_replay": False})
+    vc.prepare_verl_config(cfg, hf_config=MOE_HF)
+    assert list(cfg.actor_rollout_ref.model.external_lib) == ["my_models", "r3bridge.adapters.verl"]
+    vc.prepare_verl_config(cfg, hf_config=MOE_HF)                    # idempotent
+    assert list(cfg.actor_rollout_ref.model.external_lib) == ["my_models", "r3bridge.adapters.verl"]
 
 
 def test_env_parsing():

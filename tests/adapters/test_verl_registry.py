@@ -40,10 +40,29 @@ def test_failed_registration_is_logged_not_hidden(caplog, monkeypatch):
     monkeypatch.setattr(adapter, "LOADED", False)
     monkeypatch.setattr(adapter, "LOAD_ERROR", None)
     monkeypatch.setattr(adapter.logger, "propagate", True)
+    monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
+    monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)       # replay off: logged, not raised
     with caplog.at_level(logging.ERROR, logger="r3bridge.adapters.verl"):
         adapter._register()
     assert not adapter.LOADED and "not the r3bridge engine" in adapter.LOAD_ERROR
     assert any("NOT loaded" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_registration_fails_the_worker_when_replay_was_asked_for(monkeypatch):
+    # verl's external_lib import lets this ImportError fail the worker instead of training without replay
+    import r3bridge.adapters.verl as adapter
+    from verl.workers.engine.base import EngineRegistry
+
+    slot = EngineRegistry._engines["language_model"]["megatron"]
+    monkeypatch.setitem(slot, ("cuda", "nvidia"), object)
+    monkeypatch.setattr(adapter, "LOADED", False)
+    monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
+    monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R3")
+    with pytest.raises(ImportError, match="replay_mode=R3: RuntimeError: EngineRegistry holds"):
+        adapter._register()
+    monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "off")
+    adapter._register()                                      # replay off: logged only
+    assert not adapter.LOADED
 
 
 _PROBE = (
