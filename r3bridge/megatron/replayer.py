@@ -66,7 +66,6 @@ class Replayer:
         self.active_step: Optional[ReplayStep] = None
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
-        self.device = self._device()
         for c in self.chunks:
             for lid, router in c.routers.items():
                 if isinstance(router.router_replay, RouterHook):
@@ -77,9 +76,12 @@ class Replayer:
                 self._previous[lid] = router.router_replay
                 router.router_replay = RouterHook(self, c.vp_stage, lid)
 
-    def _device(self) -> torch.device:
-        # A stage without MoE layers still takes part in the R2 gather: use its parameters'
-        # device (NCCL refuses CPU tensors).
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are *now*: targets are built there and the R2 gather
+        runs there (a stage without MoE layers takes part too; NCCL refuses CPU tensors).
+        Read per step, not at construction: frameworks offload parameters to the CPU between
+        phases (verl's param_offload) and reload them before a forward."""
         for c in self.chunks:
             for p in c.chunk.parameters():
                 return p.device

@@ -73,7 +73,7 @@ class ReplayStep:
         self._handles: list[Any] = []
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
-        dev = replayer.device
+        dev = self.device = replayer.device     # fixed for this schedule run
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
         self._counter = AgreementCounter(replayer.layout.moe_layer_ids, device=dev)
@@ -148,7 +148,7 @@ class ReplayStep:
                 raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
                                     f"has no route and invalid_rows='error'")
             mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
-                               pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=rep.device, **pack)
+                               pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=self.device, **pack)
             if rep.min_coverage > 0:
                 cov = float(mb.targets.valid.float().mean()) if rows else 1.0
                 if cov < rep.min_coverage:

@@ -175,12 +175,15 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
         spec = dataclasses.replace(spec, num_layers_in_first_pipeline_stage=None,
                                    num_layers_in_last_pipeline_stage=None)
     chunks = build_model_chunks(spec, ctx)
+    # On a GPU the Replayer is attached while the parameters are still on the host and the
+    # model moves afterwards, as with a framework's parameter offload / reload: targets and the
+    # R2 gather must follow the parameters to the device.
+    rep = Replayer(chunks)
     if device != "cpu":
         # without megatron's Float16Module wrapper, local-spec norms (torch LayerNorm) stay fp32:
         # cast the whole chunk to the configured dtype, as the wrapper would
         dtype = torch.bfloat16 if spec.extra_config.get("bf16") else None
         chunks = [c.to(device=device, dtype=dtype) for c in chunks]
-    rep = Replayer(chunks)
     layout = rep.layout
     sp = bool(layout.sequence_parallel)
     thd = spec.attention == "identity"
