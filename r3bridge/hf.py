@@ -110,7 +110,8 @@ def moe_layer_ids_from_hf_config(hf_config: Any) -> list[int]:
 
     if _get(cfg, "moe_layer_interval") is not None:       # ERNIE-4.5-MoE
         interval = int(_get(cfg, "moe_layer_interval"))
-        start = int(_get(cfg, "moe_layer_start_index", 0) or 0)
+        start = _get(cfg, "moe_layer_start_index")
+        start = 1 if start is None else int(start)        # transformers' Ernie4_5_MoeConfig default
         end = _get(cfg, "moe_layer_end_index")
         end = n - 1 if end is None or int(end) < 0 else int(end)
         return [i for i in layers if start <= i <= end and (i + 1) % interval == 0]

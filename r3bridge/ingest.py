@@ -142,6 +142,9 @@ def from_sglang(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int
                                  rows=expect, seq=i)
         arrays.append(_select_layers(a, moe_layer_ids, i, "SGLang"))
     layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
+    if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
+        return ReplayBatch.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],
+                                       num_experts=num_experts, layer_ids=layer_ids, source="sglang")
     return ReplayBatch.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids,
                                    start_rows=starts, source="sglang")
 
@@ -222,6 +225,8 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
         seq_routes.append(routes)
         seq_valid.append(valid)
         seq_start.append(start)
+    if not seq_routes:                     # pieces without sequences: nothing to stitch
+        return a, report
     out = ReplayBatch.from_packed(torch.cat(seq_routes), [int(x.shape[0]) for x in seq_routes],
                                   num_experts=a.num_experts, layer_ids=a.layer_ids, start_rows=seq_start,
                                   valid=torch.cat(seq_valid), source=a.source,

@@ -332,6 +332,7 @@ class ReplayBatch:
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
         want = [int(x) for x in layer_ids]
+        _check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
         pos = {lid: j for j, lid in enumerate(self.layer_ids)}
         missing = [x for x in want if x not in pos]
         if missing:
@@ -363,6 +364,8 @@ class ReplayBatch:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "ReplayBatch":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise PayloadError(f"ReplayBatch payload must be bytes, got {type(data).__name__}")
         return _decode(bytes(data))
 
     @property

@@ -346,7 +346,9 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     one int64 per (row, layer) instead of K single bytes makes gathers and scatters ~8x cheaper."""
     nbytes = t.shape[-1] * t.element_size()
     for size, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if nbytes % size == 0 and size > t.element_size() and t.is_contiguous() and t.storage_offset() % size == 0:
+        # torch views a tensor as a wider dtype only where its first byte is aligned to it
+        if (nbytes % size == 0 and size > t.element_size() and t.is_contiguous()
+                and (t.storage_offset() * t.element_size()) % size == 0):
             return t.view(dt)
     return t
 
@@ -441,7 +443,12 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             if int(lo) < 0 or int(hi) >= num_experts:
                 raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
                                        f"holds expert ids outside [0, {num_experts})")
-        src = _as_words(stacked.to(dtype)).transpose(0, 1)                         # [rows, nl, w]
+        src = _as_words(stacked.to(dtype))
+        if src.shape[-1] != out_words.shape[-1]:
+            # a view into a gathered buffer that starts mid-word (R2: a later micro-batch or rank
+            # of an int16/int32 payload): an aligned copy takes the same word view as ``out``
+            src = _as_words(stacked.to(dtype).clone())
+        src = src.transpose(0, 1)                                                   # [rows, nl, w]
         everything = keep.numel() == t.num_rows and bool((dst == torch.arange(total)).all()) \
             if dst.numel() == total else False
         if cols == list(range(cols[0], cols[0] + len(cols))):

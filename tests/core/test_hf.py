@@ -93,6 +93,11 @@ def test_ernie_interval():
     d = {"num_hidden_layers": 6, "moe_num_experts": 8, "moe_layer_interval": 1,
          "moe_layer_start_index": 1, "moe_layer_end_index": -1}
     assert moe_layer_ids_from_hf_config(d) == [1, 2, 3, 4, 5]
+    # without the start index a raw dict means what transformers' Ernie4_5_MoeConfig defaults to
+    from transformers import Ernie4_5_MoeConfig
+    d.pop("moe_layer_start_index")
+    assert Ernie4_5_MoeConfig().moe_layer_start_index == 1
+    assert moe_layer_ids_from_hf_config(d) == [1, 2, 3, 4, 5]
 
 
 def test_dense_and_nested_text_config():

@@ -177,3 +177,19 @@ def test_every_error_class_is_a_replay_error():
     for name in ("RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError", "LayoutError",
                  "PayloadError", "StitchError", "ConfigError", "ReplayStateError"):
         assert issubclass(getattr(r3bridge, name), r3bridge.ReplayError)
+
+
+def test_empty_and_malformed_edges_stay_replay_errors():
+    empty = ReplayBatch.from_ragged([], num_experts=8, layer_ids=[0])
+    rb, report = r3bridge.stitch([empty, empty])            # used to raise torch's ValueError
+    assert rb.num_seqs == 0 and report.overlap_rows == []
+    none = ReplayBatch.from_sglang([], num_experts=8, num_layers=1, topk=2)
+    assert none.topk == 2                                   # the engine's top-k, so concat works
+    one = ReplayBatch.from_sglang([{"routed_experts": np.array([[[0, 1]]], np.int32), "prompt_tokens": 1,
+                                    "completion_tokens": 1}], num_experts=8, num_layers=1, topk=2)
+    assert ReplayBatch.concat([none, one]).rows_per_seq == [1]
+    two = ReplayBatch.from_ragged([np.array([[[0, 1], [2, 3]]])], num_experts=8, layer_ids=[4, 5])
+    with pytest.raises(LayerMappingError, match=r"duplicate layer ids \[4\]"):
+        two.with_layers([4, 4])
+    with pytest.raises(r3bridge.PayloadError, match="must be bytes, got str"):
+        ReplayBatch.from_bytes("x")
