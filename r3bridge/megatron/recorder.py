@@ -34,9 +34,11 @@ def _all_gather(buf: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
     if size == 1:
         return [buf]
-    out = [torch.empty_like(buf) for _ in range(size)]
-    dist.all_gather(out, buf, group=group)
-    return out
+    # Neither NCCL nor gloo reduces int16 ("Short" is refused): the ids travel as their bytes
+    raw = buf.view(torch.uint8)
+    out = [torch.empty_like(raw) for _ in range(size)]
+    dist.all_gather(out, raw, group=group)
+    return [o.view(buf.dtype) for o in out]
 
 
 def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch:

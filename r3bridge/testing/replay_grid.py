@@ -66,6 +66,8 @@ def default_cells() -> list[Cell]:
         Cell("full_recompute", Layout(pp=2), S(recompute="full")),
         Cell("moe_recompute", Layout(tp=2, etp=2), S(recompute="moe")),
         Cell("cp2_tp2", Layout(tp=2, cp=2, etp=2), S(**ident)),
+        # > 256 experts: ids travel as int16 (6 per row: 12-byte rows, payload views mid-word)
+        Cell("tp2_pp2_int16_ids", Layout(tp=2, pp=2, etp=2), S(num_moe_experts=320, moe_router_topk=6)),
     ]
 
 
@@ -146,9 +148,22 @@ def _check_probe(probe: RoutingProbe, batches, routes, ctx, sp, recompute: bool,
     return errors
 
 
-def _count_tensors() -> int:
+def _live_tensors() -> tuple[int, int]:
+    """(live tensor objects, bytes of their distinct storages): a count alone misses one tensor
+    that keeps growing."""
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    n, seen, nbytes = 0, set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            n += 1
+            try:
+                st = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # e.g. a nested tensor's wrapper
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                nbytes += st.nbytes()
+    return n, nbytes
 
 
 def run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -> dict[str, Any]:
@@ -231,17 +246,23 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     for c in chunks:
         c.train()
 
-    # 3. Nothing accumulates over many steps.
+    # 3. Nothing accumulates over many steps of every kind: R3 forward-only (a log-prob pass,
+    #    SkyRL #1908's leak), R3 training (forward + backward), R2 record + gather.
     if cell.memory_steps and not serial:
-        one = batches[:1]
         base = None
         for i in range(cell.memory_steps):
             with rep.step("replay", forward_only=True, source="rollout") as st3:
-                run_schedule(chunks, one, _install_step(st3, inner, by_batch, ids), forward_only=True)
-            if i == 4:
-                base = _count_tensors()
+                run_schedule(chunks, batches, _install_step(st3, inner, by_batch, ids), forward_only=True)
+            with rep.step("replay", forward_only=False, source="rollout") as st3:
+                run_schedule(chunks, batches, _install_step(st3, inner, by_batch, ids), forward_only=False)
+            with rep.step("record", forward_only=True) as st3:
+                run_schedule(chunks, batches, _install_step(st3, inner, {}, ids), forward_only=True)
+            if i == 4:      # after warm-up: gradients, caches and the allocator exist by now
+                base = _live_tensors()
                 base_bytes = torch.cuda.memory_allocated() if device != "cpu" else 0
-        out["tensor_growth"] = _count_tensors() - (base or 0)
+        count, nbytes = _live_tensors()
+        out["tensor_growth"] = count - base[0]
+        out["tensor_bytes_growth"] = nbytes - base[1]
         if device != "cpu":
             out["device_bytes_growth"] = torch.cuda.memory_allocated() - base_bytes
     out["unmanaged_calls"] = rep.unmanaged_calls

@@ -71,6 +71,7 @@ def test_no_state_left_after_steps(grid_results, cell):
         assert o["state_clean"]
         if "tensor_growth" in o:
             assert o["tensor_growth"] <= 0, f"{o['tensor_growth']} tensors accumulated over replay steps"
+            assert o["tensor_bytes_growth"] <= 0, f"{o['tensor_bytes_growth']} bytes accumulated over replay steps"
 
 
 def test_layers_and_mtp_routers(grid_results):
