@@ -175,6 +175,7 @@ class ShardedTargets:
     valid: torch.Tensor
     layer_ids: tuple[int, ...]
     topk: int
+    num_valid: int | None = None    # valid.sum(), counted on the host by shard (no device sync)
 
     @property
     def num_rows(self) -> int:
@@ -321,8 +322,9 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
         row, valid = _lookup(rb, seq, pos, plan.seq_lens)
     dev = torch.device(device) if device is not None else rb.routes.device
     k = rb.topk
+    num_valid = int(valid.sum())        # valid is still on the host here
     if not want:
-        return ShardedTargets({}, valid.to(dev), (), k)
+        return ShardedTargets({}, valid.to(dev), (), k, num_valid)
     src = rb.routes
     cols = [col_of[x] for x in want]
     # Gather the compact (uint8/int16) rows and layers first, transpose to [nl, T, K] while still
@@ -338,7 +340,7 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     invalid = (~valid).nonzero().squeeze(1)
     if invalid.numel():
         out[:, invalid.to(dev)] = torch.arange(k, dtype=torch.int64, device=dev)
-    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(dev), tuple(want), k)
+    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(dev), tuple(want), k, num_valid)
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class ReplayStep:
             raise ConfigError("R2 recording runs in the forward-only compute_log_prob pass (forward_only=True)")
         n = len(replayer.chunks)
         self._next_index = [0] * n
+        self._next_sample = [0] * n
         self._last: list[Optional[MicroBatch]] = [None] * n
         self._current: list[Optional[MicroBatch]] = [None] * n
         self._live: dict[tuple[int, int], MicroBatch] = {}
@@ -122,6 +123,11 @@ class ReplayStep:
         In a NATIVE step (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
         c = self.replayer.chunk_index(model)
+        if self.replayer.active_step is not self:
+            # outside its `with` block no router would ever see these targets: every router
+            # would route natively and the step would report nothing (verl's silent no-op)
+            raise ReplayStateError(f"chunk {c}: install() on a replay step that is not active: use "
+                                   f"`with replayer.step(...) as step:` around the schedule")
         if self.action is Action.NATIVE:
             return
         last = self._last[c]
@@ -131,7 +137,9 @@ class ReplayStep:
         rep = self.replayer
         lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
         pack = dict(format=format, cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length)
-        ids = list(range(len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
+        # default: samples numbered in install order across this step's micro-batches
+        first = self._next_sample[c]
+        ids = list(range(first, first + len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
         if len(ids) != len(lens):
             raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
         layers = rep.chunks[c].layer_ids
@@ -149,16 +157,19 @@ class ReplayStep:
                                     f"has no route and invalid_rows='error'")
             mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
                                pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=self.device, **pack)
+            nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
-                cov = float(mb.targets.valid.float().mean()) if rows else 1.0
+                # over this rank's real tokens: packing padding never has a route
+                cov = nvalid / token_rows if token_rows else 1.0
                 if cov < rep.min_coverage:
-                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's rows "
-                                        f"have a route (min_coverage={rep.min_coverage})")
-            mb.all_valid = bool(mb.targets.valid.all())
+                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
+                                        f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+            mb.all_valid = nvalid == mb.rows
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
         mb.fwd_left = set(layers)
         self._next_index[c] += 1
+        self._next_sample[c] = max(self._next_sample[c], max(ids, default=-1) + 1)
         self._last[c] = mb
         self._live[(c, mb.index)] = mb
 
@@ -239,7 +250,7 @@ class ReplayStep:
         else:
             out = self._replay(mb, layer, scores, topk, num_groups, group_topk, native_fn, count=in_forward)
         if mb.targets is not None and layer not in mb.fwd_left and layer not in mb.recompute_left:
-            mb.targets.indices.pop(layer, None)   # free this layer's target as soon as it is used up
+            mb.targets.indices.pop(layer, None)   # used up: a second use is an error (the block is freed with the last)
         if not in_forward:
             self._retire(mb)
         return out

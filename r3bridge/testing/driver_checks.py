@@ -166,6 +166,34 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     out["invalid_rows_error"] = _outcome(strict_install)
     strict.detach()
 
+    # --- min_coverage: over the rank's real tokens (half of b0's rows have no route)
+    def coverage_install(minimum: float):
+        cov = Replayer.from_config(chunks, ReplayConfig(min_coverage=minimum))
+        try:
+            with cov.step("replay", forward_only=True, source="rollout") as st:
+                run_schedule(chunks, [b0], _install_step(st, fs, {id(b0): half}, ids), forward_only=True)
+        finally:
+            cov.detach()
+    out["min_coverage_low"] = _outcome(lambda: coverage_install(0.3))
+    out["min_coverage_high"] = _outcome(lambda: coverage_install(0.9))
+
+    # --- install() on a step that was never entered: an error, not a silently native forward
+    late_rep = Replayer(chunks)
+    out["install_not_entered"] = _outcome(
+        lambda: late_rep.step("replay", forward_only=True, source="rollout").install(chunks[0], routes0, b0.seq_lens))
+
+    # --- R2 record over two micro-batches with the default sample ids: numbered in install order
+    def record_default_ids():
+        with late_rep.step("record", forward_only=True) as st:
+            def step_fn(it, model):
+                batch = next(it)
+                st.install(model, None, batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded)
+                return fs(iter([batch]), model)
+            run_schedule(chunks, [b0, b1], step_fn, forward_only=True)
+        return st.recorded.rows_per_seq
+    out["record_default_ids"] = _outcome(record_default_ids)
+    late_rep.detach()
+
     # --- version check: the running megatron-core passes
     from r3bridge.megatron import check_megatron
     out["version_ok"] = _outcome(check_megatron)

@@ -97,3 +97,20 @@ def test_invalid_rows_error_mode_refuses_rows_without_route(checks):
 
 def test_second_replayer_on_the_same_routers_is_refused(checks):
     _raised(checks["second_replayer"], "ConfigError", "another Replayer")
+
+
+def test_min_coverage_counts_real_tokens(checks):
+    # half the rows of micro-batch b0 have no route: 0.3 passes, 0.9 is refused with the numbers
+    assert checks["min_coverage_low"]["ok"], checks["min_coverage_low"].get("trace")
+    _raised(checks["min_coverage_high"], "CoverageError", "min_coverage=0.9", "token rows have a route")
+
+
+def test_install_outside_the_step_is_refused(checks):
+    # without `with`, every router would route natively and nothing would say so (peer bug 8.1)
+    _raised(checks["install_not_entered"], "ReplayStateError", "not active")
+
+
+def test_record_numbers_samples_across_micro_batches_by_default(checks):
+    o = checks["record_default_ids"]
+    assert o["ok"], o.get("trace")
+    assert o["value"] == [13, 7, 20, 9, 15, 11]       # b0's then b1's sequences, one row per token
