@@ -95,7 +95,7 @@ def rank_fn(ctx, args):
                         recorded={lid: router_idx[j].to(narrow) for j, lid in enumerate(local)})
         return gather_recorded(rep, [mb])
 
-    payload = routes.to(narrow).permute(1, 0, 2).contiguous().reshape(-1).to(dev)
+    payload = routes.to(narrow).permute(1, 0, 2).contiguous().reshape(-1).view(torch.uint8).to(dev)
 
     def floor_all_gather():   # the transport alone: r3bridge's payload, one all_gather, no unpacking
         parts = [torch.empty_like(payload) for _ in range(pp)]

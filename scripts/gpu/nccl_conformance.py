@@ -118,6 +118,7 @@ def main() -> int:
                          "seconds": max(x["seconds"] for x in per_rank)}
         if "tensor_growth" in per_rank[0]:   # cells with memory_steps: nothing may accumulate
             summary[name]["tensor_growth"] = max(x["tensor_growth"] for x in per_rank)
+            summary[name]["tensor_bytes_growth"] = max(x["tensor_bytes_growth"] for x in per_rank)
             summary[name]["device_bytes_growth"] = max(x["device_bytes_growth"] for x in per_rank)
     info = {"device": torch.cuda.get_device_name(0), "gpus": a.gpus, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cells": summary, "all_pass": ok}
