@@ -131,13 +131,17 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
             run_schedule(chunks, [b0, b1], step_fn, forward_only=False)
     first = _outcome(raise_mid_schedule)
     state_after = rep.active_step is None
+    # the next step replays *other* routes for the same tokens: a stale target of the failed
+    # step (routes1) would show up as routes1 rows instead of fresh ones
+    fresh = make_routes(layout, b1.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 13)
     with RoutingProbe(chunks) as probe2:
         with rep.step("replay", forward_only=False, source="rollout") as st:
-            run_schedule(chunks, [b1], _install_step(st, fs, by, ids), forward_only=False)
+            run_schedule(chunks, [b1], _install_step(st, fs, {id(b1): fresh}, ids), forward_only=False)
     out["stale_after_exception"] = {
         "first": first, "state_clean": state_after,
         "next_topk": [c.topk().tolist() for c in probe2.calls],
-        "targets": {lid: routes1.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(routes1.layer_ids)},
+        "targets": {lid: fresh.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(fresh.layer_ids)},
+        "stale": {lid: routes1.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(routes1.layer_ids)},
     }
 
     # --- rows without a route are routed natively, row by row
@@ -193,6 +197,28 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
         return st.recorded.rows_per_seq
     out["record_default_ids"] = _outcome(record_default_ids)
     late_rep.detach()
+
+    # --- a layout that disagrees with the built model (e.g. an HF config read wrongly)
+    from r3bridge.layout import ParallelLayout
+    out["layout_mismatch"] = _outcome(lambda: Replayer(chunks, ParallelLayout(spec.num_layers, 2)))
+
+    # --- chunks wrapped in megatron's Float16Module (what a trainer hands over): found and replayed
+    import dataclasses
+
+    from megatron.core.transformer.module import Float16Module
+    bf16 = build_model_chunks(dataclasses.replace(spec, extra_config={**spec.extra_config, "bf16": True}), ctx)
+    wrapped = [Float16Module(c.config, c) for c in bf16]
+    rep16 = Replayer(wrapped)
+    with RoutingProbe(bf16) as probe16:
+        with rep16.step("replay", forward_only=True, source="rollout") as st:
+            run_schedule(wrapped, [b0], _install_step(st, fs, by, ids), forward_only=True)
+    out["float16module"] = {
+        "layers": rep16.layer_ids,
+        "replayed_topk": [c.topk().tolist() for c in probe16.calls],
+        "targets": {lid: routes0.sequence(0)[0][:, j].sort(-1).values.tolist() for j, lid in enumerate(routes0.layer_ids)},
+        "coverage": st.metrics.get("r3bridge/coverage"),
+    }
+    rep16.detach()
 
     # --- version check: the running megatron-core passes
     from r3bridge.megatron import check_megatron

@@ -101,11 +101,11 @@ def _mini_batch(batches, routes=None):
     return TensorDict(fields, batch_size=[len(lens)])
 
 
-def _engine(ctx, chunks, batches, mode):
+def _engine(ctx, chunks, batches, mode, hf=HF):
     eng = Engine.__new__(Engine)
     eng.engine_config = SimpleNamespace(forward_only=False, use_remove_padding=True, pad_to_length=False,
                                         dynamic_context_parallel=False, router_replay=SimpleNamespace(mode="disabled"))
-    eng.model_config = SimpleNamespace(hf_config=HF)
+    eng.model_config = SimpleNamespace(hf_config=hf)
     eng.tf_config = chunks[0].config
     eng.module = chunks
     eng.ctx, eng.packed = ctx, batches
@@ -129,6 +129,14 @@ def _rank(ctx):
     assert len({b.total for b in batches}) == 1
     sp = ctx.tp > 1
     out = {}
+
+    # An HF config that disagrees with the built model (two dense layers, the model has one) is
+    # refused at attach: routes would land on the wrong layers (verl #5037's dense-layer shift)
+    try:
+        _engine(ctx, chunks, batches, "R3", hf={**HF, "first_k_dense_replace": 2})
+        out["hf_mismatch"] = "attached"
+    except Exception as e:  # noqa: BLE001
+        out["hf_mismatch"] = f"{type(e).__name__}: {e}"
 
     # R3: compute_log_prob (forward only) and update (forward + backward) replay the rollout routes
     eng = _engine(ctx, chunks, batches, "R3")
@@ -201,9 +209,20 @@ def test_adapter_forward_step_installs_exact_targets(results, li):
         m = o["r3_metrics"]
         assert 0.5 < m["r3bridge/update/coverage"][0] < 1.0                     # last rows / invalid rows native
         assert 0.5 < m["r3bridge/old_log_prob/coverage"][0] < 1.0               # reported with the update
+        # per-layer agreement of every MoE layer (random rollout targets: well below 1)
+        per_layer = {k: v for k, v in m.items() if k.startswith("r3bridge/update/agreement/layer_")}
+        assert sorted(per_layer) == [f"r3bridge/update/agreement/layer_{lid}" for lid in (1, 2, 3)]
+        assert all(0.0 <= v[0] < 0.9 for v in per_layer.values())
         if li == 0:
             # replaying its own routes with unchanged weights: native == replayed everywhere.
             # (pp2_vpp2 is left out: on the CPU harness the interleaved *training* schedule changes
             # the last micro-batch's activations between identical calls, so native top-k differs
             # there while the dispatched routes, checked above, stay exact.)
             assert o["r2_metrics"]["r3bridge/update/agreement/mean"] == [1.0]
+
+
+def test_hf_config_that_disagrees_with_the_model_is_refused(results):
+    for ranks in results:
+        for o in ranks:
+            assert o["hf_mismatch"].startswith("LayerMappingError"), o["hf_mismatch"]
+            assert "HF config's MoE layers [2, 3] differ from the Megatron model's [1, 2, 3]" in o["hf_mismatch"]

@@ -36,6 +36,8 @@ def test_demo_json_one_step_shows_replay_working(tmp_path):
     # and the train-vs-rollout mismatch drops
     assert out["R3"]["k3_kl"] < out["off"]["k3_kl"]
     assert out["R3"]["abs_diff"] < out["off"]["abs_diff"]
+    # R2 removes the staleness part of the drift (its log-probs are the trainer's own at theta_old)
+    assert out["R2"]["k3_kl"] < out["off"]["k3_kl"]
 
 
 def test_demo_parallel_ranks(tmp_path):

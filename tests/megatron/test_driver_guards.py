@@ -60,6 +60,15 @@ def test_exception_mid_schedule_leaves_no_stale_target(checks):
     # the next step replays its own routes, not the stale micro-batch of the failed step
     for (lid, want), got in zip(sorted(s["targets"].items()), s["next_topk"]):
         assert got[: len(want)] == want, f"layer {lid}: stale target replayed"
+        assert got[: len(want)] != s["stale"][lid], f"layer {lid}: the failed step's target came back"
+
+
+def test_float16module_wrapped_chunks_are_found_and_replayed(checks):
+    o = checks["float16module"]
+    assert o["layers"] == sorted(o["targets"])
+    for (lid, want), got in zip(sorted(o["targets"].items()), o["replayed_topk"]):
+        assert got[: len(want)] == want, f"layer {lid} behind Float16Module did not replay"
+    assert 0.5 < o["coverage"] < 1.0
 
 
 def test_rows_without_route_are_routed_natively(checks):
@@ -114,3 +123,8 @@ def test_record_numbers_samples_across_micro_batches_by_default(checks):
     o = checks["record_default_ids"]
     assert o["ok"], o.get("trace")
     assert o["value"] == [13, 7, 20, 9, 15, 11]       # b0's then b1's sequences, one row per token
+
+
+def test_layout_that_disagrees_with_the_model_is_refused(checks):
+    # routers at layers 0..3, a layout saying only 0 and 2 are MoE (dense-layer shift, verl #5037)
+    _raised(checks["layout_mismatch"], "LayerMappingError", "routers are at layers [0, 1, 2, 3]", "[0, 2]")
