@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from r3bridge.schema import ReplayBatch, _ragged_arange
 __all__ = [
     "MetricsInputError", "logprob_mismatch", "logprob_mismatch_packed", "logprob_mismatch_sums",
     "mismatch_from_sums", "topk_sets_equal", "route_agreement", "AgreementReport",
-    "AgreementCounter", "expert_load",
+    "AgreementCounter", "expert_load", "tag_phase",
 ]
 
 DEFAULT_TAUS: tuple[float, ...] = (2.0, 5.0)
@@ -476,3 +476,9 @@ def expert_load(batch: ReplayBatch) -> torch.Tensor:
         return torch.zeros((L, E), dtype=torch.int64, device=batch.routes.device)
     flat = r + (torch.arange(L, device=r.device) * E)[None, :, None]
     return torch.bincount(flat.reshape(-1), minlength=L * E).reshape(L, E)
+
+
+def tag_phase(metrics: Mapping[str, float], prefix: str, tag: str) -> dict[str, float]:
+    """One schedule run's driver metrics named as every adapter logs them:
+    ``{prefix}coverage`` -> ``{prefix}{tag}/coverage`` (tag ``old_log_prob`` or ``update``)."""
+    return {f"{prefix}{tag}/{k[len(prefix):] if k.startswith(prefix) else k}": float(v) for k, v in metrics.items()}

@@ -338,7 +338,11 @@ class ArealRunner:
         finally:
             h.remove()
             del eng._prepare_mb_list
-        return {"logprobs": [], "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded, "packing": packing}
+        # what the mixin logged into AReaL's stats tracker for this phase (exported like AReaL does)
+        st = import_areal("areal.utils.stats_tracker", stub_binary_deps=True)
+        logged = {k: v for k, v in st.export().items() if k.startswith("r3bridge/")}
+        return {"logprobs": [], "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded, "packing": packing,
+                "framework_metrics": logged}
 
     def write_recorded(self, rollout, recorded):
         pass                                      # PPOActorMixin.compute_logp already wrote it back

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.ingest import (
     RECORDED_KEY,
     ROUTES_KEY,
@@ -45,6 +46,7 @@ from r3bridge.adapters.areal.ingest import (
 )
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.metrics import tag_phase
 from r3bridge.protocols import MicroBatchTargets, install_before_forward
 from r3bridge.schema import ReplayBatch
 
@@ -235,6 +237,13 @@ class MegatronEngineMixin:
         c = self.r3_config
         self.r3_replay = Replayer.from_config(list(self.model), c, layout)
 
+    @staticmethod
+    def _r3_log(tagged: dict) -> None:
+        """Into AReaL's own stats tracker, exported and logged with the actor's stats of the step
+        (every rank holds the same all-reduced values, so its cross-rank reduction is exact)."""
+        if tagged:
+            import_areal("areal.utils.stats_tracker").scalar(**tagged)
+
     def _r3_plan(self):
         if self.r3_replay is None or self.r3_phase is None:
             return None
@@ -302,6 +311,8 @@ class MegatronEngineMixin:
             with install_before_forward(step, chunks, targets, len(items)):
                 out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         self.r3_metrics = dict(step.metrics)
+        self._r3_log(tag_phase(self.r3_metrics, self.r3_config.metrics_prefix,
+                               "update" if self.r3_phase is Phase.UPDATE else "old_log_prob"))
         if plan.action is Action.RECORD:
             rec = step.recorded
             real = sum(1 for _, _, g in items for x in g if x < _PAD_ID)

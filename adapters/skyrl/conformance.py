@@ -168,7 +168,10 @@ class SkyRLRunner:
         pk = [{k: v for k, v in p.items() if k != "chunk"} for p in packing]
         n = sum(m["sequences"].shape[0] for m in mbs)
         per_sample = list(lp) if lp.dim() == 2 and lp.shape[0] == n else []     # last pipeline stage only
-        return {"logprobs": per_sample, "metrics": dict(w.r3.metrics), "recorded": w.r3.recorded, "packing": pk}
+        # what forward_backward_mini_batch adds to the metrics SkyRL logs (one micro-batch's dict)
+        logged = w.r3.add_metrics([{}])[0] if phase == "update" else {}
+        return {"logprobs": per_sample, "metrics": dict(w.r3.metrics), "recorded": w.r3.recorded, "packing": pk,
+                "framework_metrics": logged}
 
     def write_recorded(self, rollout, recorded):
         self.recorded = recorded

@@ -34,6 +34,7 @@ from r3bridge.adapters.skyrl.ingest import (
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.protocols import MicroBatchTargets, install_before_forward
+from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["replay_config", "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
@@ -76,7 +77,19 @@ class SkyRLReplay:
                                   f"config says {self.moe_layer_ids}: routes would land on the wrong layers")
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
         self.recorded: Optional[ReplayBatch] = None
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}         # the last schedule run's, as the driver names them
+        self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged
+        self._pending: dict[str, float] = {}
+
+    def add_metrics(self, metrics_list: Any) -> Any:
+        """Put the tagged metrics (``r3bridge/update/coverage``, ...) into each micro-batch's metrics
+        dict that ``forward_backward_mini_batch`` returns: SkyRL averages them over micro-batches
+        and data-parallel ranks and logs them with its own."""
+        if isinstance(metrics_list, list):
+            for m in metrics_list:
+                if isinstance(m, dict):
+                    m.update(self.log_metrics)
+        return metrics_list
 
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
@@ -135,6 +148,11 @@ class SkyRLReplay:
             with install_before_forward(step, self.chunks, targets, len(mbs)):
                 out = call(mbs)
         self.metrics = dict(step.metrics)
+        tagged = tag_phase(self.metrics, self.cfg.metrics_prefix, "update" if phase is Phase.UPDATE else "old_log_prob")
+        if phase is Phase.UPDATE:        # SkyRL logs no compute_log_prob metrics: they go with the update
+            self.log_metrics, self._pending = {**self._pending, **tagged}, {}
+        else:
+            self._pending = tagged
         if plan.action is Action.RECORD:
             rec = step.recorded
             real = sum(1 for k in ids for x in k if x < 10 ** 9)
@@ -162,9 +180,10 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
                                         loss_fn=None, loss_fn_config=None, forward_only: bool = False):
             # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update
             sup = super().forward_backward_mini_batch
-            return self.r3.run(Phase.UPDATE, micro_batches, forward_only=forward_only,
-                               call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
-                                                    loss_fn_config=loss_fn_config, forward_only=forward_only))
+            return self.r3.add_metrics(self.r3.run(
+                Phase.UPDATE, micro_batches, forward_only=forward_only,
+                call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
+                                     loss_fn_config=loss_fn_config, forward_only=forward_only)))
 
     return R3BridgeMegatronModelWrapper
 

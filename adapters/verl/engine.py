@@ -34,6 +34,7 @@ from r3bridge.adapters.verl.ingest import (
 )
 from r3bridge.config import Action, Phase, ReplayMode
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
+from r3bridge.metrics import tag_phase
 from r3bridge.hf import (
     moe_layer_ids_from_hf_config,
     num_experts_from_hf_config,
@@ -153,8 +154,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     def _r3_metrics(self, driver_metrics: dict, output: dict, data, tag: str) -> dict[str, float]:
         prefix = self.r3_config.metrics_prefix
-        out = {f"{prefix}{tag}/{k[len(prefix):] if k.startswith(prefix) else k}": float(v)
-               for k, v in (driver_metrics or {}).items()}
+        out = tag_phase(driver_metrics or {}, prefix, tag)
         logp = (output.get("model_output") or {}).get("log_probs")
         if logp is not None and data.get("rollout_log_probs", None) is not None:
             try:

@@ -297,4 +297,6 @@ def megatron_r2_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
     diffs = [float((lp_rec[i] - lp_rep[i]).abs().max()) for i in lp_rec if lp_rep.get(i) is not None]
     return {"recorded_rows": None if recorded is None else recorded.rows_per_seq,
             "max_logprob_diff": max(diffs) if diffs else None,
-            "agreement": rep_res["metrics"].get("r3bridge/agreement/mean"), "metrics": rep_res["metrics"]}
+            "agreement": rep_res["metrics"].get("r3bridge/agreement/mean"), "metrics": rep_res["metrics"],
+            # what the adapter hands to the framework's own metrics logging, if it says (optional)
+            "framework_metrics": rep_res.get("framework_metrics")}

@@ -48,5 +48,9 @@ def test_areal_engine_replays_exactly():
             checked += r["r3"]["checked_rows"]
             assert r["r3"]["metrics"]["r3bridge/coverage"] > 0.8, (lay, r["r3"]["metrics"])
             assert r["r2"]["agreement"] == pytest.approx(1.0), (lay, r["r2"])
+            # the update's driver metrics reach AReaL's stats tracker, tagged by phase
+            logged = r["r2"]["framework_metrics"]
+            assert logged["r3bridge/update/agreement/mean"] == pytest.approx(1.0), (lay, logged)
+            assert logged["r3bridge/update/coverage"] == pytest.approx(r["r2"]["metrics"]["r3bridge/coverage"])
             assert len(r["r2"]["recorded_rows"]) == 8
         assert checked > 0, lay

@@ -70,3 +70,7 @@ def test_skyrl_wrapper_replays_exactly(world, layouts, cells):
             if r2["max_logprob_diff"] is not None:           # last pipeline stage
                 assert r2["max_logprob_diff"] < 1e-5, r2
             assert r2["agreement"] == pytest.approx(1.0), r2
+            # the update's driver metrics reach SkyRL's own metrics, tagged by phase
+            logged = r2["framework_metrics"]
+            assert logged["r3bridge/update/agreement/mean"] == pytest.approx(1.0)
+            assert logged["r3bridge/update/coverage"] == r2["metrics"]["r3bridge/coverage"]
