@@ -33,8 +33,8 @@ from r3bridge.adapters.skyrl.ingest import (
 )
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
-from r3bridge.protocols import MicroBatchTargets, install_before_forward
 from r3bridge.metrics import tag_phase
+from r3bridge.protocols import MicroBatchTargets, install_before_forward
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["replay_config", "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",

@@ -34,12 +34,12 @@ from r3bridge.adapters.verl.ingest import (
 )
 from r3bridge.config import Action, Phase, ReplayMode
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
-from r3bridge.metrics import tag_phase
 from r3bridge.hf import (
     moe_layer_ids_from_hf_config,
     num_experts_from_hf_config,
     num_hidden_layers_from_hf_config,
 )
+from r3bridge.metrics import tag_phase
 
 logger = logging.getLogger("r3bridge.adapters.verl")
 

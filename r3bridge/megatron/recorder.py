@@ -34,7 +34,7 @@ def _all_gather(buf: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
     if size == 1:
         return [buf]
-    # Neither NCCL nor gloo reduces int16 ("Short" is refused): the ids travel as their bytes
+    # Neither NCCL nor gloo all-gathers int16 ("Short" is refused): the ids travel as their bytes
     raw = buf.view(torch.uint8)
     out = [torch.empty_like(raw) for _ in range(size)]
     dist.all_gather(out, raw, group=group)
