@@ -445,11 +445,12 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             if int(lo) < 0 or int(hi) >= num_experts:
                 raise ReplayStateError(f"unshard: rank (tp={tp_rank}, cp={cp_rank}, pp={pp_rank}, vp={vp_stage}) "
                                        f"holds expert ids outside [0, {num_experts})")
-        src = _as_words(stacked.to(dtype))
+        ids = stacked.to(dtype)
+        src = _as_words(ids)
         if src.shape[-1] != out_words.shape[-1]:
             # a view into a gathered buffer that starts mid-word (R2: a later micro-batch or rank
             # of an int16/int32 payload): an aligned copy takes the same word view as ``out``
-            src = _as_words(stacked.to(dtype).clone())
+            src = _as_words(ids.clone())
         src = src.transpose(0, 1)                                                   # [rows, nl, w]
         everything = keep.numel() == t.num_rows and bool((dst == torch.arange(total)).all()) \
             if dst.numel() == total else False

@@ -273,11 +273,11 @@ class ReplayStep:
             if count:
                 if self.replayer.agreement:
                     same = topk_sets_equal(native, target) & t.valid
-                    self._counter.add(layer, agree=same.sum(), compared=t.valid.sum())
+                    self._counter.add(layer, agree=same.sum(), compared=t.num_valid)
         if count:
-            # coverage is over real tokens: padding rows added by packing are not "missing routes"
-            nvalid = t.valid.sum() if not mb.all_valid else mb.token_rows
-            self._counter.add(layer, replayed=nvalid, native=mb.token_rows - nvalid)
+            # coverage is over real tokens: packing padding never has a route, so the valid rows
+            # (counted on the host at install) are the replayed tokens and the rest went native
+            self._counter.add(layer, replayed=t.num_valid, native=mb.token_rows - t.num_valid)
         return scores.gather(1, idx), idx
 
     # ---------------------------------------------------------------------------- end of step
