@@ -1,6 +1,9 @@
 """Configurations under which replay cannot be exact are refused up front (design principle 6).
 
-Each check names the option and why: these are the silent bypasses of field-notes section 2/5.
+Each check names the option and why. Options that exist only in later megatron-core releases are
+read with ``getattr`` defaults, so one function serves 0.16 through 0.19; docs/support-matrix.md
+lists, per release, the routing paths of ``router.py`` / ``moe_utils.py`` that never reach the
+replay hook and the check here that refuses each.
 """
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ _ROUTER_CAPTURING_SCOPES = {"full", "full_iteration", "moe", "moe_router", "moe_
 
 
 def _scopes(config: Any) -> set[str]:
-    scope = getattr(config, "cuda_graph_scope", None)
+    # 0.18+ renamed cuda_graph_scope to cuda_graph_modules: __post_init__ moves a given scope
+    # there and sets cuda_graph_scope to None, so read the new name first where it exists.
+    scope = getattr(config, "cuda_graph_modules", None)
+    if scope is None:
+        scope = getattr(config, "cuda_graph_scope", None)
     if scope is None:
         return set()
     items = scope if isinstance(scope, (list, tuple)) else [scope]
@@ -28,18 +35,40 @@ def check_config(config: Any) -> None:
     if g("moe_router_fusion"):
         problems.append("moe_router_fusion=True: the fused TE kernel returns before the replay hook is consulted")
     lb = g("moe_router_load_balancing_type", "aux_loss")
-    if "sinkhorn" in (lb if isinstance(lb, (list, tuple)) else [lb]):
+    lbs = lb if isinstance(lb, (list, tuple)) else [lb]
+    if "sinkhorn" in lbs:
         problems.append("moe_router_load_balancing_type='sinkhorn': sinkhorn routing never consults the replay hook")
+    if "quantile_balancing" in lbs:
+        # 0.19: TopKRouter.routing takes its own branch, picks the experts itself and passes them
+        # as precomputed_indices to topk_routing_with_score_function (the only caller that does)
+        problems.append("moe_router_load_balancing_type='quantile_balancing': quantile-balancing routing selects "
+                        "experts itself (precomputed_indices) and never consults the replay hook")
     if g("moe_expert_capacity_factor") is not None:
         problems.append("moe_expert_capacity_factor is set: token dropping can discard replayed assignments")
     if g("moe_pad_expert_input_to_capacity"):
         problems.append("moe_pad_expert_input_to_capacity=True: pad-to-capacity can discard replayed assignments")
     if g("moe_router_force_load_balancing"):
         problems.append("moe_router_force_load_balancing=True: routing uses random logits")
-    graphs = g("enable_cuda_graph") or g("external_cuda_graph") or g("cuda_graph_impl", "none") not in (None, "none")
+    if g("moe_router_force_biased") is not None:
+        problems.append(f"moe_router_force_biased={g('moe_router_force_biased')!r}: a random bias is added to the "
+                        f"router logits (a benchmark option), so the gate weights of replayed experts are not the model's")
+    rank_cf = g("moe_expert_rank_capacity_factor")
+    if rank_cf is not None and not (g("moe_token_dispatcher_type") == "flex"
+                                    and g("moe_flex_dispatcher_backend") == "ncclep"):
+        # hybridep drops tokens over the per-rank budget; only ncclep fails loudly instead
+        problems.append(f"moe_expert_rank_capacity_factor={rank_cf!r}: tokens over an expert rank's budget are "
+                        f"dropped, discarding replayed assignments")
+    if g("transformer_impl") == "inference_optimized":
+        problems.append("transformer_impl='inference_optimized': InferenceTopKRouter runs the hook inside "
+                        "torch.compile with dense outputs (megatron's inference path, not a trainer's)")
+    impl = g("cuda_graph_impl", "none")
+    if impl == "full_iteration":
+        problems.append("cuda_graph_impl='full_iteration': the whole forward-backward, routers included, is one "
+                        "CUDA graph; the replay branch would be baked into it")
+    graphs = g("enable_cuda_graph") or g("external_cuda_graph") or impl not in (None, "none", "full_iteration")
     if graphs and _scopes(config) & _ROUTER_CAPTURING_SCOPES:
-        problems.append(f"CUDA graphs capture the router (cuda_graph_impl={g('cuda_graph_impl')!r}, "
-                        f"cuda_graph_scope={g('cuda_graph_scope')!r}): "
+        problems.append(f"CUDA graphs capture the router (cuda_graph_impl={impl!r}, "
+                        f"cuda_graph_scope / cuda_graph_modules={sorted(_scopes(config))}): "
                         f"the replay branch would be baked into the graph; restrict the scope to 'attn'")
     if g("num_microbatches_with_partial_activation_checkpoints") is not None:
         problems.append("num_microbatches_with_partial_activation_checkpoints is set: micro-batches would be "

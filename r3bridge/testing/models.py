@@ -209,15 +209,15 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
         get_gpt_decoder_block_spec,
         get_gpt_mtp_block_spec,
     )
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
+    from r3bridge.megatron.compat import reset_moe_metrics_tracker
     from r3bridge.testing import cpu_shim
 
     # megatron's process-global MoE/MTP loss-logging tracker is sized by the first model that
     # logs an aux loss (num_layers + mtp_num_layers) and never resized: a second, larger
     # harness model in the same process would index past it (IndexError in
-    # save_to_aux_losses_tracker). One harness process builds many models, so reset it.
-    get_moe_layer_wise_logging_tracker().clear()
+    # save_to_aux_losses_tracker, moe_logging.py:125 on 0.19). One harness process builds many
+    # models, so reset it (how differs per release: compat.reset_moe_metrics_tracker).
+    reset_moe_metrics_tracker()
     config = make_config(spec, ctx)
     chunks: list[torch.nn.Module] = []
     vp_stages: list[Optional[int]] = list(range(ctx.vpp)) if ctx.vpp else [None]
