@@ -48,6 +48,8 @@ def _router_of(layer: torch.nn.Module):
 
 def find_routers(chunks: list[torch.nn.Module]) -> list[ChunkRouters]:
     """Decoder routers of each chunk, keyed by global 0-based layer id (``layer_number - 1``)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
     out = []
     for vp, chunk in enumerate(chunks):
         model = unwrap(chunk)
@@ -65,10 +67,9 @@ def find_routers(chunks: list[torch.nn.Module]) -> list[ChunkRouters]:
             found.routers[lid] = router
         mtp = getattr(model, "mtp", None)
         if mtp is not None:
-            for m in mtp.modules():
-                r = _router_of(m)
-                if r is not None:
-                    found.mtp_routers.append(r)
+            # Every router anywhere in the MTP block, whatever holds it (0.16: one
+            # ``transformer_layer`` per MTP layer; 0.17+: ``mtp_model_layer``, a layer or a stack).
+            found.mtp_routers.extend(m for m in mtp.modules() if isinstance(m, TopKRouter))
         out.append(found)
     return out
 

@@ -76,10 +76,12 @@ def find_routers(chunks: Sequence[torch.nn.Module]) -> list[RouterRef]:
         mtp = getattr(chunk, "mtp", None)
         if mtp is None:
             continue
-        for mtp_layer in mtp.layers:
-            mlp = mtp_layer.transformer_layer.mlp
-            if isinstance(mlp, MoELayer):
-                refs.append(RouterRef(ci, int(mlp.router.layer_number) - 1, True, mlp.router))
+        # Every MoE layer anywhere in the MTP block: 0.16 keeps one ``transformer_layer`` per MTP
+        # layer, 0.17+ an ``mtp_model_layer`` that is a single layer (GPT) or a stack (hybrid).
+        for module in mtp.modules():
+            if isinstance(module, MoELayer):
+                r = module.router
+                refs.append(RouterRef(ci, int(r.layer_number) - 1, True, r))
     return refs
 
 

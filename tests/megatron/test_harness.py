@@ -171,11 +171,23 @@ def expected_routers(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[tuple[i
     out = [(c, i, False) for c, ids in enumerate(stage_layers(spec, lay, pp_rank))
            for i in ids if is_moe(spec, i)]
     if spec.mtp_num_layers and pp_rank == lay.pp - 1:
-        # 0.16.1: the MTP layer's TransformerLayer gets layer_number = num_layers + k + 1, so
-        # its router id is num_layers + k (after the decoder ids, no aliasing).
         last_chunk = (lay.vpp or 1) - 1
-        out += [(last_chunk, spec.num_layers + k, True) for k in range(spec.mtp_num_layers)]
+        out += [(last_chunk, mtp_router_id(spec, k), True) for k in range(spec.mtp_num_layers)]
     return out
+
+
+def mtp_router_id(spec: ModelSpec, k: int) -> int:
+    """``layer_number - 1`` of the k-th MTP layer's router, per megatron-core release."""
+    import inspect
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if "is_mtp_layer" in inspect.signature(TransformerLayer.__init__).parameters:
+        # 0.17+: MTP layers are built with is_mtp_layer=True and number themselves from 1, so
+        # their router ids alias decoder layers 0, 1, ... (why discovery never matches by id)
+        return k
+    # 0.16: the MTP layer's TransformerLayer gets layer_number = num_layers + k + 1
+    return spec.num_layers + k
 
 
 def expected_rows(res: CellResult, mb: int) -> int:
