@@ -9,7 +9,7 @@ import torch
 from r3bridge.config import Action, ReplayConfig
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.layout import ParallelLayout
-from r3bridge.megatron.compat import check_megatron
+from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, unwrap
 from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
@@ -37,6 +37,7 @@ class Replayer:
     def __init__(self, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
                  layout: Optional[ParallelLayout] = None, *, agreement: bool = True,
                  min_coverage: float = 0.0, invalid_rows: str = "native", metrics_prefix: str = "r3bridge/",
+                 mask_unrouted_rows: bool = True,
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None) -> None:
         check_megatron()
@@ -60,6 +61,9 @@ class Replayer:
         self.min_coverage = float(min_coverage)
         self.invalid_rows = invalid_rows
         self.metrics_prefix = metrics_prefix
+        # rows without a route kept out of aux loss / z-loss / expert-bias counts (stats_mask.py);
+        # False only to measure what they would change (scripts/padding_mask_effect.py)
+        self.mask_unrouted_rows = bool(mask_unrouted_rows) and router_takes_padding_mask()
         self.chunks: list[ChunkRouters] = find_routers(chunks)
         check_against_layout(self.chunks, self.layout, self.pp_rank)
         self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}

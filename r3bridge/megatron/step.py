@@ -46,6 +46,7 @@ class MicroBatch:
     sample_ids: list[int]
     targets: Optional[ShardedTargets] = None    # REPLAY
     all_valid: bool = True
+    batch_has_route: bool = True                # some row of the whole micro-batch (any rank) has a route
     fwd_left: set[int] = field(default_factory=set)     # layers not yet routed in the forward
     recompute_left: set[int] = field(default_factory=set)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
@@ -72,6 +73,7 @@ class ReplayStep:
         self._recompute: dict[int, deque[MicroBatch]] = {lid: deque() for lid in replayer.layer_chunk}
         self._done_records: list[MicroBatch] = []
         self._handles: list[Any] = []
+        self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
         dev = self.device = replayer.device     # fixed for this schedule run
@@ -86,6 +88,10 @@ class ReplayStep:
         for c, found in enumerate(self.replayer.chunks):
             self._handles.append(found.chunk.register_forward_pre_hook(self._make_pre(c)))
             self._handles.append(found.chunk.register_forward_hook(self._make_post(c)))
+        if self.action is Action.REPLAY and self.replayer.mask_unrouted_rows:
+            from r3bridge.megatron import stats_mask
+
+            self._handles += stats_mask.attach(self)
         self.replayer.active_step = self
         return self
 
@@ -165,6 +171,7 @@ class ReplayStep:
                     raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
                                         f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
+            mb.batch_has_route = bool(routes.valid.any())
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
         mb.fwd_left = set(layers)
@@ -295,6 +302,8 @@ class ReplayStep:
         for group in self.replayer.metrics_groups:
             self._counter.all_reduce(group)
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
+        if self.stats_unmasked:
+            out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
         return out

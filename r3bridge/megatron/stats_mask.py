@@ -1,0 +1,70 @@
+"""Rows without a route stay out of the router's statistics (design principle 2).
+
+megatron-core's ``TopKRouter.forward(input, padding_mask)`` keeps rows marked ``True`` out of the
+z-loss, the aux losses (``compute_routing_scores_for_aux_loss`` and the token counts they divide
+by) and the expert-bias token counts (``_apply_expert_bias``); the routing map it returns, and so
+what the experts compute, is unchanged. During a replay step a forward pre-hook on each decoder
+router ORs the rows of the current (chunk, micro-batch) that have no route - packing padding,
+rows the engine did not report, ``valid = False`` rows - into whatever mask the framework passed.
+A hook on the router *instance* (removed when the step ends), not a patched class.
+
+Not masked, counted in the step's ``stats_unmasked_calls`` metric instead:
+
+* a micro-batch in which no row at all has a route: every rank of its TP x CP group would count
+  zero tokens and the aux loss divides by that count;
+* a router with expert bias (``moe_router_enable_expert_bias``): megatron-core 0.16.0 to 0.19.2
+  apply the mask there as ``routing_map & (~padding_mask)`` (0.16.1 ``router.py:542``, 0.19.2
+  ``router.py:738``), broadcasting ``[tokens, experts]`` against ``[tokens]``: a RuntimeError
+  unless tokens == experts, and the mask applied per expert instead of per token when they are
+  equal. Its unrouted rows stay in the aux loss, z-loss and expert-bias counts, as without r3bridge.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3bridge.megatron.step import MicroBatch, ReplayStep
+
+
+def _current(step: "ReplayStep", chunk: int, layer: int) -> Optional["MicroBatch"]:
+    """The micro-batch this router call belongs to, as ``ReplayStep.route`` will find it."""
+    mb = step._current[chunk]
+    if mb is not None:
+        return mb
+    q = step._recompute.get(layer)
+    return q[0] if q else None
+
+
+def _merge(existing: Optional[torch.Tensor], unrouted: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    mask = unrouted.view(shape[0], shape[1])
+    return mask if existing is None else (existing.to(torch.bool) | mask)
+
+
+def attach(step: "ReplayStep") -> list[Any]:
+    """Register the pre-hooks on every decoder router of ``step``'s replayer; returns the handles."""
+    handles = []
+    for c, found in enumerate(step.replayer.chunks):
+        for layer, router in found.routers.items():
+            handles.append(router.register_forward_pre_hook(_hook(step, c, layer), with_kwargs=True))
+    return handles
+
+
+def _hook(step: "ReplayStep", chunk: int, layer: int):
+    def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        mb = _current(step, chunk, layer)
+        t = mb.targets if mb is not None else None
+        if t is None or mb.all_valid or not args:
+            return None
+        hidden = args[0]
+        if hidden.dim() < 2 or hidden.shape[0] * hidden.shape[1] != t.valid.shape[0]:
+            return None                     # ReplayStep.route raises the row-count mismatch
+        if not mb.batch_has_route or getattr(module, "enable_expert_bias", False):
+            step.stats_unmasked += 1
+            return None
+        unrouted = ~t.valid
+        if len(args) > 1:
+            return (args[0], _merge(args[1], unrouted, hidden.shape), *args[2:]), kwargs
+        return args, {**kwargs, "padding_mask": _merge(kwargs.get("padding_mask"), unrouted, hidden.shape)}
+    return pre
