@@ -74,6 +74,45 @@ def find_routers(chunks: list[torch.nn.Module]) -> list[ChunkRouters]:
     return out
 
 
+# ---------------------------------------------------------------------------------- hybrid models
+# megatron's HybridModel (0.18+; MambaModel in 0.16-0.17) numbers one layer per symbol of its
+# pattern ("M" Mamba, "*" attention, "-" MLP, "E" MoE, ...; "|" splits pipeline stages, "/" starts
+# the MTP part). A MoE symbol is a TransformerLayer with a MoELayer whose router has
+# layer_number = its index in the pattern + 1. vLLM / SGLang report Nemotron-H-style models with
+# one entry per pattern symbol (HF num_hidden_layers = len(pattern), routes written at the
+# FusedMoE's layer index), so the pattern index is the engine layer id and config.moe_layer_freq
+# (which the hybrid stack ignores) is not.
+
+def hybrid_pattern(model: torch.nn.Module) -> str | None:
+    """The decoder part of a hybrid model's layer pattern, one symbol per layer; None otherwise."""
+    raw = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
+    if raw is None:
+        return None
+    return str(raw).split("/")[0].replace("|", "")
+
+
+def layout_for(chunks: list[torch.nn.Module], config) -> ParallelLayout:
+    """``ParallelLayout.from_megatron(config)``, with a hybrid model's MoE layers taken from its
+    pattern. Pipeline splits are whatever megatron built: ``check_against_layout`` compares the
+    routers each rank finds with the layout, so a split the layout cannot express is refused."""
+    import dataclasses
+
+    layout = ParallelLayout.from_megatron(config)
+    patterns = {hybrid_pattern(unwrap(c)) for c in chunks}
+    if patterns == {None}:
+        return layout
+    if len(patterns) != 1 or None in patterns:
+        raise LayerMappingError(f"model chunks disagree on the hybrid layer pattern: {sorted(map(str, patterns))}")
+    pattern = patterns.pop()
+    assert pattern is not None
+    if len(pattern) != layout.num_layers:
+        raise LayerMappingError(f"hybrid pattern {pattern!r} has {len(pattern)} layers, config.num_layers is "
+                                f"{layout.num_layers}")
+    if "E" not in pattern:
+        raise LayerMappingError(f"hybrid pattern {pattern!r} has no MoE ('E') layer: nothing to replay")
+    return dataclasses.replace(layout, moe_layer_freq=tuple(int(c == "E") for c in pattern))
+
+
 def check_against_layout(found: list[ChunkRouters], layout: ParallelLayout, pp_rank: int) -> None:
     """Routers found must be exactly the layout's MoE layers of (pp_rank, vp_stage)."""
     if len(found) != layout.vp_size:

@@ -10,7 +10,7 @@ from r3bridge.config import Action, ReplayConfig
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
-from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, unwrap
+from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
 from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
 from r3bridge.megatron.step import ReplayStep
@@ -54,7 +54,7 @@ class Replayer:
         self.pp_rank = ps["pp_rank"] if pp_rank is None else pp_rank
         self.groups = ps["groups"] if groups is None else groups
         self.metrics_groups = ps["metrics_groups"] if groups is None else list(groups.get("metrics", []))
-        self.layout = layout if layout is not None else ParallelLayout.from_megatron(config)
+        self.layout = layout if layout is not None else layout_for(chunks, config)
         self.num_experts = int(config.num_moe_experts)
         self.topk = int(config.moe_router_topk)
         self.agreement = agreement

@@ -69,7 +69,7 @@ def find_routers(chunks: Sequence[torch.nn.Module]) -> list[RouterRef]:
     refs: list[RouterRef] = []
     for ci, chunk in enumerate(chunks):
         for layer in chunk.decoder.layers:  # type: ignore[union-attr]
-            if isinstance(layer.mlp, MoELayer):
+            if isinstance(getattr(layer, "mlp", None), MoELayer):   # hybrid stacks: Mamba layers have none
                 r = layer.mlp.router
                 refs.append(RouterRef(ci, int(r.layer_number) - 1, False, r))
     for ci, chunk in enumerate(chunks):
