@@ -15,6 +15,7 @@ routes, and r3bridge must map them by pattern, not by ``moe_layer_freq`` (discov
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,13 +60,15 @@ def build_hybrid_model(spec: ModelSpec, ctx: "RankContext", pattern: str) -> tor
     moe = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False)
     mlp = get_gpt_layer_local_spec()
     model_cls, stack_cls, sub_cls, pattern_kw = _stack_classes()
+    if "hybrid_layer_pattern" in inspect.signature(model_cls.__init__).parameters:
+        pattern_kw = "hybrid_layer_pattern"     # 0.17 renamed it (hybrid_override_pattern deprecated)
     stack = ModuleSpec(
         module=stack_cls,
         submodules=sub_cls(moe_layer=_swap_norms(_identity_attention(moe)),
                            mlp_layer=_swap_norms(_identity_attention(mlp))),
         params={"post_layer_norm": False},
     )
-    kw = {"mamba_stack_spec": stack} if pattern_kw == "hybrid_override_pattern" else {"hybrid_stack_spec": stack}
+    kw = {"hybrid_stack_spec": stack} if stack_cls.__name__ == "HybridStack" else {"mamba_stack_spec": stack}
     with cpu_shim.tensor_cuda_is_identity():
         model = model_cls(config=config, vocab_size=spec.vocab_size, max_sequence_length=spec.max_sequence_length,
                           pre_process=True, post_process=True, position_embedding_type="learned_absolute",
