@@ -14,6 +14,7 @@ Principles (design.md "Principles", field-notes section 8):
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -414,11 +415,20 @@ def _ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 # Header (little endian):
 #   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present)
 #   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
-# then: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
+#   | header crc32 u32 (over the header bytes before it)
+# then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
 #       | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
+# and last: body crc32 u32 (over the body).
+# The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
+# num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
+# well-formed but different batch. CRC32 detects every error burst up to 32 bits, so every
+# single-byte flip. The header has its own checksum so the sizes it declares are trusted before
+# they are used to slice the body.
 _MAGIC = b"R3RB"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHBBIQIIIH")
+_VERSION = 2
+_HEADER_FIELDS = struct.Struct("<4sHBBIQIIIH")
+_HEADER = struct.Struct("<4sHBBIQIIIHI")
+_CRC = struct.Struct("<I")
 _DTYPE_CODES = {torch.uint8: 1, torch.int16: 2, torch.int32: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _NP = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
@@ -428,50 +438,59 @@ def _encoded_size(rb: ReplayBatch) -> int:
     n, rows = rb.num_seqs, rb.total_rows
     return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
             + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
-            + rb.routes.numel() * rb.routes.element_size())
+            + rb.routes.numel() * rb.routes.element_size() + _CRC.size)
 
 
 def _encode(rb: ReplayBatch) -> bytes:
     src = rb.source.encode()
     flags = 1 if rb.policy_versions is not None else 0
-    parts = [
-        _HEADER.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
-                     rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src)),
+    fields = _HEADER_FIELDS.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
+                                 rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
+    body = [
         src,
         np.asarray(rb.layer_ids, dtype="<i4").tobytes(),
         np.asarray(rb.rows_per_seq, dtype="<i8").tobytes(),
         np.asarray(rb.start_rows, dtype="<i8").tobytes(),
     ]
     if rb.policy_versions is not None:
-        parts.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
-    parts.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
-    parts.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
-                                                             copy=False).tobytes())
-    return b"".join(parts)
+        body.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
+    body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
+    body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
+                                                            copy=False).tobytes())
+    crc = 0
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    return b"".join([fields, _CRC.pack(zlib.crc32(fields)), *body, _CRC.pack(crc)])
 
 
 def _decode(data: bytes) -> ReplayBatch:
     if len(data) < _HEADER.size:
         raise PayloadError(f"ReplayBatch payload truncated: {len(data)} bytes, header needs {_HEADER.size}")
-    magic, version, code, flags, n, rows, nl, k, e, src_len = _HEADER.unpack_from(data, 0)
+    magic, version, code, flags, n, rows, nl, k, e, src_len, head_crc = _HEADER.unpack_from(data, 0)
     if magic != _MAGIC:
         raise PayloadError(f"not a ReplayBatch payload (magic {magic!r})")
     if version != _VERSION:
-        raise PayloadError(f"ReplayBatch payload version {version}; this r3bridge reads version {_VERSION}")
+        hint = " (written before payloads carried checksums: re-encode it)" if version == 1 else ""
+        raise PayloadError(f"ReplayBatch payload version {version}{hint}; this r3bridge reads version {_VERSION}")
+    if zlib.crc32(memoryview(data)[:_HEADER_FIELDS.size]) != head_crc:
+        raise PayloadError("ReplayBatch payload header checksum mismatch: the header is corrupted")
     if code not in _CODE_DTYPES:
         raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
     dtype = _CODE_DTYPES[code]
     sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
              rows * nl * k * torch.empty((), dtype=dtype).element_size()]
-    need = _HEADER.size + sum(sizes)
+    need = _HEADER.size + sum(sizes) + _CRC.size
     if len(data) != need:
         raise PayloadError(
             f"ReplayBatch payload is {len(data)} bytes but its header (seqs={n}, rows={rows}, "
-            f"layers={nl}, topk={k}) needs {need}: truncated or corrupted")
-    pos = _HEADER.size
+            f"layers={nl}, topk={k}) needs {need}: truncated or extended")
+    body = memoryview(data)[_HEADER.size:need - _CRC.size]
+    if zlib.crc32(body) != _CRC.unpack_from(data, need - _CRC.size)[0]:
+        raise PayloadError("ReplayBatch payload body checksum mismatch: routes or metadata are corrupted")
+    pos = 0
     chunks = []
     for s in sizes:
-        chunks.append(memoryview(data)[pos:pos + s])
+        chunks.append(body[pos:pos + s])
         pos += s
     try:
         source = bytes(chunks[0]).decode()
