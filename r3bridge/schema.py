@@ -16,13 +16,13 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
-from r3bridge._validate import check_routes
+from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
 
 __all__ = ["ReplayBatch", "route_dtype"]
 
@@ -42,11 +42,13 @@ def route_dtype(num_experts: int) -> torch.dtype:
 def as_int_tensor(x, *, what: str) -> torch.Tensor:
     """numpy array (read-only allowed) or tensor -> integer CPU/GPU tensor, no per-row work."""
     if isinstance(x, torch.Tensor):
+        check_readable(x, what=what, error=RouteShapeError)
         t = x
     else:
         a = np.asarray(x)
         if a.dtype.kind not in "iu":
             raise RouteShapeError(f"{what}: routes must have an integer dtype, got {a.dtype}")
+        a = native_order(a)     # a big-endian array is a valid integer array: convert exactly
         # uint16/uint32 have no complete torch support: widen in numpy (copy also detaches
         # read-only buffers such as vLLM's, which torch.from_numpy refuses to share).
         if a.dtype in (np.uint16, np.uint32):
@@ -128,7 +130,7 @@ class ReplayBatch:
         if valid is not None:
             if len(valid) != len(tensors):
                 raise CoverageError(f"valid has {len(valid)} entries for {len(tensors)} sequences")
-            vt = [torch.as_tensor(np.asarray(x, dtype=bool)) for x in valid]
+            vt = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
             for i, x in enumerate(vt):
                 if x.shape != (rows[i],):
                     raise CoverageError(
@@ -153,7 +155,7 @@ class ReplayBatch:
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq``. Validates."""
         routes = as_int_tensor(routes, what="routes")
-        rows_per_seq = [int(r) for r in rows_per_seq]
+        rows_per_seq = as_index_list(rows_per_seq, what="rows_per_seq", error=CoverageError)
         n = len(rows_per_seq)
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
@@ -162,28 +164,28 @@ class ReplayBatch:
                 f"rows_per_seq sums to {sum(rows_per_seq)} but routes have {routes.shape[0]} rows")
         if any(r < 0 for r in rows_per_seq):
             raise CoverageError(f"negative row count in rows_per_seq {rows_per_seq}")
-        layer_ids = tuple(int(x) for x in layer_ids)
+        layer_ids = tuple(as_index_list(layer_ids, what="layer_ids", error=LayerMappingError))
         _check_layer_ids(layer_ids, routes.shape[1])
         topk = int(routes.shape[2])
-        num_experts = int(num_experts)
+        num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         if num_experts <= 0:
             raise RouteShapeError(f"num_experts must be positive, got {num_experts}")
         if topk < 1 or topk > num_experts:
             raise RouteShapeError(f"topk {topk} must be in [1, num_experts={num_experts}]")
-        starts = [0] * n if start_rows is None else [int(s) for s in start_rows]
+        starts = [0] * n if start_rows is None else as_index_list(start_rows, what="start_rows", error=CoverageError)
         if len(starts) != n:
             raise CoverageError(f"start_rows has {len(starts)} entries for {n} sequences")
         if any(s < 0 for s in starts):
             bad = next(i for i, s in enumerate(starts) if s < 0)
             raise CoverageError(f"sequence {bad}: negative start row {starts[bad]}")
         if policy_versions is not None:
-            policy_versions = [int(p) for p in policy_versions]
+            policy_versions = as_index_list(policy_versions, what="policy_versions", error=CoverageError)
             if len(policy_versions) != n:
                 raise CoverageError(f"policy_versions has {len(policy_versions)} entries for {n} sequences")
         if valid is None:
             valid = torch.ones(routes.shape[0], dtype=torch.bool, device=routes.device)
         else:
-            valid = torch.as_tensor(valid, dtype=torch.bool, device=routes.device)
+            valid = as_mask(valid, what="valid", error=CoverageError).to(routes.device)
             if valid.shape != (routes.shape[0],):
                 raise CoverageError(f"valid has shape {tuple(valid.shape)}, routes have {routes.shape[0]} rows")
         offsets = torch.zeros(n + 1, dtype=torch.int64)
@@ -201,15 +203,20 @@ class ReplayBatch:
                     valid=None, source: str = "padded") -> "ReplayBatch":
         """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
         from r3bridge.ingest import from_padded
-        return from_padded(routes, attention_mask, num_experts=num_experts, layer_ids=layer_ids,
-                           valid=valid, source=source)
+        return from_padded(routes, as_mask(attention_mask, what="attention_mask", error=CoverageError),
+                           num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                           layer_ids=as_index_list(layer_ids, what="layer_ids", error=LayerMappingError),
+                           valid=None if valid is None else as_mask(valid, what="valid", error=CoverageError),
+                           source=source)
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
                   start_rows: Sequence[int] | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` arrays."""
         from r3bridge.ingest import from_vllm
-        return from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+        return from_vllm(items, num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                         moe_layer_ids=_opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError),
+                         start_rows=_opt_ids(start_rows, "start_rows", CoverageError))
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
@@ -217,8 +224,12 @@ class ReplayBatch:
                     start_rows: Sequence[int] | None = None) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``)."""
         from r3bridge.ingest import from_sglang
-        return from_sglang(meta_infos, num_experts=num_experts, num_layers=num_layers, topk=topk,
-                           moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+        return from_sglang([_sglang_numbers(mi, i) for i, mi in enumerate(meta_infos)],
+                           num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                           num_layers=as_index(num_layers, what="num_layers", error=RouteShapeError),
+                           topk=as_index(topk, what="topk", error=RouteShapeError),
+                           moe_layer_ids=_opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError),
+                           start_rows=_opt_ids(start_rows, "start_rows", CoverageError))
 
     @staticmethod
     def stitch(pieces: Sequence["ReplayBatch"]):
@@ -278,7 +289,7 @@ class ReplayBatch:
             raise CoverageError(f"batch has {self.num_seqs} sequences but {len(seq_lens)} seq_lens were given")
         if not self.num_seqs:
             return
-        lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+        lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
         end = torch.tensor(self.start_rows, dtype=torch.int64) + torch.tensor(self.rows_per_seq, dtype=torch.int64)
         bad = ((end != lens) & (end != lens - 1)).nonzero()
         if bad.numel():
@@ -291,7 +302,8 @@ class ReplayBatch:
     # ----------------------------------------------------------------------------- micro-batching
     def select(self, indices: Sequence[int]) -> "ReplayBatch":
         """Sequences ``indices`` in that order (e.g. one micro-batch after re-partitioning)."""
-        idx = torch.as_tensor(list(indices), dtype=torch.int64)
+        idx = torch.as_tensor(as_index_list(indices, what="select indices", error=CoverageError),
+                              dtype=torch.int64)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
             raise CoverageError(f"select: index out of range for {self.num_seqs} sequences: {list(indices)}")
         rows = torch.tensor(self.rows_per_seq, dtype=torch.int64)[idx] if idx.numel() else idx
@@ -332,7 +344,7 @@ class ReplayBatch:
 
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
-        want = [int(x) for x in layer_ids]
+        want = as_index_list(layer_ids, what="with_layers", error=LayerMappingError)
         _check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
         pos = {lid: j for j, lid in enumerate(self.layer_ids)}
         missing = [x for x in want if x not in pos]
@@ -344,6 +356,8 @@ class ReplayBatch:
                            self.policy_versions, self._offsets)
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
+        if torch.device(device).type == "meta":
+            raise RouteShapeError("ReplayBatch.to('meta'): a meta tensor holds no routes")
         return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
                            self.start_rows, self.layer_ids, self.num_experts, self.topk,
                            self.source, self.policy_versions, self._offsets)
@@ -376,6 +390,24 @@ class ReplayBatch:
 
 
 # --------------------------------------------------------------------------------- helpers
+def _opt_ids(xs, what: str, error) -> list[int] | None:
+    return None if xs is None else as_index_list(xs, what=what, error=error)
+
+
+def _sglang_numbers(mi, i: int):
+    """A meta_info with its token counts checked as integers (10.5 or inf would be truncated or
+    raise a foreign error in int()) and its routes readable; format checks stay in ingest."""
+    if not isinstance(mi, Mapping):
+        return mi
+    out = dict(mi)
+    for key in ("prompt_tokens", "completion_tokens"):
+        if key in out:
+            out[key] = as_index(out[key], what=f"sequence {i}: meta_info[{key!r}]", error=PayloadError)
+    if isinstance(out.get("routed_experts"), torch.Tensor):
+        check_readable(out["routed_experts"], what=f"sequence {i}: routed_experts", error=PayloadError)
+    return out
+
+
 def _check_layer_ids(layer_ids: tuple[int, ...], num_layer_axis: int) -> None:
     if len(layer_ids) != num_layer_axis:
         raise LayerMappingError(

@@ -25,7 +25,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError
+from r3bridge._validate import as_index, as_index_list, check_readable
+from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError, RouteShapeError
 from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ReplayBatch, _ragged_arange, route_dtype
 
@@ -46,15 +47,14 @@ class PackPlan:
     def build(cls, layout: ParallelLayout, seq_lens: Sequence[int], *, format: str = "thd",
               cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
               seq_length: int | None = None) -> "PackPlan":
-        lens = torch.as_tensor(list(seq_lens) if not isinstance(seq_lens, torch.Tensor) else seq_lens,
-                               dtype=torch.int64).cpu()
+        lens = _int_tensor(seq_lens, "seq_lens", CoverageError)
         if lens.dim() != 1:
             raise CoverageError(f"seq_lens must be a flat list, got shape {tuple(lens.shape)}")
         if lens.numel() and int(lens.min()) < 1:
             i = int((lens < 1).nonzero()[0])
             raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} must be >= 1")
         if format == "bshd":
-            s = int(seq_length) if seq_length is not None else (int(lens.max()) if lens.numel() else 0)
+            s = as_index(seq_length, what="seq_length", error=LayoutError) if seq_length is not None else (int(lens.max()) if lens.numel() else 0)
             if lens.numel() and int(lens.max()) > s:
                 i = int(lens.argmax())
                 raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} exceeds BSHD seq_length {s}")
@@ -69,7 +69,7 @@ class PackPlan:
         if format != "thd":
             raise LayoutError(f"unknown packing format {format!r} (use 'thd' or 'bshd')")
         if cu_seqlens_padded is not None:
-            cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.int64).cpu()
+            cu = _int_tensor(cu_seqlens_padded, "cu_seqlens_padded", LayoutError)
             if cu.shape != (lens.numel() + 1,) or int(cu[0]) != 0:
                 raise LayoutError(f"cu_seqlens_padded must be [0, ...] with {lens.numel() + 1} entries, "
                                   f"got {cu.tolist()}")
@@ -104,12 +104,24 @@ class PackPlan:
         return int(self.seq_lens.numel())
 
 
+def _int_tensor(xs, what: str, error) -> torch.Tensor:
+    """int64 CPU tensor of exactly integral values; an integer tensor is taken as it is."""
+    if isinstance(xs, torch.Tensor) and not xs.is_floating_point() and xs.dtype != torch.bool:
+        check_readable(xs, what=what, error=error)
+        if xs.dim() != 1:
+            raise error(f"{what} must be a flat list, got shape {tuple(xs.shape)}")
+        return xs.to(torch.int64).cpu()
+    return torch.tensor(as_index_list(xs, what=what, error=error), dtype=torch.int64)
+
+
 def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, token position) of every router row of rank (tp_rank, cp_rank), in row order.
 
     Positions ``>= seq_len`` are padding.
     """
+    tp_rank = as_index(tp_rank, what="tp_rank", error=LayoutError)
+    cp_rank = as_index(cp_rank, what="cp_rank", error=LayoutError)
     if not 0 <= tp_rank < layout.tp:
         raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
     if not 0 <= cp_rank < layout.cp:
@@ -305,6 +317,14 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     ``device``). ``layer_ids`` overrides the stage's MoE layers (the driver passes the layers of
     the routers it actually found).
     """
+    check_readable(rb.routes, what="shard: batch routes", error=RouteShapeError)
+    seq_lens = _int_tensor(seq_lens, "seq_lens", CoverageError)
+    tp_rank, cp_rank, pp_rank, vp_stage = (as_index(v, what=name, error=LayoutError) for v, name in (
+        (tp_rank, "tp_rank"), (cp_rank, "cp_rank"), (pp_rank, "pp_rank"), (vp_stage, "vp_stage")))
+    if layer_ids is not None:
+        layer_ids = as_index_list(layer_ids, what="layer_ids", error=LayerMappingError)
+    if device is not None and torch.device(device).type == "meta":
+        raise LayoutError("shard: device='meta' would hold no values (targets must be readable)")
     rb.check_seq_lens(seq_lens)
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
@@ -402,11 +422,22 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
     the device of the targets' ids (the R2 recorder gathers them on the GPU); the result stays
     there.
     """
+    num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
     n = plan.num_seqs
-    starts = torch.zeros(n, dtype=torch.int64) if start_rows is None else torch.as_tensor(list(start_rows), dtype=torch.int64)
-    rows = plan.seq_lens - starts if rows_per_seq is None else torch.as_tensor(list(rows_per_seq), dtype=torch.int64)
+    starts = torch.zeros(n, dtype=torch.int64) if start_rows is None else _int_tensor(start_rows, "start_rows", CoverageError)
+    rows = plan.seq_lens - starts if rows_per_seq is None else _int_tensor(rows_per_seq, "rows_per_seq", CoverageError)
+    if starts.shape != (n,) or rows.shape != (n,):
+        raise CoverageError(f"unshard: start_rows / rows_per_seq need {n} entries (one per sequence), got "
+                            f"{starts.numel()} / {rows.numel()}")
+    for key, t in targets.items():
+        if len(key) != 4:
+            raise LayoutError(f"unshard: target key {key!r} must be (tp_rank, cp_rank, pp_rank, vp_stage)")
+        for name, v in zip(("tp_rank", "cp_rank", "pp_rank", "vp_stage"), key):
+            as_index(v, what=f"unshard: target key {key!r} {name}", error=LayoutError)
+        for lid, ids in t.indices.items():
+            check_readable(ids, what=f"unshard: rank {key} layer {lid} ids", error=ReplayStateError)
     if n and (bool((starts < 0).any()) or bool((starts + rows > plan.seq_lens).any()) or bool((rows < 0).any())):
         raise CoverageError("unshard: start_rows/rows_per_seq do not fit seq_lens")
     layer_ids = sorted({lid for t in targets.values() for lid in t.layer_ids})
