@@ -30,7 +30,7 @@ from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, Repla
 from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ReplayBatch, _ragged_arange, route_dtype
 
-__all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions"]
+__all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions", "token_owners", "assemble_gathered"]
 
 RankKey = tuple[int, int, int, int]  # (tp_rank, cp_rank, pp_rank, vp_stage)
 
@@ -149,6 +149,142 @@ def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank
         seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded, output_size=pos.numel())
     lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
     return seq[lo:hi], pos[lo:hi]
+
+
+def token_owners(plan: PackPlan, layout: ParallelLayout, tp_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`rank_positions` over all ranks at once: for every real token of the plan,
+    in (sequence, position) order, the rank holding it (``cp_rank * tp_ranks + tp_rank``) and its
+    row there. ``tp_ranks`` is 1 when SP is off (every TP rank holds every row: TP rank 0 is used).
+
+    Raises unless every real token is held exactly once.
+    """
+    lens = plan.seq_lens
+    offs = torch.zeros(plan.num_seqs + 1, dtype=torch.int64)
+    if plan.num_seqs:
+        offs[1:] = torch.cumsum(lens, 0)
+    total = int(offs[-1])
+    rank = torch.full((total,), -1, dtype=torch.int64)
+    row = torch.empty(total, dtype=torch.int64)
+    for cr in range(layout.cp):
+        for tr in range(tp_ranks):
+            seq, pos = rank_positions(plan, layout, tr, cr)
+            keep = (pos < lens[seq]).nonzero().squeeze(1)
+            dst = offs[seq.index_select(0, keep)] + pos.index_select(0, keep)
+            if bool((rank.index_select(0, dst) >= 0).any()):
+                raise ReplayStateError(f"token_owners: rank (tp={tr}, cp={cr}) holds tokens another rank holds")
+            rank[dst] = cr * tp_ranks + tr
+            row[dst] = keep
+    if bool((rank < 0).any()):
+        raise CoverageError(f"token_owners: {int((rank < 0).sum())} of {total} tokens are on no rank")
+    return rank, row
+
+
+def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequence[PackPlan], sample_ids: Sequence[int],
+                      *, num_experts: int, topk: int, source: str = "recorded", method: str = "auto") -> ReplayBatch:
+    """Per-sample routes out of the R2 gather buffer, in one pass over all micro-batches.
+
+    ``flat`` holds every rank's recorded ids, ``[pp][cp][tp'][part]`` with tp' = tp under SP else
+    1, each rank's part padded to the same length and laid out ``[micro-batch][its rows][its
+    stage's MoE layers, chunk by chunk][K]`` (token-major: each rank transposes its own share
+    before the gather, so reading the buffer needs no transpose of the whole batch). ``plans[m]`` is micro-batch m's packing plan and
+    ``sample_ids`` numbers its sequences (all micro-batches in order); the result holds every
+    token of every sequence, sorted by sample id, every MoE layer of the layout.
+
+    One plan (:func:`token_owners` per micro-batch, never per stage) gives each output row its
+    source row; then either one row-block copy per (run of consecutive source rows, model chunk)
+    ("runs", what packed batches give: a handful of runs), or one gather through a
+    ``[rows, layers]`` index ("index", for many short runs). ``method="auto"`` picks by the number
+    of copies. Everything after the plan runs on ``flat``'s device.
+    """
+    k = int(topk)
+    dtype = route_dtype(num_experts)
+    tp_n = layout.tp if layout.sequence_parallel else 1
+    ranks = layout.cp * tp_n
+    chunks = [(p, v, layout.moe_layers(p, v)) for p in range(layout.pp) for v in range(layout.vp_size)]
+    stage_n = [sum(len(l) for q, _, l in chunks if q == p) for p in range(layout.pp)]
+    rows = [int(_rank_rows(pl, layout)) for pl in plans]
+    if flat.numel() % (layout.pp * ranks * k):
+        raise ReplayStateError(f"gathered buffer of {flat.numel()} ids does not split into {layout.pp} stages x "
+                               f"{ranks} ranks x top-{k}")
+    w = flat.numel() // (layout.pp * ranks * k)          # one rank's part, in rows of K ids
+    need = max((sum(rows) * n for n in stage_n), default=0)
+    if w < need:
+        raise ReplayStateError(f"gathered rank parts hold {w} rows of ids, the micro-batches need {need}")
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ReplayStateError(f"duplicate sample_ids across micro-batches: {list(sample_ids)}")
+    owner, mb_of, lens = [], [], []
+    for m, plan in enumerate(plans):
+        rank, row = token_owners(plan, layout, tp_n)
+        split = plan.seq_lens.tolist()
+        owner += list((rank * w + row).split(split))
+        mb_of += [m] * plan.num_seqs
+        lens += split
+    if len(sample_ids) != len(lens):
+        raise CoverageError(f"{len(sample_ids)} sample_ids for {len(lens)} sequences")
+    order = sorted(range(len(lens)), key=lambda i: sample_ids[i])
+    lens_out = [lens[i] for i in order]
+    n_out = sum(lens_out)
+    lids = layout.moe_layer_ids
+    col = {lid: j for j, lid in enumerate(lids)}
+    ids = flat.view(-1, k)
+    words = _as_words(ids) if ids.is_contiguous() else ids   # a (row, layer)'s K ids as one word
+    out = torch.empty((n_out, len(lids), words.shape[1]), dtype=words.dtype, device=flat.device)
+    src = torch.cat([owner[i] for i in order]) if order else torch.zeros(0, dtype=torch.int64)
+    src_mb = torch.tensor([mb_of[i] for i in order], dtype=torch.int64).repeat_interleave(
+        torch.tensor(lens_out, dtype=torch.int64), output_size=n_out)
+    before = [[sum(rows[:m]) * stage_n[p] for m in range(len(plans))] for p in range(layout.pp)]
+    # runs of output rows whose source rows are consecutive in one rank's part of one micro-batch
+    brk = torch.ones(n_out, dtype=torch.bool)
+    if n_out > 1:
+        brk[1:] = (src[1:] != src[:-1] + 1) | (src_mb[1:] != src_mb[:-1]) | (src[1:] // w != src[:-1] // w)
+    starts = brk.nonzero().squeeze(1)
+    copies = starts.numel() * sum(1 for c in chunks if c[2])
+    if method == "auto":
+        method = "runs" if copies <= 64 else "index"
+    if method == "runs":
+        ends = torch.cat([starts[1:], torch.tensor([n_out])]).tolist()
+        for o, e in zip(starts.tolist(), ends):
+            s0, m = int(src[o]), int(src_mb[o])
+            rank, j0 = divmod(s0, w)
+            q = 0
+            for p, v, cl in chunks:
+                if v == 0:
+                    q = 0
+                if not cl:
+                    continue
+                sn = stage_n[p]
+                base = (p * ranks + rank) * w + before[p][m]
+                block = words[base + j0 * sn: base + (j0 + e - o) * sn].view(e - o, sn, -1)
+                out[o:e, col[cl[0]]: col[cl[0]] + len(cl)].copy_(block[:, q: q + len(cl)])
+                q += len(cl)
+    elif method == "index":
+        part = torch.empty((len(plans), len(lids)), dtype=torch.int64)
+        stride = torch.empty(len(lids), dtype=torch.int64)      # words per source row of the layer's stage
+        for p, v, cl in chunks:
+            q0 = sum(len(c) for pp_, vv, c in chunks if pp_ == p and vv < v)
+            for qi, lid in enumerate(cl):
+                stride[col[lid]] = stage_n[p]
+                for m in range(len(plans)):
+                    part[m, col[lid]] = p * ranks * w + before[p][m] + q0 + qi
+        dev = flat.device
+        rank, row = (src // w).to(dev), (src % w).to(dev) if w else src.to(dev)
+        index = part.to(dev).index_select(0, src_mb.to(dev)) + (rank * w)[:, None] + row[:, None] * stride.to(dev)
+        torch.index_select(words, 0, index.view(-1), out=out.view(-1, words.shape[1]))
+    else:
+        raise LayoutError(f"assemble_gathered: unknown method {method!r} (use 'auto', 'runs' or 'index')")
+    routes = out.view(torch.uint8).view(dtype).view(n_out, len(lids), k)
+    # The ids are the routers' own top-k narrowed to a dtype that holds num_experts: distinct and
+    # in range by construction, so only the schema is rebuilt (as in unshard).
+    return ReplayBatch._trusted(routes, lens_out, [0] * len(lens_out), torch.ones(n_out, dtype=torch.bool),
+                                tuple(lids), num_experts, source)
+
+
+def _rank_rows(plan: PackPlan, layout: ParallelLayout) -> int:
+    """Router rows of every TP/CP rank for ``plan`` (the same on each)."""
+    if plan.format == "bshd":
+        s = int(plan.padded_lens[0]) if plan.num_seqs else 0
+        return s // layout.cp // layout.sp_split * plan.num_seqs
+    return int(plan.padded_lens.sum()) // layout.cp // layout.sp_split
 
 
 def _zigzag_positions(length: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
