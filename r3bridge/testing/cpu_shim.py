@@ -279,17 +279,3 @@ def apply() -> list[str]:
             fn()
             _APPLIED.append(name)
     return list(_APPLIED)
-
-
-@contextlib.contextmanager
-def tensor_cuda_is_identity() -> Iterator[None]:
-    """While building a module whose constructor calls ``tensor.cuda()`` (megatron-core 0.16.1's
-    ``CLIPViTModel`` moves its ``position_ids`` buffer there: "Torch not compiled with CUDA
-    enabled" on CPU), ``Tensor.cuda`` returns the tensor itself. Scoped to the constructor, not
-    installed by ``apply()``: a forward never depends on it."""
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
