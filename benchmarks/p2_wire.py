@@ -9,6 +9,9 @@
 * SGLang: ``meta_info["routed_experts"]``: base64 of flat int32, every decoder layer,
   prompt + completion - 1 rows (the exact ``len(base64.b64encode(...))``).
 
+It also times ``ReplayBatch.from_bytes`` of the whole batch and the part of it that the payload's
+CRC32 checksums take (``zlib.crc32`` over the same bytes, single-threaded, median of a few runs).
+
 Not a test: prints a table, or one JSON object with ``--json``.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import base64
 import json
 import sys
+import time
+import zlib
 
 import numpy as np
 import torch
@@ -37,6 +42,15 @@ def sample_lengths(rng, n):
     prompts = np.exp(rng.uniform(np.log(64), np.log(4096), n)).astype(int)
     completions = np.exp(rng.uniform(np.log(16), np.log(16384), n)).astype(int)
     return prompts.tolist(), completions.tolist()
+
+
+def _median_s(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def measure(name, E, L, dense, K, prompts, completions, seed=0):
@@ -63,6 +77,8 @@ def measure(name, E, L, dense, K, prompts, completions, seed=0):
     full0[:, dense:] = arrays[0]
     assert len(base64.b64encode(full0.tobytes())) == sgl[0]
     tokens = sum(p + c for p, c in zip(prompts, completions))
+    decode_s = _median_s(lambda: r3bridge.ReplayBatch.from_bytes(wire), 3)
+    crc_s = _median_s(lambda: zlib.crc32(wire), 5)
     return {
         "workload": name, "experts": E, "layers": L, "dense_layers": dense, "moe_layers": len(moe),
         "topk": K, "samples": n, "mean_tokens": tokens / n, "max_tokens": max_len,
@@ -71,6 +87,7 @@ def measure(name, E, L, dense, K, prompts, completions, seed=0):
         # header + bit mask of a one-sample payload, beyond its route bytes
         "r3bridge_single_sample_overhead_bytes": [s - a.shape[0] * a.shape[1] * a.shape[2] * rb.routes.element_size()
                                                   for s, a in zip(single, arrays)],
+        "from_bytes_s": decode_s, "crc32_s": crc_s, "crc32_share_of_from_bytes": crc_s / decode_s,
         "ratios": {"verl_over_r3bridge": verl / len(wire), "sglang_over_r3bridge": sum(sgl) / len(wire)},
     }
 
@@ -81,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
     mixes = {"mixed": sample_lengths(rng, args.samples),
              # no padding at all: verl's worst case for our ratio (equal lengths, 1024 + 3072)
@@ -106,13 +124,14 @@ def main(argv=None):
     for mix in mixes:
         sel = [r for r in rows if r["lengths"] == mix]
         print(f"\n{mix} lengths: mean {sel[0]['mean_tokens']:.0f} tokens, max {sel[0]['max_tokens']}")
-        print(f"{'workload':<58}{'r3bridge':>12}{'verl':>12}{'sglang':>12}{'verl/r3b':>10}{'sgl/r3b':>10}  goal")
+        print(f"{'workload':<58}{'r3bridge':>12}{'verl':>12}{'sglang':>12}{'verl/r3b':>10}{'sgl/r3b':>10}{'decode':>10}{'crc':>7}  goal")
         for r in sel:
             b = r["bytes_per_sample"]
             goal = "-" if r["goal_met"] is None else ("met" if r["goal_met"] else "NOT met")
             print(f"{r['workload']:<58}{b['r3bridge'] / 1e6:>10.2f}MB{b['verl'] / 1e6:>10.2f}MB"
                   f"{b['sglang'] / 1e6:>10.2f}MB{r['ratios']['verl_over_r3bridge']:>9.2f}x"
-                  f"{r['ratios']['sglang_over_r3bridge']:>9.2f}x  {goal}")
+                  f"{r['ratios']['sglang_over_r3bridge']:>9.2f}x{r['from_bytes_s'] * 1e3:>8.1f}ms"
+                  f"{100 * r['crc32_share_of_from_bytes']:>6.1f}%  {goal}")
     return report
 
 

@@ -13,8 +13,12 @@ micro-batch of 16 sequences (lengths around 4096).
 * verl: ``verl.utils.megatron.router_replay_utils.pp_gather`` on verl's own layouts: a nested
   jagged int16 tensor ``[bs, seq_i, local_layers, K]`` (pickled through ``all_gather_object``) and
   the dense padded ``[bs, max_len, local_layers, K]`` int16 tensor (padded all_gather);
-* r3bridge: ``r3bridge.megatron.recorder.gather_recorded``: compact uint8 tensor all-gather, then
-  ``unshard`` into a per-sample ReplayBatch (the complete R2 result, sequences in sample order).
+* r3bridge: ``r3bridge.megatron.recorder.gather_recorded``: each stage stacks its layers' compact
+  uint8 ids token-major, one tensor all-gather, then one pass (``assemble_gathered``: one plan, a few
+  row-block copies) into a per-sample ReplayBatch (the complete R2 result, sequences in sample order).
+
+``--pp 1`` runs on one GPU: no transport (the floor is a one-rank all_gather), so it measures only
+each side's work around it.
 
 Reported: median wall time per gather on rank 0 (barrier to barrier) and ratios.
 """
@@ -83,7 +87,7 @@ def rank_fn(ctx, args):
         dense[i, : r.shape[0]] = r.to(torch.int16)
 
     # r3bridge's side: the hook narrows each router's ids as it records (step.py), then
-    # gather_recorded does TP/CP/PP all-gathers and unshard into a per-sample ReplayBatch.
+    # gather_recorded does TP/CP/PP all-gathers and one pass into a per-sample ReplayBatch.
     rep = SimpleNamespace(layout=layout, topk=k, num_experts=args.experts, device=dev,
                           chunks=[SimpleNamespace(layer_ids=local)], pp_rank=ctx.pp_rank,
                           groups={"pp": ps.get_pipeline_model_parallel_group(), "tp": None, "cp": None})

@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
+from r3bridge._validate import as_index, as_index_list
 from r3bridge.errors import LayoutError
 
 __all__ = ["ParallelLayout"]
@@ -73,16 +76,24 @@ class ParallelLayout:
     _stages: list[list[str]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "tp", "cp", "pp", "ep", "vpp", "num_layers_in_first_pipeline_stage",
+                     "num_layers_in_last_pipeline_stage"):
+            v = getattr(self, name)
+            if v is not None or name in ("num_layers", "tp", "cp", "pp", "ep"):
+                object.__setattr__(self, name, as_index(v, what=f"ParallelLayout {name}", error=LayoutError))
         freq = self.moe_layer_freq
-        if not isinstance(freq, int):
-            freq = tuple(int(x) for x in freq)
+        if np.ndim(freq) == 0:          # int N, or one number of any type (checked by as_index)
+            freq = as_index(freq, what="ParallelLayout moe_layer_freq", error=LayoutError)
+            object.__setattr__(self, "moe_layer_freq", freq)
+            if freq < 1:
+                raise LayoutError(f"moe_layer_freq must be >= 1, got {freq}")
+        else:
+            freq = tuple(as_index_list(freq, what="ParallelLayout moe_layer_freq", error=LayoutError))
             object.__setattr__(self, "moe_layer_freq", freq)
             if len(freq) != self.num_layers:
                 raise LayoutError(f"moe_layer_freq list has {len(freq)} entries for {self.num_layers} layers")
             if any(x not in (0, 1) for x in freq):
                 raise LayoutError(f"moe_layer_freq list must hold 0/1, got {list(freq)}")
-        elif freq < 1:
-            raise LayoutError(f"moe_layer_freq must be >= 1, got {freq}")
         for name in ("tp", "cp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -127,6 +138,8 @@ class ParallelLayout:
 
     def layer_range(self, pp_rank: int, vp_stage: int = 0) -> range:
         """Global 0-based decoder layers built on (pp_rank, vp_stage)."""
+        pp_rank = as_index(pp_rank, what="pp_rank", error=LayoutError)
+        vp_stage = as_index(vp_stage, what="vp_stage", error=LayoutError)
         if not 0 <= pp_rank < self.pp:
             raise LayoutError(f"pp_rank {pp_rank} out of range for pp={self.pp}")
         if not 0 <= vp_stage < self.vp_size:

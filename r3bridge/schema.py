@@ -14,14 +14,15 @@ Principles (design.md "Principles", field-notes section 8):
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
-from r3bridge._validate import check_routes
+from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
 
 __all__ = ["ReplayBatch", "route_dtype"]
 
@@ -41,11 +42,13 @@ def route_dtype(num_experts: int) -> torch.dtype:
 def as_int_tensor(x, *, what: str) -> torch.Tensor:
     """numpy array (read-only allowed) or tensor -> integer CPU/GPU tensor, no per-row work."""
     if isinstance(x, torch.Tensor):
+        check_readable(x, what=what, error=RouteShapeError)
         t = x
     else:
         a = np.asarray(x)
         if a.dtype.kind not in "iu":
             raise RouteShapeError(f"{what}: routes must have an integer dtype, got {a.dtype}")
+        a = native_order(a)     # a big-endian array is a valid integer array: convert exactly
         # uint16/uint32 have no complete torch support: widen in numpy (copy also detaches
         # read-only buffers such as vLLM's, which torch.from_numpy refuses to share).
         if a.dtype in (np.uint16, np.uint32):
@@ -127,7 +130,7 @@ class ReplayBatch:
         if valid is not None:
             if len(valid) != len(tensors):
                 raise CoverageError(f"valid has {len(valid)} entries for {len(tensors)} sequences")
-            vt = [torch.as_tensor(np.asarray(x, dtype=bool)) for x in valid]
+            vt = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
             for i, x in enumerate(vt):
                 if x.shape != (rows[i],):
                     raise CoverageError(
@@ -152,7 +155,7 @@ class ReplayBatch:
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq``. Validates."""
         routes = as_int_tensor(routes, what="routes")
-        rows_per_seq = [int(r) for r in rows_per_seq]
+        rows_per_seq = as_index_list(rows_per_seq, what="rows_per_seq", error=CoverageError)
         n = len(rows_per_seq)
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
@@ -161,28 +164,28 @@ class ReplayBatch:
                 f"rows_per_seq sums to {sum(rows_per_seq)} but routes have {routes.shape[0]} rows")
         if any(r < 0 for r in rows_per_seq):
             raise CoverageError(f"negative row count in rows_per_seq {rows_per_seq}")
-        layer_ids = tuple(int(x) for x in layer_ids)
+        layer_ids = tuple(as_index_list(layer_ids, what="layer_ids", error=LayerMappingError))
         _check_layer_ids(layer_ids, routes.shape[1])
         topk = int(routes.shape[2])
-        num_experts = int(num_experts)
+        num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         if num_experts <= 0:
             raise RouteShapeError(f"num_experts must be positive, got {num_experts}")
         if topk < 1 or topk > num_experts:
             raise RouteShapeError(f"topk {topk} must be in [1, num_experts={num_experts}]")
-        starts = [0] * n if start_rows is None else [int(s) for s in start_rows]
+        starts = [0] * n if start_rows is None else as_index_list(start_rows, what="start_rows", error=CoverageError)
         if len(starts) != n:
             raise CoverageError(f"start_rows has {len(starts)} entries for {n} sequences")
         if any(s < 0 for s in starts):
             bad = next(i for i, s in enumerate(starts) if s < 0)
             raise CoverageError(f"sequence {bad}: negative start row {starts[bad]}")
         if policy_versions is not None:
-            policy_versions = [int(p) for p in policy_versions]
+            policy_versions = as_index_list(policy_versions, what="policy_versions", error=CoverageError)
             if len(policy_versions) != n:
                 raise CoverageError(f"policy_versions has {len(policy_versions)} entries for {n} sequences")
         if valid is None:
             valid = torch.ones(routes.shape[0], dtype=torch.bool, device=routes.device)
         else:
-            valid = torch.as_tensor(valid, dtype=torch.bool, device=routes.device)
+            valid = as_mask(valid, what="valid", error=CoverageError).to(routes.device)
             if valid.shape != (routes.shape[0],):
                 raise CoverageError(f"valid has shape {tuple(valid.shape)}, routes have {routes.shape[0]} rows")
         offsets = torch.zeros(n + 1, dtype=torch.int64)
@@ -200,15 +203,20 @@ class ReplayBatch:
                     valid=None, source: str = "padded") -> "ReplayBatch":
         """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
         from r3bridge.ingest import from_padded
-        return from_padded(routes, attention_mask, num_experts=num_experts, layer_ids=layer_ids,
-                           valid=valid, source=source)
+        return from_padded(routes, as_mask(attention_mask, what="attention_mask", error=CoverageError),
+                           num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                           layer_ids=as_index_list(layer_ids, what="layer_ids", error=LayerMappingError),
+                           valid=None if valid is None else as_mask(valid, what="valid", error=CoverageError),
+                           source=source)
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
                   start_rows: Sequence[int] | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` arrays."""
         from r3bridge.ingest import from_vllm
-        return from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+        return from_vllm(items, num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                         moe_layer_ids=_opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError),
+                         start_rows=_opt_ids(start_rows, "start_rows", CoverageError))
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
@@ -216,8 +224,12 @@ class ReplayBatch:
                     start_rows: Sequence[int] | None = None) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``)."""
         from r3bridge.ingest import from_sglang
-        return from_sglang(meta_infos, num_experts=num_experts, num_layers=num_layers, topk=topk,
-                           moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+        return from_sglang([_sglang_numbers(mi, i) for i, mi in enumerate(meta_infos)],
+                           num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
+                           num_layers=as_index(num_layers, what="num_layers", error=RouteShapeError),
+                           topk=as_index(topk, what="topk", error=RouteShapeError),
+                           moe_layer_ids=_opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError),
+                           start_rows=_opt_ids(start_rows, "start_rows", CoverageError))
 
     @staticmethod
     def stitch(pieces: Sequence["ReplayBatch"]):
@@ -277,7 +289,7 @@ class ReplayBatch:
             raise CoverageError(f"batch has {self.num_seqs} sequences but {len(seq_lens)} seq_lens were given")
         if not self.num_seqs:
             return
-        lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+        lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
         end = torch.tensor(self.start_rows, dtype=torch.int64) + torch.tensor(self.rows_per_seq, dtype=torch.int64)
         bad = ((end != lens) & (end != lens - 1)).nonzero()
         if bad.numel():
@@ -290,7 +302,8 @@ class ReplayBatch:
     # ----------------------------------------------------------------------------- micro-batching
     def select(self, indices: Sequence[int]) -> "ReplayBatch":
         """Sequences ``indices`` in that order (e.g. one micro-batch after re-partitioning)."""
-        idx = torch.as_tensor(list(indices), dtype=torch.int64)
+        idx = torch.as_tensor(as_index_list(indices, what="select indices", error=CoverageError),
+                              dtype=torch.int64)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
             raise CoverageError(f"select: index out of range for {self.num_seqs} sequences: {list(indices)}")
         rows = torch.tensor(self.rows_per_seq, dtype=torch.int64)[idx] if idx.numel() else idx
@@ -331,7 +344,7 @@ class ReplayBatch:
 
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
-        want = [int(x) for x in layer_ids]
+        want = as_index_list(layer_ids, what="with_layers", error=LayerMappingError)
         _check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
         pos = {lid: j for j, lid in enumerate(self.layer_ids)}
         missing = [x for x in want if x not in pos]
@@ -343,6 +356,8 @@ class ReplayBatch:
                            self.policy_versions, self._offsets)
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
+        if torch.device(device).type == "meta":
+            raise RouteShapeError("ReplayBatch.to('meta'): a meta tensor holds no routes")
         return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
                            self.start_rows, self.layer_ids, self.num_experts, self.topk,
                            self.source, self.policy_versions, self._offsets)
@@ -375,6 +390,24 @@ class ReplayBatch:
 
 
 # --------------------------------------------------------------------------------- helpers
+def _opt_ids(xs, what: str, error) -> list[int] | None:
+    return None if xs is None else as_index_list(xs, what=what, error=error)
+
+
+def _sglang_numbers(mi, i: int):
+    """A meta_info with its token counts checked as integers (10.5 or inf would be truncated or
+    raise a foreign error in int()) and its routes readable; format checks stay in ingest."""
+    if not isinstance(mi, Mapping):
+        return mi
+    out = dict(mi)
+    for key in ("prompt_tokens", "completion_tokens"):
+        if key in out:
+            out[key] = as_index(out[key], what=f"sequence {i}: meta_info[{key!r}]", error=PayloadError)
+    if isinstance(out.get("routed_experts"), torch.Tensor):
+        check_readable(out["routed_experts"], what=f"sequence {i}: routed_experts", error=PayloadError)
+    return out
+
+
 def _check_layer_ids(layer_ids: tuple[int, ...], num_layer_axis: int) -> None:
     if len(layer_ids) != num_layer_axis:
         raise LayerMappingError(
@@ -414,11 +447,20 @@ def _ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 # Header (little endian):
 #   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present)
 #   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
-# then: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
+#   | header crc32 u32 (over the header bytes before it)
+# then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
 #       | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
+# and last: body crc32 u32 (over the body).
+# The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
+# num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
+# well-formed but different batch. CRC32 detects every error burst up to 32 bits, so every
+# single-byte flip. The header has its own checksum so the sizes it declares are trusted before
+# they are used to slice the body.
 _MAGIC = b"R3RB"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHBBIQIIIH")
+_VERSION = 2
+_HEADER_FIELDS = struct.Struct("<4sHBBIQIIIH")
+_HEADER = struct.Struct("<4sHBBIQIIIHI")
+_CRC = struct.Struct("<I")
 _DTYPE_CODES = {torch.uint8: 1, torch.int16: 2, torch.int32: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _NP = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
@@ -428,50 +470,59 @@ def _encoded_size(rb: ReplayBatch) -> int:
     n, rows = rb.num_seqs, rb.total_rows
     return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
             + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
-            + rb.routes.numel() * rb.routes.element_size())
+            + rb.routes.numel() * rb.routes.element_size() + _CRC.size)
 
 
 def _encode(rb: ReplayBatch) -> bytes:
     src = rb.source.encode()
     flags = 1 if rb.policy_versions is not None else 0
-    parts = [
-        _HEADER.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
-                     rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src)),
+    fields = _HEADER_FIELDS.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
+                                 rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
+    body = [
         src,
         np.asarray(rb.layer_ids, dtype="<i4").tobytes(),
         np.asarray(rb.rows_per_seq, dtype="<i8").tobytes(),
         np.asarray(rb.start_rows, dtype="<i8").tobytes(),
     ]
     if rb.policy_versions is not None:
-        parts.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
-    parts.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
-    parts.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
-                                                             copy=False).tobytes())
-    return b"".join(parts)
+        body.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
+    body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
+    body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
+                                                            copy=False).tobytes())
+    crc = 0
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    return b"".join([fields, _CRC.pack(zlib.crc32(fields)), *body, _CRC.pack(crc)])
 
 
 def _decode(data: bytes) -> ReplayBatch:
     if len(data) < _HEADER.size:
         raise PayloadError(f"ReplayBatch payload truncated: {len(data)} bytes, header needs {_HEADER.size}")
-    magic, version, code, flags, n, rows, nl, k, e, src_len = _HEADER.unpack_from(data, 0)
+    magic, version, code, flags, n, rows, nl, k, e, src_len, head_crc = _HEADER.unpack_from(data, 0)
     if magic != _MAGIC:
         raise PayloadError(f"not a ReplayBatch payload (magic {magic!r})")
     if version != _VERSION:
-        raise PayloadError(f"ReplayBatch payload version {version}; this r3bridge reads version {_VERSION}")
+        hint = " (written before payloads carried checksums: re-encode it)" if version == 1 else ""
+        raise PayloadError(f"ReplayBatch payload version {version}{hint}; this r3bridge reads version {_VERSION}")
+    if zlib.crc32(memoryview(data)[:_HEADER_FIELDS.size]) != head_crc:
+        raise PayloadError("ReplayBatch payload header checksum mismatch: the header is corrupted")
     if code not in _CODE_DTYPES:
         raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
     dtype = _CODE_DTYPES[code]
     sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
              rows * nl * k * torch.empty((), dtype=dtype).element_size()]
-    need = _HEADER.size + sum(sizes)
+    need = _HEADER.size + sum(sizes) + _CRC.size
     if len(data) != need:
         raise PayloadError(
             f"ReplayBatch payload is {len(data)} bytes but its header (seqs={n}, rows={rows}, "
-            f"layers={nl}, topk={k}) needs {need}: truncated or corrupted")
-    pos = _HEADER.size
+            f"layers={nl}, topk={k}) needs {need}: truncated or extended")
+    body = memoryview(data)[_HEADER.size:need - _CRC.size]
+    if zlib.crc32(body) != _CRC.unpack_from(data, need - _CRC.size)[0]:
+        raise PayloadError("ReplayBatch payload body checksum mismatch: routes or metadata are corrupted")
+    pos = 0
     chunks = []
     for s in sizes:
-        chunks.append(memoryview(data)[pos:pos + s])
+        chunks.append(body[pos:pos + s])
         pos += s
     try:
         source = bytes(chunks[0]).decode()

@@ -25,11 +25,12 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError
+from r3bridge._validate import as_index, as_index_list, check_readable
+from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError, RouteShapeError
 from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ReplayBatch, _ragged_arange, route_dtype
 
-__all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions"]
+__all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions", "token_owners", "assemble_gathered"]
 
 RankKey = tuple[int, int, int, int]  # (tp_rank, cp_rank, pp_rank, vp_stage)
 
@@ -46,15 +47,14 @@ class PackPlan:
     def build(cls, layout: ParallelLayout, seq_lens: Sequence[int], *, format: str = "thd",
               cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
               seq_length: int | None = None) -> "PackPlan":
-        lens = torch.as_tensor(list(seq_lens) if not isinstance(seq_lens, torch.Tensor) else seq_lens,
-                               dtype=torch.int64).cpu()
+        lens = _int_tensor(seq_lens, "seq_lens", CoverageError)
         if lens.dim() != 1:
             raise CoverageError(f"seq_lens must be a flat list, got shape {tuple(lens.shape)}")
         if lens.numel() and int(lens.min()) < 1:
             i = int((lens < 1).nonzero()[0])
             raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} must be >= 1")
         if format == "bshd":
-            s = int(seq_length) if seq_length is not None else (int(lens.max()) if lens.numel() else 0)
+            s = as_index(seq_length, what="seq_length", error=LayoutError) if seq_length is not None else (int(lens.max()) if lens.numel() else 0)
             if lens.numel() and int(lens.max()) > s:
                 i = int(lens.argmax())
                 raise CoverageError(f"sequence {i}: seq_len {int(lens[i])} exceeds BSHD seq_length {s}")
@@ -69,7 +69,7 @@ class PackPlan:
         if format != "thd":
             raise LayoutError(f"unknown packing format {format!r} (use 'thd' or 'bshd')")
         if cu_seqlens_padded is not None:
-            cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.int64).cpu()
+            cu = _int_tensor(cu_seqlens_padded, "cu_seqlens_padded", LayoutError)
             if cu.shape != (lens.numel() + 1,) or int(cu[0]) != 0:
                 raise LayoutError(f"cu_seqlens_padded must be [0, ...] with {lens.numel() + 1} entries, "
                                   f"got {cu.tolist()}")
@@ -104,12 +104,24 @@ class PackPlan:
         return int(self.seq_lens.numel())
 
 
+def _int_tensor(xs, what: str, error) -> torch.Tensor:
+    """int64 CPU tensor of exactly integral values; an integer tensor is taken as it is."""
+    if isinstance(xs, torch.Tensor) and not xs.is_floating_point() and xs.dtype != torch.bool:
+        check_readable(xs, what=what, error=error)
+        if xs.dim() != 1:
+            raise error(f"{what} must be a flat list, got shape {tuple(xs.shape)}")
+        return xs.to(torch.int64).cpu()
+    return torch.tensor(as_index_list(xs, what=what, error=error), dtype=torch.int64)
+
+
 def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, token position) of every router row of rank (tp_rank, cp_rank), in row order.
 
     Positions ``>= seq_len`` are padding.
     """
+    tp_rank = as_index(tp_rank, what="tp_rank", error=LayoutError)
+    cp_rank = as_index(cp_rank, what="cp_rank", error=LayoutError)
     if not 0 <= tp_rank < layout.tp:
         raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
     if not 0 <= cp_rank < layout.cp:
@@ -137,6 +149,142 @@ def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank
         seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded, output_size=pos.numel())
     lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
     return seq[lo:hi], pos[lo:hi]
+
+
+def token_owners(plan: PackPlan, layout: ParallelLayout, tp_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`rank_positions` over all ranks at once: for every real token of the plan,
+    in (sequence, position) order, the rank holding it (``cp_rank * tp_ranks + tp_rank``) and its
+    row there. ``tp_ranks`` is 1 when SP is off (every TP rank holds every row: TP rank 0 is used).
+
+    Raises unless every real token is held exactly once.
+    """
+    lens = plan.seq_lens
+    offs = torch.zeros(plan.num_seqs + 1, dtype=torch.int64)
+    if plan.num_seqs:
+        offs[1:] = torch.cumsum(lens, 0)
+    total = int(offs[-1])
+    rank = torch.full((total,), -1, dtype=torch.int64)
+    row = torch.empty(total, dtype=torch.int64)
+    for cr in range(layout.cp):
+        for tr in range(tp_ranks):
+            seq, pos = rank_positions(plan, layout, tr, cr)
+            keep = (pos < lens[seq]).nonzero().squeeze(1)
+            dst = offs[seq.index_select(0, keep)] + pos.index_select(0, keep)
+            if bool((rank.index_select(0, dst) >= 0).any()):
+                raise ReplayStateError(f"token_owners: rank (tp={tr}, cp={cr}) holds tokens another rank holds")
+            rank[dst] = cr * tp_ranks + tr
+            row[dst] = keep
+    if bool((rank < 0).any()):
+        raise CoverageError(f"token_owners: {int((rank < 0).sum())} of {total} tokens are on no rank")
+    return rank, row
+
+
+def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequence[PackPlan], sample_ids: Sequence[int],
+                      *, num_experts: int, topk: int, source: str = "recorded", method: str = "auto") -> ReplayBatch:
+    """Per-sample routes out of the R2 gather buffer, in one pass over all micro-batches.
+
+    ``flat`` holds every rank's recorded ids, ``[pp][cp][tp'][part]`` with tp' = tp under SP else
+    1, each rank's part padded to the same length and laid out ``[micro-batch][its rows][its
+    stage's MoE layers, chunk by chunk][K]`` (token-major: each rank transposes its own share
+    before the gather, so reading the buffer needs no transpose of the whole batch). ``plans[m]`` is micro-batch m's packing plan and
+    ``sample_ids`` numbers its sequences (all micro-batches in order); the result holds every
+    token of every sequence, sorted by sample id, every MoE layer of the layout.
+
+    One plan (:func:`token_owners` per micro-batch, never per stage) gives each output row its
+    source row; then either one row-block copy per (run of consecutive source rows, model chunk)
+    ("runs", what packed batches give: a handful of runs), or one gather through a
+    ``[rows, layers]`` index ("index", for many short runs). ``method="auto"`` picks by the number
+    of copies. Everything after the plan runs on ``flat``'s device.
+    """
+    k = int(topk)
+    dtype = route_dtype(num_experts)
+    tp_n = layout.tp if layout.sequence_parallel else 1
+    ranks = layout.cp * tp_n
+    chunks = [(p, v, layout.moe_layers(p, v)) for p in range(layout.pp) for v in range(layout.vp_size)]
+    stage_n = [sum(len(l) for q, _, l in chunks if q == p) for p in range(layout.pp)]
+    rows = [int(_rank_rows(pl, layout)) for pl in plans]
+    if flat.numel() % (layout.pp * ranks * k):
+        raise ReplayStateError(f"gathered buffer of {flat.numel()} ids does not split into {layout.pp} stages x "
+                               f"{ranks} ranks x top-{k}")
+    w = flat.numel() // (layout.pp * ranks * k)          # one rank's part, in rows of K ids
+    need = max((sum(rows) * n for n in stage_n), default=0)
+    if w < need:
+        raise ReplayStateError(f"gathered rank parts hold {w} rows of ids, the micro-batches need {need}")
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ReplayStateError(f"duplicate sample_ids across micro-batches: {list(sample_ids)}")
+    owner, mb_of, lens = [], [], []
+    for m, plan in enumerate(plans):
+        rank, row = token_owners(plan, layout, tp_n)
+        split = plan.seq_lens.tolist()
+        owner += list((rank * w + row).split(split))
+        mb_of += [m] * plan.num_seqs
+        lens += split
+    if len(sample_ids) != len(lens):
+        raise CoverageError(f"{len(sample_ids)} sample_ids for {len(lens)} sequences")
+    order = sorted(range(len(lens)), key=lambda i: sample_ids[i])
+    lens_out = [lens[i] for i in order]
+    n_out = sum(lens_out)
+    lids = layout.moe_layer_ids
+    col = {lid: j for j, lid in enumerate(lids)}
+    ids = flat.view(-1, k)
+    words = _as_words(ids) if ids.is_contiguous() else ids   # a (row, layer)'s K ids as one word
+    out = torch.empty((n_out, len(lids), words.shape[1]), dtype=words.dtype, device=flat.device)
+    src = torch.cat([owner[i] for i in order]) if order else torch.zeros(0, dtype=torch.int64)
+    src_mb = torch.tensor([mb_of[i] for i in order], dtype=torch.int64).repeat_interleave(
+        torch.tensor(lens_out, dtype=torch.int64), output_size=n_out)
+    before = [[sum(rows[:m]) * stage_n[p] for m in range(len(plans))] for p in range(layout.pp)]
+    # runs of output rows whose source rows are consecutive in one rank's part of one micro-batch
+    brk = torch.ones(n_out, dtype=torch.bool)
+    if n_out > 1:
+        brk[1:] = (src[1:] != src[:-1] + 1) | (src_mb[1:] != src_mb[:-1]) | (src[1:] // w != src[:-1] // w)
+    starts = brk.nonzero().squeeze(1)
+    copies = starts.numel() * sum(1 for c in chunks if c[2])
+    if method == "auto":
+        method = "runs" if copies <= 64 else "index"
+    if method == "runs":
+        ends = torch.cat([starts[1:], torch.tensor([n_out])]).tolist()
+        for o, e in zip(starts.tolist(), ends):
+            s0, m = int(src[o]), int(src_mb[o])
+            rank, j0 = divmod(s0, w)
+            q = 0
+            for p, v, cl in chunks:
+                if v == 0:
+                    q = 0
+                if not cl:
+                    continue
+                sn = stage_n[p]
+                base = (p * ranks + rank) * w + before[p][m]
+                block = words[base + j0 * sn: base + (j0 + e - o) * sn].view(e - o, sn, -1)
+                out[o:e, col[cl[0]]: col[cl[0]] + len(cl)].copy_(block[:, q: q + len(cl)])
+                q += len(cl)
+    elif method == "index":
+        part = torch.empty((len(plans), len(lids)), dtype=torch.int64)
+        stride = torch.empty(len(lids), dtype=torch.int64)      # words per source row of the layer's stage
+        for p, v, cl in chunks:
+            q0 = sum(len(c) for pp_, vv, c in chunks if pp_ == p and vv < v)
+            for qi, lid in enumerate(cl):
+                stride[col[lid]] = stage_n[p]
+                for m in range(len(plans)):
+                    part[m, col[lid]] = p * ranks * w + before[p][m] + q0 + qi
+        dev = flat.device
+        rank, row = (src // w).to(dev), (src % w).to(dev) if w else src.to(dev)
+        index = part.to(dev).index_select(0, src_mb.to(dev)) + (rank * w)[:, None] + row[:, None] * stride.to(dev)
+        torch.index_select(words, 0, index.view(-1), out=out.view(-1, words.shape[1]))
+    else:
+        raise LayoutError(f"assemble_gathered: unknown method {method!r} (use 'auto', 'runs' or 'index')")
+    routes = out.view(torch.uint8).view(dtype).view(n_out, len(lids), k)
+    # The ids are the routers' own top-k narrowed to a dtype that holds num_experts: distinct and
+    # in range by construction, so only the schema is rebuilt (as in unshard).
+    return ReplayBatch._trusted(routes, lens_out, [0] * len(lens_out), torch.ones(n_out, dtype=torch.bool),
+                                tuple(lids), num_experts, source)
+
+
+def _rank_rows(plan: PackPlan, layout: ParallelLayout) -> int:
+    """Router rows of every TP/CP rank for ``plan`` (the same on each)."""
+    if plan.format == "bshd":
+        s = int(plan.padded_lens[0]) if plan.num_seqs else 0
+        return s // layout.cp // layout.sp_split * plan.num_seqs
+    return int(plan.padded_lens.sum()) // layout.cp // layout.sp_split
 
 
 def _zigzag_positions(length: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
@@ -305,6 +453,14 @@ def shard(rb: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *, t
     ``device``). ``layer_ids`` overrides the stage's MoE layers (the driver passes the layers of
     the routers it actually found).
     """
+    check_readable(rb.routes, what="shard: batch routes", error=RouteShapeError)
+    seq_lens = _int_tensor(seq_lens, "seq_lens", CoverageError)
+    tp_rank, cp_rank, pp_rank, vp_stage = (as_index(v, what=name, error=LayoutError) for v, name in (
+        (tp_rank, "tp_rank"), (cp_rank, "cp_rank"), (pp_rank, "pp_rank"), (vp_stage, "vp_stage")))
+    if layer_ids is not None:
+        layer_ids = as_index_list(layer_ids, what="layer_ids", error=LayerMappingError)
+    if device is not None and torch.device(device).type == "meta":
+        raise LayoutError("shard: device='meta' would hold no values (targets must be readable)")
     rb.check_seq_lens(seq_lens)
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
@@ -402,11 +558,22 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
     the device of the targets' ids (the R2 recorder gathers them on the GPU); the result stays
     there.
     """
+    num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
     n = plan.num_seqs
-    starts = torch.zeros(n, dtype=torch.int64) if start_rows is None else torch.as_tensor(list(start_rows), dtype=torch.int64)
-    rows = plan.seq_lens - starts if rows_per_seq is None else torch.as_tensor(list(rows_per_seq), dtype=torch.int64)
+    starts = torch.zeros(n, dtype=torch.int64) if start_rows is None else _int_tensor(start_rows, "start_rows", CoverageError)
+    rows = plan.seq_lens - starts if rows_per_seq is None else _int_tensor(rows_per_seq, "rows_per_seq", CoverageError)
+    if starts.shape != (n,) or rows.shape != (n,):
+        raise CoverageError(f"unshard: start_rows / rows_per_seq need {n} entries (one per sequence), got "
+                            f"{starts.numel()} / {rows.numel()}")
+    for key, t in targets.items():
+        if len(key) != 4:
+            raise LayoutError(f"unshard: target key {key!r} must be (tp_rank, cp_rank, pp_rank, vp_stage)")
+        for name, v in zip(("tp_rank", "cp_rank", "pp_rank", "vp_stage"), key):
+            as_index(v, what=f"unshard: target key {key!r} {name}", error=LayoutError)
+        for lid, ids in t.indices.items():
+            check_readable(ids, what=f"unshard: rank {key} layer {lid} ids", error=ReplayStateError)
     if n and (bool((starts < 0).any()) or bool((starts + rows > plan.seq_lens).any()) or bool((rows < 0).any())):
         raise CoverageError("unshard: start_rows/rows_per_seq do not fit seq_lens")
     layer_ids = sorted({lid for t in targets.values() for lid in t.layer_ids})

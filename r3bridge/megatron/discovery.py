@@ -28,14 +28,33 @@ class ChunkRouters:
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP / Float16Module / FSDP wrappers keep the model in ``.module``."""
+    """The model whose ``.decoder`` holds the routers replay may touch.
+
+    DDP / Float16Module / FSDP wrappers keep the model in ``.module``. Multimodal models
+    (megatron-core's ``LLaVAModel``, Qwen3-VL-style chunks) keep the text decoder in
+    ``.language_model.decoder``: that one is used, never the vision tower's ``.decoder``. A chunk
+    holding both its own ``.decoder`` and a different ``.language_model.decoder`` is refused:
+    which of the two runs is not knowable here.
+    """
     seen = 0
-    while not hasattr(module, "decoder") and hasattr(module, "module") and seen < 8:
+    while not _has_decoder(module) and hasattr(module, "module") and seen < 8:
         module = module.module
         seen += 1
+    lm = getattr(module, "language_model", None)
+    if lm is not None and hasattr(lm, "decoder"):
+        own = getattr(module, "decoder", None)
+        if own is not None and own is not lm.decoder:
+            raise LayerMappingError(f"model chunk {type(module).__name__} has both .decoder and a different "
+                                    f".language_model.decoder: which one runs is ambiguous")
+        return lm
     if not hasattr(module, "decoder"):
         raise LayerMappingError(f"model chunk {type(module).__name__} has no .decoder: not a megatron GPT-style model")
     return module
+
+
+def _has_decoder(module: torch.nn.Module) -> bool:
+    lm = getattr(module, "language_model", None)
+    return hasattr(module, "decoder") or (lm is not None and hasattr(lm, "decoder"))
 
 
 def _router_of(layer: torch.nn.Module):

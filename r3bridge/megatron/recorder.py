@@ -9,10 +9,12 @@ micro-batches' ``seq_lens``, so no size exchange is needed:
 3. PP all-gather, each stage's payload padded to the largest (stages hold different numbers of
    MoE layers; a stage with none sends only padding).
 
-Each rank then rebuilds per-rank targets and calls :func:`r3bridge.unshard`, the exact inverse of
-the rank distribution, on the device the ids were gathered on. The result is a host ReplayBatch
-with source "recorded", one row per token, sequences sorted by ``sample_ids`` so the update
-micro-batches can be re-partitioned freely.
+Each rank then reads the whole batch out of the gathered buffer in one pass
+(:func:`r3bridge.sharding.assemble_gathered`): one plan over all micro-batches (which rank and row
+holds each token, once per micro-batch, never per stage), then a few transposing copies or one
+gather on the device the ids were gathered on, straight into per-sample order. The result is a host ReplayBatch with source
+"recorded", one row per token, sequences sorted by ``sample_ids`` so the update micro-batches can
+be re-partitioned freely.
 """
 from __future__ import annotations
 
@@ -22,23 +24,24 @@ import torch
 
 from r3bridge.errors import ReplayStateError
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, unshard
+from r3bridge.sharding import PackPlan, _as_words, assemble_gathered
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.megatron.replayer import Replayer
     from r3bridge.megatron.step import MicroBatch
 
 
-def _all_gather(buf: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+def _all_gather(buf: torch.Tensor, group, size: int) -> torch.Tensor:
+    """``size`` copies of ``buf`` (one per rank), concatenated in rank order, in one tensor."""
     import torch.distributed as dist
 
     if size == 1:
-        return [buf]
+        return buf
     # Neither NCCL nor gloo all-gathers int16 ("Short" is refused): the ids travel as their bytes
     raw = buf.view(torch.uint8)
-    out = [torch.empty_like(raw) for _ in range(size)]
-    dist.all_gather(out, raw, group=group)
-    return [o.view(buf.dtype) for o in out]
+    out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=raw.device)
+    dist.all_gather(list(out.chunk(size)), raw, group=group)     # written in place: no concat
+    return out.view(buf.dtype)
 
 
 def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch:
@@ -57,64 +60,50 @@ def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch
         if len(mbs) != len(rep.chunks):
             raise ReplayStateError(f"micro-batch {m} was recorded by {len(mbs)} of {len(rep.chunks)} chunks")
         metas.append(mbs)
-    rows = [mbs[0].rows for mbs in metas]
-
-    def stage_layers(pp_rank: int) -> list[list[int]]:
-        return [layout.moe_layers(pp_rank, v) for v in range(layout.vp_size)]
-
-    def payload_len(pp_rank: int) -> int:
-        nl = sum(len(x) for x in stage_layers(pp_rank))
-        return sum(rows) * nl * k
-
-    # local payload: for each micro-batch, each chunk, each layer: [rows, K]
-    parts = [mb.recorded[lid].reshape(-1) for mbs in metas for mb in mbs for lid in rep.chunks[mb.chunk].layer_ids]
-    local = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=rep.device)
-    if local.numel() != payload_len(rep.pp_rank):
-        raise ReplayStateError(f"recorded payload has {local.numel()} ids, expected {payload_len(rep.pp_rank)}")
-    max_len = max(payload_len(p) for p in range(layout.pp))
-    padded = torch.zeros(max_len, dtype=dtype, device=rep.device)
-    padded[: local.numel()] = local
-    tp_n = layout.tp if layout.sequence_parallel else 1
-    tp_parts = _all_gather(padded, rep.groups.get("tp"), tp_n)
-    cp_parts = _all_gather(torch.cat(tp_parts), rep.groups.get("cp"), layout.cp)
-    pp_parts = _all_gather(torch.cat(cp_parts), rep.groups.get("pp"), layout.pp)
-
-    batches = []
-    sample_ids: list[int] = []
-    for mi, mbs in enumerate(metas):
-        meta = mbs[0]
-        targets: dict[tuple[int, int, int, int], ShardedTargets] = {}
-        plan = PackPlan.build(layout, meta.seq_lens, **meta.pack)
-        for p in range(layout.pp):
-            cp_chunks = pp_parts[p].split(max_len * tp_n)
-            for cr in range(layout.cp):
-                tp_chunks = cp_chunks[cr].split(max_len)
-                for tr in range(tp_n):
-                    n_rows = int(rank_positions(plan, layout, tr, cr)[0].numel())
-                    buf = tp_chunks[tr]
-                    off = 0
-                    for mj in range(mi):      # skip earlier micro-batches of this rank's payload
-                        off += rows[mj] * sum(len(x) for x in stage_layers(p)) * k
-                    for v, lids in enumerate(stage_layers(p)):
-                        ind = {}
-                        for lid in lids:
-                            ind[lid] = buf[off: off + n_rows * k].view(n_rows, k)   # stays compact
-                            off += n_rows * k
-                        targets[(tr, cr, p, v)] = ShardedTargets(ind, torch.ones(n_rows, dtype=torch.bool), tuple(lids), k)
-        batches.append(unshard(targets, layout, meta.seq_lens, num_experts=rep.num_experts, **meta.pack))
-        sample_ids.extend(meta.sample_ids)
-    if not batches:
+    if not metas:
         raise ReplayStateError("R2 record step recorded no micro-batch")
-    if len(set(sample_ids)) != len(sample_ids):
-        raise ReplayStateError(f"duplicate sample_ids across micro-batches: {sample_ids}")
-    out = batches[0] if len(batches) == 1 else ReplayBatch.concat(batches)
-    order = sorted(range(len(sample_ids)), key=lambda i: sample_ids[i])
-    if order != list(range(len(order))):
-        out = out.select(order)
-    # unshard ran where the ids were gathered (the GPU under NCCL); the per-sample batch goes
-    # back to the trainer's samples on the host, in one copy of the compact routes
-    return ReplayBatch(_to_host(out.routes), out.valid.cpu(), out.rows_per_seq, out.start_rows, out.layer_ids,
-                       out.num_experts, out.topk, "recorded", out.policy_versions)
+    rows = [mbs[0].rows for mbs in metas]            # every TP/CP rank routes as many rows
+    stage = [[lid for v in range(layout.vp_size) for lid in layout.moe_layers(p, v)] for p in range(layout.pp)]
+    payload_len = [sum(rows) * len(lids) * k for lids in stage]
+
+    # local payload, token-major: for each micro-batch [rows, this stage's layers (chunk by chunk), K],
+    # stacked straight into the send buffer (each rank transposes only its own share)
+    n_local = payload_len[rep.pp_rank]
+    max_len = max(payload_len)
+    padded = torch.empty(max_len, dtype=dtype, device=rep.device)
+    padded[n_local:].zero_()                         # a stage with fewer layers pads its part
+    off = 0
+    for m, mbs in enumerate(metas):
+        layers = [mb.recorded.get(lid) for mb in mbs for lid in rep.chunks[mb.chunk].layer_ids]
+        if any(x is None or x.shape != (rows[m], k) for x in layers):
+            raise ReplayStateError(f"micro-batch {m}: a router's recorded ids are missing or not [{rows[m]}, {k}]")
+        n = rows[m] * len(layers) * k
+        if off + n > n_local:
+            raise ReplayStateError(f"recorded payload exceeds the {n_local} ids the layout gives this stage")
+        if layers:
+            dst = padded[off:off + n].view(rows[m], len(layers), k)
+            # as machine words (a row's K ids in one int64 for top-8 uint8): 8x fewer elements
+            src_w, dst_w = [_as_words(x.contiguous()) for x in layers], _as_words(dst)
+            if all(x.shape[-1] == dst_w.shape[-1] for x in src_w):
+                torch.stack(src_w, 1, out=dst_w)
+            else:
+                torch.stack(layers, 1, out=dst)
+        off += n
+    if off != n_local:
+        raise ReplayStateError(f"recorded payload has {off} ids, expected {n_local}")
+    tp_n = layout.tp if layout.sequence_parallel else 1
+    flat = _all_gather(padded, rep.groups.get("tp"), tp_n)
+    flat = _all_gather(flat, rep.groups.get("cp"), layout.cp)
+    flat = _all_gather(flat, rep.groups.get("pp"), layout.pp)
+    # flat = [pp][cp][tp][max_len ids]; a rank's part = [micro-batch][rows][its stage's layers][K]
+
+    plans = [PackPlan.build(layout, mbs[0].seq_lens, **mbs[0].pack) for mbs in metas]
+    batch = assemble_gathered(flat, layout, plans, [s for mbs in metas for s in mbs[0].sample_ids],
+                              num_experts=rep.num_experts, topk=k)
+    # the per-sample batch goes back to the trainer's samples on the host, in one copy of the
+    # compact routes
+    return ReplayBatch(_to_host(batch.routes), batch.valid, batch.rows_per_seq, batch.start_rows, batch.layer_ids,
+                       batch.num_experts, batch.topk, "recorded", None)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

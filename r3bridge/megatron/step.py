@@ -8,11 +8,20 @@ consumes (SkyRL #1908). Here:
 
 * the chunk's forward is bracketed by module hooks, so a router call *inside* it belongs to the
   micro-batch installed last for that chunk;
-* a call in the forward with grad disabled in a training step is a checkpointed first pass: its
-  key is queued for that layer's recompute; a router call *outside* any forward is a recompute and
-  takes the oldest queued key of its layer (backward runs in forward order per chunk);
-* every use is checked, and the step refuses to end with anything left; all state is dropped in
-  ``close`` whatever happened.
+* every router call in the forward of a training step may come back once as a recompute: a
+  reentrant checkpoint's first pass (grad disabled; megatron's ``recompute_granularity`` /
+  ``recompute_modules``) keeps its targets for it, a grad-enabled call (no checkpoint, or a
+  non-reentrant one, which cannot be told apart there) only queues the key, and its recompute, if
+  one comes, re-derives that layer's target from the micro-batch's routes;
+* a router call *outside* any forward is a recompute and takes the oldest queued key of its layer
+  (backward runs in forward order per chunk). That assumption is checked, not trusted: each queued
+  key carries a fingerprint of the router's scores (a few rows' sums) and the recompute's must
+  match, else the step ends with a ReplayStateError naming layer, chunk and micro-batch. The
+  comparison stays on the device (one host sync at the end of the step, not one per call);
+* a queued key never recomputed (a layer without checkpointing, or a frozen one whose backward
+  never runs) is dropped at the end of the step: nothing was replayed from it;
+* every other use is checked, and the step refuses to end with an installed micro-batch that never
+  ran forward; all state is dropped in ``close`` whatever happened.
 """
 from __future__ import annotations
 
@@ -51,6 +60,28 @@ class MicroBatch:
     recompute_left: set[int] = field(default_factory=set)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
     forwarded: bool = False
+    routes: Optional[ReplayBatch] = None        # REPLAY: re-derives a target for a late recompute
+
+
+@dataclass
+class PendingRecompute:
+    """A forward router call of a training step that a recompute may pair with."""
+
+    mb: MicroBatch
+    fingerprint: torch.Tensor                   # float32 [m] on the step's device
+    kept_target: bool                           # reentrant first pass: mb.targets keeps the layer
+
+
+# Rows of the router scores summed into the fingerprint: enough spread to tell micro-batches
+# apart, few enough to be free next to the router's own matmul.
+FINGERPRINT_ROWS = 16
+
+
+def fingerprint(scores: torch.Tensor) -> torch.Tensor:
+    """Row sums of up to FINGERPRINT_ROWS evenly spaced rows of ``scores`` (float32, on device)."""
+    n = scores.shape[0]
+    step = max(1, n // FINGERPRINT_ROWS)
+    return scores.detach()[::step][:FINGERPRINT_ROWS].float().sum(-1)
 
 
 class ReplayStep:
@@ -70,7 +101,10 @@ class ReplayStep:
         self._last: list[Optional[MicroBatch]] = [None] * n
         self._current: list[Optional[MicroBatch]] = [None] * n
         self._live: dict[tuple[int, int], MicroBatch] = {}
-        self._recompute: dict[int, deque[MicroBatch]] = {lid: deque() for lid in replayer.layer_chunk}
+        self._recompute: dict[int, deque[PendingRecompute]] = {lid: deque() for lid in replayer.layer_chunk}
+        # per recompute: (layer, chunk, micro-batch) and a device bool "fingerprint differs"
+        self._pairings: list[tuple[int, int, int]] = []
+        self._pair_mismatch: list[torch.Tensor] = []
         self._done_records: list[MicroBatch] = []
         self._handles: list[Any] = []
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
@@ -115,6 +149,8 @@ class ReplayStep:
         self._done_records = []
         for q in self._recompute.values():
             q.clear()
+        self._pairings.clear()
+        self._pair_mismatch.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
         if self.replayer.active_step is self:
@@ -172,6 +208,7 @@ class ReplayStep:
                                         f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = bool(routes.valid.any())
+            mb.routes = routes
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
         mb.fwd_left = set(layers)
@@ -234,36 +271,56 @@ class ReplayStep:
             if layer not in mb.fwd_left:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: layer {layer} routed twice in one forward")
             mb.fwd_left.discard(layer)
-            if not self.forward_only and not torch.is_grad_enabled():
-                # checkpointed first pass: the same rows come back once in the recompute
-                mb.recompute_left.add(layer)
-                self._recompute[layer].append(mb)
+            if not self.forward_only:
+                kept = not torch.is_grad_enabled()
+                if kept:        # reentrant checkpoint's first pass: its recompute is certain (unless frozen)
+                    mb.recompute_left.add(layer)
+                self._recompute[layer].append(PendingRecompute(mb, fingerprint(scores), kept))
+            pending = None
         else:
             q = self._recompute[layer]
             if not q:
                 raise ReplayStateError(f"layer {layer}: router called outside any forward with no recompute pending "
                                        f"(a forward not bracketed by the schedule?)")
-            mb = q.popleft()
+            pending = q.popleft()
+            mb = pending.mb
             mb.recompute_left.discard(layer)
         if scores.shape[0] != mb.rows:
             raise ReplayStateError(f"layer {layer}, chunk {c}, micro-batch {mb.index} (tp={self.replayer.tp_rank}, "
                                    f"cp={self.replayer.cp_rank}, pp={self.replayer.pp_rank}): the router sees "
                                    f"{scores.shape[0]} rows, the packing plan gives {mb.rows}")
+        if pending is not None:
+            fp = fingerprint(scores)
+            self._pairings.append((layer, mb.chunk, mb.index))
+            self._pair_mismatch.append(~torch.isclose(fp, pending.fingerprint, rtol=1e-3, atol=1e-3,
+                                                      equal_nan=True).all())
         if self.action is Action.RECORD:
             probs, idx = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)
             if in_forward:
                 mb.recorded[layer] = idx.detach().to(route_dtype(self.replayer.num_experts))
             out = probs, idx
         else:
-            out = self._replay(mb, layer, scores, topk, num_groups, group_topk, native_fn, count=in_forward)
+            t = mb.targets
+            if pending is not None and not pending.kept_target:
+                t = self._late_target(mb, layer)
+            out = self._replay(mb, t, layer, scores, topk, num_groups, group_topk, native_fn, count=in_forward)
         if mb.targets is not None and layer not in mb.fwd_left and layer not in mb.recompute_left:
             mb.targets.indices.pop(layer, None)   # used up: a second use is an error (the block is freed with the last)
         if not in_forward:
             self._retire(mb)
         return out
 
-    def _replay(self, mb: MicroBatch, layer: int, scores, topk, num_groups, group_topk, native_fn, *, count: bool):
-        t = mb.targets
+    def _late_target(self, mb: MicroBatch, layer: int) -> ShardedTargets:
+        """The target of ``layer`` for a recompute whose first pass ran with grad enabled (a
+        non-reentrant checkpoint): that first pass freed it, so shard it again, this layer only."""
+        rep = self.replayer
+        if mb.routes is None:
+            raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: recompute without routes")
+        return shard(mb.routes, rep.layout, mb.seq_lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
+                     pp_rank=rep.pp_rank, vp_stage=mb.chunk, layer_ids=[layer], device=self.device, **mb.pack)
+
+    def _replay(self, mb: MicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,
+                group_topk, native_fn, *, count: bool):
         assert t is not None
         target = t.indices.get(layer)
         if target is None:
@@ -292,9 +349,15 @@ class ReplayStep:
         left = [(mb.chunk, mb.index) for mb in self._live.values() if not mb.forwarded]
         if left:
             raise ReplayStateError(f"installed micro-batches never ran forward: (chunk, micro-batch) {left}")
-        pend = {lid: [(mb.chunk, mb.index) for mb in q] for lid, q in self._recompute.items() if q}
-        if pend:
-            raise ReplayStateError(f"recompute never consumed the targets of {pend} (layer: (chunk, micro-batch))")
+        if self._pair_mismatch:
+            bad = torch.stack(self._pair_mismatch).nonzero()      # the one host sync of the check
+            if bad.numel():
+                layer, chunk, index = self._pairings[int(bad[0, 0])]
+                raise ReplayStateError(
+                    f"layer {layer}, chunk {chunk}, micro-batch {index}: the recompute's router scores differ "
+                    f"from that micro-batch's checkpointed first pass ({int(bad.numel())} of "
+                    f"{len(self._pairings)} recomputes differ): backward did not run in forward order, so "
+                    f"recomputes replayed another micro-batch's routes")
 
     def _finish_metrics(self) -> dict[str, float]:
         if self.action is not Action.REPLAY:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -70,8 +71,20 @@ def test_truncated_payload_raises(cut):
 
 
 def test_trailing_garbage_raises():
-    with pytest.raises(PayloadError, match="truncated or corrupted"):
+    with pytest.raises(PayloadError, match="truncated or extended"):
         ReplayBatch.from_bytes(_sample().to_bytes() + b"\0")
+
+
+_FIELDS = struct.Struct("<4sHBBIQIIIH")     # header fields before the header checksum
+
+
+def _reseal(data: bytearray) -> bytes:
+    """Recompute both checksums, as a writer with a bug (not a damaged wire) would: what is
+    left to refuse is re-validation's job."""
+    struct.pack_into("<I", data, _FIELDS.size, zlib.crc32(bytes(data[:_FIELDS.size])))
+    body = bytes(data[_FIELDS.size + 4:-4])
+    struct.pack_into("<I", data, len(data) - 4, zlib.crc32(body))
+    return bytes(data)
 
 
 def test_bad_magic_version_dtype_and_source():
@@ -87,22 +100,73 @@ def test_bad_magic_version_dtype_and_source():
     bad = bytearray(data)
     bad[6] = 77
     with pytest.raises(PayloadError, match="dtype code 77"):
-        ReplayBatch.from_bytes(bytes(bad))
+        ReplayBatch.from_bytes(_reseal(bad))
     bad = bytearray(data)
-    hdr = struct.calcsize("<4sHBBIQIIIH")
-    bad[hdr] = 0xFF                                       # first byte of the source string
+    bad[_FIELDS.size + 4] = 0xFF                          # first byte of the source string
     with pytest.raises(PayloadError, match="UTF-8"):
-        ReplayBatch.from_bytes(bytes(bad))
+        ReplayBatch.from_bytes(_reseal(bad))
 
 
 def test_payload_is_revalidated():
-    """A payload whose route bytes were corrupted into an invalid route is refused like any input."""
+    """A well-sealed payload whose routes are invalid is refused like any input."""
     rb = _sample()
     data = bytearray(rb.to_bytes())
-    data[-1] = data[-2]                                   # last row, last layer: duplicate ids
+    data[-5] = data[-6]                                   # last row, last layer: duplicate ids
     with pytest.raises(ReplayError, match="sequence 1, row 2"):
-        ReplayBatch.from_bytes(bytes(data))
+        ReplayBatch.from_bytes(_reseal(data))
     data = bytearray(rb.to_bytes())
-    data[-1] = 200                                        # >= num_experts
+    data[-5] = 200                                        # >= num_experts
     with pytest.raises(ReplayError, match="out of range"):
-        ReplayBatch.from_bytes(bytes(data))
+        ReplayBatch.from_bytes(_reseal(data))
+
+
+def _realistic() -> bytes:
+    """Three vLLM-like sequences (prompt offsets, a few rows without a route, policy versions),
+    64 experts top-4 on 3 MoE layers of a dense-first model: every header field and every body
+    section is present and non-trivial."""
+    rng = np.random.default_rng(7)
+    rows = [9, 14, 5]
+    valid = [rng.random(r) > 0.2 for r in rows]
+    rb = ReplayBatch.from_ragged([random_routes(rng, r, 3, 4, 64) for r in rows], num_experts=64,
+                                 layer_ids=[1, 2, 5], start_rows=[0, 3, 11], valid=valid,
+                                 source="vllm", policy_versions=[4, 4, 3])
+    return rb.to_bytes()
+
+
+def test_every_single_byte_flip_is_refused():
+    """Before checksums, 267 of 962 such flips of a 3-sequence payload decoded into a different
+    batch (other num_experts, layer ids, start rows, expert ids, or all rows invalid)."""
+    data = _realistic()
+    ReplayBatch.from_bytes(data)
+    accepted, checks = [], {}
+    for i in range(len(data)):
+        for mask in (0x01, 0xFF):
+            bad = bytearray(data)
+            bad[i] ^= mask
+            try:
+                ReplayBatch.from_bytes(bytes(bad))
+            except PayloadError as e:
+                checks[str(e).split(":")[0][:60]] = checks.get(str(e).split(":")[0][:60], 0) + 1
+            else:
+                accepted.append((i, mask))
+    assert not accepted, f"{len(accepted)} damaged payloads decoded, first at (byte, xor) {accepted[:5]}"
+    # each region is caught by its own check, and the message says which
+    text = " | ".join(checks)
+    for check in ("magic", "version", "header checksum", "body checksum"):
+        assert check in text, (check, checks)
+
+
+def test_every_truncation_is_refused():
+    data = _realistic()
+    for cut in range(len(data)):
+        with pytest.raises(PayloadError, match="truncated"):
+            ReplayBatch.from_bytes(data[:cut])
+
+
+def test_version_1_payload_is_refused_with_a_hint():
+    """A payload of the format before checksums (version 1) is refused, not misread."""
+    rb = _sample()
+    v1 = bytearray(rb.to_bytes())
+    struct.pack_into("<H", v1, 4, 1)
+    with pytest.raises(PayloadError, match="version 1 .*re-encode.*reads version 2"):
+        ReplayBatch.from_bytes(bytes(v1))
