@@ -52,7 +52,7 @@ def tiny_qwen3_moe_config(*, num_layers: int = 4, hidden_size: int = 64, num_exp
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
         num_experts=num_experts, num_experts_per_tok=topk, norm_topk_prob=True,
         mlp_only_layers=list(dense_layers), decoder_sparse_step=1, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, attention_bias=False,
         output_router_logits=False, pad_token_id=PAD_ID, bos_token_id=None, eos_token_id=None,
         attn_implementation="sdpa")
 
