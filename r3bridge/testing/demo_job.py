@@ -1,72 +1,97 @@
-"""What every rank of ``r3bridge demo`` runs: a tiny RL-shaped loop on a real megatron-core MoE
-model, once per replay mode, so the effect of replay on routing and log-probs is visible.
+"""What every rank of ``r3bridge demo`` runs: a tiny RL loop with a real, independent rollout
+engine (HF transformers Qwen3-MoE, :mod:`r3bridge.testing.hf_engine`) and the same model
+converted to megatron-core as the trainer, once per replay mode.
 
-Per step and mode (each mode keeps its own weights lineage, same sampled tokens):
+Per step and mode (each mode keeps its own weights lineage):
 
-1. the "rollout engine" is a second copy of the model holding the trainer's current weights
-   rounded to **bf16**; it computes the sampled tokens' log-probs and its routes (recorded through
-   r3bridge, last row of each sequence dropped as vLLM / SGLang do);
+1. **rollout**: the engine holds the trainer's weights of ``lag`` steps ago (asynchronous RL:
+   rollout weights lag the trainer), rounded to bf16 (on GPU it also computes in bf16); it samples
+   responses to the step's prompts with ``generate()`` (left-padded batch, different prompt and
+   response lengths) and reports routes as vLLM does (even steps) or as SGLang's ``meta_info``
+   (odd steps), plus the sampled tokens' log-probs;
 2. ``compute_log_prob`` (forward-only, weights theta_old): native (off), record (R2) or replay the
-   rollout routes (R3);
-3. the update: the batch is split into mini-batches, each a forward+backward with replay per
-   :func:`r3bridge.config.phase_plan` and one SGD step, so later mini-batches are stale
-   against the rollout.
+   rollout routes (R3), per :func:`r3bridge.config.phase_plan`;
+3. **updates**: the batch is split into mini-batches, each a forward+backward with replay per the
+   plan and one SGD step on the response tokens' cross-entropy, so later mini-batches are stale
+   against the rollout as well.
 
 Measured in the update forwards: route agreement (trainer's dispatched top-k vs the reference
-routes: rollout for off / R3, recorded for R2), train-vs-rollout log-prob mismatch, and replay
-coverage. Sampling is not autoregressive: sequences are random tokens (the demo is about
-routing replay, not generation).
+routes: rollout for off / R3, recorded for R2), train-vs-rollout log-prob mismatch over the
+sampled tokens, replay coverage; per step and per layer.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from r3bridge.config import Phase, ReplayMode, phase_plan
+from r3bridge.config import Phase, phase_plan
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
-from r3bridge.testing.data import align_for, make_packed_batch
+from r3bridge.testing.data import align_for
 from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import ModelSpec, build_model_chunks
+from r3bridge.testing.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
+from r3bridge.testing.hf_to_mcore import (
+    gather_full_state,
+    hf_to_mcore,
+    mcore_to_hf,
+    packed_from_tokens,
+    spec_from_hf,
+    zero_attention,
+)
+from r3bridge.testing.models import build_model_chunks, load_reference_state
 from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.replay_grid import batch_to
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     modes: tuple[str, ...] = ("off", "R2", "R3")
-    steps: int = 2
+    steps: int = 4
     seqs_per_step: int = 8
-    min_len: int = 160
-    max_len: int = 352
+    prompt_len: tuple[int, int] = (16, 64)
+    response_len: tuple[int, int] = (32, 96)
     mini_batches: int = 4
-    lr: float = 0.02
+    lag: int = 1                 # the rollout engine holds the trainer's weights of `lag` steps ago
+    lr: float = 0.003
     seed: int = 0
     verbose: bool = True
-    device: str = "cpu"          # "cuda": ranks run on GPUs (NCCL), fp32 trainer as on CPU
+    device: str = "cpu"          # "cuda": ranks run on GPUs (NCCL); trainer fp32 as on CPU
+    engine_dtype: str = "auto"   # "bf16": weights and compute; "bf16-weights": bf16-rounded weights,
+                                 # fp32 compute; "fp32"; auto: bf16 on cuda, bf16-weights on cpu
+
+
+# The demo model (a tiny Qwen3-MoE, layer 0 dense): its sizes are also what layout_problem checks,
+# without importing transformers, so a bad flag is refused at once.
+LAYERS, HEADS, QUERY_GROUPS, EXPERTS = 4, 4, 2, 8
+
+
+def hf_config():
+    return tiny_qwen3_moe_config(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=QUERY_GROUPS, num_experts=EXPERTS)
 
 
 def layout_problem(tp: int, pp: int, vpp: int | None, ep: int, cp: int, steps: int,
                    opts: "DemoOptions | None" = None) -> str | None:
     """Why the demo model cannot run under this layout (None if it can): checked before any
     process starts, so a bad flag is one clear line, not a traceback from every rank."""
-    spec, o = demo_spec(cp), opts or DemoOptions()
+    o = opts or DemoOptions()
     if steps < 1:
         return f"--steps must be >= 1, got {steps}"
     if min(tp, pp, ep, cp) < 1:
         return "--tp/--pp/--ep/--cp must be >= 1"
     if vpp is not None and (vpp < 2 or pp < 2):
         return "--vpp N needs N >= 2 and --pp >= 2 (Megatron refuses virtual stages without pipelining)"
-    if spec.num_layers % (pp * (vpp or 1)):
-        return f"the demo model has {spec.num_layers} layers: pp x vpp = {pp * (vpp or 1)} must divide it"
-    if spec.num_attention_heads % tp or spec.num_moe_experts % ep:
-        return (f"the demo model has {spec.num_attention_heads} attention heads and {spec.num_moe_experts} "
-                f"experts: --tp must divide the first, --ep the second")
+    if LAYERS % (pp * (vpp or 1)):
+        return f"the demo model has {LAYERS} layers: pp x vpp = {pp * (vpp or 1)} must divide it"
+    if QUERY_GROUPS % tp or EXPERTS % ep:
+        return (f"the demo model has {HEADS} attention heads in {QUERY_GROUPS} query groups and {EXPERTS} "
+                f"experts: --tp must divide the groups, --ep the experts")
     n, per_update = o.seqs_per_step, _micro_batches_per_update(pp, vpp)
     if n % (_mini_batches(o, pp, vpp) * per_update):
         return f"{n} sequences per step cannot be split into updates of {per_update} micro-batches (--pp {pp})"
@@ -82,42 +107,8 @@ def _mini_batches(opts: "DemoOptions", pp: int, vpp: int | None) -> int:
     return max(1, min(opts.mini_batches, opts.seqs_per_step // _micro_batches_per_update(pp, vpp)))
 
 
-def demo_spec(cp: int) -> ModelSpec:
-    # 4 layers, layer 0 dense; 8 experts top-2; router init as small as the rest so that, as in
-    # real models, many tokens sit near a routing tie and bf16 numerics / staleness flip them.
-    return ModelSpec(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                     vocab_size=256, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=[0, 1, 1, 1],
-                     attention="identity" if cp > 1 else "real", router_init_std=0.02, seed=1234)
-
-
-# With megatron's small init a tiny model predicts a near-uniform next token (logits ~0.1) and its
-# experts write almost nothing into the residual stream, so which expert a token visits would not
-# move its log-prob. Trained MoE models are the opposite: peaked predictions, experts that matter.
-# Scaling the experts and the output layer gives the tiny model that shape.
-SCALES = {".experts.": 8.0, "output_layer.": 4.0}
-
-
-@torch.no_grad()
-def _amplify(chunks: list[torch.nn.Module]) -> None:
-    for c in chunks:
-        for name, p in c.named_parameters():
-            for key, scale in SCALES.items():
-                if key in name:
-                    p.mul_(scale)
-
-
 def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
-
-
-def _load_engine_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
-    """The engine holds the trainer's weights rounded to bf16, as an inference engine loads them
-    (its activations stay fp32 here: full bf16 compute on a 64-wide CPU model drowns the
-    routing effect in logit noise, which is not what real engines look like)."""
-    with torch.no_grad():
-        for a, b in zip(src, dst):
-            for pa, pb in zip(a.parameters(), b.parameters()):
-                pb.copy_(pa.to(torch.bfloat16).to(pb.dtype))
 
 
 def _state(chunks) -> list[dict[str, torch.Tensor]]:
@@ -133,59 +124,92 @@ def _install(step, inner, routes_of, ids_of):
     return forward_step
 
 
-def _as_rollout(recorded: ReplayBatch) -> ReplayBatch:
-    """Engine convention: no row for the last token of each sequence."""
-    seqs = [recorded.sequence(i)[0][:-1] for i in range(recorded.num_seqs)]
-    return ReplayBatch.from_ragged(seqs, num_experts=recorded.num_experts, layer_ids=recorded.layer_ids,
-                                   source="rollout")
+def _engine_dtype(opts: DemoOptions) -> str:
+    if opts.engine_dtype != "auto":
+        return opts.engine_dtype
+    return "bf16" if opts.device == "cuda" else "bf16-weights"
+
+
+def _push(engine: HFEngine, hf_state: dict[str, torch.Tensor], dtype: str) -> None:
+    """Load trainer weights (HF names) into the engine the way an engine takes them: bf16."""
+    if dtype == "fp32":
+        engine.load_state_dict(hf_state)
+    else:
+        engine.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf_state.items()})
+
+
+def _rollout(engine: HFEngine, opts: DemoOptions, step_i: int):
+    g = np.random.default_rng(opts.seed * 100003 + step_i)
+    vocab = int(engine.model.config.vocab_size)
+    n = opts.seqs_per_step
+    prompts = [g.integers(1, vocab, size=int(g.integers(opts.prompt_len[0], opts.prompt_len[1] + 1))).tolist()
+               for _ in range(n)]
+    limits = [int(g.integers(opts.response_len[0], opts.response_len[1] + 1)) for _ in range(n)]
+    out = engine.generate(prompts, max_new_tokens=limits, seed=opts.seed * 100003 + step_i)
+    E, L, K, moe = engine.num_experts, engine.num_layers, engine.topk, engine.moe_layer_ids
+    if step_i % 2 == 0:
+        routes = ReplayBatch.from_vllm([c.routed_experts for c in out], num_experts=E, moe_layer_ids=moe)
+    else:
+        routes = ReplayBatch.from_sglang([c.meta_info() for c in out], num_experts=E, num_layers=L, topk=K,
+                                         moe_layer_ids=moe)
+    return out, routes
 
 
 def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
-    spec = demo_spec(ctx.cp)
-    trainer = [c.to(opts.device) for c in build_model_chunks(spec, ctx)]
-    _amplify(trainer)
-    engine = [c.to(opts.device) for c in build_model_chunks(spec, ctx)]
-    for c in engine:
-        c.eval()
+    attention = "identity" if ctx.cp > 1 else "real"
+    cfg = hf_config()
+    hf_model = build_hf_model(cfg, seed=1234)
+    if attention == "identity":
+        zero_attention(hf_model)
+    hf_ref = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    edtype = _engine_dtype(opts)
+    engine_model = copy.deepcopy(hf_model)
+    if edtype == "bf16":
+        engine_model = engine_model.to(torch.bfloat16)
+    engine = HFEngine(engine_model.to(opts.device))
+    spec = spec_from_hf(cfg, attention=attention)
+    trainer = build_model_chunks(spec, ctx)
+    load_reference_state(trainer, hf_to_mcore(hf_ref, cfg, attention=attention), ctx)
+    trainer = [c.to(opts.device) for c in trainer]
     rep = Replayer(trainer)
-    eng = Replayer(engine, agreement=False)
     layout = rep.layout
-    thd = spec.attention == "identity"
+    thd = attention == "identity"
     fwd = make_forward_step(ctx, thd=thd)
     fwd_logits = make_forward_step(ctx, thd=thd, collect_logits=True)
     align = align_for(ctx.tp, ctx.cp)
     last_stage = ctx.is_last_stage
     lineage = {m: _state(trainer) for m in opts.modes}
+    history = {m: [hf_ref] for m in opts.modes}    # trainer weights (HF names) at the start of each step
     num_layers = layout.num_layers
-    out: dict[str, Any] = {}
-    per_mode = {m: dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers),
-                        sums=None, cov=[], native=[]) for m in opts.modes}
-    g = torch.Generator().manual_seed(opts.seed)
+    per_mode = {m: dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers), sums=None, cov=[],
+                        native=[], steps=[]) for m in opts.modes}
+    per_update = _micro_batches_per_update(ctx.pp, ctx.vpp)
+    n_groups = _mini_batches(opts, ctx.pp, ctx.vpp) * per_update
     for step_i in range(opts.steps):
-        n = opts.seqs_per_step
-        lens = torch.randint(opts.min_len, opts.max_len + 1, (n,), generator=g).tolist()
-        per_update = _micro_batches_per_update(ctx.pp, ctx.vpp)
-        n_groups = _mini_batches(opts, ctx.pp, ctx.vpp) * per_update
-        per_mb = n // n_groups
-        groups = [lens[i * per_mb:(i + 1) * per_mb] for i in range(n_groups)]
-        pad_to = max(sum(-(-x // align) * align for x in grp) for grp in groups)
-        batches = [batch_to(make_packed_batch(grp, spec.vocab_size, 1000 * step_i + i + opts.seed, align=align,
-                                              pad_to=pad_to), opts.device) for i, grp in enumerate(groups)]
-        ids_of, start = {}, 0
-        for b in batches:
-            ids_of[id(b)] = list(range(start, start + len(b.seq_lens)))
-            start += len(b.seq_lens)
         for mode in opts.modes:
             for c, st in zip(trainer, lineage[mode]):
                 c.load_state_dict(st, strict=False)
-            _load_engine_weights(trainer, engine)
-            # 1. rollout engine (bf16): log-probs and routes
-            with eng.step("record", forward_only=True) as es:
-                res = run_schedule(engine, batches, _install(es, fwd_logits, {}, ids_of), forward_only=True)
-            rollout = _as_rollout(es.recorded)
-            rollout_lp = [_logprobs(r.logits, b.labels) for r, b in zip(res, batches)] if last_stage else []
+            # 1. rollout with weights `lag` steps old
+            _push(engine, history[mode][0], edtype)   # history holds the last lag + 1 versions
+            comps, rollout = _rollout(engine, opts, step_i)
+            n = len(comps)
+            per_mb = n // n_groups
+            groups = [list(range(i * per_mb, (i + 1) * per_mb)) for i in range(n_groups)]
+            pad_to = max(sum(-(-len(comps[i].tokens) // align) * align for i in grp) for grp in groups)
+            batches, rollout_lp, ids_of = [], [], {}
+            for grp in groups:
+                b = packed_from_tokens([comps[i].tokens for i in grp], align=align, pad_to=pad_to,
+                                       loss_from=[len(comps[i].prompt_ids) for i in grp])
+                lp = torch.zeros(b.total)
+                for j, i in enumerate(grp):
+                    off = int(b.cu_seqlens_padded[j]) + len(comps[i].prompt_ids) - 1
+                    lp[off:off + len(comps[i].output_ids)] = torch.tensor(comps[i].logprobs)
+                b = batch_to(b, opts.device)
+                batches.append(b)
+                rollout_lp.append(lp)
+                ids_of[id(b)] = grp
             roll_of = {id(b): rollout.select(ids_of[id(b)]) for b in batches}
             # 2. compute_log_prob (theta_old)
             plan = phase_plan(mode, Phase.OLD_LOG_PROB)
@@ -199,12 +223,10 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 c.train()
             # 3. updates, one SGD step per mini-batch
             plan = phase_plan(mode, Phase.UPDATE)
-            if plan.source == "recorded":
-                ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches}
-            else:
-                ref_of = roll_of
+            ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches} if plan.source == "recorded" else roll_of
             opt = torch.optim.SGD([p for c in trainer for p in c.parameters()], lr=opts.lr)
             pm = per_mode[mode]
+            step_pm = dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers), sums=None)
             for u in range(0, len(batches), per_update):
                 mini = batches[u:u + per_update]
                 opt.zero_grad(set_to_none=True)
@@ -217,25 +239,41 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
                 if plan.source:
                     pm["native"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
-                _count_agreement(probe, mini, ref_of, layout, ctx, pm)
+                _count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
                     for j, b in enumerate(mini):
                         train_lp = _logprobs(res[j].logits, b.labels)
-                        # the loss mask already drops each sequence's last token (it has no label
-                        # and no rollout log-prob): nothing more to exclude
-                        sums = logprob_mismatch_sums(train_lp.cpu(), rollout_lp[u + j].cpu(), b.loss_mask.bool().cpu(),
+                        sums = logprob_mismatch_sums(train_lp.cpu(), rollout_lp[u + j], b.loss_mask.bool().cpu(),
                                                      cu_seqlens=b.cu_seqlens_padded.cpu(), exclude_last=False)
-                        pm["sums"] = sums if pm["sums"] is None else pm["sums"] + sums
+                        step_pm["sums"] = sums if step_pm["sums"] is None else step_pm["sums"] + sums
+            pm["agree"] += step_pm["agree"]
+            pm["total"] += step_pm["total"]
+            if step_pm["sums"] is not None:
+                pm["sums"] = step_pm["sums"] if pm["sums"] is None else pm["sums"] + step_pm["sums"]
+            pm["steps"].append({"agree": float(step_pm["agree"].sum()), "total": float(step_pm["total"].sum()),
+                                "sums": None if step_pm["sums"] is None else step_pm["sums"].tolist()})
             lineage[mode] = _state(trainer)
+            full = gather_full_state(trainer, ctx)
+            history[mode].append(mcore_to_hf(full, cfg, hf_ref))
+            del history[mode][:-(opts.lag + 1)]
             if opts.verbose and ctx.rank == 0:
                 print(f"[r3bridge demo] step {step_i + 1}/{opts.steps} mode {mode} done", file=sys.stderr, flush=True)
+    out: dict[str, Any] = {}
     for mode, pm in per_mode.items():
         out[mode] = {"agree": pm["agree"].tolist(), "total": pm["total"].tolist(),
                      "mismatch": mismatch_from_sums(pm["sums"], prefix="") if pm["sums"] is not None else None,
                      "coverage": sum(pm["cov"]) / len(pm["cov"]) if pm["cov"] else 0.0,
-                     "native_agreement": sum(pm["native"]) / len(pm["native"]) if pm["native"] else None}
+                     "native_agreement": sum(pm["native"]) / len(pm["native"]) if pm["native"] else None,
+                     "steps": pm["steps"]}
     out["rank"] = dict(pp=ctx.pp_rank, tp=ctx.tp_rank, cp=ctx.cp_rank, last=last_stage)
     return out
+
+
+def batch_to(batch, device: str):
+    if device == "cpu":
+        return batch
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def _sync_grads(chunks, ctx: RankContext) -> None:

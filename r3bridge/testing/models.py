@@ -61,6 +61,9 @@ class ModelSpec:
     router_init_std: float = 0.5
     moe_aux_loss_coeff: float = 1e-2  # exercises the training-only aux-loss path
     extra_config: dict[str, Any] = field(default_factory=dict)  # raw TransformerConfig overrides
+    # GPTModel arguments (RoPE models such as a converted Qwen3-MoE, see testing/hf_to_mcore.py)
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: int = 10000
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +251,8 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
                 post_process=post,
                 parallel_output=True,
                 share_embeddings_and_output_weights=False,
-                position_embedding_type="learned_absolute",
+                position_embedding_type=spec.position_embedding_type,
+                rotary_base=spec.rotary_base,
                 mtp_block_spec=mtp_spec,
                 vp_stage=vp,
             )
@@ -292,8 +296,6 @@ def _shard_info(name: str, p: torch.nn.Parameter, ctx: "RankContext") -> tuple[i
     Expert weights are sharded over the expert-tensor-parallel group, the rest over TP."""
     if not getattr(p, "tensor_model_parallel", False):
         return 0, 0, 1
-    if getattr(p, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided TP partitions are not supported by the harness init")
     rank, world = (ctx.etp_rank, ctx.etp) if is_expert_param(name) else (ctx.tp_rank, ctx.tp)
     return int(p.partition_dim), rank, world
 
@@ -310,7 +312,12 @@ def shard_of(full: torch.Tensor, name: str, p: torch.nn.Parameter, ctx: "RankCon
     dim, rank, world = _shard_info(name, p, ctx)
     if world == 1:
         return full
-    return full.chunk(world, dim=dim)[rank]
+    stride = int(getattr(p, "partition_stride", 1))
+    if stride == 1:
+        return full.chunk(world, dim=dim)[rank]
+    # Strided partition (megatron's gated fc1: full = [gate; up], each rank holds
+    # [gate_r; up_r]): the full tensor is stride blocks, every rank takes its slice of each.
+    return torch.cat([blk.chunk(world, dim=dim)[rank] for blk in full.chunk(stride, dim=dim)], dim=dim)
 
 
 def _named_params_with_module(
