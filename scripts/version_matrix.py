@@ -32,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ["tests/core", "tests/megatron", "tests/cli"]
+TEST_TIMEOUT_S = 240
 GRID_TEST = "tests/megatron/test_replay_conformance.py"
 
 
@@ -60,7 +61,10 @@ def install(wheels: Path, site: Path) -> dict[str, Path]:
 
 def env_for(site: Path, common: Path, hide_cuda: bool) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(common), str(ROOT)]),
-               PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
+               PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+               # Tiny models: one intra-op thread per process. Several suites run at once, each
+               # spawning 2-4 ranks; torch's default (one thread per core) oversubscribes the host.
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if hide_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -88,7 +92,10 @@ def run_suites(sites: dict[str, Path], common: Path, out: Path, timeout: int) ->
     procs = {}
     for v, site in sites.items():
         log = open(out / f"cpu-{v}.log", "w")
-        cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        # A per-test timeout (pytest-timeout, on the device image) so one stuck test is reported
+        # as a failure and the junit file is still written, instead of the whole suite timing out.
+        cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short",
+               "-p", "no:cacheprovider", "-p", "timeout", f"--timeout={TEST_TIMEOUT_S}",
                *SUITE, f"--junitxml={out / f'cpu-{v}.xml'}"]
         procs[v] = (subprocess.Popen(cmd, cwd=ROOT, env=env_for(site, common, hide_cuda=True), stdout=log,
                                      stderr=subprocess.STDOUT), log, time.time())
