@@ -3,6 +3,7 @@
 ``get_layer_offset(pp_rank=...)``), and the MoE layers ``get_gpt_decoder_block_spec`` builds."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -34,6 +35,15 @@ def megatron_config(num_layers, freq=1, **kw) -> TransformerConfig:
                              **kw)
 
 
+def _mlp_class(mlp_spec):
+    """The MLP class a layer spec builds: a ``ModuleSpec`` (0.16-0.18) or, from 0.19, a
+    ``functools.partial`` around the class or its ``as_mlp_submodule`` factory."""
+    if isinstance(mlp_spec, functools.partial):
+        f = mlp_spec.func
+        return getattr(f, "__self__", f)
+    return mlp_spec.module
+
+
 def megatron_stage(cfg: TransformerConfig, pp_rank: int, vp_stage: int | None):
     """(layer range, MoE layer ids) of (pp_rank, vp_stage) as megatron-core computes them."""
     vpp = cfg.virtual_pipeline_model_parallel_size
@@ -49,7 +59,7 @@ def megatron_stage(cfg: TransformerConfig, pp_rank: int, vp_stage: int | None):
             n = get_num_layers_to_build(cfg, vp_stage, pp_rank)
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank)
     assert len(spec.layer_specs) == n
-    moe = [off + j for j, ls in enumerate(spec.layer_specs) if ls.submodules.mlp.module is MoELayer]
+    moe = [off + j for j, ls in enumerate(spec.layer_specs) if _mlp_class(ls.submodules.mlp) is MoELayer]
     return range(off, off + n), moe
 
 
