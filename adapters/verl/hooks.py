@@ -160,8 +160,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         logp = (output.get("model_output") or {}).get("log_probs")
         if logp is not None and data.get("rollout_log_probs", None) is not None:
             try:
-                from r3bridge.metrics import logprob_mismatch
                 from verl.workers.utils.padding import no_padding_2_padding
+
+                from r3bridge.metrics import logprob_mismatch
             except ImportError:
                 return out
             train = no_padding_2_padding(logp, data).float()

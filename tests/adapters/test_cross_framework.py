@@ -66,9 +66,10 @@ def verl_batch(rollout):
 
 
 def ingest_all(rollout) -> dict[str, ReplayBatch]:
-    from r3bridge.adapters.areal import ArealCodec
     import _areal_fixture as ac
     import _skyrl_fixture as sk
+
+    from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
 
     return {
@@ -109,9 +110,10 @@ def test_more_experts_than_uint8():
 
 def test_recorded_routes_same_in_every_framework():
     """R2: routes recorded by the trainer, written back in each framework's own layout, read back."""
-    from r3bridge.adapters.areal import ArealCodec
     import _areal_fixture as ac
     import _skyrl_fixture as sk
+
+    from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
 
     rollout = make_rollout(8, batch_size=5)
