@@ -14,6 +14,7 @@ install:
 		jaxtyping==0.3.11 wadler-lindig loguru==0.7.3 colorlog==6.12.0 tenacity==9.2.1 lark==1.3.1 einops==0.8.2
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: install

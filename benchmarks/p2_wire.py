@@ -25,7 +25,6 @@ import zlib
 
 import numpy as np
 import torch
-
 from _common import machine_info
 
 WORKLOADS = [

@@ -2,7 +2,7 @@
 
     python scripts/padding_mask_effect.py [--json OUT]      # CPU, one gloo rank, any megatron-core 0.16-0.19
 
-One R3 training step of a MoE-only model (r3bridge/testing/stats_checks.py) on a packed
+One R3 training step of a MoE-only model (tests/megatron/stats_checks.py) on a packed
 micro-batch whose rows without a route are packing padding (sequences padded to a multiple of 64,
 as a CP/FP8 packer does) plus every 5th row (engine rows missing). Reported per MoE layer:
 aux loss and z-loss with the mask (r3bridge's default) and without (``mask_unrouted_rows=False``),
@@ -17,15 +17,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the stats scenario is one of r3bridge's own tests (tests/megatron); the spawned rank inherits sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "megatron"))
 
 SEQ_LENS = [190, 75, 310, 41]
 ALIGN = 64
 
 
 def main() -> int:
+    from stats_checks import run_stats_checks
+
     from r3bridge.megatron.compat import megatron_version
     from r3bridge.testing.dist import spawn
-    from r3bridge.testing.stats_checks import run_stats_checks
 
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -36,7 +39,7 @@ def main() -> int:
     res = spawn(run_stats_checks, world_size=1, args=(SEQ_LENS, pad_to, 5, spec_kw), timeout=900)[0]
     on, off, eb = res[(True, False)], res[(False, False)], res["expert_bias"]
     layers = []
-    for i, lid in enumerate(sorted(on["expected_routed_counts"])):
+    for lid in sorted(on["expected_routed_counts"]):
         routed = eb["expected_routed_counts"][lid]
         counted = eb["tokens_per_expert"][lid]
         layers.append({

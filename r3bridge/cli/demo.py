@@ -70,8 +70,9 @@ def summarize(results: list[dict[str, Any]], modes: list[str]) -> dict[str, dict
 
 def _per_step(results: list[dict[str, Any]], mode: str) -> list[dict[str, float]]:
     """Per RL step: agreement over all ranks' rows, k3 / |d| from the rank holding log-probs."""
-    from r3bridge.metrics import mismatch_from_sums
     import torch
+
+    from r3bridge.metrics import mismatch_from_sums
 
     steps = []
     for i in range(len(results[0][mode]["steps"])):

@@ -65,8 +65,8 @@ def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, tokens: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """HF forward over one sequence: log-probs of tokens 1.. and each MoE layer's top-k."""
-    from r3bridge.testing.hf_engine import _RouteRecorder
     from r3bridge.hf import moe_layer_ids_from_hf_config
+    from r3bridge.testing.hf_engine import _RouteRecorder
 
     rec = _RouteRecorder(model, moe_layer_ids_from_hf_config(model.config))
     try:
@@ -82,8 +82,8 @@ def equivalence_rank(ctx: RankContext, attention: str = "auto") -> dict[str, Any
     """Same weights, same tokens: HF (fp32) vs the converted megatron model (fp32, this layout)."""
     if attention == "auto":
         attention = "identity" if ctx.cp > 1 else "real"
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
     from r3bridge.testing.data import align_for
+    from r3bridge.testing.schedule import make_forward_step, run_schedule
 
     case = EngineCase(attention=attention, engine_bf16_weights=False)
     engine, state, cfg = engine_models(case)
@@ -243,9 +243,9 @@ def r3_rank(ctx: RankContext, attention: str = "auto") -> dict[str, Any]:
                            "valid_rows": int(ro.routes.valid.sum()), "rows": ro.routes.total_rows,
                            "rows_per_seq": list(ro.routes.rows_per_seq), "seq_lens": [len(t) for t in ro.tokens]}
     for mode, action in (("off", "native"), ("R3", "replay")):
-        def fwd(data_iterator, model, _step=None):
+        def fwd(data_iterator, model, _step=None, _action=action):
             batch = next(data_iterator)
-            st.install(model, routes_of[id(batch)] if action == "replay" else None, batch.seq_lens,
+            st.install(model, routes_of[id(batch)] if _action == "replay" else None, batch.seq_lens,
                        cu_seqlens_padded=batch.cu_seqlens_padded)
             return inner(iter([batch]), model)
 

@@ -89,7 +89,7 @@ class SequenceParallelTorchNorm:
         cfg.sequence_parallel = False
         norm = WrappedTorchNorm(cfg, hidden_size, eps, **kwargs)
         for p in norm.parameters():
-            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+            p.sequence_parallel = bool(config.sequence_parallel)
         return norm
 
 
@@ -212,6 +212,7 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
         get_gpt_decoder_block_spec,
         get_gpt_mtp_block_spec,
     )
+
     from r3bridge.megatron.compat import reset_moe_metrics_tracker
     from r3bridge.testing import cpu_shim
 

@@ -3,7 +3,7 @@
     python scripts/gpu/nccl_conformance.py [--gpus 2] [--cells tp2_sp,pp2_1f1b,...|all]
                                            [--cell-timeout 300] [--json OUT] [--device cuda|cpu]
 
-Each cell runs r3bridge.testing.replay_grid.run_cell (R3 forward-only then training step checked
+Each cell runs tests/megatron/replay_grid.py's run_cell (R3 forward-only then training step checked
 router call by router call against an independent packing reference, R2 record + replay with
 bit-identical logits, no state left) on CUDA with NCCL, one process per GPU. The TP=PP=CP=1
 comparison of the CPU grid is skipped: bf16 kernels differ across layouts.
@@ -33,13 +33,16 @@ from typing import Any
 
 import torch
 
+# the grid's scenarios are r3bridge's own tests (tests/megatron); spawned ranks inherit sys.path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "megatron"))
+
 CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_recompute", "mtp",
          "pp2_uneven_dense_stage"]
 FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
 
 
 def select_cells(names: list[str], device: str) -> list[Any]:
-    from r3bridge.testing.replay_grid import default_cells
+    from replay_grid import default_cells
 
     known = {c.name: c for c in default_cells()}
     unknown = [n for n in names if n not in known]
@@ -74,7 +77,7 @@ def _injected_fault(cell: str, rank: int) -> None:
 
 def cell_rank(ctx: Any, cell: Any, device: str) -> dict[str, Any]:
     """Rank function: one cell on this rank. Raises on failure, so the parent aborts the others."""
-    from r3bridge.testing.replay_grid import run_cell
+    from replay_grid import run_cell
 
     _injected_fault(cell.name, ctx.rank)
     t0 = time.time()
@@ -105,8 +108,9 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_one(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any]:
     """One cell in its own processes; a failure or timeout is a result, never a hang."""
+    from replay_grid import cell_world_size
+
     from r3bridge.testing.dist import RankError, spawn_layouts
-    from r3bridge.testing.replay_grid import cell_world_size
 
     if cell_world_size(cell) > world:
         return {"pass": None, "skipped": f"needs {cell_world_size(cell)} ranks, {world} available"}
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     world = a.gpus if a.gpus is not None else (torch.cuda.device_count() if a.device == "cuda" else 2)
     if a.cells == "all":
-        from r3bridge.testing.replay_grid import default_cells
+        from replay_grid import default_cells
         a.cells = ",".join(c.name for c in default_cells())
     if a.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -3,7 +3,7 @@ byte-identical ReplayBatches and identical per-rank targets for several parallel
 
 * verl 0.9.1: the padded ``routed_experts`` its agent loop builds (engine rows placed from the
   prompt start, zero rows elsewhere), converted by verl's own ``left_right_2_no_padding`` into the
-  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.ingest.replay_batch_from_tensordict``
+  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.codec.replay_batch_from_tensordict``
   (the verl adapter's ingest function);
 * SkyRL 0.3.0: every vLLM call's payload (SkyRL's JSON lists) accumulated first-seen, then SkyRL's
   own ``convert_prompts_responses_to_batch_tensors`` -> ``TrainingInputBatch`` -> the SkyRL codec;
@@ -42,7 +42,7 @@ def verl_batch(rollout):
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from r3bridge.adapters.verl.ingest import ROUTES_KEY
+    from r3bridge.adapters.verl.codec import ROUTES_KEY
     b = rollout.batch_size
     P = max(rollout.prompt_lens)
     R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
@@ -66,10 +66,11 @@ def verl_batch(rollout):
 
 
 def ingest_all(rollout) -> dict[str, ReplayBatch]:
+    import _areal_fixture as ac
+    import _skyrl_fixture as sk
+
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.areal import conformance as ac
-    from r3bridge.adapters.skyrl import conformance as sk
-    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict
+    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
 
     return {
         "verl": replay_batch_from_tensordict(verl_batch(rollout), moe_layer_ids=rollout.moe_layer_ids,
@@ -109,10 +110,11 @@ def test_more_experts_than_uint8():
 
 def test_recorded_routes_same_in_every_framework():
     """R2: routes recorded by the trainer, written back in each framework's own layout, read back."""
+    import _areal_fixture as ac
+    import _skyrl_fixture as sk
+
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.areal import conformance as ac
-    from r3bridge.adapters.skyrl import conformance as sk
-    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict, routes_to_nested
+    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
 
     rollout = make_rollout(8, batch_size=5)
     lens = [len(t) for t in rollout.tokens]
@@ -144,3 +146,23 @@ def test_same_replay_mode_key(monkeypatch):
         for phase in Phase:
             assert skyrl_cfg({"replay_mode": mode}).plan(phase) == areal_cfg({"replay_mode": mode}).plan(phase) \
                 == phase_plan(mode, phase)
+
+
+def test_verl_codec_checks_1_to_3():
+    """verl's codec through the suite like the others: its own batch reads back canonical (1),
+    R2 routes survive verl's own dynamic micro-batching, also after a permutation (2), and give
+    the same rank targets as the canonical batch (3)."""
+    from r3bridge.adapters.verl import VerlCodec
+    from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split
+
+    rollout = make_rollout(4, batch_size=6)
+    codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_hidden_layers=rollout.num_layers)
+    got = check_ingest(codec, verl_batch(rollout), rollout, "verl")
+    lens = [len(t) for t in rollout.tokens]
+    g = torch.Generator().manual_seed(5)
+    rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
+                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+    assert check_recorded_survives_split(codec, verl_batch(rollout), rec, parts=(1, 2, 3),
+                                         orders=(None, [4, 2, 0, 5, 1, 3])) >= 2 * (1 + 2 + 3)
+    assert check_same_targets({"verl": got, "canonical": rollout.expected()}, lens) > 0

@@ -23,8 +23,18 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import (CoverageError, LayerMappingError, LayoutError, ParallelLayout, PayloadError,
-                      ReplayBatch, ReplayError, RouteShapeError, shard, unshard)
+from r3bridge import (
+    CoverageError,
+    LayerMappingError,
+    LayoutError,
+    ParallelLayout,
+    PayloadError,
+    ReplayBatch,
+    ReplayError,
+    RouteShapeError,
+    shard,
+    unshard,
+)
 
 from ._reference import random_routes
 
@@ -138,12 +148,12 @@ PARAMS = [
     Param("from_sglang prompt_tokens", "scalar", 3,
           lambda v: ReplayBatch.from_sglang(_sglang(prompt_tokens=v), num_experts=E, num_layers=2, topk=K),
           PayloadError, "prompt_tokens"),
-    *[Param(f"shard {name}", "scalar", 0, (lambda name: lambda v: shard(_rb(), LAYOUT, LENS, **{name: v}))(name),
+    *[Param(f"shard {name}", "scalar", 0, (lambda name: lambda v: shard(_rb(), LAYOUT, LENS, **{name: v}))(name),  # noqa: B023 (bound by the outer lambda)
             LayoutError, name) for name in ("tp_rank", "cp_rank", "pp_rank", "vp_stage")],
     Param("shard seq_length (bshd)", "scalar", 6,
           lambda v: shard(_rb(), LAYOUT, LENS, format="bshd", seq_length=v), LayoutError, "seq_length"),
     *[Param(f"ParallelLayout {name}", "scalar", good,
-            (lambda name: lambda v: ParallelLayout(**{"num_layers": 4, "moe_layer_freq": 1, "pp": 2, name: v}))(name),
+            (lambda name: lambda v: ParallelLayout(**{"num_layers": 4, "moe_layer_freq": 1, "pp": 2, name: v}))(name),  # noqa: B023 (bound by the outer lambda)
             LayoutError, name)
       for name, good in (("num_layers", 4), ("moe_layer_freq", 2), ("tp", 2), ("cp", 2), ("pp", 2), ("vpp", 2),
                          ("ep", 2), ("num_layers_in_first_pipeline_stage", 2))],

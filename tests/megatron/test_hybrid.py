@@ -2,17 +2,17 @@
 
 A real megatron hybrid model (MambaModel on 0.16-0.17, HybridModel from 0.18) with MoE ("E") and
 dense MLP ("-") layers; "M" needs Mamba kernels and "*" TE attention, neither exists on the CPU
-harness (r3bridge/testing/hybrid.py).
+harness (tests/megatron/hybrid.py).
 """
 from __future__ import annotations
 
 import types
 
 import pytest
+from hybrid import run_hybrid_check
 
 from r3bridge.megatron.discovery import hybrid_pattern
 from r3bridge.testing.dist import spawn
-from r3bridge.testing.hybrid import run_hybrid_check
 
 pytestmark = pytest.mark.slow
 PATTERN = "E-EE-E"

@@ -25,13 +25,12 @@ import traceback
 from typing import Any
 
 import pytest
-import torch
+from replay_grid import expected_rows, make_routes
 
 from r3bridge.testing import dist
 from r3bridge.testing.data import make_packed_batch
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.replay_grid import expected_rows, make_routes
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 BASE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
@@ -51,7 +50,10 @@ def _non_reentrant(chunks) -> None:
     """Wrap every decoder layer in torch's non-reentrant activation checkpointing."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     for c in chunks:
         apply_activation_checkpointing(

@@ -1,14 +1,14 @@
 """Rows without a route stay out of aux loss and z-loss (stats_mask.py), on a real megatron model.
 
 One R3 training step on a MoE-only model (rows never mix), a micro-batch with packing padding
-and rows without a route; see r3bridge/testing/stats_checks.py.
+and rows without a route; see tests/megatron/stats_checks.py.
 """
 from __future__ import annotations
 
 import pytest
+from stats_checks import run_stats_checks
 
 from r3bridge.testing.dist import spawn
-from r3bridge.testing.stats_checks import run_stats_checks
 
 pytestmark = pytest.mark.slow
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import torch
+from replay_grid import make_routes
 
 from r3bridge.testing import dist
 from r3bridge.testing.cpu_shim import tensor_cuda_is_identity
 from r3bridge.testing.models import ModelSpec, make_config
 from r3bridge.testing.probe import topk_indices
-from r3bridge.testing.replay_grid import make_routes
 from r3bridge.testing.schedule import run_schedule
 
 E, K, VOCAB = 8, 2, 128

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from replay_grid import _install_step, expected_rows, make_routes
 
 from r3bridge.testing.data import make_packed_batch
 from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.replay_grid import _install_step, expected_rows, make_routes
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,0 +1,93 @@
+"""AReaL's rollout side: SGLang responses -> :class:`r3bridge.ReplayBatch` (no areal import).
+
+Rollout side. SGLang returns ``meta_info["routed_experts"]``: base64 of flat int32, token-major,
+``prompt_tokens + completion_tokens - 1`` rows of ``num_hidden_layers * K`` ids, *from row 0 of the
+request*. AReaL 1.0.4's ``RemoteInfEngine.agenerate`` resubmits an interrupted request with the
+tokens generated so far appended to the prompt and ``np.concatenate``s every attempt's routes, so
+the prefix is duplicated (AReaL #1207: ~2.4% of samples zeroed downstream). Multi-turn workflows
+("parent-concat": each turn's prompt is the previous turn's prompt + output + new message) get the
+whole context re-routed by every turn's prefill. Both are stitched first-seen here: rows an
+earlier call returned are kept (they sampled those tokens), later calls only add rows past them,
+and rows are kept only as far as the call's tokens agree with the final trajectory.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from r3bridge.canonical import canonical_form
+from r3bridge.decoders import decode_sglang_routes, sglang_rows
+from r3bridge.errors import LayerMappingError, PayloadError, StitchError
+from r3bridge.ingest import first_seen_rows, stitch
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
+
+
+class ArealRollout:
+    """The :class:`r3bridge.protocols.RolloutIngest` of AReaL's workflows: one trajectory's
+    ``ModelResponse`` list (one per turn, root first) and its final tokens."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_layers: int, topk: int) -> None:
+        self.num_experts, self.num_layers, self.topk = int(num_experts), int(num_layers), int(topk)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+
+    def routes_from_rollout(self, engine_outputs: tuple[Sequence[Any], Sequence[int]]) -> ReplayBatch:
+        responses, tokens = engine_outputs
+        return routes_from_responses(responses, tokens, num_experts=self.num_experts, num_layers=self.num_layers,
+                                     topk=self.topk, moe_layer_ids=self.moe_layer_ids)
+
+
+def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) -> np.ndarray:
+    """One SGLang response's ``meta_info`` -> int32 ``[prompt + completion - 1, L_all, K]`` (the
+    row count checked when the response reports its token counts). Also accepts AReaL's already
+    decoded ``[rows, L_all*K]`` array as ``routed_experts``."""
+    rows = sglang_rows(meta_info, seq=seq) if {"prompt_tokens", "completion_tokens"} <= set(meta_info) else None
+    return decode_sglang_routes(meta_info.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=seq)
+
+
+def _piece(arr: np.ndarray, *, num_experts: int, moe_layer_ids: Sequence[int], rows: Optional[int] = None) -> ReplayBatch:
+    moe = list(moe_layer_ids)
+    if moe and max(moe) >= arr.shape[1]:
+        raise LayerMappingError(f"MoE layers {moe} out of range for {arr.shape[1]} reported layers")
+    a = arr[: arr.shape[0] if rows is None else rows][:, moe, :]
+    return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, source="rollout")
+
+
+def routes_from_attempts(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int, topk: int,
+                         moe_layer_ids: Sequence[int]) -> ReplayBatch:
+    """All SGLang responses of one request (first submit, then every resubmit after an
+    interruption) -> one sequence, duplicates removed first-seen."""
+    pieces = [_piece(decode_sglang(m, num_layers=num_layers, topk=topk, seq=0), num_experts=num_experts,
+                     moe_layer_ids=moe_layer_ids) for m in meta_infos]
+    rb, _ = stitch(pieces)
+    return rb
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(x.argmax()) if x.any() else n
+
+
+def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, num_experts: int,
+                          num_layers: int, topk: int, moe_layer_ids: Sequence[int]) -> ReplayBatch:
+    """One trajectory from its ``ModelResponse``s (one per turn, root first: parent-concat) and
+    its final token list. Each response's ``routed_experts`` (``[rows, L_all*K]``, already deduped
+    across resubmits) covers its own ``input_tokens + output_tokens``; only rows whose whole token
+    prefix agrees with ``tokens`` are kept. Canonical form for ``len(tokens)`` tokens."""
+    tokens = list(tokens)
+    pieces = []
+    for t, r in enumerate(responses):
+        arr = getattr(r, "routed_experts", None)
+        if arr is None:
+            raise PayloadError(f"turn {t}: the response has no routed_experts (return_routed_experts off?)")
+        arr = np.asarray(arr).reshape(len(arr), num_layers, topk)
+        own = list(r.input_tokens) + list(r.output_tokens)
+        keep = min(len(arr), _lcp(own, tokens))
+        pieces.append(_piece(arr, num_experts=num_experts, moe_layer_ids=moe_layer_ids, rows=keep))
+    rb, _ = stitch(pieces)
+    if rb.rows_per_seq[0] > len(tokens):
+        raise StitchError(f"{rb.rows_per_seq[0]} route rows for {len(tokens)} tokens")
+    return canonical_form(rb, [len(tokens)])

@@ -1,0 +1,168 @@
+"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (pure torch: no skyrl import).
+
+Trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
+``rollout_expert_indices`` ``[B, S, L_all, K]`` left-padded like ``sequences`` (uint8 / int16 /
+int32), rows past what the engine returned filled with dummy rows (``0..K-1`` in SkyRL main, zeros
+in 0.3.0), and, in SkyRL main, ``router_padding_mask`` ``[B, S]`` (True = no captured route).
+Without the mask (0.3.0) a row whose MoE-layer ids are all zero is "no route" (top-k ids are
+distinct, so a real row is never all zero when K > 1; with K == 1 expert-0 rows are routed natively
+and counted, as in the verl adapter).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from r3bridge.canonical import drop_final_invalid_rows, nonzero_rows
+from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
+from r3bridge.schema import ReplayBatch, route_dtype
+
+__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "SkyRLCodec", "replay_batch_from_training_batch",
+           "training_batch_fields", "make_router_padding_mask"]
+
+ROUTES_KEY = "rollout_expert_indices"
+MASK_KEY = "router_padding_mask"
+ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
+
+
+def _get(batch: Any, key: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    try:
+        return batch[key]
+    except KeyError:
+        return None
+
+
+def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
+                                     num_hidden_layers: Optional[int] = None, source: str = "rollout",
+                                     routes_key: str = ROUTES_KEY) -> ReplayBatch:
+    """A ``TrainingInputBatch`` (or worker micro-batch dict) -> ReplayBatch of its samples in batch
+    order, canonical form (r3bridge.protocols): one row per real token, start 0, uncaptured rows
+    invalid, a final row without a route dropped (``source="rollout"`` only)."""
+    routes = _get(batch, routes_key)
+    if routes is None:
+        raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
+                          f"enable_return_routed_experts (R3), or R2's recorded routes were not written back")
+    attn = _get(batch, "attention_mask")
+    if attn is None:
+        raise RouteShapeError("the batch has no 'attention_mask'")
+    if _get(batch, "sub_seq_lengths") is not None:
+        raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
+                          "r3bridge needs one sample per row")
+    routes = torch.as_tensor(routes)
+    if routes.dim() != 4:
+        raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
+    moe = [int(i) for i in moe_layer_ids]
+    nl = int(routes.shape[2])
+    if num_hidden_layers is not None and nl != int(num_hidden_layers):
+        raise LayerMappingError(f"{routes_key} has {nl} layers but the model has num_hidden_layers="
+                                f"{num_hidden_layers} (engine and trainer disagree)")
+    if moe and max(moe) >= nl:
+        raise LayerMappingError(f"MoE layers {moe} out of range for {nl} reported layers")
+    sel = routes.index_select(2, torch.tensor(moe, dtype=torch.long, device=routes.device))
+    attn = torch.as_tensor(attn).bool()
+    mask = _get(batch, MASK_KEY)
+    if mask is not None:
+        valid = attn & ~torch.as_tensor(mask).bool().to(attn.device)
+    else:
+        # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
+        # micro-batching too, whose first token is "real"), and its worker does not carry
+        # router_padding_mask into micro-batches
+        valid = attn & nonzero_rows(sel, recorded=source == "recorded").to(attn.device)
+    rb = ReplayBatch.from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+    if source != "recorded":
+        rb = drop_final_invalid_rows(rb)
+    return rb
+
+
+def make_router_padding_mask(attention_mask: torch.Tensor, captured: Sequence[int]) -> torch.Tensor:
+    """SkyRL main's ``router_padding_mask`` for left-padded rows: True except the first
+    ``captured[i]`` real tokens of row ``i`` (what ``skyrl.train.dataset.preprocess.
+    make_router_padding_mask`` computes; provided here because SkyRL 0.3.0 lacks it)."""
+    attn = torch.as_tensor(attention_mask).bool()
+    lens = attn.sum(1)
+    cap = torch.as_tensor(list(captured), dtype=torch.long)
+    if cap.shape != lens.shape or bool((cap < 0).any()) or bool((cap > lens).any()):
+        raise RouteShapeError(f"captured route lengths {cap.tolist()} do not fit sequence lengths {lens.tolist()}")
+    start = attn.shape[1] - lens
+    pos = torch.arange(attn.shape[1])[None, :]
+    return ~((pos >= start[:, None]) & (pos < (start + cap)[:, None]))
+
+
+def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
+                          dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """ReplayBatch (one sequence per row of ``attention_mask``, start 0) -> SkyRL's fields:
+    ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` placed on the real (left- or
+    right-padded) tokens, dummy rows ``0..K-1`` everywhere else (dense layers included), and
+    ``router_padding_mask``. Used to return R2's recorded routes into the batch."""
+    attn = torch.as_tensor(attention_mask).bool().cpu()
+    b, s = attn.shape
+    if rb.num_seqs != b:
+        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {b}")
+    if any(x != 0 for x in rb.start_rows):
+        raise RouteShapeError("training_batch_fields needs routes starting at token 0 of every sample")
+    lens = attn.sum(1)
+    rows = torch.tensor(rb.rows_per_seq, dtype=torch.long)
+    if bool((rows > lens).any()):
+        i = int((rows > lens).nonzero()[0])
+        raise RouteShapeError(f"sample {i}: {int(rows[i])} route rows for {int(lens[i])} tokens")
+    k = rb.topk
+    if dtype is None:
+        dtype = route_dtype(rb.num_experts)
+    if max(rb.layer_ids, default=-1) >= num_hidden_layers:
+        raise LayerMappingError(f"layer ids {list(rb.layer_ids)} out of range for {num_hidden_layers} layers")
+    out = torch.arange(k, dtype=dtype).expand(b, s, num_hidden_layers, k).clone()
+    first = torch.where(lens > 0, attn.float().argmax(1), torch.zeros_like(lens))
+    # position of every packed row: sample i, token j -> column first[i] + j
+    seq = torch.arange(b).repeat_interleave(rows)
+    j = torch.arange(rb.total_rows) - rb.offsets[:-1].repeat_interleave(rows)
+    col = first[seq] + j
+    valid = rb.valid.cpu()
+    lid = torch.tensor(rb.layer_ids, dtype=torch.long)
+    vals = rb.routes.cpu().to(dtype)
+    out[seq[valid][:, None], col[valid][:, None], lid[None, :]] = vals[valid]
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[seq[valid], col[valid]] = False
+    return {ROUTES_KEY: out, MASK_KEY: mask}
+
+
+class SkyRLCodec:
+    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+        self.num_experts = int(num_experts)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+        self.num_hidden_layers = int(num_hidden_layers)
+
+    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
+        return replay_batch_from_training_batch(
+            native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+
+    def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
+        for k, v in training_batch_fields(recorded, native["attention_mask"],
+                                          num_hidden_layers=self.num_hidden_layers).items():
+            native[k] = v
+        if getattr(native, "metadata", None) is None:
+            native.metadata = {}
+        native.metadata[ROUTES_MARK] = "recorded"
+        return native
+
+    def seq_lens(self, native: Any) -> list[int]:
+        return native["attention_mask"].sum(-1).long().tolist()
+
+    def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
+        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation
+        (what dynamic sampling / shuffling would do to the batch)."""
+        b = native.batch_size
+        idx = list(range(b)) if order is None else [int(i) for i in order]
+        src = native
+        if order is not None:
+            t = torch.tensor(idx)
+            src = type(native)({k: (None if v is None else v[t]) for k, v in native.items()})
+            src.metadata = native.metadata
+        size = -(-b // num_parts)
+        parts = src.chunk(size)
+        return [(p, idx[i * size:(i + 1) * size]) for i, p in enumerate(parts)]
