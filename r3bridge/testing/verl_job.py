@@ -250,13 +250,17 @@ class MicroBatchProbe:
             if ids is None or psp is None:
                 raise AssertionError(f"chunk {ci}: verl's forward passed no input_ids / packed_seq_params "
                                      f"(kwargs {sorted(kwargs)})")
-            ids = ids.reshape(-1).cpu()
             cu = psp.cu_seqlens_q.cpu().tolist()
             cu_pad = (psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q)
             cu_pad = cu_pad.cpu().tolist()
             lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
             padded = [b - a for a, b in zip(cu_pad[:-1], cu_pad[1:])]
-            samples = [int(ids[a]) - ID_BASE for a in cu_pad[:-1]]
+            if getattr(ids, "is_nested", False):
+                # later pipeline stages get verl's nested (unpacked) micro-batch, same order
+                samples = [int(t[0]) - ID_BASE for t in ids.unbind()]
+            else:
+                flat = ids.reshape(-1).cpu()
+                samples = [int(flat[a]) - ID_BASE for a in cu_pad[:-1]]
             self.calls.append(ChunkForward(ci, samples, lens, padded))
         return hook
 
@@ -470,6 +474,110 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     return result
 
 
+def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, steps: int) -> dict:
+    """``ActorRolloutRefWorker``: a role ``ref`` and a role ``actor`` worker in one process, as
+    verl's trainer colocates them (``create_colocated_worker_cls``; the rollout role needs vLLM /
+    SGLang), driven as ``RayPPOTrainer`` drives them: ``compute_log_prob``,
+    ``compute_ref_log_prob``, ``update_actor`` (shuffled mini-batches), ``steps`` times."""
+    from megatron.core import parallel_state as ps
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from r3bridge.megatron.hook import RouterHook
+    from r3bridge.testing.probe import RoutingProbe, find_routers
+    from r3bridge.testing.verl_cpu import build_shims
+
+    ps.destroy_model_parallel()
+    set_rank_env(ctx.rank, ctx.world_size)
+    cfg = compose_job(model_dir, layout, mode)
+    ref_w = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="ref")
+    actor_w = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    with build_shims(attention=ATTENTION):
+        ref_w.init_model()
+        actor_w.init_model()
+    actor, ref = actor_w.actor.engine, ref_w.ref.engine
+    chunks, ref_chunks = unwrapped_chunks(actor), unwrapped_chunks(ref)
+    tp, sp = layout.tp, layout.tp > 1
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    result: dict[str, Any] = {
+        "engine_class": f"{type(actor).__module__}.{type(actor).__qualname__}",
+        "ref_engine_class": f"{type(ref).__module__}.{type(ref).__qualname__}",
+        "ref_hooks": sum(isinstance(r.module.router_replay, RouterHook) for r in find_routers(ref_chunks)),
+        "ref_replayer": getattr(ref, "r3_replayer", "missing") is not None,
+        "passes": [], "state_left": [], "metrics": [], "r2_transport": [], "ref": []}
+    mini = 4
+    for step in range(steps):
+        roll = make_rollout(seed=200 + step, with_routes=mode == "R3")
+        lp = old_log_prob_batch(roll.td)
+        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
+            out = actor_w.compute_log_prob(lp)
+        record: Optional[dict] = {} if mode == "R2" else None
+        tg, tv = _routes_of(roll)
+        result["passes"].append(check_pass(f"step{step}/compute_log_prob", rp, mp, tg, tv, tp=tp,
+                                           tp_rank=tp_rank, sp=sp, record=record))
+        result["state_left"] += [f"step{step}/compute_log_prob: {x}" for x in _engine_state(actor)]
+        lens = {s: len(t) for s, t in enumerate(roll.tokens)}
+        native: dict = {}
+        if mode == "R2":
+            tg, tv = recorded_to_targets(_gather_record(record), lens)
+            native = tg
+        out = _broadcast_output(out, lp, mode)
+        if mode == "R2" and tp_rank == 0:
+            result["r2_transport"].append(_compare_transport(nested_routes_to_samples(tu.get(out, "routed_experts")),
+                                                             tg, tv))
+        # the reference model: routes natively, whatever the batch carries
+        rlp = ref_log_prob_batch(roll.td)
+        ref_record: dict = {}
+        with RoutingProbe(ref_chunks) as rp, MicroBatchProbe(ref_chunks) as mp:
+            ref_w.compute_ref_log_prob(rlp)
+        check_pass(f"step{step}/ref", rp, mp, {}, {}, tp=tp, tp_rank=tp_rank, sp=sp, record=ref_record)
+        ref_routes, ref_valid = recorded_to_targets(_gather_record(ref_record), lens)
+        rollout_t, rollout_v = _routes_of(roll)
+        result["ref"].append({
+            "step": step,
+            # R3: how often the reference's native choice equals the rollout route it must ignore
+            "agree_rollout": _agreement(ref_routes, rollout_t, rollout_v) if mode == "R3" else None,
+            # R2, first step: actor and reference have the same weights: same native routes
+            "equal_actor_native": (_agreement(ref_routes, native, ref_valid) if mode == "R2" and step == 0
+                                   else None),
+            "state": _engine_state(ref)})
+        upd = update_batch(_with_old_log_probs(roll.td, lp, out, mode), mini_batch_size=mini, seed=step)
+        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
+            uout = actor_w.update_actor(upd)
+        result["passes"].append(check_pass(f"step{step}/update", rp, mp, tg, tv, tp=tp, tp_rank=tp_rank, sp=sp))
+        result["state_left"] += [f"step{step}/update: {x}" for x in _engine_state(actor)]
+        if uout is not None:
+            result["metrics"].append(("update", sorted(tu.get(uout, "metrics"))))
+    return result
+
+
+def _agreement(a: dict, b: dict, valid: dict) -> float:
+    """Fraction of (valid row, MoE layer) pairs where two route sets are equal."""
+    same = total = 0
+    for s, v in valid.items():
+        if s not in a or s not in b:
+            continue
+        for j in np.nonzero(v)[0]:
+            for layer in MOE_LAYERS:
+                total += 1
+                same += sorted(a[s][j, layer].tolist()) == sorted(int(x) for x in b[s][j, layer])
+    return same / max(total, 1)
+
+
+def run_layout(ctx: Any, model_dir: str, layout: JobLayout, worker_mode: str, actor_ref_mode: str,
+               steps: int = 2) -> dict:
+    """One layout in one set of processes: a ``TrainingWorker`` job in ``worker_mode``, then an
+    ``ActorRolloutRefWorker`` actor + reference job in ``actor_ref_mode``."""
+    from megatron.core import parallel_state as ps
+
+    if ctx.layout.tp != layout.tp or ctx.layout.pp != layout.pp or ctx.layout.vpp != layout.vpp:
+        raise ValueError(f"process layout {ctx.layout} differs from the job's {layout}")
+    out = {"training_worker": run_training_worker(ctx, model_dir, layout, worker_mode, steps)}
+    ps.destroy_model_parallel()
+    out["actor_ref"] = run_actor_ref_worker(ctx, model_dir, layout, actor_ref_mode, steps)
+    return out
+
+
 def _gather_record(record: dict) -> dict:
     """R2 record of this rank's router rows, merged over TP / PP ranks (each rank routes a
     sequence shard (SP) or its own layers (PP))."""
@@ -506,18 +614,20 @@ def _output_rank() -> int:
 
 
 def _compare_transport(sent: list[np.ndarray], targets: dict, valid: dict) -> list[str]:
-    """R2: verl's ``routed_experts`` output (every decoder layer, dense zero) must carry, for
-    each sample in original order, exactly the routes its routers chose."""
+    """R2: verl's ``routed_experts`` output (MoE layers, in layer order, as verl's own R2 records
+    them) must carry, for each sample in original order, exactly the routes its routers chose."""
     bad = []
+    if len(sent) != len(targets):
+        return [f"{len(sent)} samples sent for {len(targets)} routed"]
     for s, arr in enumerate(sent):
+        if arr.shape[1] != len(MOE_LAYERS) or arr.shape[0] < int(valid[s].sum()):
+            bad.append(f"sample {s}: sent shape {tuple(arr.shape)}")
+            continue
         for j in np.nonzero(valid[s])[0]:
-            for layer in MOE_LAYERS:
-                if sorted(arr[j, layer].tolist()) != sorted(targets[s][j, layer].tolist()):
-                    bad.append(f"sample {s} row {j} layer {layer}: sent {sorted(arr[j, layer].tolist())}, "
-                               f"routed {sorted(targets[s][j, layer].tolist())}")
-        for layer in DENSE:
-            if np.any(arr[:, layer]):
-                bad.append(f"sample {s}: dense layer {layer} rows not zero")
+            for li, layer in enumerate(MOE_LAYERS):
+                got, want = sorted(arr[j, li].tolist()), sorted(targets[s][j, layer].tolist())
+                if got != want:
+                    bad.append(f"sample {s} row {j} layer {layer}: sent {got}, routed {want}")
     return bad
 
 
