@@ -220,7 +220,7 @@ def update_batch(td: Any, mini_batch_size: int, *, seed: int = 1) -> Any:
 class ChunkForward:
     chunk: int
     samples: list[int]             # sample ids in packed order
-    lens: list[int]                # unpadded lengths
+    lens: list[int]                # cu_seqlens_q lengths (verl may report them padded too)
     padded: list[int]              # packed (padded) lengths
 
 
@@ -367,6 +367,8 @@ def recorded_to_targets(record: dict, lens: dict[int, int]) -> tuple[dict[int, n
         arr = np.zeros((n, NUM_LAYERS, TOPK), dtype=np.int64)
         v = np.zeros(n, dtype=bool)
         for j, per_layer in rows.items():
+            if j >= n:         # a padding row of the packed sequence (verl pads each to the TP size)
+                continue
             for layer, ids in per_layer.items():
                 arr[j, layer] = ids
             v[j] = j < n - 1
