@@ -446,6 +446,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     tp, sp = layout.tp, layout.tp > 1
     tp_rank = ps.get_tensor_model_parallel_rank()
     result: dict[str, Any] = {"engine_class": f"{type(engine).__module__}.{type(engine).__qualname__}",
+                              "from_registry": type(engine) is _registered_engine(),
                               "passes": [], "state_left": [], "metrics": [], "r2_transport": []}
     for step in range(steps):
         roll = make_rollout(seed=100 + step, with_routes=mode == "R3")
@@ -504,6 +505,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
     result: dict[str, Any] = {
         "engine_class": f"{type(actor).__module__}.{type(actor).__qualname__}",
         "ref_engine_class": f"{type(ref).__module__}.{type(ref).__qualname__}",
+        "from_registry": type(actor) is _registered_engine() and type(ref) is _registered_engine(),
         "ref_hooks": sum(isinstance(r.module.router_replay, RouterHook) for r in find_routers(ref_chunks)),
         "ref_replayer": getattr(ref, "r3_replayer", "missing") is not None,
         "passes": [], "state_left": [], "metrics": [], "r2_transport": [], "ref": []}
@@ -551,6 +553,13 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
         if uout is not None:
             result["metrics"].append(("update", sorted(tu.get(uout, "metrics"))))
     return result
+
+
+def _registered_engine() -> type:
+    """What verl's ``EngineRegistry`` picks for a Megatron language model on this machine."""
+    from verl.workers.engine.base import EngineRegistry
+
+    return EngineRegistry.get_engine_cls("language_model", "megatron")
 
 
 def _agreement(a: dict, b: dict, valid: dict) -> float:

@@ -21,7 +21,7 @@ import pytest
 from r3bridge.testing import verl_job as vj
 from r3bridge.testing.dist import spawn
 
-ENGINE = "r3bridge.adapters.verl.engine.R3BridgeMegatronEngine"
+ENGINE = "R3BridgeMegatronEngine"
 STEPS = 2
 # (layout, TrainingWorker mode, ActorRolloutRefWorker mode): each layout runs both modes and
 # both workers; each mode runs with both workers across the layouts.
@@ -61,11 +61,13 @@ def test_adapter_is_a_verl_plugin():
 def test_engine_comes_from_verl_registry(runs, name):
     _, ranks = runs[name]
     for r in ranks:
-        assert r["training_worker"]["engine_class"] == ENGINE
-        assert r["actor_ref"]["engine_class"] == ENGINE
+        for worker in ("training_worker", "actor_ref"):
+            assert r[worker]["from_registry"], f"{worker}: the engine is not verl's registry pick"
+            assert r[worker]["engine_class"].startswith("r3bridge.adapters.verl.")
+            assert r[worker]["engine_class"].endswith(ENGINE)
         # the reference engine is r3bridge's class too (verl picks it for every Megatron LM
         # engine), but it attaches nothing: no replayer, no hook on any of its routers
-        assert r["actor_ref"]["ref_engine_class"] == ENGINE
+        assert r["actor_ref"]["ref_engine_class"] == r["actor_ref"]["engine_class"]
         assert r["actor_ref"]["ref_replayer"] is False
         assert r["actor_ref"]["ref_hooks"] == 0
 
