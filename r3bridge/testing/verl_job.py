@@ -18,7 +18,6 @@ are computed here from the sample ids the chunk saw, independent of r3bridge's o
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -463,7 +462,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
             tg, tv = recorded_to_targets(_gather_record(record), lens)
         if out is not None:
             result["metrics"].append(("compute_log_prob", sorted(tu.get(out, "metrics"))))
-        out = _broadcast_output(out, lp, mode)
+        out = _broadcast_output(out)
         if mode == "R2" and ps.get_tensor_model_parallel_rank() == 0:
             sent = nested_routes_to_samples(tu.get(out, "routed_experts"))
             result["r2_transport"].append(_compare_transport(sent, tg, tv))
@@ -525,7 +524,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
         if mode == "R2":
             tg, tv = recorded_to_targets(_gather_record(record), lens)
             native = tg
-        out = _broadcast_output(out, lp, mode)
+        out = _broadcast_output(out)
         if mode == "R2" and tp_rank == 0:
             result["r2_transport"].append(_compare_transport(nested_routes_to_samples(tu.get(out, "routed_experts")),
                                                              tg, tv))
@@ -579,12 +578,9 @@ def run_layout(ctx: Any, model_dir: str, layout: JobLayout, worker_mode: str, ac
                steps: int = 2) -> dict:
     """One layout in one set of processes: a ``TrainingWorker`` job in ``worker_mode``, then an
     ``ActorRolloutRefWorker`` actor + reference job in ``actor_ref_mode``."""
-    from megatron.core import parallel_state as ps
-
     if ctx.layout.tp != layout.tp or ctx.layout.pp != layout.pp or ctx.layout.vpp != layout.vpp:
         raise ValueError(f"process layout {ctx.layout} differs from the job's {layout}")
     out = {"training_worker": run_training_worker(ctx, model_dir, layout, worker_mode, steps)}
-    ps.destroy_model_parallel()
     out["actor_ref"] = run_actor_ref_worker(ctx, model_dir, layout, actor_ref_mode, steps)
     return out
 
@@ -604,7 +600,7 @@ def _gather_record(record: dict) -> dict:
     return merged
 
 
-def _broadcast_output(out: Any, lp: Any, mode: str) -> Any:
+def _broadcast_output(out: Any) -> Any:
     """verl's single controller collects the output of the model-parallel source rank and
     sends the next call's batch to all: every rank gets the source rank's output here."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
