@@ -19,6 +19,7 @@ install:
 	$(PIP) fastapi==0.165.0 uvicorn==0.54.0
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: install

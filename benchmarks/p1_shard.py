@@ -33,7 +33,6 @@ import warnings
 
 import numpy as np
 import torch
-
 from _common import load_skyrl_replay_utils, machine_info, parallel_state
 
 warnings.filterwarnings("ignore")
@@ -80,9 +79,11 @@ def main(argv=None):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    import r3bridge
-    from megatron.core.tensor_parallel import mappings
     from unittest import mock
+
+    from megatron.core.tensor_parallel import mappings
+
+    import r3bridge
 
     lay = r3bridge.ParallelLayout(args.layers, 1, tp=args.tp, cp=args.cp, pp=args.pp)
     stage = lay.moe_layers(args.pp_rank)

@@ -20,7 +20,6 @@ import sys
 
 import numpy as np
 import torch
-
 from _common import machine_info
 
 WORKLOADS = [

@@ -36,7 +36,7 @@ def build(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # megatron-core 0.16.1 without Transformer Engine: the router references te_general_gemm,
-    # a name only defined when TE imports (field-notes 2). The device image has no TE.
+    # a name only defined when TE imports (docs/testing-harness.md). The device image has no TE.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -32,10 +32,9 @@ import torch
 
 def rank_fn(ctx, args):
     import torch.distributed as dist
+    from _common import load_verl_router_replay_utils
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from _common import load_verl_router_replay_utils
 
     rru = load_verl_router_replay_utils()
     # verl picks its device once at import; under the harness's CPU shim it says "cuda"

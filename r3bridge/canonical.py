@@ -16,7 +16,7 @@ import torch
 from r3bridge.errors import CoverageError
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source"]
+__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source", "nonzero_rows"]
 
 
 def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
@@ -82,3 +82,13 @@ def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
         return rb
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
                        rb.topk, source, rb.policy_versions, rb.offsets)
+
+
+def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:
+    """Validity of dense rows ``[..., L, K]`` in a transport that writes "no route" as a zero row
+    (verl's, SkyRL 0.3's). A row of distinct top-k ids is never all zero when ``K > 1``; with
+    ``K == 1`` an expert-0 row cannot be told from "no route" and is routed natively (counted in
+    coverage), except in ``recorded`` routes, whose every row is real."""
+    if recorded and routes.shape[-1] == 1:
+        return torch.ones(routes.shape[:-2], dtype=torch.bool, device=routes.device)
+    return (routes != 0).flatten(-2).any(-1)

@@ -2,7 +2,7 @@
 
 Every adapter asks :func:`phase_plan` what to do in ``compute_log_prob``, the update passes and
 the reference-model pass, so the frameworks cannot drift apart (verl 0.9.1 replayed rollout routes
-under R2: field-notes 8.8).
+under R2).
 """
 from __future__ import annotations
 

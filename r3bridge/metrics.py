@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, ReplayError, RouteShapeError
-from r3bridge.schema import ReplayBatch, _ragged_arange
+from r3bridge.schema import ReplayBatch, ragged_arange
 
 __all__ = [
     "MetricsInputError", "logprob_mismatch", "logprob_mismatch_packed", "logprob_mismatch_sums",
@@ -304,8 +304,8 @@ def route_agreement(reference: ReplayBatch, other: ReplayBatch) -> AgreementRepo
     eb = sb + torch.tensor(b.rows_per_seq, dtype=torch.int64)
     lo, hi = torch.maximum(sa, sb), torch.minimum(ea, eb)
     n = (hi - lo).clamp(min=0)
-    ia = _ragged_arange(a.offsets[:-1].cpu() + (lo - sa), n)
-    ib = _ragged_arange(b.offsets[:-1].cpu() + (lo - sb), n)
+    ia = ragged_arange(a.offsets[:-1].cpu() + (lo - sa), n)
+    ib = ragged_arange(b.offsets[:-1].cpu() + (lo - sb), n)
 
     dev = a.routes.device
     ia, ib = ia.to(dev), ib.to(dev)

@@ -1,6 +1,6 @@
 """`ReplayBatch`: the one explicit, ragged, compact schema every adapter produces.
 
-Principles (design.md "Principles", field-notes section 8):
+Principles (docs/architecture.md):
 
 * Everything is a field, nothing is inferred from a length: layer ids, top-k, number of experts,
   coverage (start row and rows per sequence), a per-row validity mask and provenance.
@@ -20,10 +20,11 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
 from r3bridge._validate import check_routes
+from r3bridge.decoders import decode_sglang_routes, decode_vllm_routes, padded_rows, select_layers, sglang_rows
+from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
 
-__all__ = ["ReplayBatch", "route_dtype"]
+__all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
                torch.uint32, torch.uint64)
@@ -36,6 +37,13 @@ def route_dtype(num_experts: int) -> torch.dtype:
     if num_experts <= 32767:
         return torch.int16
     return torch.int32
+
+
+def sentinel_dtype(num_experts: int) -> tuple[torch.dtype, int]:
+    """(dtype, "no route" value) for a dense layout that marks missing routes in-band: the
+    narrowest dtype holding ``num_experts`` ids plus one sentinel (255 in uint8, else -1)."""
+    dtype = route_dtype(num_experts + 1)
+    return dtype, 255 if dtype == torch.uint8 else -1
 
 
 def as_int_tensor(x, *, what: str) -> torch.Tensor:
@@ -194,42 +202,51 @@ class ReplayBatch:
                    rows_per_seq, starts, layer_ids, num_experts, topk, source,
                    policy_versions, offsets)
 
-    # Engine / trainer formats live in r3bridge.ingest; these are the contract's entry points.
+    # Engine / trainer formats: the payloads are decoded by r3bridge.decoders (no batch there).
     @classmethod
     def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
                     valid=None, source: str = "padded") -> "ReplayBatch":
         """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
-        from r3bridge.ingest import from_padded
-        return from_padded(routes, attention_mask, num_experts=num_experts, layer_ids=layer_ids,
-                           valid=valid, source=source)
+        flat, lens, v = padded_rows(as_int_tensor(routes, what="padded"), attention_mask, valid)
+        return cls.from_packed(flat, lens, num_experts=num_experts, layer_ids=layer_ids, valid=v, source=source)
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
                   start_rows: Sequence[int] | None = None) -> "ReplayBatch":
-        """vLLM ``CompletionOutput``s or their ``routed_experts`` arrays."""
-        from r3bridge.ingest import from_vllm
-        return from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows)
+        """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
+        :func:`r3bridge.decoders.decode_vllm_routes`)."""
+        arrays = [select_layers(decode_vllm_routes(it, seq=i), moe_layer_ids, i, "vLLM") for i, it in enumerate(items)]
+        num_layers = arrays[0].shape[1] if arrays else 0
+        layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
+        return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
+                               source="vllm")
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
                     moe_layer_ids: Sequence[int] | None = None,
                     start_rows: Sequence[int] | None = None) -> "ReplayBatch":
-        """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``)."""
-        from r3bridge.ingest import from_sglang
-        return from_sglang(meta_infos, num_experts=num_experts, num_layers=num_layers, topk=topk,
-                           moe_layer_ids=moe_layer_ids, start_rows=start_rows)
-
-    @staticmethod
-    def stitch(pieces: Sequence["ReplayBatch"]):
-        """Multi-turn / resubmit: see :func:`r3bridge.ingest.stitch`. Returns (batch, report)."""
-        from r3bridge.ingest import stitch
-        return stitch(pieces)
+        """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
+        completion - 1 - start."""
+        starts = [0] * len(meta_infos) if start_rows is None else [int(s) for s in start_rows]
+        if len(starts) != len(meta_infos):
+            raise CoverageError(f"start_rows has {len(starts)} entries for {len(meta_infos)} sequences")
+        arrays = []
+        for i, mi in enumerate(meta_infos):
+            rows = sglang_rows(mi, start=starts[i], seq=i)
+            a = decode_sglang_routes(mi.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=i)
+            arrays.append(select_layers(a, moe_layer_ids, i, "SGLang"))
+        layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
+        if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
+            return cls.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],
+                                   num_experts=num_experts, layer_ids=layer_ids, source="sglang")
+        return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=starts,
+                               source="sglang")
 
     @classmethod
-    def _trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
+    def from_trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
                  layer_ids: tuple[int, ...], num_experts: int, source: str) -> "ReplayBatch":
-        """Internal: routes already in the schema dtype whose ids are distinct and in range by
-        construction (the router's own top-k, or shard() output). Shapes are still checked; the
+        """Routes already in the schema dtype whose ids are distinct and in range by construction
+        (the router's own top-k, or shard() output). Shapes are still checked; the
         per-row duplicate scan is not repeated."""
         if routes.dtype != route_dtype(num_experts) or routes.dim() != 3 or routes.shape[0] != sum(rows_per_seq):
             raise RouteShapeError(f"internal: routes {tuple(routes.shape)} {routes.dtype} do not fit the schema")
@@ -295,7 +312,7 @@ class ReplayBatch:
             raise CoverageError(f"select: index out of range for {self.num_seqs} sequences: {list(indices)}")
         rows = torch.tensor(self.rows_per_seq, dtype=torch.int64)[idx] if idx.numel() else idx
         starts = self._offsets[idx]
-        row_idx = _ragged_arange(starts, rows)
+        row_idx = ragged_arange(starts, rows)
         pv = None if self.policy_versions is None else [self.policy_versions[i] for i in idx.tolist()]
         new_rows = rows.tolist()
         offsets = torch.zeros(len(new_rows) + 1, dtype=torch.int64)
@@ -359,7 +376,7 @@ class ReplayBatch:
 
     # ----------------------------------------------------------------------------- transport
     def to_bytes(self) -> bytes:
-        """Versioned header + raw little-endian buffers. Never pickle (field-notes 8.10)."""
+        """Versioned header + raw little-endian buffers. Never pickle: a pickled tensor is slow and unsafe to load."""
         return _encode(self)
 
     @classmethod
@@ -398,7 +415,7 @@ def _canonical(routes: torch.Tensor, valid: torch.Tensor, num_experts: int) -> t
     return out
 
 
-def _ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """concat(arange(s, s + l) for s, l) without a Python loop."""
     lengths = lengths.to(torch.int64)
     total = int(lengths.sum()) if lengths.numel() else 0

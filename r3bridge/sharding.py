@@ -1,6 +1,6 @@
 """Exact rank distribution of routes: ``shard`` (R3 targets) and its inverse ``unshard`` (R2).
 
-The router of a Megatron rank sees rows in this order (field-notes section 3):
+The router of a Megatron rank sees rows in this order (docs/architecture.md, "Core"):
 
 * THD packing: sequence ``i`` is padded to ``padded_i`` (a multiple of ``tp*cp*2`` if cp > 1
   else ``tp``; FP8: ``lcm(16, .)`` and the total to ``align*128``, the extra going to the last
@@ -27,7 +27,7 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError
 from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch, _ragged_arange, route_dtype
+from r3bridge.schema import ReplayBatch, ragged_arange, route_dtype
 
 __all__ = ["PackPlan", "ShardedTargets", "shard", "unshard", "rank_positions"]
 
@@ -130,10 +130,10 @@ def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank
         # per sequence two segments (chunk r, chunk 2cp-1-r), in sequence order
         seg_start = torch.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
         seg_len = chunk.repeat_interleave(2, output_size=2 * n)
-        pos = _ragged_arange(seg_start, seg_len)
+        pos = ragged_arange(seg_start, seg_len)
         seq = torch.arange(n, dtype=torch.int64).repeat_interleave(2 * chunk, output_size=pos.numel())
     else:
-        pos = _ragged_arange(torch.zeros(n, dtype=torch.int64), padded)
+        pos = ragged_arange(torch.zeros(n, dtype=torch.int64), padded)
         seq = torch.arange(n, dtype=torch.int64).repeat_interleave(padded, output_size=pos.numel())
     lo, hi = _sp_bounds(pos.numel(), layout, tp_rank)
     return seq[lo:hi], pos[lo:hi]
@@ -470,5 +470,5 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
                             f"targets are missing or overlap")
     # The ids come from shard() of a validated batch or from the router's own top-k: distinct by
     # construction, so only the schema is rebuilt (the O(rows*L*K log K) duplicate scan is skipped).
-    return ReplayBatch._trusted(out, rows.tolist(), starts.tolist(), valid.to(dev), tuple(layer_ids), num_experts,
+    return ReplayBatch.from_trusted(out, rows.tolist(), starts.tolist(), valid.to(dev), tuple(layer_ids), num_experts,
                                 source)

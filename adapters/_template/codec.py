@@ -16,7 +16,6 @@ import torch
 
 from r3bridge.canonical import drop_final_invalid_rows
 from r3bridge.errors import CoverageError, LayerMappingError
-from r3bridge.ingest import from_padded
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "RECORDED_VALID_KEY", "SAMPLE_KEY", "TemplateCodec"]
@@ -42,7 +41,7 @@ class TemplateCodec:
         if source == "recorded":
             if native.get(RECORDED_KEY) is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
-            return from_padded(native[RECORDED_KEY], attn, num_experts=self.num_experts,
+            return ReplayBatch.from_padded(native[RECORDED_KEY], attn, num_experts=self.num_experts,
                                layer_ids=self.moe_layer_ids, valid=native[RECORDED_VALID_KEY], source="recorded")
         routes = native.get(ROUTES_KEY)
         if routes is None:
@@ -51,7 +50,7 @@ class TemplateCodec:
             raise LayerMappingError(f"{ROUTES_KEY} has {routes.shape[2]} layers, the model has "
                                     f"num_hidden_layers={self.num_hidden_layers}")
         sel = routes[:, :, self.moe_layer_ids]
-        rb = from_padded(sel, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+        rb = ReplayBatch.from_padded(sel, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
                          valid=native[VALID_KEY], source="rollout")
         return drop_final_invalid_rows(rb)
 

@@ -5,7 +5,7 @@ split (``split_padded_tensor_dict_into_mb_list`` moves only tensors with ``B*S``
 (``split_and_unpad_tensor`` trims the *last* dim to the sequence length) and deep-copy non-tensor
 values into every trajectory. Routes therefore travel as one tensor per trajectory,
 ``[g, L_moe, K, S]`` (sequence last, so trimming is exact), ids in the narrowest dtype and a
-sentinel (255 / -1) where a token has no route; the engine slices them per micro-batch explicitly
+sentinel where a token has no route (``r3bridge.schema.sentinel_dtype``); the engine slices them per micro-batch explicitly
 by sample id.
 """
 from __future__ import annotations
@@ -16,31 +16,22 @@ import torch
 
 from r3bridge.canonical import drop_final_invalid_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.schema import ReplayBatch
+from r3bridge.schema import ReplayBatch, sentinel_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ArealCodec", "trajectory_tensor", "replay_batch_from_batch",
-           "replay_batch_from_tensor", "batch_tensor", "sentinel"]
+           "replay_batch_from_tensor", "batch_tensor"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
 
 
-def sentinel(num_experts: int) -> tuple[torch.dtype, int]:
-    """(dtype, "no route" value) of the trajectory tensor."""
-    if num_experts < 255:
-        return torch.uint8, 255
-    if num_experts <= 32767:
-        return torch.int16, -1
-    return torch.int32, -1
-
-
 def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
     """ReplayBatch (start 0) -> ``[n, L_moe, K, width]`` with the sentinel where there is no route."""
-    dtype, none = sentinel(rb.num_experts)
+    dtype, none = sentinel_dtype(rb.num_experts)
     lens = [int(x) for x in seq_lens]
     s = max(lens) if width is None else int(width)
     out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, s), none, dtype=dtype)
@@ -69,7 +60,7 @@ def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequenc
     bad = [n for n in lens if n > t.shape[3]]
     if bad:
         raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
-    _, none = sentinel(num_experts)
+    _, none = sentinel_dtype(num_experts)
     per, valid = [], []
     for r, n in zip(rows, lens):
         x = t[r, :, :, :n].permute(2, 0, 1)                     # [tokens, L, K]

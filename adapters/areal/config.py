@@ -23,7 +23,11 @@ class ModelInfo:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelInfo":
-        from r3bridge.hf import (moe_layer_ids_from_hf_config, num_experts_from_hf_config,
-                                 num_hidden_layers_from_hf_config, topk_from_hf_config)
+        from r3bridge.hf import (
+            moe_layer_ids_from_hf_config,
+            num_experts_from_hf_config,
+            num_hidden_layers_from_hf_config,
+            topk_from_hf_config,
+        )
         return cls(num_experts=num_experts_from_hf_config(hf_config), moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
                    num_layers=num_hidden_layers_from_hf_config(hf_config), topk=topk_from_hf_config(hf_config))

@@ -43,9 +43,11 @@ from r3bridge.adapters.areal.codec import (
     trajectory_tensor,
 )
 from r3bridge.adapters.areal.config import ModelInfo, replay_config
-from r3bridge.adapters.areal.rollout import decode_sglang_rows, first_seen_rows, routes_from_responses
+from r3bridge.adapters.areal.rollout import routes_from_responses
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.ingest import first_seen_rows
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner
 from r3bridge.schema import ReplayBatch
 
@@ -92,10 +94,12 @@ async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
         _ATTEMPTS.reset(token)
     with_routes = [m for m in attempts if m.get("routed_experts") is not None]
     if with_routes and getattr(resp, "routed_experts", None) is not None:
-        rows, disagree = first_seen_rows([decode_sglang_rows(m) for m in with_routes])
-        resp.routed_experts = rows                 # AReaL's [tokens - 1, L_all*K] int32, deduplicated
+        # the engine does not know the model: AReaL's own [tokens - 1, L_all*K] int32 rows
+        calls = [decode_sglang_routes(m["routed_experts"], rows=sglang_rows(m, seq=0)) for m in with_routes]
+        rows, report = first_seen_rows(calls)
+        resp.routed_experts = rows                 # deduplicated
         resp.r3bridge_resubmits = len(with_routes) - 1
-        resp.r3bridge_disagreeing_rows = disagree
+        resp.r3bridge_disagreeing_rows = report.total_disagreeing
     return resp
 
 

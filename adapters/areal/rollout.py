@@ -12,19 +12,17 @@ and rows are kept only as far as the call's tokens agree with the final trajecto
 """
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from r3bridge.canonical import canonical_form
-from r3bridge.errors import LayerMappingError, PayloadError, RouteShapeError, StitchError
-from r3bridge.ingest import stitch
+from r3bridge.decoders import decode_sglang_routes, sglang_rows
+from r3bridge.errors import LayerMappingError, PayloadError, StitchError
+from r3bridge.ingest import first_seen_rows, stitch
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ArealRollout", "decode_sglang", "decode_sglang_rows", "first_seen_rows", "routes_from_attempts",
-           "routes_from_responses"]
+__all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
 
 
 class ArealRollout:
@@ -42,65 +40,11 @@ class ArealRollout:
 
 
 def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) -> np.ndarray:
-    """One SGLang response's ``meta_info`` -> int32 ``[prompt + completion - 1, L_all, K]``.
-    Also accepts AReaL's already decoded ``[rows, L_all*K]`` array as ``routed_experts``."""
-    raw = meta_info.get("routed_experts")
-    if raw is None:
-        raise PayloadError(f"sequence {seq}: SGLang returned no routed_experts (request without "
-                           f"return_routed_experts, or server without --enable-return-routed-experts)")
-    if isinstance(raw, dict):
-        raise PayloadError(f"sequence {seq}: routed_experts is a dict {raw!r} (SGLang serialised a raw tensor "
-                           f"with skip_tokenizer_init): ask for the base64 form")
-    if isinstance(raw, (str, bytes, bytearray)):
-        try:
-            flat = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4")
-        except (binascii.Error, ValueError) as e:
-            raise PayloadError(f"sequence {seq}: routed_experts is not valid base64 int32 ({e})") from None
-    else:
-        flat = np.asarray(raw).reshape(-1)
-    if flat.size % (num_layers * topk):
-        raise PayloadError(f"sequence {seq}: {flat.size} ids are not rows of num_layers*topk = {num_layers}*{topk}")
-    rows = flat.size // (num_layers * topk)
-    if "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
-        expect = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1
-        if rows != expect:
-            raise PayloadError(f"sequence {seq}: {rows} route rows, SGLang reports prompt + completion - 1 = {expect}")
-    return flat.reshape(rows, num_layers, topk)
-
-
-def decode_sglang_rows(meta_info: dict, *, seq: int = 0) -> np.ndarray:
-    """``meta_info`` -> int32 ``[prompt + completion - 1, L_all*K]`` (AReaL's own layout), for
-    callers that do not know the model's layer count and top-k (the inference engine)."""
-    raw = meta_info.get("routed_experts")
-    if isinstance(raw, (str, bytes, bytearray)):
-        try:
-            flat = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4").astype(np.int32)
-        except (binascii.Error, ValueError) as e:
-            raise PayloadError(f"sequence {seq}: routed_experts is not valid base64 int32 ({e})") from None
-    elif raw is None or isinstance(raw, dict):
-        raise PayloadError(f"sequence {seq}: no usable routed_experts in meta_info ({type(raw).__name__})")
-    else:
-        flat = np.asarray(raw, dtype=np.int32).reshape(-1)
-    rows = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1
-    if rows <= 0 or flat.size % rows:
-        raise PayloadError(f"sequence {seq}: {flat.size} ids are not {rows} rows (prompt + completion - 1)")
-    return flat.reshape(rows, -1)
-
-
-def first_seen_rows(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
-    """Attempts of one request (each from row 0) -> (first-seen rows, disagreeing overlapping rows).
-    Used where no schema is known yet (the inference engine): rows are kept as they came."""
-    if not arrays:
-        raise PayloadError("no attempt returned routes")
-    out, dis = arrays[0], 0
-    for a in arrays[1:]:
-        if a.shape[1:] != out.shape[1:]:
-            raise RouteShapeError(f"attempt routes are [*, {a.shape[1:]}], earlier ones [*, {out.shape[1:]}]")
-        n = min(len(a), len(out))
-        dis += int((a[:n].reshape(n, -1) != out[:n].reshape(n, -1)).any(1).sum())
-        if len(a) > len(out):
-            out = np.concatenate([out, a[len(out):]])
-    return out, dis
+    """One SGLang response's ``meta_info`` -> int32 ``[prompt + completion - 1, L_all, K]`` (the
+    row count checked when the response reports its token counts). Also accepts AReaL's already
+    decoded ``[rows, L_all*K]`` array as ``routed_experts``."""
+    rows = sglang_rows(meta_info, seq=seq) if {"prompt_tokens", "completion_tokens"} <= set(meta_info) else None
+    return decode_sglang_routes(meta_info.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=seq)
 
 
 def _piece(arr: np.ndarray, *, num_experts: int, moe_layer_ids: Sequence[int], rows: Optional[int] = None) -> ReplayBatch:

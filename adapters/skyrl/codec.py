@@ -14,9 +14,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows
+from r3bridge.canonical import drop_final_invalid_rows, nonzero_rows
 from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
-from r3bridge.ingest import from_padded
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "SkyRLCodec", "replay_batch_from_training_batch",
@@ -65,17 +64,14 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     sel = routes.index_select(2, torch.tensor(moe, dtype=torch.long, device=routes.device))
     attn = torch.as_tensor(attn).bool()
     mask = _get(batch, MASK_KEY)
-    # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
-    # micro-batching too, whose first token is "real"), and its worker does not carry
-    # router_padding_mask into micro-batches. A zero row is never a top-k set when K > 1.
-    has_route = (sel != 0).flatten(2).any(2).to(attn.device)
     if mask is not None:
         valid = attn & ~torch.as_tensor(mask).bool().to(attn.device)
-    elif source == "recorded" and sel.shape[-1] == 1:
-        valid = attn                        # top-1 R2: expert 0 is a real recorded route
     else:
-        valid = attn & has_route
-    rb = from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+        # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
+        # micro-batching too, whose first token is "real"), and its worker does not carry
+        # router_padding_mask into micro-batches
+        valid = attn & nonzero_rows(sel, recorded=source == "recorded").to(attn.device)
+    rb = ReplayBatch.from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
     if source != "recorded":
         rb = drop_final_invalid_rows(rb)
     return rb

@@ -282,17 +282,20 @@ class FirstSeenRoutesMixin:
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
         prev = agent_loop_state.rollout_expert_indices
-        state = super()._update_agent_loop_state_with_multiturn_chat_template(agent_loop_state, turn_output)
-        if state.rollout_expert_indices is not None:
-            state.rollout_expert_indices = merge_first_seen(prev, turn_output.rollout_expert_indices)
-        return state
+        sup = super()._update_agent_loop_state_with_multiturn_chat_template
+        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
         prev = agent_loop_state.rollout_expert_indices
-        state = super()._update_agent_loop_state_with_singleturn_chat_template(agent_loop_state, turn_output)
-        if state.rollout_expert_indices is not None:
-            state.rollout_expert_indices = merge_first_seen(prev, turn_output.rollout_expert_indices)
-        return state
+        sup = super()._update_agent_loop_state_with_singleturn_chat_template
+        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
+
+
+def _first_seen(state, previous, turn_output):
+    """``state`` with the turn's routes merged first-seen into the rows earlier turns returned."""
+    if state.rollout_expert_indices is not None:
+        state.rollout_expert_indices = merge_first_seen(previous, turn_output.rollout_expert_indices)
+    return state
 
 
 def policy_worker_class(config=None, num_gpus: int = 1):

@@ -2,7 +2,7 @@
 
 What SkyRL 0.3.x hands around per engine call, ``InferenceEngineOutput["rollout_expert_indices"]
 [i]``, ``[prompt + generated - 1, num_hidden_layers, K]``, in any of vLLM's transports
-(:func:`r3bridge.ingest.decode_vllm_routes`): in-process ``CompletionOutput.routed_experts``,
+(:func:`r3bridge.decoders.decode_vllm_routes`): in-process ``CompletionOutput.routed_experts``,
 SkyRL 0.3.0's ``/skyrl/v1/generate`` JSON lists, base64 ``.npy`` (vLLM's OpenAI serving, newer
 SkyRL).
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from r3bridge.errors import RouteShapeError
-from r3bridge.ingest import decode_vllm_routes, rollout_routes
+from r3bridge.decoders import decode_vllm_routes
+from r3bridge.ingest import first_seen_rows, rollout_routes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen"]
@@ -41,14 +41,11 @@ class SkyRLRollout:
 
 
 def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[list]:
-    """SkyRL's per-sample list ``[rows, L_all, K]`` accumulated over turns, first-seen: rows the
-    earlier turns returned are kept, the new call only contributes rows past them. (Both start at
-    row 0: SkyRL sends the whole conversation as each turn's prompt.)"""
+    """SkyRL's per-sample list ``[rows, L_all, K]`` accumulated over turns, first-seen
+    (:func:`r3bridge.ingest.first_seen_rows`; both start at row 0: SkyRL sends the whole
+    conversation as each turn's prompt)."""
     if new is None:
         return previous
     if previous is None or len(previous) == 0:
         return list(new)
-    if len(new) and (len(new[0]) != len(previous[0]) or len(new[0][0]) != len(previous[0][0])):
-        raise RouteShapeError(f"turn routes are [*, {len(new[0])}, {len(new[0][0])}], earlier turns "
-                              f"[*, {len(previous[0])}, {len(previous[0][0])}]")
-    return list(previous) + list(new[len(previous):])
+    return first_seen_rows([previous, new])[0].tolist()

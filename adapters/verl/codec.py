@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.canonical import drop_final_invalid_rows, nonzero_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch
 
@@ -69,30 +70,16 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
             raise LayerMappingError(f"rollout {ROUTES_KEY} have {nl} layers but the model has "
                                     f"num_hidden_layers={num_hidden_layers} (engine and trainer disagree)")
         sel = values.index_select(1, torch.tensor(moe, dtype=torch.long, device=values.device))
-    k = int(sel.shape[2])
-    if source == "recorded" and k == 1:
-        valid = torch.ones(sel.shape[0], dtype=torch.bool, device=sel.device)
-    else:
-        valid = (sel != 0).flatten(1).any(1)
-    if source != "recorded" and rows:
-        # The final token never fed the engine: drop its (zero) row, keep it if it is a real one.
-        lens = torch.tensor(rows, dtype=torch.long)
-        ends = lens.cumsum(0) - 1
-        last_zero = torch.zeros(len(rows), dtype=torch.bool)
-        last_zero[lens > 0] = ~valid.cpu()[ends[lens > 0]]
-        if bool(last_zero.any()):
-            keep = torch.ones(sel.shape[0], dtype=torch.bool)
-            keep[ends[last_zero]] = False
-            keep = keep.to(sel.device)
-            sel, valid = sel[keep], valid[keep]
-            rows = (lens - last_zero.long()).tolist()
-    if invalid_rows == "error" and not bool(valid.all()):
-        bad = int((~valid).nonzero()[0])
-        seq = int((torch.tensor(rows).cumsum(0) <= bad).sum())
+    valid = nonzero_rows(sel, recorded=source == "recorded")
+    rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+    if source != "recorded":
+        rb = drop_final_invalid_rows(rb)     # the final token never fed the engine
+    if invalid_rows == "error" and not bool(rb.valid.all()):
+        bad = int((~rb.valid).nonzero()[0])
+        seq = int((rb.offsets[1:] <= bad).sum())
         raise CoverageError(f"sample {seq} of the micro-batch has rows without a route (zero rows in "
                             f"{ROUTES_KEY}) and r3bridge.invalid_rows='error'")
-    return ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid,
-                                   source=source)
+    return rb
 
 
 def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:

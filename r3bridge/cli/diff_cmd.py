@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from r3bridge.cli._common import (CliError, fmt_ids, fmt_pct, info, load_batch, print_json, pyplot,
-                                  save_figure, table)
+from r3bridge.cli._common import CliError, fmt_ids, fmt_pct, info, load_batch, print_json, pyplot, save_figure, table
 from r3bridge.errors import ReplayError
 from r3bridge.metrics import AgreementReport, route_agreement
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from r3bridge.cli._common import (fmt_ids, fmt_num, fmt_pct, info, load_batch, print_json, pyplot,
-                                  save_figure, table)
+from r3bridge.cli._common import fmt_ids, fmt_num, fmt_pct, info, load_batch, print_json, pyplot, save_figure, table
 from r3bridge.metrics import expert_load
 from r3bridge.schema import ReplayBatch
 

@@ -1,6 +1,7 @@
 """Configurations under which replay cannot be exact are refused up front (design principle 6).
 
-Each check names the option and why: these are the silent bypasses of field-notes section 2/5.
+Each check names the option and why: each is an option under which
+megatron would bypass the router hook silently (docs/driver-api.md).
 """
 from __future__ import annotations
 

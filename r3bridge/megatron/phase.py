@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import CoverageError, ReplayStateError
-from r3bridge.canonical import with_empty_sequences
 from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch
 

@@ -1,7 +1,7 @@
 """R2: gather the routes recorded in a forward-only pass into per-sample routes.
 
-Tensor collectives only (verl's ``pp_gather`` pickles CPU tensors through ``all_gather_object``:
-field-notes 8.10). Every rank can compute every peer's payload size from the layout and the
+Tensor collectives only (verl's ``pp_gather`` pickles CPU tensors through ``all_gather_object``,
+docs/benchmarks.md P4). Every rank can compute every peer's payload size from the layout and the
 micro-batches' ``seq_lens``, so no size exchange is needed:
 
 1. TP all-gather (only with sequence parallel: otherwise every TP rank routed every row),

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from r3bridge.config import Action
 from r3bridge._validate import locate
+from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.schema import ReplayBatch, route_dtype

@@ -11,7 +11,7 @@ Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megat
 * ``data``      - packed batches, CP zigzag split, router row -> token mapping
 * ``schedule``  - forward step, ``run_schedule``, gradient sync, optimizer helpers
 * ``probe``     - ``RoutingProbe`` (router call recorder), ``topk_indices``
-* ``cells``     - ready-made build/train/forward cells returning picklable results
+* ``conformance`` - the adapter conformance suite (docs/porting.md)
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ _EXPORTS = {
     "sync_grads": "schedule",
     "RoutingProbe": "probe",
     "topk_indices": "probe",
-    "Cell": "cells",
-    "run_cells": "cells",
 }
 
 __all__ = sorted(_EXPORTS)

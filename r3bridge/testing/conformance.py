@@ -28,15 +28,15 @@ to run one framework pass on harness chunks). Everything returns plain data or r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from r3bridge.canonical import canonical_form, with_empty_sequences
 from r3bridge.ingest import stitch
 from r3bridge.layout import ParallelLayout
-from r3bridge.canonical import canonical_form, with_empty_sequences
 from r3bridge.protocols import BatchCodec
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard

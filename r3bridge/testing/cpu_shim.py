@@ -213,7 +213,7 @@ class _CpuTorchProxy(types.ModuleType):
 
 
 def _proxy_torch_in(module: types.ModuleType) -> None:
-    if not isinstance(getattr(module, "torch"), _CpuTorchProxy):
+    if not isinstance(module.torch, _CpuTorchProxy):
         module.torch = _CpuTorchProxy()  # type: ignore[attr-defined]
 
 

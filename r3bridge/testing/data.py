@@ -15,6 +15,7 @@ Conventions (field notes section 3):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -172,3 +173,12 @@ def real_token_positions(batch: PackedBatch) -> torch.Tensor:
     for i, (n, off) in enumerate(zip(batch.seq_lens, batch.cu_seqlens_padded[:-1].tolist())):
         key[off : off + n] = i * 2**20 + torch.arange(n)
     return key
+
+
+def batch_to(batch: PackedBatch, device: str) -> PackedBatch:
+    """``batch`` with every tensor on ``device`` (the same object on the CPU)."""
+    if device == "cpu":
+        return batch
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
+                                         for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})

@@ -25,15 +25,14 @@ from typing import Any
 
 import torch
 
-from r3bridge.config import Phase, ReplayMode, phase_plan
+from r3bridge.config import Phase, phase_plan
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
-from r3bridge.testing.data import align_for, make_packed_batch
+from r3bridge.testing.data import align_for, batch_to, make_packed_batch
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.replay_grid import batch_to
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 

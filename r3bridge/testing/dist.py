@@ -10,6 +10,7 @@ megatron on a small CI box.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
@@ -63,6 +64,7 @@ class RankContext:
     etp_rank: int
     dp_rank: int  # data-parallel rank without CP (samples differ across dp ranks)
     seed: int
+    layout_index: int = 0  # position of this layout in spawn_layouts' list (per-layout test cases)
 
     @property
     def layout(self) -> Layout:
@@ -172,7 +174,7 @@ def _worker(
         from megatron.core import parallel_state as ps
 
         for idx, layout in enumerate(layouts):
-            ctx = _init_layout(layout, rank, world_size, seed)
+            ctx = dataclasses.replace(_init_layout(layout, rank, world_size, seed), layout_index=idx)
             try:
                 out = fn(ctx, *args)
             finally:

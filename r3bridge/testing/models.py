@@ -86,7 +86,7 @@ class SequenceParallelTorchNorm:
         cfg.sequence_parallel = False
         norm = WrappedTorchNorm(cfg, hidden_size, eps, **kwargs)
         for p in norm.parameters():
-            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+            p.sequence_parallel = bool(config.sequence_parallel)
         return norm
 
 

@@ -2,7 +2,7 @@
 
     python scripts/gpu/nccl_conformance.py [--gpus 2] [--cells tp2_sp,pp2_1f1b,...] [--json OUT]
 
-One process per GPU. Each cell runs r3bridge.testing.replay_grid.run_cell (R3 forward-only then
+One process per GPU. Each cell runs tests/megatron/replay_grid.py's run_cell (R3 forward-only then
 training step checked router call by router call against an independent packing reference, R2
 record + replay with bit-identical logits, no state left) on CUDA with NCCL. The TP=PP=CP=1
 comparison of the CPU grid is skipped: bf16 kernels differ across layouts.
@@ -22,12 +22,15 @@ import traceback
 
 import torch
 
+# the CPU grid's scenarios are r3bridge's own tests (tests/megatron); worker processes inherit this
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "megatron"))
+
 CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_recompute", "mtp",
          "pp2_uneven_dense_stage"]
 
 
 def gpu_cells(names):
-    from r3bridge.testing.replay_grid import default_cells
+    from replay_grid import default_cells
 
     out = []
     for c in default_cells():
@@ -45,9 +48,9 @@ def worker(rank: int, world: int, port: int, names: list[str], q) -> None:
     torch.cuda.set_device(rank)
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
+    from replay_grid import cell_world_size, run_cell
 
     from r3bridge.testing.dist import _init_layout
-    from r3bridge.testing.replay_grid import cell_world_size, run_cell
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -83,7 +86,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.cells == "all":
-        from r3bridge.testing.replay_grid import default_cells
+        from replay_grid import default_cells
         a.cells = ",".join(c.name for c in default_cells())
     mp = torch.multiprocessing.get_context("spawn")
     q = mp.Queue()

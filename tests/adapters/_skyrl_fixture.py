@@ -23,8 +23,8 @@ from r3bridge.adapters.skyrl import (
     training_batch_fields,
 )
 from r3bridge.adapters.skyrl._compat import import_skyrl
-from r3bridge.ingest import decode_vllm_routes
 from r3bridge.config import ReplayConfig
+from r3bridge.decoders import decode_vllm_routes
 from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import CanonicalRollout
 

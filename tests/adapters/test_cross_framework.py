@@ -66,9 +66,10 @@ def verl_batch(rollout):
 
 
 def ingest_all(rollout) -> dict[str, ReplayBatch]:
-    from r3bridge.adapters.areal import ArealCodec
     import _areal_fixture as ac
     import _skyrl_fixture as sk
+
+    from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
 
     return {
@@ -109,9 +110,10 @@ def test_more_experts_than_uint8():
 
 def test_recorded_routes_same_in_every_framework():
     """R2: routes recorded by the trainer, written back in each framework's own layout, read back."""
-    from r3bridge.adapters.areal import ArealCodec
     import _areal_fixture as ac
     import _skyrl_fixture as sk
+
+    from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
 
     rollout = make_rollout(8, batch_size=5)
@@ -144,3 +146,23 @@ def test_same_replay_mode_key(monkeypatch):
         for phase in Phase:
             assert skyrl_cfg({"replay_mode": mode}).plan(phase) == areal_cfg({"replay_mode": mode}).plan(phase) \
                 == phase_plan(mode, phase)
+
+
+def test_verl_codec_checks_1_to_3():
+    """verl's codec through the suite like the others: its own batch reads back canonical (1),
+    R2 routes survive verl's own dynamic micro-batching, also after a permutation (2), and give
+    the same rank targets as the canonical batch (3)."""
+    from r3bridge.adapters.verl import VerlCodec
+    from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split
+
+    rollout = make_rollout(4, batch_size=6)
+    codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_hidden_layers=rollout.num_layers)
+    got = check_ingest(codec, verl_batch(rollout), rollout, "verl")
+    lens = [len(t) for t in rollout.tokens]
+    g = torch.Generator().manual_seed(5)
+    rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
+                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+    assert check_recorded_survives_split(codec, verl_batch(rollout), rec, parts=(1, 2, 3),
+                                         orders=(None, [4, 2, 0, 5, 1, 3])) >= 2 * (1 + 2 + 3)
+    assert check_same_targets({"verl": got, "canonical": rollout.expected()}, lens) > 0

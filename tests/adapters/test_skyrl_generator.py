@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-
 from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, PolicyWorkerMixin  # noqa: E402
 from r3bridge.adapters.skyrl._compat import import_skyrl  # noqa: E402
 

@@ -8,12 +8,12 @@ reads). vLLM is represented by its exact output formats (``wire``).
 """
 from __future__ import annotations
 
+import _skyrl_fixture as sk
 import numpy as np
 import pytest
 import torch
 
 from r3bridge import ReplayBatch
-from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
 from r3bridge.adapters.skyrl import (
     MASK_KEY,
     ROUTES_KEY,
@@ -24,9 +24,8 @@ from r3bridge.adapters.skyrl import (
     rollout_routes,
     training_batch_fields,
 )
-import _skyrl_fixture as sk
+from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
-
 
 
 def _arr(rows, layers=4, k=2, seed=0, dtype=np.uint8):

@@ -8,10 +8,9 @@ chunks (``SkyRLRunner.attach``); the BSHD path runs the harness model unchanged.
 from __future__ import annotations
 
 import pytest
+import skyrl  # noqa: E402,F401  (installed by `make install`: never skipped)
 
 from r3bridge.testing.dist import Layout, spawn_layouts
-
-import skyrl  # noqa: E402,F401  (installed by `make install`: never skipped)
 
 GROUPS = [[0, 3], [1, 2], [4, 5], [6, 7]]           # micro-batches of the compute_log_prob pass
 REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]        # R2 replay re-partitioned differently
@@ -19,6 +18,7 @@ REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]        # R2 replay re-partitioned d
 
 def _cell(ctx, thd: bool, spec_kw: dict):
     from _skyrl_fixture import SkyRLRunner
+
     from r3bridge.testing.conformance import make_rollout, megatron_r2_check, megatron_r3_check
     from r3bridge.testing.models import ModelSpec, build_model_chunks
 
@@ -36,18 +36,12 @@ def _cell(ctx, thd: bool, spec_kw: dict):
     out["r3"] = megatron_r3_check(ctx, SkyRLRunner(remove_microbatch_padding=thd), rollout, GROUPS, chunks)
     chunks = build()
     out["r2"] = megatron_r2_check(ctx, SkyRLRunner(remove_microbatch_padding=thd), rollout, GROUPS, REGROUPED, chunks)
-    out["pp_rank"] = ctx.pp_rank
+    out["pp_rank"], out["pp"] = ctx.pp_rank, ctx.pp
     return out
 
 
 def _worker(ctx, cells):
-    global _I
-    i = _I
-    _I += 1
-    return _cell(ctx, *cells[i])
-
-
-_I = 0
+    return _cell(ctx, *cells[ctx.layout_index])
 
 
 @pytest.mark.slow
@@ -60,14 +54,15 @@ _I = 0
 ])
 def test_skyrl_wrapper_replays_exactly(world, layouts, cells):
     res = spawn_layouts(_worker, world_size=world, layouts=layouts, args=(cells,), timeout=600)
-    for li, per_rank in enumerate(res):
+    for per_rank in res:
         for r in per_rank:
             assert r["r3"]["errors"] == [], r["r3"]["errors"]
             assert r["r3"]["checked_rows"] > 0
             assert r["r3"]["metrics"]["r3bridge/coverage"] > 0.5
             r2 = r["r2"]
             assert r2["recorded_rows"] is not None and len(r2["recorded_rows"]) == 8
-            if r2["max_logprob_diff"] is not None:           # last pipeline stage
+            assert (r2["max_logprob_diff"] is None) == (r["pp_rank"] != r["pp"] - 1), r2   # the last stage compares
+            if r2["max_logprob_diff"] is not None:
                 assert r2["max_logprob_diff"] < 1e-5, r2
             assert r2["agreement"] == pytest.approx(1.0), r2
             # the update's driver metrics reach SkyRL's own metrics, tagged by phase

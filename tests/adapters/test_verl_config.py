@@ -7,7 +7,6 @@ import os
 from types import SimpleNamespace
 
 import pytest
-
 import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 

@@ -15,16 +15,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
+from _verl_batches import MOE, NUM_LAYERS, E, K, make_verl_batch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches  # noqa: E402
 
-from _verl_batches import E, K, MOE, NUM_LAYERS, make_verl_batch  # noqa: E402
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import Action, ReplayConfig  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
 
@@ -221,9 +220,9 @@ def test_missing_or_conflicting_routes_are_config_errors():
 
 
 def test_mismatch_metrics_and_other_stages():
-    import r3bridge.metrics  # noqa: F401
     from verl.workers.utils.padding import no_padding_2_padding
 
+    import r3bridge.metrics  # noqa: F401
     from r3bridge.metrics import logprob_mismatch
 
     td = batch()

@@ -10,28 +10,32 @@ The routes each router actually dispatched are checked with the harness's own pa
 """
 from __future__ import annotations
 
+import sys
 import traceback
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 import verl  # noqa: E402,F401
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
-from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.verl.codec import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import ReplayConfig  # noqa: E402
-from r3bridge.testing import replay_grid as grid  # noqa: E402
 from r3bridge.testing.data import align_for, make_packed_batch  # noqa: E402
 from r3bridge.testing.dist import Layout, spawn_layouts  # noqa: E402
 from r3bridge.testing.models import ModelSpec, build_model_chunks  # noqa: E402
 from r3bridge.testing.probe import RoutingProbe  # noqa: E402
 from r3bridge.testing.schedule import make_forward_step, run_schedule  # noqa: E402
+
+# the driver grid's route builder and probe check (r3bridge's own test scenarios, tests/megatron)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+import replay_grid as grid  # noqa: E402
 
 NUM_LAYERS = 4
 HF = {"model_type": "deepseek_v3", "num_hidden_layers": NUM_LAYERS, "first_k_dense_replace": 1,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
+from _verl_batches import MOE, NUM_LAYERS, E, K, make_verl_batch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
@@ -24,8 +24,6 @@ from r3bridge.adapters.verl.codec import (  # noqa: E402
     routes_to_nested,
 )
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
-
-from _verl_batches import E, K, MOE, NUM_LAYERS, make_verl_batch  # noqa: E402
 
 
 def expected_rollout_batch(engine, prompt_lens, resp_lens):

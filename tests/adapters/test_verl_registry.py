@@ -7,16 +7,15 @@ import subprocess
 import sys
 
 import pytest
-
 import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 
 
 def test_registry_resolves_to_adapter_engine(monkeypatch):
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "nvidia")
-    import r3bridge.adapters.verl as adapter
     from verl.workers.engine import EngineRegistry, MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+    import r3bridge.adapters.verl as adapter
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
     assert adapter.LOADED and adapter.LOAD_ERROR is None
@@ -32,8 +31,9 @@ def test_registry_resolves_to_adapter_engine(monkeypatch):
 
 
 def test_failed_registration_is_logged_not_hidden(caplog, monkeypatch):
-    import r3bridge.adapters.verl as adapter
     from verl.workers.engine.base import EngineRegistry
+
+    import r3bridge.adapters.verl as adapter
 
     slot = EngineRegistry._engines["language_model"]["megatron"]
     monkeypatch.setitem(slot, ("cuda", "nvidia"), object)
@@ -50,8 +50,9 @@ def test_failed_registration_is_logged_not_hidden(caplog, monkeypatch):
 
 def test_failed_registration_fails_the_worker_when_replay_was_asked_for(monkeypatch):
     # verl's external_lib import lets this ImportError fail the worker instead of training without replay
-    import r3bridge.adapters.verl as adapter
     from verl.workers.engine.base import EngineRegistry
+
+    import r3bridge.adapters.verl as adapter
 
     slot = EngineRegistry._engines["language_model"]["megatron"]
     monkeypatch.setitem(slot, ("cuda", "nvidia"), object)

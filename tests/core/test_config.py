@@ -4,12 +4,11 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+import omegaconf
 import pytest
 
 from r3bridge import ConfigError
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode, phase_plan
-
-import omegaconf
 
 YAML = Path(__file__).resolve().parents[2] / "configs" / "r3bridge.yaml"
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from r3bridge.errors import LayerMappingError
 from r3bridge.hf import moe_layer_ids_from_hf_config, num_experts_from_hf_config, topk_from_hf_config
-
-import transformers
 
 TINY = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=64)

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import (CoverageError, LayerMappingError, ParallelLayout, PayloadError, ReplayBatch, RouteShapeError,
-                      RouteValueError, shard)
+from r3bridge import (
+    CoverageError,
+    LayerMappingError,
+    ParallelLayout,
+    PayloadError,
+    ReplayBatch,
+    RouteShapeError,
+    RouteValueError,
+    shard,
+)
 
 from ._reference import random_routes
 

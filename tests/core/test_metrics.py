@@ -14,9 +14,17 @@ import pytest
 import torch
 
 import r3bridge
-from r3bridge.metrics import (AgreementCounter, MetricsInputError, expert_load,
-                              logprob_mismatch, logprob_mismatch_packed, logprob_mismatch_sums,
-                              mismatch_from_sums, route_agreement, topk_sets_equal)
+from r3bridge.metrics import (
+    AgreementCounter,
+    MetricsInputError,
+    expert_load,
+    logprob_mismatch,
+    logprob_mismatch_packed,
+    logprob_mismatch_sums,
+    mismatch_from_sums,
+    route_agreement,
+    topk_sets_equal,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 P = "r3bridge/mismatch/"

@@ -1,4 +1,4 @@
-"""One test per bug the peers shipped (field-notes section 8) that belongs to the core."""
+"""One test per bug the peers shipped (docs/architecture.md, "Findings worth knowing") that belongs to the core."""
 from __future__ import annotations
 
 import base64
@@ -108,9 +108,8 @@ def test_whole_tensor_zigzag_on_packed_batch_differs_and_ours_is_per_sequence():
     """miles #774 applied megatron's BSHD ``get_batch_on_this_cp_rank`` (one zigzag over the
     whole packed tensor) to a THD batch of several sequences. On a 2-sequence batch that places
     different tokens than the per-sequence zigzag the THD attention kernel uses."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
     import verl.models.mcore.util as vu
+    from megatron.core.utils import get_batch_on_this_cp_rank
     cp, seq_lens = 2, [8, 16]
     tags = torch.cat([torch.arange(n) + 1 + 100 * i for i, n in enumerate(seq_lens)])   # padded already
     arrays = [np.stack([[[p % 8, (p + 1) % 8]] for p in range(n)]) for n in seq_lens]

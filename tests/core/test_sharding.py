@@ -16,9 +16,16 @@ import r3bridge
 from r3bridge import LayoutError, ParallelLayout, ReplayBatch, shard, unshard
 from r3bridge.sharding import PackPlan
 
-from ._reference import (expected_from_tags, megatron_parallel_state, megatron_sp_scatter,
-                         reference_bshd_tags, reference_padded_lens, reference_rank_tags,
-                         tag_route, tag_routes)
+from ._reference import (
+    expected_from_tags,
+    megatron_parallel_state,
+    megatron_sp_scatter,
+    reference_bshd_tags,
+    reference_padded_lens,
+    reference_rank_tags,
+    tag_route,
+    tag_routes,
+)
 from .strategies import batches, layouts
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -39,8 +46,8 @@ def _all_ranks(layout: ParallelLayout):
 
 # ------------------------------------------------------------------------------ worked example
 def test_worked_example_tp2_cp2_one_13_token_sequence():
-    """field-notes section 3: align 8 -> 16 tokens, chunks C0..C3 of 4."""
-    E, K = 64, 2
+    """TP2 x CP2, one 13-token sequence: align 8 -> 16 tokens, chunks C0..C3 of 4."""
+    E = 64
     routes = [np.array([[[t, t + 20]] for t in range(13)])]       # token t routes to {t, t+20}
     rb = ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=[0])
     lay = ParallelLayout(1, 1, tp=2, cp=2)

@@ -37,7 +37,7 @@ def test_resubmit_whole_prefix_again_is_deduplicated_not_concatenated():
     rng = np.random.default_rng(1)
     first = random_routes(rng, 8, L, K, E)
     again = np.concatenate([first, random_routes(rng, 5, L, K, E)])   # aborted, resubmitted from 0
-    out, rep = ReplayBatch.stitch([piece([first], [0]), piece([again], [0])])
+    out, rep = stitch([piece([first], [0]), piece([again], [0])])
     assert out.rows_per_seq == [13]                           # not 8 + 13 = 21
     assert np.array_equal(out.routes.numpy(), again)
     assert rep.overlap_rows == [8] and rep.disagreeing_rows == [0]
@@ -106,7 +106,7 @@ def test_stitch_equals_first_seen_dictionary_reference(data):
     n_pieces = data.draw(st.integers(1, 4))
     pieces, first_seen, lo, hi = [], {}, None, None
     overlap = disagree = 0
-    for t in range(n_pieces):
+    for _ in range(n_pieces):
         if lo is None:
             s = data.draw(st.integers(0, 5))
         else:

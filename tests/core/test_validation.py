@@ -7,8 +7,15 @@ import pytest
 import torch
 
 import r3bridge
-from r3bridge import (CoverageError, LayerMappingError, ParallelLayout, ReplayBatch, ReplayError,
-                      RouteShapeError, RouteValueError)
+from r3bridge import (
+    CoverageError,
+    LayerMappingError,
+    ParallelLayout,
+    ReplayBatch,
+    ReplayError,
+    RouteShapeError,
+    RouteValueError,
+)
 
 from ._reference import random_routes
 

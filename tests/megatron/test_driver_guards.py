@@ -1,9 +1,9 @@
-"""Driver guards and the peer bugs of field-notes section 8 on a real CPU megatron model."""
+"""Driver guards and the bugs peer frameworks shipped, on a real CPU megatron model."""
 from __future__ import annotations
 
 import pytest
+from driver_checks import GUARDED_OPTIONS, run_driver_checks
 
-from r3bridge.testing.driver_checks import GUARDED_OPTIONS, run_driver_checks
 from r3bridge.testing.dist import spawn
 
 

@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from cells import Cell, CellResult, run_cells
 
 from r3bridge.testing import dist
-from r3bridge.testing.cells import Cell, CellResult, run_cells
 from r3bridge.testing.data import (
     align_for,
     cp_zigzag_index,
@@ -303,7 +303,7 @@ def check_same_as_reference(ref: list[CellResult], par: list[CellResult]) -> Non
                 a = _stack(_real_rows(getattr(ref0, phase)[mb], ref0.micro_batches[mb]))
                 b = _stack(_real_rows(getattr(res, phase)[mb], res.micro_batches[mb]))
                 torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4,
-                                           msg=lambda m: f"{res.name} {phase} mb{mb}: {m}")
+                                           msg=lambda m, where=f"{res.name} {phase} mb{mb}": f"{where}: {m}")
         assert res.train_losses == pytest.approx(ref0.train_losses, abs=1e-5, rel=1e-5)
     # Routing: every parallel router row, mapped to its packed token with router_row_index,
     # chose the same experts as the reference router of that layer for that token.

@@ -1,21 +1,20 @@
 """Misuse and peer-bug scenarios of the Megatron driver, run on one real CPU model (one rank).
 
 ``run_driver_checks`` returns, per scenario, what happened: the exception type and message, or
-the observations the test asserts on. Each scenario is a peer bug of field-notes section 8 or a
-guard of design principle 6.
+the observations the test asserts on. Each scenario is a bug a peer framework shipped or a
+driver guard (docs/driver-api.md).
 """
 from __future__ import annotations
 
 import traceback
 from typing import Any, Callable
 
-import torch
+from replay_grid import _install_step, make_routes
 
 from r3bridge.testing.data import make_packed_batch
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.replay_grid import _install_step, make_routes
 from r3bridge.testing.schedule import make_forward_step, run_schedule
 
 GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {

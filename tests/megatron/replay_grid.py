@@ -20,13 +20,13 @@ import dataclasses
 import gc
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ReplayBatch
-from r3bridge.testing.data import PackedBatch, align_for, make_packed_batch, router_row_index
+from r3bridge.testing.data import PackedBatch, align_for, batch_to, make_packed_batch, router_row_index
 from r3bridge.testing.dist import Layout, RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
@@ -174,14 +174,6 @@ def run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") ->
         return {"error": traceback.format_exc()}
 
 
-def batch_to(batch: PackedBatch, device: str) -> PackedBatch:
-    if device == "cpu":
-        return batch
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
-                                         for f in dataclasses.fields(batch)
-                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
-
-
 def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
@@ -213,7 +205,14 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
         ids[id(b)] = list(range(start, start + len(b.seq_lens)))
         start += len(b.seq_lens)
     by_batch = {id(b): r for b, r in zip(batches, routes)}
-    out: dict[str, Any] = {"layers": rep.layer_ids, "mtp_routers": rep.mtp_router_count}
+    from r3bridge.megatron.hook import RouterHook
+    # every router module that carries a replay hook, walked from the chunks (not the replayer's
+    # own bookkeeping): a layer hooked twice, or an MTP router hooked, shows up here
+    hooked = [m.router_replay.layer_id for c in chunks for m in c.modules()
+              if isinstance(getattr(m, "router_replay", None), RouterHook)]
+    out: dict[str, Any] = {"layers": rep.layer_ids, "hooked_layers": sorted(hooked),
+                           "mtp_routers": rep.mtp_router_count}
+    hooks_before = [(len(c._forward_pre_hooks), len(c._forward_hooks)) for c in chunks]
     local_layers = rep.layer_ids
 
     # 1. R3: forward-only replay (a log-prob pass), then a training step with a probe.
@@ -226,7 +225,9 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     out["r3_errors"] = _check_probe(probe, batches, routes, ctx, sp, spec.recompute is not None, local_layers)
     out["r3_metrics"] = st.metrics
     out["mtp_calls"] = sum(1 for c in probe.calls if c.mtp)
-    out["state_clean"] = rep.active_step is None and not st._live and not any(st._recompute.values())
+    # after the steps: no step active, and every module hook a step registered is gone
+    out["state_clean"] = rep.active_step is None and hooks_before == [
+        (len(c._forward_pre_hooks), len(c._forward_hooks)) for c in chunks]
 
     # 2. R2: record in a forward-only pass, replay the recorded routes, logits bit-identical.
     collect = make_forward_step(ctx, thd=thd, collect_logits=True)
@@ -270,15 +271,9 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
 
 
 def grid_worker(ctx: RankContext, cells: list[Cell]) -> dict[str, Any]:
-    """spawn_layouts calls this once per (cell, parallel|serial) layout, in order."""
-    global _CURSOR
-    i = _CURSOR
-    _CURSOR += 1
-    cell = cells[i // 2]
-    return run_cell(ctx, cell, serial=bool(i % 2))
-
-
-_CURSOR = 0
+    """spawn_layouts calls this once per (cell, parallel|serial) layout of :func:`layouts_for`."""
+    i = ctx.layout_index
+    return run_cell(ctx, cells[i // 2], serial=bool(i % 2))
 
 
 def layouts_for(cells: list[Cell]) -> list[Layout]:

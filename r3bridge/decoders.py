@@ -1,0 +1,159 @@
+"""Engine and trainer payloads -> integer arrays, before any `ReplayBatch` exists.
+
+The bottom of the ingest path: :mod:`r3bridge.schema` builds batches from what these return
+(``ReplayBatch.from_vllm`` / ``from_sglang`` / ``from_padded``) and :mod:`r3bridge.ingest` stitches
+engine calls; nothing here imports either. Formats (docs/frameworks.md):
+
+* vLLM ``CompletionOutput.routed_experts``: ``[prompt + generated - 1, num_hidden_layers, K]``
+  uint8 (uint16 above 256 experts, int32 on older builds), read-only; aborted requests give None.
+  It travels in-process as the array, as nested lists over JSON, or as base64 of a ``.npy`` file
+  (vLLM's OpenAI serving).
+* SGLang ``meta_info["routed_experts"]``: base64 of flat int32, token-major then layer then k,
+  with ``prompt_tokens + completion_tokens - 1`` rows (minus the start offset).
+* Both report *every* decoder layer, dense ones as zero rows: :func:`select_layers` keeps the
+  layers in ``moe_layer_ids`` (never map by "i + offset").
+* The padded trainer layout ``[B, S, L, K]`` + ``[B, S]`` mask: :func:`padded_rows`.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+
+__all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "padded_rows"]
+
+
+def select_layers(arr: Any, moe_layer_ids: Sequence[int] | None, seq: int, what: str) -> Any:
+    """Keep only the MoE layers' columns of an all-layers ``[rows, num_hidden_layers, K]`` array."""
+    if arr.ndim != 3:
+        raise RouteShapeError(f"sequence {seq}: {what} routes must be [rows, layers, topk], got shape {tuple(arr.shape)}")
+    if moe_layer_ids is None:
+        return arr
+    ids = list(moe_layer_ids)
+    if ids and (max(ids) >= arr.shape[1] or min(ids) < 0):
+        raise LayerMappingError(f"sequence {seq}: moe_layer_ids {ids} out of range for {arr.shape[1]} reported layers")
+    return arr[:, ids, :]  # fancy indexing copies: read-only engine buffers are never aliased
+
+
+def decode_vllm_routes(payload: Any, *, seq: int = 0) -> np.ndarray | torch.Tensor:
+    """One vLLM call's ``routed_experts`` in any transport -> ``[rows, num_hidden_layers, K]``: a
+    ``CompletionOutput`` or its array / tensor (in-process), nested lists (JSON), or base64 of a
+    ``.npy`` byte stream, which carries shape and dtype in its header."""
+    if payload is None:
+        raise PayloadError(f"sequence {seq}: vLLM returned no routed_experts (aborted request, or the "
+                           f"engine was started without enable_return_routed_experts)")
+    if isinstance(payload, torch.Tensor):
+        a = payload.detach()
+        kind_ok = not a.is_floating_point() and not a.is_complex() and a.dtype is not torch.bool
+    else:
+        if isinstance(payload, np.ndarray):
+            a = payload
+        elif isinstance(payload, (str, bytes, bytearray)):
+            try:
+                a = np.load(io.BytesIO(base64.b64decode(payload, validate=True)), allow_pickle=False)
+            except (binascii.Error, ValueError, OSError) as e:
+                raise PayloadError(f"sequence {seq}: routed_experts is not base64 of a .npy array ({e})") from None
+        elif hasattr(payload, "routed_experts"):          # a vLLM CompletionOutput
+            return decode_vllm_routes(payload.routed_experts, seq=seq)
+        else:
+            a = np.asarray(payload)
+            if a.size == 0:
+                a = a.reshape(0, 0, 0)
+        kind_ok = a.dtype.kind in "iu"
+    if a.ndim != 3:
+        raise RouteShapeError(f"sequence {seq}: routed_experts must be [rows, layers, topk], got shape {tuple(a.shape)}")
+    if not kind_ok:
+        raise RouteShapeError(f"sequence {seq}: routed_experts must be integers, got {a.dtype}")
+    return a
+
+
+def sglang_rows(meta_info: Any, *, start: int = 0, seq: int = 0) -> int:
+    """Rows an SGLang response holds: ``prompt_tokens + completion_tokens - 1 - start``."""
+    if not isinstance(meta_info, Mapping):
+        raise PayloadError(f"sequence {seq}: meta_info must be a dict, got {type(meta_info).__name__}")
+    try:
+        return int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1 - int(start)
+    except KeyError as e:
+        raise PayloadError(f"sequence {seq}: meta_info lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise PayloadError(f"sequence {seq}: prompt_tokens / completion_tokens are not integers: "
+                           f"{meta_info.get('prompt_tokens')!r}, {meta_info.get('completion_tokens')!r}") from None
+
+
+def decode_sglang_routes(payload: Any, *, num_layers: int | None = None, topk: int | None = None,
+                         rows: int | None = None, seq: int = 0) -> np.ndarray:
+    """SGLang's ``routed_experts`` (base64 flat int32, or an array / tensor) -> int32
+    ``[rows, num_layers, topk]``; with ``num_layers`` / ``topk`` unknown (an inference engine that
+    does not know the model), ``[rows, num_layers * topk]`` for the given ``rows``."""
+    if isinstance(payload, dict):
+        raise PayloadError(f"sequence {seq}: routed_experts is a dict {payload!r}; SGLang serialises a raw "
+                           f"tensor as {{}} with skip_tokenizer_init: ask for the base64 form")
+    if isinstance(payload, (str, bytes, bytearray)):
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise PayloadError(f"sequence {seq}: routed_experts is not valid base64 ({e})") from None
+        if len(raw) % 4:
+            raise PayloadError(f"sequence {seq}: routed_experts decodes to {len(raw)} bytes, not a whole "
+                               f"number of int32 values")
+        flat = np.frombuffer(raw, dtype="<i4")
+    elif isinstance(payload, torch.Tensor):
+        flat = payload.detach().cpu().reshape(-1).numpy()
+    elif payload is None:
+        raise PayloadError(f"sequence {seq}: SGLang returned no routed_experts (request without "
+                           f"return_routed_experts, or server without --enable-return-routed-experts)")
+    else:
+        flat = np.asarray(payload).reshape(-1)
+    if flat.dtype.kind not in "iu":
+        raise RouteShapeError(f"sequence {seq}: routed_experts must be integers, got {flat.dtype}")
+    if num_layers is None or topk is None:
+        if rows is None or rows <= 0 or flat.size % rows:
+            raise PayloadError(f"sequence {seq}: {flat.size} ids are not {rows} rows (prompt + completion - 1)")
+        return flat.astype(np.int32, copy=False).reshape(rows, -1)
+    if num_layers < 1 or topk < 1:
+        raise RouteShapeError(f"sequence {seq}: num_layers ({num_layers}) and topk ({topk}) must be >= 1")
+    per_row = num_layers * topk
+    if flat.size % per_row:
+        raise PayloadError(f"sequence {seq}: routed_experts has {flat.size} ids, not divisible by "
+                           f"num_layers*topk = {num_layers}*{topk}")
+    n = flat.size // per_row
+    if rows is not None and n != rows:
+        raise PayloadError(f"sequence {seq}: routed_experts has {n} rows, expected {rows} "
+                           f"(prompt_tokens + completion_tokens - 1 - start)")
+    return flat.reshape(n, num_layers, topk)
+
+
+def padded_rows(routes: torch.Tensor, attention_mask: Any, valid: Any = None
+                ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """``[B, S, L, K]`` routes + ``[B, S]`` mask (left or right padded) -> (one row per unmasked
+    token ``[N, L, K]``, rows per sequence, their validity or None)."""
+    m = torch.as_tensor(np.asarray(attention_mask) if not isinstance(attention_mask, torch.Tensor)
+                        else attention_mask).bool().cpu()
+    if routes.dim() != 4:
+        raise RouteShapeError(f"padded routes must be [batch, seq, layers, topk], got shape {tuple(routes.shape)}")
+    if m.shape != routes.shape[:2]:
+        raise RouteShapeError(f"attention_mask shape {tuple(m.shape)} does not match routes' [batch, seq] "
+                              f"{tuple(routes.shape[:2])}")
+    # Unmasked tokens of a row must be one contiguous run (left, right or no padding).
+    lens = m.sum(1)
+    first = torch.where(lens > 0, m.float().argmax(1), torch.zeros_like(lens))
+    pos = torch.arange(m.shape[1])
+    expect = (pos[None, :] >= first[:, None]) & (pos[None, :] < (first + lens)[:, None])
+    bad = (expect != m).any(1).nonzero()
+    if bad.numel():
+        raise CoverageError(f"sequence {int(bad[0])}: attention_mask has holes; only left or right padding "
+                            f"is supported")
+    flat = routes[m.to(routes.device)]
+    v = None
+    if valid is not None:
+        vt = torch.as_tensor(np.asarray(valid) if not isinstance(valid, torch.Tensor) else valid).bool()
+        if vt.shape != m.shape:
+            raise RouteShapeError(f"valid mask shape {tuple(vt.shape)} does not match attention_mask {tuple(m.shape)}")
+        v = vt.cpu()[m]
+    return flat, lens.tolist(), v
