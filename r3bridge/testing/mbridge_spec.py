@@ -128,8 +128,13 @@ def seeded_init(chunks: list, *, num_layers: int, seed: int, init_std: float, ro
     values from (seed, canonical parameter name, full shape)), also for the strided TP partitions
     of gated ``linear_fc1`` weights that a bridge-built model has: rank r keeps strided pieces
     ``r, r + world, ...`` of the full tensor, as megatron's own CPU init does."""
-    from r3bridge.testing.models import ModelSpec, _full_init_value, _named_params_with_module, canonical_name, \
-        is_expert_param
+    from r3bridge.testing.models import (
+        ModelSpec,
+        _full_init_value,
+        _named_params_with_module,
+        canonical_name,
+        is_expert_param,
+    )
 
     spec = ModelSpec(num_layers=num_layers, seed=seed, init_std=init_std, router_init_std=router_init_std)
     ctx = rank_context_from_mpu(seed)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from mbridge.core import bridge as mb_bridge  # installed by `make install`
 
 from r3bridge.testing import mbridge_spec
