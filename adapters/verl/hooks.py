@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+from verl.workers.utils.padding import no_padding_2_padding
 
 from r3bridge.adapters.verl.codec import (
     ROUTES_KEY,
@@ -41,6 +42,7 @@ from r3bridge.hf import (
     num_hidden_layers_from_hf_config,
 )
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
+from r3bridge.metrics import logprob_mismatch
 
 logger = logging.getLogger("r3bridge.adapters.verl")
 
@@ -159,12 +161,6 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         out: dict[str, float] = {}
         logp = (output.get("model_output") or {}).get("log_probs")
         if logp is not None and data.get("rollout_log_probs", None) is not None:
-            try:
-                from verl.workers.utils.padding import no_padding_2_padding
-
-                from r3bridge.metrics import logprob_mismatch
-            except ImportError:
-                return out
             train = no_padding_2_padding(logp, data).float()
             rollout = _padded(data["rollout_log_probs"], train).float()
             mask = _padded(data["response_mask"], train).bool()
