@@ -12,6 +12,11 @@ install:
 	$(PIP) -e ".[megatron,verl,test]"
 	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4 skyrl-gym==0.4.0 \
 		jaxtyping==0.3.11 wadler-lindig loguru==0.7.3 colorlog==6.12.0 tenacity==9.2.1 lark==1.3.1 einops==0.8.2
+	# verl's real engine + worker test (tests/adapters/test_verl_real_*.py): verl 0.9.1 builds its
+	# Megatron model through mbridge (its own deps: einops above, already installed transformers /
+	# megatron-core); verl.workers.engine_workers imports fastapi and uvicorn (rollout utilities).
+	$(PIP) --no-deps mbridge==0.15.1
+	$(PIP) fastapi==0.165.0 uvicorn==0.54.0
 
 test: install
 	$(PY) -m pytest -q
