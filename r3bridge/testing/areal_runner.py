@@ -9,7 +9,7 @@ server's exact ``/generate`` JSON), with ``RemoteInfEngine.agenerate``'s resubmi
 r3bridge's ``WorkflowMixin`` (dedupe, multi-turn stitching, the trajectory's routes tensor).
 
 Trainer: :func:`r3bridge.testing.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with
-r3bridge's mixins). :func:`run_steps` runs ``compute_logp`` -> ``compute_advantages`` ->
+r3bridge's mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs ``compute_logp`` -> ``compute_advantages`` ->
 ``ppo_update`` (AReaL's GRPO loss and optimizer step) per step under a
 :class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call, forward and
 recompute, against the expected routes: the canonical rollout's (R3) or the routes recorded in
@@ -160,18 +160,23 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, n_re
     return errors, records, checked
 
 
-def run_steps(ctx: Any, chunks: list, mode: str, rollout: CanonicalRollout, *, steps: int = 2, n_mbs: int = 2,
+def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, steps: int = 2, n_mbs: int = 2,
               ppo_n_minibatches: int = 2, recompute: bool = True) -> dict:
     """``steps`` AReaL PPO steps on the same rollout (``compute_logp``, ``compute_advantages``,
     ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
     samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids: for comparing frameworks)."""
-    from r3bridge.testing.areal_engine import make_actor
+    from r3bridge.testing.areal_engine import chunks_of, make_actor, tiny_qwen3_moe
     from r3bridge.testing.probe import RoutingProbe
 
     st = import_areal("areal.utils.stats_tracker")
-    eng = make_actor(ctx, chunks, mode, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches, recompute=recompute)
+    hf = tiny_qwen3_moe(num_layers=rollout.num_layers,
+                        dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
+                        num_experts=rollout.num_experts, topk=rollout.topk)
+    eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
+                     recompute=recompute)
+    chunks = chunks_of(eng)
     layout = eng.r3_replay.layout
     canonical = rollout.expected()
     errors: list = []

@@ -3,7 +3,8 @@
 AReaL's own ``MegatronPPOActor`` (with r3bridge's ``MegatronEngineMixin`` / ``PPOActorMixin``)
 runs two PPO steps in a row: ``compute_logp`` (``forward_batch``), ``compute_advantages``,
 ``ppo_update`` (``train_batch`` with AReaL's GRPO loss, megatron's optimizer over DDP chunks,
-full recompute as AReaL's ``gradient_checkpointing`` default). Routes come from SGLang
+full recompute as AReaL's ``gradient_checkpointing`` default), on a tiny Qwen3-MoE that AReaL
+builds through mbridge (TE-free spec hook). Routes come from SGLang
 ``meta_info`` decoded by AReaL's own ``SGLangBackend``. Every router call, forward and recompute,
 is checked against the expected routes (r3bridge.testing.areal_runner). What stands in for what
 cannot run on this machine: docs/testing-harness.md, "AReaL's real engine".
@@ -25,19 +26,16 @@ MB = {(1, 1, None): dict(n_mbs=2, ppo_n_minibatches=2), (2, 1, None): dict(n_mbs
       (1, 2, 2): dict(n_mbs=2, ppo_n_minibatches=2)}
 
 
-def _cell(ctx):
+def _cell(ctx, workdir):
     from r3bridge.testing.areal_runner import run_steps
     from r3bridge.testing.conformance import make_rollout
-    from r3bridge.testing.models import ModelSpec, build_model_chunks
 
-    spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity", recompute="full",
-                     moe_token_dispatcher_type="alltoall", extra_config={"variable_seq_lengths": True})
-    rollout = make_rollout(11, batch_size=8, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk,
-                           max_prompt=40)
+    # 4 layers, layer 0 dense, 4 experts, top-2 (the model: the same, as a Qwen3-MoE through mbridge)
+    rollout = make_rollout(11, batch_size=8, num_experts=4, topk=2, max_prompt=40)
     kw = MB[(ctx.tp, ctx.pp, ctx.vpp)]
     out = {}
     for mode in ("R3", "R2"):
-        res = run_steps(ctx, build_model_chunks(spec, ctx), mode, rollout, steps=2, **kw)
+        res = run_steps(ctx, mode, rollout, f"{workdir}/rank{ctx.rank}", steps=2, **kw)
         res["num_records"] = len(res.pop("records"))
         out[mode] = res
     return out
@@ -70,14 +68,14 @@ def _check(lay, per_rank):
 
 
 @pytest.mark.slow
-def test_areal_engine_one_rank():
-    (per_rank,) = spawn_layouts(_cell, world_size=1, layouts=[Layout()], timeout=600)
+def test_areal_engine_one_rank(tmp_path):
+    (per_rank,) = spawn_layouts(_cell, world_size=1, layouts=[Layout()], args=(str(tmp_path),), timeout=600)
     _check(Layout(), per_rank)
 
 
 @pytest.mark.slow
-def test_areal_engine_tp2_and_pp2_vpp2():
+def test_areal_engine_tp2_and_pp2_vpp2(tmp_path):
     layouts = [Layout(tp=2), Layout(pp=2, vpp=2)]
-    res = spawn_layouts(_cell, world_size=2, layouts=layouts, timeout=900)
+    res = spawn_layouts(_cell, world_size=2, layouts=layouts, args=(str(tmp_path),), timeout=900)
     for lay, per_rank in zip(layouts, res):
         _check(lay, per_rank)
