@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -22,7 +23,8 @@ import torch
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, StitchError
 from r3bridge.schema import ReplayBatch, as_int_tensor
 
-__all__ = ["from_padded", "from_vllm", "from_sglang", "decode_sglang_routes", "stitch", "StitchReport"]
+__all__ = ["from_padded", "from_vllm", "from_sglang", "decode_vllm_routes", "decode_sglang_routes", "stitch",
+           "StitchReport", "rollout_routes"]
 
 
 def _select_layers(arr, moe_layer_ids: Sequence[int] | None, seq: int, what: str):
@@ -81,6 +83,37 @@ def from_vllm(items: Sequence[Any], *, num_experts: int, moe_layer_ids: Sequence
     layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
     return ReplayBatch.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids,
                                    start_rows=start_rows, source="vllm")
+
+
+def decode_vllm_routes(payload: Any, *, seq: int = 0) -> np.ndarray:
+    """One vLLM call's ``routed_experts`` in any transport -> ``[rows, num_hidden_layers, K]`` array:
+    a ``CompletionOutput`` or its numpy array / tensor (in-process), nested lists (JSON, e.g.
+    SkyRL 0.3's ``/skyrl/v1/generate``), or base64 of a ``.npy`` byte stream (vLLM's OpenAI
+    serving), which carries shape and dtype in its header."""
+    if payload is None:
+        raise PayloadError(f"sequence {seq}: no routed_experts (aborted request, or vLLM started "
+                           f"without enable_return_routed_experts)")
+    if isinstance(payload, np.ndarray):
+        a = payload
+    elif isinstance(payload, torch.Tensor):
+        a = payload.detach().cpu().numpy()
+    elif isinstance(payload, (str, bytes, bytearray)):
+        try:
+            raw = base64.b64decode(payload, validate=True)
+            a = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (binascii.Error, ValueError, OSError) as e:
+            raise PayloadError(f"sequence {seq}: routed_experts is not base64 of a .npy array ({e})") from None
+    elif hasattr(payload, "routed_experts"):          # a vLLM CompletionOutput
+        return decode_vllm_routes(payload.routed_experts, seq=seq)
+    else:
+        a = np.asarray(payload)
+        if a.size == 0:
+            a = a.reshape(0, 0, 0)
+    if a.ndim != 3:
+        raise RouteShapeError(f"sequence {seq}: routed_experts must be [rows, layers, topk], got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise RouteShapeError(f"sequence {seq}: routed_experts must be integers, got {a.dtype}")
+    return a
 
 
 def decode_sglang_routes(payload: Any, *, num_layers: int, topk: int, rows: int | None = None,
@@ -232,3 +265,28 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
                                   valid=torch.cat(seq_valid), source=a.source,
                                   policy_versions=a.policy_versions)
     return out, report
+
+
+def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_layer_ids: Sequence[int],
+                   start_rows: Sequence[Sequence[int]] | None = None,
+                   report: list | None = None) -> ReplayBatch:
+    """``calls[i][t]``: the routes engine call ``t`` of sample ``i`` returned (any vLLM transport,
+    :func:`decode_vllm_routes`), from row 0 of that call's prompt unless ``start_rows[i][t]`` says
+    otherwise (vLLM ``routed_experts_prompt_start``). Returns one sequence per sample, first-seen
+    rows kept, ``source="rollout"``. ``report`` (a list) receives one :class:`StitchReport` per
+    sample."""
+    per_sample = []
+    for i, sample_calls in enumerate(calls):
+        if not sample_calls:
+            raise PayloadError(f"sample {i}: no engine call returned routes")
+        arrays = [decode_vllm_routes(p, seq=i) for p in sample_calls]
+        starts = list(start_rows[i]) if start_rows is not None else [0] * len(arrays)
+        pieces = [from_vllm([a], num_experts=num_experts, moe_layer_ids=list(moe_layer_ids), start_rows=[s])
+                  for a, s in zip(arrays, starts)]
+        rb, rep = stitch(pieces)
+        if report is not None:
+            report.append(rep)
+        per_sample.append(rb)
+    out = ReplayBatch.concat(per_sample)
+    return ReplayBatch(out.routes, out.valid, out.rows_per_seq, out.start_rows, out.layer_ids, out.num_experts,
+                       out.topk, "rollout", out.policy_versions, out.offsets)

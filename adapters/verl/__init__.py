@@ -3,20 +3,25 @@
 Loaded in the driver and in every Ray worker, either through verl's plugin entry points (group
 ``verl.plugins``: ``import verl`` imports this module) or through
 ``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``. Importing it registers
-:class:`~r3bridge.adapters.verl.engine.R3BridgeMegatronEngine` for
+:class:`~r3bridge.adapters.verl.hooks.R3BridgeMegatronEngine` for
 ``(language_model, megatron, cuda, nvidia)``, which verl's ``EngineRegistry`` prefers over its
 stock Megatron engine.
 
 verl swallows plugin import errors (it logs them at DEBUG), so this module checks that the
 registration really took effect and logs the outcome itself, at INFO on success and ERROR on
 failure (logger ``r3bridge.adapters.verl``; level from ``R3BRIDGE_LOGGING_LEVEL``).
+
+Files (the same in every adapter): ``config.py`` (the ``r3bridge`` section), ``rollout.py``
+(:class:`VerlRollout`, the engine calls of a sample), ``codec.py`` (:class:`VerlCodec`, verl's
+batch <-> ReplayBatch), ``hooks.py`` (the engine), plus ``main_ppo.py`` (the launcher).
 """
 from __future__ import annotations
 
 import logging
 import os
 
-from r3bridge.adapters.verl.config import (  # noqa: F401  (public API)
+from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, VerlCodec
+from r3bridge.adapters.verl.config import (
     ENV_VAR,
     check_engine_config,
     prepare_verl_config,
@@ -24,6 +29,7 @@ from r3bridge.adapters.verl.config import (  # noqa: F401  (public API)
     replay_config_from_verl,
     validate_verl_config,
 )
+from r3bridge.adapters.verl.rollout import VerlRollout
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
@@ -43,7 +49,7 @@ def _register() -> None:
     try:
         from verl.workers.engine.base import EngineRegistry
 
-        from r3bridge.adapters.verl.engine import R3BridgeMegatronEngine
+        from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
         model_type, backend, device, vendor = ENGINE_KEY
         got = EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))
@@ -75,5 +81,6 @@ def _requested_mode() -> str:
 
 _register()
 
-__all__ = ["LOADED", "LOAD_ERROR", "ENGINE_KEY", "ENV_VAR", "replay_config_from_env",
+__all__ = ["LOADED", "LOAD_ERROR", "ENGINE_KEY", "ENV_VAR", "ROUTES_KEY", "SAMPLE_KEY", "VerlCodec", "VerlRollout",
+           "replay_config_from_env",
            "replay_config_from_verl", "validate_verl_config", "check_engine_config", "prepare_verl_config"]

@@ -36,7 +36,8 @@ import torch
 
 from r3bridge.ingest import stitch
 from r3bridge.layout import ParallelLayout
-from r3bridge.protocols import BatchCodec, canonical_form
+from r3bridge.canonical import canonical_form, with_empty_sequences
+from r3bridge.protocols import BatchCodec
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 
@@ -263,12 +264,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
             g = pk.pop("samples", g)          # frameworks that re-balance micro-batches report their own
             routes = expected.select(list(g))
             if len(seq_lens) > len(g):        # framework padding "sequences" (no routes)
-                from r3bridge.protocols import canonical_form
-                extra = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
-                                                [0] * (len(seq_lens) - len(g)), num_experts=routes.num_experts,
-                                                layer_ids=routes.layer_ids, start_rows=seq_lens[len(g):],
-                                                source=routes.source)
-                routes = ReplayBatch.concat([routes, extra])
+                routes = with_empty_sequences(routes, seq_lens[len(g):])
             tg = shard(routes, layout, seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
                        vp_stage=call.chunk, layer_ids=[lid], **pk)
             got = call.topk()

@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from r3bridge.adapters.verl.ingest import ROUTES_KEY
+from r3bridge.adapters.verl.codec import ROUTES_KEY
 
 E, K = 8, 2
 NUM_LAYERS = 4

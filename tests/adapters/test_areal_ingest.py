@@ -5,7 +5,7 @@ Imports go through ``r3bridge.adapters.areal._compat.import_areal(..., stub_bina
 agent stack), and two compiled packages AReaL imports at module level get stand-ins when absent:
 ``uvloop`` (its ``install()`` would change this process's asyncio policy) and ``numba``
 (``@njit`` -> identity). ``RemoteInfEngine`` / ``SGLangBackend`` cannot be imported here (OpenAI
-stack): ``adapters/areal/conformance.py`` reproduces their resubmit loop and decode line for line
+stack): ``tests/adapters/_areal_fixture.py`` reproduces their resubmit loop and decode line for line
 (``StandInInfEngine``) against a fake SGLang server producing SGLang's exact JSON.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from r3bridge.adapters.areal import (  # noqa: E402
     routes_from_attempts,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal import conformance as ac  # noqa: E402
+import _areal_fixture as ac  # noqa: E402
 from r3bridge.adapters.areal._compat import import_areal  # noqa: E402
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
 

@@ -1,7 +1,7 @@
 """AReaL adapter on a real megatron-core model (CPU harness), conformance checks 4 and 5.
 
 ``MegatronEngine`` itself cannot be imported here (``mbridge``, and ``areal.infra``'s OpenAI
-stack), so the engine is ``adapters/areal/conformance.StandInMegatronEngine``: its
+stack), so the engine is ``tests/adapters/_areal_fixture.StandInMegatronEngine``: its
 ``_prepare_mb_list`` / ``forward_backward_batch`` for text models, calling AReaL's real
 ``amend_position_ids``, ``split_padded_tensor_dict_into_mb_list`` (token-balanced, reorders
 samples), ``pack_tensor_dict``, ``pad_mb_list`` (per-sequence alignment + a trailing page-padding
@@ -26,7 +26,7 @@ REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]
 
 
 def _cell(ctx):
-    from r3bridge.adapters.areal.conformance import ArealRunner
+    from _areal_fixture import ArealRunner
     from r3bridge.testing.conformance import make_rollout, megatron_r2_check, megatron_r3_check
     from r3bridge.testing.models import ModelSpec, build_model_chunks
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from r3bridge import ReplayBatch
-from r3bridge.protocols import BatchCodec, canonical_form, drop_final_invalid_rows, install_before_forward
+from r3bridge.canonical import canonical_form, drop_final_invalid_rows
+from r3bridge.megatron.phase import install_before_forward
+from r3bridge.protocols import BatchCodec
 from r3bridge.testing.conformance import (
     assert_same_batch,
     check_ingest,
@@ -45,7 +47,7 @@ class _Dict:
     def seq_lens(self, native):
         return native["lens"]
 
-    def split(self, native, num_parts):
+    def split(self, native, num_parts, order=None):
         n = len(native["lens"])
         size = -(-n // num_parts)
         out = []
@@ -107,7 +109,11 @@ def test_drop_final_invalid_rows_and_install_hook_counts():
         def install(self, model, routes, seq_lens, **kw):
             calls.append((model, seq_lens, kw))
     m = torch.nn.Linear(2, 2)
-    with install_before_forward(Step(), [m], lambda c, k, a, kw: {"seq_lens": [k + 1], "format": "thd"}, 2) as counts:
+    step = Step()
+
+    def hook(c, k, args, kwargs):
+        return lambda module: step.install(module, None, [k + 1], format="thd")
+    with install_before_forward([m], hook, 2) as counts:
         m(torch.zeros(1, 2))
         m(torch.zeros(1, 2))
         with pytest.raises(Exception, match="only 2 micro-batches"):

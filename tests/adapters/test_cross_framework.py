@@ -3,7 +3,7 @@ byte-identical ReplayBatches and identical per-rank targets for several parallel
 
 * verl 0.9.1: the padded ``routed_experts`` its agent loop builds (engine rows placed from the
   prompt start, zero rows elsewhere), converted by verl's own ``left_right_2_no_padding`` into the
-  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.ingest.replay_batch_from_tensordict``
+  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.codec.replay_batch_from_tensordict``
   (the verl adapter's ingest function);
 * SkyRL 0.3.0: every vLLM call's payload (SkyRL's JSON lists) accumulated first-seen, then SkyRL's
   own ``convert_prompts_responses_to_batch_tensors`` -> ``TrainingInputBatch`` -> the SkyRL codec;
@@ -42,7 +42,7 @@ def verl_batch(rollout):
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from r3bridge.adapters.verl.ingest import ROUTES_KEY
+    from r3bridge.adapters.verl.codec import ROUTES_KEY
     b = rollout.batch_size
     P = max(rollout.prompt_lens)
     R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
@@ -67,9 +67,9 @@ def verl_batch(rollout):
 
 def ingest_all(rollout) -> dict[str, ReplayBatch]:
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.areal import conformance as ac
-    from r3bridge.adapters.skyrl import conformance as sk
-    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict
+    import _areal_fixture as ac
+    import _skyrl_fixture as sk
+    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
 
     return {
         "verl": replay_batch_from_tensordict(verl_batch(rollout), moe_layer_ids=rollout.moe_layer_ids,
@@ -110,9 +110,9 @@ def test_more_experts_than_uint8():
 def test_recorded_routes_same_in_every_framework():
     """R2: routes recorded by the trainer, written back in each framework's own layout, read back."""
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.areal import conformance as ac
-    from r3bridge.adapters.skyrl import conformance as sk
-    from r3bridge.adapters.verl.ingest import replay_batch_from_tensordict, routes_to_nested
+    import _areal_fixture as ac
+    import _skyrl_fixture as sk
+    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
 
     rollout = make_rollout(8, batch_size=5)
     lens = [len(t) for t in rollout.tokens]

@@ -24,7 +24,7 @@ from r3bridge.adapters.skyrl import (
     rollout_routes,
     training_batch_fields,
 )
-from r3bridge.adapters.skyrl import conformance as sk
+import _skyrl_fixture as sk
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
 
 

@@ -18,7 +18,7 @@ REGROUPED = [[5, 1], [0, 4], [2, 7], [3, 6]]        # R2 replay re-partitioned d
 
 
 def _cell(ctx, thd: bool, spec_kw: dict):
-    from r3bridge.adapters.skyrl.conformance import SkyRLRunner
+    from _skyrl_fixture import SkyRLRunner
     from r3bridge.testing.conformance import make_rollout, megatron_r2_check, megatron_r3_check
     from r3bridge.testing.models import ModelSpec, build_model_chunks
 

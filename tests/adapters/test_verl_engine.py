@@ -23,8 +23,8 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from _verl_batches import E, K, MOE, NUM_LAYERS, make_verl_batch  # noqa: E402
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.engine import R3BridgeMegatronEngine  # noqa: E402
-from r3bridge.adapters.verl.ingest import ROUTES_KEY, SAMPLE_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
+from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, replay_batch_from_tensordict  # noqa: E402
 from r3bridge.config import Action, ReplayConfig  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
 
@@ -51,14 +51,18 @@ class FakeStep:
                 self.recorded = ReplayBatch.from_ragged([self.truth[s] for s in ids], num_experts=E,
                                                         layer_ids=MOE, source="recorded")
 
-    def install(self, model, routes, seq_lens, *, cu_seqlens_padded=None, format="thd", sample_ids=None):
+    def install(self, model, routes, seq_lens, *, cu_seqlens_padded=None, format="thd", seq_length=None,
+                sample_ids=None):
         self.installs.append(dict(model=model, routes=routes, seq_lens=list(seq_lens), cu=cu_seqlens_padded,
                                   format=format, sample_ids=sample_ids))
 
 
 class FakeReplayer:
-    def __init__(self, truth=None):
-        self.steps, self.truth = [], truth
+    def __init__(self, chunks, truth=None):
+        self.chunks, self.steps, self.truth = list(chunks), [], truth
+
+    def chunk_index(self, model):
+        return next(i for i, c in enumerate(self.chunks) if c is model)
 
     def step(self, action, *, forward_only, source=None):
         return FakeStep(self.steps, action, forward_only, source, self.truth)
@@ -105,7 +109,7 @@ def make_engine(mode, *, ref=False, truth=None, last_stage=True):
     eng.r3_init_state(ReplayConfig(replay_mode=mode))
     eng.r3_moe_layer_ids, eng.r3_num_hidden_layers, eng.r3_num_experts = MOE, NUM_LAYERS, E
     if eng.r3_active:
-        eng.r3_replayer = FakeReplayer(truth)
+        eng.r3_replayer = FakeReplayer(eng.module, truth)
     return eng
 
 

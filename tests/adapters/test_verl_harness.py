@@ -22,9 +22,9 @@ from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
-from r3bridge.adapters.verl.engine import R3BridgeMegatronEngine  # noqa: E402
+from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.ingest import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.codec import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
 from r3bridge.config import ReplayConfig  # noqa: E402
 from r3bridge.testing import replay_grid as grid  # noqa: E402
 from r3bridge.testing.data import align_for, make_packed_batch  # noqa: E402

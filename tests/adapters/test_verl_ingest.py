@@ -17,7 +17,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.ingest import (  # noqa: E402
+from r3bridge.adapters.verl.codec import (  # noqa: E402
     ROUTES_KEY,
     SAMPLE_KEY,
     replay_batch_from_tensordict,

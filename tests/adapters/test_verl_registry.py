@@ -17,7 +17,7 @@ def test_registry_resolves_to_adapter_engine(monkeypatch):
     import r3bridge.adapters.verl as adapter
     from verl.workers.engine import EngineRegistry, MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    from r3bridge.adapters.verl.engine import R3BridgeMegatronEngine
+    from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
     assert adapter.LOADED and adapter.LOAD_ERROR is None
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")

@@ -16,14 +16,14 @@ every MoE layer cannot be told from "no route" and is routed natively too (count
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "replay_batch_from_tensordict", "routes_to_nested"]
+__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "replay_batch_from_tensordict", "routes_to_nested", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
@@ -106,3 +106,40 @@ def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch
         values[~rb.valid.to(values.device)] = 0
     offsets = rb.offsets.to(values.device)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+class VerlCodec:
+    """The :class:`r3bridge.protocols.BatchCodec` of verl's no-padding ``TensorDict`` batch."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
+                 invalid_rows: str = "native") -> None:
+        self.num_experts = int(num_experts)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+        self.num_hidden_layers = int(num_hidden_layers)
+        self.invalid_rows = invalid_rows
+
+    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
+        return replay_batch_from_tensordict(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts,
+                                            source=source, num_hidden_layers=self.num_hidden_layers,
+                                            invalid_rows=self.invalid_rows)
+
+    def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
+        native[ROUTES_KEY] = routes_to_nested(recorded)
+        return native
+
+    def seq_lens(self, native: Any) -> list[int]:
+        return native["input_ids"].offsets().diff().tolist()
+
+    def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
+        """verl's own dynamic micro-batching (``prepare_micro_batches``: token-balanced, reorders
+        samples) into at least ``num_parts`` parts, after an optional sample permutation."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.engine.utils import prepare_micro_batches
+
+        idx = list(range(len(native))) if order is None else [int(i) for i in order]
+        td = tu.index_select_tensor_dict(native, torch.tensor(idx))
+        td[SAMPLE_KEY] = torch.tensor(idx, dtype=torch.int64)
+        lens = self.seq_lens(td)
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max(max(lens), -(-sum(lens) // num_parts)))
+        micro, _ = prepare_micro_batches(td, dp_group=None, same_micro_num_in_dp=False, min_num_micro_batch=num_parts)
+        return [(mb, mb[SAMPLE_KEY].tolist()) for mb in micro]

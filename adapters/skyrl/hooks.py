@@ -1,11 +1,13 @@
-"""SkyRL trainer side: subclasses of SkyRL's own classes (nothing is monkey-patched).
+"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched).
+
+* :class:`FirstSeenRoutesMixin` - for ``SkyRLGymGenerator``: multi-turn routes kept first-seen;
 
 * :func:`model_wrapper_class` - ``MegatronModelWrapper`` subclass. Its ``forward`` (the old-log-prob
   pass, ``compute_log_prob``) and ``forward_backward_mini_batch`` (one mini-batch update) open one
   driver step around SkyRL's own schedule and install every (chunk, micro-batch)'s targets right
   before the chunk's forward (SkyRL's ``forward_step`` is a closure inside those methods, so the
-  install runs from a prepended forward pre-hook, :func:`r3bridge.protocols.install_before_forward`,
-  which also reads SkyRL's real ``packed_seq_params``). VPP works because every chunk has its own
+  install runs from a prepended forward pre-hook of :class:`r3bridge.megatron.PhaseRunner`, which
+  also passes SkyRL's real ``packed_seq_params``). VPP works because every chunk has its own
   hook and micro-batch counter (SkyRL pops the routes in the first chunk's forward_step: VPP broke).
 * :class:`PolicyWorkerMixin` - put before ``MegatronPolicyWorkerBase``: keeps megatron's own
   ``moe_enable_routing_replay`` off (SkyRL's config validation wants it on with routed experts; the
@@ -20,34 +22,31 @@ The reference worker keeps SkyRL's plain wrapper: the reference model never repl
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Mapping, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from r3bridge.adapters.skyrl._compat import import_skyrl
-from r3bridge.adapters.skyrl.ingest import (
+from r3bridge.adapters.skyrl.codec import (
     MASK_KEY,
     ROUTES_KEY,
+    ROUTES_MARK,
     replay_batch_from_training_batch,
     training_batch_fields,
 )
+from r3bridge.adapters.skyrl.config import replay_config
+from r3bridge.adapters.skyrl.rollout import merge_first_seen
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
-from r3bridge.metrics import tag_phase
-from r3bridge.protocols import MicroBatchTargets, install_before_forward
+from r3bridge.megatron.phase import MicroBatch, PhaseRunner
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["replay_config", "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
-           "RECORDED_KEY", "ROUTES_MARK"]
+__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
+           "FirstSeenRoutesMixin", "policy_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
-ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
 _ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
-
-
-def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    return ReplayConfig.resolve(cfg)
 
 
 def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
@@ -59,7 +58,7 @@ def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
 
 
 class SkyRLReplay:
-    """Replay state of one policy model: the driver plus SkyRL's micro-batch conventions."""
+    """Replay state of one policy model: the phase runner plus SkyRL's micro-batch conventions."""
 
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig, *, num_experts: int,
                  moe_layer_ids: Sequence[int], num_hidden_layers: int, layout=None) -> None:
@@ -75,11 +74,12 @@ class SkyRLReplay:
             if self.replayer.layer_ids and not set(self.replayer.layer_ids) <= set(self.moe_layer_ids):
                 raise ConfigError(f"the model's MoE routers are on layers {self.replayer.layer_ids}, the HF "
                                   f"config says {self.moe_layer_ids}: routes would land on the wrong layers")
+        # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
+        self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True)
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}         # the last schedule run's, as the driver names them
         self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged
-        self._pending: dict[str, float] = {}
 
     def add_metrics(self, metrics_list: Any) -> Any:
         """Put the tagged metrics (``r3bridge/update/coverage``, ...) into each micro-batch's metrics
@@ -93,71 +93,59 @@ class SkyRLReplay:
 
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
-        plan = self.cfg.plan(phase)
+        plan = self.runner.plan(phase)
         mbs = [dict(m) for m in micro_batches]
         carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
         self.recorded, self.metrics = None, {}
-        if self.replayer is None or plan.action is Action.NATIVE:
+        if plan is None:
             return call(mbs)
-        routes, ids = [None] * len(mbs), [None] * len(mbs)
+        targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
+
+        def install(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatch:
+            mb = targets[k]
+            psp = kwargs.get("packed_seq_params")
+            if psp is not None:                  # remove_microbatch_padding: SkyRL's THD packing
+                return dataclasses.replace(mb, format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
+            pos = args[1] if len(args) > 1 else kwargs.get("position_ids")   # left padding removed: BSHD
+            return dataclasses.replace(mb, format="bshd", seq_length=int(pos.shape[1]))
+
+        with self.runner.run(phase, forward_only=forward_only, targets=install, chunks=self.chunks,
+                             num_micro_batches=len(mbs)) as ps:
+            out = call(mbs)
+        self.metrics = dict(ps.result.metrics)
+        if phase is Phase.UPDATE:
+            self.log_metrics = {k: sum(v) / len(v) for k, v in self.runner.metrics_to_log(ps.result).items()}
+        else:
+            self.runner.metrics_to_log(ps.result)
+        self.recorded = ps.result.recorded
+        return out
+
+    def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
+        seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         if plan.action is Action.REPLAY:
             source = plan.source
             if self.expect_source is not None and self.expect_source != source:
                 raise ConfigError(f"replay_mode={self.cfg.replay_mode.value} replays {source} routes, the batch "
                                   f"carries {self.expect_source} routes")
-            for k, (r, mask) in enumerate(carried):
-                if r is None:
-                    raise ConfigError(f"replay_mode={self.cfg.replay_mode.value}: micro-batch {k} carries no "
-                                      f"{ROUTES_KEY!r} (generator.inference_engine.enable_return_routed_experts "
-                                      f"for R3; R2 needs r3bridge's TrainerMixin / PolicyWorkerMixin)")
-                mb = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mbs[k]["attention_mask"],
-                      "sub_seq_lengths": mbs[k].get("sub_seq_lengths")}
-                routes[k] = replay_batch_from_training_batch(
-                    mb, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-                    num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
-        else:   # RECORD: sample ids ride in ROUTES_KEY (PolicyWorkerMixin), else micro-batch order
-            nxt, extra = 0, 10 ** 9
-            for k, (r, _) in enumerate(carried):
-                n = int(mbs[k]["attention_mask"].shape[0])
-                if r is None:
-                    ids[k], nxt = list(range(nxt, nxt + n)), nxt + n
-                else:
-                    r = torch.as_tensor(r)
-                    if tuple(r.shape[2:]) != (1, 1):
-                        raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries "
-                                          "rollout routes: set generator.inference_engine."
-                                          "enable_return_routed_experts=False")
-                    raw = r.reshape(n, -1).max(1).values.long() - _ID_BIAS
-                    ids[k] = [int(x) if x >= 0 else extra + j for j, x in enumerate(raw.tolist())]
-                    extra += n
-        seq_lens = [m["attention_mask"].sum(-1).long().tolist() for m in mbs]
-
-        def targets(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatchTargets:
-            if k >= len(mbs):
-                raise ReplayStateError(f"chunk {c}: forward #{k + 1} for {len(mbs)} micro-batches")
-            t = MicroBatchTargets(routes=routes[k], seq_lens=seq_lens[k], sample_ids=ids[k])
-            psp = kwargs.get("packed_seq_params")
-            if psp is not None:                  # remove_microbatch_padding: SkyRL's THD packing
-                t.update(format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
-            else:                                # left padding removed: [b, s_aligned] BSHD
-                pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
-                t.update(format="bshd", seq_length=int(pos.shape[1]))
-            return t
-
-        with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
-            with install_before_forward(step, self.chunks, targets, len(mbs)):
-                out = call(mbs)
-        self.metrics = dict(step.metrics)
-        tagged = tag_phase(self.metrics, self.cfg.metrics_prefix, "update" if phase is Phase.UPDATE else "old_log_prob")
-        if phase is Phase.UPDATE:        # SkyRL logs no compute_log_prob metrics: they go with the update
-            self.log_metrics, self._pending = {**self._pending, **tagged}, {}
-        else:
-            self._pending = tagged
-        if plan.action is Action.RECORD:
-            rec = step.recorded
-            real = sum(1 for k in ids for x in k if x < 10 ** 9)
-            self.recorded = rec.select(range(real))
-        return out
+            if r is None:
+                raise ConfigError(f"replay_mode={self.cfg.replay_mode.value}: micro-batch {k} carries no "
+                                  f"{ROUTES_KEY!r} (generator.inference_engine.enable_return_routed_experts "
+                                  f"for R3; R2 needs r3bridge's TrainerMixin / PolicyWorkerMixin)")
+            fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
+                      "sub_seq_lengths": mb.get("sub_seq_lengths")}
+            routes = replay_batch_from_training_batch(
+                fields, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+            return MicroBatch(seq_lens, routes)
+        if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
+            return MicroBatch(seq_lens)
+        r = torch.as_tensor(r)
+        if tuple(r.shape[2:]) != (1, 1):
+            raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries "
+                              "rollout routes: set generator.inference_engine.enable_return_routed_experts=False")
+        # the sample ids PolicyWorkerMixin put in ROUTES_KEY; SkyRL's padding samples are zeros
+        raw = r.reshape(len(seq_lens), -1).max(1).values.long() - _ID_BIAS
+        return MicroBatch(seq_lens, sample_ids=[int(x) if x >= 0 else None for x in raw.tolist()])
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
@@ -284,3 +272,34 @@ class TrainerMixin:
     def _r3_hf_config(self):
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(self.cfg.trainer.policy.model.path, trust_remote_code=True)
+
+
+class FirstSeenRoutesMixin:
+    """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: SkyRL 0.3.0 replaces a
+    sample's routes with each turn's (``agent_loop_state.rollout_expert_indices =
+    turn_output.rollout_expert_indices``); this keeps the rows earlier turns returned (the routes
+    that sampled those tokens) and appends only the new rows."""
+
+    def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
+        prev = agent_loop_state.rollout_expert_indices
+        state = super()._update_agent_loop_state_with_multiturn_chat_template(agent_loop_state, turn_output)
+        if state.rollout_expert_indices is not None:
+            state.rollout_expert_indices = merge_first_seen(prev, turn_output.rollout_expert_indices)
+        return state
+
+    def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
+        prev = agent_loop_state.rollout_expert_indices
+        state = super()._update_agent_loop_state_with_singleturn_chat_template(agent_loop_state, turn_output)
+        if state.rollout_expert_indices is not None:
+            state.rollout_expert_indices = merge_first_seen(prev, turn_output.rollout_expert_indices)
+        return state
+
+
+def policy_worker_class(config=None, num_gpus: int = 1):
+    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``PolicyWorker``."""
+    import ray
+
+    base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
+    cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
+               {"r3_config": None if config is None else replay_config(config)})
+    return ray.remote(num_gpus=num_gpus)(cls)

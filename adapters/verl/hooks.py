@@ -4,11 +4,12 @@ Overrides (everything else is verl's):
 
 * ``initialize``: after verl builds the model, checks the engine config and attaches
   :class:`r3bridge.megatron.Replayer` to the actor's model chunks (never the reference model's);
-* ``forward_backward_batch`` (one mini-batch, or one log-prob pass): picks the phase, opens
-  ``replayer.step(action)`` around verl's own schedule, and afterwards returns R2's recorded routes
-  in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``;
-* ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets through the
-  driver, then runs verl's own ``forward_step`` on the same micro-batch;
+* ``forward_backward_batch`` (one mini-batch, or one log-prob pass): picks the phase and runs verl's
+  own schedule inside :meth:`r3bridge.megatron.PhaseRunner.run`; afterwards returns R2's recorded
+  routes in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``
+  (compute_log_prob's with the next update: verl's trainer drops that pass's metrics);
+* ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets
+  (:class:`r3bridge.megatron.MicroBatch`), then runs verl's own ``forward_step`` on it;
 * ``disable_adapter``: a LoRA "reference in actor" pass never replays.
 
 Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
@@ -25,13 +26,13 @@ import torch
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-from r3bridge.adapters.verl.config import check_engine_config, replay_config_from_env
-from r3bridge.adapters.verl.ingest import (
+from r3bridge.adapters.verl.codec import (
     ROUTES_KEY,
     SAMPLE_KEY,
     replay_batch_from_tensordict,
     routes_to_nested,
 )
+from r3bridge.adapters.verl.config import check_engine_config, replay_config_from_env
 from r3bridge.config import Action, Phase, ReplayMode
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
 from r3bridge.hf import (
@@ -39,7 +40,7 @@ from r3bridge.hf import (
     num_experts_from_hf_config,
     num_hidden_layers_from_hf_config,
 )
-from r3bridge.metrics import tag_phase
+from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
 
 logger = logging.getLogger("r3bridge.adapters.verl")
 
@@ -56,13 +57,21 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     def r3_init_state(self, cfg) -> None:
         self.r3_config = cfg
-        self.r3_replayer = None           # r3bridge.megatron.Replayer, actor engines only
-        self._r3_step = None              # the open driver step while verl's schedule runs
-        self._r3_action: Action | None = None
+        # the driver (r3bridge.megatron.Replayer, actor engines only) is the runner's; verl's
+        # trainer drops compute_log_prob metrics, so the runner reports them with the update
+        self.r3_runner = PhaseRunner(None, cfg, carry_log_prob_metrics=True)
+        self._r3_step = None              # the open PhaseStep while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
-        self._r3_pending: dict[str, list[float]] = {}   # compute_log_prob metrics, sent with the update
         # The reference model never replays: no hook is attached to it at all.
         self.r3_is_ref = bool(getattr(self.engine_config, "forward_only", False))
+
+    @property
+    def r3_replayer(self):
+        return self.r3_runner.replayer
+
+    @r3_replayer.setter
+    def r3_replayer(self, replayer) -> None:
+        self.r3_runner.replayer = replayer
 
     @property
     def r3_active(self) -> bool:
@@ -107,8 +116,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
         phase = self.r3_phase(forward_only)
-        plan = self.r3_config.plan(phase)
-        if self.r3_replayer is None or plan.action is Action.NATIVE:
+        plan = self.r3_runner.plan(phase)
+        if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
         has_routes = data.get(ROUTES_KEY, None) is not None
         if plan.action is Action.RECORD and has_routes:
@@ -122,11 +131,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             raise ConfigError(f"replay_mode={self.r3_config.replay_mode.value}: the {phase.value} batch has no "
                               f"{ROUTES_KEY!r} to replay ({hint})")
         if plan.action is Action.RECORD:
+            # the batch-level sample index travels with each sample through verl's micro-batching
             data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
-        self._r3_action = plan.action
         try:
-            with self.r3_replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
-                self._r3_step = step
+            with self.r3_runner.run(phase, forward_only=forward_only) as ps:
+                self._r3_step = ps
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         finally:
             self._r3_step = None
@@ -134,27 +143,20 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                 data.pop(SAMPLE_KEY, None)
         if not output:                                  # not the last pipeline stage
             return output
-        tag = "old_log_prob" if phase is Phase.OLD_LOG_PROB else "update"
-        metrics = self._r3_metrics(step.metrics, output, data, tag)
-        if plan.action is Action.RECORD:
-            rec = step.recorded
-            if rec.num_seqs != len(data):
-                raise ReplayStateError(f"R2 recorded {rec.num_seqs} sequences for a batch of {len(data)}")
-            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(rec)
-        if phase is Phase.OLD_LOG_PROB:
-            # verl's trainer drops compute_log_prob metrics: report them with the next update.
-            for k, v in metrics.items():
-                self._r3_pending.setdefault(k, []).append(v)
-        else:
-            out_metrics = output.setdefault("metrics", {})
-            for k, v in {**self._r3_pending, **{k: [v] for k, v in metrics.items()}}.items():
-                out_metrics.setdefault(k, []).extend(v)
-            self._r3_pending = {}
+        result = ps.result
+        if result.recorded is not None:
+            if result.recorded.num_seqs != len(data):
+                raise ReplayStateError(f"R2 recorded {result.recorded.num_seqs} sequences for a batch of {len(data)}")
+            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(result.recorded)
+        extra = self._r3_logprob_metrics(output, data, phase_tag(phase))
+        for k, v in self.r3_runner.metrics_to_log(result, extra).items():
+            output.setdefault("metrics", {}).setdefault(k, []).extend(v)
         return output
 
-    def _r3_metrics(self, driver_metrics: dict, output: dict, data, tag: str) -> dict[str, float]:
+    def _r3_logprob_metrics(self, output: dict, data, tag: str) -> dict[str, float]:
+        """Trainer-vs-rollout log-prob mismatch of this pass, in verl's padded response layout."""
         prefix = self.r3_config.metrics_prefix
-        out = tag_phase(driver_metrics or {}, prefix, tag)
+        out: dict[str, float] = {}
         logp = (output.get("model_output") or {}).get("log_probs")
         if logp is not None and data.get("rollout_log_probs", None) is not None:
             try:
@@ -184,7 +186,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         input_ids = batch["input_ids"]
         seq_lens = input_ids.offsets().diff().tolist()
         routes, sample_ids = None, None
-        if self._r3_action is Action.REPLAY:
+        if self._r3_step.action is Action.REPLAY:
             source = "recorded" if self.r3_config.replay_mode is ReplayMode.R2 else "rollout"
             routes = replay_batch_from_tensordict(
                 batch, moe_layer_ids=self.r3_moe_layer_ids, num_experts=self.r3_num_experts,
@@ -192,8 +194,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                 invalid_rows=self.r3_config.invalid_rows)
         else:
             sample_ids = batch[SAMPLE_KEY].tolist()
-        self._r3_step.install(model, routes, seq_lens, cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
-                              format="thd", sample_ids=sample_ids)
+        self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
+                                                cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""

@@ -1,4 +1,4 @@
-"""AReaL's route formats <-> :class:`r3bridge.ReplayBatch` (pure torch / numpy: no areal import).
+"""AReaL's rollout side: SGLang responses -> :class:`r3bridge.ReplayBatch` (no areal import).
 
 Rollout side. SGLang returns ``meta_info["routed_experts"]``: base64 of flat int32, token-major,
 ``prompt_tokens + completion_tokens - 1`` rows of ``num_hidden_layers * K`` ids, *from row 0 of the
@@ -9,14 +9,6 @@ the prefix is duplicated (AReaL #1207: ~2.4% of samples zeroed downstream). Mult
 whole context re-routed by every turn's prefill. Both are stitched first-seen here: rows an
 earlier call returned are kept (they sampled those tokens), later calls only add rows past them,
 and rows are kept only as far as the call's tokens agree with the final trajectory.
-
-Trainer side. AReaL's batches are dicts of ``[B, S, ...]`` tensors that its own utilities concat,
-split (``split_padded_tensor_dict_into_mb_list`` moves only tensors with ``B*S`` elements), unpad
-(``split_and_unpad_tensor`` trims the *last* dim to the sequence length) and deep-copy non-tensor
-values into every trajectory. Routes therefore travel as one tensor per trajectory,
-``[g, L_moe, K, S]`` (sequence last, so trimming is exact), ids in the narrowest dtype and a
-sentinel (255 / -1) where a token has no route; the engine slices them per micro-batch explicitly
-by sample id.
 """
 from __future__ import annotations
 
@@ -25,30 +17,28 @@ import binascii
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, StitchError
+from r3bridge.canonical import canonical_form
+from r3bridge.errors import LayerMappingError, PayloadError, RouteShapeError, StitchError
 from r3bridge.ingest import stitch
-from r3bridge.protocols import canonical_form, drop_final_invalid_rows
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "decode_sglang_rows", "first_seen_rows",
-           "routes_from_attempts", "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch",
-           "replay_batch_from_tensor",
-           "batch_tensor", "sentinel"]
-
-ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
-RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
-SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
+__all__ = ["ArealRollout", "decode_sglang", "decode_sglang_rows", "first_seen_rows", "routes_from_attempts",
+           "routes_from_responses"]
 
 
-def sentinel(num_experts: int) -> tuple[torch.dtype, int]:
-    """(dtype, "no route" value) of the trajectory tensor."""
-    if num_experts < 255:
-        return torch.uint8, 255
-    if num_experts <= 32767:
-        return torch.int16, -1
-    return torch.int32, -1
+class ArealRollout:
+    """The :class:`r3bridge.protocols.RolloutIngest` of AReaL's workflows: one trajectory's
+    ``ModelResponse`` list (one per turn, root first) and its final tokens."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_layers: int, topk: int) -> None:
+        self.num_experts, self.num_layers, self.topk = int(num_experts), int(num_layers), int(topk)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+
+    def routes_from_rollout(self, engine_outputs: tuple[Sequence[Any], Sequence[int]]) -> ReplayBatch:
+        responses, tokens = engine_outputs
+        return routes_from_responses(responses, tokens, num_experts=self.num_experts, num_layers=self.num_layers,
+                                     topk=self.topk, moe_layer_ids=self.moe_layer_ids)
 
 
 def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) -> np.ndarray:
@@ -157,74 +147,3 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
     if rb.rows_per_seq[0] > len(tokens):
         raise StitchError(f"{rb.rows_per_seq[0]} route rows for {len(tokens)} tokens")
     return canonical_form(rb, [len(tokens)])
-
-
-def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
-    """ReplayBatch (start 0) -> ``[n, L_moe, K, width]`` with the sentinel where there is no route."""
-    dtype, none = sentinel(rb.num_experts)
-    lens = [int(x) for x in seq_lens]
-    s = max(lens) if width is None else int(width)
-    out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, s), none, dtype=dtype)
-    for i in range(rb.num_seqs):
-        r, v = rb.sequence(i)
-        if r.shape[0] > lens[i] or rb.start_rows[i] != 0:
-            raise CoverageError(f"sequence {i}: rows [{rb.start_rows[i]}, +{r.shape[0]}) do not fit {lens[i]} tokens")
-        vals = r.to(dtype).permute(1, 2, 0).clone()                 # [L, K, rows]
-        vals[..., ~v] = none
-        out[i, :, :, : r.shape[0]] = vals
-    return out
-
-
-def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                             moe_layer_ids: Sequence[int], source: str = "rollout") -> ReplayBatch:
-    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), -> canonical ReplayBatch in that order."""
-    t = torch.as_tensor(t)
-    if t.dim() != 4:
-        raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
-    if t.shape[1] != len(moe_layer_ids):
-        raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
-    rows, lens = [int(r) for r in rows], [int(n) for n in lens]
-    if len(rows) != len(lens):
-        raise CoverageError(f"{len(rows)} rows for {len(lens)} lengths")
-    bad = [n for n in lens if n > t.shape[3]]
-    if bad:
-        raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
-    _, none = sentinel(num_experts)
-    per, valid = [], []
-    for r, n in zip(rows, lens):
-        x = t[r, :, :, :n].permute(2, 0, 1)                     # [tokens, L, K]
-        v = ~(x == none).flatten(1).all(1)
-        per.append(torch.where(v[:, None, None], x, torch.zeros_like(x)))
-        valid.append(v)
-    rb = ReplayBatch.from_ragged(per, num_experts=num_experts, layer_ids=list(moe_layer_ids), valid=valid,
-                                 source=source)
-    return drop_final_invalid_rows(rb) if source != "recorded" else rb
-
-
-def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
-    attn = torch.as_tensor(attention_mask).bool()
-    lens = attn.sum(-1).long()
-    pos = torch.arange(attn.shape[-1])[None, :]
-    if not bool((attn == (pos < lens[:, None])).all()):
-        raise CoverageError("AReaL batches are right-padded; this attention_mask is not")
-    return lens.tolist()
-
-
-def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
-                            source: str = "rollout") -> ReplayBatch:
-    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) ->
-    canonical ReplayBatch of its samples in batch order."""
-    t = data.get(key)
-    if t is None:
-        raise CoverageError(f"the batch has no {key!r}")
-    lens = _right_padded_lens(data["attention_mask"])
-    return replay_batch_from_tensor(t, range(len(lens)), lens, num_experts=num_experts,
-                                    moe_layer_ids=moe_layer_ids, source=source)
-
-
-def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
-    """R2 write-back: recorded ReplayBatch (batch order) -> ``[B, L_moe, K, S]`` for a right-padded
-    ``attention_mask``."""
-    attn = torch.as_tensor(attention_mask)
-    return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1])

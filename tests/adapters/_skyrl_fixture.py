@@ -6,14 +6,24 @@ from __future__ import annotations
 import base64
 import io
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from r3bridge.adapters.skyrl import SkyRLCodec, SkyRLReplay, make_router_padding_mask, merge_first_seen, model_wrapper_class
+from r3bridge.adapters.skyrl import (
+    MASK_KEY,
+    ROUTES_KEY,
+    SkyRLCodec,
+    SkyRLReplay,
+    make_router_padding_mask,
+    merge_first_seen,
+    model_wrapper_class,
+    record_ids_field,
+    training_batch_fields,
+)
 from r3bridge.adapters.skyrl._compat import import_skyrl
-from r3bridge.adapters.skyrl.ingest import MASK_KEY, ROUTES_KEY, training_batch_fields
+from r3bridge.ingest import decode_vllm_routes
 from r3bridge.config import ReplayConfig
 from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import CanonicalRollout
@@ -40,12 +50,11 @@ def generator_routes(rollout: CanonicalRollout, *, first_seen: bool = True, tran
     """Per sample, the ``rollout_expert_indices`` list SkyRL's generator ends up with: every call's
     payload decoded and accumulated first-seen (r3bridge's FirstSeenRoutesMixin) or overwritten by
     the latest call (SkyRL 0.3.0)."""
-    from r3bridge.adapters.skyrl.ingest import decode_routed_experts
     out = []
     for calls in rollout.calls:
         acc = None
         for c in calls:
-            rows = decode_routed_experts(wire(c, transport)).tolist()
+            rows = decode_vllm_routes(wire(c, transport)).tolist()
             acc = merge_first_seen(acc, rows) if first_seen else rows
         out.append(acc)
     return out
@@ -124,7 +133,6 @@ class SkyRLRunner:
             d = {"sequences": b["sequences"][idx], "attention_mask": attn, "position_ids": pos,
                  "num_actions": 4, "sub_seq_lengths": None}
             if key is None:                                            # R2 record: PolicyWorkerMixin's ids
-                from r3bridge.adapters.skyrl.trainer import record_ids_field
                 d[ROUTES_KEY] = record_ids_field(list(g), s)
             elif key == "rollout":
                 d[ROUTES_KEY] = b[ROUTES_KEY][idx].to(torch.int32)     # the worker's .to(torch.int32)

@@ -1,18 +1,4 @@
-"""SkyRL's route formats <-> :class:`r3bridge.ReplayBatch` (pure torch / numpy: no skyrl import).
-
-Generator side (what SkyRL 0.3.x hands around per engine call, ``InferenceEngineOutput
-["rollout_expert_indices"][i]``, ``[prompt + generated - 1, num_hidden_layers, K]``):
-
-* in-process vLLM: ``CompletionOutput.routed_experts``, a numpy array (uint8 / uint16 / int32);
-* SkyRL 0.3.0's ``/skyrl/v1/generate`` server endpoint: ``routed_experts.tolist()``, nested lists;
-* vLLM's OpenAI serving and newer SkyRL (``routed_experts_stash.decode_routed_experts_b64``):
-  base64 of a ``.npy`` byte stream, which carries shape and dtype in its header.
-
-SkyRL 0.3.0 *overwrites* the sample's routes with each new turn's (``AgentLoopState.
-rollout_expert_indices = turn_output.rollout_expert_indices``): the later prefill re-routes
-earlier tokens, so the routes that *sampled* them are lost (miles #3307). :func:`rollout_routes`
-stitches the calls first-seen instead (``r3bridge.stitch``), :func:`merge_first_seen` does the same
-on SkyRL's list format inside the generator.
+"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (pure torch: no skyrl import).
 
 Trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
 ``rollout_expert_indices`` ``[B, S, L_all, K]`` left-padded like ``sequences`` (uint8 / int16 /
@@ -24,93 +10,23 @@ and counted, as in the verl adapter).
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
-from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError
-from r3bridge.ingest import StitchReport, from_padded, from_vllm, stitch
-from r3bridge.protocols import drop_final_invalid_rows
-from r3bridge.schema import ReplayBatch
+from r3bridge.canonical import drop_final_invalid_rows
+from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
+from r3bridge.ingest import from_padded
+from r3bridge.schema import ReplayBatch, route_dtype
 
-__all__ = ["ROUTES_KEY", "MASK_KEY", "decode_routed_experts", "rollout_routes", "merge_first_seen",
-           "replay_batch_from_training_batch", "training_batch_fields", "make_router_padding_mask"]
+__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "SkyRLCodec", "replay_batch_from_training_batch",
+           "training_batch_fields", "make_router_padding_mask"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
+ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
 
 
-# ------------------------------------------------------------------------------------ generator
-def decode_routed_experts(payload: Any, *, seq: int = 0) -> np.ndarray:
-    """One engine call's routes in any of SkyRL's transports -> ``[rows, L_all, K]`` array."""
-    if payload is None:
-        raise PayloadError(f"sequence {seq}: no routed_experts (aborted request, or vLLM started "
-                           f"without enable_return_routed_experts)")
-    if isinstance(payload, np.ndarray):
-        a = payload
-    elif isinstance(payload, torch.Tensor):
-        a = payload.detach().cpu().numpy()
-    elif isinstance(payload, (str, bytes, bytearray)):
-        try:
-            raw = base64.b64decode(payload, validate=True)
-            a = np.load(io.BytesIO(raw), allow_pickle=False)
-        except (binascii.Error, ValueError, OSError) as e:
-            raise PayloadError(f"sequence {seq}: routed_experts is not base64 of a .npy array ({e})") from None
-    elif hasattr(payload, "routed_experts"):          # a vLLM CompletionOutput
-        return decode_routed_experts(payload.routed_experts, seq=seq)
-    else:                                             # SkyRL 0.3.0 JSON: nested lists
-        a = np.asarray(payload)
-        if a.size == 0:
-            a = a.reshape(0, 0, 0)
-    if a.ndim != 3:
-        raise RouteShapeError(f"sequence {seq}: routed_experts must be [rows, layers, topk], got shape {a.shape}")
-    if a.dtype.kind not in "iu":
-        raise RouteShapeError(f"sequence {seq}: routed_experts must be integers, got {a.dtype}")
-    return a
-
-
-def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_layer_ids: Sequence[int],
-                   start_rows: Optional[Sequence[Sequence[int]]] = None,
-                   report: Optional[list] = None) -> ReplayBatch:
-    """``calls[i][t]``: routes engine call ``t`` of sample ``i`` returned (any transport), each
-    from row 0 of that call's prompt unless ``start_rows[i][t]`` says otherwise (vLLM
-    ``routed_experts_prompt_start``). Returns one sequence per sample, first-seen rows kept,
-    ``source="rollout"``. ``report`` (a list) receives one :class:`StitchReport` per sample."""
-    per_sample = []
-    for i, sample_calls in enumerate(calls):
-        if not sample_calls:
-            raise PayloadError(f"sample {i}: no engine call returned routes")
-        arrays = [decode_routed_experts(p, seq=i) for p in sample_calls]
-        starts = list(start_rows[i]) if start_rows is not None else [0] * len(arrays)
-        pieces = [from_vllm([a], num_experts=num_experts, moe_layer_ids=list(moe_layer_ids), start_rows=[s])
-                  for a, s in zip(arrays, starts)]
-        rb, rep = stitch(pieces)
-        if report is not None:
-            report.append(rep)
-        per_sample.append(rb)
-    out = ReplayBatch.concat(per_sample)
-    return _with_source(out, "rollout")
-
-
-def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[list]:
-    """SkyRL's per-sample list ``[rows, L_all, K]`` accumulated over turns, first-seen: rows the
-    earlier turns returned are kept, the new call only contributes rows past them. (Both start at
-    row 0: SkyRL sends the whole conversation as each turn's prompt.)"""
-    if new is None:
-        return previous
-    if previous is None or len(previous) == 0:
-        return list(new)
-    if len(new) and (len(new[0]) != len(previous[0]) or len(new[0][0]) != len(previous[0][0])):
-        raise RouteShapeError(f"turn routes are [*, {len(new[0])}, {len(new[0][0])}], earlier turns "
-                              f"[*, {len(previous[0])}, {len(previous[0][0])}]")
-    return list(previous) + list(new[len(previous):])
-
-
-# ------------------------------------------------------------------------------------ trainer
 def _get(batch: Any, key: str) -> Any:
     if isinstance(batch, Mapping):
         return batch.get(key)
@@ -198,7 +114,7 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
         raise RouteShapeError(f"sample {i}: {int(rows[i])} route rows for {int(lens[i])} tokens")
     k = rb.topk
     if dtype is None:
-        dtype = torch.uint8 if rb.num_experts <= 256 else torch.int16 if rb.num_experts <= 32767 else torch.int32
+        dtype = route_dtype(rb.num_experts)
     if max(rb.layer_ids, default=-1) >= num_hidden_layers:
         raise LayerMappingError(f"layer ids {list(rb.layer_ids)} out of range for {num_hidden_layers} layers")
     out = torch.arange(k, dtype=dtype).expand(b, s, num_hidden_layers, k).clone()
@@ -216,8 +132,41 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
     return {ROUTES_KEY: out, MASK_KEY: mask}
 
 
-def _with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
-    if rb.source == source:
-        return rb
-    return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
-                       rb.topk, source, rb.policy_versions, rb.offsets)
+class SkyRLCodec:
+    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+        self.num_experts = int(num_experts)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+        self.num_hidden_layers = int(num_hidden_layers)
+
+    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
+        return replay_batch_from_training_batch(
+            native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+
+    def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
+        for k, v in training_batch_fields(recorded, native["attention_mask"],
+                                          num_hidden_layers=self.num_hidden_layers).items():
+            native[k] = v
+        if getattr(native, "metadata", None) is None:
+            native.metadata = {}
+        native.metadata[ROUTES_MARK] = "recorded"
+        return native
+
+    def seq_lens(self, native: Any) -> list[int]:
+        return native["attention_mask"].sum(-1).long().tolist()
+
+    def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
+        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation
+        (what dynamic sampling / shuffling would do to the batch)."""
+        b = native.batch_size
+        idx = list(range(b)) if order is None else [int(i) for i in order]
+        src = native
+        if order is not None:
+            t = torch.tensor(idx)
+            src = type(native)({k: (None if v is None else v[t]) for k, v in native.items()})
+            src.metadata = native.metadata
+        size = -(-b // num_parts)
+        parts = src.chunk(size)
+        return [(p, idx[i * size:(i + 1) * size]) for i, p in enumerate(parts)]

@@ -18,17 +18,24 @@ from __future__ import annotations
 
 import base64
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from r3bridge.adapters.areal import ArealCodec, ModelInfo
+from r3bridge.adapters.areal import (
+    ROUTES_KEY,
+    MegatronEngineMixin,
+    ModelInfo,
+    PPOActorMixin,
+    SGLangEngineMixin,
+    WorkflowMixin,
+    routes_from_responses,
+    trajectory_tensor,
+)
 from r3bridge.adapters.areal._compat import import_areal
-from r3bridge.adapters.areal.engine import MegatronEngineMixin, PPOActorMixin, SGLangEngineMixin, WorkflowMixin
-from r3bridge.adapters.areal.ingest import RECORDED_KEY, ROUTES_KEY
-from r3bridge.config import Phase, ReplayConfig
-from r3bridge.schema import ReplayBatch
+from r3bridge.adapters.areal.hooks import MB_KEY
+from r3bridge.config import ReplayConfig
 from r3bridge.testing.conformance import CanonicalRollout
 
 __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
@@ -169,7 +176,6 @@ def trajectories(rollout: CanonicalRollout, *, dedupe: bool = True) -> list[dict
     the same trajectory field built from AReaL 1.0.4's own concatenated ``routed_experts``)."""
     import asyncio
 
-    from r3bridge.adapters.areal.ingest import routes_from_responses, trajectory_tensor
     info = model_info(rollout)
     out = []
     for i in range(rollout.batch_size):
@@ -320,9 +326,9 @@ class ArealRunner:
             psp = kwargs.get("packed_seq_params")
             cu = psp.cu_seqlens_q_padded
             k = len(packing)
-            _, lens, gids = self._mbl.padded_mbs[k]["r3bridge_mb"]
-            packing.append(dict(seq_lens=lens, format="thd", cu_seqlens_padded=cu.cpu(),
-                                samples=[order[g] for g in gids if g < len(order)]))
+            mb = self._mbl.padded_mbs[k][MB_KEY]
+            packing.append(dict(seq_lens=list(mb.seq_lens), format="thd", cu_seqlens_padded=cu.cpu(),
+                                samples=[order[g] for g in mb.sample_ids if g is not None]))
         orig_prepare = eng._prepare_mb_list
 
         def prepare(inp):

@@ -20,62 +20,40 @@ Trainer:
   ``ppo_update`` carry them with their samples.
 * :class:`MegatronEngineMixin` - ``class M(MegatronEngineMixin, MegatronEngine)``: attaches the
   driver after ``initialize``; ``_prepare_mb_list`` attaches to every padded micro-batch its own
-  ReplayBatch slice (explicit, in the micro-batch: no engine-level side channel, AReaL #1207);
-  ``forward_backward_batch`` opens one driver step and installs each (chunk, micro-batch) right
-  before the chunk's forward (every VPP chunk has its own hook: #1207 fed only the first chunk).
+  :class:`r3bridge.megatron.MicroBatch` (explicit, in the micro-batch: no engine-level side
+  channel); ``forward_backward_batch`` runs AReaL's schedule inside
+  :meth:`r3bridge.megatron.PhaseRunner.run`, which installs each (chunk, micro-batch) right before
+  the chunk's forward (every VPP chunk has its own hook).
   An engine whose actor never set a phase (the reference model) routes natively.
 """
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from r3bridge.adapters.areal._compat import import_areal
-from r3bridge.adapters.areal.ingest import (
+from r3bridge.adapters.areal.codec import (
     RECORDED_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
-    decode_sglang_rows,
-    first_seen_rows,
+    batch_tensor,
     replay_batch_from_tensor,
-    routes_from_responses,
     trajectory_tensor,
 )
+from r3bridge.adapters.areal.config import ModelInfo, replay_config
+from r3bridge.adapters.areal.rollout import decode_sglang_rows, first_seen_rows, routes_from_responses
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
-from r3bridge.metrics import tag_phase
-from r3bridge.protocols import MicroBatchTargets, install_before_forward
+from r3bridge.megatron.phase import MicroBatch, PhaseRunner
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["replay_config", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin",
-           "PPOActorMixin", "MegatronEngineMixin", "MB_KEY"]
+__all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
+           "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
 
-MB_KEY = "r3bridge_mb"          # in each padded micro-batch: (ReplayBatch | None, seq_lens, sample_ids)
+MB_KEY = "r3bridge_mb"          # in each padded micro-batch: its r3bridge.megatron.MicroBatch
 _ATTEMPTS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("r3bridge_attempts", default=None)
-_PAD_ID = 10 ** 9
-
-
-def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    return ReplayConfig.resolve(cfg)
-
-
-class ModelInfo:
-    """What the adapter needs to know about the model (from its HF config)."""
-
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_layers: int, topk: int) -> None:
-        self.num_experts, self.num_layers, self.topk = int(num_experts), int(num_layers), int(topk)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelInfo":
-        from r3bridge.hf import (moe_layer_ids_from_hf_config, num_experts_from_hf_config,
-                                 num_hidden_layers_from_hf_config, topk_from_hf_config)
-        return cls(num_experts=num_experts_from_hf_config(hf_config), moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
-                   num_layers=num_hidden_layers_from_hf_config(hf_config), topk=topk_from_hf_config(hf_config))
 
 
 # ------------------------------------------------------------------------------------ rollout
@@ -178,7 +156,6 @@ class PPOActorMixin:
             if rec is None or rec.num_seqs != sum(sizes):
                 raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
                                        f"{sum(sizes)} samples")
-            from r3bridge.adapters.areal.ingest import batch_tensor
             off = 0
             for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
                 d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
@@ -215,6 +192,7 @@ class MegatronEngineMixin:
     r3_config: Optional[ReplayConfig] = None
     r3_phase: Optional[Phase] = None
     r3_replay = None            # the Replayer (None: replay off or not attached)
+    r3_runner: Optional[PhaseRunner] = None
     r3_recorded: Optional[ReplayBatch] = None
     r3_metrics: dict = {}
 
@@ -234,8 +212,9 @@ class MegatronEngineMixin:
             if getattr(self, flag, False):
                 raise ConfigError(f"r3bridge + AReaL: {flag} is not supported ({why})")
         from r3bridge.megatron import Replayer
-        c = self.r3_config
-        self.r3_replay = Replayer.from_config(list(self.model), c, layout)
+        self.r3_replay = Replayer.from_config(list(self.model), self.r3_config, layout)
+        # AReaL's stats tracker exports compute_logp's stats with the step: nothing to carry
+        self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config)
 
     @staticmethod
     def _r3_log(tagged: dict) -> None:
@@ -245,10 +224,9 @@ class MegatronEngineMixin:
             import_areal("areal.utils.stats_tracker").scalar(**tagged)
 
     def _r3_plan(self):
-        if self.r3_replay is None or self.r3_phase is None:
+        if self.r3_runner is None or self.r3_phase is None:
             return None
-        plan = self.r3_config.plan(self.r3_phase)
-        return None if plan.action is Action.NATIVE else plan
+        return self.r3_runner.plan(self.r3_phase)
 
     def _prepare_mb_list(self, input_: dict) -> Any:
         input_ = dict(input_)
@@ -270,7 +248,7 @@ class MegatronEngineMixin:
         off = 0
         for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs):
             n = int(mb["cu_seqlens"].numel()) - 1
-            gids = [gid_of_row[r] for r in fwd[off:off + n]]
+            gids: list[Optional[int]] = [gid_of_row[r] for r in fwd[off:off + n]]
             off += n
             lens = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
             routes = None
@@ -278,19 +256,13 @@ class MegatronEngineMixin:
                 routes = replay_batch_from_tensor(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
                                                   moe_layer_ids=self.r3_model.moe_layer_ids,
                                                   source="recorded" if key == RECORDED_KEY else "rollout")
-            n_pad = int(pmb["cu_seqlens"].numel()) - 1 - n      # AReaL's trailing page-padding "sequence"
-            if n_pad:
-                # Its rows are all packing padding: declared as a 1-token sequence without routes, so
-                # coverage counts no missing route for it (the plan still takes its padded length
-                # from cu_seqlens, which is what the CP zigzag and the SP split use).
-                lens = lens + [1]
-                gids = gids + [_PAD_ID + off]
-                if routes is not None:
-                    empty = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
-                                                    [0], num_experts=routes.num_experts, layer_ids=routes.layer_ids,
-                                                    start_rows=[1], source=routes.source)
-                    routes = ReplayBatch.concat([routes, empty])
-            pmb[MB_KEY] = (routes, lens, gids)
+            if int(pmb["cu_seqlens"].numel()) - 1 > n:
+                # AReaL's trailing page-padding "sequence": all packing padding, declared as a
+                # 1-token sequence without routes (no sample), so coverage counts no missing route
+                # for it; the plan still takes its padded length from cu_seqlens, which is what
+                # the CP zigzag and the SP split use.
+                lens, gids = lens + [1], gids + [None]
+            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu())
         return mb_list
 
     def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
@@ -300,21 +272,57 @@ class MegatronEngineMixin:
         items = [pmb.get(MB_KEY) for pmb in mb_list.padded_mbs]
         if any(x is None for x in items):
             raise ReplayStateError("micro-batches without r3bridge targets (built outside _prepare_mb_list?)")
-
-        def targets(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatchTargets:
-            routes, lens, gids = items[k]
-            return MicroBatchTargets(routes=routes, seq_lens=lens, format="thd", sample_ids=gids,
-                                     cu_seqlens_padded=mb_list.padded_mbs[k]["cu_seqlens"].cpu())
-
-        chunks = list(self.model)
-        with self.r3_replay.step(plan.action, forward_only=forward_only, source=plan.source) as step:
-            with install_before_forward(step, chunks, targets, len(items)):
-                out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
-        self.r3_metrics = dict(step.metrics)
-        self._r3_log(tag_phase(self.r3_metrics, self.r3_config.metrics_prefix,
-                               "update" if self.r3_phase is Phase.UPDATE else "old_log_prob"))
-        if plan.action is Action.RECORD:
-            rec = step.recorded
-            real = sum(1 for _, _, g in items for x in g if x < _PAD_ID)
-            self.r3_recorded = rec.select(range(real))
+        with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=items, chunks=list(self.model)) as ps:
+            out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        self.r3_metrics = dict(ps.result.metrics)
+        self._r3_log(ps.result.tagged)
+        if ps.result.recorded is not None:
+            self.r3_recorded = ps.result.recorded
         return out
+
+
+def megatron_ppo_actor_class(config=None):
+    """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
+    me = import_areal("areal.engine.megatron_engine")
+    ppo = import_areal("areal.trainer.ppo.actor")
+
+    class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
+        pass
+
+    class R3BridgeMegatronPPOActor(MegatronEngineMixin, me.MegatronPPOActor):
+        r3_config = None if config is None else replay_config(config)
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.actor = R3BridgePPOActor(config, self)
+
+    return R3BridgeMegatronPPOActor
+
+
+def trainer_class(config=None):
+    """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
+    SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
+    rl = import_areal("areal.trainer.rl_trainer")
+    actor_cls = megatron_ppo_actor_class(config)
+
+    class R3BridgePPOTrainer(rl.PPOTrainer):
+        def _create_train_engine(self, actor_config, alloc):
+            if actor_config is not getattr(getattr(self, "config", None), "actor", None) or alloc.backend != "megatron":
+                return super()._create_train_engine(actor_config, alloc)
+            if rl.is_single_controller():
+                from r3bridge.errors import ConfigError
+                raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
+            actor = actor_cls(config=actor_config)
+            actor.create_process_group(parallel_strategy=alloc.parallel)
+            return actor
+
+    return R3BridgePPOTrainer
+
+
+def workflow_class(base: type, hf_config) -> type:
+    """``base`` (e.g. ``RLVRWorkflow``, ``MultiTurnWorkflow``) with :class:`WorkflowMixin`, for the
+    model described by ``hf_config`` (a ``PretrainedConfig``, a config dict, or a path)."""
+    if isinstance(hf_config, str):
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(hf_config, trust_remote_code=True)
+    return type(f"R3Bridge{base.__name__}", (WorkflowMixin, base), {"r3_model": ModelInfo.from_hf_config(hf_config)})

@@ -1,0 +1,148 @@
+"""AReaL's training batch <-> :class:`r3bridge.ReplayBatch` (pure torch: no areal import).
+
+AReaL's batches are dicts of ``[B, S, ...]`` tensors that its own utilities concat,
+split (``split_padded_tensor_dict_into_mb_list`` moves only tensors with ``B*S`` elements), unpad
+(``split_and_unpad_tensor`` trims the *last* dim to the sequence length) and deep-copy non-tensor
+values into every trajectory. Routes therefore travel as one tensor per trajectory,
+``[g, L_moe, K, S]`` (sequence last, so trimming is exact), ids in the narrowest dtype and a
+sentinel (255 / -1) where a token has no route; the engine slices them per micro-batch explicitly
+by sample id.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from r3bridge.canonical import drop_final_invalid_rows
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.schema import ReplayBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from r3bridge.adapters.areal.config import ModelInfo
+
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ArealCodec", "trajectory_tensor", "replay_batch_from_batch",
+           "replay_batch_from_tensor", "batch_tensor", "sentinel"]
+
+ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
+RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
+SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
+
+
+def sentinel(num_experts: int) -> tuple[torch.dtype, int]:
+    """(dtype, "no route" value) of the trajectory tensor."""
+    if num_experts < 255:
+        return torch.uint8, 255
+    if num_experts <= 32767:
+        return torch.int16, -1
+    return torch.int32, -1
+
+
+def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
+    """ReplayBatch (start 0) -> ``[n, L_moe, K, width]`` with the sentinel where there is no route."""
+    dtype, none = sentinel(rb.num_experts)
+    lens = [int(x) for x in seq_lens]
+    s = max(lens) if width is None else int(width)
+    out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, s), none, dtype=dtype)
+    for i in range(rb.num_seqs):
+        r, v = rb.sequence(i)
+        if r.shape[0] > lens[i] or rb.start_rows[i] != 0:
+            raise CoverageError(f"sequence {i}: rows [{rb.start_rows[i]}, +{r.shape[0]}) do not fit {lens[i]} tokens")
+        vals = r.to(dtype).permute(1, 2, 0).clone()                 # [L, K, rows]
+        vals[..., ~v] = none
+        out[i, :, :, : r.shape[0]] = vals
+    return out
+
+
+def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
+                             moe_layer_ids: Sequence[int], source: str = "rollout") -> ReplayBatch:
+    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
+    batches are right-padded), -> canonical ReplayBatch in that order."""
+    t = torch.as_tensor(t)
+    if t.dim() != 4:
+        raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
+    if t.shape[1] != len(moe_layer_ids):
+        raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
+    rows, lens = [int(r) for r in rows], [int(n) for n in lens]
+    if len(rows) != len(lens):
+        raise CoverageError(f"{len(rows)} rows for {len(lens)} lengths")
+    bad = [n for n in lens if n > t.shape[3]]
+    if bad:
+        raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
+    _, none = sentinel(num_experts)
+    per, valid = [], []
+    for r, n in zip(rows, lens):
+        x = t[r, :, :, :n].permute(2, 0, 1)                     # [tokens, L, K]
+        v = ~(x == none).flatten(1).all(1)
+        per.append(torch.where(v[:, None, None], x, torch.zeros_like(x)))
+        valid.append(v)
+    rb = ReplayBatch.from_ragged(per, num_experts=num_experts, layer_ids=list(moe_layer_ids), valid=valid,
+                                 source=source)
+    return drop_final_invalid_rows(rb) if source != "recorded" else rb
+
+
+def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
+    attn = torch.as_tensor(attention_mask).bool()
+    lens = attn.sum(-1).long()
+    pos = torch.arange(attn.shape[-1])[None, :]
+    if not bool((attn == (pos < lens[:, None])).all()):
+        raise CoverageError("AReaL batches are right-padded; this attention_mask is not")
+    return lens.tolist()
+
+
+def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
+                            source: str = "rollout") -> ReplayBatch:
+    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) ->
+    canonical ReplayBatch of its samples in batch order."""
+    t = data.get(key)
+    if t is None:
+        raise CoverageError(f"the batch has no {key!r}")
+    lens = _right_padded_lens(data["attention_mask"])
+    return replay_batch_from_tensor(t, range(len(lens)), lens, num_experts=num_experts,
+                                    moe_layer_ids=moe_layer_ids, source=source)
+
+
+def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
+    """R2 write-back: recorded ReplayBatch (batch order) -> ``[B, L_moe, K, S]`` for a right-padded
+    ``attention_mask``."""
+    attn = torch.as_tensor(attention_mask)
+    return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1])
+
+
+class ArealCodec:
+    """The :class:`r3bridge.protocols.BatchCodec` of AReaL's batched trajectory dicts."""
+
+    def __init__(self, model: "ModelInfo") -> None:
+        self.model = model
+
+    def to_replay_batch(self, native: dict, *, source: str = "rollout"):
+        key = RECORDED_KEY if source == "recorded" else ROUTES_KEY
+        return replay_batch_from_batch(native, key=key, num_experts=self.model.num_experts,
+                                       moe_layer_ids=self.model.moe_layer_ids, source=source)
+
+    def write_recorded(self, native: dict, recorded) -> dict:
+        native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])
+        return native
+
+    def seq_lens(self, native: dict) -> list[int]:
+        return native["attention_mask"].sum(-1).long().tolist()
+
+    def split(self, native: dict, num_parts: int, order: Optional[list] = None):
+        """AReaL's own ``split_padded_tensor_dict_into_mb_list`` (token-balanced, reorders samples),
+        with the routes tensor carried whole and sliced by the per-token sample ids, as the engine
+        does."""
+        from r3bridge.adapters.areal._compat import import_areal
+        data_mod = import_areal("areal.utils.data")
+        spec_mod = import_areal("areal.api.cli_args")
+        d = dict(native)
+        attn = d["attention_mask"]
+        d[SAMPLE_KEY] = torch.arange(attn.shape[0])[:, None].expand(attn.shape).contiguous()
+        carried = {k: d.pop(k) for k in (ROUTES_KEY, RECORDED_KEY) if k in d}
+        mbl = data_mod.split_padded_tensor_dict_into_mb_list(d, spec_mod.MicroBatchSpec(n_mbs=num_parts))
+        out = []
+        for mb in mbl.mbs:
+            ids = mb[SAMPLE_KEY][:, 0].tolist()
+            part = {k: v for k, v in mb.items() if k != SAMPLE_KEY}
+            part.update({k: v[torch.tensor(ids)] for k, v in carried.items()})
+            out.append((part, ids))
+        return out

@@ -1,0 +1,84 @@
+"""The canonical trainer-side form every adapter produces, and the small edits adapters make to a
+`ReplayBatch` on the way (docs/porting.md, "Canonical form").
+
+Canonical form: one sequence per sample, ``start_rows = 0``, one row per token the trainer sees,
+rows the engine never routed ``valid = False``; the final token's row is dropped when it has no
+route (the last sampled token is never fed forward), so a complete single-call rollout of ``N``
+tokens has ``N - 1`` rows, like vLLM's own output. ``source`` is ``"rollout"`` for engine routes
+and ``"recorded"`` for R2 (the driver checks it against the phase).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from r3bridge.errors import CoverageError
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source"]
+
+
+def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
+    """Drop each sequence's last row when it has no route.
+
+    Only sequences starting at row 0 whose rows cover every trainer token should be passed (the
+    padded / jagged trainer formats); the last sampled token is never fed to the engine."""
+    if rb.num_seqs == 0 or rb.total_rows == 0:
+        return rb
+    rows = torch.tensor(rb.rows_per_seq, dtype=torch.int64)
+    ends = rb.offsets[1:] - 1
+    has = rows > 0
+    drop = torch.zeros(rb.num_seqs, dtype=torch.bool)
+    drop[has] = ~rb.valid.cpu()[ends[has]]
+    if not bool(drop.any()):
+        return rb
+    keep = torch.ones(rb.total_rows, dtype=torch.bool)
+    keep[ends[drop]] = False
+    keep_d = keep.to(rb.routes.device)
+    return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
+                                   layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
+                                   source=rb.source, policy_versions=rb.policy_versions)
+
+
+def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
+    """Extend each sequence (start 0) with invalid rows up to its token count, then drop a final
+    row without a route."""
+    if any(s != 0 for s in rb.start_rows):
+        raise CoverageError("canonical form needs routes starting at token 0")
+    lens = [int(n) for n in seq_lens]
+    if len(lens) != rb.num_seqs:
+        raise CoverageError(f"{len(lens)} seq_lens for {rb.num_seqs} sequences")
+    seqs, valids = [], []
+    for i, n in enumerate(lens):
+        r, v = rb.sequence(i)
+        if r.shape[0] > n:
+            raise CoverageError(f"sequence {i}: {r.shape[0]} route rows for {n} tokens")
+        pad = n - r.shape[0]
+        seqs.append(torch.cat([r, torch.zeros((pad,) + tuple(r.shape[1:]), dtype=r.dtype)]))
+        valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool)]))
+    full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
+                                   layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
+                                   source=rb.source)
+    return drop_final_invalid_rows(full)
+
+
+def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
+    """``rb`` followed by one sequence without any route per entry of ``seq_lens`` (packing
+    padding the trainer runs as a sequence): zero rows, starting past its last token."""
+    lens = [int(n) for n in seq_lens]
+    if not lens:
+        return rb
+    empty = ReplayBatch.from_packed(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.routes.dtype),
+                                    [0] * len(lens), num_experts=rb.num_experts, layer_ids=rb.layer_ids,
+                                    start_rows=lens, source=rb.source)
+    return ReplayBatch.concat([rb, empty])
+
+
+def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
+    """The same routes tagged with another ``source`` (e.g. vLLM ingest's ``"vllm"`` -> the
+    canonical ``"rollout"``)."""
+    if rb.source == source:
+        return rb
+    return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
+                       rb.topk, source, rb.policy_versions, rb.offsets)

@@ -1,0 +1,265 @@
+"""One replay phase of a framework's Megatron pass, owned here so every adapter runs it alike.
+
+A framework adapter calls :meth:`PhaseRunner.run` around its own schedule call (one mini-batch
+update or one log-prob pass) and supplies only what is framework-specific: the targets of each
+micro-batch (:class:`MicroBatch`), where the metrics go, where recorded routes are written. The
+runner owns the rest, in this order:
+
+1. the plan of the phase (:meth:`r3bridge.ReplayConfig.plan`); replay off, the reference model
+   and NATIVE phases run the framework's call untouched;
+2. one driver step (:meth:`r3bridge.megatron.Replayer.step`) around the call;
+3. the install of every (chunk, micro-batch) right before the chunk's forward, either from a
+   prepended forward pre-hook (:func:`install_before_forward`: frameworks whose ``forward_step``
+   is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhaseStep.install`);
+4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
+   they get no routes and are left out of the recording, without any reserved id value;
+5. the driver's metrics tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
+   metrics carried to the next update for frameworks that log only the update's
+   (:meth:`PhaseRunner.metrics_to_log`);
+6. R2: the recorded routes of the real samples, in sample-id order (:attr:`PhaseResult.recorded`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
+from r3bridge.errors import CoverageError, ReplayStateError
+from r3bridge.canonical import with_empty_sequences
+from r3bridge.metrics import tag_phase
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_before_forward", "phase_tag"]
+
+
+@dataclass
+class MicroBatch:
+    """What one micro-batch installs: its sequences as the trainer packs them.
+
+    ``routes`` covers the leading sequences (REPLAY; ``None`` when recording); trailing sequences
+    beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
+    sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
+    out, sequences are numbered in install order. The packing fields are
+    :meth:`r3bridge.megatron.ReplayStep.install`'s."""
+
+    seq_lens: Sequence[int]
+    routes: Optional[ReplayBatch] = None
+    sample_ids: Optional[Sequence[Optional[int]]] = None
+    format: str = "thd"
+    cu_seqlens_padded: Any = None
+    seq_length: Optional[int] = None
+
+
+Targets = Union[Sequence[MicroBatch], Callable[[int, int, tuple, dict], MicroBatch]]
+
+
+def phase_tag(phase: Phase) -> str:
+    """The metrics tag of a phase: ``update`` or ``old_log_prob``."""
+    return "update" if Phase(phase) is Phase.UPDATE else "old_log_prob"
+
+
+@dataclass
+class PhaseResult:
+    """What one phase produced (``metrics``: driver names; ``tagged``: as adapters log them)."""
+
+    phase: Phase
+    action: Action
+    metrics: dict[str, float] = field(default_factory=dict)
+    tagged: dict[str, float] = field(default_factory=dict)
+    recorded: Optional[ReplayBatch] = None      # RECORD: the real samples, in sample-id order
+
+
+class PhaseStep:
+    """The open phase: :meth:`install` for adapters that override ``forward_step``."""
+
+    def __init__(self, runner: "PhaseRunner", phase: Phase, plan: PhasePlan, step: Any) -> None:
+        self.runner, self.phase, self.plan, self.step = runner, phase, plan, step
+        self.result: Optional[PhaseResult] = None
+        self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
+        self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
+        self._next_id = 0
+        self._next_pad = -1
+
+    @property
+    def action(self) -> Action:
+        return self.plan.action
+
+    def install(self, model: torch.nn.Module, mb: MicroBatch, index: Optional[int] = None) -> None:
+        """Install ``mb`` as the next micro-batch of ``model``'s chunk (call right before its forward).
+        ``index``: the micro-batch's position in the schedule (chunks after the first repeat it)."""
+        c = self.runner.replayer.chunk_index(model)
+        k = self._installed.get(c, 0) if index is None else int(index)
+        self._installed[c] = k + 1
+        lens = [int(x) for x in (mb.seq_lens.tolist() if isinstance(mb.seq_lens, torch.Tensor) else mb.seq_lens)]
+        known = self._ids.get(k)
+        if known is None:
+            known = self._ids[k] = self._sample_ids(mb, len(lens), k)
+        elif len(known[0]) != len(lens):
+            raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
+                                   f"{len(known[0])}")
+        ids, driver_ids = known
+        routes = mb.routes
+        if self.action is Action.REPLAY:
+            if routes is None:
+                raise ReplayStateError(f"chunk {c}, micro-batch {k}: a {self.runner.config.replay_mode.value} "
+                                       f"replay without routes")
+            extra = len(lens) - routes.num_seqs
+            if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):
+                raise CoverageError(f"chunk {c}, micro-batch {k}: routes for {routes.num_seqs} sequences, "
+                                    f"{len(lens)} packed of which {sum(s is None for s in ids)} padding")
+            if extra:
+                routes = with_empty_sequences(routes, lens[routes.num_seqs:])
+        self.step.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
+                          seq_length=mb.seq_length, sample_ids=driver_ids)
+
+    def _sample_ids(self, mb: MicroBatch, n: int, k: int) -> tuple[list[Optional[int]], list[int]]:
+        """(sample ids, None for padding; the ids the driver gets). Padding sequences need ids
+        distinct from every sample's: negative ones, which no sample id is; the recording is
+        selected by the padding flags, never by an id's value."""
+        if mb.sample_ids is None:
+            ids: list[Optional[int]] = list(range(self._next_id, self._next_id + n))
+        else:
+            ids = [None if s is None else int(s) for s in mb.sample_ids]
+            if len(ids) != n:
+                raise CoverageError(f"micro-batch {k}: {len(ids)} sample ids for {n} sequences")
+            if any(s is not None and s < 0 for s in ids):
+                raise CoverageError(f"micro-batch {k}: negative sample id in {ids}")
+        real = [s for s in ids if s is not None]
+        self._next_id = max([self._next_id, *[s + 1 for s in real]])
+        driver = []
+        for s in ids:
+            if s is None:
+                s, self._next_pad = self._next_pad, self._next_pad - 1
+            driver.append(s)
+        return ids, driver
+
+    def _finish(self) -> PhaseResult:
+        step = self.step
+        metrics = dict(step.metrics)
+        res = PhaseResult(self.phase, self.action, metrics,
+                          tag_phase(metrics, self.runner.config.metrics_prefix, phase_tag(self.phase)))
+        if self.action is Action.RECORD:
+            res.recorded = self._select_recorded(step.recorded)
+        return res
+
+    def _select_recorded(self, rec: Optional[ReplayBatch]) -> ReplayBatch:
+        # the driver returns every installed sequence sorted by driver id; keep the samples
+        flat = [(d, s is not None) for k in sorted(self._ids) for s, d in zip(*self._ids[k])]
+        if rec is None or rec.num_seqs != len(flat):
+            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences, "
+                                   f"{len(flat)} were installed")
+        order = sorted(range(len(flat)), key=lambda i: flat[i][0])
+        keep = [pos for pos, i in enumerate(order) if flat[i][1]]
+        return rec if len(keep) == rec.num_seqs else rec.select(keep)
+
+
+class PhaseRunner:
+    """Runs the phases of one policy model (one :class:`r3bridge.megatron.Replayer`).
+
+    ``replayer`` ``None`` (replay off, or a model that never replays) makes every phase native.
+    ``carry_log_prob_metrics``: the framework logs only the update's metrics, so compute_log_prob's
+    are held and reported with the next update (:meth:`metrics_to_log`)."""
+
+    def __init__(self, replayer: Any, config: ReplayConfig, *, carry_log_prob_metrics: bool = False) -> None:
+        self.replayer = replayer
+        self.config = config
+        self.carry = carry_log_prob_metrics
+        self._held: dict[str, list[float]] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.replayer is not None and self.config.replay_mode is not ReplayMode.OFF
+
+    def plan(self, phase: Phase) -> Optional[PhasePlan]:
+        """The phase's plan, ``None`` when it routes natively (nothing to install)."""
+        if not self.active:
+            return None
+        plan = self.config.plan(phase)
+        return None if plan.action is Action.NATIVE else plan
+
+    @contextlib.contextmanager
+    def run(self, phase: Phase, *, forward_only: bool, targets: Optional[Targets] = None,
+            chunks: Optional[Sequence[torch.nn.Module]] = None,
+            num_micro_batches: Optional[int] = None) -> Iterator[Optional[PhaseStep]]:
+        """Context around the framework's schedule call. Yields ``None`` for a native phase,
+        else the :class:`PhaseStep`, whose ``result`` is set on a clean exit.
+
+        ``targets`` (a list indexed by micro-batch, or ``(chunk, k, args, kwargs) -> MicroBatch``)
+        installs from forward pre-hooks on ``chunks`` (default: the replayer's); without it the
+        adapter calls :meth:`PhaseStep.install` itself."""
+        phase = Phase(phase)
+        plan = self.plan(phase)
+        if plan is None:
+            yield None
+            return
+        with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
+            ps = PhaseStep(self, phase, plan, step)
+            if targets is None:
+                yield ps
+            else:
+                mods = list(chunks) if chunks is not None else [f.chunk for f in self.replayer.chunks]
+                get = targets if callable(targets) else (lambda c, k, a, kw: targets[k])
+                n = num_micro_batches if num_micro_batches is not None or callable(targets) else len(targets)
+
+                def hook(c: int, k: int, args: tuple, kwargs: dict) -> Callable[[torch.nn.Module], None]:
+                    mb = get(c, k, args, kwargs)
+                    return lambda module: ps.install(module, mb, index=k)
+                with install_before_forward(mods, hook, n):
+                    yield ps
+        ps.result = ps._finish()
+
+    def metrics_to_log(self, result: Optional[PhaseResult], extra: Optional[dict[str, float]] = None
+                       ) -> dict[str, list[float]]:
+        """The tagged metrics (plus ``extra``) the framework should log now. With carrying on, a
+        compute_log_prob pass's are held (returns ``{}``) and come out with the next update's."""
+        now = {} if result is None else {**result.tagged, **(extra or {})}
+        if not self.carry:
+            return {k: [v] for k, v in now.items()}
+        if result is not None and result.phase is not Phase.UPDATE:
+            for k, v in now.items():
+                self._held.setdefault(k, []).append(v)
+            return {}
+        out, self._held = self._held, {}
+        for k, v in now.items():
+            out.setdefault(k, []).append(v)
+        return out
+
+
+@contextlib.contextmanager
+def install_before_forward(chunks: Sequence[torch.nn.Module],
+                           hook: Callable[[int, int, tuple, dict], Callable[[torch.nn.Module], None]],
+                           num_micro_batches: Optional[int] = None) -> Iterator[list[int]]:
+    """Run an install right before every forward of every chunk, for frameworks whose
+    ``forward_step`` is a closure (SkyRL ``MegatronModelWrapper``, AReaL ``MegatronEngine``).
+
+    Megatron's schedules (no pipelining, 1F1B, interleaved VPP) run each chunk's forwards in
+    micro-batch order 0..M-1, once each, so the k-th forward of chunk c is micro-batch k.
+    ``hook(c, k, args, kwargs)`` returns the install to run for it (``args`` / ``kwargs``: the
+    chunk's forward arguments; ``packed_seq_params`` lives in ``kwargs``). The pre-hook is
+    *prepended* (public torch API, nothing is patched), so it runs before the driver's own, which
+    then refuses a forward without an install. Yields the per-chunk forward counts; raises
+    ``ReplayStateError`` on more forwards than ``num_micro_batches``."""
+    counts = [0] * len(chunks)
+    handles = []
+
+    def make(c: int):
+        def pre(module, args, kwargs):
+            k = counts[c]
+            if num_micro_batches is not None and k >= num_micro_batches:
+                raise ReplayStateError(f"chunk {c}: forward #{k + 1} but the schedule has only "
+                                       f"{num_micro_batches} micro-batches")
+            hook(c, k, args, kwargs)(module)
+            counts[c] = k + 1
+            return None
+        return pre
+
+    try:
+        for c, chunk in enumerate(chunks):
+            handles.append(chunk.register_forward_pre_hook(make(c), prepend=True, with_kwargs=True))
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
