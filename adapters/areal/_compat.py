@@ -5,53 +5,17 @@ agent client (``openai``, ``litellm``, ...), which this adapter never uses. :fun
 imports normally and, if that fails, registers ``areal`` and ``areal.infra`` as bare package
 objects pointing at the real directories (their ``__init__`` is skipped, every submodule is
 AReaL's own file) and retries.
-
-``stub_binary_deps=True`` (tests only) also registers stand-ins for two compiled packages that
-AReaL imports at module level but the imported code paths never need: ``uvloop`` (whose
-``install()`` at ``areal.api.cli_args`` import would change the process-wide asyncio policy; the
-stand-in's is a no-op) and ``numba`` (``@numba.njit`` becomes the identity: same results, pure
-Python speed). Product code never passes it.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
-import logging
 
 _SHIMMED = ("areal", "areal.infra")
-
-
-def _stub_binary_deps() -> list[str]:
-    done = []
-    if "uvloop" not in sys.modules and importlib.util.find_spec("uvloop") is None:
-        m = types.ModuleType("uvloop")
-        m.__spec__ = importlib.machinery.ModuleSpec("uvloop", None)
-        m.install = lambda: None                       # type: ignore[attr-defined]
-        m.new_event_loop = asyncio.new_event_loop      # type: ignore[attr-defined]
-        m.run = asyncio.run                            # type: ignore[attr-defined]
-        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
-        sys.modules["uvloop"] = m
-        done.append("uvloop")
-    if "numba" not in sys.modules and importlib.util.find_spec("numba") is None:
-        m = types.ModuleType("numba")
-        m.__spec__ = importlib.machinery.ModuleSpec("numba", None)
-
-        def njit(*a, **k):
-            if len(a) == 1 and callable(a[0]) and not k:
-                return a[0]
-            return lambda f: f
-        m.njit = njit                                  # type: ignore[attr-defined]
-        m.jit = njit                                   # type: ignore[attr-defined]
-        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
-        sys.modules["numba"] = m
-        done.append("numba")
-    return done
 
 
 def _shim_packages() -> None:
@@ -78,31 +42,13 @@ def _shim_packages() -> None:
         pass
 
 
-@contextlib.contextmanager
-def _keep_logging():
-    """``areal.utils.logging.getLogger`` (called at import by most AReaL modules) replaces
-    ``logging.Logger.root`` / ``Logger.manager`` with fresh ones and applies a dictConfig with
-    ``disable_existing_loggers``: fine in an AReaL process, but in a shared test process every
-    logger created afterwards would hang off AReaL's root. Put the process's own back."""
-    root, manager = logging.Logger.root, logging.Logger.manager
+def import_areal(name: str):
+    """Import ``name`` (see the module docstring)."""
     try:
-        yield
-    finally:
-        logging.Logger.root, logging.Logger.manager = root, manager
-
-
-def import_areal(name: str, *, stub_binary_deps: bool = False):
-    """Import ``name`` (see the module docstring). ``stub_binary_deps=True`` is the test mode: also
-    the stand-ins for uvloop / numba, and the process's logging tree is kept."""
-    ctx = _keep_logging() if stub_binary_deps else contextlib.nullcontext()
-    with ctx:
-        if stub_binary_deps:
-            _stub_binary_deps()
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
-                if sys.modules.get(mod) is None:
-                    del sys.modules[mod]
-            _shim_packages()
-            return importlib.import_module(name)
+        return importlib.import_module(name)
+    except ImportError:
+        for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
+            if sys.modules.get(mod) is None:
+                del sys.modules[mod]
+        _shim_packages()
+        return importlib.import_module(name)

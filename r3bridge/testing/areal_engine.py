@@ -178,7 +178,7 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
     from r3bridge.config import ReplayConfig
 
     os.environ.setdefault("LOCAL_RANK", "0")
-    alloc = import_areal("areal.api.alloc_mode")
+    alloc = import_areal("areal.api.alloc_mode", stand_ins=True)   # before the engine module is imported
     cls = megatron_ppo_actor_class(ReplayConfig(replay_mode=mode))
     eng = cls(actor_config(ctx, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches, recompute=recompute))
     eng.create_process_group(alloc.ParallelStrategy(

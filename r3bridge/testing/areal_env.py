@@ -22,16 +22,18 @@ over its real directory (as the adapter's importer does for ``areal`` / ``areal.
 ``areal.trainer.ppo.actor`` and every other submodule are AReaL's own files.
 
 None of this changes what the engine does with batches, micro-batches or schedules.
-:func:`import_areal` applies them and imports through the adapter's own importer (which skips
-``areal/__init__``'s agent stack), keeping this process's logging tree.
+:func:`apply` registers them (worker processes only); :func:`import_areal` imports through the
+adapter's own importer, keeping this process's logging tree (tests in one process share it).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
+import logging
 import os
 import sys
 import types
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["StandInUsed", "apply", "import_areal", "STAND_INS"]
 
@@ -94,9 +96,28 @@ def apply() -> list[str]:
     return done
 
 
-def import_areal(name: str) -> Any:
-    """``name`` imported with the stand-ins above, through the adapter's importer in test mode."""
+@contextlib.contextmanager
+def _keep_logging() -> Iterator[None]:
+    """``areal.utils.logging.getLogger`` (called at import by most AReaL modules) replaces
+    ``logging.Logger.root`` / ``Logger.manager`` with fresh ones and applies a dictConfig with
+    ``disable_existing_loggers``: fine in an AReaL process, but in a shared test process every
+    logger created afterwards would hang off AReaL's root (pytest's ``caplog`` would see nothing).
+    Put the process's own back."""
+    root, manager = logging.Logger.root, logging.Logger.manager
+    try:
+        yield
+    finally:
+        logging.Logger.root, logging.Logger.manager = root, manager
+
+
+def import_areal(name: str, *, stand_ins: bool = False) -> Any:
+    """``name`` imported through the adapter's importer, keeping this process's logging tree.
+    ``stand_ins=True`` (worker processes that import ``areal.engine.megatron_engine``) registers
+    the stand-ins above first; the shared pytest process never needs them (verl, for one, tells
+    whether megatron-bridge is installed by importing it)."""
     from r3bridge.adapters.areal._compat import import_areal as _import
 
-    apply()
-    return _import(name, stub_binary_deps=True)
+    if stand_ins:
+        apply()
+    with _keep_logging():
+        return _import(name)

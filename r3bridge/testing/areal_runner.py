@@ -1,95 +1,28 @@
 """One AReaL training step after another on the real engine, every router call checked (tests only).
 
-Rollout: each sample of a :class:`r3bridge.testing.conformance.CanonicalRollout` is generated
-through AReaL's own ``SGLangBackend`` (``areal/engine/sglang_remote.py``:
-``build_generation_request`` with AReaL's ``ModelRequest``, ``parse_generation_response``'s base64
-decode of ``meta_info``) against :class:`~r3bridge.adapters.areal.conformance.FakeSGLang` (the
-server's exact ``/generate`` JSON), with ``RemoteInfEngine.agenerate``'s resubmit loop
-(:class:`ResubmitLoop`: it concatenates every attempt's routes, as AReaL 1.0.4 does), inside
-r3bridge's ``WorkflowMixin`` (dedupe, multi-turn stitching, the trajectory's routes tensor).
-
-Trainer: :func:`r3bridge.testing.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with
-r3bridge's mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs ``compute_logp`` -> ``compute_advantages`` ->
-``ppo_update`` (AReaL's GRPO loss and optimizer step) per step under a
-:class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call, forward and
-recompute, against the expected routes: the canonical rollout's (R3) or the routes recorded in
-that step's ``compute_logp`` (R2), sharded with ``r3bridge.shard`` for the packing AReaL really
-used (its padded ``cu_seqlens``, its sample order after its own token-balanced splits).
+Rollout: :func:`r3bridge.testing.areal_rollout.trajectories` (AReaL's own ``SGLangBackend``
+decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``). Trainer:
+:func:`r3bridge.testing.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
+mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs
+``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss and optimizer
+step) per step under a :class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call,
+forward and recompute, against the expected routes: the canonical rollout's (R3) or the routes
+recorded in that step's ``compute_logp`` (R2), sharded with ``r3bridge.shard`` for the packing
+AReaL really used (its padded ``cu_seqlens``, its sample order after its own token-balanced
+splits).
 """
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Optional
+from typing import Any
 
-import numpy as np
 import torch
 
+from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.testing.areal_env import import_areal
 from r3bridge.testing.conformance import CanonicalRollout
 
-__all__ = ["ResubmitLoop", "trajectories", "run_steps", "MB_KEY"]
+__all__ = ["run_steps"]
 
-MB_KEY = "r3bridge_mb"
-
-
-class ResubmitLoop:
-    """``RemoteInfEngine.agenerate``'s loop (AReaL 1.0.4: build the request with the backend, post
-    it, parse the response, append the output tokens to the prompt and resubmit until a final
-    stop reason, ``np.concatenate`` every attempt's routes), posting to a local FakeSGLang
-    instead of over HTTP. ``backend`` is AReaL's real ``SGLangBackend``."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.backend = import_areal("areal.engine.sglang_remote").SGLangBackend()
-
-    async def agenerate(self, req: Any) -> Any:
-        io = import_areal("areal.api.io_struct")
-        cli = import_areal("areal.api.cli_args")
-        req = io.ModelRequest(input_ids=list(req.input_ids), gconfig=cli.GenerationHyperparameters(max_new_tokens=64),
-                              metadata={"return_routed_experts": True})
-        out_tokens: list[int] = []
-        out_logprobs: list[float] = []
-        routes: list[np.ndarray] = []
-        stop_reason = None
-        while stop_reason not in ("stop", "tool_calls", "length"):
-            http = self.backend.build_generation_request(req, with_lora=False, version=0)
-            res = self.backend.parse_generation_response(self.server.generate(http.payload))
-            stop_reason = res.stop_reason
-            out_tokens += res.output_tokens
-            out_logprobs += res.output_logprobs
-            if res.routed_experts is not None:
-                routes.append(res.routed_experts)
-            req.input_ids += res.output_tokens
-        return io.ModelResponse(input_tokens=req.input_ids[: len(req.input_ids) - len(out_tokens)],
-                                output_tokens=out_tokens, output_logprobs=out_logprobs, stop_reason=stop_reason,
-                                routed_experts=np.concatenate(routes) if routes else None)
-
-
-class _Engine:
-    """The shape of ``RemoteSGLangEngine``: the loop is its ``_engine`` (RecordingBackend goes
-    on the loop's ``backend``, as on ``RemoteInfEngine``)."""
-
-    def __init__(self, loop: ResubmitLoop) -> None:
-        self._engine = loop
-
-    async def agenerate(self, req: Any) -> Any:
-        return await self._engine.agenerate(req)
-
-
-def trajectories(rollout: CanonicalRollout) -> list[dict]:
-    """One AReaL trajectory dict per sample (``input_ids``, ``attention_mask``, ``loss_mask``,
-    ``logprobs``, ``rewards``, ``r3bridge_routes``), through r3bridge's ``WorkflowMixin``."""
-    from r3bridge.adapters.areal.conformance import FakeSGLang, _R3Episode, model_info
-
-    out = []
-    for i in range(rollout.batch_size):
-        wf = _R3Episode(rollout)
-        wf.r3_model = model_info(rollout)
-        traj = asyncio.run(wf.arun_episode(_Engine(ResubmitLoop(FakeSGLang(rollout, i))), {"i": i}))
-        traj["logprobs"] = torch.full(traj["input_ids"].shape, -0.5, dtype=torch.float32)
-        traj["rewards"] = torch.tensor([float(i % 2)])
-        out.append(traj)
-    return out
 
 
 class _PassLog:
@@ -107,8 +40,8 @@ class _PassLog:
             phase = engine.r3_phase.value if engine.r3_phase is not None else None
             mbs = []
             for pmb in mb_list.padded_mbs:
-                item = pmb.get(MB_KEY)
-                lens, gids = (item[1], item[2]) if item is not None else (None, None)
+                item = pmb.get(MB_KEY)          # the adapter's per-micro-batch r3bridge.megatron.MicroBatch
+                lens, gids = (list(item.seq_lens), list(item.sample_ids)) if item is not None else (None, None)
                 mbs.append((lens, gids, pmb["cu_seqlens"].cpu().clone()))
             out = self._orig(mb_list, process_output_fn, forward_only)
             self.passes.append(dict(phase=phase, forward_only=forward_only, start=start,
@@ -120,7 +53,7 @@ class _PassLog:
         del self.engine.forward_backward_batch
 
 
-def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, n_real: int) -> tuple[list, list, int]:
+def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any) -> tuple[list, list, int]:
     """Every router call of one pass against ``expected`` (ReplayBatch in batch order)."""
     from r3bridge.schema import ReplayBatch
     from r3bridge.sharding import shard
@@ -135,7 +68,7 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, n_re
             errors.append(f"{p['phase']}: chunk {call.chunk} layer {call.layer_id}: more router calls than micro-batches")
             continue
         lens, gids, cu = p["mbs"][k]
-        real = [g for g in gids if g < n_real]
+        real = [g for g in gids if g is not None]       # None: AReaL's padding "sequence"
         routes = expected.select(real)
         if len(lens) > len(real):     # AReaL's trailing padding "sequence": no routes
             extra = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
@@ -168,6 +101,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
     samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids: for comparing frameworks)."""
     from r3bridge.testing.areal_engine import chunks_of, make_actor, tiny_qwen3_moe
+    from r3bridge.testing.areal_rollout import trajectories
     from r3bridge.testing.probe import RoutingProbe
 
     st = import_areal("areal.utils.stats_tracker")
@@ -187,7 +121,6 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     grad_norms: list = []
     for step in range(steps):
         trajs = trajectories(rollout)
-        n = len(trajs)
         with RoutingProbe(chunks, include_mtp=False) as probe:
             log = _PassLog(eng, probe)
             try:
@@ -209,7 +142,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 if recorded is None:
                     errors.append(f"step {step}: R2 recorded nothing in compute_logp")
                     continue
-            p_err, p_rec, p_checked = _check_pass(ctx, layout, p, probe.calls[p["start"]:p["end"]], want, n)
+            p_err, p_rec, p_checked = _check_pass(ctx, layout, p, probe.calls[p["start"]:p["end"]], want)
             errors += [f"step {step}: {e}" for e in p_err]
             for r in p_rec:
                 r["step"] = step

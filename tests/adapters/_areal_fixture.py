@@ -33,7 +33,7 @@ from r3bridge.adapters.areal import (
     routes_from_responses,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal._compat import import_areal
+from r3bridge.testing.areal_env import import_areal
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
 from r3bridge.testing.conformance import CanonicalRollout
@@ -42,7 +42,7 @@ __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_inf
 
 
 def _data():
-    return import_areal("areal.utils.data", stub_binary_deps=True)
+    return import_areal("areal.utils.data")
 
 
 def model_info(r: CanonicalRollout) -> ModelInfo:
@@ -83,7 +83,7 @@ class _Backend:
         return SimpleNamespace(endpoint="/generate", payload=payload, method="POST")
 
     def parse_generation_response(self, response):
-        io = import_areal("areal.api.io_struct", stub_binary_deps=True)
+        io = import_areal("areal.api.io_struct")
         meta_info = response["meta_info"]
         stop_reason = meta_info["finish_reason"]["type"]
         routed_experts = meta_info.get("routed_experts", None)
@@ -103,7 +103,7 @@ class StandInInfEngine:
         self.server, self.backend = server, _Backend()
 
     async def agenerate(self, req):
-        io = import_areal("areal.api.io_struct", stub_binary_deps=True)
+        io = import_areal("areal.api.io_struct")
         req = SimpleNamespace(input_ids=list(req.input_ids), metadata={"return_routed_experts": True})
         acc_tokens, acc_routes, stop_reason = [], [], None
         while stop_reason not in ("stop", "tool_calls", "length"):
@@ -212,7 +212,7 @@ class StandInMegatronEngine:
 
     def _prepare_mb_list(self, input_: dict):
         d = _data()
-        cli = import_areal("areal.api.cli_args", stub_binary_deps=True)
+        cli = import_areal("areal.api.cli_args")
         input_ = d.amend_position_ids(input_)
         pp, cp, tp = self.ctx.pp, self.ctx.cp, self.ctx.tp
         spec = cli.MicroBatchSpec.new(cli.MicroBatchSpec(n_mbs=self.n_mbs), n_mbs=max(2 * pp if pp > 1 else 1, self.n_mbs),
@@ -229,7 +229,7 @@ class StandInMegatronEngine:
 
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only=False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        pcp = import_areal("areal.engine.megatron_utils.packed_context_parallel", stub_binary_deps=True)
+        pcp = import_areal("areal.engine.megatron_utils.packed_context_parallel")
         d = _data()
 
         def forward_step(batch_iter, model):
@@ -345,7 +345,7 @@ class ArealRunner:
             h.remove()
             del eng._prepare_mb_list
         # what the mixin logged into AReaL's stats tracker for this phase (exported like AReaL does)
-        st = import_areal("areal.utils.stats_tracker", stub_binary_deps=True)
+        st = import_areal("areal.utils.stats_tracker")
         logged = {k: v for k, v in st.export().items() if k.startswith("r3bridge/")}
         return {"logprobs": [], "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded, "packing": packing,
                 "framework_metrics": logged}

@@ -1,12 +1,10 @@
 """AReaL adapter, rollout + batch level, with AReaL 1.0.4's real data utilities and io structs.
 
-Imports go through ``r3bridge.adapters.areal._compat.import_areal(..., stub_binary_deps=True)``:
-``areal`` / ``areal.infra`` are registered as bare packages (their ``__init__`` pulls the OpenAI
-agent stack), and two compiled packages AReaL imports at module level get stand-ins when absent:
-``uvloop`` (its ``install()`` would change this process's asyncio policy) and ``numba``
-(``@njit`` -> identity). ``RemoteInfEngine`` / ``SGLangBackend`` cannot be imported here (OpenAI
-stack): ``tests/adapters/_areal_fixture.py`` reproduces their resubmit loop and decode line for line
-(``StandInInfEngine``) against a fake SGLang server producing SGLang's exact JSON.
+Imports go through ``r3bridge.testing.areal_env.import_areal`` (the adapter's importer, this
+process's logging tree kept). The real ``RemoteInfEngine`` / ``SGLangBackend`` path runs in
+tests/adapters/test_areal_real.py; ``tests/adapters/_areal_fixture.py`` reproduces the resubmit
+loop and decode line for line (``StandInInfEngine``) against a fake SGLang server producing
+SGLang's exact JSON.
 """
 from __future__ import annotations
 
@@ -35,10 +33,10 @@ from r3bridge.adapters.areal import (  # noqa: E402
     trajectory_tensor,
 )
 import _areal_fixture as ac  # noqa: E402
-from r3bridge.adapters.areal._compat import import_areal  # noqa: E402
+from r3bridge.testing.areal_env import import_areal  # noqa: E402
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
 
-data = import_areal("areal.utils.data", stub_binary_deps=True)
+data = import_areal("areal.utils.data")
 
 
 def _meta(arr: np.ndarray, prompt: int) -> dict:
@@ -82,7 +80,7 @@ def test_engine_mixin_dedupes_real_modelresponse():
     plain = asyncio.run(inner.agenerate(type("R", (), {"input_ids": rollout.call_tokens[i][0][:rollout.call_prompt_lens[i][0]]})()))
     fixed = asyncio.run(ac.R3SGLang(ac.StandInInfEngine(ac.FakeSGLang(rollout, i))).agenerate(
         type("R", (), {"input_ids": rollout.call_tokens[i][0][:rollout.call_prompt_lens[i][0]]})()))
-    io = import_areal("areal.api.io_struct", stub_binary_deps=True)
+    io = import_areal("areal.api.io_struct")
     assert isinstance(fixed, io.ModelResponse)
     n = len(fixed.input_tokens) + len(fixed.output_tokens) - 1
     assert fixed.routed_experts.shape[0] == n < plain.routed_experts.shape[0]
@@ -154,7 +152,7 @@ def test_trajectory_tensor_sentinel_and_dtypes():
 def test_parent_concat_keeps_only_agreeing_prefix():
     """A child turn whose prompt drops the parent's stop token: parent rows past the divergence are
     not the child's tokens and must not be replayed."""
-    io = import_areal("areal.api.io_struct", stub_binary_deps=True)
+    io = import_areal("areal.api.io_struct")
     from r3bridge.adapters.areal import routes_from_responses
     parent_tokens = [5, 6, 7, 8, 99]                  # 99: stop token, stripped in the child
     child_prompt = [5, 6, 7, 8, 11, 12]
