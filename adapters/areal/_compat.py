@@ -5,7 +5,6 @@ agent client (``openai``, ``litellm``, ...), which this adapter never uses. :fun
 imports normally and, if that fails, registers ``areal`` and ``areal.infra`` as bare package
 objects pointing at the real directories (their ``__init__`` is skipped, every submodule is
 AReaL's own file) and retries.
-
 """
 from __future__ import annotations
 

@@ -16,14 +16,7 @@ and ``MegatronEngine`` cannot be imported without the OpenAI agent stack / mbrid
 """
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
-import importlib.machinery
-import importlib.util
-import logging
-import sys
-import types
 from types import SimpleNamespace
 from typing import Optional
 
@@ -40,68 +33,16 @@ from r3bridge.adapters.areal import (
     routes_from_responses,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
+from r3bridge.testing.areal_env import import_areal
 from r3bridge.testing.conformance import CanonicalRollout
 
 __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
 
-def _stub_binary_deps() -> list[str]:
-    """Stand-ins for two compiled packages AReaL imports at module level that the imported code
-    paths never need: ``uvloop`` (whose ``install()`` at ``areal.api.cli_args`` import would change
-    the test process's asyncio policy; the stand-in's is a no-op) and ``numba`` (``@numba.njit``
-    becomes the identity: same results, pure Python speed)."""
-    done = []
-    if "uvloop" not in sys.modules and importlib.util.find_spec("uvloop") is None:
-        m = types.ModuleType("uvloop")
-        m.__spec__ = importlib.machinery.ModuleSpec("uvloop", None)
-        m.install = lambda: None                       # type: ignore[attr-defined]
-        m.new_event_loop = asyncio.new_event_loop      # type: ignore[attr-defined]
-        m.run = asyncio.run                            # type: ignore[attr-defined]
-        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
-        sys.modules["uvloop"] = m
-        done.append("uvloop")
-    if "numba" not in sys.modules and importlib.util.find_spec("numba") is None:
-        m = types.ModuleType("numba")
-        m.__spec__ = importlib.machinery.ModuleSpec("numba", None)
-
-        def njit(*a, **k):
-            if len(a) == 1 and callable(a[0]) and not k:
-                return a[0]
-            return lambda f: f
-        m.njit = njit                                  # type: ignore[attr-defined]
-        m.jit = njit                                   # type: ignore[attr-defined]
-        m.__r3bridge_stub__ = True                     # type: ignore[attr-defined]
-        sys.modules["numba"] = m
-        done.append("numba")
-    return done
-
-
-@contextlib.contextmanager
-def _keep_logging():
-    """``areal.utils.logging.getLogger`` (called at import by most AReaL modules) replaces
-    ``logging.Logger.root`` / ``Logger.manager`` with fresh ones and applies a dictConfig with
-    ``disable_existing_loggers``: fine in an AReaL process, but in a shared test process every
-    logger created afterwards would hang off AReaL's root. Put the process's own back."""
-    root, manager = logging.Logger.root, logging.Logger.manager
-    try:
-        yield
-    finally:
-        logging.Logger.root, logging.Logger.manager = root, manager
-
-
-def import_areal_for_tests(name: str):
-    """:func:`r3bridge.adapters.areal._compat.import_areal` in a shared test process: with the
-    stand-ins above, and the process's logging tree kept."""
-    with _keep_logging():
-        _stub_binary_deps()
-        return import_areal(name)
-
-
 
 def _data():
-    return import_areal_for_tests("areal.utils.data")
+    return import_areal("areal.utils.data")
 
 
 def model_info(r: CanonicalRollout) -> ModelInfo:
@@ -142,7 +83,7 @@ class _Backend:
         return SimpleNamespace(endpoint="/generate", payload=payload, method="POST")
 
     def parse_generation_response(self, response):
-        io = import_areal_for_tests("areal.api.io_struct")
+        io = import_areal("areal.api.io_struct")
         meta_info = response["meta_info"]
         stop_reason = meta_info["finish_reason"]["type"]
         routed_experts = meta_info.get("routed_experts", None)
@@ -162,7 +103,7 @@ class StandInInfEngine:
         self.server, self.backend = server, _Backend()
 
     async def agenerate(self, req):
-        io = import_areal_for_tests("areal.api.io_struct")
+        io = import_areal("areal.api.io_struct")
         req = SimpleNamespace(input_ids=list(req.input_ids), metadata={"return_routed_experts": True})
         acc_tokens, acc_routes, stop_reason = [], [], None
         while stop_reason not in ("stop", "tool_calls", "length"):
@@ -271,7 +212,7 @@ class StandInMegatronEngine:
 
     def _prepare_mb_list(self, input_: dict):
         d = _data()
-        cli = import_areal_for_tests("areal.api.cli_args")
+        cli = import_areal("areal.api.cli_args")
         input_ = d.amend_position_ids(input_)
         pp, cp, tp = self.ctx.pp, self.ctx.cp, self.ctx.tp
         spec = cli.MicroBatchSpec.new(cli.MicroBatchSpec(n_mbs=self.n_mbs), n_mbs=max(2 * pp if pp > 1 else 1, self.n_mbs),
@@ -288,7 +229,7 @@ class StandInMegatronEngine:
 
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only=False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        pcp = import_areal_for_tests("areal.engine.megatron_utils.packed_context_parallel")
+        pcp = import_areal("areal.engine.megatron_utils.packed_context_parallel")
         d = _data()
 
         def forward_step(batch_iter, model):
@@ -404,20 +345,10 @@ class ArealRunner:
             h.remove()
             del eng._prepare_mb_list
         # what the mixin logged into AReaL's stats tracker for this phase (exported like AReaL does)
-        st = import_areal_for_tests("areal.utils.stats_tracker")
+        st = import_areal("areal.utils.stats_tracker")
         logged = {k: v for k, v in st.export().items() if k.startswith("r3bridge/")}
-        # per-sample logits of the last stage (AReaL's unpadded outputs, one per micro-batch in
-        # schedule order), in the runner's sample order as the conformance check pairs them
-        by_sample = {}
-        if eng.outputs:
-            assert len(eng.outputs) == len(self._mbl.mbs), (len(eng.outputs), len(self._mbl.mbs))
-            for mb, pmb, o in zip(self._mbl.mbs, self._mbl.padded_mbs, eng.outputs):
-                cu = mb["cu_seqlens"].tolist()
-                for j, g in enumerate(g for g in pmb[MB_KEY].sample_ids if g is not None):
-                    by_sample[order[g]] = o[cu[j]:cu[j + 1]]
-        logprobs = [by_sample[i] for i in order] if by_sample else []
-        return {"logprobs": logprobs, "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded,
-                "packing": packing, "framework_metrics": logged}
+        return {"logprobs": [], "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded, "packing": packing,
+                "framework_metrics": logged}
 
     def write_recorded(self, rollout, recorded):
         pass                                      # PPOActorMixin.compute_logp already wrote it back

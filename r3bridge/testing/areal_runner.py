@@ -1,0 +1,156 @@
+"""One AReaL training step after another on the real engine, every router call checked (tests only).
+
+Rollout: :func:`r3bridge.testing.areal_rollout.trajectories` (AReaL's own ``SGLangBackend``
+decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``). Trainer:
+:func:`r3bridge.testing.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
+mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs
+``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss and optimizer
+step) per step under a :class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call,
+forward and recompute, against the expected routes: the canonical rollout's (R3) or the routes
+recorded in that step's ``compute_logp`` (R2), sharded with ``r3bridge.shard`` for the packing
+AReaL really used (its padded ``cu_seqlens``, its sample order after its own token-balanced
+splits).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from r3bridge.adapters.areal.hooks import MB_KEY
+from r3bridge.testing.areal_env import import_areal
+from r3bridge.testing.conformance import CanonicalRollout
+
+__all__ = ["run_steps"]
+
+
+
+class _PassLog:
+    """Per ``forward_backward_batch`` call of the engine: the phase, the first/last router call
+    index in the probe, and each padded micro-batch's (seq_lens, batch sample ids, padded
+    cu_seqlens) exactly as the engine handed them to the schedule. Installed on the engine
+    instance (test-side capture; the engine's method runs unchanged)."""
+
+    def __init__(self, engine: Any, probe: Any) -> None:
+        self.engine, self.probe, self.passes = engine, probe, []
+        self._orig = engine.forward_backward_batch
+
+        def forward_backward_batch(mb_list, process_output_fn, forward_only=False):
+            start = len(self.probe.calls)
+            phase = engine.r3_phase.value if engine.r3_phase is not None else None
+            mbs = []
+            for pmb in mb_list.padded_mbs:
+                item = pmb.get(MB_KEY)          # the adapter's per-micro-batch r3bridge.megatron.MicroBatch
+                lens, gids = (list(item.seq_lens), list(item.sample_ids)) if item is not None else (None, None)
+                mbs.append((lens, gids, pmb["cu_seqlens"].cpu().clone()))
+            out = self._orig(mb_list, process_output_fn, forward_only)
+            self.passes.append(dict(phase=phase, forward_only=forward_only, start=start,
+                                    end=len(self.probe.calls), mbs=mbs))
+            return out
+        engine.forward_backward_batch = forward_backward_batch
+
+    def remove(self) -> None:
+        del self.engine.forward_backward_batch
+
+
+def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any) -> tuple[list, list, int]:
+    """Every router call of one pass against ``expected`` (ReplayBatch in batch order)."""
+    from r3bridge.schema import ReplayBatch
+    from r3bridge.sharding import shard
+
+    errors, records, checked = [], [], 0
+    seen: dict[tuple, int] = {}
+    for call in calls:
+        key = (call.chunk, call.layer_id, call.grad_enabled)
+        k = seen.get(key, 0)          # each chunk runs its micro-batches in order, forward and recompute alike
+        seen[key] = k + 1
+        if k >= len(p["mbs"]):
+            errors.append(f"{p['phase']}: chunk {call.chunk} layer {call.layer_id}: more router calls than micro-batches")
+            continue
+        lens, gids, cu = p["mbs"][k]
+        real = [g for g in gids if g is not None]       # None: AReaL's padding "sequence"
+        routes = expected.select(real)
+        if len(lens) > len(real):     # AReaL's trailing padding "sequence": no routes
+            extra = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
+                                            [0] * (len(lens) - len(real)), num_experts=routes.num_experts,
+                                            layer_ids=routes.layer_ids, start_rows=lens[len(real):], source=routes.source)
+            routes = ReplayBatch.concat([routes, extra])
+        tg = shard(routes, layout, lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
+                   vp_stage=call.chunk, layer_ids=[call.layer_id], format="thd", cu_seqlens_padded=cu)
+        got = call.topk()
+        want = tg.indices[call.layer_id].sort(dim=1).values
+        v = tg.valid
+        where = f"{p['phase']} mb {k} chunk {call.chunk} layer {call.layer_id} grad={call.grad_enabled}"
+        if got.shape != want.shape:
+            errors.append(f"{where}: router saw {tuple(got.shape)} rows, targets {tuple(want.shape)}")
+            continue
+        bad = int((got[v] != want[v]).any(1).sum())
+        if bad:
+            errors.append(f"{where}: {bad} of {int(v.sum())} valid rows differ")
+        checked += int(v.sum())
+        records.append(dict(phase=p["phase"], micro_batch=k, samples=real, chunk=call.chunk, layer=call.layer_id,
+                            grad_enabled=call.grad_enabled, valid=v.clone(), topk=got.to(torch.uint8)))
+    return errors, records, checked
+
+
+def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, steps: int = 2, n_mbs: int = 2,
+              ppo_n_minibatches: int = 2, recompute: bool = True) -> dict:
+    """``steps`` AReaL PPO steps on the same rollout (``compute_logp``, ``compute_advantages``,
+    ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
+    call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
+    stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
+    samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids: for comparing frameworks)."""
+    from r3bridge.testing.areal_engine import chunks_of, make_actor, tiny_qwen3_moe
+    from r3bridge.testing.areal_rollout import trajectories
+    from r3bridge.testing.probe import RoutingProbe
+
+    st = import_areal("areal.utils.stats_tracker")
+    hf = tiny_qwen3_moe(num_layers=rollout.num_layers,
+                        dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
+                        num_experts=rollout.num_experts, topk=rollout.topk)
+    eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
+                     recompute=recompute)
+    chunks = chunks_of(eng)
+    layout = eng.r3_replay.layout
+    canonical = rollout.expected()
+    errors: list = []
+    records: list = []
+    checked = 0
+    calls: dict = {}
+    metrics: list = []
+    grad_norms: list = []
+    for step in range(steps):
+        trajs = trajectories(rollout)
+        with RoutingProbe(chunks, include_mtp=False) as probe:
+            log = _PassLog(eng, probe)
+            try:
+                logp = eng.compute_logp(trajs)
+                for t, lp in zip(trajs, logp):
+                    t["prox_logp"] = lp
+                recorded = eng.r3_recorded
+                trajs = eng.compute_advantages(trajs)
+                eng.ppo_update(trajs)
+            finally:
+                log.remove()
+        exported = st.export()
+        metrics.append({k: v for k, v in exported.items() if "r3bridge/" in k and not k.endswith("__count")})
+        grad_norms.append(exported.get("ppo_actor/update/grad_norm"))
+        for p in log.passes:
+            want = canonical
+            if mode == "R2":
+                want = recorded
+                if recorded is None:
+                    errors.append(f"step {step}: R2 recorded nothing in compute_logp")
+                    continue
+            p_err, p_rec, p_checked = _check_pass(ctx, layout, p, probe.calls[p["start"]:p["end"]], want)
+            errors += [f"step {step}: {e}" for e in p_err]
+            for r in p_rec:
+                r["step"] = step
+            records += p_rec
+            checked += p_checked
+            key = f"{p['phase']}/grad={'on' if not p['forward_only'] else 'off'}"
+            calls[key] = calls.get(key, 0) + (p["end"] - p["start"])
+            calls[p["phase"] + "/recompute"] = calls.get(p["phase"] + "/recompute", 0) + sum(
+                1 for c in probe.calls[p["start"]:p["end"]] if c.grad_enabled)
+    return dict(errors=errors, checked_rows=checked, calls=calls, metrics=metrics, records=records,
+                grad_norms=grad_norms, recorded_rows=None if mode != "R2" else recorded.rows_per_seq)
