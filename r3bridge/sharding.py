@@ -275,7 +275,7 @@ def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequenc
     routes = out.view(torch.uint8).view(dtype).view(n_out, len(lids), k)
     # The ids are the routers' own top-k narrowed to a dtype that holds num_experts: distinct and
     # in range by construction, so only the schema is rebuilt (as in unshard).
-    return ReplayBatch._trusted(routes, lens_out, [0] * len(lens_out), torch.ones(n_out, dtype=torch.bool),
+    return ReplayBatch.from_trusted(routes, lens_out, [0] * len(lens_out), torch.ones(n_out, dtype=torch.bool),
                                 tuple(lids), num_experts, source)
 
 

@@ -113,7 +113,7 @@ def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4) 
     if engine.config.disable_dropout:
         for m in engine.model:
             me.disable_dropout_in_model(m)
-    for i, chunk in enumerate(engine.model):        # as initialize: vp_stage on DDP chunks
+    for chunk in engine.model:        # as initialize: vp_stage on DDP chunks
         if isinstance(chunk, DDP) and engine.mcore_config.virtual_pipeline_parallel_size > 1:
             chunk.vp_stage = getattr(chunk.module, "vp_stage", None)
     model_config = get_model_config(engine.model[0])

@@ -97,7 +97,7 @@ def test_concurrent_requests_do_not_mix_attempts():
         engines = [ac.R3SGLang(ac.StandInInfEngine(ac.FakeSGLang(rollout, i))) for i in range(4)]
         reqs = [type("R", (), {"input_ids": rollout.call_tokens[i][0][:rollout.call_prompt_lens[i][0]]})() for i in range(4)]
         return await asyncio.gather(*[e.agenerate(r) for e, r in zip(engines, reqs)])
-    for i, resp in enumerate(asyncio.run(both())):
+    for resp in asyncio.run(both()):
         assert resp.routed_experts.shape[0] == len(resp.input_tokens) + len(resp.output_tokens) - 1
 
 
