@@ -12,6 +12,8 @@ install:
 	$(PIP) -e ".[megatron,verl,test]"
 	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4 skyrl-gym==0.4.0 \
 		jaxtyping==0.3.11 wadler-lindig loguru==0.7.3 colorlog==6.12.0 tenacity==9.2.1 lark==1.3.1 einops==0.8.2
+	# SkyRL 0.4 (Python >= 3.12 as a package): its data-layout modules, for tests/adapters/test_skyrl04.py
+	$(PIP) --no-deps --ignore-requires-python --upgrade --target build/skyrl04 skyrl==0.4.0
 
 test: install
 	$(PY) -m pytest -q
