@@ -156,9 +156,21 @@ def check_refusals():
                                          "router_padding_mask": batch["router_padding_mask"], "attention_mask": attn})
 
 
+def check_first_seen_mixin_refused():
+    """0.4's generator stitches first-seen itself (check_ingest_byte_identical proves it matches):
+    r3bridge's 0.3 generator mixin is refused rather than stacked on top."""
+    from r3bridge.adapters.skyrl import FirstSeenRoutesMixin
+
+    class Gen(FirstSeenRoutesMixin, object):
+        pass
+    with pytest.raises(ConfigError, match="RoutedExpertTrace"):
+        Gen()
+
+
 # ------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("check", ["check_release", "check_ingest_byte_identical", "check_padding_rows_are_skyrls",
-                                   "check_recorded_written_back_in_04_layout", "check_refusals"])
+                                   "check_recorded_written_back_in_04_layout", "check_refusals",
+                                   "check_first_seen_mixin_refused"])
 def test_skyrl04(check):
     _run(check)
 
