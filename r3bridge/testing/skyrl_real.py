@@ -330,7 +330,6 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     recompute = mc.recompute_granularity is not None
     results = []
-    prev_recorded = None
     for s, rollout in enumerate(rollouts):
         batch = training_input(rollout, seed=s)
         if step.mode == "R2":       # generator.inference_engine.enable_return_routed_experts=False
@@ -353,10 +352,6 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
             codec.write_recorded(batch, recorded)        # what TrainerMixin does with them
             expected = recorded
             res["recorded_rows"] = recorded.rows_per_seq
-            if prev_recorded is not None and prev_recorded.rows_per_seq == recorded.rows_per_seq:
-                v = recorded.valid & prev_recorded.valid
-                res["recorded_changed_rows"] = int((recorded.routes[v] != prev_recorded.routes[v]).any(-1).any(-1).sum())
-            prev_recorded = recorded
         else:
             expected = None
         if expected is not None:
