@@ -185,31 +185,6 @@ def _shim_rng_tracker() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
 
 
-def _shim_shape_exchange_order() -> None:
-    # With variable_seq_lengths, megatron exchanges p2p shapes with one batch_isend_irecv of
-    # (send_prev, recv_prev, send_next, recv_next) (p2p_communication.py:165-238), whatever
-    # batch_p2p_comm says. With pp=2 prev and next are the same peer, and gloo pairs the sends
-    # and receives between two ranks in posting order, so a steady-state 1F1B step that sends an
-    # activation shape one way and a gradient shape the other pairs them crosswise (later:
-    # "Received data size doesn't match expected size", or a hang). NCCL's batched p2p has no
-    # such ordering. One exchange per direction (activations forward, then gradients backward)
-    # gives every send a single matching receive; the shapes exchanged are the same.
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    orig = P2PCommunicator._communicate_shapes
-    if getattr(orig, "_r3bridge_cpu", False):
-        return
-
-    def _communicate_shapes(self: Any, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
-                            recv_next: bool) -> Any:
-        fwd, _ = orig(self, tensor_send_next, None, recv_prev, False)
-        _, bwd = orig(self, None, tensor_send_prev, False, recv_next)
-        return fwd, bwd
-
-    _communicate_shapes._r3bridge_cpu = True  # type: ignore[attr-defined]
-    P2PCommunicator._communicate_shapes = _communicate_shapes  # type: ignore[method-assign]
-
-
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 
 
@@ -292,7 +267,6 @@ _SHIMS = (
     ("alltoall dispatcher: CPU split sizes -> numpy", _shim_alltoall_splits),
     ("tensor_parallel.random: cuda RNG -> CPU RNG", _shim_rng_tracker),
     ("schedules/transformer.utils: device='cuda' literals -> cpu", _shim_cuda_literals),
-    ("p2p shape exchange: one direction at a time (gloo pairs in posting order)", _shim_shape_exchange_order),
 )
 
 
