@@ -102,7 +102,10 @@ def ddp_wrap(chunks: list, config: Any) -> list:
     """megatron's ``DistributedDataParallel`` around each chunk, as SkyRL's
     ``make_megatron_module(wrap_with_ddp=True)`` does: SkyRL's wrapper installs megatron's
     ``finalize_model_grads``, which reduces gradients through the DDP grad buffers."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=False)
     return [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c,
@@ -292,8 +295,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     through SkyRL's wrapper with r3bridge's adapter, under the routing probe. Picklable result."""
     from megatron.core import parallel_state as ps
 
-    from r3bridge.adapters.skyrl import PolicyWorkerMixin, SkyRLCodec
-    from r3bridge.adapters.skyrl import RECORDED_KEY
+    from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
     from r3bridge.config import ReplayConfig
     from r3bridge.testing.models import build_model_chunks
     from r3bridge.testing.probe import RoutingProbe

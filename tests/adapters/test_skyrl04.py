@@ -104,7 +104,6 @@ def check_ingest_byte_identical():
 
 def check_padding_rows_are_skyrls():
     """Rows without a captured route carry SkyRL's own distinct padding row and are masked."""
-    import torch
 
     from r3bridge.testing.conformance import make_rollout
     rollout = make_rollout(3, batch_size=6)
@@ -122,7 +121,11 @@ def check_recorded_written_back_in_04_layout():
     import torch
 
     from r3bridge.schema import ReplayBatch
-    from r3bridge.testing.conformance import assert_same_batch, check_recorded_survives_split, make_rollout
+    from r3bridge.testing.conformance import (
+        assert_same_batch,
+        check_recorded_survives_split,
+        make_rollout,
+    )
     rollout = make_rollout(5, batch_size=6)
     batch = _batch04(rollout)
     codec = _codec(rollout)

@@ -8,8 +8,8 @@ should be replayed (``r3bridge.testing.skyrl_real``)."""
 from __future__ import annotations
 
 import pytest
-
 import skyrl  # noqa: F401  (installed by `make install`: never skipped)
+
 from r3bridge.testing.dist import Layout, spawn_layouts
 
 PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]     # the update sees the samples in another order, re-partitioned
