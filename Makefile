@@ -22,8 +22,11 @@ install:
 	# areal.utils.seqpack, pybase64 for SGLang's routes, aiofiles / openai in areal.infra).
 	$(PIP) --no-deps uvloop==0.23.0 numba==0.68.1 llvmlite==0.50.0 pybase64==1.5.1 aiofiles==25.1.0 \
 		openai==3.54.0 httpx2==2.16.2 jiter==0.19.0
+	# SkyRL 0.4 (Python >= 3.12 as a package): its data-layout modules, for tests/adapters/test_skyrl04.py
+	$(PIP) --no-deps --ignore-requires-python --upgrade --target build/skyrl04 skyrl==0.4.0
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: install

@@ -20,12 +20,14 @@ rows. See docs/use-with-skyrl.md.
 """
 from __future__ import annotations
 
+from r3bridge.adapters.skyrl._compat import SUPPORTED_RELEASES, skyrl_release
 from r3bridge.adapters.skyrl.codec import (
     MASK_KEY,
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
     make_router_padding_mask,
+    packed_training_batch_fields,
     replay_batch_from_training_batch,
     training_batch_fields,
 )
@@ -42,7 +44,10 @@ from r3bridge.adapters.skyrl.hooks import (
 )
 from r3bridge.adapters.skyrl.rollout import SkyRLRollout, decode_routed_experts, merge_first_seen, rollout_routes
 
-__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "RECORDED_KEY", "decode_routed_experts", "rollout_routes",
+# SkyRL 0.3.x or 0.4.x (None: not installed); any other installed release is refused here, at import
+SKYRL_RELEASE = skyrl_release()
+
+__all__ = ["SKYRL_RELEASE", "SUPPORTED_RELEASES", "skyrl_release", "packed_training_batch_fields", "ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "RECORDED_KEY", "decode_routed_experts", "rollout_routes",
            "merge_first_seen", "replay_batch_from_training_batch", "training_batch_fields", "make_router_padding_mask",
            "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
            "replay_config", "FirstSeenRoutesMixin", "policy_worker_class", "SkyRLCodec", "SkyRLRollout"]

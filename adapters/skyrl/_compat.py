@@ -1,4 +1,4 @@
-"""Importing SkyRL 0.3.x modules.
+"""Importing SkyRL 0.3.x / 0.4.x modules, and telling the two releases apart.
 
 SkyRL's package ``__init__`` chains (``skyrl.backends`` -> ``backend.py`` -> ``skyrl.tinker.types``;
 ``skyrl.train.generators`` -> the VLM generator -> ``skyrl.backends.renderer`` -> the same types)
@@ -7,15 +7,27 @@ defines pydantic models over ``typing.TypedDict``, which pydantic refuses on Pyt
 :func:`import_skyrl` imports normally and, only if that fails *in the chain*, registers
 ``skyrl.backends`` and any parent package of the requested module whose ``__init__`` fails as
 bare package objects pointing at the real directories (the ``__init__`` is skipped, every
-submodule is SkyRL's own file) and retries. On Python >= 3.12 nothing is changed.
+submodule is SkyRL's own file) and retries. SkyRL 0.4's chain also imports packages its
+``--no-deps`` install lacks (``skyrl.backends.backend`` -> ``cloudpathlib``): a missing module
+raised from inside that chain is handled the same way. Anything else is raised.
+
+:func:`skyrl_release` reads the installed distribution's version: ``"0.3"`` or ``"0.4"`` (the
+transports differ), ``None`` when SkyRL is not installed; any other release is refused with a
+:class:`r3bridge.errors.ConfigError` when the adapter is imported.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
 import types
+from typing import Optional
+
+from r3bridge.errors import ConfigError
+
+SUPPORTED_RELEASES = ("0.3", "0.4")
 
 _SHIMMED = ("skyrl.backends",)
 
@@ -40,7 +52,9 @@ def import_skyrl(name: str):
     try:
         return importlib.import_module(name)
     except Exception as e:  # noqa: BLE001
-        if "TypedDict" not in str(e) or sys.version_info >= (3, 12):
+        chain = "TypedDict" in str(e) and sys.version_info < (3, 12)
+        missing = isinstance(e, ModuleNotFoundError) and not (e.name or "").startswith("skyrl")
+        if not (chain or missing):
             raise
         for mod in [m for m in sys.modules if m == "skyrl.backends" or m.startswith("skyrl.backends.")]:
             if sys.modules.get(mod) is None:
@@ -55,3 +69,17 @@ def import_skyrl(name: str):
                     del sys.modules[mod]
                 _shim_package(pkg)
         return importlib.import_module(name)
+
+
+def skyrl_release(version: Optional[str] = None) -> Optional[str]:
+    """``"0.3"`` / ``"0.4"`` for the installed SkyRL (or ``version``), ``None`` if not installed."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("skyrl")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    release = ".".join(version.split(".")[:2])
+    if release not in SUPPORTED_RELEASES:
+        raise ConfigError(f"r3bridge's SkyRL adapter supports SkyRL {' and '.join(r + '.x' for r in SUPPORTED_RELEASES)}; "
+                          f"skyrl {version} is installed (its route transport is not known to r3bridge)")
+    return release

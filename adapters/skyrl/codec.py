@@ -1,6 +1,11 @@
-"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (pure torch: no skyrl import).
+"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (reading needs no skyrl import).
 
-Trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
+SkyRL 0.4 (``PackedTensor``): ``rollout_expert_indices`` holds one segment per sample, one row per
+real token in order (``values [sum(seq_len_i), L_all, K]``, uint8 / int16 / int32, ``cu_seqlens``
+int32), rows past what the engine returned filled with SkyRL's ``replay_padding_row`` (``0..K-1``),
+and ``router_padding_mask`` ``[B, S]`` (True = left padding or no captured route) is required.
+
+SkyRL 0.3 (dense) trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
 ``rollout_expert_indices`` ``[B, S, L_all, K]`` left-padded like ``sequences`` (uint8 / int16 /
 int32), rows past what the engine returned filled with dummy rows (``0..K-1`` in SkyRL main, zeros
 in 0.3.0), and, in SkyRL main, ``router_padding_mask`` ``[B, S]`` (True = no captured route).
@@ -19,7 +24,7 @@ from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "SkyRLCodec", "replay_batch_from_training_batch",
-           "training_batch_fields", "make_router_padding_mask"]
+           "training_batch_fields", "packed_training_batch_fields", "make_router_padding_mask"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
@@ -51,6 +56,11 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     if _get(batch, "sub_seq_lengths") is not None:
         raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
                           "r3bridge needs one sample per row")
+    if _is_packed(routes):
+        rb = _from_packed_field(routes, _get(batch, MASK_KEY), attn, num_experts=num_experts,
+                                moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers, source=source,
+                                routes_key=routes_key)
+        return rb if source == "recorded" else drop_final_invalid_rows(rb)
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
@@ -75,6 +85,79 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     if source != "recorded":
         rb = drop_final_invalid_rows(rb)
     return rb
+
+
+def _is_packed(field: Any) -> bool:
+    """SkyRL 0.4's ``PackedTensor`` (duck-typed: reading needs no skyrl import)."""
+    return hasattr(field, "values") and hasattr(field, "cu_seqlens") and not isinstance(field, torch.Tensor)
+
+
+def _from_packed_field(routes: Any, mask: Any, attn: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
+                       num_hidden_layers: Optional[int], source: str, routes_key: str) -> ReplayBatch:
+    """SkyRL 0.4's packed routes + ``router_padding_mask`` -> ReplayBatch (one row per real token)."""
+    values, cu = torch.as_tensor(routes.values), torch.as_tensor(routes.cu_seqlens).long()
+    if values.dim() != 3:
+        raise RouteShapeError(f"{routes_key} values must be [tokens, layers, topk], got {tuple(values.shape)}")
+    if mask is None:
+        raise ConfigError(f"SkyRL 0.4 {routes_key} comes with {MASK_KEY!r} (True = no captured route); the batch "
+                          f"has none")
+    attn = torch.as_tensor(attn).bool().cpu()
+    mask = torch.as_tensor(mask).bool().cpu()
+    if mask.shape != attn.shape:
+        raise RouteShapeError(f"{MASK_KEY} is {tuple(mask.shape)}, attention_mask {tuple(attn.shape)}")
+    lens = attn.sum(1).tolist()
+    seg = (cu[1:] - cu[:-1]).tolist()
+    if seg != lens:
+        raise RouteShapeError(f"{routes_key} segments {seg} do not match the real-token counts {lens} "
+                              f"(SkyRL 0.4 packs one route row per real token)")
+    nl = int(values.shape[1])
+    moe = [int(i) for i in moe_layer_ids]
+    if num_hidden_layers is not None and nl != int(num_hidden_layers):
+        raise LayerMappingError(f"{routes_key} has {nl} layers but the model has num_hidden_layers="
+                                f"{num_hidden_layers} (engine and trainer disagree)")
+    if moe and max(moe) >= nl:
+        raise LayerMappingError(f"MoE layers {moe} out of range for {nl} reported layers")
+    sel = values.index_select(1, torch.tensor(moe, dtype=torch.long, device=values.device)).cpu()
+    valid = ~mask[attn]                   # real tokens in row order == packed row order
+    return ReplayBatch.from_packed(sel, lens, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+
+
+def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
+                                 packed_tensor: type, padding_row: Any) -> dict[str, Any]:
+    """ReplayBatch (one sequence per row of ``attention_mask``, start 0) -> SkyRL 0.4's fields:
+    ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` class (one row per real token,
+    ``num_hidden_layers`` wide, rows without a route and dense layers filled with SkyRL's
+    ``padding_row(topk, dtype=...)``) and ``router_padding_mask``."""
+    attn = torch.as_tensor(attention_mask).bool().cpu()
+    b = attn.shape[0]
+    if rb.num_seqs != b:
+        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {b}")
+    if any(x != 0 for x in rb.start_rows):
+        raise RouteShapeError("packed_training_batch_fields needs routes starting at token 0 of every sample")
+    lens = attn.sum(1).tolist()
+    if any(r > n for r, n in zip(rb.rows_per_seq, lens)):
+        i = next(i for i, (r, n) in enumerate(zip(rb.rows_per_seq, lens)) if r > n)
+        raise RouteShapeError(f"sample {i}: {rb.rows_per_seq[i]} route rows for {lens[i]} tokens")
+    if max(rb.layer_ids, default=-1) >= num_hidden_layers:
+        raise LayerMappingError(f"layer ids {list(rb.layer_ids)} out of range for {num_hidden_layers} layers")
+    dtype = route_dtype(rb.num_experts)
+    total = int(sum(lens))
+    row = torch.as_tensor(padding_row(rb.topk, dtype=dtype))
+    values = row.expand(total, num_hidden_layers, rb.topk).clone()
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    starts = cu[:-1].long()
+    rows = torch.tensor(rb.rows_per_seq, dtype=torch.long)
+    seq = torch.arange(b).repeat_interleave(rows)
+    dest = starts[seq] + (torch.arange(rb.total_rows) - rb.offsets[:-1].repeat_interleave(rows))
+    valid = rb.valid.cpu()
+    lid = torch.tensor(rb.layer_ids, dtype=torch.long)
+    values[dest[valid][:, None], lid[None, :]] = rb.routes.cpu().to(dtype)[valid]
+    captured = torch.zeros(total, dtype=torch.bool)
+    captured[dest[valid]] = True
+    mask = torch.ones_like(attn)
+    mask[attn] = ~captured
+    return {ROUTES_KEY: packed_tensor(values, cu), MASK_KEY: mask}
 
 
 def make_router_padding_mask(attention_mask: torch.Tensor, captured: Sequence[int]) -> torch.Tensor:
@@ -131,10 +214,14 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
 class SkyRLCodec:
     """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
+                 release: Optional[str] = None) -> None:
+        from r3bridge.adapters.skyrl._compat import skyrl_release
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
+        # the layout recorded routes are written back in: the installed release's (reading takes both)
+        self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
         return replay_batch_from_training_batch(
@@ -142,8 +229,15 @@ class SkyRLCodec:
             num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
-        for k, v in training_batch_fields(recorded, native["attention_mask"],
-                                          num_hidden_layers=self.num_hidden_layers).items():
+        if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them
+            from r3bridge.adapters.skyrl._compat import import_skyrl
+            fields = packed_training_batch_fields(
+                recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers,
+                packed_tensor=import_skyrl("skyrl.backends.skyrl_train.utils.packed_tensor").PackedTensor,
+                padding_row=import_skyrl("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row)
+        else:
+            fields = training_batch_fields(recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers)
+        for k, v in fields.items():
             native[k] = v
         if getattr(native, "metadata", None) is None:
             native.metadata = {}

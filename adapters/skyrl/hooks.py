@@ -32,8 +32,8 @@ from r3bridge.adapters.skyrl.codec import (
     MASK_KEY,
     ROUTES_KEY,
     ROUTES_MARK,
+    SkyRLCodec,
     replay_batch_from_training_batch,
-    training_batch_fields,
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
@@ -219,6 +219,9 @@ class PolicyWorkerMixin:
         finally:
             data[ROUTES_KEY] = None
         rec = self.model.r3.recorded
+        from megatron.core import parallel_state as mpu
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
         if rec is None or rec.num_seqs != len(out.loss_fn_outputs):
             raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
                                    f"{len(out.loss_fn_outputs)} samples")
@@ -264,9 +267,9 @@ class TrainerMixin:
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
             from r3bridge.hf import num_hidden_layers_from_hf_config
             n = num_hidden_layers_from_hf_config(self._r3_hf_config())
-            for k, v in training_batch_fields(rec, training_input["attention_mask"], num_hidden_layers=n).items():
-                training_input[k] = v
-            training_input.metadata[ROUTES_MARK] = "recorded"
+            # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
+            SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
+                       num_hidden_layers=n).write_recorded(training_input, rec)
         return out
 
     def _r3_hf_config(self):
@@ -278,7 +281,17 @@ class FirstSeenRoutesMixin:
     """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: SkyRL 0.3.0 replaces a
     sample's routes with each turn's (``agent_loop_state.rollout_expert_indices =
     turn_output.rollout_expert_indices``); this keeps the rows earlier turns returned (the routes
-    that sampled those tokens) and appends only the new rows."""
+    that sampled those tokens) and appends only the new rows. SkyRL 0.4's generator does this
+    itself (``RoutedExpertTrace``: each call asks the engine for rows from
+    ``routed_experts_prompt_start`` and appends them; tests/adapters/test_skyrl04.py checks its
+    result equals r3bridge's first-seen stitch), so under 0.4 the mixin is refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from r3bridge.adapters.skyrl._compat import skyrl_release
+        if skyrl_release() == "0.4":
+            raise ConfigError("SkyRL 0.4's generator keeps first-seen multi-turn routes itself (RoutedExpertTrace); "
+                              "use SkyRLGymGenerator without r3bridge's FirstSeenRoutesMixin")
+        super().__init__(*args, **kwargs)
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
         prev = agent_loop_state.rollout_expert_indices

@@ -16,6 +16,7 @@ and ``MegatronEngine`` cannot be imported without the OpenAI agent stack / mbrid
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 from types import SimpleNamespace
 from typing import Optional
@@ -39,7 +40,6 @@ from r3bridge.testing.areal_env import import_areal
 from r3bridge.testing.conformance import CanonicalRollout
 
 __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
-
 
 def _data():
     return import_areal("areal.utils.data")
@@ -174,7 +174,6 @@ class _PlainRecorder:
 def trajectories(rollout: CanonicalRollout, *, dedupe: bool = True) -> list[dict]:
     """One AReaL trajectory dict per sample through r3bridge's WorkflowMixin (``dedupe=False``:
     the same trajectory field built from AReaL 1.0.4's own concatenated ``routed_experts``)."""
-    import asyncio
 
     info = model_info(rollout)
     out = []
@@ -347,8 +346,18 @@ class ArealRunner:
         # what the mixin logged into AReaL's stats tracker for this phase (exported like AReaL does)
         st = import_areal("areal.utils.stats_tracker")
         logged = {k: v for k, v in st.export().items() if k.startswith("r3bridge/")}
-        return {"logprobs": [], "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded, "packing": packing,
-                "framework_metrics": logged}
+        # per-sample logits of the last stage (AReaL's unpadded outputs, one per micro-batch in
+        # schedule order), in the runner's sample order as the conformance check pairs them
+        by_sample = {}
+        if eng.outputs:
+            assert len(eng.outputs) == len(self._mbl.mbs), (len(eng.outputs), len(self._mbl.mbs))
+            for mb, pmb, o in zip(self._mbl.mbs, self._mbl.padded_mbs, eng.outputs):
+                cu = mb["cu_seqlens"].tolist()
+                for j, g in enumerate(g for g in pmb[MB_KEY].sample_ids if g is not None):
+                    by_sample[order[g]] = o[cu[j]:cu[j + 1]]
+        logprobs = [by_sample[i] for i in order] if by_sample else []
+        return {"logprobs": logprobs, "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded,
+                "packing": packing, "framework_metrics": logged}
 
     def write_recorded(self, rollout, recorded):
         pass                                      # PPOActorMixin.compute_logp already wrote it back

@@ -52,7 +52,7 @@ def _arr(rows, seed, layers=4, k=2):
 def test_decode_and_errors():
     a = _arr(6, 0)
     assert np.array_equal(decode_sglang(_meta(a, 3), num_layers=4, topk=2), a)
-    with pytest.raises(PayloadError, match="prompt \\+ completion - 1"):
+    with pytest.raises(PayloadError, match="prompt_tokens \\+ completion_tokens - 1"):
         decode_sglang({**_meta(a, 3), "completion_tokens": 9}, num_layers=4, topk=2)
     with pytest.raises(PayloadError, match="skip_tokenizer_init"):
         decode_sglang({"routed_experts": {}}, num_layers=4, topk=2)
@@ -67,8 +67,8 @@ def test_resubmit_dedupe_first_seen():
     assert rb.rows_per_seq == [10]
     assert torch.equal(rb.routes[:7], torch.from_numpy(a1[:, [1, 3]]).to(torch.uint8))
     assert torch.equal(rb.routes[7:], torch.from_numpy(a2[7:, [1, 3]]).to(torch.uint8))
-    rows, dis = first_seen_rows([a1.reshape(7, -1), a2.reshape(10, -1)])
-    assert rows.shape == (10, 8) and dis == 7          # every overlapping row was re-routed differently
+    rows, rep = first_seen_rows([a1.reshape(7, -1), a2.reshape(10, -1)])
+    assert rows.shape == (10, 8) and rep.total_disagreeing == 7   # every overlapping row was re-routed differently
     areal_concat = np.concatenate([a1, a2])              # what AReaL 1.0.4 hands to the trainer
     assert areal_concat.shape[0] == 17 != 10
 
@@ -147,6 +147,8 @@ def test_trajectory_tensor_sentinel_and_dtypes():
     assert back.rows_per_seq == [3] and back.valid.tolist() == [True, False, True]
     big = ReplayBatch.from_ragged([torch.tensor([[[300, 2]]])], num_experts=512, layer_ids=[0])
     assert trajectory_tensor(big, [1]).dtype == torch.int16
+    edge = ReplayBatch.from_ragged([torch.tensor([[[254, 2]]])], num_experts=255, layer_ids=[0])
+    assert trajectory_tensor(edge, [2]).dtype == torch.uint8 and int(trajectory_tensor(edge, [2])[0, 0, 0, 1]) == 255
 
 
 def test_parent_concat_keeps_only_agreeing_prefix():

@@ -1,0 +1,395 @@
+"""SkyRL 0.3's real training path on harness chunks (test-only).
+
+What runs is SkyRL's own code: ``MegatronModelWrapper.forward`` (the forward-only log-prob pass)
+and ``forward_backward_mini_batch`` (one mini-batch update with SkyRL's registered policy loss and
+KL term, under megatron's real ``DistributedDataParallel`` and ``finalize_model_grads``), SkyRL's
+``TrainingInputBatch`` / ``BatchIterator`` micro-batching, and r3bridge's adapter classes on top
+(``PolicyWorkerMixin`` swapping in the replaying wrapper, R2 sample ids and recorded payloads;
+``SkyRLCodec.write_recorded``, which is what ``TrainerMixin`` writes back into the batch).
+
+The one piece that is not SkyRL's: :class:`PolicyWorkerStandIn`, in place of
+``MegatronPolicyWorkerBase``. SkyRL's worker module imports ``megatron.bridge`` (Megatron-Bridge,
+which builds models through Transformer Engine) at module level, so it cannot be imported here.
+The stand-in does what that worker does between the trainer and the wrapper (chunk the batch,
+build one dict per micro-batch, call the wrapper, turn log-probs into ``loss_fn_outputs``) and
+nothing else; it never touches routes except to pass ``rollout_expert_indices`` through when
+``enable_router_replay`` is set, as SkyRL's worker does.
+
+:func:`run_steps` is a rank function body: it trains for a few steps and returns picklable
+results, including every router call checked against the routes that should have been replayed
+(the routing probe, forward passes and recomputes alike).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from r3bridge.layout import ParallelLayout
+from r3bridge.schema import ReplayBatch
+from r3bridge.sharding import shard
+from r3bridge.testing.conformance import CanonicalRollout
+
+__all__ = ["StepSpec", "PolicyWorkerStandIn", "training_input", "run_steps", "check_router_calls"]
+
+_WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
+
+
+def _skyrl(name: str):
+    from r3bridge.adapters.skyrl._compat import import_skyrl
+    return import_skyrl(name)
+
+
+@dataclass
+class StepSpec:
+    """One cell: replay mode, SkyRL's packing choice, micro-batch sizes, steps."""
+
+    mode: str                                  # "R3" | "R2" | "off"
+    remove_microbatch_padding: bool = True     # THD (True) or SkyRL's left-padding removal (BSHD)
+    micro_forward_batch_size: int = 2          # compute_log_prob micro-batches
+    micro_train_batch_size: int = 4            # update micro-batches (re-partitioned on purpose)
+    permute: Optional[list[int]] = None        # sample order of the update batch (dynamic sampling)
+    lr: float = 0.05
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ batches
+def training_input(rollout: CanonicalRollout, *, seed: int = 0):
+    """The ``TrainingInputBatch`` SkyRL's trainer hands the policy worker: SkyRL's own
+    ``convert_prompts_responses_to_batch_tensors`` (left-padded sequences, the generator's routes
+    accumulated first-seen as r3bridge's ``FirstSeenRoutesMixin`` leaves them), plus the fields the
+    update reads (advantages; old / base log-probs are filled in after compute_log_prob)."""
+    from r3bridge.adapters.skyrl import merge_first_seen
+
+    pre = _skyrl("skyrl.train.dataset.preprocess")
+    tb = _skyrl("skyrl.backends.skyrl_train.training_batch")
+    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    routes = []
+    for calls in rollout.calls:
+        acc = None
+        for c in calls:
+            acc = merge_first_seen(acc, c.tolist())
+        routes.append(acc)
+    tok = type("Tok", (), {"pad_token_id": 0})()      # convert_* reads only pad_token_id
+    seqs, attn, resp_mask, rewards, loss_mask, _, rei = pre.convert_prompts_responses_to_batch_tensors(
+        tok, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
+        None, routes)
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(resp_mask.shape, generator=g) * resp_mask
+    batch = tb.TrainingInputBatch({
+        "sequences": seqs, "attention_mask": attn, "response_mask": resp_mask, "loss_mask": loss_mask,
+        "rewards": rewards, "advantages": adv, "rollout_expert_indices": rei})
+    batch.metadata = {"response_length": int(resp_mask.shape[1]), "uids": [str(i) for i in range(len(prompts))]}
+    return batch
+
+
+def _reindexed(batch, order: Sequence[int]):
+    """The batch with its samples in ``order`` (what dynamic sampling / shuffling does)."""
+    idx = torch.tensor(list(order))
+    out = type(batch)({k: (None if v is None else v[idx]) for k, v in batch.items()})
+    out.metadata = dict(batch.metadata)
+    return out
+
+
+# ------------------------------------------------------------------------------------ worker
+def _positions(attn: torch.Tensor) -> torch.Tensor:
+    return (attn.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def ddp_wrap(chunks: list, config: Any) -> list:
+    """megatron's ``DistributedDataParallel`` around each chunk, as SkyRL's
+    ``make_megatron_module(wrap_with_ddp=True)`` does: SkyRL's wrapper installs megatron's
+    ``finalize_model_grads``, which reduces gradients through the DDP grad buffers."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=False)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c,
+                                    disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+
+
+class PolicyWorkerStandIn:
+    """Stand-in for SkyRL 0.3's ``MegatronPolicyWorkerBase`` (see the module docstring): the
+    trainer-facing methods ``init_configs`` / ``init_model`` / ``forward`` / ``forward_backward``
+    / ``optim_step``, on harness chunks. ``r3bridge.adapters.skyrl.PolicyWorkerMixin`` goes in
+    front of it exactly as in production."""
+
+    def __init__(self, cfg: Any, chunks: list, hf_config: dict) -> None:
+        self.cfg = cfg
+        self._chunks = chunks
+        self.strategy = type("Strategy", (), {"hf_config": hf_config})()
+        self.enable_router_replay = False
+        self.model = None
+        self.actor_module: list = []
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def init_configs(self, model_path, megatron_config, *args, **kwargs):
+        self.enable_router_replay = bool(megatron_config.moe_enable_routing_replay)
+        self.megatron_config = megatron_config
+
+    def init_model(self, model_path: str = "harness", num_training_steps: int = 1):
+        self.init_configs(model_path, self.cfg.policy.megatron_config)
+        wrapper = _skyrl(_WRAPPER)
+        ppo = _skyrl("skyrl.backends.skyrl_train.utils.ppo_utils")
+        self.actor_module = ddp_wrap(self._chunks, self._chunks[0].config)
+        params = [p for c in self.actor_module for p in c.parameters() if p.requires_grad]
+        # megatron's optimizers allocate on CUDA (docs/testing-harness.md): plain SGD over the
+        # DDP grad buffers (param.main_grad), after finalize_model_grads reduced them
+        self.optimizer = torch.optim.SGD(params, lr=self.cfg.policy.optimizer_config.lr)
+        self.model = wrapper.MegatronModelWrapper(
+            config=self.cfg, actor_module=self.actor_module, actor_optimizer=None,
+            policy_loss_fn=ppo.PolicyLossRegistry.get(self.cfg.algorithm.policy_loss_type), is_vlm=False)
+
+    def _micro_dict(self, mb) -> dict:
+        """A compute_log_prob micro-batch (a ``TrainingInputBatch`` chunk) as SkyRL's worker builds it."""
+        attn = mb["attention_mask"]
+        rei = mb.get("rollout_expert_indices")
+        return {"sequences": mb["sequences"], "attention_mask": attn, "position_ids": _positions(attn),
+                "num_actions": mb.metadata["response_length"],
+                "rollout_expert_indices": self._routes(rei), "sub_seq_lengths": mb.get("sub_seq_lengths")}
+
+    def _train_dict(self, exp) -> dict:
+        """An update micro-batch (SkyRL's ``Experience`` from ``BatchIterator``) as SkyRL's worker builds it."""
+        return {"sequences": exp.sequences, "attention_mask": exp.attention_mask,
+                "position_ids": _positions(exp.attention_mask), "num_actions": exp.num_actions,
+                "old_action_log_probs": exp.action_log_probs, "base_action_log_probs": exp.base_action_log_probs,
+                "advantages": exp.advantages, "loss_mask": exp.loss_mask,
+                "rollout_action_logprobs": exp.rollout_logprobs, "action_mask": exp.action_mask,
+                "rollout_expert_indices": self._routes(exp.rollout_expert_indices),
+                "sub_seq_lengths": exp.sub_seq_lengths, "is_padding_batch": False}
+
+    def _routes(self, rei):
+        return rei.to(torch.int32) if rei is not None and self.enable_router_replay else None
+
+    def forward(self, data, loss_fn=None, loss_fn_config=None):
+        dispatch = _skyrl("skyrl.backends.skyrl_train.distributed.dispatch")
+        mbs = [self._micro_dict(m) for m in data.chunk(self.cfg.micro_forward_batch_size_per_gpu)]
+        self.model.eval()
+        with torch.no_grad():
+            lp = self.model.forward(micro_batches=mbs, seq_len=mbs[0]["sequences"].shape[1],
+                                    micro_batch_size=mbs[0]["sequences"].shape[0],
+                                    temperature=self.cfg.algorithm.temperature)
+        return dispatch.WorkerOutput(loss_fn_outputs=[{"logprobs": lp[i].tolist()} for i in range(lp.shape[0])],
+                                     metrics={})
+
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
+        dispatch = _skyrl("skyrl.backends.skyrl_train.distributed.dispatch")
+        wu = _skyrl("skyrl.backends.skyrl_train.workers.worker_utils")
+        self.model.train()
+        for c in self.actor_module:
+            c.zero_grad_buffer()
+        mbs = [self._train_dict(e) for e in wu.BatchIterator(data, self.cfg.micro_train_batch_size_per_gpu)]
+        for m in mbs:
+            m["num_microbatches"] = len(mbs)
+            m["num_real_microbatches"] = len(mbs)
+        metrics = self.model.forward_backward_mini_batch(
+            micro_batches=mbs, seq_len=mbs[0]["sequences"].shape[1], micro_batch_size=mbs[0]["sequences"].shape[0],
+            temperature=self.cfg.algorithm.temperature, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        outs = [o for m in metrics for o in m.pop("loss_fn_outputs", [])]
+        return dispatch.WorkerOutput(loss_fn_outputs=outs, metrics={"micro_batches": metrics})
+
+    def optim_step(self) -> float:
+        """SGD over the DDP main grads (megatron's optimizer would read the same buffers)."""
+        norm = 0.0
+        for p in self.optimizer.param_groups[0]["params"]:
+            p.grad = p.main_grad.clone()
+            norm += float(p.grad.double().pow(2).sum())
+        self.optimizer.step()
+        for p in self.optimizer.param_groups[0]["params"]:
+            p.grad = None
+        return norm ** 0.5
+
+
+# ------------------------------------------------------------------------------------ checks
+class PackingNotes:
+    """Per chunk, the packing each forward really used (SkyRL's ``packed_seq_params`` under THD,
+    the ``[b, s]`` shape after its left-padding removal under BSHD), from a forward pre-hook."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        self.chunks = list(chunks)
+        self.notes: list[list[dict]] = [[] for _ in self.chunks]
+        self._hs: list = []
+
+    def __enter__(self) -> "PackingNotes":
+        for c, chunk in enumerate(self.chunks):
+            self._hs.append(chunk.register_forward_pre_hook(self._note(c), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hs:
+            h.remove()
+        self._hs.clear()
+
+    def _note(self, c: int):
+        def pre(module, args, kwargs):
+            psp = kwargs.get("packed_seq_params")
+            if psp is not None:
+                self.notes[c].append({"format": "thd", "cu_seqlens_padded": psp.cu_seqlens_q_padded.clone()})
+            else:
+                pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
+                self.notes[c].append({"format": "bshd", "seq_length": int(pos.shape[1])})
+        return pre
+
+
+def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: Sequence[Sequence[int]],
+                       seq_lens: Sequence[int], routes: ReplayBatch, layout: ParallelLayout, *,
+                       passes: set[bool]) -> tuple[list[str], int]:
+    """Every router call against ``routes`` (one sequence per sample, canonical form): calls of one
+    (chunk, layer) are split by grad mode (``passes``: False = a no-grad pass, forward-only or the
+    first pass of a recomputed layer; True = a pass with grad, the recompute or a plain training
+    forward), each must hold one call per micro-batch in schedule order, and on every valid row the
+    top-k a router dispatched must be the target ``r3bridge.shard`` gives for that rank, chunk and
+    the packing SkyRL really used. Returns (errors, checked valid rows)."""
+    errors: list[str] = []
+    checked = 0
+    by: dict[tuple[int, int], dict[bool, list]] = {}
+    for call in calls:
+        by.setdefault((call.chunk, call.layer_id), {}).setdefault(call.grad_enabled, []).append(call)
+    for (c, lid), per in sorted(by.items()):
+        if set(per) != passes:
+            errors.append(f"chunk {c} layer {lid}: router passes with grad {sorted(per)}, expected {sorted(passes)}")
+            continue
+        for grad, cs in per.items():
+            if len(cs) != len(groups) or len(notes[c]) != len(groups):
+                errors.append(f"chunk {c} layer {lid} grad={grad}: {len(cs)} router calls, {len(notes[c])} chunk "
+                              f"forwards for {len(groups)} micro-batches")
+                continue
+            for k, (call, g) in enumerate(zip(cs, groups)):
+                tg = shard(routes.select(list(g)), layout, [seq_lens[i] for i in g], tp_rank=ctx.tp_rank,
+                           cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank, vp_stage=c, layer_ids=[lid], **notes[c][k])
+                got, want, v = call.topk(), tg.indices[lid].sort(dim=1).values, tg.valid
+                if got.shape != want.shape:
+                    errors.append(f"chunk {c} layer {lid} micro-batch {k} grad={grad}: router saw "
+                                  f"{tuple(got.shape)} rows, targets {tuple(want.shape)}")
+                elif not torch.equal(got[v], want[v]):
+                    errors.append(f"chunk {c} layer {lid} micro-batch {k} grad={grad}: "
+                                  f"{int((got[v] != want[v]).any(1).sum())} of {int(v.sum())} valid rows differ")
+                checked += int(v.sum())
+    if not by:
+        errors.append("no router call was recorded")
+    return errors, checked
+
+
+def _groups(order: Sequence[int], size: int) -> list[list[int]]:
+    order = list(order)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def _from_last_stage(t: Optional[torch.Tensor], shape: tuple) -> torch.Tensor:
+    """The last pipeline stage's tensor on every stage (SkyRL's trainer gathers log-probs from the
+    last stage and sends the whole batch to every rank)."""
+    from megatron.core import parallel_state as ps
+
+    buf = t.float().contiguous() if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.zeros(shape)
+    torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return buf
+
+
+def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalRollout]) -> dict:
+    """Train ``len(rollouts)`` steps (compute_log_prob, R2 write-back, one update, optimizer step)
+    through SkyRL's wrapper with r3bridge's adapter, under the routing probe. Picklable result."""
+    from megatron.core import parallel_state as ps
+
+    from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
+    from r3bridge.config import ReplayConfig
+    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.probe import RoutingProbe
+
+    chunks = build_model_chunks(spec, ctx)
+    if step.remove_microbatch_padding:
+        for c in chunks:       # SkyRL's THD path feeds position_ids=None (its models use RoPE); the harness
+            emb = getattr(c, "embedding", None)      # GPT has learned absolute positions: switched off
+            if emb is not None:
+                emb.add_position_embedding = False
+    cfg_mod = _skyrl("skyrl.train.config")
+    cfg = cfg_mod.TrainerConfig()
+    cfg.remove_microbatch_padding = step.remove_microbatch_padding
+    cfg.micro_forward_batch_size_per_gpu = step.micro_forward_batch_size
+    cfg.micro_train_batch_size_per_gpu = step.micro_train_batch_size
+    cfg.algorithm.temperature = 1.0
+    cfg.policy.optimizer_config.lr = step.lr
+    # the documented SkyRL settings: R3 turns megatron's replay flag on (SkyRL's config check wants
+    # it with routed experts; PolicyWorkerMixin keeps it off in the model), R2 leaves it off
+    cfg.policy.megatron_config.moe_enable_routing_replay = step.mode == "R3"
+    mc = chunks[0].config
+    moe = [i for i in range(mc.num_layers) if (mc.moe_layer_freq[i] if isinstance(mc.moe_layer_freq, list)
+                                                else i % mc.moe_layer_freq == 0)]
+    hf = {"num_hidden_layers": mc.num_layers, "num_experts": mc.num_moe_experts,
+          "num_experts_per_tok": mc.moe_router_topk, "mlp_only_layers": [i for i in range(mc.num_layers) if i not in moe]}
+    worker_cls = type("HarnessPolicyWorker", (PolicyWorkerMixin, PolicyWorkerStandIn),
+                      {"r3_config": ReplayConfig(replay_mode=step.mode)})
+    w = worker_cls(cfg, chunks, hf)
+    w.init_model()
+    if ctx.vpp:
+        mc.microbatch_group_size_per_vp_stage = ctx.pp
+    layout = ParallelLayout.from_megatron(mc)
+    codec = SkyRLCodec(num_experts=mc.num_moe_experts, moe_layer_ids=moe, num_hidden_layers=mc.num_layers)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    recompute = mc.recompute_granularity is not None
+    results = []
+    for s, rollout in enumerate(rollouts):
+        batch = training_input(rollout, seed=s)
+        if step.mode == "R2":       # generator.inference_engine.enable_return_routed_experts=False
+            batch["rollout_expert_indices"] = None
+        b, a = batch["sequences"].shape[0], batch.metadata["response_length"]
+        seq_lens = batch["attention_mask"].sum(-1).tolist()
+        res: dict[str, Any] = {"step": s}
+
+        with RoutingProbe(chunks, include_mtp=False) as probe, PackingNotes(chunks) as notes:
+            out = w.forward(batch)
+        fwd_calls, fwd_notes = list(probe.calls), notes.notes
+        lp = _from_last_stage(torch.tensor([o["logprobs"] for o in out.loss_fn_outputs]) if last else None, (b, a))
+        fwd_groups = _groups(range(b), step.micro_forward_batch_size)
+        if step.mode == "R3":
+            expected = rollout.expected()
+        elif step.mode == "R2":
+            outs = out.loss_fn_outputs
+            recorded = ReplayBatch.concat([ReplayBatch.from_bytes(o[RECORDED_KEY]) for o in outs]) if last else None
+            recorded = _broadcast_obj(recorded)
+            codec.write_recorded(batch, recorded)        # what TrainerMixin does with them
+            expected = recorded
+            res["recorded_rows"] = recorded.rows_per_seq
+        else:
+            expected = None
+        if expected is not None:
+            res["fwd_errors"], res["fwd_checked"] = check_router_calls(
+                ctx, fwd_calls, fwd_notes, fwd_groups, seq_lens, expected, layout, passes={False})
+        res["fwd_metrics"] = dict(w.model.r3.metrics)
+
+        batch["action_log_probs"] = lp
+        batch["base_action_log_probs"] = lp.clone()
+        order = list(step.permute) if step.permute else list(range(b))
+        upd = _reindexed(batch, order)
+        with RoutingProbe(chunks, include_mtp=False) as probe, PackingNotes(chunks) as notes:
+            out2 = w.forward_backward(upd)
+        if expected is not None:
+            passes = {False, True} if recompute else {True}
+            res["upd_errors"], res["upd_checked"] = check_router_calls(
+                ctx, probe.calls, notes.notes, _groups(order, step.micro_train_batch_size), seq_lens, expected,
+                layout, passes=passes)
+        res["upd_metrics"] = dict(w.model.r3.metrics)
+        res["logged"] = {k: v for k, v in out2.metrics["micro_batches"][0].items() if k != "loss_fn_outputs"}
+        if last:   # the update's log-probs (same weights, same routes) against compute_log_prob's
+            diffs = []
+            for pos, i in enumerate(order):
+                got = torch.tensor(out2.loss_fn_outputs[pos]["logprobs"])
+                diffs.append(float((got - lp[i, a - got.numel():]).abs().max()) if got.numel() else 0.0)
+            res["max_logprob_diff"] = max(diffs)
+        res["grad_norm"] = w.optim_step()
+        results.append(res)
+    return {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "steps": results}
+
+
+def _broadcast_obj(obj: Any) -> Any:
+    """The last pipeline stage's object on every stage."""
+    from megatron.core import parallel_state as ps
+
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                            group=ps.get_pipeline_model_parallel_group())
+    return box[0]

@@ -1,0 +1,191 @@
+"""SkyRL 0.4's transport, read and written by r3bridge's SkyRL codec against SkyRL 0.4's own code:
+its generator-side ``RoutedExpertTrace`` (first-seen across turns by prompt starts), its
+``convert_prompts_responses_to_batch_tensors`` (``PackedTensor`` routes) and
+``make_router_padding_mask``, its ``TrainingInputBatch`` chunking / re-indexing / padding.
+
+SkyRL 0.4 needs Python >= 3.12 to import as a package; its data-layout modules import on 3.11
+through the adapter's ``import_skyrl`` (package ``__init__`` files skipped). `make install` puts the
+0.4 wheel (``--no-deps``) into ``build/skyrl04`` (``R3BRIDGE_SKYRL04`` overrides), and these checks
+run in a child process with it first on ``sys.path``; where SkyRL 0.4 is the installed release
+(``scripts/py312/skyrl04.sh``) they run in-process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from r3bridge.errors import ConfigError, RouteShapeError
+
+ROOT = Path(__file__).resolve().parents[2]
+SK04 = os.environ.get("R3BRIDGE_SKYRL04", str(ROOT / "build" / "skyrl04"))
+
+
+def _run(check: str) -> None:
+    from r3bridge.adapters.skyrl import SKYRL_RELEASE
+    if SKYRL_RELEASE == "0.4":
+        globals()[check]()
+        return
+    assert (Path(SK04) / "skyrl").is_dir(), f"SkyRL 0.4 not found in {SK04} (make install puts it there)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SK04, str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert f"ok {check}" in p.stdout
+
+
+# ------------------------------------------------------------------ checks (run under SkyRL 0.4)
+def _sk(name):
+    from r3bridge.adapters.skyrl._compat import import_skyrl
+    return import_skyrl(name)
+
+
+def _batch04(rollout):
+    """What SkyRL 0.4's generator and trainer build from the rollout's engine calls."""
+    import numpy as np
+
+    trace_mod = _sk("skyrl.backends.skyrl_train.utils.routed_experts")
+    pre = _sk("skyrl.train.dataset.preprocess")
+    tb = _sk("skyrl.backends.skyrl_train.training_batch")
+    routes = []
+    for i, calls in enumerate(rollout.calls):
+        trace = trace_mod.RoutedExpertTrace()
+        for c, toks, plen in zip(calls, rollout.call_tokens[i], rollout.call_prompt_lens[i]):
+            # the engine answers from routed_experts_prompt_start = trace.prompt_start (SkyRL 0.4's request)
+            trace.record_generation(prompt_token_count=plen, generated_token_count=len(toks) - plen,
+                                    routed_experts=np.ascontiguousarray(c[trace.prompt_start:]))
+        n = len(rollout.tokens[i])
+        routes.append(trace.finalize(token_count=n, loss_mask=[0] * n))
+    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    out = pre.convert_prompts_responses_to_batch_tensors(
+        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
+        None, routes, None)
+    seqs, attn, rei = out[0], out[1], out[6]
+    mask = pre.make_router_padding_mask(attn, [len(r) for r in routes])
+    batch = tb.TrainingInputBatch({"sequences": seqs, "attention_mask": attn, "response_mask": out[2],
+                                   "rollout_expert_indices": rei, "router_padding_mask": mask})
+    batch.metadata = {"uids": [str(i) for i in range(len(prompts))]}
+    return batch
+
+
+def _codec(rollout):
+    from r3bridge.adapters.skyrl import SkyRLCodec
+    return SkyRLCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_hidden_layers=rollout.num_layers)
+
+
+def check_release():
+    from r3bridge.adapters.skyrl import SKYRL_RELEASE
+    assert SKYRL_RELEASE == "0.4"
+    pt = _sk("skyrl.backends.skyrl_train.utils.packed_tensor")
+    assert pt.PackedTensor.__module__.startswith("skyrl.")
+
+
+def check_ingest_byte_identical():
+    """SkyRL 0.4's batch reads back as the canonical ReplayBatch (the one verl's and AReaL's match)."""
+    import torch
+
+    from r3bridge.testing.conformance import check_ingest, make_rollout
+    for seed in range(4):
+        rollout = make_rollout(seed, batch_size=6)
+        batch = _batch04(rollout)
+        assert type(batch["rollout_expert_indices"]).__name__ == "PackedTensor"
+        assert batch["rollout_expert_indices"].dtype == torch.uint8
+        check_ingest(_codec(rollout), batch, rollout, f"SkyRL 0.4 seed {seed}")
+        # its micro-batches too (what the worker hands the wrapper), also re-indexed
+        for part, ids in _codec(rollout).split(batch, 3, order=[5, 0, 3, 1, 4, 2]):
+            got = _codec(rollout).to_replay_batch(part)
+            from r3bridge.testing.conformance import assert_same_batch
+            assert_same_batch(got, rollout.expected().select(ids), f"0.4 micro-batch {ids}")
+
+
+def check_padding_rows_are_skyrls():
+    """Rows without a captured route carry SkyRL's own distinct padding row and are masked."""
+
+    from r3bridge.testing.conformance import make_rollout
+    rollout = make_rollout(3, batch_size=6)
+    batch = _batch04(rollout)
+    pt, mask, attn = batch["rollout_expert_indices"], batch["router_padding_mask"], batch["attention_mask"].bool()
+    pad = _sk("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row(rollout.topk, dtype=pt.dtype)
+    uncaptured = mask[attn]
+    assert bool(uncaptured.any())
+    assert bool((pt.values[uncaptured] == pad).all())
+
+
+def check_recorded_written_back_in_04_layout():
+    """R2 routes written back as SkyRL 0.4's PackedTensor + mask survive its own chunking,
+    re-indexing and batch padding, sample for sample."""
+    import torch
+
+    from r3bridge.schema import ReplayBatch
+    from r3bridge.testing.conformance import (
+        assert_same_batch,
+        check_recorded_survives_split,
+        make_rollout,
+    )
+    rollout = make_rollout(5, batch_size=6)
+    batch = _batch04(rollout)
+    codec = _codec(rollout)
+    assert codec.release == "0.4"
+    lens = codec.seq_lens(batch)
+    g = torch.Generator().manual_seed(0)
+    recorded = ReplayBatch.from_ragged([torch.randperm(8, generator=g)[:2].expand(n, 3, 2).clone() for n in lens],
+                                       num_experts=8, layer_ids=rollout.moe_layer_ids, source="recorded")
+    n = check_recorded_survives_split(codec, batch, recorded, parts=(1, 2, 3), orders=(None, [4, 2, 0, 5, 1, 3]))
+    assert n > 0
+    field = batch["rollout_expert_indices"]
+    assert type(field).__name__ == "PackedTensor" and field.values.shape[1] == rollout.num_layers
+    padded = _sk("skyrl.backends.skyrl_train.training_batch").pad_training_input_batch(batch, 2)
+    got = codec.to_replay_batch(padded, source="recorded")
+    assert_same_batch(got.select(range(6)), recorded, "recorded routes after SkyRL's batch padding")
+    assert not bool(got.select([6, 7]).valid.any())       # SkyRL's padding samples: no route
+
+
+def check_refusals():
+    from r3bridge.testing.conformance import make_rollout
+    rollout = make_rollout(1, batch_size=3)
+    batch = _batch04(rollout)
+    batch["router_padding_mask"] = None
+    with pytest.raises(ConfigError, match="router_padding_mask"):
+        _codec(rollout).to_replay_batch(batch)
+    batch = _batch04(rollout)
+    attn = batch["attention_mask"].clone()
+    attn[0, -1] = 0
+    with pytest.raises(RouteShapeError, match="segments"):
+        _codec(rollout).to_replay_batch({"rollout_expert_indices": batch["rollout_expert_indices"],
+                                         "router_padding_mask": batch["router_padding_mask"], "attention_mask": attn})
+
+
+def check_first_seen_mixin_refused():
+    """0.4's generator stitches first-seen itself (check_ingest_byte_identical proves it matches):
+    r3bridge's 0.3 generator mixin is refused rather than stacked on top."""
+    from r3bridge.adapters.skyrl import FirstSeenRoutesMixin
+
+    class Gen(FirstSeenRoutesMixin, object):
+        pass
+    with pytest.raises(ConfigError, match="RoutedExpertTrace"):
+        Gen()
+
+
+# ------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("check", ["check_release", "check_ingest_byte_identical", "check_padding_rows_are_skyrls",
+                                   "check_recorded_written_back_in_04_layout", "check_refusals",
+                                   "check_first_seen_mixin_refused"])
+def test_skyrl04(check):
+    _run(check)
+
+
+def test_other_releases_refused():
+    from r3bridge.adapters.skyrl import skyrl_release
+    assert skyrl_release("0.3.0") == "0.3" and skyrl_release("0.4.2") == "0.4"
+    for v in ("0.2.9", "0.5.0", "1.0.0"):
+        with pytest.raises(ConfigError, match="supports SkyRL 0.3.x and 0.4.x"):
+            skyrl_release(v)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
+    print(f"ok {sys.argv[1]}")
