@@ -33,8 +33,8 @@ def _current(step: "ReplayStep", chunk: int, layer: int) -> Optional["MicroBatch
     mb = step._current[chunk]
     if mb is not None:
         return mb
-    q = step._recompute.get(layer)
-    return q[0] if q else None
+    q = step._recompute.get(layer)          # a recompute: the oldest pending forward of this layer
+    return q[0].mb if q else None
 
 
 def _merge(existing: Optional[torch.Tensor], unrouted: torch.Tensor, shape: torch.Size) -> torch.Tensor:
