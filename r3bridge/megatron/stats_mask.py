@@ -33,7 +33,7 @@ def _current(step: "ReplayStep", chunk: int, layer: int) -> Optional["MicroBatch
     mb = step._current[chunk]
     if mb is not None:
         return mb
-    q = step._recompute.get(layer)          # a recompute: the oldest pending forward of this layer
+    q = step._recompute.get(layer)       # PendingRecompute entries, oldest first
     return q[0].mb if q else None
 
 
@@ -54,8 +54,16 @@ def attach(step: "ReplayStep") -> list[Any]:
 def _hook(step: "ReplayStep", chunk: int, layer: int):
     def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         mb = _current(step, chunk, layer)
-        t = mb.targets if mb is not None else None
-        if t is None or mb.all_valid or not args:
+        if mb is None:
+            return None
+        t = mb.targets
+        if t is None:
+            # a non-reentrant recompute after its micro-batch's targets were freed: the step
+            # re-derives the indices, but the validity mask is gone, so this call is not masked
+            if mb.routes is not None and not mb.all_valid:
+                step.stats_unmasked += 1
+            return None
+        if mb.all_valid or not args:
             return None
         hidden = args[0]
         if hidden.dim() < 2 or hidden.shape[0] * hidden.shape[1] != t.valid.shape[0]:

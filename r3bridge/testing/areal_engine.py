@@ -32,27 +32,15 @@ from typing import Any
 import torch
 
 from r3bridge.testing.areal_env import import_areal
+from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
 
-__all__ = ["tiny_qwen3_moe", "make_actor", "build_through_mbridge", "initialize_on_cpu", "chunks_of", "ENGINE_KW"]
+__all__ = ["make_actor", "build_through_mbridge", "initialize_on_cpu", "chunks_of", "ENGINE_KW"]
 
 # The engine options the tests run with (AReaL defaults except where noted).
 ENGINE_KW = dict(dtype="float32",          # the CPU harness is fp32 (AReaL's default is bfloat16)
                  temperature=1.0)
 
 
-def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int = 4, topk: int = 2,
-                   vocab: int = 128) -> Any:
-    """The HF config of a tiny first-k-dense Qwen3-MoE (what a checkpoint's ``config.json`` holds;
-    no weights: the harness bridge seeds them)."""
-    from transformers import Qwen3MoeConfig
-
-    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=num_experts, num_experts_per_tok=topk, mlp_only_layers=list(dense),
-                         decoder_sparse_step=1, max_position_embeddings=512, tie_word_embeddings=False,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    return cfg
 
 
 def _shim_optimizer() -> None:

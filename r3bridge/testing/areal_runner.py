@@ -100,8 +100,9 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
     samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids: for comparing frameworks)."""
-    from r3bridge.testing.areal_engine import chunks_of, make_actor, tiny_qwen3_moe
+    from r3bridge.testing.areal_engine import chunks_of, make_actor
     from r3bridge.testing.areal_rollout import trajectories
+    from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
     from r3bridge.testing.probe import RoutingProbe
 
     st = import_areal("areal.utils.stats_tracker")

@@ -3,7 +3,7 @@
 Deliberately plain torch with no megatron imports except ``PackedSeqParams``: the replay
 code is checked against these functions, so they must stay obviously right.
 
-Conventions (field notes section 3):
+Conventions (which rows a router sees, in which order: docs/architecture.md, docs/driver-api.md):
 
 * a micro-batch is one packed stream of sequences, b = 1, each sequence padded to a
   multiple of ``align_for(tp, cp)`` (``tp*cp*2`` if cp > 1 else ``tp``);

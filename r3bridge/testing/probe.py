@@ -1,7 +1,7 @@
 """Record every router call of harness model chunks (forward hooks, removable).
 
 Routers are found by walking each chunk's ``decoder.layers`` (and, separately, its MTP
-block), never through megatron's process-global ``RouterReplay`` list (field notes 4).
+block), never through megatron's process-global ``RouterReplay`` list (docs/architecture.md, "Driver").
 A router returns ``(probs, routing_map)``, both ``[num_tokens, num_experts]``; the probe keeps
 the routing_map and the top-k probabilities.
 """

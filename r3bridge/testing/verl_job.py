@@ -38,7 +38,9 @@ def write_tiny_qwen3_moe(path: str) -> str:
     """HF ``config.json`` + a word-level tokenizer of a tiny first-k-dense Qwen3-MoE (no weights:
     the harness bridge sets seeded weights, :mod:`r3bridge.testing.mbridge_spec`)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig
+    from transformers import PreTrainedTokenizerFast
+
+    from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
 
     os.makedirs(path, exist_ok=True)
     words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
@@ -46,12 +48,8 @@ def write_tiny_qwen3_moe(path: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                             unk_token="<unk>").save_pretrained(path)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=NUM_EXPERTS, num_experts_per_tok=TOPK, mlp_only_layers=list(DENSE),
-                         decoder_sparse_step=1, max_position_embeddings=256, tie_word_embeddings=False,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg = tiny_qwen3_moe(num_layers=NUM_LAYERS, dense=tuple(DENSE), num_experts=NUM_EXPERTS, topk=TOPK, vocab=VOCAB,
+                         max_positions=256)
     cfg.save_pretrained(path)
     return path
 

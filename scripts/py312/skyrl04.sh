@@ -3,7 +3,7 @@
 # CUDA hidden (the CPU harness refuses a process that sees CUDA). For a bare machine with Python
 # 3.12, torch, numpy and pytest (the device machines): the wheels it needs travel in .whl/
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#       skyrl==0.4.0 jaxtyping==0.3.11 wadler-lindig==0.1.8
+#       skyrl==0.4.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3 colorlog==6.12.0 tenacity==9.2.1 lark==1.3.1
 # Here SkyRL 0.4 is the installed release, so tests/adapters/test_skyrl04.py runs its checks
 # in-process (on Python 3.11 they run in a child process against build/skyrl04 instead).
 # Output: the pytest log, also in $OUT/skyrl04.txt when OUT is set.

@@ -37,6 +37,7 @@ from r3bridge.adapters.areal import (
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
 from r3bridge.testing.areal_env import import_areal
+from r3bridge.testing.areal_rollout import FakeSGLang  # the same fake server the real-engine test uses
 from r3bridge.testing.conformance import CanonicalRollout
 
 __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
@@ -47,30 +48,6 @@ def _data():
 
 def model_info(r: CanonicalRollout) -> ModelInfo:
     return ModelInfo(num_experts=r.num_experts, moe_layer_ids=r.moe_layer_ids, num_layers=r.num_layers, topk=r.topk)
-
-
-class FakeSGLang:
-    """Answers AReaL's ``/generate`` payloads for one sample of a canonical rollout. Attempt ``a`` of
-    a request returns the routes of the rollout's call with that prompt; ``abort_first`` makes every
-    request's first attempt stop early with ``finish_reason: abort`` (AReaL resubmits)."""
-
-    def __init__(self, rollout: CanonicalRollout, i: int) -> None:
-        self.r, self.i = rollout, i
-
-    def generate(self, payload: dict) -> dict:
-        prompt = list(payload["input_ids"])
-        r, i = self.r, self.i
-        t = next(t for t, (pl, toks) in enumerate(zip(r.call_prompt_lens[i], r.call_tokens[i]))
-                 if pl == len(prompt) and toks[:pl] == prompt)
-        toks, routes = r.call_tokens[i][t], r.calls[i][t]
-        out = toks[len(prompt):]
-        resubmitted_next = t + 1 < len(r.call_tokens[i]) and r.call_prompt_lens[i][t + 1] == len(toks)
-        return {"text": "", "meta_info": {
-            "finish_reason": {"type": "abort" if resubmitted_next else "stop"},
-            "prompt_tokens": len(prompt), "completion_tokens": len(out),
-            "output_token_logprobs": [[-0.5, tok, None] for tok in out],
-            "routed_experts": base64.b64encode(routes.astype("<i4").tobytes()).decode("ascii"),
-        }}
 
 
 class _Backend:

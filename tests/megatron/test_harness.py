@@ -3,7 +3,7 @@
 Every layout cell builds a real megatron-core GPT+MoE model on gloo ranks, runs a forward-only
 schedule, a 3-micro-batch training schedule, an SGD step and another forward-only schedule,
 and the RoutingProbe records every router call. The expectations below are computed
-independently of megatron (field notes sections 3-5), so they check both the harness and
+independently of megatron (row order, layer placement and schedules as docs/architecture.md states them), so they check both the harness and
 the facts the replay driver relies on.
 
 Process starts dominate the runtime (importing megatron costs ~5-10 s per process), so all
@@ -144,7 +144,7 @@ def is_moe(spec: ModelSpec, i: int) -> bool:
 
 
 def stage_layers(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[list[int]]:
-    """Global decoder layer ids per model chunk of ``pp_rank`` (field notes section 4)."""
+    """Global decoder layer ids per model chunk of ``pp_rank`` (ParallelLayout's rules, docs/architecture.md)."""
     n, pp = spec.num_layers, lay.pp
     if lay.vpp:
         per = n // (pp * lay.vpp)

@@ -38,12 +38,10 @@ TEXT, IMAGE_TOKEN = 20, -200        # 20 text positions, one of them the image; 
 SEQ = TEXT - 1 + 4 + 1              # the image token becomes 4 patches + 1 class token: 24 decoder rows
 
 
-def _mlp_submodules(mlp_spec):
-    """``MLPSubmodules`` of an MLP spec: a ``ModuleSpec`` (0.16-0.18) or, from 0.19, a
-    ``functools.partial`` carrying them as its ``submodules`` keyword."""
-    if isinstance(mlp_spec, functools.partial):
-        return mlp_spec.keywords["submodules"]
-    return mlp_spec.submodules
+def _mlp_submodules(spec):
+    """The projector's ``MLPSubmodules``: a ``ModuleSpec``'s (0.16-0.17) or, from 0.18, the
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)``'s keyword."""
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
 
 
 def _build(ctx):
@@ -63,8 +61,7 @@ def _build(ctx):
     with tensor_cuda_is_identity():
         model = LLaVAModel(lang, block, VOCAB, 64, vis,
                            get_gpt_decoder_block_spec(vis, use_transformer_engine=False, vp_stage=None), False,
-                           proj, _mlp_submodules(get_mlp_module_spec(use_te=False)), img_h=28, img_w=28,
-                           patch_dim=14)
+                           proj, _mlp_submodules(get_mlp_module_spec(use_te=False)), img_h=28, img_w=28, patch_dim=14)
     from megatron.core.enums import ModelType
     model.model_type = ModelType.encoder_or_decoder   # what megatron's training get_model() sets
     first = model.language_model.decoder         # built twice: the first copy stays alive
