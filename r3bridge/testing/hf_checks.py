@@ -166,7 +166,7 @@ def run_rollout(engine: HFEngine, *, seed: int = 0) -> Rollout:
 
     Round 1 reaches the trainer through SGLang's base64 ``meta_info``, round 2 through vLLM's
     arrays; both only through ``ReplayBatch.from_sglang`` / ``from_vllm`` and ``stitch``."""
-    from r3bridge.protocols import canonical_form
+    from r3bridge.canonical import canonical_form
 
     g = np.random.default_rng(seed)
     vocab = int(engine.model.config.vocab_size)
