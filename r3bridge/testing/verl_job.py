@@ -390,6 +390,24 @@ def _engine_state(engine: Any) -> list[str]:
     return left
 
 
+def _log_prob_pass(result: dict, step: int, run: Any, lp: Any, roll: Rollout, chunks: list, engine: Any,
+                   mode: str, *, tp: int, tp_rank: int, sp: bool) -> tuple[Any, dict, dict]:
+    """One compute_log_prob pass under the probes, checked; returns (output, targets, validity) the
+    update must dispatch: the rollout's routes (R3) or what this pass recorded (R2)."""
+    from r3bridge.testing.probe import RoutingProbe
+
+    with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
+        out = run(lp)
+    record: Optional[dict] = {} if mode == "R2" else None
+    tg, tv = _routes_of(roll)
+    result["passes"].append(check_pass(f"step{step}/compute_log_prob", rp, mp, tg, tv, tp=tp,
+                                       tp_rank=tp_rank, sp=sp, record=record))
+    result["state_left"] += [f"step{step}/compute_log_prob: {x}" for x in _engine_state(engine)]
+    if mode == "R2":
+        tg, tv = recorded_to_targets(_gather_record(record), {s: len(t) for s, t in enumerate(roll.tokens)})
+    return out, tg, tv
+
+
 def _routes_of(roll: Rollout) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     return dict(enumerate(roll.routes)), dict(enumerate(roll.route_valid))
 
@@ -448,16 +466,8 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     for step in range(steps):
         roll = make_rollout(seed=100 + step, with_routes=mode == "R3")
         lp = old_log_prob_batch(roll.td)
-        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
-            out = worker.infer_batch(lp)
-        record: Optional[dict] = {} if mode == "R2" else None
-        tg, tv = _routes_of(roll)
-        result["passes"].append(check_pass(f"step{step}/compute_log_prob", rp, mp, tg, tv, tp=tp,
-                                           tp_rank=tp_rank, sp=sp, record=record))
-        result["state_left"] += [f"step{step}/compute_log_prob: {x}" for x in _engine_state(engine)]
-        if mode == "R2":
-            lens = {s: len(t) for s, t in enumerate(roll.tokens)}
-            tg, tv = recorded_to_targets(_gather_record(record), lens)
+        out, tg, tv = _log_prob_pass(result, step, worker.infer_batch, lp, roll, chunks, engine, mode,
+                                     tp=tp, tp_rank=tp_rank, sp=sp)
         if out is not None:
             result["metrics"].append(("compute_log_prob", sorted(tu.get(out, "metrics"))))
         out = _broadcast_output(out)
@@ -510,18 +520,10 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
     for step in range(steps):
         roll = make_rollout(seed=200 + step, with_routes=mode == "R3")
         lp = old_log_prob_batch(roll.td)
-        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
-            out = actor_w.compute_log_prob(lp)
-        record: Optional[dict] = {} if mode == "R2" else None
-        tg, tv = _routes_of(roll)
-        result["passes"].append(check_pass(f"step{step}/compute_log_prob", rp, mp, tg, tv, tp=tp,
-                                           tp_rank=tp_rank, sp=sp, record=record))
-        result["state_left"] += [f"step{step}/compute_log_prob: {x}" for x in _engine_state(actor)]
+        out, tg, tv = _log_prob_pass(result, step, actor_w.compute_log_prob, lp, roll, chunks, actor, mode,
+                                     tp=tp, tp_rank=tp_rank, sp=sp)
+        native: dict = tg if mode == "R2" else {}
         lens = {s: len(t) for s, t in enumerate(roll.tokens)}
-        native: dict = {}
-        if mode == "R2":
-            tg, tv = recorded_to_targets(_gather_record(record), lens)
-            native = tg
         out = _broadcast_output(out)
         if mode == "R2" and tp_rank == 0:
             result["r2_transport"].append(_compare_transport(nested_routes_to_samples(tu.get(out, "routed_experts")),
