@@ -1,8 +1,12 @@
 """SkyRL 0.3's real training path with r3bridge: SkyRL's ``MegatronModelWrapper.forward`` (old
 log-probs) and ``forward_backward_mini_batch`` (SkyRL's PPO policy loss + KL, backward through
 megatron's DDP and ``finalize_model_grads``), two steps in a row with an optimizer step between,
-R3 and R2, TP2 + SP (SkyRL's BSHD path, real attention), full recompute. (PP2 x VPP2 training
-deadlocks in megatron's p2p shape exchange on gloo: docs/testing-harness.md.)
+R3 and R2, full recompute, on TP2 + SP (SkyRL's BSHD path, real attention) and PP2 x VPP2 (SkyRL's
+THD path, interleaved 1F1B with a steady state: 4 update micro-batches). PP2 x VPP2 runs with
+``batch_p2p_comm=False`` (r3bridge refuses SkyRL's default True there: megatron swaps activations and
+gradients, tests/megatron/test_pp2_interleaved.py) and equal-length samples: with
+``variable_seq_lengths`` megatron's shape exchange crosses the two directions at pp=2 whatever
+``batch_p2p_comm`` says (docs/support-matrix.md, "Two pipeline stages with virtual stages").
 The routing probe checks every router call, first passes and recomputes, against the routes that
 should be replayed (``r3bridge.testing.skyrl_real``)."""
 from __future__ import annotations
@@ -20,23 +24,27 @@ def _cell(ctx, cells):
     from r3bridge.testing.models import ModelSpec
     from r3bridge.testing.skyrl_real import StepSpec, run_steps
 
-    thd, spec_kw = cells[(ctx.tp, ctx.pp)]
+    thd, spec_kw, step_kw, pad_to = cells[(ctx.tp, ctx.pp)]
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity" if thd else "real",
                      recompute="full", **spec_kw)
     rollouts = [make_rollout(21 + s, batch_size=8, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk,
-                             num_layers=4, moe_layer_ids=[1, 2, 3]) for s in range(2)]
+                             num_layers=4, moe_layer_ids=[1, 2, 3], pad_to=pad_to) for s in range(2)]
     out = {}
     for mode in ("R3", "R2"):
-        out[mode] = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=thd, permute=PERMUTE),
-                              rollouts)
+        out[mode] = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=thd, permute=PERMUTE,
+                                                  **step_kw), rollouts)
     return out
 
 
-CELLS = {(2, 1): (False, {})}         # (tp, pp) -> (SkyRL THD packing?, ModelSpec overrides)
+# (tp, pp) -> (SkyRL THD packing?, ModelSpec overrides, StepSpec overrides, equal sample length)
+CELLS = {(2, 1): (False, {}, {}, None),
+         # SkyRL's megatron settings (variable_seq_lengths, alltoall); the harness sets batch_p2p_comm=False
+         (1, 2): (True, {"moe_token_dispatcher_type": "alltoall", "extra_config": {"variable_seq_lengths": True}},
+                  {"micro_train_batch_size": 2}, 32)}
 
 
 def _check(res):
-    for r in res[0]:
+    for r in res:
         for mode in ("R3", "R2"):
             steps = r[mode]["steps"]
             assert len(steps) == 2
@@ -54,7 +62,18 @@ def _check(res):
                 assert all(s["upd_metrics"]["r3bridge/agreement/mean"] == pytest.approx(1.0) for s in steps)
 
 
-@pytest.mark.slow
-def test_skyrl_real_training_path_tp2():
+@pytest.fixture(scope="module")
+def results():
     # etp = tp: megatron's default; with etp=1 its DDP leaves expert grads unreduced over TP
-    _check(spawn_layouts(_cell, world_size=2, layouts=[Layout(tp=2, etp=2)], args=(CELLS,), timeout=900))
+    return spawn_layouts(_cell, world_size=2, layouts=[Layout(tp=2, etp=2), Layout(pp=2, vpp=2)], args=(CELLS,),
+                         timeout=900)
+
+
+@pytest.mark.slow
+def test_skyrl_real_training_path_tp2(results):
+    _check(results[0])
+
+
+@pytest.mark.slow
+def test_skyrl_real_training_path_pp2_vpp2(results):
+    _check(results[1])

@@ -50,6 +50,9 @@ NEW_BYPASSES = {
                               "cuda_graph_modules": ["moe_router", "moe_preprocess"]}, ["moe_router"]),
     "whole_layer_graph_modules": ({"cuda_graph_impl": "local", "cuda_graph_scope": None,
                                    "cuda_graph_modules": []}, ["cuda_graph_modules"]),
+    # every release: two stages + virtual stages + batched p2p swaps the directions (test_pp2_interleaved.py)
+    "pp2_interleaved_batched_p2p": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                                     "batch_p2p_comm": True}, ["batch_p2p_comm=True", "#1450"]),
 }
 
 
@@ -68,7 +71,12 @@ def test_later_release_bypasses_are_refused(name):
     # ncclep fails loudly over the budget instead of dropping
     {"moe_expert_rank_capacity_factor": 2.0, "moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "ncclep"},
     {"moe_router_force_biased": None, "moe_router_load_balancing_type": "seq_aux_loss"},
-], ids=["attn_graphs", "ncclep_budget", "defaults"])
+    # the p2p guard only where the two directions share one peer and are batched
+    {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False,
+     "overlap_p2p_comm": True},
+    {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": True},
+    {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None, "batch_p2p_comm": True},
+], ids=["attn_graphs", "ncclep_budget", "defaults", "pp2_vpp_unbatched", "pp4_vpp_batched", "pp2_no_vpp"])
 def test_later_release_options_that_keep_replay_exact_are_accepted(overrides):
     check_config(_config(**overrides))
 
