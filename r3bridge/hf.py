@@ -18,12 +18,13 @@ A config without any expert count (or with zero experts) is dense: ``[]``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 from r3bridge.errors import LayerMappingError
 
 __all__ = ["moe_layer_ids_from_hf_config", "num_experts_from_hf_config", "topk_from_hf_config",
-           "num_hidden_layers_from_hf_config", "text_config"]
+           "num_hidden_layers_from_hf_config", "text_config", "ModelInfo"]
 
 _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
@@ -117,3 +118,31 @@ def moe_layer_ids_from_hf_config(hf_config: Any) -> list[int]:
         return [i for i in layers if start <= i <= end and (i + 1) % interval == 0]
 
     return list(layers)                                   # Mixtral, gpt-oss, MiniMax, ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an adapter needs to know about the model to read engine routes: the expert count, the
+    MoE layers (engines report every decoder layer, dense ones zero), the decoder layer count and
+    top-k. :meth:`from_hf_config` reads them with the rules above."""
+
+    num_experts: int
+    moe_layer_ids: list[int] = field(default_factory=list)
+    num_layers: int = 0
+    topk: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_experts", int(self.num_experts))
+        object.__setattr__(self, "moe_layer_ids", [int(i) for i in self.moe_layer_ids])
+        object.__setattr__(self, "num_layers", int(self.num_layers))
+        object.__setattr__(self, "topk", None if self.topk is None else int(self.topk))
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelInfo":
+        """``hf_config``: a ``PretrainedConfig``, a ``config.json`` dict, or a model path."""
+        if isinstance(hf_config, str):
+            from transformers import AutoConfig
+            hf_config = AutoConfig.from_pretrained(hf_config, trust_remote_code=True)
+        return cls(num_experts=num_experts_from_hf_config(hf_config),
+                   moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
+                   num_layers=num_hidden_layers_from_hf_config(hf_config), topk=topk_from_hf_config(hf_config))

@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows
-from r3bridge.errors import CoverageError, LayerMappingError
+from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of
+from r3bridge.errors import CoverageError
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "RECORDED_VALID_KEY", "SAMPLE_KEY", "TemplateCodec"]
@@ -46,10 +46,9 @@ class TemplateCodec:
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
-        if routes.shape[2] != self.num_hidden_layers:
-            raise LayerMappingError(f"{ROUTES_KEY} has {routes.shape[2]} layers, the model has "
-                                    f"num_hidden_layers={self.num_hidden_layers}")
-        sel = routes[:, :, self.moe_layer_ids]
+        # the engine reports every decoder layer: keep the MoE ones, by id
+        sel = moe_layers_of(torch.as_tensor(routes), self.moe_layer_ids, layer_dim=2,
+                            num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
         rb = ReplayBatch.from_padded(sel, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
                          valid=native[VALID_KEY], source="rollout")
         return drop_final_invalid_rows(rb)

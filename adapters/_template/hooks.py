@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._template.codec import SAMPLE_KEY, TemplateCodec
+from r3bridge.adapters._template.codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 from r3bridge.adapters._template.config import replay_config
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
@@ -28,6 +28,10 @@ from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["TemplateEngineMixin"]
+
+# your framework's setting that supplies the routes of each source (named in the error)
+_PROVIDE = {"rollout": "<your framework's option that makes the engine return routes>",
+            "recorded": "R2 routes are written back after compute_log_prob (TemplateCodec.write_recorded)"}
 
 
 class TemplateEngineMixin:
@@ -47,8 +51,9 @@ class TemplateEngineMixin:
         self.r3_config = replay_config(self.r3_config)
         self.r3_codec = codec
         self.r3_chunks = list(chunks)
+        # expect_moe_layer_ids: routes indexed by the HF config's MoE layers must be the model's
         replayer = None if self.r3_config.plan(Phase.UPDATE).action is Action.NATIVE else \
-            Replayer.from_config(self.r3_chunks, self.r3_config, layout)
+            Replayer.from_config(self.r3_chunks, self.r3_config, layout, expect_moe_layer_ids=codec.moe_layer_ids)
         self.r3_runner = PhaseRunner(replayer, self.r3_config)
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False) -> Any:
@@ -72,6 +77,8 @@ class TemplateEngineMixin:
     def _r3_micro_batch(self, k: int, mb: dict, plan) -> MicroBatch:
         seq_lens = self.r3_codec.seq_lens(mb)
         if plan.action is Action.REPLAY:
+            key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+            self.r3_runner.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}", provide=_PROVIDE)
             routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, source=plan.source)
             return MicroBatch(seq_lens, routes)
         if SAMPLE_KEY not in mb:

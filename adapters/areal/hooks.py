@@ -48,13 +48,15 @@ from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.ingest import first_seen_rows
-from r3bridge.megatron.phase import MicroBatch, PhaseRunner
-from r3bridge.schema import ReplayBatch
+from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
 
 MB_KEY = "r3bridge_mb"          # in each padded micro-batch: its r3bridge.megatron.MicroBatch
+# what supplies the routes of each source
+_PROVIDE = {"rollout": "InferenceEngineConfig.return_routed_experts + WorkflowMixin",
+            "recorded": "R2 routes are written back by PPOActorMixin.compute_logp"}
 _ATTEMPTS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("r3bridge_attempts", default=None)
 
 
@@ -152,14 +154,14 @@ class PPOActorMixin:
 
     def compute_logp(self, data: list) -> Any:
         mode = replay_config(getattr(self.engine, "r3_config", None)).replay_mode
-        self.engine.r3_recorded = None                  # never a previous step's recording
+        self.engine.r3_result = None                    # never a previous step's recording
         out = super().compute_logp(data)
         if mode is ReplayMode.R2 and getattr(self.engine, "r3_replay", None) is not None:
-            rec = self.engine.r3_recorded
+            res = self.engine.r3_result
+            if res is None:
+                raise ReplayStateError("replay_mode=R2 but compute_logp ran without replay")
             sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            if rec is None or rec.num_seqs != sum(sizes):
-                raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
-                                       f"{sum(sizes)} samples")
+            rec = res.recorded_for(sum(sizes))
             off = 0
             for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
                 d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
@@ -197,8 +199,7 @@ class MegatronEngineMixin:
     r3_phase: Optional[Phase] = None
     r3_replay = None            # the Replayer (None: replay off or not attached)
     r3_runner: Optional[PhaseRunner] = None
-    r3_recorded: Optional[ReplayBatch] = None
-    r3_metrics: dict = {}
+    r3_result: Optional[PhaseResult] = None     # the last replaying forward_backward_batch's
 
     def initialize(self, *args: Any, **kwargs: Any) -> Any:
         out = super().initialize(*args, **kwargs)
@@ -243,10 +244,8 @@ class MegatronEngineMixin:
         if sample is None:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
         key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
-        if plan.action is Action.REPLAY and key not in carried:
-            hint = ("InferenceEngineConfig.return_routed_experts + WorkflowMixin" if key == ROUTES_KEY
-                    else "R2 routes are written back by PPOActorMixin.compute_logp")
-            raise ConfigError(f"replay_mode={self.r3_config.replay_mode.value}: the batch carries no {key!r} ({hint})")
+        if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
+            self.r3_runner.check_routes(plan, key in carried, field=key, provide=_PROVIDE)
         gid_of_row = sample[:, 0].tolist()
         fwd = mb_list.forward_indices or list(range(len(gid_of_row)))
         off = 0
@@ -278,10 +277,8 @@ class MegatronEngineMixin:
             raise ReplayStateError("micro-batches without r3bridge targets (built outside _prepare_mb_list?)")
         with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=items, chunks=list(self.model)) as ps:
             out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
-        self.r3_metrics = dict(ps.result.metrics)
+        self.r3_result = ps.result
         self._r3_log(ps.result.tagged)
-        if ps.result.recorded is not None:
-            self.r3_recorded = ps.result.recorded
         return out
 
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows, nonzero_rows
+from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch, route_dtype
 
@@ -65,13 +65,7 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
     moe = [int(i) for i in moe_layer_ids]
-    nl = int(routes.shape[2])
-    if num_hidden_layers is not None and nl != int(num_hidden_layers):
-        raise LayerMappingError(f"{routes_key} has {nl} layers but the model has num_hidden_layers="
-                                f"{num_hidden_layers} (engine and trainer disagree)")
-    if moe and max(moe) >= nl:
-        raise LayerMappingError(f"MoE layers {moe} out of range for {nl} reported layers")
-    sel = routes.index_select(2, torch.tensor(moe, dtype=torch.long, device=routes.device))
+    sel = moe_layers_of(routes, moe, layer_dim=2, num_hidden_layers=num_hidden_layers, field=routes_key)
     attn = torch.as_tensor(attn).bool()
     mask = _get(batch, MASK_KEY)
     if mask is not None:
@@ -110,14 +104,8 @@ def _from_packed_field(routes: Any, mask: Any, attn: Any, *, num_experts: int, m
     if seg != lens:
         raise RouteShapeError(f"{routes_key} segments {seg} do not match the real-token counts {lens} "
                               f"(SkyRL 0.4 packs one route row per real token)")
-    nl = int(values.shape[1])
     moe = [int(i) for i in moe_layer_ids]
-    if num_hidden_layers is not None and nl != int(num_hidden_layers):
-        raise LayerMappingError(f"{routes_key} has {nl} layers but the model has num_hidden_layers="
-                                f"{num_hidden_layers} (engine and trainer disagree)")
-    if moe and max(moe) >= nl:
-        raise LayerMappingError(f"MoE layers {moe} out of range for {nl} reported layers")
-    sel = values.index_select(1, torch.tensor(moe, dtype=torch.long, device=values.device)).cpu()
+    sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=routes_key).cpu()
     valid = ~mask[attn]                   # real tokens in row order == packed row order
     return ReplayBatch.from_packed(sel, lens, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
 

@@ -39,13 +39,18 @@ from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
-from r3bridge.megatron.phase import MicroBatch, PhaseRunner
+from r3bridge.hf import ModelInfo
+from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
+# the SkyRL setting that supplies the routes of each source, and the one that keeps rollout routes out
+_PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
+            "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
+            "off": "set generator.inference_engine.enable_return_routed_experts=False"}
 _ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
 
 
@@ -60,24 +65,20 @@ def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
 class SkyRLReplay:
     """Replay state of one policy model: the phase runner plus SkyRL's micro-batch conventions."""
 
-    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig, *, num_experts: int,
-                 moe_layer_ids: Sequence[int], num_hidden_layers: int, layout=None) -> None:
+    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig, model: ModelInfo,
+                 layout=None) -> None:
         self.cfg = cfg
         self.chunks = list(actor_module)
-        self.num_experts = int(num_experts)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.num_hidden_layers = int(num_hidden_layers)
+        self.model = model
         self.replayer = None
         if cfg.replay_mode is not ReplayMode.OFF:
             from r3bridge.megatron import Replayer
-            self.replayer = Replayer.from_config(self.chunks, cfg, layout)
-            if self.replayer.layer_ids and not set(self.replayer.layer_ids) <= set(self.moe_layer_ids):
-                raise ConfigError(f"the model's MoE routers are on layers {self.replayer.layer_ids}, the HF "
-                                  f"config says {self.moe_layer_ids}: routes would land on the wrong layers")
+            self.replayer = Replayer.from_config(self.chunks, cfg, layout, expect_moe_layer_ids=model.moe_layer_ids)
         # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
         self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True)
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
         self.recorded: Optional[ReplayBatch] = None
+        self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
         self.metrics: dict[str, float] = {}         # the last schedule run's, as the driver names them
         self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged
 
@@ -96,7 +97,7 @@ class SkyRLReplay:
         plan = self.runner.plan(phase)
         mbs = [dict(m) for m in micro_batches]
         carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
-        self.recorded, self.metrics = None, {}
+        self.recorded, self.metrics, self.result = None, {}, None
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
@@ -117,7 +118,7 @@ class SkyRLReplay:
             self.log_metrics = {k: sum(v) / len(v) for k, v in self.runner.metrics_to_log(ps.result).items()}
         else:
             self.runner.metrics_to_log(ps.result)
-        self.recorded = ps.result.recorded
+        self.recorded, self.result = ps.result.recorded, ps.result
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
@@ -127,22 +128,20 @@ class SkyRLReplay:
             if self.expect_source is not None and self.expect_source != source:
                 raise ConfigError(f"replay_mode={self.cfg.replay_mode.value} replays {source} routes, the batch "
                                   f"carries {self.expect_source} routes")
-            if r is None:
-                raise ConfigError(f"replay_mode={self.cfg.replay_mode.value}: micro-batch {k} carries no "
-                                  f"{ROUTES_KEY!r} (generator.inference_engine.enable_return_routed_experts "
-                                  f"for R3; R2 needs r3bridge's TrainerMixin / PolicyWorkerMixin)")
+            self.runner.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}", provide=_PROVIDE)
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
+            m = self.model
             routes = replay_batch_from_training_batch(
-                fields, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-                num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+                fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
         r = torch.as_tensor(r)
-        if tuple(r.shape[2:]) != (1, 1):
-            raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries "
-                              "rollout routes: set generator.inference_engine.enable_return_routed_experts=False")
+        # PolicyWorkerMixin's sample ids are [n, S, 1, 1]; anything else is rollout routes
+        self.runner.check_routes(plan, tuple(r.shape[2:]) != (1, 1), field=ROUTES_KEY, where=f"micro-batch {k}",
+                                 provide=_PROVIDE)
         # the sample ids PolicyWorkerMixin put in ROUTES_KEY; SkyRL's padding samples are zeros
         raw = r.reshape(len(seq_lens), -1).max(1).values.long() - _ID_BIAS
         return MicroBatch(seq_lens, sample_ids=[int(x) if x >= 0 else None for x in raw.tolist()])
@@ -177,10 +176,7 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
 
 def replay_for(actor_module, cfg: ReplayConfig, hf_config: Any) -> SkyRLReplay:
-    from r3bridge.hf import moe_layer_ids_from_hf_config, num_experts_from_hf_config, num_hidden_layers_from_hf_config
-    return SkyRLReplay(actor_module, cfg, num_experts=num_experts_from_hf_config(hf_config),
-                       moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
-                       num_hidden_layers=num_hidden_layers_from_hf_config(hf_config))
+    return SkyRLReplay(actor_module, cfg, ModelInfo.from_hf_config(hf_config))
 
 
 class PolicyWorkerMixin:
@@ -209,22 +205,22 @@ class PolicyWorkerMixin:
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
-        if data.get(ROUTES_KEY) is not None:
-            raise ConfigError("replay_mode=R2 records routes in compute_log_prob, but the batch carries rollout "
-                              "routes: set generator.inference_engine.enable_return_routed_experts=False")
+        runner = self.model.r3.runner
+        runner.check_routes(runner.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY,
+                            provide=_PROVIDE)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
         try:
             out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
         finally:
             data[ROUTES_KEY] = None
-        rec = self.model.r3.recorded
         from megatron.core import parallel_state as mpu
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
-        if rec is None or rec.num_seqs != len(out.loss_fn_outputs):
-            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for "
-                                   f"{len(out.loss_fn_outputs)} samples")
+        res = self.model.r3.result
+        if res is None:
+            raise ReplayStateError("replay_mode=R2 but the compute_log_prob pass ran without replay")
+        rec = res.recorded_for(len(out.loss_fn_outputs))
         for i, o in enumerate(out.loss_fn_outputs):
             o[RECORDED_KEY] = rec.select([i]).to_bytes()
         return out

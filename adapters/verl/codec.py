@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows, nonzero_rows
+from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch
 
@@ -66,10 +66,7 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
         if num_hidden_layers is None:
             raise LayerMappingError("rollout routes need num_hidden_layers (their layer axis is every "
                                     "decoder layer)")
-        if nl != int(num_hidden_layers):
-            raise LayerMappingError(f"rollout {ROUTES_KEY} have {nl} layers but the model has "
-                                    f"num_hidden_layers={num_hidden_layers} (engine and trainer disagree)")
-        sel = values.index_select(1, torch.tensor(moe, dtype=torch.long, device=values.device))
+        sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=f"rollout {ROUTES_KEY}")
     valid = nonzero_rows(sel, recorded=source == "recorded")
     rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
     if source != "recorded":

@@ -35,18 +35,18 @@ from r3bridge.adapters.verl.codec import (
 )
 from r3bridge.adapters.verl.config import check_engine_config, replay_config_from_env
 from r3bridge.config import Action, Phase, ReplayMode
-from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
-from r3bridge.hf import (
-    moe_layer_ids_from_hf_config,
-    num_experts_from_hf_config,
-    num_hidden_layers_from_hf_config,
-)
+from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
 from r3bridge.metrics import logprob_mismatch
 
 logger = logging.getLogger("r3bridge.adapters.verl")
 
 __all__ = ["R3BridgeMegatronEngine"]
+
+# the verl setting that supplies the routes of each source, and the one that keeps rollout routes out
+_PROVIDE = {"rollout": "enable actor_rollout_ref.rollout.enable_rollout_routing_replay",
+            "recorded": "R2 records them in compute_log_prob: keep algorithm.rollout_correction.bypass_mode=False",
+            "off": "set actor_rollout_ref.rollout.enable_rollout_routing_replay=False"}
 
 
 @EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda", vendor="nvidia")
@@ -88,24 +88,16 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         """Check the built model against the HF config and attach the driver (actor only)."""
         if not self.r3_active:
             return
-        from r3bridge.layout import ParallelLayout
         from r3bridge.megatron import Replayer
 
         hf = self.model_config.hf_config
-        self.r3_moe_layer_ids = moe_layer_ids_from_hf_config(hf)
-        self.r3_num_hidden_layers = num_hidden_layers_from_hf_config(hf)
-        self.r3_num_experts = num_experts_from_hf_config(hf)
-        unwrapped = _unwrap(self.module[0])
+        self.r3_model = ModelInfo.from_hf_config(hf)
         check_engine_config(self.r3_config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
-                            cp_layout=self._get_context_parallel_layout(unwrapped))
-        mcore_moe = ParallelLayout.from_megatron(self.tf_config).moe_layer_ids
-        if mcore_moe != self.r3_moe_layer_ids:
-            raise LayerMappingError(f"the HF config's MoE layers {self.r3_moe_layer_ids} differ from the "
-                                    f"Megatron model's {mcore_moe} (moe_layer_freq): routes would land on "
-                                    f"the wrong layers")
-        self.r3_replayer = Replayer.from_config(self.module, self.r3_config)
+                            cp_layout=self._get_context_parallel_layout(_unwrap(self.module[0])))
+        self.r3_replayer = Replayer.from_config(self.module, self.r3_config,
+                                                expect_moe_layer_ids=self.r3_model.moe_layer_ids)
         logger.info("r3bridge: replay_mode=%s attached to %d model chunk(s), MoE layers %s",
-                    self.r3_config.replay_mode.value, len(self.module), self.r3_moe_layer_ids)
+                    self.r3_config.replay_mode.value, len(self.module), self.r3_model.moe_layer_ids)
 
     def disable_adapter(self):
         return _counting(self, super().disable_adapter())
@@ -121,17 +113,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         plan = self.r3_runner.plan(phase)
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        has_routes = data.get(ROUTES_KEY, None) is not None
-        if plan.action is Action.RECORD and has_routes:
-            raise ConfigError(f"replay_mode=R2 records routes in compute_log_prob, but the batch already "
-                              f"carries {ROUTES_KEY!r} (rollout routes?): set "
-                              f"actor_rollout_ref.rollout.enable_rollout_routing_replay=False")
-        if plan.action is Action.REPLAY and not has_routes:
-            hint = ("enable actor_rollout_ref.rollout.enable_rollout_routing_replay" if plan.source == "rollout"
-                    else "R2 records them in compute_log_prob: keep algorithm.rollout_correction."
-                         "bypass_mode=False")
-            raise ConfigError(f"replay_mode={self.r3_config.replay_mode.value}: the {phase.value} batch has no "
-                              f"{ROUTES_KEY!r} to replay ({hint})")
+        self.r3_runner.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
+                                    where=f"the {phase.value} batch", provide=_PROVIDE)
         if plan.action is Action.RECORD:
             # the batch-level sample index travels with each sample through verl's micro-batching
             data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
@@ -146,10 +129,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         if not output:                                  # not the last pipeline stage
             return output
         result = ps.result
-        if result.recorded is not None:
-            if result.recorded.num_seqs != len(data):
-                raise ReplayStateError(f"R2 recorded {result.recorded.num_seqs} sequences for a batch of {len(data)}")
-            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(result.recorded)
+        if result.action is Action.RECORD:
+            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(result.recorded_for(len(data)))
         extra = self._r3_logprob_metrics(output, data, phase_tag(phase))
         for k, v in self.r3_runner.metrics_to_log(result, extra).items():
             output.setdefault("metrics", {}).setdefault(k, []).extend(v)
@@ -185,10 +166,10 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         routes, sample_ids = None, None
         if self._r3_step.action is Action.REPLAY:
             source = "recorded" if self.r3_config.replay_mode is ReplayMode.R2 else "rollout"
+            m = self.r3_model
             routes = replay_batch_from_tensordict(
-                batch, moe_layer_ids=self.r3_moe_layer_ids, num_experts=self.r3_num_experts,
-                source=source, num_hidden_layers=self.r3_num_hidden_layers,
-                invalid_rows=self.r3_config.invalid_rows)
+                batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=source,
+                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows)
         else:
             sample_ids = batch[SAMPLE_KEY].tolist()
         self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
-from r3bridge.errors import CoverageError, ReplayStateError
+from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch
 
@@ -70,6 +70,15 @@ class PhaseResult:
     metrics: dict[str, float] = field(default_factory=dict)
     tagged: dict[str, float] = field(default_factory=dict)
     recorded: Optional[ReplayBatch] = None      # RECORD: the real samples, in sample-id order
+
+    def recorded_for(self, num_samples: int) -> ReplayBatch:
+        """The R2 recording of a batch of ``num_samples`` samples; ``ReplayStateError`` unless it
+        holds exactly one sequence per sample (a sample the schedule skipped, or one seen twice)."""
+        rec = self.recorded
+        if rec is None or rec.num_seqs != int(num_samples):
+            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for a batch "
+                                   f"of {int(num_samples)} samples")
+        return rec
 
 
 class PhaseStep:
@@ -179,6 +188,20 @@ class PhaseRunner:
             return None
         plan = self.config.plan(phase)
         return None if plan.action is Action.NATIVE else plan
+
+    def check_routes(self, plan: PhasePlan, present: bool, *, field: str, where: str = "the batch",
+                     provide: Mapping[str, str]) -> None:
+        """``ConfigError`` when ``field`` does not match the plan: a replay without routes, or an
+        R2 recording pass whose batch already carries routes (rollout routes would collide with
+        the recording). ``provide``: the framework setting that supplies routes of each source
+        (``"rollout"``, ``"recorded"``) and the one that turns rollout routes off (``"off"``)."""
+        mode = self.config.replay_mode.value
+        if plan.action is Action.REPLAY and not present:
+            raise ConfigError(f"replay_mode={mode}: {where} carries no {field!r} to replay "
+                              f"({provide[plan.source]})")
+        if plan.action is Action.RECORD and present:
+            raise ConfigError(f"replay_mode={mode} records routes in compute_log_prob, but {where} already "
+                              f"carries {field!r} (rollout routes?): {provide['off']}")
 
     @contextlib.contextmanager
     def run(self, phase: Phase, *, forward_only: bool, targets: Optional[Targets] = None,

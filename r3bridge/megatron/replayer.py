@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, ReplayConfig
-from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
@@ -39,7 +39,11 @@ class Replayer:
                  min_coverage: float = 0.0, invalid_rows: str = "native", metrics_prefix: str = "r3bridge/",
                  mask_unrouted_rows: bool = True,
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
-                 pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None) -> None:
+                 pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None,
+                 expect_moe_layer_ids: Optional[Sequence[int]] = None) -> None:
+        """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
+        :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
+        land on the wrong layers (verl #5037's dense-layer shift)."""
         check_megatron()
         if invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
@@ -55,6 +59,10 @@ class Replayer:
         self.groups = ps["groups"] if groups is None else groups
         self.metrics_groups = ps["metrics_groups"] if groups is None else list(groups.get("metrics", []))
         self.layout = layout if layout is not None else layout_for(chunks, config)
+        if expect_moe_layer_ids is not None and [int(i) for i in expect_moe_layer_ids] != list(self.layout.moe_layer_ids):
+            raise LayerMappingError(f"the HF config's MoE layers {[int(i) for i in expect_moe_layer_ids]} differ from "
+                                    f"the Megatron model's {list(self.layout.moe_layer_ids)} (moe_layer_freq): routes "
+                                    f"would land on the wrong layers")
         self.num_experts = int(config.num_moe_experts)
         self.topk = int(config.moe_router_topk)
         self.agreement = agreement

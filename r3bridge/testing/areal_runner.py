@@ -128,7 +128,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 logp = eng.compute_logp(trajs)
                 for t, lp in zip(trajs, logp):
                     t["prox_logp"] = lp
-                recorded = eng.r3_recorded
+                recorded = None if eng.r3_result is None else eng.r3_result.recorded
                 trajs = eng.compute_advantages(trajs)
                 eng.ppo_update(trajs)
             finally:

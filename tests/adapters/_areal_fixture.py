@@ -333,7 +333,8 @@ class ArealRunner:
                 for j, g in enumerate(g for g in pmb[MB_KEY].sample_ids if g is not None):
                     by_sample[order[g]] = o[cu[j]:cu[j + 1]]
         logprobs = [by_sample[i] for i in order] if by_sample else []
-        return {"logprobs": logprobs, "metrics": dict(eng.r3_metrics), "recorded": eng.r3_recorded,
+        res = eng.r3_result
+        return {"logprobs": logprobs, "metrics": dict(res.metrics), "recorded": res.recorded,
                 "packing": packing, "framework_metrics": logged}
 
     def write_recorded(self, rollout, recorded):

@@ -25,6 +25,7 @@ from r3bridge.adapters.skyrl import (
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.config import ReplayConfig
 from r3bridge.decoders import decode_vllm_routes
+from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import CanonicalRollout
 
@@ -114,8 +115,8 @@ class SkyRLRunner:
         self.num_layers = cfg.num_layers
         self.moe = [i for i in range(cfg.num_layers)
                     if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]
-        rep = SkyRLReplay(chunks, ReplayConfig(replay_mode=mode), num_experts=cfg.num_moe_experts,
-                          moe_layer_ids=self.moe, num_hidden_layers=cfg.num_layers)
+        rep = SkyRLReplay(chunks, ReplayConfig(replay_mode=mode),
+                          ModelInfo(num_experts=cfg.num_moe_experts, moe_layer_ids=self.moe, num_layers=cfg.num_layers))
         w = model_wrapper_class()(config=tc, actor_module=chunks, r3_replay=rep)
         w.replayer = rep.replayer
         return w

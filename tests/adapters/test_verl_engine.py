@@ -26,6 +26,7 @@ from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, replay_batch_fr
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import Action, ReplayConfig  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
+from r3bridge.hf import ModelInfo
 
 CHUNKS = 2          # two virtual-pipeline chunks: every micro-batch runs through both
 
@@ -106,7 +107,7 @@ def make_engine(mode, *, ref=False, truth=None, last_stage=True):
     eng.module = [torch.nn.Linear(1, 1) for _ in range(CHUNKS)]
     eng.seen, eng.fail, eng.last_stage = [], False, last_stage
     eng.r3_init_state(ReplayConfig(replay_mode=mode))
-    eng.r3_moe_layer_ids, eng.r3_num_hidden_layers, eng.r3_num_experts = MOE, NUM_LAYERS, E
+    eng.r3_model = ModelInfo(num_experts=E, moe_layer_ids=MOE, num_layers=NUM_LAYERS)
     if eng.r3_active:
         eng.r3_replayer = FakeReplayer(eng.module, truth)
     return eng

@@ -169,7 +169,7 @@ def _rank(ctx):
         nested = rec["model_output"][ROUTES_KEY]
         out["r2_nested"] = (nested.is_nested, str(nested.dtype), [tuple(t.shape) for t in nested.unbind()])
         data[ROUTES_KEY] = nested
-        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3_moe_layer_ids, num_experts=4,
+        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3_model.moe_layer_ids, num_experts=4,
                                                 source="recorded")
         obj = [recorded.to_bytes()]
     else:

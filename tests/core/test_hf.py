@@ -108,3 +108,15 @@ def test_dense_and_nested_text_config():
     assert moe_layer_ids_from_hf_config(vlm) == [0, 1, 2]
     with pytest.raises(LayerMappingError):
         moe_layer_ids_from_hf_config({"num_experts": 4})
+
+
+def test_model_info_reads_every_field_the_adapters_need():
+    from r3bridge.hf import ModelInfo
+
+    info = ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "mlp_only_layers": [0]})
+    assert (info.num_experts, info.moe_layer_ids, info.num_layers, info.topk) == (8, [1, 2, 3], 4, 2)
+    # numpy / tensor ints from a framework config become plain ints
+    import numpy as np
+    info = ModelInfo(num_experts=np.int64(4), moe_layer_ids=np.array([1, 3]), num_layers=np.int32(4))
+    assert info.moe_layer_ids == [1, 3] and type(info.num_experts) is int and info.topk is None
