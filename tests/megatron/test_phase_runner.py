@@ -5,8 +5,8 @@ micro-batches run on CPU and every token's routing depends on that token alone),
 schedules, :class:`r3bridge.testing.probe.RoutingProbe` for what each router dispatched. One rank
 runs every single-chunk scenario in one spawn; one 2-rank spawn (PP2 x VPP2, forward-only) runs
 the per-chunk install hooks under the interleaved schedule, the R2 gather across stages and a
-micro-batch whose sequence count differs between the chunks. The rank functions return plain
-values; the tests below read them.
+micro-batch whose sequence count differs between the chunks. The rank functions return picklable
+summaries (counts, flags, the phases' results); the tests below read them.
 """
 from __future__ import annotations
 
@@ -134,7 +134,6 @@ class _OneRank:
         self.pa = make_packed_batch([9, 6, PAD_LEN], V, seed=3)       # last sequence: padding
         self.pb = make_packed_batch([7, PAD_LEN], V, seed=4)          # last sequence: padding
         samples, pad = _samples()
-        self.samples, self.pad = samples, pad
         self.rec_batches = [_pack([samples[s] if s is not None else pad for s in ids]) for ids in RECORD_PACKING]
         self.upd_ids = [[0, 1], [2, 3, None]]
         self.upd_batches = [_pack([samples[s] if s is not None else pad for s in ids]) for ids in self.upd_ids]
@@ -166,15 +165,16 @@ class _OneRank:
 
     def run(self, runner, phase, batches, *, forward_only: bool, step=None, **kw) -> dict[str, Any]:
         """``runner.run`` around one schedule under a probe: hooks before / inside / after, and
-        the dispatched top-k per micro-batch."""
-        forward_step = self.fstep if step is None else None
+        the dispatched top-k per micro-batch. ``step(phase_step)``: the schedule's forward_step
+        (an adapter that installs itself), else the harness's."""
         active = []
         with RoutingProbe(self.chunks) as probe:
             h0 = _hooks(self.chunks)
             with runner.run(phase, forward_only=forward_only, **kw) as ps:
                 h_in = _hooks(self.chunks)
                 active.append(self.rep.active_step is not None)
-                run_schedule(self.chunks, batches, forward_step or step(ps), forward_only=forward_only)
+                forward_step = self.fstep if step is None else step(ps)
+                run_schedule(self.chunks, batches, forward_step, forward_only=forward_only)
             h_out = _hooks(self.chunks)
         got = _by_chunk_and_mb(probe.calls, {0: self.layers}, len(batches))
         return {"ps": ps, "hooks": (h0, h_in, h_out), "active": active[0],
@@ -196,8 +196,8 @@ class _OneRank:
                 return self.mb(batches[k])
             unmanaged = self.rep.unmanaged_calls
             r = self.run(runner, phase, batches, forward_only=True, targets=targets, num_micro_batches=2)
-            out[name] = {"yielded": type(r["ps"]).__name__, "plan": runner.plan(phase), "installs": installs, "hooks": r["hooks"],
-                         "active": r["active"], "unmanaged": self.rep.unmanaged_calls - unmanaged,
+            out[name] = {"yielded": type(r["ps"]).__name__, "plan": runner.plan(phase), "installs": installs,
+                         "hooks": r["hooks"], "active": r["active"], "unmanaged": self.rep.unmanaged_calls - unmanaged,
                          "same_as_native": all(torch.equal(g[lid], self.native_of(b)[lid])
                                                for g, b in zip(r["got"], batches) for lid in self.layers)}
         return out
@@ -290,20 +290,20 @@ class _OneRank:
     def record_then_replay(self) -> dict[str, Any]:
         """R2: record micro-batches holding samples out of order and a padding sequence, then
         replay the recording in an update re-partitioned by sample id."""
-        r2 = PhaseRunner(self.rep, self.cfg["R2"])
         from r3bridge.megatron import MicroBatch
 
+        r2 = PhaseRunner(self.rep, self.cfg["R2"])
         mbs = [MicroBatch(b.seq_lens, sample_ids=ids) for b, ids in zip(self.rec_batches, RECORD_PACKING)]
         r = self.run(r2, Phase.OLD_LOG_PROB, self.rec_batches, forward_only=True, targets=mbs)
         rec = r["ps"].result.recorded
-        native = _recorded_vs_dispatched(rec, r["got"], self.rec_batches, RECORD_PACKING, self.layers)
+        checked = _recorded_vs_dispatched(rec, r["got"], self.rec_batches, RECORD_PACKING, self.layers)
         upd = [MicroBatch(b.seq_lens, rec.select([s for s in ids if s is not None]), ids)
                for b, ids in zip(self.upd_batches, self.upd_ids)]
         for m, b in zip(upd, self.upd_batches):
             self.routes[id(b)] = m.routes
         u = self.run(r2, Phase.UPDATE, self.upd_batches, forward_only=False, targets=upd)
         rows = [_check_rows(g, b, self.routes[id(b)], self.native_of(b)) for g, b in zip(u["got"], self.upd_batches)]
-        return {"record": {**_result(r["ps"]), **native}, "update": {**_result(u["ps"]), "rows": rows}}
+        return {"record": {**_result(r["ps"]), **checked}, "update": {**_result(u["ps"]), "rows": rows}}
 
     def install_before_forward(self) -> dict[str, Any]:
         """The pre-hook directly: prepended before a hook already there, counts per chunk,
