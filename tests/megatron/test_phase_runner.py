@@ -274,6 +274,9 @@ class _OneRank:
                 targets=lambda c, k, args, kwargs: self.mb([a, self.b][k]), num_micro_batches=1)),
             "schedule_raises": (r3, Phase.OLD_LOG_PROB, [a, self.b], dict(
                 targets=[self.mb(a), self.mb(self.b)])),
+            "targets_list_shorter_than_schedule": (r3, Phase.OLD_LOG_PROB, [a, self.b], dict(targets=[self.mb(a)])),
+            # the plan's source reaches the driver: R2 never replays the rollout engine's routes
+            "r2_update_with_rollout_routes": (r2, Phase.UPDATE, [a], dict(targets=[self.mb(a)])),
         }
         out = {}
         for name, (runner, phase, batches, kw) in cases.items():
@@ -303,7 +306,13 @@ class _OneRank:
             self.routes[id(b)] = m.routes
         u = self.run(r2, Phase.UPDATE, self.upd_batches, forward_only=False, targets=upd)
         rows = [_check_rows(g, b, self.routes[id(b)], self.native_of(b)) for g, b in zip(u["got"], self.upd_batches)]
-        return {"record": {**_result(r["ps"]), **checked}, "update": {**_result(u["ps"]), "rows": rows}}
+        # no sample ids: sequences numbered in install order across the micro-batches
+        plain = [self.a, self.b]
+        d = self.run(r2, Phase.OLD_LOG_PROB, plain, forward_only=True,
+                     targets=[self.mb(b, routes=False) for b in plain])
+        default = _recorded_vs_dispatched(d["ps"].result.recorded, d["got"], plain, [[0, 1], [2, 3, 4]], self.layers)
+        return {"record": {**_result(r["ps"]), **checked}, "update": {**_result(u["ps"]), "rows": rows},
+                "default_ids": default}
 
     def install_before_forward(self) -> dict[str, Any]:
         """The pre-hook directly: prepended before a hook already there, counts per chunk,
@@ -491,6 +500,7 @@ def test_replay_targets_list_dispatches_routes_and_tags_update(one):
         assert x["native"] > 0 and x["native_bad"] == 0
     _tagged_as(r, "update")
     assert r["tagged"][f"{PREFIX}update/coverage"] < 1.0
+    assert r["result"].recorded is None
 
 
 def test_replay_callable_targets_get_each_chunk_forward(one):
@@ -526,6 +536,8 @@ def test_padding_sequences_route_natively_without_routes(one):
     ("replay_without_routes", "ReplayStateError", ("chunk 0, micro-batch 0", "R3 replay without routes")),
     ("more_forwards_than_micro_batches", "ReplayStateError", ("chunk 0", "forward #2", "only 1 micro-batches")),
     ("schedule_raises", "RuntimeError", ("data loader failed",)),
+    ("targets_list_shorter_than_schedule", "ReplayStateError", ("chunk 0", "forward #2", "only 1 micro-batches")),
+    ("r2_update_with_rollout_routes", "ConfigError", ("R2 update must replay the routes recorded",)),
 ])
 def test_bad_input_raises_and_leaves_nothing(one, name, error, words):
     o = _value(one["errors"])[name]
@@ -543,6 +555,12 @@ def test_r2_records_real_samples_in_sample_id_order(one):
     assert r["rows_per_seq"] == [SAMPLE_LENS[s] for s in sorted(SAMPLE_LENS)]
     assert r["source"] == "recorded" and r["all_valid"]
     assert r["bad"] == [], "recorded rows differ from what the routers dispatched for that sample"
+
+
+def test_r2_without_sample_ids_records_in_install_order(one):
+    r = _value(one["r2"])["default_ids"]
+    assert r["num_seqs"] == 5 and r["rows_per_seq"] == [9, 6, 7, 5, 4]
+    assert r["all_valid"] and r["bad"] == []
 
 
 def test_r2_update_replays_the_recording_with_agreement_one(one):
