@@ -57,8 +57,8 @@ Targets = Union[Sequence[MicroBatch], Callable[[int, int, tuple, dict], MicroBat
 
 
 def phase_tag(phase: Phase) -> str:
-    """The metrics tag of a phase: ``update`` or ``old_log_prob``."""
-    return "update" if Phase(phase) is Phase.UPDATE else "old_log_prob"
+    """The metrics tag of a phase: ``update``, ``old_log_prob`` or ``ref_log_prob``."""
+    return {Phase.UPDATE: "update", Phase.REF_LOG_PROB: "ref_log_prob"}.get(Phase(phase), "old_log_prob")
 
 
 @dataclass
@@ -109,6 +109,9 @@ class PhaseStep:
         elif len(known[0]) != len(lens):
             raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
                                    f"{len(known[0])}")
+        elif mb.sample_ids is not None and [None if x is None else int(x) for x in mb.sample_ids] != known[0]:
+            raise ReplayStateError(f"chunk {c}, micro-batch {k}: sample ids {list(mb.sample_ids)}, another chunk "
+                                   f"installed {known[0]}")
         ids, driver_ids = known
         routes = mb.routes
         if self.action is Action.REPLAY:
@@ -238,7 +241,7 @@ class PhaseRunner:
                        ) -> dict[str, list[float]]:
         """The tagged metrics (plus ``extra``) the framework should log now. With carrying on, a
         compute_log_prob pass's are held (returns ``{}``) and come out with the next update's."""
-        now = {} if result is None else {**result.tagged, **(extra or {})}
+        now = {**({} if result is None else result.tagged), **(extra or {})}
         if not self.carry:
             return {k: [v] for k, v in now.items()}
         if result is not None and result.phase is not Phase.UPDATE:

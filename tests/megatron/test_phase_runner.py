@@ -10,6 +10,7 @@ summaries (counts, flags, the phases' results); the tests below read them.
 """
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from typing import Any, Callable
 
@@ -432,9 +433,23 @@ def pp_ranks(ctx) -> dict[str, Any]:
         o["step_left"] = rep.active_step is not None
         return o
 
+    def changed_ids():
+        """Chunk 1 installs micro-batch 0 with the same count but other sample ids than chunk 0."""
+        h0 = _hooks(chunks)
+
+        def go():
+            with PhaseRunner(rep, cfg["R3"]).run(Phase.OLD_LOG_PROB, forward_only=True) as ps:
+                ps.install(chunks[0], dataclasses.replace(mbs[0], sample_ids=[0, 1]), index=0)
+                ps.install(chunks[1], dataclasses.replace(mbs[0], sample_ids=[1, 0]), index=0)
+        o = _outcome(go)
+        o["hooks_left"] = _hooks(chunks) - h0
+        o["step_left"] = rep.active_step is not None
+        return o
+
     out["replay"] = _outcome(replay)
     out["record"] = _outcome(record)
     out["changed_count"] = changed_count()
+    out["changed_ids"] = changed_ids()
     return out
 
 
@@ -475,6 +490,7 @@ def _tagged_as(res, tag: str) -> None:
 def test_phase_tag():
     assert phase_tag(Phase.UPDATE) == "update" and phase_tag("update") == "update"
     assert phase_tag(Phase.OLD_LOG_PROB) == "old_log_prob" and phase_tag("compute_log_prob") == "old_log_prob"
+    assert phase_tag(Phase.REF_LOG_PROB) == "ref_log_prob"
 
 
 @pytest.mark.parametrize("name", ["off", "reference", "no_replayer"])
@@ -604,6 +620,7 @@ def test_metrics_without_carry_come_out_at_once(one):
     assert runner.metrics_to_log(lp) == {k: [v] for k, v in lp.tagged.items()}
     assert runner.metrics_to_log(upd) == {k: [v] for k, v in upd.tagged.items()}
     assert runner.metrics_to_log(None) == {}
+    assert runner.metrics_to_log(None, {"x": 1.0}) == {"x": [1.0]}      # a native pass's own extras
 
 
 def test_interleaved_schedule_installs_each_chunk_in_micro_batch_order(pp):
@@ -635,4 +652,11 @@ def test_chunk_installing_another_sequence_count_is_refused(pp):
     for out in pp:
         o = out["changed_count"]
         _raised(o, "ReplayStateError", "chunk 1, micro-batch 0", "3 sequences", "another chunk installed 2")
+        assert o["hooks_left"] == 0 and not o["step_left"]
+
+
+def test_chunk_installing_other_sample_ids_is_refused(pp):
+    for out in pp:
+        o = out["changed_ids"]
+        _raised(o, "ReplayStateError", "chunk 1, micro-batch 0", "sample ids [1, 0]", "another chunk installed [0, 1]")
         assert o["hooks_left"] == 0 and not o["step_left"]
