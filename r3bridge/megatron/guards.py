@@ -77,17 +77,25 @@ def check_config(config: Any) -> None:
         problems.append("overlap_moe_expert_parallel_comm=True: the combined 1F1B A2A-overlap schedule "
                         "interleaves micro-batches inside a layer")
     vpp = g("virtual_pipeline_model_parallel_size")
-    if g("pipeline_model_parallel_size", 1) == 2 and vpp is not None and vpp > 1 and g("batch_p2p_comm", False):
-        # With two stages the previous and the next stage are one rank. The interleaved 1F1B steady
-        # state posts send_prev, recv_prev, send_next, recv_next to it in one batch on both ranks;
-        # point-to-point ops to one peer pair in posting order (NCCL and gloo alike), so each rank
-        # receives the other's gradient as its activation and the reverse: the update computes on
-        # the wrong tensors, with no error (Megatron-LM issue #1450; megatron-core 0.16.1-0.19.2
-        # pipeline_parallel/p2p_communication.py _batched_p2p_ops; tests/megatron/test_pp2_interleaved.py).
-        problems.append("pipeline_model_parallel_size=2 with virtual pipeline stages and batch_p2p_comm=True: "
-                        "megatron's batched p2p swaps activations and gradients between the two stages "
-                        "(Megatron-LM #1450); set batch_p2p_comm=False and overlap_p2p_comm=True (what "
-                        "Megatron-LM, verl and AReaL set for interleaved schedules)")
+    if g("pipeline_model_parallel_size", 1) == 2 and vpp is not None and vpp > 1:
+        # With two stages the previous and the next stage are one rank, and point-to-point ops to
+        # one peer pair in posting order (NCCL and gloo alike). The interleaved 1F1B steady state
+        # without overlap_p2p_comm exchanges both directions in one call: send_prev, recv_prev,
+        # send_next, recv_next on both ranks, so each receives the other's gradient as its
+        # activation (batch_p2p_comm=True: same shapes, no error), and variable_seq_lengths' shape
+        # exchange, always batched, crosses the two shapes (different lengths: wrong-size buffers).
+        # overlap_p2p_comm splits the directions. Megatron-LM #1450 / #5271; megatron-core
+        # 0.16.1-0.19.2 pipeline_parallel/p2p_communication.py; tests/megatron/test_pp2_interleaved.py.
+        if g("batch_p2p_comm", False):
+            problems.append("pipeline_model_parallel_size=2 with virtual pipeline stages and batch_p2p_comm=True: "
+                            "megatron's batched p2p swaps activations and gradients between the two stages "
+                            "(Megatron-LM #1450); set batch_p2p_comm=False and overlap_p2p_comm=True (what "
+                            "Megatron-LM, mbridge, verl and AReaL set for interleaved schedules)")
+        elif g("variable_seq_lengths", False) and not g("overlap_p2p_comm", False):
+            problems.append("pipeline_model_parallel_size=2 with virtual pipeline stages, variable_seq_lengths=True "
+                            "and overlap_p2p_comm=False: megatron's shape exchange crosses the two directions "
+                            "(Megatron-LM #5271), so micro-batches of different lengths are received into "
+                            "buffers of the wrong shape; set overlap_p2p_comm=True")
     if g("moe_enable_routing_replay"):
         problems.append("moe_enable_routing_replay=True: megatron's own RouterReplay (or a framework driving it, "
                         "e.g. verl's router_replay.mode) would replay too; r3bridge attaches its own hook, "

@@ -96,14 +96,10 @@ def _routes(rng: np.random.Generator, rows: int, num_layers: int, moe: Sequence[
 
 def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 8, topk: int = 2,
                  num_layers: int = 4, moe_layer_ids: Sequence[int] = (1, 2, 3), vocab: int = 100,
-                 max_prompt: int = 9, max_turns: int = 3, dtype=np.uint8,
-                 pad_to: Optional[int] = None) -> CanonicalRollout:
+                 max_prompt: int = 9, max_turns: int = 3, dtype=np.uint8) -> CanonicalRollout:
     """Random rollouts covering single-turn, multi-turn (each later call re-routes the earlier
     context *differently*: only first-seen rows are right), resubmits (a call repeated over the
-    same context) and final tokens no call routed (observations appended after the last call).
-    ``pad_to``: every trajectory extended to this many tokens with such an unrouted tail, so all
-    samples have one length (megatron's pp=2 interleaved schedule needs equal micro-batch shapes:
-    docs/support-matrix.md)."""
+    same context) and final tokens no call routed (observations appended after the last call)."""
     rng = np.random.default_rng(seed)
     moe = list(moe_layer_ids)
     tokens, calls, call_tokens, plens, call_plens = [], [], [], [], []
@@ -128,10 +124,6 @@ def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 8, to
             ctx = list(full)
             if t < turns - 1 or i % 2:      # an observation / tail the engine never routes
                 ctx += list(rng.integers(1, vocab, size=int(rng.integers(1, 4))))
-        if pad_to is not None:
-            if len(ctx) > pad_to:
-                raise ValueError(f"sample {i} has {len(ctx)} tokens, more than pad_to={pad_to}")
-            ctx += list(rng.integers(1, vocab, size=pad_to - len(ctx)))
         tokens.append([int(x) for x in ctx])
         calls.append(sample_calls)
         call_tokens.append([[int(x) for x in c] for c in sample_call_tokens])

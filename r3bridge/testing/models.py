@@ -184,11 +184,11 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
         # length"), so allgather runs need equal-length micro-batches (see data.pad_to).
         variable_seq_lengths=spec.moe_token_dispatcher_type == "alltoall",
         deallocate_pipeline_outputs=False,
-        # Batched p2p is wrong on gloo for pp=2 + VPP: both neighbours are the same rank, and
-        # gloo matches sends/recvs to one peer in posting order, while megatron posts
-        # (send_prev, recv_prev, send_next, recv_next) on every rank - so activations and
-        # gradients swap silently (same shapes). The unbatched path orders ops by rank parity.
+        # Megatron-LM's and mbridge's p2p settings: at pp=2 + VPP both neighbours are one rank,
+        # and batched p2p (or a steady state that sends both directions in one call) mixes up
+        # the two directions; r3bridge's guards refuse that (guards.py).
         batch_p2p_comm=False,
+        overlap_p2p_comm=ctx.vpp is not None and ctx.vpp > 1 and ctx.pp > 1,
     )
     if spec.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

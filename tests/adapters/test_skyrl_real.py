@@ -2,11 +2,9 @@
 log-probs) and ``forward_backward_mini_batch`` (SkyRL's PPO policy loss + KL, backward through
 megatron's DDP and ``finalize_model_grads``), two steps in a row with an optimizer step between,
 R3 and R2, full recompute, on TP2 + SP (SkyRL's BSHD path, real attention) and PP2 x VPP2 (SkyRL's
-THD path, interleaved 1F1B with a steady state: 4 update micro-batches). PP2 x VPP2 runs with
-``batch_p2p_comm=False`` (r3bridge refuses SkyRL's default True there: megatron swaps activations and
-gradients, tests/megatron/test_pp2_interleaved.py) and equal-length samples: with
-``variable_seq_lengths`` megatron's shape exchange crosses the two directions at pp=2 whatever
-``batch_p2p_comm`` says (docs/support-matrix.md, "Two pipeline stages with virtual stages").
+THD path, interleaved 1F1B with a steady state: 4 update micro-batches of different lengths), with
+the p2p settings r3bridge requires at pp=2 with virtual stages (``batch_p2p_comm=False``,
+``overlap_p2p_comm=True``: SkyRL's ``transformer_config_kwargs``; r3bridge.megatron.guards).
 The routing probe checks every router call, first passes and recomputes, against the routes that
 should be replayed (``r3bridge.testing.skyrl_real``)."""
 from __future__ import annotations
@@ -24,11 +22,11 @@ def _cell(ctx, cells):
     from r3bridge.testing.models import ModelSpec
     from r3bridge.testing.skyrl_real import StepSpec, run_steps
 
-    thd, spec_kw, step_kw, pad_to = cells[(ctx.tp, ctx.pp)]
+    thd, spec_kw, step_kw = cells[(ctx.tp, ctx.pp)]
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity" if thd else "real",
                      recompute="full", **spec_kw)
     rollouts = [make_rollout(21 + s, batch_size=8, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk,
-                             num_layers=4, moe_layer_ids=[1, 2, 3], pad_to=pad_to) for s in range(2)]
+                             num_layers=4, moe_layer_ids=[1, 2, 3]) for s in range(2)]
     out = {}
     for mode in ("R3", "R2"):
         out[mode] = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=thd, permute=PERMUTE,
@@ -36,11 +34,11 @@ def _cell(ctx, cells):
     return out
 
 
-# (tp, pp) -> (SkyRL THD packing?, ModelSpec overrides, StepSpec overrides, equal sample length)
-CELLS = {(2, 1): (False, {}, {}, None),
-         # SkyRL's megatron settings (variable_seq_lengths, alltoall); the harness sets batch_p2p_comm=False
+# (tp, pp) -> (SkyRL THD packing?, ModelSpec overrides, StepSpec overrides)
+CELLS = {(2, 1): (False, {}, {}),
+         # SkyRL's megatron settings (variable_seq_lengths, alltoall); the harness sets the p2p ones
          (1, 2): (True, {"moe_token_dispatcher_type": "alltoall", "extra_config": {"variable_seq_lengths": True}},
-                  {"micro_train_batch_size": 2}, 32)}
+                  {"micro_train_batch_size": 2})}
 
 
 def _check(res):

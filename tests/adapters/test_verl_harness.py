@@ -217,12 +217,8 @@ def test_adapter_forward_step_installs_exact_targets(results, li):
         per_layer = {k: v for k, v in m.items() if k.startswith("r3bridge/update/agreement/layer_")}
         assert sorted(per_layer) == [f"r3bridge/update/agreement/layer_{lid}" for lid in (1, 2, 3)]
         assert all(0.0 <= v[0] < 0.9 for v in per_layer.values())
-        if li == 0:
-            # replaying its own routes with unchanged weights: native == replayed everywhere.
-            # (pp2_vpp2 is left out: on the CPU harness the interleaved *training* schedule changes
-            # the last micro-batch's activations between identical calls, so native top-k differs
-            # there while the dispatched routes, checked above, stay exact.)
-            assert o["r2_metrics"]["r3bridge/update/agreement/mean"] == [1.0]
+        # replaying its own routes with unchanged weights: native == replayed everywhere
+        assert o["r2_metrics"]["r3bridge/update/agreement/mean"] == [1.0]
 
 
 def test_hf_config_that_disagrees_with_the_model_is_refused(results):

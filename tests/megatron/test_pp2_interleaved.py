@@ -1,5 +1,6 @@
 """Two pipeline stages with virtual stages: megatron's batched p2p swaps the two directions, so
-r3bridge refuses ``batch_p2p_comm=True`` there (``r3bridge.megatron.guards``).
+r3bridge refuses ``batch_p2p_comm=True`` there (``r3bridge.megatron.guards``; the guard's other
+rule, ``overlap_p2p_comm`` with ``variable_seq_lengths``, is in test_releases.py).
 
 With pp = 2 the previous and the next stage are one rank. In the interleaved steady state both
 ranks post ``send_prev, recv_prev, send_next, recv_next`` to that rank in one batch, and

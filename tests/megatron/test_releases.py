@@ -53,6 +53,10 @@ NEW_BYPASSES = {
     # every release: two stages + virtual stages + batched p2p swaps the directions (test_pp2_interleaved.py)
     "pp2_interleaved_batched_p2p": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
                                      "batch_p2p_comm": True}, ["batch_p2p_comm=True", "#1450"]),
+    # every release: two stages + virtual stages + variable lengths: the shape exchange crosses directions
+    "pp2_interleaved_shapes": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                                "batch_p2p_comm": False, "overlap_p2p_comm": False, "variable_seq_lengths": True},
+                               ["overlap_p2p_comm=False", "#5271"]),
 }
 
 
@@ -73,10 +77,13 @@ def test_later_release_bypasses_are_refused(name):
     {"moe_router_force_biased": None, "moe_router_load_balancing_type": "seq_aux_loss"},
     # the p2p guard only where the two directions share one peer and are batched
     {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False,
-     "overlap_p2p_comm": True},
+     "overlap_p2p_comm": True, "variable_seq_lengths": True},
+    {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False,
+     "overlap_p2p_comm": False, "variable_seq_lengths": False},
     {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": True},
     {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None, "batch_p2p_comm": True},
-], ids=["attn_graphs", "ncclep_budget", "defaults", "pp2_vpp_unbatched", "pp4_vpp_batched", "pp2_no_vpp"])
+], ids=["attn_graphs", "ncclep_budget", "defaults", "pp2_vpp_overlapped", "pp2_vpp_fixed_lengths", "pp4_vpp_batched",
+       "pp2_no_vpp"])
 def test_later_release_options_that_keep_replay_exact_are_accepted(overrides):
     check_config(_config(**overrides))
 
