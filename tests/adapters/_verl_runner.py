@@ -157,11 +157,12 @@ class VerlRunner:
         cfg = chunks[0].config
         cfg.finalize_model_grads_func = None        # the harness has no DDP wrapper to finalize
         cfg.grad_scale_func = None
-        if len(chunks) > 1:                         # what a verl job's megatron config sets for VPP
+        if len(chunks) > 1:
+            # what verl's engine sets under VPP (MegatronEngine's TransformerConfig overrides:
+            # overlap_p2p_comm with VPP, batch_p2p_comm off, variable_seq_lengths). Overlapped p2p
+            # sends each direction on its own: megatron-core 0.16.1's combined forward+backward
+            # shape exchange crosses prev and next when both are one rank (PP 2)
             cfg.microbatch_group_size_per_vp_stage = ctx.pp
-            # megatron-core 0.16.1 crosses the prev/next shapes of the combined forward+backward
-            # exchange when both peers are one rank (PP 2, variable_seq_lengths: NVIDIA/Megatron-LM
-            # #5100); overlapped p2p sends each direction on its own, as a job with PP 2 must
             cfg.overlap_p2p_comm = True
         eng = VerlEngine.__new__(VerlEngine)        # verl's __init__ builds model and optimizer itself
         eng.engine_config = SimpleNamespace(forward_only=False, use_remove_padding=True, pad_to_length=False,
