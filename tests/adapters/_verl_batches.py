@@ -1,4 +1,5 @@
-"""Shared test data: a verl 0.9.1 batch built the way its agent loop and trainer build it."""
+"""Shared test data: verl 0.9.1 batches built the way its agent loop and trainer build them
+(padded ``[B, S, ...]`` fields, then verl's own ``left_right_2_no_padding``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ from tensordict import TensorDict
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from r3bridge.adapters.verl.codec import ROUTES_KEY
+from r3bridge.testing.conformance import CanonicalRollout
 
 E, K = 8, 2
 NUM_LAYERS = 4
@@ -46,3 +48,37 @@ def make_verl_batch(prompt_lens, resp_lens, returned_rows=None, seed=0, P=6, R=5
                      "position_ids": position_ids, "prompts": input_ids[:, :P], "responses": input_ids[:, P:],
                      ROUTES_KEY: routes}, batch_size=[b])
     return left_right_2_no_padding(td), engine
+
+
+def stitched_all_layers(rollout: CanonicalRollout, i: int) -> np.ndarray:
+    """Sample ``i``'s engine calls stitched first-seen: every decoder layer, from token 0."""
+    acc = None
+    for c in rollout.calls[i]:
+        acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
+    return acc
+
+
+def verl_batch(rollout: CanonicalRollout):
+    """A canonical rollout as verl's trainer holds it: left-padded prompts, right-padded
+    responses, ``routed_experts`` placed from the prompt start as the agent loop places the
+    engine's rows, zero rows elsewhere; then verl's ``left_right_2_no_padding``."""
+    b = rollout.batch_size
+    P = max(rollout.prompt_lens)
+    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
+    S = P + R
+    input_ids = torch.zeros(b, S, dtype=torch.long)
+    attn = torch.zeros(b, S, dtype=torch.long)
+    resp_mask = torch.zeros(b, R, dtype=torch.long)
+    routes = torch.zeros(b, S, rollout.num_layers, rollout.topk, dtype=torch.int16)
+    for i, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
+        r = len(toks) - p
+        start = P - p
+        attn[i, start:P + r] = 1
+        input_ids[i, start:P + r] = torch.tensor(toks)
+        resp_mask[i, :r] = 1
+        arr = stitched_all_layers(rollout, i)[: len(toks)]
+        routes[i, start:start + len(arr)] = torch.from_numpy(arr.astype(np.int16))   # verl agent loop layout
+    td = TensorDict({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+                     "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
+                     "responses": input_ids[:, P:], ROUTES_KEY: routes}, batch_size=[b])
+    return left_right_2_no_padding(td)

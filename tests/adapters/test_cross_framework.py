@@ -22,6 +22,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from _verl_batches import verl_batch
 
 from r3bridge import ReplayBatch
 from r3bridge.config import Phase, ReplayConfig, phase_plan
@@ -29,40 +30,6 @@ from r3bridge.testing.conformance import assert_same_batch, check_same_targets, 
 
 for mod in ("verl", "skyrl", "areal", "tensordict"):   # installed by `make install`: never skip
     assert importlib.util.find_spec(mod) is not None, f"{mod} is not installed: run `make install`"
-
-
-def _stitched_all_layers(rollout, i) -> np.ndarray:
-    acc = None
-    for c in rollout.calls[i]:
-        acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
-    return acc
-
-
-def verl_batch(rollout):
-    from tensordict import TensorDict
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    from r3bridge.adapters.verl.codec import ROUTES_KEY
-    b = rollout.batch_size
-    P = max(rollout.prompt_lens)
-    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
-    S = P + R
-    input_ids = torch.zeros(b, S, dtype=torch.long)
-    attn = torch.zeros(b, S, dtype=torch.long)
-    resp_mask = torch.zeros(b, R, dtype=torch.long)
-    routes = torch.zeros(b, S, rollout.num_layers, rollout.topk, dtype=torch.int16)
-    for i, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
-        r = len(toks) - p
-        start = P - p
-        attn[i, start:P + r] = 1
-        input_ids[i, start:P + r] = torch.tensor(toks)
-        resp_mask[i, :r] = 1
-        arr = _stitched_all_layers(rollout, i)[: len(toks)]
-        routes[i, start:start + len(arr)] = torch.from_numpy(arr.astype(np.int16))   # verl agent loop layout
-    td = TensorDict({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
-                     "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
-                     "responses": input_ids[:, P:], ROUTES_KEY: routes}, batch_size=[b])
-    return left_right_2_no_padding(td)
 
 
 def ingest_all(rollout) -> dict[str, ReplayBatch]:
