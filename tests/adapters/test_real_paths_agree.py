@@ -149,3 +149,81 @@ def test_a_token_missing_from_one_framework_is_named(runs):
     assert int(drop.sum()) == 3 and len(res.errors) == 3, res.errors
     assert all(e.startswith("areal step 0") and "1 (sample, token, layer) missing, first [(6, 0, 1)]" in e
                for e in res.errors), res.errors
+
+
+# ---------------------------------------------------------------------- the record format (fast)
+def _layout(tp=2):
+    from r3bridge.layout import ParallelLayout
+
+    return ParallelLayout(4, [0, 1, 1, 1], tp=tp)
+
+
+def test_router_rows_thd_sp():
+    from r3bridge.testing.dispatch_records import router_rows
+
+    # samples 4 and 2 packed (3 and 5 tokens, padded to 4 and 6), then a padding "sequence" of 2
+    got = [list(zip(*(t.tolist() for t in router_rows([4, 2], [3, 5, 2], _layout(), tp_rank=r,
+                                                       cu_seqlens_padded=[0, 4, 10, 12]))))
+           for r in range(2)]
+    pad = (-1, -1)
+    assert got == [[(4, 0), (4, 1), (4, 2), pad, (2, 0), (2, 1)],
+                   [(2, 2), (2, 3), (2, 4), pad, pad, pad]]
+
+
+def test_router_rows_bshd_sp():
+    from r3bridge.testing.dispatch_records import router_rows
+
+    # [b=2, s=4] sequence-first rows (row = s * b + b_idx); SP splits s
+    got = [list(zip(*(t.tolist() for t in router_rows([1, 0], [2, 3], _layout(), tp_rank=r, format="bshd",
+                                                       seq_length=4))))
+           for r in range(2)]
+    pad = (-1, -1)
+    assert got == [[(1, 0), (0, 0), (1, 1), (0, 1)], [pad, (0, 2), pad, pad]]
+
+
+def test_log_and_merge_refuse_conflicts():
+    import torch
+
+    from r3bridge.testing.dispatch_records import DispatchLog
+
+    def log(ids, rows=((0, 0), (0, 1))):
+        lg = DispatchLog("x")
+        s, t = (torch.tensor(c) for c in zip(*rows))
+        lg.add(step=0, phase="update", grad=True, layer=2, topk=torch.tensor(ids), sample=s, token=t)
+        return lg
+
+    a = log([[3, 1], [0, 5]]).records()
+    assert a.ids.tolist() == [[1, 3], [0, 5]]                       # sorted
+    assert len(DispatchRecords.merge([a, log([[1, 3], [5, 0]]).records()])) == 2   # SP off: same rows twice
+    with pytest.raises(AssertionError, match=r"sample 0 token 1 layer 2 dispatched \[0, 5\] on one rank, \[5, 6\] on another"):
+        DispatchRecords.merge([a, log([[1, 3], [5, 6]]).records()])
+    with pytest.raises(AssertionError, match="routed 2 times in one pass"):
+        log([[3, 1], [0, 5]], rows=((0, 1), (0, 1))).records()
+
+
+def test_compare_names_the_differing_route():
+    """On records built from the rollout itself: agreement, then one id changed in one framework."""
+    import torch
+
+    from r3bridge.testing.dispatch_records import DispatchLog
+
+    rollout = _rollout()
+    exp, lens = rollout.expected(), [len(t) for t in rollout.tokens]
+
+    def records(name, bump=None):
+        lg = DispatchLog(name)
+        for s, n in enumerate(lens):
+            routes, _ = exp.sequence(s)
+            for li, lid in enumerate(exp.layer_ids):
+                ids = torch.zeros((n, exp.topk), dtype=torch.int64)
+                ids[:routes.shape[0]] = routes[:, li].to(torch.int64)
+                if bump == (s, lid):
+                    ids[2] = (ids[2] + 1) % exp.num_experts       # another pair of distinct experts
+                lg.add(step=0, phase="compute_log_prob", grad=False, layer=lid, topk=ids,
+                       sample=torch.full((n,), s), token=torch.arange(n))
+        return lg.records()
+
+    ok = compare_dispatch({"a": records("a"), "b": records("b")}, exp, lens)
+    assert ok.errors == [] and ok.compared == int(exp.valid.sum()) * 3
+    bad = compare_dispatch({"a": records("a"), "b": records("b", bump=(5, 3))}, exp, lens)
+    assert len(bad.errors) == 1 and "compute_log_prob grad=False sample 5 token 2 layer 3: a [" in bad.errors[0]
