@@ -27,7 +27,7 @@ from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import PackPlan, rank_positions
 
-__all__ = ["PHASES", "DispatchRecords", "DispatchLog", "router_rows", "compare_dispatch", "Agreement",
+__all__ = ["PHASES", "DispatchRecords", "DispatchLog", "router_rows", "compare_dispatch", "Agreement", "describe",
            "with_route_changed"]
 
 PHASES = ("compute_log_prob", "update")
@@ -68,9 +68,8 @@ class DispatchRecords:
     def merge(cls, parts: Sequence["DispatchRecords"]) -> "DispatchRecords":
         """The ranks' logs of one framework as one. A key on several ranks must carry the same ids
         there (SP off: every TP rank routes every row); a conflict raises ``AssertionError``."""
-        parts = [p for p in parts if len(p)]
         if not parts:
-            return cls(_framework(parts))
+            raise AssertionError("no records to merge")
         name = parts[0].framework
         table: dict[tuple, tuple] = {}
         for p in parts:
@@ -81,6 +80,8 @@ class DispatchRecords:
                 if table.setdefault(k, v) != v:
                     raise AssertionError(f"{name}: {describe(k)} dispatched {list(table[k])} on one rank, "
                                          f"{list(v)} on another")
+        if not table:
+            return cls(name)
         keys = sorted(table)
         return cls(name, torch.tensor(keys, dtype=torch.int64), torch.tensor([table[k] for k in keys], dtype=torch.int64))
 
@@ -102,10 +103,6 @@ class DispatchRecords:
         for name, v in col.items():
             keys[:, _KEY_COLS.index(name)] = PHASES.index(v) if name == "phase" and isinstance(v, str) else int(v)
         return DispatchRecords(framework or self.framework, keys, self.ids.clone())
-
-
-def _framework(parts: Sequence[DispatchRecords]) -> str:
-    return parts[0].framework if parts else ""
 
 
 def describe(key: Sequence[int]) -> str:
