@@ -53,10 +53,13 @@ class _PassLog:
         del self.engine.forward_backward_batch
 
 
-def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any) -> tuple[list, list, int]:
-    """Every router call of one pass against ``expected`` (ReplayBatch in batch order)."""
+def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log: Any = None, step: int = 0
+                ) -> tuple[list, list, int]:
+    """Every router call of one pass against ``expected`` (ReplayBatch in batch order); ``log``
+    (a :class:`~r3bridge.testing.dispatch_records.DispatchLog`) gets every real row's dispatch."""
     from r3bridge.schema import ReplayBatch
     from r3bridge.sharding import shard
+    from r3bridge.testing.dispatch_records import router_rows
 
     errors, records, checked = [], [], 0
     seen: dict[tuple, int] = {}
@@ -78,6 +81,11 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any) -> t
         tg = shard(routes, layout, lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
                    vp_stage=call.chunk, layer_ids=[call.layer_id], format="thd", cu_seqlens_padded=cu)
         got = call.topk()
+        if log is not None:
+            sample, token = router_rows(real, lens, layout, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
+                                        cu_seqlens_padded=cu)
+            log.add(step=step, phase=p["phase"], grad=call.grad_enabled, layer=call.layer_id, topk=got,
+                    sample=sample, token=token)
         want = tg.indices[call.layer_id].sort(dim=1).values
         v = tg.valid
         where = f"{p['phase']} mb {k} chunk {call.chunk} layer {call.layer_id} grad={call.grad_enabled}"
@@ -99,9 +107,12 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
-    samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids: for comparing frameworks)."""
+    samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids), ``dispatch`` (this
+    rank's :class:`~r3bridge.testing.dispatch_records.DispatchRecords`: every real token's
+    dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks)."""
     from r3bridge.testing.areal_engine import chunks_of, make_actor
     from r3bridge.testing.areal_rollout import trajectories
+    from r3bridge.testing.dispatch_records import DispatchLog
     from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
     from r3bridge.testing.probe import RoutingProbe
 
@@ -120,6 +131,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     calls: dict = {}
     metrics: list = []
     grad_norms: list = []
+    dispatch = DispatchLog("areal")
     for step in range(steps):
         trajs = trajectories(rollout)
         with RoutingProbe(chunks, include_mtp=False) as probe:
@@ -143,7 +155,8 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 if recorded is None:
                     errors.append(f"step {step}: R2 recorded nothing in compute_logp")
                     continue
-            p_err, p_rec, p_checked = _check_pass(ctx, layout, p, probe.calls[p["start"]:p["end"]], want)
+            p_err, p_rec, p_checked = _check_pass(ctx, layout, p, probe.calls[p["start"]:p["end"]], want,
+                                                    dispatch, step)
             errors += [f"step {step}: {e}" for e in p_err]
             for r in p_rec:
                 r["step"] = step
@@ -154,4 +167,5 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
             calls[p["phase"] + "/recompute"] = calls.get(p["phase"] + "/recompute", 0) + sum(
                 1 for c in probe.calls[p["start"]:p["end"]] if c.grad_enabled)
     return dict(errors=errors, checked_rows=checked, calls=calls, metrics=metrics, records=records,
+                dispatch=dispatch.records(),
                 grad_norms=grad_norms, recorded_rows=None if mode != "R2" else recorded.rows_per_seq)

@@ -31,7 +31,7 @@ from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.conformance import CanonicalRollout
 
-__all__ = ["StepSpec", "PolicyWorkerStandIn", "training_input", "run_steps", "check_router_calls"]
+__all__ = ["StepSpec", "PolicyWorkerStandIn", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
 
 _WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -274,6 +274,27 @@ def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: S
     return errors, checked
 
 
+def log_dispatch(ctx: Any, log: Any, step: int, phase: str, calls: list, notes: list[list[dict]],
+                 groups: Sequence[Sequence[int]], seq_lens: Sequence[int], layout: ParallelLayout) -> None:
+    """Every real row of every router call into ``log`` (a
+    :class:`~r3bridge.testing.dispatch_records.DispatchLog`), mapped to (sample, token) with the
+    packing SkyRL really used (calls of one (chunk, layer, grad mode) run the micro-batches in order)."""
+    from r3bridge.testing.dispatch_records import router_rows
+
+    seen: dict[tuple[int, int, bool], int] = {}
+    for call in calls:
+        key = (call.chunk, call.layer_id, call.grad_enabled)
+        k = seen[key] = seen.get(key, -1) + 1
+        if k >= len(groups) or k >= len(notes[call.chunk]):
+            raise AssertionError(f"{phase} chunk {call.chunk} layer {call.layer_id} grad={call.grad_enabled}: "
+                                 f"more router calls than the {len(groups)} micro-batches")
+        g = list(groups[k])
+        sample, token = router_rows(g, [seq_lens[i] for i in g], layout, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
+                                    **notes[call.chunk][k])
+        log.add(step=step, phase=phase, grad=call.grad_enabled, layer=call.layer_id, topk=call.topk(),
+                sample=sample, token=token)
+
+
 def _groups(order: Sequence[int], size: int) -> list[list[int]]:
     order = list(order)
     return [order[i:i + size] for i in range(0, len(order), size)]
@@ -297,6 +318,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
 
     from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
     from r3bridge.config import ReplayConfig
+    from r3bridge.testing.dispatch_records import DispatchLog
     from r3bridge.testing.models import build_model_chunks
     from r3bridge.testing.probe import RoutingProbe
 
@@ -332,6 +354,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     recompute = mc.recompute_granularity is not None
     results = []
+    log = DispatchLog("skyrl")
     for s, rollout in enumerate(rollouts):
         batch = training_input(rollout, seed=s)
         if step.mode == "R2":       # generator.inference_engine.enable_return_routed_experts=False
@@ -345,6 +368,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
         fwd_calls, fwd_notes = list(probe.calls), notes.notes
         lp = _from_last_stage(torch.tensor([o["logprobs"] for o in out.loss_fn_outputs]) if last else None, (b, a))
         fwd_groups = _groups(range(b), step.micro_forward_batch_size)
+        log_dispatch(ctx, log, s, "compute_log_prob", fwd_calls, fwd_notes, fwd_groups, seq_lens, layout)
         if step.mode == "R3":
             expected = rollout.expected()
         elif step.mode == "R2":
@@ -367,6 +391,8 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
         upd = _reindexed(batch, order)
         with RoutingProbe(chunks, include_mtp=False) as probe, PackingNotes(chunks) as notes:
             out2 = w.forward_backward(upd)
+        log_dispatch(ctx, log, s, "update", probe.calls, notes.notes, _groups(order, step.micro_train_batch_size),
+                     seq_lens, layout)
         if expected is not None:
             passes = {False, True} if recompute else {True}
             res["upd_errors"], res["upd_checked"] = check_router_calls(
@@ -382,7 +408,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
             res["max_logprob_diff"] = max(diffs)
         res["grad_norm"] = w.optim_step()
         results.append(res)
-    return {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "steps": results}
+    return {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "steps": results, "dispatch": log.records()}
 
 
 def _broadcast_obj(obj: Any) -> Any:

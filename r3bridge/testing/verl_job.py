@@ -179,6 +179,73 @@ def make_rollout(seed: int, *, n: int = 8, P: int = 10, R: int = 8, with_routes:
     return Rollout(TensorDict(fields, batch_size=[n]), tokens, routes, valids)
 
 
+def from_canonical(rollout: Any, *, with_routes: bool = True, seed: int = 0) -> Rollout:
+    """A :class:`~r3bridge.testing.conformance.CanonicalRollout` as verl's trainer holds it:
+    left-padded prompts, right-padded responses, and verl's transport of the routes (the padded
+    ``routed_experts``: every decoder layer, the first-seen stitched engine rows placed from the
+    prompt start, zero rows where no call routed a token). The model of this module must match
+    the rollout (layers, dense layers, experts, top-k, vocabulary)."""
+    from tensordict import TensorDict
+
+    if (rollout.num_layers, list(rollout.moe_layer_ids), rollout.num_experts, rollout.topk) != (
+            NUM_LAYERS, MOE_LAYERS, NUM_EXPERTS, TOPK):
+        raise ValueError(f"rollout model (layers {rollout.num_layers}, MoE {rollout.moe_layer_ids}, "
+                         f"{rollout.num_experts} experts, top-{rollout.topk}) differs from the tiny Qwen3-MoE's")
+    if max(max(t) for t in rollout.tokens) >= VOCAB or min(min(t) for t in rollout.tokens) < 1:
+        raise ValueError(f"rollout tokens must lie in [1, {VOCAB}) (0 is verl's pad token)")
+    n = rollout.batch_size
+    P = max(rollout.prompt_lens)
+    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
+    S = P + R
+    input_ids = torch.zeros(n, S, dtype=torch.long)
+    attn = torch.zeros(n, S, dtype=torch.long)
+    resp_mask = torch.zeros(n, R, dtype=torch.long)
+    routes_pad = torch.zeros(n, S, NUM_LAYERS, TOPK, dtype=torch.int16)
+    routes, valids = [], []
+    expected = rollout.expected()
+    for s, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
+        r, start = len(toks) - p, P - p
+        input_ids[s, start:P + r] = torch.tensor(toks)
+        attn[s, start:P + r] = 1
+        resp_mask[s, :r] = 1
+        acc = None                               # first-seen: each call re-sends the whole context
+        for c in rollout.calls[s]:
+            acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
+        arr = np.zeros((len(toks), NUM_LAYERS, TOPK), dtype=np.int16)
+        arr[:min(len(acc), len(toks))] = acc[:len(toks)]
+        routes_pad[s, start:start + len(toks)] = torch.from_numpy(arr)
+        v = np.zeros(len(toks), dtype=bool)
+        _, ev = expected.sequence(s)
+        v[expected.start_rows[s]:expected.start_rows[s] + ev.numel()] = ev.numpy()
+        routes.append(arr)
+        valids.append(v)
+    g = torch.Generator().manual_seed(seed)
+    fields = {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+              "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
+              "responses": input_ids[:, P:], "rollout_log_probs": -torch.rand(n, R, generator=g) * resp_mask,
+              "advantages": torch.randn(n, R, generator=g) * resp_mask}
+    if with_routes:
+        fields["routed_experts"] = routes_pad
+    return Rollout(TensorDict(fields, batch_size=[n]), [list(map(int, t)) for t in rollout.tokens], routes, valids)
+
+
+def sample_by_tokens(tokens: list[list[int]]) -> Any:
+    """``MicroBatchProbe``'s ``sample_of`` for rollouts whose token ids do not name the sample:
+    the sample whose trajectory a packed sequence holds (trailing pad ids 0 ignored)."""
+    table = {tuple(t): s for s, t in enumerate(tokens)}
+    if len(table) != len(tokens):
+        raise ValueError("two samples have the same tokens: packed sequences cannot be told apart")
+
+    def sample_of(ids: list[int]) -> int:
+        while ids and ids[-1] == 0:
+            ids = ids[:-1]
+        s = table.get(tuple(ids))
+        if s is None:
+            raise AssertionError(f"a packed sequence {ids[:8]}... is no sample of the rollout")
+        return s
+    return sample_of
+
+
 def old_log_prob_batch(td: Any) -> Any:
     """``RayPPOTrainer._compute_old_log_prob`` steps 1-3 (verl's own utilities)."""
     from verl.utils import tensordict_utils as tu
@@ -223,10 +290,12 @@ class ChunkForward:
 
 class MicroBatchProbe:
     """Forward pre-hooks on the (unwrapped) model chunks: for each chunk forward, which samples
-    verl packed in which order (read from the first token of each packed sequence)."""
+    verl packed in which order (read from the first token of each packed sequence, or by
+    ``sample_of(token ids of the packed sequence)``, e.g. :func:`sample_by_tokens`)."""
 
-    def __init__(self, chunks: list[torch.nn.Module]):
+    def __init__(self, chunks: list[torch.nn.Module], sample_of: Optional[Any] = None):
         self.chunks = chunks
+        self.sample_of = sample_of
         self.calls: list[ChunkForward] = []
         self._handles: list[Any] = []
 
@@ -254,10 +323,14 @@ class MicroBatchProbe:
             padded = [b - a for a, b in zip(cu_pad[:-1], cu_pad[1:])]
             if getattr(ids, "is_nested", False):
                 # later pipeline stages get verl's nested (unpacked) micro-batch, same order
-                samples = [int(t[0]) - ID_BASE for t in ids.unbind()]
+                seqs = [t.cpu().tolist() for t in ids.unbind()]
             else:
                 flat = ids.reshape(-1).cpu()
-                samples = [int(flat[a]) - ID_BASE for a in cu_pad[:-1]]
+                seqs = [flat[a:a + n].tolist() for a, n in zip(cu_pad[:-1], lens)]
+            if self.sample_of is None:
+                samples = [int(t[0]) - ID_BASE for t in seqs]
+            else:
+                samples = [self.sample_of(t) for t in seqs]
             self.calls.append(ChunkForward(ci, samples, lens, padded))
         return hook
 
@@ -390,14 +463,39 @@ def _engine_state(engine: Any) -> list[str]:
     return left
 
 
+def log_dispatch(log: Any, step: int, phase: str, probe: Any, mb_probe: MicroBatchProbe, chunks: list,
+                 lens: dict[int, int]) -> None:
+    """Every real row of every router call of one pass into ``log`` (a
+    :class:`~r3bridge.testing.dispatch_records.DispatchLog`), mapped to (sample, token) with the
+    packing verl really used (the chunk forward's samples and padded ``cu_seqlens``; ``lens``:
+    each sample's real token count)."""
+    from megatron.core import parallel_state as ps
+
+    from r3bridge.layout import ParallelLayout
+    from r3bridge.testing.dispatch_records import router_rows
+
+    layout = ParallelLayout.from_megatron(chunks[0].config)
+    tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+    for call, mb, _ in attribute_router_calls(probe, mb_probe):
+        cu = np.concatenate([[0], np.cumsum(mb.padded)]).tolist()
+        sample, token = router_rows(mb.samples, [lens[s] for s in mb.samples], layout, tp_rank=tp_rank,
+                                    cp_rank=cp_rank, cu_seqlens_padded=cu)
+        log.add(step=step, phase=phase, grad=call.grad_enabled, layer=call.layer_id, topk=call.topk(),
+                sample=sample, token=token)
+
+
 def _log_prob_pass(result: dict, step: int, run: Any, lp: Any, roll: Rollout, chunks: list, engine: Any,
-                   mode: str, *, tp: int, tp_rank: int, sp: bool) -> tuple[Any, dict, dict]:
+                   mode: str, *, tp: int, tp_rank: int, sp: bool, sample_of: Any = None, log: Any = None
+                   ) -> tuple[Any, dict, dict]:
     """One compute_log_prob pass under the probes, checked; returns (output, targets, validity) the
-    update must dispatch: the rollout's routes (R3) or what this pass recorded (R2)."""
+    update must dispatch: the rollout's routes (R3) or what this pass recorded (R2). ``log``: a
+    ``DispatchLog`` that gets every router row's dispatch."""
     from r3bridge.testing.probe import RoutingProbe
 
-    with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
+    with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks, sample_of) as mp:
         out = run(lp)
+    if log is not None:
+        log_dispatch(log, step, "compute_log_prob", rp, mp, chunks, {s: len(t) for s, t in enumerate(roll.tokens)})
     record: Optional[dict] = {} if mode == "R2" else None
     tg, tv = _routes_of(roll)
     result["passes"].append(check_pass(f"step{step}/compute_log_prob", rp, mp, tg, tv, tp=tp,
@@ -424,9 +522,13 @@ def _with_old_log_probs(td: Any, lp_batch: Any, out: Any, mode: str) -> Any:
     return td
 
 
-def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, steps: int) -> dict:
+def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, steps: int,
+                        canonical: Optional[list] = None) -> dict:
     """``TrainingWorker``: ``infer_batch`` (compute_log_prob) then ``train_mini_batch`` (the
-    update), ``steps`` times, checking every router call."""
+    update), ``steps`` times, checking every router call. ``canonical``: one
+    :class:`~r3bridge.testing.conformance.CanonicalRollout` per step instead of this module's own
+    rollouts (``steps`` is then their number); the result's ``dispatch`` holds this rank's
+    :class:`~r3bridge.testing.dispatch_records.DispatchRecords` of every router row."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -436,6 +538,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
+    from r3bridge.testing.dispatch_records import DispatchLog
     from r3bridge.testing.probe import RoutingProbe
     from r3bridge.testing.verl_cpu import build_shims
 
@@ -463,11 +566,16 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     result: dict[str, Any] = {"engine_class": f"{type(engine).__module__}.{type(engine).__qualname__}",
                               "from_registry": type(engine) is _registered_engine(),
                               "passes": [], "state_left": [], "metrics": [], "r2_transport": []}
-    for step in range(steps):
-        roll = make_rollout(seed=100 + step, with_routes=mode == "R3")
+    log = DispatchLog("verl") if canonical is not None else None
+    for step in range(len(canonical) if canonical is not None else steps):
+        if canonical is None:
+            roll, sample_of = make_rollout(seed=100 + step, with_routes=mode == "R3"), None
+        else:
+            roll = from_canonical(canonical[step], with_routes=mode == "R3", seed=step)
+            sample_of = sample_by_tokens(roll.tokens)
         lp = old_log_prob_batch(roll.td)
         out, tg, tv = _log_prob_pass(result, step, worker.infer_batch, lp, roll, chunks, engine, mode,
-                                     tp=tp, tp_rank=tp_rank, sp=sp)
+                                     tp=tp, tp_rank=tp_rank, sp=sp, sample_of=sample_of, log=log)
         if out is not None:
             result["metrics"].append(("compute_log_prob", sorted(tu.get(out, "metrics"))))
         out = _broadcast_output(out)
@@ -475,12 +583,16 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
             sent = nested_routes_to_samples(tu.get(out, "routed_experts"))
             result["r2_transport"].append(_compare_transport(sent, tg, tv))
         upd = update_batch(_with_old_log_probs(roll.td, lp, out, mode), mini_batch_size=len(roll.tokens))
-        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks) as mp:
+        with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks, sample_of) as mp:
             uout = worker.train_mini_batch(upd)
+        if log is not None:
+            log_dispatch(log, step, "update", rp, mp, chunks, {s: len(t) for s, t in enumerate(roll.tokens)})
         result["passes"].append(check_pass(f"step{step}/update", rp, mp, tg, tv, tp=tp, tp_rank=tp_rank, sp=sp))
         result["state_left"] += [f"step{step}/update: {x}" for x in _engine_state(engine)]
         if uout is not None:
             result["metrics"].append(("update", sorted(tu.get(uout, "metrics"))))
+    if log is not None:
+        result["dispatch"] = log.records()
     return result
 
 
@@ -638,5 +750,6 @@ def _compare_transport(sent: list[np.ndarray], targets: dict, valid: dict) -> li
     return bad
 
 
-__all__ = ["JobLayout", "MicroBatchProbe", "PassCheck", "Rollout", "check_pass", "compose_job",
-           "make_rollout", "old_log_prob_batch", "ref_log_prob_batch", "update_batch", "write_tiny_qwen3_moe"]
+__all__ = ["JobLayout", "MicroBatchProbe", "PassCheck", "Rollout", "check_pass", "compose_job", "from_canonical",
+           "log_dispatch", "make_rollout", "old_log_prob_batch", "ref_log_prob_batch", "sample_by_tokens",
+           "update_batch", "write_tiny_qwen3_moe"]

@@ -1,0 +1,229 @@
+"""One canonical rollout through verl's, SkyRL's and AReaL's real training paths: the same routes
+at every router call (docs/testing-harness.md, "Same rollout, three real frameworks").
+
+Layout: TP2 + sequence parallelism on 2 gloo ranks, full recompute, R3, one step (compute_log_prob
+and one update) per framework, each framework in its own spawned process group, one after another:
+
+* verl 0.9.1: ``TrainingWorker.infer_batch`` / ``train_mini_batch`` on verl's Megatron engine
+  (mbridge-built tiny Qwen3-MoE), routes in verl's padded ``routed_experts`` through its
+  ``left_right_2_no_padding``, dynamic-bsz THD micro-batches (``r3bridge.testing.verl_job``);
+* SkyRL 0.3.0: ``MegatronModelWrapper.forward`` / ``forward_backward_mini_batch``, SkyRL's
+  ``TrainingInputBatch`` with left-padding removal (BSHD), the update re-ordered
+  (``r3bridge.testing.skyrl_real``);
+* AReaL 1.0.4: ``MegatronPPOActor.compute_logp`` / ``ppo_update``, routes from SGLang ``meta_info``
+  through AReaL's ``SGLangBackend`` (``r3bridge.testing.areal_runner``).
+
+Each runner maps every router row back to (sample, token) with the packing its framework really
+used and logs the dispatched top-k; the parent compares (``r3bridge.testing.dispatch_records``).
+SkyRL also runs a second step on the rollout with one route changed: its records must differ from
+the other two at exactly that (sample, token, layer), in every pass.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from r3bridge.testing.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
+from r3bridge.testing.dist import Layout, spawn, spawn_layouts
+
+for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
+    assert importlib.util.find_spec(_mod) is not None, f"{_mod} is not installed: run `make install`"
+
+CHANGED = (3, 4, 2)                    # (sample, token, layer) whose route the second SkyRL step changes
+PASSES = [(0, 0, 0), (0, 1, 0), (0, 1, 1)]   # (step, phase, grad): compute_log_prob, update + recompute
+
+
+def _rollout():
+    from r3bridge.testing.conformance import make_rollout
+
+    # the three models: 4 layers, layer 0 dense, 8 experts, top-2, vocabulary >= 64 (verl's tokenizer).
+    # 189 tokens, the longest 30: AReaL's one 256-row micro-batch then has real tokens on both
+    # sequence-parallel halves; verl's dynamic-bsz budget (48 tokens) still fits every sample.
+    return make_rollout(7, batch_size=8, num_experts=8, topk=2, num_layers=4, moe_layer_ids=[1, 2, 3], vocab=64,
+                        max_prompt=24)
+
+
+def _verl(ctx, model_dir, rollout):
+    from r3bridge.testing import verl_job as vj
+
+    res = vj.run_training_worker(ctx, model_dir, vj.JobLayout(tp=2, recompute=True), "R3", 1, canonical=[rollout])
+    return {"dispatch": res["dispatch"], "errors": [m for p in res["passes"] for m in p.mismatches],
+            "checked": sum(p.checked_rows for p in res["passes"])}
+
+
+def _skyrl(ctx, rollouts):
+    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.skyrl_real import StepSpec, run_steps
+
+    spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
+                     attention="real", recompute="full")
+    res = run_steps(ctx, spec, StepSpec(mode="R3", remove_microbatch_padding=False,
+                                        permute=[5, 1, 0, 4, 2, 7, 3, 6]), rollouts)
+    # the runner's own check against the rollouts' routes
+    errors = [e for s in res["steps"] for e in s["fwd_errors"] + s["upd_errors"]]
+    return {"dispatch": res["dispatch"], "errors": errors,
+            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"])}
+
+
+def _areal(ctx, workdir, rollout):
+    from r3bridge.testing.areal_runner import run_steps
+
+    # one micro-batch per pass at TP2 (AReaL pads each to a 256-token page: test_areal_real.py)
+    res = run_steps(ctx, "R3", rollout, f"{workdir}/rank{ctx.rank}", steps=1, n_mbs=1, ppo_n_minibatches=1)
+    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{framework: per-rank results}, each framework spawned on its own 2 ranks in turn."""
+    from r3bridge.testing.verl_job import write_tiny_qwen3_moe
+
+    rollout = _rollout()
+    changed = with_route_changed(rollout, *CHANGED)
+    model_dir = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
+    out = {"verl": spawn(_verl, world_size=2, tp=2, args=(model_dir, rollout), timeout=600)}
+    (out["skyrl"],) = spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2)],
+                                    args=([rollout, changed],), timeout=600)
+    (out["areal"],) = spawn_layouts(_areal, world_size=2, layouts=[Layout(tp=2)],
+                                    args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=600)
+    return rollout, out
+
+
+def _merged(per_rank) -> DispatchRecords:
+    return DispatchRecords.merge([r["dispatch"] for r in per_rank])
+
+
+@pytest.mark.slow
+def test_each_runner_checked_its_router_calls(runs):
+    _, out = runs
+    for name, per_rank in out.items():
+        for rank, r in enumerate(per_rank):
+            assert r["errors"] == [], (name, rank, r["errors"][:5])
+            assert r["checked"] > 0, (name, rank)
+
+
+@pytest.mark.slow
+def test_three_frameworks_dispatch_identical_routes(runs):
+    rollout, out = runs
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
+    assert res.errors == [], res.errors
+    # every token of every sample on every MoE layer, in each of the three passes
+    tokens = sum(len(t) for t in rollout.tokens)
+    assert res.keys == {name: 3 * tokens * len(rollout.moe_layer_ids) for name in recs}, res.keys
+    for name, r in recs.items():
+        assert sorted({tuple(k[:3]) for k in r.keys.tolist()}) == PASSES, name
+    # every routed (sample, token, layer), in each pass
+    expected = rollout.expected()
+    assert res.compared == 3 * int(expected.valid.sum()) * len(rollout.moe_layer_ids)
+
+
+@pytest.mark.slow
+def test_a_changed_route_is_named(runs):
+    """SkyRL's second step replayed the rollout with one route changed: the comparison names that
+    (sample, token, layer) in each pass, and nothing else."""
+    rollout, out = runs
+    skyrl = _merged(out["skyrl"])
+    recs = {"verl": _merged(out["verl"]), "skyrl": skyrl.where(step=1).relabel(step=0),
+            "areal": _merged(out["areal"])}
+    res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
+    s, t, layer = CHANGED
+    want = sorted(int(x) for x in rollout.calls[s][0][t, layer])
+    new = sorted(int(x) for x in with_route_changed(rollout, *CHANGED).calls[s][0][t, layer])
+    assert new != want
+    # verl and AReaL dispatched the rollout's route, SkyRL the changed one
+    assert res.errors == [f"step 0 {phase} sample {s} token {t} layer {layer}: verl {want}, skyrl {new}, "
+                          f"areal {want}, rollout {want}"
+                          for phase in ("compute_log_prob grad=False", "update grad=False", "update grad=True")]
+
+
+@pytest.mark.slow
+def test_a_token_missing_from_one_framework_is_named(runs):
+    rollout, out = runs
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    a = recs["areal"]
+    drop = (a.keys[:, 3] == 6) & (a.keys[:, 4] == 0) & (a.keys[:, 5] == 1)      # sample 6, token 0, layer 1
+    recs["areal"] = DispatchRecords("areal", a.keys[~drop], a.ids[~drop])
+    res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
+    assert int(drop.sum()) == 3 and len(res.errors) == 3, res.errors
+    assert all(e.startswith("areal step 0") and "1 (sample, token, layer) missing, first [(6, 0, 1)]" in e
+               for e in res.errors), res.errors
+
+
+# ---------------------------------------------------------------------- the record format (fast)
+def _layout(tp=2):
+    from r3bridge.layout import ParallelLayout
+
+    return ParallelLayout(4, [0, 1, 1, 1], tp=tp)
+
+
+def test_router_rows_thd_sp():
+    from r3bridge.testing.dispatch_records import router_rows
+
+    # samples 4 and 2 packed (3 and 5 tokens, padded to 4 and 6), then a padding "sequence" of 2
+    got = [list(zip(*(t.tolist() for t in router_rows([4, 2], [3, 5, 2], _layout(), tp_rank=r,
+                                                       cu_seqlens_padded=[0, 4, 10, 12]))))
+           for r in range(2)]
+    pad = (-1, -1)
+    assert got == [[(4, 0), (4, 1), (4, 2), pad, (2, 0), (2, 1)],
+                   [(2, 2), (2, 3), (2, 4), pad, pad, pad]]
+
+
+def test_router_rows_bshd_sp():
+    from r3bridge.testing.dispatch_records import router_rows
+
+    # [b=2, s=4] sequence-first rows (row = s * b + b_idx); SP splits s
+    got = [list(zip(*(t.tolist() for t in router_rows([1, 0], [2, 3], _layout(), tp_rank=r, format="bshd",
+                                                       seq_length=4))))
+           for r in range(2)]
+    pad = (-1, -1)
+    assert got == [[(1, 0), (0, 0), (1, 1), (0, 1)], [pad, (0, 2), pad, pad]]
+
+
+def test_log_and_merge_refuse_conflicts():
+    import torch
+
+    from r3bridge.testing.dispatch_records import DispatchLog
+
+    def log(ids, rows=((0, 0), (0, 1))):
+        lg = DispatchLog("x")
+        s, t = (torch.tensor(c) for c in zip(*rows))
+        lg.add(step=0, phase="update", grad=True, layer=2, topk=torch.tensor(ids), sample=s, token=t)
+        return lg
+
+    a = log([[3, 1], [0, 5]]).records()
+    assert a.ids.tolist() == [[1, 3], [0, 5]]                       # sorted
+    assert len(DispatchRecords.merge([a, log([[1, 3], [5, 0]]).records()])) == 2   # SP off: same rows twice
+    with pytest.raises(AssertionError, match=r"sample 0 token 1 layer 2 dispatched \[0, 5\] on one rank, \[5, 6\] on another"):
+        DispatchRecords.merge([a, log([[1, 3], [5, 6]]).records()])
+    with pytest.raises(AssertionError, match="routed 2 times in one pass"):
+        log([[3, 1], [0, 5]], rows=((0, 1), (0, 1))).records()
+
+
+def test_compare_names_the_differing_route():
+    """On records built from the rollout itself: agreement, then one id changed in one framework."""
+    import torch
+
+    from r3bridge.testing.dispatch_records import DispatchLog
+
+    rollout = _rollout()
+    exp, lens = rollout.expected(), [len(t) for t in rollout.tokens]
+
+    def records(name, bump=None):
+        lg = DispatchLog(name)
+        for s, n in enumerate(lens):
+            routes, _ = exp.sequence(s)
+            for li, lid in enumerate(exp.layer_ids):
+                ids = torch.zeros((n, exp.topk), dtype=torch.int64)
+                ids[:routes.shape[0]] = routes[:, li].to(torch.int64)
+                if bump == (s, lid):
+                    ids[2] = (ids[2] + 1) % exp.num_experts       # another pair of distinct experts
+                lg.add(step=0, phase="compute_log_prob", grad=False, layer=lid, topk=ids,
+                       sample=torch.full((n,), s), token=torch.arange(n))
+        return lg.records()
+
+    ok = compare_dispatch({"a": records("a"), "b": records("b")}, exp, lens)
+    assert ok.errors == [] and ok.compared == int(exp.valid.sum()) * 3
+    bad = compare_dispatch({"a": records("a"), "b": records("b", bump=(5, 3))}, exp, lens)
+    assert len(bad.errors) == 1 and "compute_log_prob grad=False sample 5 token 2 layer 3: a [" in bad.errors[0]
