@@ -179,11 +179,38 @@ def make_rollout(seed: int, *, n: int = 8, P: int = 10, R: int = 8, with_routes:
     return Rollout(TensorDict(fields, batch_size=[n]), tokens, routes, valids)
 
 
-def from_canonical(rollout: Any, *, with_routes: bool = True, seed: int = 0) -> Rollout:
+def padded_fields(rollout: Any) -> dict[str, torch.Tensor]:
     """A :class:`~r3bridge.testing.conformance.CanonicalRollout` as verl's trainer holds it:
-    left-padded prompts, right-padded responses, and verl's transport of the routes (the padded
-    ``routed_experts``: every decoder layer, the first-seen stitched engine rows placed from the
-    prompt start, zero rows where no call routed a token). The model of this module must match
+    left-padded prompts, right-padded responses, and verl's transport of the routes
+    (``routed_experts`` ``[n, S, L_all, K]`` int16: every decoder layer, each sample's engine calls
+    stitched first-seen and placed from the prompt start as verl's agent loop places them, zero
+    rows where no call routed a token). ``left_right_2_no_padding`` turns it into verl's no-padding
+    batch."""
+    n = rollout.batch_size
+    P = max(rollout.prompt_lens)
+    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
+    input_ids = torch.zeros(n, P + R, dtype=torch.long)
+    attn = torch.zeros(n, P + R, dtype=torch.long)
+    resp_mask = torch.zeros(n, R, dtype=torch.long)
+    routes = torch.zeros(n, P + R, rollout.num_layers, rollout.topk, dtype=torch.int16)
+    for s, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
+        r, start = len(toks) - p, P - p
+        input_ids[s, start:P + r] = torch.tensor(toks)
+        attn[s, start:P + r] = 1
+        resp_mask[s, :r] = 1
+        acc = None                               # first-seen: each call re-sends the whole context
+        for c in rollout.calls[s]:
+            acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
+        acc = acc[:len(toks)]
+        routes[s, start:start + len(acc)] = torch.from_numpy(acc.astype(np.int16))
+    return {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
+            "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
+            "responses": input_ids[:, P:], "routed_experts": routes}
+
+
+def from_canonical(rollout: Any, *, with_routes: bool = True, seed: int = 0) -> Rollout:
+    """:func:`padded_fields` plus the fields the update reads, as a :class:`Rollout` whose
+    per-sample routes and valid rows are the canonical ones. The model of this module must match
     the rollout (layers, dense layers, experts, top-k, vocabulary)."""
     from tensordict import TensorDict
 
@@ -193,39 +220,24 @@ def from_canonical(rollout: Any, *, with_routes: bool = True, seed: int = 0) -> 
                          f"{rollout.num_experts} experts, top-{rollout.topk}) differs from the tiny Qwen3-MoE's")
     if max(max(t) for t in rollout.tokens) >= VOCAB or min(min(t) for t in rollout.tokens) < 1:
         raise ValueError(f"rollout tokens must lie in [1, {VOCAB}) (0 is verl's pad token)")
-    n = rollout.batch_size
-    P = max(rollout.prompt_lens)
-    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
-    S = P + R
-    input_ids = torch.zeros(n, S, dtype=torch.long)
-    attn = torch.zeros(n, S, dtype=torch.long)
-    resp_mask = torch.zeros(n, R, dtype=torch.long)
-    routes_pad = torch.zeros(n, S, NUM_LAYERS, TOPK, dtype=torch.int16)
-    routes, valids = [], []
+    fields = padded_fields(rollout)
+    n, R = fields["response_mask"].shape
+    P = fields["prompts"].shape[1]
     expected = rollout.expected()
+    routes, valids = [], []
     for s, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
-        r, start = len(toks) - p, P - p
-        input_ids[s, start:P + r] = torch.tensor(toks)
-        attn[s, start:P + r] = 1
-        resp_mask[s, :r] = 1
-        acc = None                               # first-seen: each call re-sends the whole context
-        for c in rollout.calls[s]:
-            acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
-        arr = np.zeros((len(toks), NUM_LAYERS, TOPK), dtype=np.int16)
-        arr[:min(len(acc), len(toks))] = acc[:len(toks)]
-        routes_pad[s, start:start + len(toks)] = torch.from_numpy(arr)
+        start = P - p
+        routes.append(fields["routed_experts"][s, start:start + len(toks)].numpy())
         v = np.zeros(len(toks), dtype=bool)
         _, ev = expected.sequence(s)
         v[expected.start_rows[s]:expected.start_rows[s] + ev.numel()] = ev.numpy()
-        routes.append(arr)
         valids.append(v)
     g = torch.Generator().manual_seed(seed)
-    fields = {"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
-              "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
-              "responses": input_ids[:, P:], "rollout_log_probs": -torch.rand(n, R, generator=g) * resp_mask,
-              "advantages": torch.randn(n, R, generator=g) * resp_mask}
-    if with_routes:
-        fields["routed_experts"] = routes_pad
+    resp_mask = fields["response_mask"]
+    fields.update(rollout_log_probs=-torch.rand(n, R, generator=g) * resp_mask,
+                  advantages=torch.randn(n, R, generator=g) * resp_mask)
+    if not with_routes:
+        del fields["routed_experts"]
     return Rollout(TensorDict(fields, batch_size=[n]), [list(map(int, t)) for t in rollout.tokens], routes, valids)
 
 

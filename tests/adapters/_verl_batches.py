@@ -50,35 +50,10 @@ def make_verl_batch(prompt_lens, resp_lens, returned_rows=None, seed=0, P=6, R=5
     return left_right_2_no_padding(td), engine
 
 
-def stitched_all_layers(rollout: CanonicalRollout, i: int) -> np.ndarray:
-    """Sample ``i``'s engine calls stitched first-seen: every decoder layer, from token 0."""
-    acc = None
-    for c in rollout.calls[i]:
-        acc = c if acc is None else np.concatenate([acc, c[len(acc):]])
-    return acc
-
-
 def verl_batch(rollout: CanonicalRollout):
-    """A canonical rollout as verl's trainer holds it: left-padded prompts, right-padded
-    responses, ``routed_experts`` placed from the prompt start as the agent loop places the
-    engine's rows, zero rows elsewhere; then verl's ``left_right_2_no_padding``."""
-    b = rollout.batch_size
-    P = max(rollout.prompt_lens)
-    R = max(len(t) - p for t, p in zip(rollout.tokens, rollout.prompt_lens))
-    S = P + R
-    input_ids = torch.zeros(b, S, dtype=torch.long)
-    attn = torch.zeros(b, S, dtype=torch.long)
-    resp_mask = torch.zeros(b, R, dtype=torch.long)
-    routes = torch.zeros(b, S, rollout.num_layers, rollout.topk, dtype=torch.int16)
-    for i, (toks, p) in enumerate(zip(rollout.tokens, rollout.prompt_lens)):
-        r = len(toks) - p
-        start = P - p
-        attn[i, start:P + r] = 1
-        input_ids[i, start:P + r] = torch.tensor(toks)
-        resp_mask[i, :r] = 1
-        arr = stitched_all_layers(rollout, i)[: len(toks)]
-        routes[i, start:start + len(arr)] = torch.from_numpy(arr.astype(np.int16))   # verl agent loop layout
-    td = TensorDict({"input_ids": input_ids, "attention_mask": attn, "response_mask": resp_mask,
-                     "position_ids": torch.clamp(attn.cumsum(-1) - 1, min=0), "prompts": input_ids[:, :P],
-                     "responses": input_ids[:, P:], ROUTES_KEY: routes}, batch_size=[b])
-    return left_right_2_no_padding(td)
+    """A canonical rollout as verl's trainer holds it (``r3bridge.testing.verl_job.padded_fields``),
+    through verl's ``left_right_2_no_padding``."""
+    from r3bridge.testing.verl_job import padded_fields
+
+    fields = padded_fields(rollout)
+    return left_right_2_no_padding(TensorDict(fields, batch_size=[rollout.batch_size]))
