@@ -25,13 +25,16 @@ import importlib.util
 import pytest
 
 from r3bridge.testing.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
-from r3bridge.testing.dist import Layout, spawn, spawn_layouts
+from r3bridge.testing.dist import Layout, spawn_layouts
 
 for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
     assert importlib.util.find_spec(_mod) is not None, f"{_mod} is not installed: run `make install`"
 
 CHANGED = (3, 4, 2)                    # (sample, token, layer) whose route the second SkyRL step changes
 PASSES = [(0, 0, 0), (0, 1, 0), (0, 1, 1)]   # (step, phase, grad): compute_log_prob, update + recompute
+# the two layouts, each framework running both in one set of 2 processes (spawn_layouts)
+LAYOUTS = {"tp2_sp": Layout(tp=2), "pp2_vpp2": Layout(pp=2, vpp=2)}
+NAMES = list(LAYOUTS)
 
 
 def _rollout():
@@ -47,7 +50,8 @@ def _rollout():
 def _verl(ctx, model_dir, rollout):
     from r3bridge.testing import verl_job as vj
 
-    res = vj.run_training_worker(ctx, model_dir, vj.JobLayout(tp=2, recompute=True), "R3", 1, canonical=[rollout])
+    job = vj.JobLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, recompute=True)
+    res = vj.run_training_worker(ctx, model_dir, job, "R3", 1, canonical=[rollout])
     return {"dispatch": res["dispatch"], "errors": [m for p in res["passes"] for m in p.mismatches],
             "checked": sum(p.checked_rows for p in res["passes"])}
 
@@ -56,10 +60,19 @@ def _skyrl(ctx, rollouts):
     from r3bridge.testing.models import ModelSpec
     from r3bridge.testing.skyrl_real import StepSpec, run_steps
 
-    spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
-                     attention="real", recompute="full")
-    res = run_steps(ctx, spec, StepSpec(mode="R3", remove_microbatch_padding=False,
-                                        permute=[5, 1, 0, 4, 2, 7, 3, 6]), rollouts)
+    if ctx.pp > 1:
+        # SkyRL's PP path as test_skyrl_real.py trains it: THD packing (identity attention: megatron's
+        # local attention refuses packed sequences), SkyRL's alltoall + variable_seq_lengths settings
+        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
+                         attention="identity", recompute="full", moe_token_dispatcher_type="alltoall",
+                         extra_config={"variable_seq_lengths": True})
+        step = StepSpec(mode="R3", remove_microbatch_padding=True, micro_train_batch_size=2,
+                        permute=[5, 1, 0, 4, 2, 7, 3, 6])
+    else:
+        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
+                         attention="real", recompute="full")
+        step = StepSpec(mode="R3", remove_microbatch_padding=False, permute=[5, 1, 0, 4, 2, 7, 3, 6])
+    res = run_steps(ctx, spec, step, rollouts)
     # the runner's own check against the rollouts' routes
     errors = [e for s in res["steps"] for e in s["fwd_errors"] + s["upd_errors"]]
     return {"dispatch": res["dispatch"], "errors": errors,
@@ -69,25 +82,33 @@ def _skyrl(ctx, rollouts):
 def _areal(ctx, workdir, rollout):
     from r3bridge.testing.areal_runner import run_steps
 
-    # one micro-batch per pass at TP2 (AReaL pads each to a 256-token page: test_areal_real.py)
-    res = run_steps(ctx, "R3", rollout, f"{workdir}/rank{ctx.rank}", steps=1, n_mbs=1, ppo_n_minibatches=1)
+    # TP2: one micro-batch per pass (AReaL pads each to a 256-token page: test_areal_real.py);
+    # PP2 x VPP2: two, so the interleaved schedule runs more than one micro-batch per chunk
+    n_mbs = 2 if ctx.pp > 1 else 1
+    res = run_steps(ctx, "R3", rollout, f"{workdir}/{NAMES[ctx.layout_index]}/rank{ctx.rank}", steps=1,
+                    n_mbs=n_mbs, ppo_n_minibatches=1)
     return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{framework: per-rank results}, each framework spawned on its own 2 ranks in turn."""
+    """{layout: {framework: per-rank results}}: each framework spawned on its own 2 ranks in turn,
+    running both layouts in that one set of processes."""
     from r3bridge.testing.verl_job import write_tiny_qwen3_moe
 
     rollout = _rollout()
     changed = with_route_changed(rollout, *CHANGED)
     model_dir = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
-    out = {"verl": spawn(_verl, world_size=2, tp=2, args=(model_dir, rollout), timeout=600)}
-    (out["skyrl"],) = spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2)],
-                                    args=([rollout, changed],), timeout=600)
-    (out["areal"],) = spawn_layouts(_areal, world_size=2, layouts=[Layout(tp=2)],
-                                    args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=600)
-    return rollout, out
+    per_fw = {
+        "verl": spawn_layouts(_verl, world_size=2, layouts=list(LAYOUTS.values()), args=(model_dir, rollout),
+                              timeout=900),
+        # etp = tp under TP2: megatron's default (test_skyrl_real.py)
+        "skyrl": spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2), LAYOUTS["pp2_vpp2"]],
+                               args=([rollout, changed],), timeout=900),
+        "areal": spawn_layouts(_areal, world_size=2, layouts=list(LAYOUTS.values()),
+                               args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=900),
+    }
+    return rollout, {name: {fw: res[i] for fw, res in per_fw.items()} for i, name in enumerate(NAMES)}
 
 
 def _merged(per_rank) -> DispatchRecords:
@@ -95,18 +116,30 @@ def _merged(per_rank) -> DispatchRecords:
 
 
 @pytest.mark.slow
-def test_each_runner_checked_its_router_calls(runs):
+@pytest.mark.parametrize("layout", NAMES)
+def test_each_runner_checked_its_router_calls(runs, layout):
     _, out = runs
-    for name, per_rank in out.items():
+    for name, per_rank in out[layout].items():
         for rank, r in enumerate(per_rank):
             assert r["errors"] == [], (name, rank, r["errors"][:5])
             assert r["checked"] > 0, (name, rank)
 
 
 @pytest.mark.slow
-def test_three_frameworks_dispatch_identical_routes(runs):
+def test_pipeline_stages_route_their_own_layers(runs):
+    """PP2 x VPP2 (4 layers, 1 per chunk): stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so
+    stage 0 logs MoE layer 2 only, stage 1 layers 1 and 3; the merged records hold all three."""
     rollout, out = runs
-    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    for name, per_rank in out["pp2_vpp2"].items():
+        layers = [sorted(set(r["dispatch"].keys[:, 5].tolist())) for r in per_rank]
+        assert layers == [[2], [1, 3]], (name, layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", NAMES)
+def test_three_frameworks_dispatch_identical_routes(runs, layout):
+    rollout, out = runs
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out[layout].items()}
     res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
     assert res.errors == [], res.errors
     # every token of every sample on every MoE layer, in each of the three passes
@@ -120,13 +153,14 @@ def test_three_frameworks_dispatch_identical_routes(runs):
 
 
 @pytest.mark.slow
-def test_a_changed_route_is_named(runs):
+@pytest.mark.parametrize("layout", NAMES)
+def test_a_changed_route_is_named(runs, layout):
     """SkyRL's second step replayed the rollout with one route changed: the comparison names that
     (sample, token, layer) in each pass, and nothing else."""
     rollout, out = runs
-    skyrl = _merged(out["skyrl"])
-    recs = {"verl": _merged(out["verl"]), "skyrl": skyrl.where(step=1).relabel(step=0),
-            "areal": _merged(out["areal"])}
+    skyrl = _merged(out[layout]["skyrl"])
+    recs = {"verl": _merged(out[layout]["verl"]), "skyrl": skyrl.where(step=1).relabel(step=0),
+            "areal": _merged(out[layout]["areal"])}
     res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
     s, t, layer = CHANGED
     want = sorted(int(x) for x in rollout.calls[s][0][t, layer])
@@ -141,7 +175,7 @@ def test_a_changed_route_is_named(runs):
 @pytest.mark.slow
 def test_a_token_missing_from_one_framework_is_named(runs):
     rollout, out = runs
-    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out["tp2_sp"].items()}
     a = recs["areal"]
     drop = (a.keys[:, 3] == 6) & (a.keys[:, 4] == 0) & (a.keys[:, 5] == 1)      # sample 6, token 0, layer 1
     recs["areal"] = DispatchRecords("areal", a.keys[~drop], a.ids[~drop])
