@@ -1,20 +1,25 @@
 """One canonical rollout through verl's, SkyRL's and AReaL's real training paths: the same routes
 at every router call (docs/testing-harness.md, "Same rollout, three real frameworks").
 
-Layout: TP2 + sequence parallelism on 2 gloo ranks, full recompute, R3, one step (compute_log_prob
-and one update) per framework, each framework in its own spawned process group, one after another:
+Layouts: TP2 + sequence parallelism, and PP2 x VPP2 (interleaved 1F1B, one layer per chunk), on 2
+gloo ranks, full recompute, R3, one step (compute_log_prob and one update) per framework and layout.
+Each framework runs both layouts in its own spawned process group (``spawn_layouts``), one framework
+after another:
 
 * verl 0.9.1: ``TrainingWorker.infer_batch`` / ``train_mini_batch`` on verl's Megatron engine
   (mbridge-built tiny Qwen3-MoE), routes in verl's padded ``routed_experts`` through its
   ``left_right_2_no_padding``, dynamic-bsz THD micro-batches (``r3bridge.testing.verl_job``);
+  later pipeline stages see verl's nested micro-batch, read in the same order;
 * SkyRL 0.3.0: ``MegatronModelWrapper.forward`` / ``forward_backward_mini_batch``, SkyRL's
-  ``TrainingInputBatch`` with left-padding removal (BSHD), the update re-ordered
-  (``r3bridge.testing.skyrl_real``);
+  ``TrainingInputBatch`` with left-padding removal (BSHD) under TP2, SkyRL's THD packing (identity
+  attention, alltoall, ``variable_seq_lengths``, as ``test_skyrl_real.py`` trains it) under PP,
+  the update re-ordered (``r3bridge.testing.skyrl_real``);
 * AReaL 1.0.4: ``MegatronPPOActor.compute_logp`` / ``ppo_update``, routes from SGLang ``meta_info``
   through AReaL's ``SGLangBackend`` (``r3bridge.testing.areal_runner``).
 
 Each runner maps every router row back to (sample, token) with the packing its framework really
-used and logs the dispatched top-k; the parent compares (``r3bridge.testing.dispatch_records``).
+used, per chunk, and logs the dispatched top-k; the parent merges the ranks (under PP each stage
+logs the layers it holds) and compares (``r3bridge.testing.dispatch_records``).
 SkyRL also runs a second step on the rollout with one route changed: its records must differ from
 the other two at exactly that (sample, token, layer), in every pass.
 """
@@ -82,11 +87,11 @@ def _skyrl(ctx, rollouts):
 def _areal(ctx, workdir, rollout):
     from r3bridge.testing.areal_runner import run_steps
 
-    # TP2: one micro-batch per pass (AReaL pads each to a 256-token page: test_areal_real.py);
-    # PP2 x VPP2: two, so the interleaved schedule runs more than one micro-batch per chunk
-    n_mbs = 2 if ctx.pp > 1 else 1
+    # n_mbs=1: one micro-batch per pass at TP2 (AReaL pads each to a 256-token page:
+    # test_areal_real.py); under PP AReaL itself splits each pass into at least 2 * pp micro-batches
+    # (4 here, of different lengths: the interleaved schedule's warm-up, steady state and cool-down)
     res = run_steps(ctx, "R3", rollout, f"{workdir}/{NAMES[ctx.layout_index]}/rank{ctx.rank}", steps=1,
-                    n_mbs=n_mbs, ppo_n_minibatches=1)
+                    n_mbs=1, ppo_n_minibatches=1)
     return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"]}
 
 
