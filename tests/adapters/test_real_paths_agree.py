@@ -58,7 +58,9 @@ def _verl(ctx, model_dir, rollout):
     job = vj.JobLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, recompute=True)
     res = vj.run_training_worker(ctx, model_dir, job, "R3", 1, canonical=[rollout])
     return {"dispatch": res["dispatch"], "errors": [m for p in res["passes"] for m in p.mismatches],
-            "checked": sum(p.checked_rows for p in res["passes"])}
+            "checked": sum(p.checked_rows for p in res["passes"]),
+            # chunk 0's packed micro-batches in compute_log_prob and the update, as verl split them
+            "micro_batches": [len(p.micro_batches) for p in res["passes"]]}
 
 
 def _skyrl(ctx, rollouts):
@@ -80,8 +82,11 @@ def _skyrl(ctx, rollouts):
     res = run_steps(ctx, spec, step, rollouts)
     # the runner's own check against the rollouts' routes
     errors = [e for s in res["steps"] for e in s["fwd_errors"] + s["upd_errors"]]
+    # the runner's check holds one router call per (chunk, layer, pass) for each of these micro-batches
+    n = len(rollouts[0].tokens)
     return {"dispatch": res["dispatch"], "errors": errors,
-            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"])}
+            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"]),
+            "micro_batches": [-(-n // step.micro_forward_batch_size), -(-n // step.micro_train_batch_size)]}
 
 
 def _areal(ctx, workdir, rollout):
@@ -92,7 +97,12 @@ def _areal(ctx, workdir, rollout):
     # (4 here, of different lengths: the interleaved schedule's warm-up, steady state and cool-down)
     res = run_steps(ctx, "R3", rollout, f"{workdir}/{NAMES[ctx.layout_index]}/rank{ctx.rank}", steps=1,
                     n_mbs=1, ppo_n_minibatches=1)
-    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"]}
+    # micro-batches each pass's router calls were matched to (compute_log_prob, then the update)
+    mbs = {}
+    for r in res["records"]:
+        mbs[r["phase"]] = max(mbs.get(r["phase"], 0), r["micro_batch"] + 1)
+    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"],
+            "micro_batches": [mbs.get("compute_log_prob", 0), mbs.get("update", 0)]}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +138,17 @@ def test_each_runner_checked_its_router_calls(runs, layout):
         for rank, r in enumerate(per_rank):
             assert r["errors"] == [], (name, rank, r["errors"][:5])
             assert r["checked"] > 0, (name, rank)
+
+
+@pytest.mark.slow
+def test_pipeline_passes_reach_a_steady_state(runs):
+    """Under PP2 x VPP2 each framework split both passes into at least 2 * pp = 4 micro-batches: with
+    2 chunks per stage the interleaved schedule's warm-up is 4 chunk forwards on stage 0, so the update
+    also ran 1F1B steady-state steps (each chunk's router calls in micro-batch order)."""
+    _, out = runs
+    for name, per_rank in out["pp2_vpp2"].items():
+        for rank, r in enumerate(per_rank):
+            assert len(r["micro_batches"]) == 2 and min(r["micro_batches"]) >= 4, (name, rank, r["micro_batches"])
 
 
 @pytest.mark.slow
