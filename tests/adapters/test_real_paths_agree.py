@@ -1,20 +1,25 @@
 """One canonical rollout through verl's, SkyRL's and AReaL's real training paths: the same routes
 at every router call (docs/testing-harness.md, "Same rollout, three real frameworks").
 
-Layout: TP2 + sequence parallelism on 2 gloo ranks, full recompute, R3, one step (compute_log_prob
-and one update) per framework, each framework in its own spawned process group, one after another:
+Layouts: TP2 + sequence parallelism, and PP2 x VPP2 (interleaved 1F1B, one layer per chunk), on 2
+gloo ranks, full recompute, R3, one step (compute_log_prob and one update) per framework and layout.
+Each framework runs both layouts in its own spawned process group (``spawn_layouts``), one framework
+after another:
 
 * verl 0.9.1: ``TrainingWorker.infer_batch`` / ``train_mini_batch`` on verl's Megatron engine
   (mbridge-built tiny Qwen3-MoE), routes in verl's padded ``routed_experts`` through its
   ``left_right_2_no_padding``, dynamic-bsz THD micro-batches (``r3bridge.testing.verl_job``);
+  later pipeline stages see verl's nested micro-batch, read in the same order;
 * SkyRL 0.3.0: ``MegatronModelWrapper.forward`` / ``forward_backward_mini_batch``, SkyRL's
-  ``TrainingInputBatch`` with left-padding removal (BSHD), the update re-ordered
-  (``r3bridge.testing.skyrl_real``);
+  ``TrainingInputBatch`` with left-padding removal (BSHD) under TP2, SkyRL's THD packing (identity
+  attention, alltoall, ``variable_seq_lengths``, as ``test_skyrl_real.py`` trains it) under PP,
+  the update re-ordered (``r3bridge.testing.skyrl_real``);
 * AReaL 1.0.4: ``MegatronPPOActor.compute_logp`` / ``ppo_update``, routes from SGLang ``meta_info``
   through AReaL's ``SGLangBackend`` (``r3bridge.testing.areal_runner``).
 
 Each runner maps every router row back to (sample, token) with the packing its framework really
-used and logs the dispatched top-k; the parent compares (``r3bridge.testing.dispatch_records``).
+used, per chunk, and logs the dispatched top-k; the parent merges the ranks (under PP each stage
+logs the layers it holds) and compares (``r3bridge.testing.dispatch_records``).
 SkyRL also runs a second step on the rollout with one route changed: its records must differ from
 the other two at exactly that (sample, token, layer), in every pass.
 """
@@ -25,13 +30,16 @@ import importlib.util
 import pytest
 
 from r3bridge.testing.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
-from r3bridge.testing.dist import Layout, spawn, spawn_layouts
+from r3bridge.testing.dist import Layout, spawn_layouts
 
 for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
     assert importlib.util.find_spec(_mod) is not None, f"{_mod} is not installed: run `make install`"
 
 CHANGED = (3, 4, 2)                    # (sample, token, layer) whose route the second SkyRL step changes
 PASSES = [(0, 0, 0), (0, 1, 0), (0, 1, 1)]   # (step, phase, grad): compute_log_prob, update + recompute
+# the two layouts, each framework running both in one set of 2 processes (spawn_layouts)
+LAYOUTS = {"tp2_sp": Layout(tp=2), "pp2_vpp2": Layout(pp=2, vpp=2)}
+NAMES = list(LAYOUTS)
 
 
 def _rollout():
@@ -47,47 +55,75 @@ def _rollout():
 def _verl(ctx, model_dir, rollout):
     from r3bridge.testing import verl_job as vj
 
-    res = vj.run_training_worker(ctx, model_dir, vj.JobLayout(tp=2, recompute=True), "R3", 1, canonical=[rollout])
+    job = vj.JobLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, recompute=True)
+    res = vj.run_training_worker(ctx, model_dir, job, "R3", 1, canonical=[rollout])
     return {"dispatch": res["dispatch"], "errors": [m for p in res["passes"] for m in p.mismatches],
-            "checked": sum(p.checked_rows for p in res["passes"])}
+            "checked": sum(p.checked_rows for p in res["passes"]),
+            # chunk 0's packed micro-batches in compute_log_prob and the update, as verl split them
+            "micro_batches": [len(p.micro_batches) for p in res["passes"]]}
 
 
 def _skyrl(ctx, rollouts):
     from r3bridge.testing.models import ModelSpec
     from r3bridge.testing.skyrl_real import StepSpec, run_steps
 
-    spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
-                     attention="real", recompute="full")
-    res = run_steps(ctx, spec, StepSpec(mode="R3", remove_microbatch_padding=False,
-                                        permute=[5, 1, 0, 4, 2, 7, 3, 6]), rollouts)
+    if ctx.pp > 1:
+        # SkyRL's PP path as test_skyrl_real.py trains it: THD packing (identity attention: megatron's
+        # local attention refuses packed sequences), SkyRL's alltoall + variable_seq_lengths settings
+        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
+                         attention="identity", recompute="full", moe_token_dispatcher_type="alltoall",
+                         extra_config={"variable_seq_lengths": True})
+        step = StepSpec(mode="R3", remove_microbatch_padding=True, micro_train_batch_size=2,
+                        permute=[5, 1, 0, 4, 2, 7, 3, 6])
+    else:
+        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
+                         attention="real", recompute="full")
+        step = StepSpec(mode="R3", remove_microbatch_padding=False, permute=[5, 1, 0, 4, 2, 7, 3, 6])
+    res = run_steps(ctx, spec, step, rollouts)
     # the runner's own check against the rollouts' routes
     errors = [e for s in res["steps"] for e in s["fwd_errors"] + s["upd_errors"]]
+    # the runner's check holds one router call per (chunk, layer, pass) for each of these micro-batches
+    n = len(rollouts[0].tokens)
     return {"dispatch": res["dispatch"], "errors": errors,
-            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"])}
+            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"]),
+            "micro_batches": [-(-n // step.micro_forward_batch_size), -(-n // step.micro_train_batch_size)]}
 
 
 def _areal(ctx, workdir, rollout):
     from r3bridge.testing.areal_runner import run_steps
 
-    # one micro-batch per pass at TP2 (AReaL pads each to a 256-token page: test_areal_real.py)
-    res = run_steps(ctx, "R3", rollout, f"{workdir}/rank{ctx.rank}", steps=1, n_mbs=1, ppo_n_minibatches=1)
-    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"]}
+    # n_mbs=1: one micro-batch per pass at TP2 (AReaL pads each to a 256-token page:
+    # test_areal_real.py); under PP AReaL itself splits each pass into at least 2 * pp micro-batches
+    # (4 here, of different lengths: the interleaved schedule's warm-up, steady state and cool-down)
+    res = run_steps(ctx, "R3", rollout, f"{workdir}/{NAMES[ctx.layout_index]}/rank{ctx.rank}", steps=1,
+                    n_mbs=1, ppo_n_minibatches=1)
+    # micro-batches each pass's router calls were matched to (compute_log_prob, then the update)
+    mbs = {}
+    for r in res["records"]:
+        mbs[r["phase"]] = max(mbs.get(r["phase"], 0), r["micro_batch"] + 1)
+    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"],
+            "micro_batches": [mbs.get("compute_log_prob", 0), mbs.get("update", 0)]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{framework: per-rank results}, each framework spawned on its own 2 ranks in turn."""
+    """{layout: {framework: per-rank results}}: each framework spawned on its own 2 ranks in turn,
+    running both layouts in that one set of processes."""
     from r3bridge.testing.verl_job import write_tiny_qwen3_moe
 
     rollout = _rollout()
     changed = with_route_changed(rollout, *CHANGED)
     model_dir = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
-    out = {"verl": spawn(_verl, world_size=2, tp=2, args=(model_dir, rollout), timeout=600)}
-    (out["skyrl"],) = spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2)],
-                                    args=([rollout, changed],), timeout=600)
-    (out["areal"],) = spawn_layouts(_areal, world_size=2, layouts=[Layout(tp=2)],
-                                    args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=600)
-    return rollout, out
+    per_fw = {
+        "verl": spawn_layouts(_verl, world_size=2, layouts=list(LAYOUTS.values()), args=(model_dir, rollout),
+                              timeout=900),
+        # etp = tp under TP2: megatron's default (test_skyrl_real.py)
+        "skyrl": spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2), LAYOUTS["pp2_vpp2"]],
+                               args=([rollout, changed],), timeout=900),
+        "areal": spawn_layouts(_areal, world_size=2, layouts=list(LAYOUTS.values()),
+                               args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=900),
+    }
+    return rollout, {name: {fw: res[i] for fw, res in per_fw.items()} for i, name in enumerate(NAMES)}
 
 
 def _merged(per_rank) -> DispatchRecords:
@@ -95,18 +131,41 @@ def _merged(per_rank) -> DispatchRecords:
 
 
 @pytest.mark.slow
-def test_each_runner_checked_its_router_calls(runs):
+@pytest.mark.parametrize("layout", NAMES)
+def test_each_runner_checked_its_router_calls(runs, layout):
     _, out = runs
-    for name, per_rank in out.items():
+    for name, per_rank in out[layout].items():
         for rank, r in enumerate(per_rank):
             assert r["errors"] == [], (name, rank, r["errors"][:5])
             assert r["checked"] > 0, (name, rank)
 
 
 @pytest.mark.slow
-def test_three_frameworks_dispatch_identical_routes(runs):
+def test_pipeline_passes_reach_a_steady_state(runs):
+    """Under PP2 x VPP2 each framework split both passes into at least 2 * pp = 4 micro-batches: with
+    2 chunks per stage the interleaved schedule's warm-up is 4 chunk forwards on stage 0, so the update
+    also ran 1F1B steady-state steps (each chunk's router calls in micro-batch order)."""
+    _, out = runs
+    for name, per_rank in out["pp2_vpp2"].items():
+        for rank, r in enumerate(per_rank):
+            assert len(r["micro_batches"]) == 2 and min(r["micro_batches"]) >= 4, (name, rank, r["micro_batches"])
+
+
+@pytest.mark.slow
+def test_pipeline_stages_route_their_own_layers(runs):
+    """PP2 x VPP2 (4 layers, 1 per chunk): stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so
+    stage 0 logs MoE layer 2 only, stage 1 layers 1 and 3; the merged records hold all three."""
     rollout, out = runs
-    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    for name, per_rank in out["pp2_vpp2"].items():
+        layers = [sorted(set(r["dispatch"].keys[:, 5].tolist())) for r in per_rank]
+        assert layers == [[2], [1, 3]], (name, layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", NAMES)
+def test_three_frameworks_dispatch_identical_routes(runs, layout):
+    rollout, out = runs
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out[layout].items()}
     res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
     assert res.errors == [], res.errors
     # every token of every sample on every MoE layer, in each of the three passes
@@ -120,13 +179,14 @@ def test_three_frameworks_dispatch_identical_routes(runs):
 
 
 @pytest.mark.slow
-def test_a_changed_route_is_named(runs):
+@pytest.mark.parametrize("layout", NAMES)
+def test_a_changed_route_is_named(runs, layout):
     """SkyRL's second step replayed the rollout with one route changed: the comparison names that
     (sample, token, layer) in each pass, and nothing else."""
     rollout, out = runs
-    skyrl = _merged(out["skyrl"])
-    recs = {"verl": _merged(out["verl"]), "skyrl": skyrl.where(step=1).relabel(step=0),
-            "areal": _merged(out["areal"])}
+    skyrl = _merged(out[layout]["skyrl"])
+    recs = {"verl": _merged(out[layout]["verl"]), "skyrl": skyrl.where(step=1).relabel(step=0),
+            "areal": _merged(out[layout]["areal"])}
     res = compare_dispatch(recs, rollout.expected(), [len(t) for t in rollout.tokens])
     s, t, layer = CHANGED
     want = sorted(int(x) for x in rollout.calls[s][0][t, layer])
@@ -141,7 +201,7 @@ def test_a_changed_route_is_named(runs):
 @pytest.mark.slow
 def test_a_token_missing_from_one_framework_is_named(runs):
     rollout, out = runs
-    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out.items()}
+    recs = {name: _merged(per_rank).where(step=0) for name, per_rank in out["tp2_sp"].items()}
     a = recs["areal"]
     drop = (a.keys[:, 3] == 6) & (a.keys[:, 4] == 0) & (a.keys[:, 5] == 1)      # sample 6, token 0, layer 1
     recs["areal"] = DispatchRecords("areal", a.keys[~drop], a.ids[~drop])
