@@ -22,6 +22,8 @@ assert importlib.util.find_spec("areal") is not None, "areal is not installed: r
 
 # TP2 runs one micro-batch per pass: AReaL pads each micro-batch to a 256-token page, so with two
 # the second sequence-parallel half would hold padding only and nothing would be checked there.
+# Under PP AReaL itself raises every pass to at least 2 * pp micro-batches (megatron_engine.py), so
+# PP2 x VPP2 runs 4 per pass whatever n_mbs says: the interleaved schedule's steady state included.
 MB = {(1, 1, None): dict(n_mbs=2, ppo_n_minibatches=2), (2, 1, None): dict(n_mbs=1, ppo_n_minibatches=1),
       (1, 2, 2): dict(n_mbs=2, ppo_n_minibatches=2)}
 
