@@ -8,8 +8,9 @@ batch generator, THD packing and ``postprocess_batch_func`` run. Assertions are 
 happened: what every router dispatched (:class:`r3bridge.testing.probe.RoutingProbe`), the
 driver's metrics as verl's output carries them, the R2 recording verl gets back.
 
-Two spawns: one rank (reference passes, config errors, a failing schedule) and two ranks with
-PP 2 x VPP 2 (every micro-batch crosses two chunks per rank; the first stage gets no output).
+One pair of processes: PP 2 x VPP 2 (every micro-batch crosses two chunks per rank; the first
+stage gets no output) for replay, recording and metrics; then no model parallelism (each rank on
+its own) for reference passes, config errors and a failing schedule.
 """
 from __future__ import annotations
 
@@ -351,28 +352,39 @@ ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_
 PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch}
 
 
-def _scenarios(ctx, names: list[str]) -> dict:
-    """Each scenario's result, or its traceback: one failing scenario fails only its test."""
-    table = {**ONE_RANK, **PP2_VPP2}
+LAYOUTS = [Layout(pp=2, vpp=2), Layout()]
+SCENARIOS = [PP2_VPP2, ONE_RANK]     # per layout
+
+
+def _scenarios(ctx) -> dict:
+    """This layout's scenarios: each one's result, or its traceback (one failing scenario fails
+    only its test)."""
     out = {}
-    for name in names:
+    for name, fn in SCENARIOS[ctx.layout_index].items():
         try:
-            out[name] = table[name](ctx)
+            out[name] = fn(ctx)
         except Exception:                                   # reported by the test that owns it
             out[name] = {"__error__": traceback.format_exc()}
     return out
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> dict:
-    return spawn_layouts(_scenarios, world_size=1, layouts=[Layout()], args=(list(ONE_RANK),), timeout=300)[0][0]
+def runs() -> list[list[dict]]:
+    """One pair of processes for both layouts (process start-up dominates this file's time):
+    ``runs[layout][rank]``. Under ``Layout()`` the two ranks are data-parallel replicas that
+    run the one-rank scenarios independently (nothing in them communicates)."""
+    return spawn_layouts(_scenarios, world_size=2, layouts=LAYOUTS, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def pp2_vpp2() -> list[dict]:
+def pp2_vpp2(runs) -> list[dict]:
     """Per rank (rank 0: first stage, rank 1: last stage)."""
-    return spawn_layouts(_scenarios, world_size=2, layouts=[Layout(pp=2, vpp=2)], args=(list(PP2_VPP2),),
-                         timeout=300)[0]
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank(runs) -> dict:
+    return runs[1][0]
 
 
 def _get(results: dict, name: str) -> dict:
