@@ -8,7 +8,8 @@ Everything of the adapter runs for real: ``forward_backward_batch`` (phase, R2 s
 metrics into ``output["metrics"]``, compute_log_prob's carried to the update, R2 routes returned in
 ``model_output["routed_experts"]``), the ``forward_step`` override and ``r3_install`` with verl's own
 ``preprocess_thd_engine`` packing. Of verl's code the stand-in calls its own ``prepare_micro_batches``
-(fixed micro-batch size), ``make_batch_generator``, ``concat_tensordict`` and ``preprocess_thd_engine``:
+(fixed or dynamic micro-batch size, as the batch says), ``make_batch_generator``, ``concat_tensordict``,
+``preprocess_thd_engine`` and ``postprocess_batch_func`` (per-token ``log_probs`` in sample order):
 the packed stream the harness model gets is verl's (per-sequence TP/SP alignment, CP zigzag),
 checked row for row against the CP-local ids verl's packer computes.
 

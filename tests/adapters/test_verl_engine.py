@@ -14,8 +14,7 @@ its own) for reference passes, config errors and a failing schedule.
 """
 from __future__ import annotations
 
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import verl  # noqa: F401  (installed by `make install`: never skipped)
@@ -71,15 +70,21 @@ def _run(eng, td, *, forward_only: bool, max_tokens: int = MAX_TOKENS[0]):
     return out, probe
 
 
+def _fed_by_chunk(eng) -> dict[int, list]:
+    """chunk -> [(rollout samples, packed stream)] of each forward step verl ran on it, in order."""
+    fed: dict[int, list] = {}
+    for c, samples, packed in eng.fed:
+        fed.setdefault(c, []).append((samples, packed))
+    return fed
+
+
 def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
     """Compare every router call with ``expected`` (sample order) sharded for the micro-batch
     verl fed that chunk: (errors, valid rows checked)."""
     from r3bridge.sharding import shard
 
     layout = eng.r3_replayer.layout
-    fed: dict[int, list] = {}
-    for c, samples, packed in eng.fed:
-        fed.setdefault(c, []).append((samples, packed))
+    fed = _fed_by_chunk(eng)
     calls: dict[tuple[int, int], list] = {}
     for call in probe.calls:
         calls.setdefault((call.chunk, call.layer_id), []).append(call)
@@ -104,10 +109,7 @@ def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
 
 def _dispatched(eng, probe) -> dict[tuple[int, int], Any]:
     """(sample, layer) -> the [rows, K] experts its tokens were dispatched to (no TP/CP split)."""
-    out = {}
-    fed: dict[int, list] = {}
-    for c, samples, packed in eng.fed:
-        fed.setdefault(c, []).append((samples, packed))
+    out, fed = {}, _fed_by_chunk(eng)
     seen: dict[tuple[int, int], int] = {}
     for call in probe.calls:
         k = seen[(call.chunk, call.layer_id)] = seen.get((call.chunk, call.layer_id), -1) + 1
@@ -357,15 +359,9 @@ SCENARIOS = [PP2_VPP2, ONE_RANK]     # per layout
 
 
 def _scenarios(ctx) -> dict:
-    """This layout's scenarios: each one's result, or its traceback (one failing scenario fails
-    only its test)."""
-    out = {}
-    for name, fn in SCENARIOS[ctx.layout_index].items():
-        try:
-            out[name] = fn(ctx)
-        except Exception:                                   # reported by the test that owns it
-            out[name] = {"__error__": traceback.format_exc()}
-    return out
+    """This layout's scenarios' results. A scenario that raises ends the run at once (the spawn
+    kills the other rank, which may be waiting on it in the pipeline, and reports the traceback)."""
+    return {name: fn(ctx) for name, fn in SCENARIOS[ctx.layout_index].items()}
 
 
 @pytest.fixture(scope="module")
@@ -387,15 +383,8 @@ def one_rank(runs) -> dict:
     return runs[1][0]
 
 
-def _get(results: dict, name: str) -> dict:
-    r = results[name]
-    if "__error__" in r:
-        pytest.fail(f"scenario {name} raised:\n{r['__error__']}")
-    return r
-
-
 def _ranks(per_rank: list[dict], name: str) -> list[dict]:
-    return [_get(r, name) for r in per_rank]
+    return [r[name] for r in per_rank]
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -447,7 +436,7 @@ def test_r2_records_then_replays_its_own_routes_per_sample(pp2_vpp2):
 
 
 def test_reference_passes_never_replay(one_rank):
-    r = _get(one_rank, "reference")
+    r = one_rank["reference"]
     assert r["off_replayer"]
     ref = r["ref"]
     # verl's reference engine gets no driver; its routers choose what unattached chunks choose
@@ -464,7 +453,7 @@ def test_reference_passes_never_replay(one_rank):
 
 
 def test_missing_or_conflicting_routes_are_config_errors(one_rank):
-    r = _get(one_rank, "config_errors")
+    r = one_rank["config_errors"]
     for name, words in (("r3_no_routes", ["replay_mode=R3", "'routed_experts'",
                                           "actor_rollout_ref.rollout.enable_rollout_routing_replay"]),
                         ("r2_update_no_routes", ["replay_mode=R2", "'routed_experts'",
@@ -497,7 +486,7 @@ def test_mismatch_metrics_and_other_stages(pp2_vpp2):
 
 
 def test_schedule_failure_frees_state(one_rank):
-    r = _get(one_rank, "schedule_failure")
+    r = one_rank["schedule_failure"]
     for mode, after in (("R2", "record"), ("R3", "replay")):
         m = r[mode]
         assert m["error"] == "schedule failed" and m["steps_run"] == 2, (mode, m)
