@@ -8,7 +8,8 @@ Everything of the adapter runs for real: ``forward_backward_batch`` (phase, R2 s
 metrics into ``output["metrics"]``, compute_log_prob's carried to the update, R2 routes returned in
 ``model_output["routed_experts"]``), the ``forward_step`` override and ``r3_install`` with verl's own
 ``preprocess_thd_engine`` packing. Of verl's code the stand-in calls its own ``prepare_micro_batches``
-(fixed micro-batch size), ``make_batch_generator``, ``concat_tensordict`` and ``preprocess_thd_engine``:
+(fixed or dynamic micro-batch size, as the batch says), ``make_batch_generator``, ``concat_tensordict``,
+``preprocess_thd_engine`` and ``postprocess_batch_func`` (per-token ``log_probs`` in sample order):
 the packed stream the harness model gets is verl's (per-sequence TP/SP alignment, CP zigzag),
 checked row for row against the CP-local ids verl's packer computes.
 
@@ -38,7 +39,8 @@ from r3bridge.testing.conformance import CanonicalRollout
 from r3bridge.testing.data import PackedBatch, local_inputs
 from r3bridge.testing.schedule import make_forward_step
 
-__all__ = ["HarnessVerl", "VerlEngine", "VerlRunner", "hf_config_of", "verl_packed_batch"]
+__all__ = ["HarnessVerl", "VerlEngine", "VerlRunner", "build_engine", "hf_config_of", "token_log_probs",
+           "verl_packed_batch"]
 
 INDEX_KEY = "conformance_sample"     # test-side: the rollout sample of each row, to pair outputs
 
@@ -81,12 +83,12 @@ class HarnessVerl(MegatronEngineWithLMHead):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from verl.utils.megatron.pipeline_parallel import make_batch_generator
-        from verl.workers.engine.utils import prepare_micro_batches
+        from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        micro, _ = prepare_micro_batches(data, dp_group=None, same_micro_num_in_dp=False,
-                                         num_batches_divided_by=self.tf_config.microbatch_group_size_per_vp_stage
-                                         if vpp is not None and vpp > 1 else None)
+        micro, indices = prepare_micro_batches(data, dp_group=None, same_micro_num_in_dp=False,
+                                               num_batches_divided_by=self.tf_config.microbatch_group_size_per_vp_stage
+                                               if vpp is not None and vpp > 1 else None)
         fs = partial(self.forward_step, logits_processor_func=loss_function, postprocess_micro_batch_func=None)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             store = get_forward_backward_func()(
@@ -96,17 +98,37 @@ class HarnessVerl(MegatronEngineWithLMHead):
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return {}
         self.results = [(item["logits"], item["packed"]) for item in store]
-        return {"model_output": {}, "metrics": {}}
+        # verl's own post-processing: per-token log-probs (nested, one row per token) back in
+        # the batch's sample order (dynamic batching re-orders samples)
+        outs = [{"model_output": {"log_probs": token_log_probs(logits, packed)}, "metrics": {}}
+                for logits, packed in self.results]
+        return postprocess_batch_func(outs, indices, data)
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch = next(batch_iter)
         packed = verl_packed_batch(batch["input_ids"], model, self.ctx)
+        chunk = next(i for i, c in enumerate(self.module) if c is model)
+        self.fed.append((chunk, batch[INDEX_KEY].tolist() if INDEX_KEY in batch.keys() else None, packed))
         output, loss = self.inner(iter([packed]), model)
 
         def loss_func(per_token):
             value, reduced = loss(per_token)
             return value, {**reduced, "packed": packed}
         return output, loss_func
+
+
+def token_log_probs(logits: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """verl's ``log_probs`` of one micro-batch from the harness's packed logits: nested, one
+    value per token, position t the log-prob of token t+1 (verl rolls the labels; a sequence's
+    last position has no next token here and holds 0, outside every response slice)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    per_seq = []
+    for off, n in zip(packed.cu_seqlens_padded.tolist(), packed.seq_lens):
+        out = torch.zeros(n)
+        rows = torch.arange(off, off + n - 1)
+        out[:n - 1] = logp[rows, packed.input_ids[rows + 1]]
+        per_seq.append(out)
+    return torch.nested.as_nested_tensor(per_seq, layout=torch.jagged)
 
 
 class VerlEngine(R3BridgeMegatronEngine, HarnessVerl):
@@ -141,6 +163,37 @@ def hf_config_of(tf_config: Any) -> dict:
             "n_routed_experts": tf_config.num_moe_experts, "num_experts_per_tok": tf_config.moe_router_topk}
 
 
+def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False) -> VerlEngine:
+    """The adapter's engine over ``chunks`` with ``replay_mode=mode``, attached by its own
+    ``r3_attach`` (``reference``: verl's reference engine, ``engine_config.forward_only``).
+    ``eng.fed``: (chunk, rollout samples, packed stream) of every forward step, in call order."""
+    cfg = chunks[0].config
+    cfg.finalize_model_grads_func = None        # the harness has no DDP wrapper to finalize
+    cfg.grad_scale_func = None
+    if len(chunks) > 1:
+        # what verl's engine sets under VPP (MegatronEngine's TransformerConfig overrides:
+        # overlap_p2p_comm with VPP, batch_p2p_comm off, variable_seq_lengths). Overlapped p2p
+        # sends each direction on its own: megatron-core 0.16.1's combined forward+backward
+        # shape exchange crosses prev and next when both are one rank (PP 2)
+        cfg.microbatch_group_size_per_vp_stage = ctx.pp
+        cfg.overlap_p2p_comm = True
+    eng = VerlEngine.__new__(VerlEngine)        # verl's __init__ builds model and optimizer itself
+    eng.engine_config = SimpleNamespace(forward_only=reference, use_remove_padding=True, pad_to_length=False,
+                                        dynamic_context_parallel=False,
+                                        router_replay=SimpleNamespace(mode="disabled"))
+    eng.model_config = SimpleNamespace(hf_config=hf_config_of(cfg))
+    eng.tf_config = cfg
+    eng.module = chunks
+    eng.ctx = ctx
+    eng.fed = []
+    eng.inner = make_forward_step(ctx, thd=True, collect_logits=True)
+    eng.r3_init_state(ReplayConfig(replay_mode=mode))
+    eng.r3_runner = _KeepResults(eng.r3_runner)
+    eng.r3_attach()
+    eng.replayer = eng.r3_replayer              # what the r3 check reads the layout from
+    return eng
+
+
 class VerlRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` for verl (``make_runner(rollout)``)."""
 
@@ -154,31 +207,8 @@ class VerlRunner:
 
     # ------------------------------------------------------------------------------ protocol
     def attach(self, ctx: Any, chunks: list, mode: str) -> VerlEngine:
-        cfg = chunks[0].config
-        cfg.finalize_model_grads_func = None        # the harness has no DDP wrapper to finalize
-        cfg.grad_scale_func = None
-        if len(chunks) > 1:
-            # what verl's engine sets under VPP (MegatronEngine's TransformerConfig overrides:
-            # overlap_p2p_comm with VPP, batch_p2p_comm off, variable_seq_lengths). Overlapped p2p
-            # sends each direction on its own: megatron-core 0.16.1's combined forward+backward
-            # shape exchange crosses prev and next when both are one rank (PP 2)
-            cfg.microbatch_group_size_per_vp_stage = ctx.pp
-            cfg.overlap_p2p_comm = True
-        eng = VerlEngine.__new__(VerlEngine)        # verl's __init__ builds model and optimizer itself
-        eng.engine_config = SimpleNamespace(forward_only=False, use_remove_padding=True, pad_to_length=False,
-                                            dynamic_context_parallel=False,
-                                            router_replay=SimpleNamespace(mode="disabled"))
-        eng.model_config = SimpleNamespace(hf_config=hf_config_of(cfg))
-        eng.tf_config = cfg
-        eng.module = chunks
-        eng.ctx = ctx
-        eng.inner = make_forward_step(ctx, thd=True, collect_logits=True)
-        eng.r3_init_state(ReplayConfig(replay_mode=mode))
-        eng.r3_runner = _KeepResults(eng.r3_runner)
-        eng.r3_attach()
-        eng.replayer = eng.r3_replayer              # what the r3 check reads the layout from
-        self.engine = eng
-        return eng
+        self.engine = build_engine(ctx, chunks, mode)
+        return self.engine
 
     def micro_batches(self, rollout: CanonicalRollout, groups, *, key: Optional[str]) -> list:
         """verl TensorDicts of ``groups``; without ``routed_experts`` for an R2 recording pass

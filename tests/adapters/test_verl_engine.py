@@ -1,267 +1,499 @@
-"""The registered engine's phase logic on CPU, without a Megatron model.
+"""The registered engine's phase logic on real megatron-core chunks (CPU harness).
 
-``VerlSchedule`` stands in for what verl's ``MegatronEngine.forward_backward_batch`` does around
-our overrides: it splits the batch with verl's own ``prepare_micro_batches`` (dynamic batch size:
-samples are re-ordered), calls ``self.forward_step`` once per (chunk, micro-batch) like Megatron's
-schedules, and post-processes with verl's own ``postprocess_batch_func``. ``FakeReplayer`` records
-what the engine hands the driver. The real driver on the CPU Megatron harness is exercised in
-``test_verl_harness.py``.
+Each engine is the adapter's ``R3BridgeMegatronEngine`` built by ``_verl_runner.build_engine``:
+only verl's schedule call and the model-running body of ``forward_step`` are stood in for; the
+driver is the real :class:`r3bridge.megatron.Replayer` attached by the engine's own
+``r3_attach``; verl's ``prepare_micro_batches`` (dynamic batch size: samples re-ordered),
+batch generator, THD packing and ``postprocess_batch_func`` run. Assertions are about what really
+happened: what every router dispatched (:class:`r3bridge.testing.probe.RoutingProbe`), the
+driver's metrics as verl's output carries them, the R2 recording verl gets back.
+
+One pair of processes: PP 2 x VPP 2 (every micro-batch crosses two chunks per rank; the first
+stage gets no output) for replay, recording and metrics; then no model parallelism (each rank on
+its own) for reference passes, config errors and a failing schedule.
 """
 from __future__ import annotations
 
-import contextlib
-from types import SimpleNamespace
+from typing import Any
 
-import numpy as np
 import pytest
-import torch
-import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
-from _verl_batches import MOE, NUM_LAYERS, E, K, make_verl_batch  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
-from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches  # noqa: E402
+import verl  # noqa: F401  (installed by `make install`: never skipped)
 
-from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, replay_batch_from_tensordict  # noqa: E402
-from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
-from r3bridge.config import Action, ReplayConfig  # noqa: E402
-from r3bridge.errors import ConfigError  # noqa: E402
-from r3bridge.hf import ModelInfo
+from r3bridge.testing.dist import Layout, spawn_layouts
 
-CHUNKS = 2          # two virtual-pipeline chunks: every micro-batch runs through both
+SEED, BATCH = 11, 8
+MAX_TOKENS = (30, 24)           # verl's max_token_len_per_gpu of the two passes: different re-orderings
 
 
-class FakeStep:
-    def __init__(self, log, action, forward_only, source, truth):
-        self.log, self.action, self.forward_only, self.source, self.truth = log, Action(action), forward_only, source, truth
-        self.installs = []
-        self.recorded, self.metrics = None, {}
+# ---------------------------------------------------------------------------------- rank helpers
+def _spec():
+    from r3bridge.testing.models import ModelSpec
 
-    def __enter__(self):
-        self.log.append(self)
-        return self
-
-    def __exit__(self, exc_type, *a):
-        self.closed = True
-        if exc_type is None:
-            if self.action is Action.REPLAY:       # like the driver: no agreement when recording
-                self.metrics = {"r3bridge/coverage": 1.0, "r3bridge/agreement/mean": 0.9}
-            if self.action is Action.RECORD:   # what the driver returns: sorted by sample id, all rows
-                ids = sorted({s for i in self.installs for s in i["sample_ids"]})
-                self.recorded = ReplayBatch.from_ragged([self.truth[s] for s in ids], num_experts=E,
-                                                        layer_ids=MOE, source="recorded")
-
-    def install(self, model, routes, seq_lens, *, cu_seqlens_padded=None, format="thd", seq_length=None,
-                sample_ids=None):
-        self.installs.append(dict(model=model, routes=routes, seq_lens=list(seq_lens), cu=cu_seqlens_padded,
-                                  format=format, sample_ids=sample_ids))
+    return ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity",
+                     moe_token_dispatcher_type="alltoall", extra_config={"variable_seq_lengths": True})
 
 
-class FakeReplayer:
-    def __init__(self, chunks, truth=None):
-        self.chunks, self.steps, self.truth = list(chunks), [], truth
+def _setup(ctx, mode: str, *, reference: bool = False):
+    """(rollout, engine over fresh harness chunks, verl's batch of the rollout with routes)."""
+    import torch
+    from _verl_batches import verl_batch
+    from _verl_runner import INDEX_KEY, build_engine
 
-    def chunk_index(self, model):
-        return next(i for i, c in enumerate(self.chunks) if c is model)
+    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.models import build_model_chunks
 
-    def step(self, action, *, forward_only, source=None):
-        return FakeStep(self.steps, action, forward_only, source, self.truth)
-
-
-class VerlSchedule(MegatronEngineWithLMHead):
-    """verl's micro-batching and post-processing around ``forward_step``; no model."""
-
-    def forward_backward_batch(self, data, loss_function, forward_only=False):
-        tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=14)
-        micro, indices = prepare_micro_batches(data, dp_group=None, same_micro_num_in_dp=False)
-        outs = []
-        for mb in micro:
-            for chunk in self.module:
-                out, _ = self.forward_step(iter([mb]), chunk, loss_function, None)
-            outs.append({"model_output": out, "loss": 0.0, "metrics": {}})
-        if self.fail:
-            raise RuntimeError("schedule failed")
-        return postprocess_batch_func(outs, indices, data) if self.last_stage else {}
-
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch = next(batch_iter)
-        self.seen.append((model, batch))
-        # "log-probs": 0.01 * token id for every packed token, nested like verl's
-        ids = batch["input_ids"]
-        return {"log_probs": torch.nested.nested_tensor_from_jagged(ids.values().float() * 0.01,
-                                                                    offsets=ids.offsets())}, None
-
-    def disable_adapter(self):
-        return contextlib.nullcontext()
+    spec = _spec()
+    rollout = make_rollout(SEED, batch_size=BATCH, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk)
+    eng = build_engine(ctx, build_model_chunks(spec, ctx), mode, reference=reference)
+    td = verl_batch(rollout)
+    td[INDEX_KEY] = torch.arange(BATCH)
+    return rollout, eng, td
 
 
-class Probe(R3BridgeMegatronEngine, VerlSchedule):
-    def r3_cu_seqlens_padded(self, input_ids, model):
-        lens = input_ids.offsets().diff()
-        return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+def _run(eng, td, *, forward_only: bool, max_tokens: int = MAX_TOKENS[0]):
+    """One ``forward_backward_batch`` (compute_log_prob or update) micro-batched by verl's
+    dynamic batch size; returns (verl's output, the probe of every router call)."""
+    from verl.utils import tensordict_utils as tu
+
+    from r3bridge.testing.probe import RoutingProbe
+
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)
+    for c in eng.module:                            # verl's EngineEvalModeCtx / EngineTrainModeCtx
+        c.train(not forward_only)
+    eng.fed.clear()
+    with RoutingProbe(eng.module, include_mtp=False) as probe:
+        out = eng.forward_backward_batch(td, None, forward_only=forward_only)
+    if not forward_only:
+        for c in eng.module:                        # the update's gradients are not stepped here
+            for p in c.parameters():
+                p.grad = None
+    return out, probe
 
 
-def make_engine(mode, *, ref=False, truth=None, last_stage=True):
-    eng = Probe.__new__(Probe)
-    eng.engine_config = SimpleNamespace(forward_only=ref)
-    eng.module = [torch.nn.Linear(1, 1) for _ in range(CHUNKS)]
-    eng.seen, eng.fail, eng.last_stage = [], False, last_stage
-    eng.r3_init_state(ReplayConfig(replay_mode=mode))
-    eng.r3_model = ModelInfo(num_experts=E, moe_layer_ids=MOE, num_layers=NUM_LAYERS)
-    if eng.r3_active:
-        eng.r3_replayer = FakeReplayer(eng.module, truth)
-    return eng
+def _fed_by_chunk(eng) -> dict[int, list]:
+    """chunk -> [(rollout samples, packed stream)] of each forward step verl ran on it, in order."""
+    fed: dict[int, list] = {}
+    for c, samples, packed in eng.fed:
+        fed.setdefault(c, []).append((samples, packed))
+    return fed
 
 
-PL, RL = [6, 3, 4, 2, 5, 1], [5, 2, 1, 4, 3, 5]
+def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
+    """Compare every router call with ``expected`` (sample order) sharded for the micro-batch
+    verl fed that chunk: (errors, valid rows checked)."""
+    from r3bridge.sharding import shard
+
+    layout = eng.r3_replayer.layout
+    fed = _fed_by_chunk(eng)
+    calls: dict[tuple[int, int], list] = {}
+    for call in probe.calls:
+        calls.setdefault((call.chunk, call.layer_id), []).append(call)
+    errors, checked = [], 0
+    for (c, lid), cs in calls.items():
+        if len(cs) != len(fed.get(c, [])):
+            errors.append(f"chunk {c} layer {lid}: {len(cs)} router calls, {len(fed.get(c, []))} forward steps")
+            continue
+        for m, (call, (samples, packed)) in enumerate(zip(cs, fed[c])):
+            tg = shard(expected.select(samples), layout, packed.seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
+                       pp_rank=ctx.pp_rank, vp_stage=c, layer_ids=[lid], format="thd",
+                       cu_seqlens_padded=packed.cu_seqlens_padded)
+            got, want, v = call.topk(), tg.indices[lid].sort(dim=1).values, tg.valid
+            if got.shape != want.shape:
+                errors.append(f"layer {lid} micro-batch {m}: {tuple(got.shape)} rows routed, {tuple(want.shape)} targets")
+            elif not bool((got[v] == want[v]).all()):
+                errors.append(f"layer {lid} micro-batch {m} samples {samples}: "
+                              f"{int((got[v] != want[v]).any(1).sum())} valid rows differ")
+            checked += int(v.sum())
+    return errors, checked
 
 
-def batch(routes=True):
-    td, _ = make_verl_batch(PL, RL, seed=5)
-    if not routes:
-        del td[ROUTES_KEY]
-    return td
+def _dispatched(eng, probe) -> dict[tuple[int, int], Any]:
+    """(sample, layer) -> the [rows, K] experts its tokens were dispatched to (no TP/CP split)."""
+    out, fed = {}, _fed_by_chunk(eng)
+    seen: dict[tuple[int, int], int] = {}
+    for call in probe.calls:
+        k = seen[(call.chunk, call.layer_id)] = seen.get((call.chunk, call.layer_id), -1) + 1
+        samples, packed = fed[call.chunk][k]
+        top = call.topk()
+        for s, off, n in zip(samples, packed.cu_seqlens_padded.tolist(), packed.seq_lens):
+            out[(s, call.layer_id)] = top[off:off + n]
+    return out
 
 
-def _rows_of(rb, j):
-    r, v = rb.sequence(j)
-    return r.clone(), v.clone()
+def _hook_count(eng) -> int:
+    """Forward hooks on every module of the engine's chunks (the driver's live on chunks and routers)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for c in eng.module for m in c.modules())
 
 
-def test_r3_replays_rollout_routes_in_log_prob_and_update():
-    eng = make_engine("R3")
-    td = batch()
-    full = replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                        num_hidden_layers=NUM_LAYERS)
-    for forward_only in (True, False):
-        eng.seen.clear()
-        eng.forward_backward_batch(td, None, forward_only=forward_only)
-        step = eng.r3_replayer.steps[-1]
-        assert (step.action, step.forward_only, step.source) == (Action.REPLAY, forward_only, "rollout")
-        # exactly one install per (chunk, micro-batch), right before that chunk's forward
-        assert len(step.installs) == len(eng.seen)
-        sample_of = {}
-        for inst, (model, mb) in zip(step.installs, eng.seen):
-            assert inst["model"] is model and inst["format"] == "thd"
-            assert inst["seq_lens"] == mb["input_ids"].offsets().diff().tolist()
-            # the micro-batch's routes are its own samples' rows, whatever order verl chose
-            lens = mb["input_ids"].offsets().diff().tolist()
-            got = inst["routes"]
-            assert got.source == "rollout" and got.num_seqs == len(lens)
-            for j in range(got.num_seqs):
-                r, v = _rows_of(got, j)
-                matches = [i for i in range(full.num_seqs)
-                           if full.rows_per_seq[i] == r.shape[0] and torch.equal(_rows_of(full, i)[0], r)]
-                assert len(matches) == 1
-                sample_of[(id(mb), j)] = matches[0]
-        assert sorted(set(sample_of.values())) == list(range(len(PL)))
-    assert SAMPLE_KEY not in td.keys()
+def _to_every_rank(obj, ctx):
+    """Broadcast the last pipeline stage's ``obj`` (where verl collects outputs) to every rank."""
+    import torch
+
+    payload = [obj if ctx.is_last_stage else None]
+    torch.distributed.broadcast_object_list(payload, src=ctx.world_size - 1)
+    return payload[0]
 
 
-def _truth(td, seed=2):
-    rng = np.random.default_rng(seed)
-    return [np.stack([np.stack([rng.choice(E, K, replace=False) for _ in MOE]) for _ in range(n)])
-            for n in td["input_ids"].offsets().diff().tolist()]
+def _order(eng) -> list[int]:
+    return [s for c, samples, _ in eng.fed if c == 0 for s in samples]
 
 
-def test_r2_records_then_replays_its_own_routes_per_sample():
-    td = batch(routes=False)
-    truth = _truth(td)
-    eng = make_engine("R2", truth=truth)
-    out = eng.forward_backward_batch(td, None, forward_only=True)           # compute_log_prob
-    rec_step = eng.r3_replayer.steps[-1]
-    assert rec_step.action is Action.RECORD and rec_step.forward_only
-    ids = [s for i in rec_step.installs for s in i["sample_ids"]]
-    assert sorted(set(ids)) == list(range(len(PL))) and all(i["routes"] is None for i in rec_step.installs)
-    assert SAMPLE_KEY not in td.keys()
-    routes = out["model_output"][ROUTES_KEY]
-    assert routes.is_nested and routes.dtype == torch.int16
-    for i, t in enumerate(routes.unbind()):                                  # original sample order
-        assert torch.equal(t.long(), torch.from_numpy(truth[i]).long())
-    # verl's trainer puts the output into the batch; the update re-partitions it
-    td[ROUTES_KEY] = routes
-    upd = eng.forward_backward_batch(td, None, forward_only=False)
-    step = eng.r3_replayer.steps[-1]
-    assert (step.action, step.source) == (Action.REPLAY, "recorded")
-    for inst in step.installs:
-        rb = inst["routes"]
-        assert rb.source == "recorded"
-        for j in range(rb.num_seqs):
-            r, v = _rows_of(rb, j)
-            assert bool(v.all()) and any(torch.equal(r.long(), torch.from_numpy(t).long()) for t in truth)
-    # compute_log_prob's metrics are reported with the update (verl drops compute_log_prob metrics)
-    m = upd["metrics"]
-    assert "r3bridge/update/coverage" in m and "r3bridge/update/agreement/mean" in m
-    assert not any(k.startswith("r3bridge/old_log_prob/") for k in m)        # RECORD has no agreement
+def _log_probs(out) -> list:
+    return [t.clone() for t in out["model_output"]["log_probs"].unbind()]
 
 
-def test_reference_passes_never_replay():
-    ref = make_engine("R3", ref=True)
-    assert ref.r3_replayer is None and not ref.r3_active
-    ref.forward_backward_batch(batch(), None, forward_only=True)             # no replayer at all
-    eng = make_engine("R3")
-    with eng.disable_adapter():                                               # LoRA ref inside the actor
-        eng.forward_backward_batch(batch(), None, forward_only=True)
-    assert eng.r3_replayer.steps == []
-    eng.forward_backward_batch(batch(), None, forward_only=True)
-    assert len(eng.r3_replayer.steps) == 1
-    off = make_engine("off")
-    off.forward_backward_batch(batch(), None, forward_only=False)
-    assert off.r3_replayer is None
+# ---------------------------------------------------------------------------------- scenarios
+def _r3(ctx) -> dict:
+    """R3: compute_log_prob and the update replay the rollout routes wherever verl put each sample."""
+    from _verl_runner import INDEX_KEY
+
+    from r3bridge.adapters.verl.codec import SAMPLE_KEY
+
+    rollout, eng, td = _setup(ctx, "R3")
+    expected = rollout.expected()
+    res = {}
+    for phase, fo, mt in (("compute_log_prob", True, MAX_TOKENS[0]), ("update", False, MAX_TOKENS[1])):
+        out, probe = _run(eng, td, forward_only=fo, max_tokens=mt)
+        errors, checked = _dispatch_errors(ctx, eng, probe, expected)
+        result = eng.r3_runner.results[-1]
+        res[phase] = dict(errors=errors, checked=checked, order=_order(eng), calls=len(probe.calls),
+                          routers=len(probe.routers),
+                          action=result.action.value, phase=result.phase.value, metrics=dict(result.metrics),
+                          logged=out.get("metrics") if out else None,
+                          micro_batches=len([f for f in eng.fed if f[0] == 0]))
+    res["sample_key_left"] = SAMPLE_KEY in td.keys()
+    res["index_key"] = INDEX_KEY in td.keys()
+    return res
 
 
-def test_missing_or_conflicting_routes_are_config_errors():
-    td = batch(routes=False)
-    with pytest.raises(ConfigError, match="enable_rollout_routing_replay"):
-        make_engine("R3").forward_backward_batch(td, None, forward_only=True)
-    with pytest.raises(ConfigError, match="bypass_mode"):
-        make_engine("R2").forward_backward_batch(td, None, forward_only=False)
-    with pytest.raises(ConfigError, match="already carries"):
-        make_engine("R2").forward_backward_batch(batch(), None, forward_only=True)
+def _r2(ctx) -> dict:
+    """R2: compute_log_prob records what the routers chose, verl gets it per sample (nested, in
+    the batch's order), the update re-partitions the batch and replays it."""
+    import torch
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, VerlCodec
+
+    rollout, eng, td = _setup(ctx, "R2")
+    td.pop(ROUTES_KEY)                                      # R2's rollout returns no routes
+    rec_out, rec_probe = _run(eng, td, forward_only=True, max_tokens=MAX_TOKENS[0])
+    rec_order, native = _order(eng), _dispatched(eng, rec_probe)
+    rec_result = eng.r3_runner.results[-1]
+    res = dict(rec_action=rec_result.action.value, rec_order=rec_order, sample_key_left=SAMPLE_KEY in td.keys())
+    routes = _to_every_rank(rec_out["model_output"][ROUTES_KEY] if rec_out else None, ctx)
+    rec_logp = _log_probs(rec_out) if rec_out else None
+    res.update(nested=bool(routes.is_nested), dtype=str(routes.dtype), num=len(routes.unbind()),
+               rec_logged=rec_out.get("metrics") if rec_out else None)
+    # the recording, decoded as the update will read it, against what this rank's routers chose
+    codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_hidden_layers=rollout.num_layers)
+    td[ROUTES_KEY] = routes                                 # verl's trainer: the output goes into the batch
+    recorded = codec.to_replay_batch(td, source="recorded")
+    rec_err, rec_rows = [], 0
+    for (s, lid), chose in sorted(native.items()):
+        r, v = recorded.sequence(s)
+        li = recorded.layer_ids.index(lid)
+        n = len(rollout.tokens[s])
+        if r.shape[0] != n or not bool(v.all()):
+            rec_err.append(f"sample {s}: {r.shape[0]} recorded rows ({int(v.sum())} valid) for {n} tokens")
+        elif not torch.equal(r[:, li].long().sort(1).values, chose.sort(1).values):
+            rec_err.append(f"sample {s} layer {lid}: recorded routes differ from the routers' choice")
+        rec_rows += n
+    res.update(rec_errors=rec_err, rec_rows=rec_rows)
+    upd_out, upd_probe = _run(eng, td, forward_only=False, max_tokens=MAX_TOKENS[1])
+    errors, checked = _dispatch_errors(ctx, eng, upd_probe, recorded)
+    result = eng.r3_runner.results[-1]
+    res.update(upd_errors=errors, upd_checked=checked, upd_order=_order(eng), upd_action=result.action.value,
+               upd_metrics=dict(result.metrics), upd_logged=upd_out.get("metrics") if upd_out else None)
+    if upd_out:
+        res["max_logprob_diff"] = max(float((a - b).abs().max()) for a, b in zip(rec_logp, _log_probs(upd_out)))
+    return res
 
 
-def test_mismatch_metrics_and_other_stages():
+def _mismatch(ctx) -> dict:
+    """Trainer-vs-rollout log-prob mismatch metrics, padded and TransferQueue-nested fields,
+    on the last stage; the first stage's verl output is empty while its driver still ran."""
+    import torch
     from verl.workers.utils.padding import no_padding_2_padding
 
-    import r3bridge.metrics  # noqa: F401
     from r3bridge.metrics import logprob_mismatch
 
-    td = batch()
-    resp = td["responses"].float() * 0.01
-    td["rollout_log_probs"] = resp + 0.05 * td["response_mask"]
-    eng = make_engine("R3")
-    eng.forward_backward_batch(td, None, forward_only=True)
-    upd = eng.forward_backward_batch(td, None, forward_only=False)
-    m = upd["metrics"]
-    logp = torch.nested.nested_tensor_from_jagged(td["input_ids"].values().float() * 0.01,
-                                                  offsets=td["input_ids"].offsets())
-    train = no_padding_2_padding(logp, td).float()
-    want = logprob_mismatch(train, td["rollout_log_probs"], td["response_mask"].bool(), exclude_last=False,
-                            prefix="r3bridge/old_log_prob/")
-    for k, v in want.items():
-        assert m[k] == [pytest.approx(v)]
-    assert m["r3bridge/old_log_prob/coverage"] == [1.0] and "r3bridge/update/mismatch/k3_kl" in m
-    # TransferQueue mode keeps per-response fields nested: same numbers
-    lens = td["response_mask"].sum(1)
-    for key in ("rollout_log_probs", "response_mask"):
-        dense = td[key]
-        td[key] = torch.nested.as_nested_tensor([dense[i, :n] for i, n in enumerate(lens.tolist())],
-                                                layout=torch.jagged)
-    eng.forward_backward_batch(td, None, forward_only=True)
-    m2 = eng.forward_backward_batch(td, None, forward_only=False)["metrics"]
-    for k, v in want.items():
-        assert m2[k] == [pytest.approx(v)]
-    # a rank that is not the last pipeline stage gets no output from verl: nothing to add
-    mid = make_engine("R3", last_stage=False)
-    assert mid.forward_backward_batch(batch(), None, forward_only=True) == {}
+    _, eng, td = _setup(ctx, "R3")
+    out, _ = _run(eng, td, forward_only=True)
+    first = _to_every_rank(no_padding_2_padding(out["model_output"]["log_probs"], td) if out else None, ctx)
+    mask = td["response_mask"]
+    rollout = first + 0.05 * mask                           # the rollout engine's, off by a known amount
+    td["rollout_log_probs"] = rollout
+    res: dict = {"first_stage_output": None if ctx.is_last_stage else out, "passes": []}
+    for nested in (False, True):
+        if nested:                                          # TransferQueue mode keeps responses nested
+            lens = mask.sum(1).tolist()
+            for key in ("rollout_log_probs", "response_mask"):
+                dense = td[key]
+                td[key] = torch.nested.as_nested_tensor([dense[i, :n] for i, n in enumerate(lens)],
+                                                        layout=torch.jagged)
+        lp_out, _ = _run(eng, td, forward_only=True)
+        lp_driver = dict(eng.r3_runner.results[-1].metrics)
+        upd_out, _ = _run(eng, td, forward_only=False)
+        p = {"driver": lp_driver, "logp_output": lp_out, "upd_output": upd_out}
+        if upd_out:
+            want = {}
+            for tag, o in (("old_log_prob", lp_out), ("update", upd_out)):
+                train = no_padding_2_padding(o["model_output"]["log_probs"], td).float()
+                want.update(logprob_mismatch(train, rollout.float(), mask.bool(), exclude_last=False,
+                                             prefix=f"r3bridge/{tag}/"))
+            p.update(want=want, logged=upd_out["metrics"], logp_logged=lp_out.get("metrics"))
+        res["passes"].append(p)
+        td["response_mask"] = mask
+    return res
 
 
-def test_schedule_failure_frees_state():
-    td = batch(routes=False)
-    eng = make_engine("R2", truth=_truth(td))
-    eng.fail = True
-    with pytest.raises(RuntimeError, match="schedule failed"):
-        eng.forward_backward_batch(td, None, forward_only=True)
-    assert eng.r3_replayer.steps[-1].closed and eng._r3_step is None and SAMPLE_KEY not in td.keys()
-    eng.fail = False
-    assert eng.forward_backward_batch(td, None, forward_only=True)["model_output"][ROUTES_KEY] is not None
+def _reference(ctx) -> dict:
+    """verl's reference engine and the LoRA ``disable_adapter`` pass route natively: same
+    choices as chunks no driver was ever attached to; nothing installed, nothing recorded."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY
+
+    _, base, td = _setup(ctx, "off")
+    _, native = _run(base, td, forward_only=True)
+    maps = [c.routing_map for c in native.calls]
+    res: dict = {"off_replayer": base.r3_replayer is None}
+
+    def same_as_native(probe) -> bool:
+        return len(probe.calls) == len(maps) and all(torch.equal(c.routing_map, m) for c, m in zip(probe.calls, maps))
+
+    _, ref, _ = _setup(ctx, "R3", reference=True)
+    out, probe = _run(ref, td, forward_only=True)
+    res["ref"] = dict(replayer=ref.r3_replayer is None, native=same_as_native(probe), results=len(ref.r3_runner.results),
+                      keys=sorted(out["model_output"]), metrics=sorted(out["metrics"]))
+    for mode in ("R3", "R2"):
+        _, eng, data = _setup(ctx, mode)
+        if mode == "R2":
+            data.pop(ROUTES_KEY)                            # a reference pass needs no routes either
+        # the LoRA wrapper verl's disable_adapter delegates to: the harness model has no adapter
+        eng.peft_cls = SimpleNamespace(disable_adapter=lambda module: contextlib.nullcontext())
+        with eng.disable_adapter():
+            out, probe = _run(eng, data, forward_only=True)
+        res[mode] = dict(native=same_as_native(probe), results=len(eng.r3_runner.results),
+                         active=eng.r3_replayer.active_step is not None, keys=sorted(out["model_output"]),
+                         metrics=sorted(out["metrics"]), sample_key=SAMPLE_KEY in data.keys(),
+                         unmanaged=eng.r3_replayer.unmanaged_calls, calls=len(probe.calls))
+        # outside disable_adapter the same engine replays again (R3) or records (R2)
+        out, probe = _run(eng, data, forward_only=True)
+        res[mode].update(after=eng.r3_runner.results[-1].action.value, after_native=same_as_native(probe))
+    return res
+
+
+def _config_errors(ctx) -> dict:
+    """A batch without the routes the plan needs, or with routes an R2 recording would collide
+    with: ConfigError before any router runs, engine state clean."""
+    from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY
+    from r3bridge.errors import ConfigError
+
+    res = {}
+    for name, mode, with_routes, fo in (("r3_no_routes", "R3", False, True), ("r2_update_no_routes", "R2", False, False),
+                                        ("r2_record_with_routes", "R2", True, True)):
+        _, eng, td = _setup(ctx, mode)
+        if not with_routes:
+            td.pop(ROUTES_KEY)
+        try:
+            _run(eng, td, forward_only=fo)
+            err = None
+        except ConfigError as e:
+            err = str(e)
+        res[name] = dict(error=err, fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
+                         step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
+    return res
+
+
+def _schedule_failure(ctx) -> dict:
+    """A schedule that raises after its first micro-batch ran (the second installed, not yet
+    forwarded) leaves no hook, no open step, no held metrics; the engine then works."""
+    from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY
+
+    res = {}
+    for mode in ("R2", "R3"):
+        rollout, eng, td = _setup(ctx, mode)
+        if mode == "R2":
+            td.pop(ROUTES_KEY)
+        inner, calls = eng.inner, []
+        hooks_before = _hook_count(eng)
+
+        def failing(batch_iter, model, inner=inner, calls=calls):
+            calls.append(model)
+            if len(calls) == 2:
+                raise RuntimeError("schedule failed")
+            return inner(batch_iter, model)
+        eng.inner = failing
+        try:
+            _run(eng, td, forward_only=True)
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        eng.inner = inner
+        hooks = _hook_count(eng) - hooks_before
+        r = dict(error=err, steps_run=len(calls), hooks=hooks, active=eng.r3_replayer.active_step is not None,
+                 step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys(), results=len(eng.r3_runner.results))
+        out, probe = _run(eng, td, forward_only=True)
+        r["after"] = eng.r3_runner.results[-1].action.value
+        if mode == "R2":
+            r["recorded"] = len(out["model_output"][ROUTES_KEY].unbind())
+        else:
+            r["after_errors"], r["after_checked"] = _dispatch_errors(ctx, eng, probe, rollout.expected())
+            upd, _ = _run(eng, td, forward_only=False)
+            # only the clean compute_log_prob's metrics were held for this update
+            r["upd_logged"] = upd["metrics"]
+        res[mode] = r
+    return res
+
+
+ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_failure": _schedule_failure}
+PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch}
+
+
+LAYOUTS = [Layout(pp=2, vpp=2), Layout()]
+SCENARIOS = [PP2_VPP2, ONE_RANK]     # per layout
+
+
+def _scenarios(ctx) -> dict:
+    """This layout's scenarios' results. A scenario that raises ends the run at once (the spawn
+    kills the other rank, which may be waiting on it in the pipeline, and reports the traceback)."""
+    return {name: fn(ctx) for name, fn in SCENARIOS[ctx.layout_index].items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[list[dict]]:
+    """One pair of processes for both layouts (process start-up dominates this file's time):
+    ``runs[layout][rank]``. Under ``Layout()`` the two ranks are data-parallel replicas that
+    run the one-rank scenarios independently (nothing in them communicates)."""
+    return spawn_layouts(_scenarios, world_size=2, layouts=LAYOUTS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pp2_vpp2(runs) -> list[dict]:
+    """Per rank (rank 0: first stage, rank 1: last stage)."""
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank(runs) -> dict:
+    return runs[1][0]
+
+
+def _ranks(per_rank: list[dict], name: str) -> list[dict]:
+    return [r[name] for r in per_rank]
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_r3_replays_rollout_routes_in_log_prob_and_update(pp2_vpp2):
+    first, last = _ranks(pp2_vpp2, "r3")
+    for rank in (first, last):
+        for phase, want in (("compute_log_prob", "compute_log_prob"), ("update", "update")):
+            r = rank[phase]
+            assert (r["action"], r["phase"]) == ("replay", want)
+            # every router call of both chunks dispatched the rollout's routes of the samples
+            # verl packed into that micro-batch
+            assert r["errors"] == [] and r["checked"] > 0, r["errors"]
+            assert r["calls"] == r["routers"] * r["micro_batches"] > 0
+            assert r["metrics"]["r3bridge/coverage"] > 0.8
+        # verl's dynamic batching re-ordered the samples, differently in the two passes
+        orders = [rank[p]["order"] for p in ("compute_log_prob", "update")]
+        assert all(sorted(o) == list(range(BATCH)) for o in orders) and orders[0] != list(range(BATCH))
+        assert orders[0] != orders[1]
+        assert not rank["sample_key_left"] and rank["index_key"]
+    assert first["compute_log_prob"]["logged"] is None       # verl returns outputs from the last stage only
+    assert last["compute_log_prob"]["logged"] == {}          # compute_log_prob's metrics held for the update
+    logged, clp = last["update"]["logged"], last["compute_log_prob"]["metrics"]
+    assert logged["r3bridge/old_log_prob/coverage"] == [pytest.approx(clp["r3bridge/coverage"])]
+    assert logged["r3bridge/update/coverage"] == [pytest.approx(last["update"]["metrics"]["r3bridge/coverage"])]
+    assert logged["r3bridge/old_log_prob/agreement/mean"] == [pytest.approx(clp["r3bridge/agreement/mean"])]
+    # the driver's metrics are reduced over the pipeline: both stages report the same numbers
+    assert first["update"]["metrics"] == pytest.approx(last["update"]["metrics"])
+
+
+def test_r2_records_then_replays_its_own_routes_per_sample(pp2_vpp2):
+    ranks = _ranks(pp2_vpp2, "r2")
+    for r in ranks:
+        assert (r["rec_action"], r["upd_action"]) == ("record", "replay")
+        # verl gets the recording per sample, nested int16, in the batch's sample order
+        assert r["nested"] and r["dtype"] == "torch.int16" and r["num"] == BATCH
+        # and it is what this stage's routers chose for each sample in compute_log_prob
+        assert r["rec_errors"] == [] and r["rec_rows"] > 0, r["rec_errors"]
+        # the update, re-partitioned by verl, dispatched each sample's recorded routes
+        assert r["upd_errors"] == [] and r["upd_checked"] > 0, r["upd_errors"]
+        assert r["rec_order"] != list(range(BATCH)) and r["upd_order"] != r["rec_order"]
+        assert not r["sample_key_left"]
+        assert r["upd_metrics"]["r3bridge/agreement/mean"] == pytest.approx(1.0)
+    last = ranks[1]
+    assert last["max_logprob_diff"] < 1e-5                   # replaying the recording reproduces its log-probs
+    m = last["upd_logged"]
+    assert m["r3bridge/update/agreement/mean"] == [pytest.approx(1.0)]
+    assert m["r3bridge/update/coverage"] == [pytest.approx(last["upd_metrics"]["r3bridge/coverage"])]
+    assert not any(k.startswith("r3bridge/old_log_prob/agreement") for k in m)   # RECORD has no agreement
+
+
+def test_reference_passes_never_replay(one_rank):
+    r = one_rank["reference"]
+    assert r["off_replayer"]
+    ref = r["ref"]
+    # verl's reference engine gets no driver; its routers choose what unattached chunks choose
+    assert ref["replayer"] and ref["native"] and ref["results"] == 0
+    assert "routed_experts" not in ref["keys"] and not any(k.startswith("r3bridge/") for k in ref["metrics"])
+    for mode, after in (("R3", "replay"), ("R2", "record")):
+        m = r[mode]
+        # the LoRA reference pass inside the actor: native routing, no step, no recording
+        assert m["native"] and m["results"] == 0 and not m["active"] and not m["sample_key"], (mode, m)
+        assert "routed_experts" not in m["keys"] and not any(k.startswith("r3bridge/") for k in m["metrics"])
+        assert m["unmanaged"] == m["calls"] > 0          # the attached routers saw the pass, outside any step
+        assert m["after"] == after
+    assert not r["R3"]["after_native"]                   # the R3 replay really changes the routing
+
+
+def test_missing_or_conflicting_routes_are_config_errors(one_rank):
+    r = one_rank["config_errors"]
+    for name, words in (("r3_no_routes", ["replay_mode=R3", "'routed_experts'",
+                                          "actor_rollout_ref.rollout.enable_rollout_routing_replay"]),
+                        ("r2_update_no_routes", ["replay_mode=R2", "'routed_experts'",
+                                                 "algorithm.rollout_correction.bypass_mode=False"]),
+                        ("r2_record_with_routes", ["already carries 'routed_experts'",
+                                                   "actor_rollout_ref.rollout.enable_rollout_routing_replay=False"])):
+        c = r[name]
+        assert c["error"] is not None, name
+        for w in words:
+            assert w in c["error"], (name, c["error"])
+        # raised before verl's schedule: no forward step, no open step, no sample index left
+        assert c["fed"] == 0 and not c["active"] and not c["step"] and not c["sample_key"], (name, c)
+
+
+def test_mismatch_metrics_and_other_stages(pp2_vpp2):
+    first, last = _ranks(pp2_vpp2, "mismatch")
+    assert first["first_stage_output"] == {}                 # not the last stage: verl's output is empty
+    for p_first, p_last in zip(first["passes"], last["passes"]):
+        assert p_first["logp_output"] == {} and p_first["upd_output"] == {}
+        # both stages' drivers ran the pass and agree on its metrics
+        assert p_first["driver"] == pytest.approx(p_last["driver"]) and p_first["driver"]["r3bridge/coverage"] > 0.8
+    for p in last["passes"]:                                 # padded, then TransferQueue-nested fields
+        assert p["logp_logged"] == {}
+        for k, v in p["want"].items():
+            assert p["logged"][k] == [pytest.approx(v, abs=1e-6)], k
+        assert p["want"]["r3bridge/old_log_prob/mismatch/k3_kl"] > 0
+        assert any(k.startswith("r3bridge/update/mismatch/") for k in p["want"])
+        # every compute_log_prob since the last update is logged with it, this pass's last
+        assert p["logged"]["r3bridge/old_log_prob/coverage"][-1] == pytest.approx(p["driver"]["r3bridge/coverage"])
+
+
+def test_schedule_failure_frees_state(one_rank):
+    r = one_rank["schedule_failure"]
+    for mode, after in (("R2", "record"), ("R3", "replay")):
+        m = r[mode]
+        assert m["error"] == "schedule failed" and m["steps_run"] == 2, (mode, m)
+        assert m["hooks"] == 0 and not m["active"] and not m["step"] and not m["sample_key"], (mode, m)
+        assert m["results"] == 0, (mode, m)                 # no phase result from the failed pass
+        assert m["after"] == after
+    assert r["R2"]["recorded"] == BATCH
+    assert r["R3"]["after_errors"] == [] and r["R3"]["after_checked"] > 0
+    logged = r["R3"]["upd_logged"]
+    assert len(logged["r3bridge/old_log_prob/coverage"]) == 1     # the failed pass held nothing
