@@ -9,11 +9,12 @@ and ``"recorded"`` for R2 (the driver checks it against the phase).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError
+from r3bridge.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
+from r3bridge.errors import CoverageError
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source", "nonzero_rows",
@@ -94,18 +95,3 @@ def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tenso
         return torch.ones(routes.shape[:-2], dtype=torch.bool, device=routes.device)
     return (routes != 0).flatten(-2).any(-1)
 
-
-def moe_layers_of(routes: torch.Tensor, moe_layer_ids: Sequence[int], *, layer_dim: int,
-                  num_hidden_layers: Optional[int], field: str = "routes") -> torch.Tensor:
-    """The MoE layers of a routes tensor whose ``layer_dim`` axis is every decoder layer (engines
-    report all of them, dense ones as zero rows), selected by id, never by offset.
-    ``num_hidden_layers`` (``None``: not checked) must be that axis's size: otherwise engine and
-    trainer describe different models. ``field`` names the tensor in errors."""
-    nl = int(routes.shape[layer_dim])
-    if num_hidden_layers is not None and nl != int(num_hidden_layers):
-        raise LayerMappingError(f"{field} has {nl} layers but the model has num_hidden_layers={int(num_hidden_layers)} "
-                                f"(engine and trainer disagree)")
-    moe = [int(i) for i in moe_layer_ids]
-    if moe and not 0 <= min(moe) <= max(moe) < nl:
-        raise LayerMappingError(f"MoE layers {moe} out of range for the {nl} layers {field} reports")
-    return routes.index_select(layer_dim, torch.tensor(moe, dtype=torch.long, device=routes.device))

@@ -19,14 +19,32 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
 
-__all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "padded_rows"]
+__all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
+           "padded_rows"]
+
+
+def moe_layers_of(routes: Any, moe_layer_ids: Sequence[int], *, layer_dim: int,
+                  num_hidden_layers: Optional[int] = None, field: str = "routes") -> Any:
+    """The MoE layers of an array / tensor whose ``layer_dim`` axis is every decoder layer (engines
+    report all of them, dense ones as zero rows), selected by id, never by offset.
+    ``num_hidden_layers`` (``None``: not checked) must be that axis's size: otherwise engine and
+    trainer describe different models. ``field`` names the routes in errors."""
+    nl = int(routes.shape[layer_dim])
+    if num_hidden_layers is not None and nl != int(num_hidden_layers):
+        raise LayerMappingError(f"{field} has {nl} layers but the model has num_hidden_layers={int(num_hidden_layers)} "
+                                f"(engine and trainer disagree)")
+    ids = [int(i) for i in moe_layer_ids]
+    if ids and not 0 <= min(ids) <= max(ids) < nl:
+        raise LayerMappingError(f"{field}: MoE layers {ids} out of range for {nl} reported layers")
+    # list indexing copies (numpy and torch): read-only engine buffers are never aliased
+    return routes[(slice(None),) * layer_dim + (ids,)]
 
 
 def select_layers(arr: Any, moe_layer_ids: Sequence[int] | None, seq: int, what: str) -> Any:
@@ -35,10 +53,7 @@ def select_layers(arr: Any, moe_layer_ids: Sequence[int] | None, seq: int, what:
         raise RouteShapeError(f"sequence {seq}: {what} routes must be [rows, layers, topk], got shape {tuple(arr.shape)}")
     if moe_layer_ids is None:
         return arr
-    ids = list(moe_layer_ids)
-    if ids and (max(ids) >= arr.shape[1] or min(ids) < 0):
-        raise LayerMappingError(f"sequence {seq}: moe_layer_ids {ids} out of range for {arr.shape[1]} reported layers")
-    return arr[:, ids, :]  # fancy indexing copies: read-only engine buffers are never aliased
+    return moe_layers_of(arr, moe_layer_ids, layer_dim=1, field=f"sequence {seq}")
 
 
 def decode_vllm_routes(payload: Any, *, seq: int = 0) -> np.ndarray | torch.Tensor:

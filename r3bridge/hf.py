@@ -120,7 +120,7 @@ def moe_layer_ids_from_hf_config(hf_config: Any) -> list[int]:
     return list(layers)                                   # Mixtral, gpt-oss, MiniMax, ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelInfo:
     """What an adapter needs to know about the model to read engine routes: the expert count, the
     MoE layers (engines report every decoder layer, dense ones zero), the decoder layer count and
@@ -131,11 +131,10 @@ class ModelInfo:
     num_layers: int = 0
     topk: Optional[int] = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_experts", int(self.num_experts))
-        object.__setattr__(self, "moe_layer_ids", [int(i) for i in self.moe_layer_ids])
-        object.__setattr__(self, "num_layers", int(self.num_layers))
-        object.__setattr__(self, "topk", None if self.topk is None else int(self.topk))
+    def __post_init__(self) -> None:     # framework configs hand numpy / tensor ints
+        self.num_experts, self.num_layers = int(self.num_experts), int(self.num_layers)
+        self.moe_layer_ids = [int(i) for i in self.moe_layer_ids]
+        self.topk = None if self.topk is None else int(self.topk)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelInfo":

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from r3bridge.canonical import canonical_form
-from r3bridge.decoders import decode_sglang_routes, sglang_rows
-from r3bridge.errors import LayerMappingError, PayloadError, StitchError
+from r3bridge.decoders import decode_sglang_routes, select_layers, sglang_rows
+from r3bridge.errors import PayloadError, StitchError
 from r3bridge.ingest import first_seen_rows, stitch
 from r3bridge.schema import ReplayBatch
 
@@ -49,9 +49,7 @@ def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) 
 
 def _piece(arr: np.ndarray, *, num_experts: int, moe_layer_ids: Sequence[int], rows: Optional[int] = None) -> ReplayBatch:
     moe = list(moe_layer_ids)
-    if moe and max(moe) >= arr.shape[1]:
-        raise LayerMappingError(f"MoE layers {moe} out of range for {arr.shape[1]} reported layers")
-    a = arr[: arr.shape[0] if rows is None else rows][:, moe, :]
+    a = select_layers(arr[: arr.shape[0] if rows is None else rows], moe, 0, "SGLang")
     return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, source="rollout")
 
 

@@ -77,10 +77,18 @@ class SkyRLReplay:
         # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
         self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True)
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
-        self.recorded: Optional[ReplayBatch] = None
         self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
-        self.metrics: dict[str, float] = {}         # the last schedule run's, as the driver names them
         self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last schedule run's metrics, as the driver names them."""
+        return {} if self.result is None else dict(self.result.metrics)
+
+    @property
+    def recorded(self) -> Optional[ReplayBatch]:
+        """The last schedule run's R2 recording (real samples, sample-id order)."""
+        return None if self.result is None else self.result.recorded
 
     def add_metrics(self, metrics_list: Any) -> Any:
         """Put the tagged metrics (``r3bridge/update/coverage``, ...) into each micro-batch's metrics
@@ -97,7 +105,7 @@ class SkyRLReplay:
         plan = self.runner.plan(phase)
         mbs = [dict(m) for m in micro_batches]
         carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
-        self.recorded, self.metrics, self.result = None, {}, None
+        self.result = None
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
@@ -113,12 +121,10 @@ class SkyRLReplay:
         with self.runner.run(phase, forward_only=forward_only, targets=install, chunks=self.chunks,
                              num_micro_batches=len(mbs)) as ps:
             out = call(mbs)
-        self.metrics = dict(ps.result.metrics)
+        self.result = ps.result
+        logged = self.runner.metrics_to_log(ps.result)     # compute_log_prob's are held for the update
         if phase is Phase.UPDATE:
-            self.log_metrics = {k: sum(v) / len(v) for k, v in self.runner.metrics_to_log(ps.result).items()}
-        else:
-            self.runner.metrics_to_log(ps.result)
-        self.recorded, self.result = ps.result.recorded, ps.result
+            self.log_metrics = {k: sum(v) / len(v) for k, v in logged.items()}
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:

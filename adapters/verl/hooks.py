@@ -165,10 +165,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         seq_lens = input_ids.offsets().diff().tolist()
         routes, sample_ids = None, None
         if self._r3_step.action is Action.REPLAY:
-            source = "recorded" if self.r3_config.replay_mode is ReplayMode.R2 else "rollout"
             m = self.r3_model
             routes = replay_batch_from_tensordict(
-                batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=source,
+                batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
                 num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows)
         else:
             sample_ids = batch[SAMPLE_KEY].tolist()
