@@ -3,7 +3,7 @@
 The rollout engine is HuggingFace transformers (a tiny Qwen3-MoE sampling with ``generate()``,
 routes reported as vLLM / SGLang report them, weights lagging the trainer); the trainer is the same
 model converted to megatron-core. One gloo process per rank on CPU (``--tp/--pp/--vpp/--ep/--cp``);
-the rank work is in :mod:`r3bridge.testing.demo_job`. Prints a table (or, with ``--json``, exactly
+the rank work is in :mod:`r3bridge.demo.job`. Prints a table (or, with ``--json``, exactly
 one JSON object: ``{"<mode>": {"route_agreement", "k3_kl", "abs_diff", "F2", "F5",
 "replay_coverage"}}``) and writes a PNG (per-step agreement and k3 KL, per-layer agreement) when
 matplotlib is installed.
@@ -127,7 +127,7 @@ def _have_matplotlib() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from r3bridge.testing.demo_job import DemoOptions, layout_problem, run_demo
+    from r3bridge.demo.job import DemoOptions, layout_problem, run_demo
     from r3bridge.testing.dist import spawn
 
     problem = layout_problem(args.tp, args.pp, args.vpp, args.ep, args.cp, args.steps)

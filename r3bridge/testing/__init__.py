@@ -1,7 +1,10 @@
-"""CPU test harness: real megatron-core 0.16.1 GPT+MoE models on gloo ranks.
+"""The adapter author's kit: real megatron-core GPT+MoE models on gloo ranks, and the conformance checks.
 
-Test-only. Nothing here is imported by product code, and the CPU shims are installed only
-inside processes started by :func:`dist.spawn` (see docs/testing-harness.md).
+What ships for whoever writes an adapter (docs/porting.md). Product code imports only the harness
+pieces the demo's CPU ranks run on (``dist``, ``models``, ``data``, ``schedule``, ``probe``), and
+the CPU shims are installed only inside processes started by :func:`dist.spawn` (see
+docs/testing-harness.md). r3bridge's own framework runners are not here: they live in the
+repository's ``testlab/`` and are not shipped.
 
 Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megatron-free):
 

@@ -36,9 +36,9 @@ from r3bridge.adapters.areal import (
 )
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
-from r3bridge.testing.areal_env import import_areal
-from r3bridge.testing.areal_rollout import FakeSGLang  # the same fake server the real-engine test uses
 from r3bridge.testing.conformance import CanonicalRollout
+from testlab.areal_env import import_areal
+from testlab.areal_rollout import FakeSGLang  # the same fake server the real-engine test uses
 
 __all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
 

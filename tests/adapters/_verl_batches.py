@@ -51,9 +51,9 @@ def make_verl_batch(prompt_lens, resp_lens, returned_rows=None, seed=0, P=6, R=5
 
 
 def verl_batch(rollout: CanonicalRollout):
-    """A canonical rollout as verl's trainer holds it (``r3bridge.testing.verl_job.padded_fields``),
+    """A canonical rollout as verl's trainer holds it (``testlab.verl_job.padded_fields``),
     through verl's ``left_right_2_no_padding``."""
-    from r3bridge.testing.verl_job import padded_fields
+    from testlab.verl_job import padded_fields
 
     fields = padded_fields(rollout)
     return left_right_2_no_padding(TensorDict(fields, batch_size=[rollout.batch_size]))

@@ -1,6 +1,6 @@
 """AReaL adapter, rollout + batch level, with AReaL 1.0.4's real data utilities and io structs.
 
-Imports go through ``r3bridge.testing.areal_env.import_areal`` (the adapter's importer, this
+Imports go through ``testlab.areal_env.import_areal`` (the adapter's importer, this
 process's logging tree kept). The real ``RemoteInfEngine`` / ``SGLangBackend`` path runs in
 tests/adapters/test_areal_real.py; ``tests/adapters/_areal_fixture.py`` reproduces the resubmit
 loop and decode line for line (``StandInInfEngine``) against a fake SGLang server producing
@@ -33,8 +33,8 @@ from r3bridge.adapters.areal import (  # noqa: E402
     trajectory_tensor,
 )
 from r3bridge.errors import PayloadError  # noqa: E402
-from r3bridge.testing.areal_env import import_areal  # noqa: E402
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
+from testlab.areal_env import import_areal  # noqa: E402
 
 data = import_areal("areal.utils.data")
 

@@ -6,7 +6,7 @@ runs two PPO steps in a row: ``compute_logp`` (``forward_batch``), ``compute_adv
 full recompute as AReaL's ``gradient_checkpointing`` default), on a tiny Qwen3-MoE that AReaL
 builds through mbridge (TE-free spec hook). Routes come from SGLang
 ``meta_info`` decoded by AReaL's own ``SGLangBackend``. Every router call, forward and recompute,
-is checked against the expected routes (r3bridge.testing.areal_runner). What stands in for what
+is checked against the expected routes (testlab.areal_runner). What stands in for what
 cannot run on this machine: docs/testing-harness.md, "AReaL's real engine".
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ MB = {(1, 1, None): dict(n_mbs=2, ppo_n_minibatches=2), (2, 1, None): dict(n_mbs
 
 
 def _cell(ctx, workdir):
-    from r3bridge.testing.areal_runner import run_steps
     from r3bridge.testing.conformance import make_rollout
+    from testlab.areal_runner import run_steps
 
     # 4 layers, layer 0 dense, 4 experts, top-2 (the model: the same, as a Qwen3-MoE through mbridge)
     rollout = make_rollout(11, batch_size=8, num_experts=4, topk=2, max_prompt=40)

@@ -8,18 +8,18 @@ after another:
 
 * verl 0.9.1: ``TrainingWorker.infer_batch`` / ``train_mini_batch`` on verl's Megatron engine
   (mbridge-built tiny Qwen3-MoE), routes in verl's padded ``routed_experts`` through its
-  ``left_right_2_no_padding``, dynamic-bsz THD micro-batches (``r3bridge.testing.verl_job``);
+  ``left_right_2_no_padding``, dynamic-bsz THD micro-batches (``testlab.verl_job``);
   later pipeline stages see verl's nested micro-batch, read in the same order;
 * SkyRL 0.3.0: ``MegatronModelWrapper.forward`` / ``forward_backward_mini_batch``, SkyRL's
   ``TrainingInputBatch`` with left-padding removal (BSHD) under TP2, SkyRL's THD packing (identity
   attention, alltoall, ``variable_seq_lengths``, as ``test_skyrl_real.py`` trains it) under PP,
-  the update re-ordered (``r3bridge.testing.skyrl_real``);
+  the update re-ordered (``testlab.skyrl_real``);
 * AReaL 1.0.4: ``MegatronPPOActor.compute_logp`` / ``ppo_update``, routes from SGLang ``meta_info``
-  through AReaL's ``SGLangBackend`` (``r3bridge.testing.areal_runner``).
+  through AReaL's ``SGLangBackend`` (``testlab.areal_runner``).
 
 Each runner maps every router row back to (sample, token) with the packing its framework really
 used, per chunk, and logs the dispatched top-k; the parent merges the ranks (under PP each stage
-logs the layers it holds) and compares (``r3bridge.testing.dispatch_records``).
+logs the layers it holds) and compares (``testlab.dispatch_records``).
 SkyRL also runs a second step on the rollout with one route changed: its records must differ from
 the other two at exactly that (sample, token, layer), in every pass.
 """
@@ -29,8 +29,8 @@ import importlib.util
 
 import pytest
 
-from r3bridge.testing.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
 from r3bridge.testing.dist import Layout, spawn_layouts
+from testlab.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
 
 for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
     assert importlib.util.find_spec(_mod) is not None, f"{_mod} is not installed: run `make install`"
@@ -53,7 +53,7 @@ def _rollout():
 
 
 def _verl(ctx, model_dir, rollout):
-    from r3bridge.testing import verl_job as vj
+    from testlab import verl_job as vj
 
     job = vj.JobLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, recompute=True)
     res = vj.run_training_worker(ctx, model_dir, job, "R3", 1, canonical=[rollout])
@@ -65,7 +65,7 @@ def _verl(ctx, model_dir, rollout):
 
 def _skyrl(ctx, rollouts):
     from r3bridge.testing.models import ModelSpec
-    from r3bridge.testing.skyrl_real import StepSpec, run_steps
+    from testlab.skyrl_real import StepSpec, run_steps
 
     if ctx.pp > 1:
         # SkyRL's PP path as test_skyrl_real.py trains it: THD packing (identity attention: megatron's
@@ -90,7 +90,7 @@ def _skyrl(ctx, rollouts):
 
 
 def _areal(ctx, workdir, rollout):
-    from r3bridge.testing.areal_runner import run_steps
+    from testlab.areal_runner import run_steps
 
     # n_mbs=1: one micro-batch per pass at TP2 (AReaL pads each to a 256-token page:
     # test_areal_real.py); under PP AReaL itself splits each pass into at least 2 * pp micro-batches
@@ -109,7 +109,7 @@ def _areal(ctx, workdir, rollout):
 def runs(tmp_path_factory):
     """{layout: {framework: per-rank results}}: each framework spawned on its own 2 ranks in turn,
     running both layouts in that one set of processes."""
-    from r3bridge.testing.verl_job import write_tiny_qwen3_moe
+    from testlab.verl_job import write_tiny_qwen3_moe
 
     rollout = _rollout()
     changed = with_route_changed(rollout, *CHANGED)
@@ -219,7 +219,7 @@ def _layout(tp=2):
 
 
 def test_router_rows_thd_sp():
-    from r3bridge.testing.dispatch_records import router_rows
+    from testlab.dispatch_records import router_rows
 
     # samples 4 and 2 packed (3 and 5 tokens, padded to 4 and 6), then a padding "sequence" of 2
     got = [list(zip(*(t.tolist() for t in router_rows([4, 2], [3, 5, 2], _layout(), tp_rank=r,
@@ -231,7 +231,7 @@ def test_router_rows_thd_sp():
 
 
 def test_router_rows_bshd_sp():
-    from r3bridge.testing.dispatch_records import router_rows
+    from testlab.dispatch_records import router_rows
 
     # [b=2, s=4] sequence-first rows (row = s * b + b_idx); SP splits s
     got = [list(zip(*(t.tolist() for t in router_rows([1, 0], [2, 3], _layout(), tp_rank=r, format="bshd",
@@ -244,7 +244,7 @@ def test_router_rows_bshd_sp():
 def test_log_and_merge_refuse_conflicts():
     import torch
 
-    from r3bridge.testing.dispatch_records import DispatchLog
+    from testlab.dispatch_records import DispatchLog
 
     def log(ids, rows=((0, 0), (0, 1))):
         lg = DispatchLog("x")
@@ -265,7 +265,7 @@ def test_compare_names_the_differing_route():
     """On records built from the rollout itself: agreement, then one id changed in one framework."""
     import torch
 
-    from r3bridge.testing.dispatch_records import DispatchLog
+    from testlab.dispatch_records import DispatchLog
 
     rollout = _rollout()
     exp, lens = rollout.expected(), [len(t) for t in rollout.tokens]

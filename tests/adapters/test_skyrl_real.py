@@ -6,7 +6,7 @@ THD path, interleaved 1F1B with a steady state: 4 update micro-batches of differ
 the p2p settings r3bridge requires at pp=2 with virtual stages (``batch_p2p_comm=False``,
 ``overlap_p2p_comm=True``: SkyRL's ``transformer_config_kwargs``; r3bridge.megatron.guards).
 The routing probe checks every router call, first passes and recomputes, against the routes that
-should be replayed (``r3bridge.testing.skyrl_real``)."""
+should be replayed (``testlab.skyrl_real``)."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +20,7 @@ PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]     # the update sees the samples in another 
 def _cell(ctx, cells):
     from r3bridge.testing.conformance import make_rollout
     from r3bridge.testing.models import ModelSpec
-    from r3bridge.testing.skyrl_real import StepSpec, run_steps
+    from testlab.skyrl_real import StepSpec, run_steps
 
     thd, spec_kw, step_kw = cells[(ctx.tp, ctx.pp)]
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity" if thd else "real",

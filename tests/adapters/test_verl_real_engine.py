@@ -3,7 +3,7 @@
 Nothing of verl is stood in for: the job config is verl's own ``ppo_megatron_trainer.yaml``
 (hydra), ``import verl`` loads the adapter through the ``verl.plugins`` entry point,
 ``EngineRegistry`` hands out ``R3BridgeMegatronEngine``, verl builds the model through mbridge
-(TE-free spec swapped in by ``r3bridge.testing.mbridge_spec``), splits mini-batches (shuffled)
+(TE-free spec swapped in by ``testlab.mbridge_spec``), splits mini-batches (shuffled)
 and dynamic-bsz micro-batches (re-ordered), runs megatron's schedules (no pipelining,
 interleaved 1F1B) and its optimizer. Workers: ``TrainingWorker`` (``infer_batch``,
 ``train_mini_batch`` -> ``train_batch``) and ``ActorRolloutRefWorker`` (actor and reference in one
@@ -18,8 +18,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from r3bridge.testing import verl_job as vj
 from r3bridge.testing.dist import spawn
+from testlab import verl_job as vj
 
 ENGINE = "R3BridgeMegatronEngine"
 STEPS = 2

@@ -1,10 +1,10 @@
-"""The TE-free mbridge hook (r3bridge.testing.mbridge_spec) on its own: scoped, restoring."""
+"""The TE-free mbridge hook (testlab.mbridge_spec) on its own: scoped, restoring."""
 from __future__ import annotations
 
 import pytest
 from mbridge.core import bridge as mb_bridge  # installed by `make install`
 
-from r3bridge.testing import mbridge_spec
+from testlab import mbridge_spec
 
 
 def test_registry_swapped_inside_and_restored_after():

@@ -1,7 +1,7 @@
 """R3 with a real, independent rollout engine (HF transformers Qwen3-MoE, bf16 weights) against
 the converted megatron-core trainer on 1 rank, TP2, PP2 x VPP2, CP2 (MoE-only layers) and EP2.
 
-Per layout, in one process set (r3bridge/testing/hf_checks.py): the converter's model computes the
+Per layout, in one process set (testlab/hf_checks.py): the converter's model computes the
 HF model's log-probs and top-k sets (fp32, same weights); then off and R3 training passes over a
 rollout from real generate() calls (batched left-padded prompts, a multi-turn sample, an aborted and
 resubmitted request, a sample with a tail no call routed), routes reaching the trainer only through
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from r3bridge.testing.dist import Layout, spawn_layouts
-from r3bridge.testing.hf_checks import conformance_rank
+from testlab.hf_checks import conformance_rank
 
 LAYOUTS = {"1rank": (1, Layout()), "tp2": (2, Layout(tp=2)), "pp2_vpp2": (2, Layout(pp=2, vpp=2)),
            "cp2": (2, Layout(cp=2)), "ep2": (2, Layout(ep=2))}

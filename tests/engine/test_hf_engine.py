@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from r3bridge import ReplayBatch
-from r3bridge.testing.hf_checks import hf_logprobs, run_rollout
-from r3bridge.testing.hf_engine import HFEngine, build_hf_model, tiny_deepseek_v3_config, tiny_qwen3_moe_config
+from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_deepseek_v3_config, tiny_qwen3_moe_config
+from testlab.hf_checks import hf_logprobs, run_rollout
 
 
 @pytest.fixture(scope="module")

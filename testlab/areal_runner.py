@@ -1,8 +1,8 @@
 """One AReaL training step after another on the real engine, every router call checked (tests only).
 
-Rollout: :func:`r3bridge.testing.areal_rollout.trajectories` (AReaL's own ``SGLangBackend``
+Rollout: :func:`testlab.areal_rollout.trajectories` (AReaL's own ``SGLangBackend``
 decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``). Trainer:
-:func:`r3bridge.testing.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
+:func:`testlab.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
 mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs
 ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss and optimizer
 step) per step under a :class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call,
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from r3bridge.adapters.areal.hooks import MB_KEY
-from r3bridge.testing.areal_env import import_areal
 from r3bridge.testing.conformance import CanonicalRollout
+from testlab.areal_env import import_areal
 
 __all__ = ["run_steps"]
 
@@ -56,10 +56,10 @@ class _PassLog:
 def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log: Any = None, step: int = 0
                 ) -> tuple[list, list, int]:
     """Every router call of one pass against ``expected`` (ReplayBatch in batch order); ``log``
-    (a :class:`~r3bridge.testing.dispatch_records.DispatchLog`) gets every real row's dispatch."""
+    (a :class:`~testlab.dispatch_records.DispatchLog`) gets every real row's dispatch."""
     from r3bridge.schema import ReplayBatch
     from r3bridge.sharding import shard
-    from r3bridge.testing.dispatch_records import router_rows
+    from testlab.dispatch_records import router_rows
 
     errors, records, checked = [], [], 0
     seen: dict[tuple, int] = {}
@@ -108,13 +108,13 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
     samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids), ``dispatch`` (this
-    rank's :class:`~r3bridge.testing.dispatch_records.DispatchRecords`: every real token's
+    rank's :class:`~testlab.dispatch_records.DispatchRecords`: every real token's
     dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks)."""
-    from r3bridge.testing.areal_engine import chunks_of, make_actor
-    from r3bridge.testing.areal_rollout import trajectories
-    from r3bridge.testing.dispatch_records import DispatchLog
-    from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
     from r3bridge.testing.probe import RoutingProbe
+    from testlab.areal_engine import chunks_of, make_actor
+    from testlab.areal_rollout import trajectories
+    from testlab.dispatch_records import DispatchLog
+    from testlab.mbridge_spec import tiny_qwen3_moe
 
     st = import_areal("areal.utils.stats_tracker")
     hf = tiny_qwen3_moe(num_layers=rollout.num_layers,

@@ -1,6 +1,6 @@
 """What verl 0.9.1's Megatron engine and workers need on a CPU-only gloo rank, for tests only.
 
-Used by :mod:`r3bridge.testing.verl_job` inside processes started by ``dist.spawn`` (after
+Used by :mod:`testlab.verl_job` inside processes started by ``dist.spawn`` (after
 :func:`r3bridge.testing.cpu_shim.apply`). Each shim exists only because there is no CUDA device
 or no Transformer Engine here, and none changes what verl does with batches, micro-batches or
 schedules (docs/testing-harness.md lists them):
@@ -30,7 +30,7 @@ schedules (docs/testing-harness.md lists them):
   and gradient clipping asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``
   (``clip_grads.py:167``); verl's ``McoreEngineConfig`` allows only bf16 / fp16 params. Only
   ``type()``'s string changes: the tensors stay CPU tensors.
-* :func:`build_shims` (around a worker's ``reset()`` / ``init_model()``): :func:`apply` plus :func:`r3bridge.testing.mbridge_spec.te_free_bridges`.
+* :func:`build_shims` (around a worker's ``reset()`` / ``init_model()``): :func:`apply` plus :func:`testlab.mbridge_spec.te_free_bridges`.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _cpu_device_name(device: Any = None) -> str:
 def apply() -> list[str]:
     """Install the process-wide part (idempotent); returns the shim names."""
     if torch.cuda.is_available():  # pragma: no cover - CPU harness only
-        raise RuntimeError("r3bridge.testing.verl_cpu is for CPU-only processes")
+        raise RuntimeError("testlab.verl_cpu is for CPU-only processes")
     if not _APPLIED:
         from megatron.core import utils as mcore_utils
         from megatron.core.optimizer import clip_grads, grad_scaler
@@ -98,7 +98,7 @@ def _shim_tensor_type() -> None:
 @contextlib.contextmanager
 def build_shims(**bridge_kwargs: Any) -> Iterator[None]:
     """Around a verl worker's ``reset()`` / ``init_model()``: TE-free mbridge models, CPU optimizer."""
-    from r3bridge.testing.mbridge_spec import te_free_bridges
+    from testlab.mbridge_spec import te_free_bridges
 
     apply()
     with te_free_bridges(**bridge_kwargs):

@@ -48,7 +48,7 @@ class StandInUsed(RuntimeError):
 
 def _unavailable(what: str):
     def call(*args: Any, **kwargs: Any) -> Any:
-        raise StandInUsed(f"{what} is a test stand-in (r3bridge.testing.areal_env): the tested AReaL path "
+        raise StandInUsed(f"{what} is a test stand-in (testlab.areal_env): the tested AReaL path "
                           f"must not reach it")
     call.__name__ = what.rsplit(".", 1)[-1]
     return call

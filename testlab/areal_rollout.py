@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3bridge.testing.areal_env import import_areal
 from r3bridge.testing.conformance import CanonicalRollout
+from testlab.areal_env import import_areal
 
 __all__ = ["FakeSGLang", "ResubmitLoop", "trajectories"]
 

@@ -16,7 +16,7 @@ What is not AReaL's (each for a reason that exists only on a CPU machine without
   torch 2.13 raises "Cannot access accelerator device when none is available"), which every later
   ``with self.device:`` and ``.to(self.device)`` use. It sets the same state with a CPU device.
 * the bridge is mbridge's registered Qwen3-MoE bridge with the TE-free spec hook
-  (:mod:`r3bridge.testing.mbridge_spec`, shared with verl's test); its seeded ``load_weights``
+  (:mod:`testlab.mbridge_spec`, shared with verl's test); its seeded ``load_weights``
   replaces AReaL's ``_load_model_from_hf`` (there is no safetensors checkpoint).
 * megatron's ``FP32Optimizer`` allocates its loss scale with a literal ``device='cuda'``
   (``optimizer/optimizer.py:907``), the grad norm ``step`` always computes does too
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from r3bridge.testing.areal_env import import_areal
-from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
+from testlab.areal_env import import_areal
+from testlab.mbridge_spec import tiny_qwen3_moe
 
 __all__ = ["make_actor", "build_through_mbridge", "initialize_on_cpu", "chunks_of", "ENGINE_KW"]
 
@@ -125,12 +125,12 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
     ``_build_hf_mcore_bridge`` (``mbridge.AutoBridge.from_pretrained`` of a checkpoint directory
     holding ``hf_config``, recompute options from AReaL's config), ``make_hf_and_mcore_config``,
     ``configure_pipeline_layer_splits``, ``make_mcore_model`` (``bridge.get_model`` with AReaL's
-    DDP options), all inside :func:`r3bridge.testing.mbridge_spec.te_free_bridges` (megatron's
+    DDP options), all inside :func:`testlab.mbridge_spec.te_free_bridges` (megatron's
     local TE-free layer spec, MoE-only layers as the harness's ``attention='identity'``). Weights:
     the bridge's ``load_weights`` (the harness's seeded init) instead of AReaL's
     ``_load_model_from_hf``, which reads safetensors shards (there is no checkpoint). Sets
     ``engine.bridge``, ``hf_config``, ``tf_config``; returns the DDP-wrapped chunks."""
-    from r3bridge.testing.mbridge_spec import te_free_bridges
+    from testlab.mbridge_spec import te_free_bridges
 
     registry = import_areal("areal.models.mcore.registry")
     pls = import_areal("areal.engine.megatron_utils.pipeline_parallel")
@@ -179,6 +179,6 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
 
 def chunks_of(engine: Any) -> list:
     """The GPTModel chunks inside the engine's DDP wrappers (what the routing probe walks)."""
-    from r3bridge.testing.mbridge_spec import _unwrap
+    from testlab.mbridge_spec import _unwrap
 
     return [_unwrap(m) for m in engine.model]

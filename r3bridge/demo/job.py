@@ -1,5 +1,5 @@
 """What every rank of ``r3bridge demo`` runs: a tiny RL loop with a real, independent rollout
-engine (HF transformers Qwen3-MoE, :mod:`r3bridge.testing.hf_engine`) and the same model
+engine (HF transformers Qwen3-MoE, :mod:`r3bridge.demo.hf_engine`) and the same model
 converted to megatron-core as the trainer, once per replay mode.
 
 Per step and mode (each mode keeps its own weights lineage):
@@ -31,13 +31,8 @@ import numpy as np
 import torch
 
 from r3bridge.config import Phase, phase_plan
-from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
-from r3bridge.testing.data import align_for
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
-from r3bridge.testing.hf_to_mcore import (
+from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
+from r3bridge.demo.hf_to_mcore import (
     gather_full_state,
     hf_to_mcore,
     mcore_to_hf,
@@ -45,6 +40,11 @@ from r3bridge.testing.hf_to_mcore import (
     spec_from_hf,
     zero_attention,
 )
+from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
+from r3bridge.schema import ReplayBatch
+from r3bridge.sharding import shard
+from r3bridge.testing.data import align_for
+from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import build_model_chunks, load_reference_state
 from r3bridge.testing.probe import RoutingProbe
 from r3bridge.testing.schedule import make_forward_step, run_schedule

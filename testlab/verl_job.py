@@ -8,8 +8,8 @@ engine class comes out of ``EngineRegistry`` (the adapter is loaded by ``import 
 the ``verl.plugins`` entry point), workers are ``TrainingWorker`` / ``ActorRolloutRefWorker``,
 models are built by mbridge, and batches go through verl's ``left_right_2_no_padding`` and
 ``tu.assign_non_tensor`` as verl's trainer sends them. The CPU / no-TE shims are only
-:mod:`r3bridge.testing.cpu_shim`, :mod:`r3bridge.testing.verl_cpu` and
-:mod:`r3bridge.testing.mbridge_spec`.
+:mod:`r3bridge.testing.cpu_shim`, :mod:`testlab.verl_cpu` and
+:mod:`testlab.mbridge_spec`.
 
 Observation only: :class:`MicroBatchProbe` (forward pre-hooks on the model chunks: which
 samples, in which packed order, each chunk forward got) and the harness's
@@ -36,11 +36,11 @@ ID_BASE = 3                       # first prompt token of sample s is ID_BASE + 
 
 def write_tiny_qwen3_moe(path: str) -> str:
     """HF ``config.json`` + a word-level tokenizer of a tiny first-k-dense Qwen3-MoE (no weights:
-    the harness bridge sets seeded weights, :mod:`r3bridge.testing.mbridge_spec`)."""
+    the harness bridge sets seeded weights, :mod:`testlab.mbridge_spec`)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from r3bridge.testing.mbridge_spec import tiny_qwen3_moe
+    from testlab.mbridge_spec import tiny_qwen3_moe
 
     os.makedirs(path, exist_ok=True)
     words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
@@ -478,13 +478,13 @@ def _engine_state(engine: Any) -> list[str]:
 def log_dispatch(log: Any, step: int, phase: str, probe: Any, mb_probe: MicroBatchProbe, chunks: list,
                  lens: dict[int, int]) -> None:
     """Every real row of every router call of one pass into ``log`` (a
-    :class:`~r3bridge.testing.dispatch_records.DispatchLog`), mapped to (sample, token) with the
+    :class:`~testlab.dispatch_records.DispatchLog`), mapped to (sample, token) with the
     packing verl really used (the chunk forward's samples and padded ``cu_seqlens``; ``lens``:
     each sample's real token count)."""
     from megatron.core import parallel_state as ps
 
     from r3bridge.layout import ParallelLayout
-    from r3bridge.testing.dispatch_records import router_rows
+    from testlab.dispatch_records import router_rows
 
     layout = ParallelLayout.from_megatron(chunks[0].config)
     tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
@@ -540,7 +540,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     update), ``steps`` times, checking every router call. ``canonical``: one
     :class:`~r3bridge.testing.conformance.CanonicalRollout` per step instead of this module's own
     rollouts (``steps`` is then their number); the result's ``dispatch`` holds this rank's
-    :class:`~r3bridge.testing.dispatch_records.DispatchRecords` of every router row."""
+    :class:`~testlab.dispatch_records.DispatchRecords` of every router row."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -550,9 +550,9 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    from r3bridge.testing.dispatch_records import DispatchLog
     from r3bridge.testing.probe import RoutingProbe
-    from r3bridge.testing.verl_cpu import build_shims
+    from testlab.dispatch_records import DispatchLog
+    from testlab.verl_cpu import build_shims
 
     ps.destroy_model_parallel()           # verl's engine initialises model parallelism itself
     set_rank_env(ctx.rank, ctx.world_size)
@@ -619,7 +619,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
 
     from r3bridge.megatron.hook import RouterHook
     from r3bridge.testing.probe import RoutingProbe, find_routers
-    from r3bridge.testing.verl_cpu import build_shims
+    from testlab.verl_cpu import build_shims
 
     ps.destroy_model_parallel()
     set_rank_env(ctx.rank, ctx.world_size)

@@ -277,9 +277,9 @@ def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: S
 def log_dispatch(ctx: Any, log: Any, step: int, phase: str, calls: list, notes: list[list[dict]],
                  groups: Sequence[Sequence[int]], seq_lens: Sequence[int], layout: ParallelLayout) -> None:
     """Every real row of every router call into ``log`` (a
-    :class:`~r3bridge.testing.dispatch_records.DispatchLog`), mapped to (sample, token) with the
+    :class:`~testlab.dispatch_records.DispatchLog`), mapped to (sample, token) with the
     packing SkyRL really used (calls of one (chunk, layer, grad mode) run the micro-batches in order)."""
-    from r3bridge.testing.dispatch_records import router_rows
+    from testlab.dispatch_records import router_rows
 
     seen: dict[tuple[int, int, bool], int] = {}
     for call in calls:
@@ -318,9 +318,9 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
 
     from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
     from r3bridge.config import ReplayConfig
-    from r3bridge.testing.dispatch_records import DispatchLog
     from r3bridge.testing.models import build_model_chunks
     from r3bridge.testing.probe import RoutingProbe
+    from testlab.dispatch_records import DispatchLog
 
     chunks = build_model_chunks(spec, ctx)
     if step.remove_microbatch_padding:

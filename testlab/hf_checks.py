@@ -17,13 +17,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
+from r3bridge.demo.hf_to_mcore import hf_to_mcore, packed_from_tokens, router_settings, spec_from_hf, zero_attention
 from r3bridge.ingest import stitch
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.dist import RankContext
-from r3bridge.testing.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
-from r3bridge.testing.hf_to_mcore import hf_to_mcore, packed_from_tokens, router_settings, spec_from_hf, zero_attention
 from r3bridge.testing.models import build_model_chunks, load_reference_state
 from r3bridge.testing.probe import RoutingProbe
 
@@ -65,8 +65,8 @@ def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, tokens: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """HF forward over one sequence: log-probs of tokens 1.. and each MoE layer's top-k."""
+    from r3bridge.demo.hf_engine import _RouteRecorder
     from r3bridge.hf import moe_layer_ids_from_hf_config
-    from r3bridge.testing.hf_engine import _RouteRecorder
 
     rec = _RouteRecorder(model, moe_layer_ids_from_hf_config(model.config))
     try:
