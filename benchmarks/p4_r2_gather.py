@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -46,8 +45,8 @@ def rank_fn(ctx, args):
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
     from r3bridge.layout import ParallelLayout
+    from r3bridge.megatron.installed import InstalledMicroBatch
     from r3bridge.megatron.recorder import gather_recorded
-    from r3bridge.megatron.step import MicroBatch
     from r3bridge.schema import route_dtype
 
     pp, k = args.pp, args.topk
@@ -87,22 +86,21 @@ def rank_fn(ctx, args):
 
     # r3bridge's side: the hook narrows each router's ids as it records (step.py), then
     # gather_recorded does TP/CP/PP all-gathers and one pass into a per-sample ReplayBatch.
-    rep = SimpleNamespace(layout=layout, topk=k, num_experts=args.experts, device=dev,
-                          chunks=[SimpleNamespace(layer_ids=local)], pp_rank=ctx.pp_rank,
-                          groups={"pp": ps.get_pipeline_model_parallel_group(), "tp": None, "cp": None})
+    groups = {"pp": ps.get_pipeline_model_parallel_group(), "tp": None, "cp": None}
     narrow = route_dtype(args.experts)
 
     def r3bridge_path():
-        mb = MicroBatch(0, 0, total, total, lens, dict(format="thd", cu_seqlens_padded=None, seq_length=None),
+        mb = InstalledMicroBatch(0, 0, total, total, lens, dict(format="thd", cu_seqlens_padded=None, seq_length=None),
                         list(range(args.seqs)),
                         recorded={lid: router_idx[j].to(narrow) for j, lid in enumerate(local)})
-        return gather_recorded(rep, [mb])
+        return gather_recorded([mb], layout=layout, chunk_layer_ids=[local], pp_rank=ctx.pp_rank, groups=groups,
+                               num_experts=args.experts, topk=k, device=dev)
 
     payload = routes.to(narrow).permute(1, 0, 2).contiguous().reshape(-1).view(torch.uint8).to(dev)
 
     def floor_all_gather():   # the transport alone: r3bridge's payload, one all_gather, no unpacking
         parts = [torch.empty_like(payload) for _ in range(pp)]
-        dist.all_gather(parts, payload, group=rep.groups["pp"])
+        dist.all_gather(parts, payload, group=groups["pp"])
         return parts
 
     def sync():

@@ -6,21 +6,35 @@ forward the adapter forgot to wrap is visible in metrics instead of silently nat
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.megatron.replayer import Replayer
-
 TopkFn = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+
+
+class RouteStep(Protocol):
+    """The active replay step (a :class:`r3bridge.megatron.ReplayStep`): routes one router call."""
+
+    def route(self, chunk: int, layer: int, scores: torch.Tensor, topk: int, num_groups: Optional[int],
+              group_topk: Optional[int], native_fn: TopkFn) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class StepSlot(Protocol):
+    """Where the hook finds the active step (a :class:`r3bridge.megatron.Replayer`), and counts
+    the calls made outside any step."""
+
+    unmanaged_calls: int
+
+    @property
+    def active_step(self) -> Optional[RouteStep]: ...
 
 
 class RouterHook:
     """Duck-types megatron-core's ``RouterReplay`` for one router instance (never registered in
     megatron's process-global list)."""
 
-    def __init__(self, replayer: "Replayer", chunk: int, layer_id: int) -> None:
+    def __init__(self, replayer: StepSlot, chunk: int, layer_id: int) -> None:
         self.replayer = replayer
         self.chunk = chunk
         self.layer_id = layer_id

@@ -18,17 +18,15 @@ be re-partitioned freely.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from r3bridge.errors import ReplayStateError
+from r3bridge.layout import ParallelLayout
+from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import PackPlan, _as_words, assemble_gathered
-
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.megatron.replayer import Replayer
-    from r3bridge.megatron.step import MicroBatch
 
 
 def _all_gather(buf: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -44,10 +42,17 @@ def _all_gather(buf: torch.Tensor, group, size: int) -> torch.Tensor:
     return out.view(buf.dtype)
 
 
-def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch:
-    layout, k = rep.layout, rep.topk
-    dtype = route_dtype(rep.num_experts)
-    by_index: dict[int, list[MicroBatch]] = {}
+def gather_recorded(records: Sequence[InstalledMicroBatch], *, layout: ParallelLayout,
+                    chunk_layer_ids: Sequence[Sequence[int]], pp_rank: int, groups: Mapping[str, Any],
+                    num_experts: int, topk: int, device: torch.device) -> ReplayBatch:
+    """The per-sample routes that every rank recorded in ``records`` (this rank's finished
+    (chunk, micro-batch) records of one RECORD step).
+
+    ``chunk_layer_ids[c]``: the MoE layers whose routers chunk ``c`` of this rank holds;
+    ``groups``: the ``"tp"`` / ``"cp"`` / ``"pp"`` process groups (absent: a size-1 dimension);
+    ``device``: where the ids are gathered (NCCL refuses CPU tensors)."""
+    dtype = route_dtype(num_experts)
+    by_index: dict[int, list[InstalledMicroBatch]] = {}
     for mb in records:
         by_index.setdefault(mb.index, []).append(mb)
     indices = sorted(by_index)
@@ -57,31 +62,31 @@ def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch
     metas = []
     for m in indices:
         mbs = sorted(by_index[m], key=lambda x: x.chunk)
-        if len(mbs) != len(rep.chunks):
-            raise ReplayStateError(f"micro-batch {m} was recorded by {len(mbs)} of {len(rep.chunks)} chunks")
+        if len(mbs) != len(chunk_layer_ids):
+            raise ReplayStateError(f"micro-batch {m} was recorded by {len(mbs)} of {len(chunk_layer_ids)} chunks")
         metas.append(mbs)
     if not metas:
         raise ReplayStateError("R2 record step recorded no micro-batch")
     rows = [mbs[0].rows for mbs in metas]            # every TP/CP rank routes as many rows
     stage = [[lid for v in range(layout.vp_size) for lid in layout.moe_layers(p, v)] for p in range(layout.pp)]
-    payload_len = [sum(rows) * len(lids) * k for lids in stage]
+    payload_len = [sum(rows) * len(lids) * topk for lids in stage]
 
     # local payload, token-major: for each micro-batch [rows, this stage's layers (chunk by chunk), K],
     # stacked straight into the send buffer (each rank transposes only its own share)
-    n_local = payload_len[rep.pp_rank]
+    n_local = payload_len[pp_rank]
     max_len = max(payload_len)
-    padded = torch.empty(max_len, dtype=dtype, device=rep.device)
+    padded = torch.empty(max_len, dtype=dtype, device=device)
     padded[n_local:].zero_()                         # a stage with fewer layers pads its part
     off = 0
     for m, mbs in enumerate(metas):
-        layers = [mb.recorded.get(lid) for mb in mbs for lid in rep.chunks[mb.chunk].layer_ids]
-        if any(x is None or x.shape != (rows[m], k) for x in layers):
-            raise ReplayStateError(f"micro-batch {m}: a router's recorded ids are missing or not [{rows[m]}, {k}]")
-        n = rows[m] * len(layers) * k
+        layers = [mb.recorded.get(lid) for mb in mbs for lid in chunk_layer_ids[mb.chunk]]
+        if any(x is None or x.shape != (rows[m], topk) for x in layers):
+            raise ReplayStateError(f"micro-batch {m}: a router's recorded ids are missing or not [{rows[m]}, {topk}]")
+        n = rows[m] * len(layers) * topk
         if off + n > n_local:
             raise ReplayStateError(f"recorded payload exceeds the {n_local} ids the layout gives this stage")
         if layers:
-            dst = padded[off:off + n].view(rows[m], len(layers), k)
+            dst = padded[off:off + n].view(rows[m], len(layers), topk)
             # as machine words (a row's K ids in one int64 for top-8 uint8): 8x fewer elements
             src_w, dst_w = [_as_words(x.contiguous()) for x in layers], _as_words(dst)
             if all(x.shape[-1] == dst_w.shape[-1] for x in src_w):
@@ -92,14 +97,14 @@ def gather_recorded(rep: "Replayer", records: list["MicroBatch"]) -> ReplayBatch
     if off != n_local:
         raise ReplayStateError(f"recorded payload has {off} ids, expected {n_local}")
     tp_n = layout.tp if layout.sequence_parallel else 1
-    flat = _all_gather(padded, rep.groups.get("tp"), tp_n)
-    flat = _all_gather(flat, rep.groups.get("cp"), layout.cp)
-    flat = _all_gather(flat, rep.groups.get("pp"), layout.pp)
+    flat = _all_gather(padded, groups.get("tp"), tp_n)
+    flat = _all_gather(flat, groups.get("cp"), layout.cp)
+    flat = _all_gather(flat, groups.get("pp"), layout.pp)
     # flat = [pp][cp][tp][max_len ids]; a rank's part = [micro-batch][rows][its stage's layers][K]
 
     plans = [PackPlan.build(layout, mbs[0].seq_lens, **mbs[0].pack) for mbs in metas]
     batch = assemble_gathered(flat, layout, plans, [s for mbs in metas for s in mbs[0].sample_ids],
-                              num_experts=rep.num_experts, topk=k)
+                              num_experts=num_experts, topk=topk)
     # the per-sample batch goes back to the trainer's samples on the host, in one copy of the
     # compact routes
     return ReplayBatch(_to_host(batch.routes), batch.valid, batch.rows_per_seq, batch.start_rows, batch.layer_ids,

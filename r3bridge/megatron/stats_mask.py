@@ -20,21 +20,20 @@ Not masked, counted in the step's ``stats_unmasked_calls`` metric instead:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.megatron.step import MicroBatch, ReplayStep
+from r3bridge.megatron.installed import InstalledMicroBatch
 
 
-def _current(step: "ReplayStep", chunk: int, layer: int) -> Optional["MicroBatch"]:
-    """The micro-batch this router call belongs to, as ``ReplayStep.route`` will find it."""
-    mb = step._current[chunk]
-    if mb is not None:
-        return mb
-    q = step._recompute.get(layer)       # PendingRecompute entries, oldest first
-    return q[0].mb if q else None
+class RouterCalls(Protocol):
+    """The replay step, as the mask sees it: which micro-batch a router call belongs to, and a
+    count of the calls left unmasked (a :class:`r3bridge.megatron.ReplayStep`)."""
+
+    stats_unmasked: int
+
+    def micro_batch_of_call(self, chunk: int, layer: int) -> Optional[InstalledMicroBatch]: ...
 
 
 def _merge(existing: Optional[torch.Tensor], unrouted: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -42,22 +41,23 @@ def _merge(existing: Optional[torch.Tensor], unrouted: torch.Tensor, shape: torc
     return mask if existing is None else (existing.to(torch.bool) | mask)
 
 
-def attach(step: "ReplayStep") -> list[Any]:
-    """Register the pre-hooks on every decoder router of ``step``'s replayer; returns the handles."""
+def attach(routers: Sequence[Mapping[int, torch.nn.Module]], step: RouterCalls) -> list[Any]:
+    """Register the pre-hooks on every decoder router (``routers[chunk][layer]``) for ``step``;
+    returns the handles."""
     handles = []
-    for c, found in enumerate(step.replayer.chunks):
-        for layer, router in found.routers.items():
+    for c, chunk_routers in enumerate(routers):
+        for layer, router in chunk_routers.items():
             handles.append(router.register_forward_pre_hook(_hook(step, c, layer), with_kwargs=True))
     return handles
 
 
-def _hook(step: "ReplayStep", chunk: int, layer: int):
+def _hook(step: RouterCalls, chunk: int, layer: int):
     def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        mb = _current(step, chunk, layer)
+        mb = step.micro_batch_of_call(chunk, layer)
         if mb is None:
             return None
-        t = mb.targets
-        if t is None:
+        targets = mb.targets
+        if targets is None:
             # a non-reentrant recompute after its micro-batch's targets were freed: the step
             # re-derives the indices, but the validity mask is gone, so this call is not masked
             if mb.routes is not None and not mb.all_valid:
@@ -66,12 +66,12 @@ def _hook(step: "ReplayStep", chunk: int, layer: int):
         if mb.all_valid or not args:
             return None
         hidden = args[0]
-        if hidden.dim() < 2 or hidden.shape[0] * hidden.shape[1] != t.valid.shape[0]:
+        if hidden.dim() < 2 or hidden.shape[0] * hidden.shape[1] != targets.valid.shape[0]:
             return None                     # ReplayStep.route raises the row-count mismatch
         if not mb.batch_has_route or getattr(module, "enable_expert_bias", False):
             step.stats_unmasked += 1
             return None
-        unrouted = ~t.valid
+        unrouted = ~targets.valid
         if len(args) > 1:
             return (args[0], _merge(args[1], unrouted, hidden.shape), *args[2:]), kwargs
         return args, {**kwargs, "padding_mask": _merge(kwargs.get("padding_mask"), unrouted, hidden.shape)}

@@ -26,50 +26,52 @@ consumes (SkyRL #1908). Here:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from r3bridge._validate import locate
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.layout import ParallelLayout
+from r3bridge.megatron import stats_mask
+from r3bridge.megatron.discovery import ChunkRouters
+from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
+from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard
 
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.megatron.replayer import Replayer
 
+class StepHost(Protocol):
+    """What a :class:`ReplayStep` reads from the object that hands it out (a
+    :class:`r3bridge.megatron.Replayer`): the model's routers, this rank's place, the replay
+    options, and the slot holding the active step."""
 
-@dataclass
-class MicroBatch:
-    """One installed (chunk, micro-batch)."""
+    # the model's routers and this rank's place in the layout
+    chunks: list[ChunkRouters]
+    layer_chunk: dict[int, int]
+    layout: ParallelLayout
+    tp_rank: int
+    cp_rank: int
+    pp_rank: int
+    groups: dict[str, Any]
+    metrics_groups: list[Any]
+    num_experts: int
+    topk: int
+    # the replay options
+    agreement: bool
+    min_coverage: float
+    invalid_rows: str
+    metrics_prefix: str
+    mask_unrouted_rows: bool
+    # at most one step runs at a time; the router hooks forward to it
+    active_step: Optional[ReplayStep]
 
-    chunk: int
-    index: int
-    rows: int                                   # router rows on this rank
-    token_rows: int                             # of which real tokens (the rest is packing padding)
-    seq_lens: list[int]
-    pack: dict[str, Any]                        # format / cu_seqlens_padded / seq_length
-    sample_ids: list[int]
-    targets: Optional[ShardedTargets] = None    # REPLAY
-    all_valid: bool = True
-    batch_has_route: bool = True                # some row of the whole micro-batch (any rank) has a route
-    fwd_left: set[int] = field(default_factory=set)     # layers not yet routed in the forward
-    recompute_left: set[int] = field(default_factory=set)
-    recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
-    forwarded: bool = False
-    routes: Optional[ReplayBatch] = None        # REPLAY: re-derives a target for a late recompute
+    @property
+    def device(self) -> torch.device: ...
 
-
-@dataclass
-class PendingRecompute:
-    """A forward router call of a training step that a recompute may pair with."""
-
-    mb: MicroBatch
-    fingerprint: torch.Tensor                   # float32 [m] on the step's device
-    kept_target: bool                           # reentrant first pass: mb.targets keeps the layer
+    def chunk_index(self, model: torch.nn.Module | int) -> int: ...
 
 
 # Rows of the router scores summed into the fingerprint: enough spread to tell micro-batches
@@ -87,7 +89,7 @@ def fingerprint(scores: torch.Tensor) -> torch.Tensor:
 class ReplayStep:
     """Created by :meth:`Replayer.step`; use as a context manager."""
 
-    def __init__(self, replayer: "Replayer", action: Action | str, *, forward_only: bool,
+    def __init__(self, replayer: StepHost, action: Action | str, *, forward_only: bool,
                  source: str | None = None) -> None:
         self.replayer = replayer
         self.action = Action(action)
@@ -98,14 +100,14 @@ class ReplayStep:
         n = len(replayer.chunks)
         self._next_index = [0] * n
         self._next_sample = [0] * n
-        self._last: list[Optional[MicroBatch]] = [None] * n
-        self._current: list[Optional[MicroBatch]] = [None] * n
-        self._live: dict[tuple[int, int], MicroBatch] = {}
+        self._last: list[Optional[InstalledMicroBatch]] = [None] * n
+        self._current: list[Optional[InstalledMicroBatch]] = [None] * n
+        self._live: dict[tuple[int, int], InstalledMicroBatch] = {}
         self._recompute: dict[int, deque[PendingRecompute]] = {lid: deque() for lid in replayer.layer_chunk}
         # per recompute: (layer, chunk, micro-batch) and a device bool "fingerprint differs"
         self._pairings: list[tuple[int, int, int]] = []
         self._pair_mismatch: list[torch.Tensor] = []
-        self._done_records: list[MicroBatch] = []
+        self._done_records: list[InstalledMicroBatch] = []
         self._handles: list[Any] = []
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
@@ -123,9 +125,7 @@ class ReplayStep:
             self._handles.append(found.chunk.register_forward_pre_hook(self._make_pre(c)))
             self._handles.append(found.chunk.register_forward_hook(self._make_post(c)))
         if self.action is Action.REPLAY and self.replayer.mask_unrouted_rows:
-            from r3bridge.megatron import stats_mask
-
-            self._handles += stats_mask.attach(self)
+            self._handles += stats_mask.attach([found.routers for found in self.replayer.chunks], self)
         self.replayer.active_step = self
         return self
 
@@ -135,8 +135,11 @@ class ReplayStep:
                 self._check_drained()
                 self.metrics = self._finish_metrics()
                 if self.action is Action.RECORD:
-                    from r3bridge.megatron.recorder import gather_recorded
-                    self.recorded = gather_recorded(self.replayer, self._done_records)
+                    rep = self.replayer
+                    self.recorded = gather_recorded(
+                        self._done_records, layout=rep.layout, chunk_layer_ids=[found.layer_ids for found in rep.chunks],
+                        pp_rank=rep.pp_rank, groups=rep.groups, num_experts=rep.num_experts, topk=rep.topk,
+                        device=rep.device)
         finally:
             self.close()
 
@@ -188,7 +191,7 @@ class ReplayStep:
         plan = PackPlan.build(rep.layout, lens, **pack)
         seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
         token_rows = int((pos < plan.seq_lens[seq]).sum()) if seq.numel() else 0
-        mb = MicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
+        mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
         if self.action is Action.REPLAY:
             if routes is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
@@ -254,12 +257,22 @@ class ReplayStep:
             return None
         return post
 
-    def _retire(self, mb: MicroBatch) -> None:
+    def _retire(self, mb: InstalledMicroBatch) -> None:
         if mb.forwarded and not mb.recompute_left:
             self._live.pop((mb.chunk, mb.index), None)
             mb.targets = None
             if self.action is Action.RECORD:
                 self._done_records.append(mb)
+
+    def micro_batch_of_call(self, chunk: int, layer: int) -> Optional[InstalledMicroBatch]:
+        """The micro-batch a router call of ``layer`` in ``chunk`` belongs to, as :meth:`route`
+        will find it: the one in the chunk's forward, else the oldest recompute queued for the
+        layer (``None``: neither)."""
+        mb = self._current[chunk]
+        if mb is not None:
+            return mb
+        queue = self._recompute.get(layer)
+        return queue[0].micro_batch if queue else None
 
     # ---------------------------------------------------------------------------- routing
     def route(self, c: int, layer: int, scores: torch.Tensor, topk: int, num_groups, group_topk, native_fn):
@@ -283,7 +296,7 @@ class ReplayStep:
                 raise ReplayStateError(f"layer {layer}: router called outside any forward with no recompute pending "
                                        f"(a forward not bracketed by the schedule?)")
             pending = q.popleft()
-            mb = pending.mb
+            mb = pending.micro_batch
             mb.recompute_left.discard(layer)
         if scores.shape[0] != mb.rows:
             raise ReplayStateError(f"layer {layer}, chunk {c}, micro-batch {mb.index} (tp={self.replayer.tp_rank}, "
@@ -310,7 +323,7 @@ class ReplayStep:
             self._retire(mb)
         return out
 
-    def _late_target(self, mb: MicroBatch, layer: int) -> ShardedTargets:
+    def _late_target(self, mb: InstalledMicroBatch, layer: int) -> ShardedTargets:
         """The target of ``layer`` for a recompute whose first pass ran with grad enabled (a
         non-reentrant checkpoint): that first pass freed it, so shard it again, this layer only."""
         rep = self.replayer
@@ -319,7 +332,7 @@ class ReplayStep:
         return shard(mb.routes, rep.layout, mb.seq_lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
                      pp_rank=rep.pp_rank, vp_stage=mb.chunk, layer_ids=[layer], device=self.device, **mb.pack)
 
-    def _replay(self, mb: MicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,
+    def _replay(self, mb: InstalledMicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,
                 group_topk, native_fn, *, count: bool):
         assert t is not None
         target = t.indices.get(layer)
