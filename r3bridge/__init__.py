@@ -18,8 +18,10 @@ from r3bridge.errors import (
 )
 from r3bridge.ingest import StitchReport, stitch
 from r3bridge.layout import ParallelLayout
+from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard, unshard
+from r3bridge.sharding import ShardedTargets, shard
+from r3bridge.unsharding import unshard
 
 __version__ = "0.1.0"
 

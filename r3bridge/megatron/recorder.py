@@ -10,7 +10,7 @@ micro-batches' ``seq_lens``, so no size exchange is needed:
    MoE layers; a stage with none sends only padding).
 
 Each rank then reads the whole batch out of the gathered buffer in one pass
-(:func:`r3bridge.sharding.assemble_gathered`): one plan over all micro-batches (which rank and row
+(:func:`r3bridge.unsharding.assemble_gathered`): one plan over all micro-batches (which rank and row
 holds each token, once per micro-batch, never per stage), then a few transposing copies or one
 gather on the device the ids were gathered on, straight into per-sample order. The result is a host ReplayBatch with source
 "recorded", one row per token, sequences sorted by ``sample_ids`` so the update micro-batches can
@@ -23,10 +23,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from r3bridge.errors import ReplayStateError
+from r3bridge.id_words import as_words
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
+from r3bridge.packing import PackPlan
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, _as_words, assemble_gathered
+from r3bridge.unsharding import assemble_gathered
 
 
 def _all_gather(buf: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -88,7 +90,7 @@ def gather_recorded(records: Sequence[InstalledMicroBatch], *, layout: ParallelL
         if layers:
             dst = padded[off:off + n].view(rows[m], len(layers), topk)
             # as machine words (a row's K ids in one int64 for top-8 uint8): 8x fewer elements
-            src_w, dst_w = [_as_words(x.contiguous()) for x in layers], _as_words(dst)
+            src_w, dst_w = [as_words(x.contiguous()) for x in layers], as_words(dst)
             if all(x.shape[-1] == dst_w.shape[-1] for x in src_w):
                 torch.stack(src_w, 1, out=dst_w)
             else:

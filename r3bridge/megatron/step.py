@@ -39,8 +39,9 @@ from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
+from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, shard
+from r3bridge.sharding import ShardedTargets, shard
 
 
 class StepHost(Protocol):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import r3bridge
 from r3bridge import LayoutError, ParallelLayout, ReplayBatch, shard, unshard
-from r3bridge.sharding import PackPlan
+from r3bridge.packing import PackPlan
 
 from ._reference import (
     expected_from_tags,
