@@ -32,7 +32,7 @@ from r3bridge.errors import CoverageError, LayoutError, ReplayStateError
 from r3bridge.layout import ParallelLayout
 from r3bridge.schema import ragged_arange
 
-__all__ = ["PackPlan", "rank_positions", "token_owners", "rank_rows", "sp_bounds", "int64_tensor"]
+__all__ = ["PackPlan", "rank_positions", "token_owners", "rank_rows", "sp_bounds", "checked_ranks", "int64_tensor"]
 
 
 @dataclass(frozen=True)
@@ -114,22 +114,27 @@ def int64_tensor(xs, what: str, error) -> torch.Tensor:
     return torch.tensor(as_index_list(xs, what=what, error=error), dtype=torch.int64)
 
 
+def checked_ranks(layout: ParallelLayout, tp_rank: int, cp_rank: int) -> tuple[int, int]:
+    """``(tp_rank, cp_rank)`` as ints; ``LayoutError`` unless both are ranks of ``layout``."""
+    checked = []
+    for dim, rank, size in (("tp", tp_rank, layout.tp), ("cp", cp_rank, layout.cp)):
+        rank = as_index(rank, what=f"{dim}_rank", error=LayoutError)
+        if not 0 <= rank < size:
+            raise LayoutError(f"{dim}_rank {rank} out of range for {dim}={size}")
+        checked.append(rank)
+    return checked[0], checked[1]
+
+
 def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, token position) of every router row of rank (tp_rank, cp_rank), in row order.
 
     Positions ``>= seq_len`` are padding.
     """
-    tp_rank = as_index(tp_rank, what="tp_rank", error=LayoutError)
-    cp_rank = as_index(cp_rank, what="cp_rank", error=LayoutError)
-    if not 0 <= tp_rank < layout.tp:
-        raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
-    if not 0 <= cp_rank < layout.cp:
-        raise LayoutError(f"cp_rank {cp_rank} out of range for cp={layout.cp}")
+    tp_rank, cp_rank = checked_ranks(layout, tp_rank, cp_rank)
     cp, num_seqs = layout.cp, plan.num_seqs
     if num_seqs == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
     if plan.format == "bshd":
         seq_length = int(plan.padded_lens[0])
         pos = _zigzag_positions(seq_length, cp, cp_rank)                # positions along s

@@ -14,7 +14,7 @@ import torch
 from r3bridge._validate import as_index, as_index_list, check_readable
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError
 from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, int64_tensor, rank_positions, sp_bounds
+from r3bridge.packing import PackPlan, checked_ranks, int64_tensor, rank_positions, sp_bounds
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ShardedTargets", "shard"]
@@ -70,14 +70,10 @@ def _thd_rows(batch: ReplayBatch, plan: PackPlan, layout: ParallelLayout, tp_ran
     cumulative sum of +1/-1 marks. Per-run arithmetic is done in numpy (tiny arrays, where a
     torch op's fixed cost dominates); the O(rows) part is three vectorised passes (P1).
     """
-    if not 0 <= tp_rank < layout.tp:
-        raise LayoutError(f"tp_rank {tp_rank} out of range for tp={layout.tp}")
-    if not 0 <= cp_rank < layout.cp:
-        raise LayoutError(f"cp_rank {cp_rank} out of range for cp={layout.cp}")
+    tp_rank, cp_rank = checked_ranks(layout, tp_rank, cp_rank)
     num_seqs, cp = plan.num_seqs, layout.cp
     if num_seqs == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty.bool()
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
     padded = plan.padded_lens.cpu().numpy()
     if cp > 1:
         chunk = padded // (2 * cp)
