@@ -269,8 +269,8 @@ class R3Actor(PPOActorMixin, _Actor):
 class ArealRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` for AReaL (stand-in engine, real utilities)."""
 
-    def __init__(self) -> None:
-        self.trajs: Optional[list] = None
+    def __init__(self, rollout: Optional[CanonicalRollout] = None) -> None:
+        self.trajs: Optional[list] = None         # built from the rollout ``micro_batches`` gets
 
     def attach(self, ctx, chunks, mode):
         for c in chunks:   # AReaL's models use RoPE; the harness GPT's learned absolute positions would get

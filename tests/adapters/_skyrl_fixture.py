@@ -97,7 +97,7 @@ class SkyRLRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` over SkyRL's real ``MegatronModelWrapper``
     (``remove_microbatch_padding`` True: THD, False: BSHD) on harness chunks."""
 
-    def __init__(self, *, remove_microbatch_padding: bool = True) -> None:
+    def __init__(self, rollout: Optional[CanonicalRollout] = None, *, remove_microbatch_padding: bool = True) -> None:
         self.thd = remove_microbatch_padding
         self.recorded: Optional[ReplayBatch] = None
         self._batch = None
@@ -112,6 +112,8 @@ class SkyRLRunner:
                 if emb is not None:
                     emb.add_position_embedding = False
         cfg = chunks[0].config
+        if ctx.vpp:   # what a SkyRL job's megatron config sets for the interleaved schedule
+            cfg.microbatch_group_size_per_vp_stage = ctx.pp
         self.num_layers = cfg.num_layers
         self.moe = [i for i in range(cfg.num_layers)
                     if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]

@@ -126,7 +126,7 @@ def test_routes_survive_areal_unpad_and_concat():
 
 
 def test_conformance_recorded_survives_split():
-    rollout = make_rollout(9, batch_size=6)
+    rollout = make_rollout(9, batch_size=6, num_experts=8)
     batch = ac.batch(rollout)
     codec = ArealCodec(ac.model_info(rollout))
     g = torch.Generator().manual_seed(0)

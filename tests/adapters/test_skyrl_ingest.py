@@ -92,7 +92,7 @@ def test_skyrl_own_accumulation_is_not_canonical():
 
 
 def test_conformance_recorded_survives_split():
-    rollout = make_rollout(5, batch_size=6)
+    rollout = make_rollout(5, batch_size=6, num_experts=8)
     batch = sk.training_batch(rollout)
     codec = sk.codec(rollout)
     g = torch.Generator().manual_seed(0)
