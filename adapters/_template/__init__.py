@@ -1,10 +1,9 @@
-"""Template: r3bridge for <YourFramework>. ``r3bridge new-adapter NAME`` copies it into a package of
-its own (anywhere: your framework's repository, a ``r3bridge-NAME`` distribution), with a
-pyproject announcing it in the ``r3bridge.adapters`` entry-point group and its conformance tests.
+"""Template: r3bridge for <YourFramework>, an adapter package of its own, anywhere (``r3bridge
+new-adapter NAME`` writes a copy with a pyproject announcing it in the ``r3bridge.adapters``
+entry-point group, its conformance tests and a README).
 
 A working skeleton for a toy framework whose training batch is a dict of padded ``[B, S, ...]``
-tensors (``test_conformance.py`` next to this file runs it through conformance checks 1-5 with
-pytest): replace the parts marked "your framework" with your framework's own formats and
+tensors (its conformance test module runs it through checks 1-5 with pytest): replace the parts marked "your framework" with your framework's own formats and
 methods. Porting = these files + passing ``r3bridge.testing.conformance`` (docs/porting.md).
 The files import each other relatively, so the package works under any name. Rules:
 

@@ -65,7 +65,7 @@ def render_module(text: str, package: str) -> str:
     text = text.replace(TEMPLATE_PACKAGE, package)
     text = re.sub(r"\bTestTemplate", f"Test{camel}", text)
     text = re.sub(r"\bTemplate(?=[A-Z])", camel, text)
-    text = text.replace('"""Template: r3bridge for <YourFramework>.', f'"""r3bridge for {package}.')
+    text = text.replace('"""Template: r3bridge for <YourFramework>,', f'"""r3bridge for {package},')
     return text.replace("<YourFramework>", package)
 
 

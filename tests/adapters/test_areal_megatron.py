@@ -18,24 +18,11 @@ import importlib.util
 
 import pytest
 
-from r3bridge.testing.conformance import TWO_RANK
-from r3bridge.testing.suite import AdapterFixtures, BaseMegatronTests
+from r3bridge.testing.suite import BaseMegatronTests
 
 assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
-
-class ArealFixtures(AdapterFixtures):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_runner(cls):
-        from _areal_fixture import ArealRunner
-
-        return ArealRunner
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_layouts(cls):
-        return TWO_RANK
+from _areal_fixture import ArealFixtures  # noqa: E402
 
 
 @pytest.mark.slow

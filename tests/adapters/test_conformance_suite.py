@@ -222,3 +222,28 @@ def test_pack_thd_and_unpack_rows():
     assert packed.labels.tolist()[:3] == [7, 8, 0] and packed.loss_mask.tolist()[:4] == [1, 1, 0, 0]
     rows = unpack_rows(torch.arange(8.0), packed)
     assert [x.tolist() for x in rows] == [[0.0, 1.0, 2.0], [4.0]]
+
+
+class ShiftedTemplateRunner:
+    """The template's runner over a batch whose routes (and validity) sit one token late: the
+    off-by-one codec, seen by the router instead of by check 1."""
+
+    def __new__(cls, rollout):
+        from r3bridge.adapters._template import ROUTES_KEY, VALID_KEY
+        from r3bridge.adapters._template.test_conformance import TemplateRunner
+
+        runner = TemplateRunner(rollout)
+        for key in (ROUTES_KEY, VALID_KEY):
+            runner.batch[key] = torch.roll(runner.batch[key], 1, dims=1)
+        return runner
+
+
+@pytest.mark.slow
+def test_check4_fails_naming_sample_token_and_layer():
+    from r3bridge.testing.conformance import ONE_RANK, MegatronCase, assert_r3_passes, run_megatron_checks
+
+    [result] = run_megatron_checks(MegatronCase(ShiftedTemplateRunner), ONE_RANK)
+    with pytest.raises(AssertionError, match=r"check 4 on 1 rank, rank 0: layer [123], micro-batch 0: sample [03], "
+                                             r"token \d+: router chose \[\d, \d\], want \[\d, \d\] \(\d+ of \d+ valid "
+                                             r"rows differ\)"):
+        assert_r3_passes(result)

@@ -26,6 +26,11 @@ from r3bridge.adapters.skyrl import (
 )
 from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
+from r3bridge.testing.suite import BaseIngestTests
+
+
+class TestSkyRLIngest(BaseIngestTests, sk.SkyRLFixtures):
+    """Conformance checks 1-3 on SkyRL's own batches and micro-batching."""
 
 
 def _arr(rows, layers=4, k=2, seed=0, dtype=np.uint8):

@@ -11,29 +11,16 @@ path runs the harness model unchanged.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import skyrl  # noqa: E402,F401  (installed by `make install`: never skipped)
+from _skyrl_fixture import SkyRLFixtures
 
 from r3bridge.testing.conformance import TWO_RANK
-from r3bridge.testing.suite import AdapterFixtures, BaseMegatronTests
+from r3bridge.testing.suite import BaseMegatronTests
 
 
-class SkyRLFixtures(AdapterFixtures):
-    remove_microbatch_padding = True
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_runner(cls):
-        from _skyrl_fixture import SkyRLRunner
-
-        return functools.partial(SkyRLRunner, remove_microbatch_padding=cls.remove_microbatch_padding)
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def min_coverage(cls):
-        return 0.5
+class SkyRLMetricsTests:
+    """What SkyRL's runs add to checks 4-5, on the same results."""
 
     def test_metrics_reach_skyrl(self, megatron_results):
         for result in megatron_results:
@@ -47,15 +34,14 @@ class SkyRLFixtures(AdapterFixtures):
 
 
 @pytest.mark.slow
-class TestSkyRLMegatronThd(BaseMegatronTests, SkyRLFixtures):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_layouts(cls):
-        return TWO_RANK
+class TestSkyRLMegatronThd(BaseMegatronTests, SkyRLMetricsTests, SkyRLFixtures):
+    """THD on TP2 + SP, CP2, PP2 x VPP2."""
 
 
 @pytest.mark.slow
-class TestSkyRLMegatronBshd(BaseMegatronTests, SkyRLFixtures):
+class TestSkyRLMegatronBshd(BaseMegatronTests, SkyRLMetricsTests, SkyRLFixtures):
+    """BSHD on TP2 + SP, the model's real attention and the all-gather dispatcher."""
+
     remove_microbatch_padding = False
 
     @pytest.fixture(scope="class")

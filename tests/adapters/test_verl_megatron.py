@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import verl  # noqa: F401  (installed by `make install`: never skipped)
+from _verl_runner import VerlFixtures
 
-from r3bridge.testing.conformance import REGROUPED, TWO_RANK
-from r3bridge.testing.suite import AdapterFixtures, BaseMegatronTests
+from r3bridge.testing.conformance import REGROUPED
+from r3bridge.testing.suite import BaseMegatronTests
 
 
 def r3_update_after_checks(ctx, runners) -> dict:
@@ -24,27 +25,13 @@ def r3_update_after_checks(ctx, runners) -> dict:
     return {"metrics": update["metrics"], "framework_metrics": update["framework_metrics"]}
 
 
-class VerlFixtures(AdapterFixtures):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_runner(cls):
-        from _verl_runner import VerlRunner
-
-        return VerlRunner
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def megatron_layouts(cls):
-        return TWO_RANK
-
+@pytest.mark.slow
+class TestVerlMegatron(BaseMegatronTests, VerlFixtures):
     @pytest.fixture(scope="class")
     @classmethod
     def megatron_extras(cls):
         return r3_update_after_checks
 
-
-@pytest.mark.slow
-class TestVerlMegatron(BaseMegatronTests, VerlFixtures):
     def test_metrics_reach_verl(self, megatron_results):
         for result in megatron_results:
             assert any(r["last_stage"] for r in result.ranks)
