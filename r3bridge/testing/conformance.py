@@ -193,7 +193,8 @@ def check_recorded_survives_split(codec: BatchCodec, native: Any, recorded: Repl
             kw = {} if order is None else {"order": order}
             for part, ids in codec.split(native, p, **kw):
                 got = codec.to_replay_batch(part, source="recorded")
-                assert_same_batch(got, recorded.select(ids), f"part of a {p}-way split (samples {ids})")
+                assert_same_batch(got, recorded.select(ids), f"part of a {p}-way split holding batch samples {ids} "
+                                                             f"(sample k below: the part's k-th)")
                 n += 1
     if n == 0:
         raise AssertionError("codec.split returned no part: nothing was checked")
