@@ -225,23 +225,40 @@ def default_layouts(shape: Optional[ModelShape] = None) -> list[tuple[ParallelLa
     return out
 
 
+def _target_row(layout: ParallelLayout, seq_lens: Sequence[int], tp_rank: int, cp_rank: int, row: int) -> str:
+    """``sample s, token t`` of router row ``row`` of rank (tp_rank, cp_rank) (THD packing)."""
+    seqs, pos = rank_positions(PackPlan.build(layout, seq_lens), layout, tp_rank, cp_rank)
+    return f"sample {int(seqs[row])}, token {int(pos[row])}"
+
+
 def check_same_targets(batches: dict[str, ReplayBatch], seq_lens: Sequence[int], layouts=None) -> int:
-    """(3) identical per-rank targets from every batch. Returns the number of rank targets compared."""
+    """(3) identical per-rank targets from every batch. Returns the number of rank targets compared.
+    A difference names the layout, rank, sample, token and layer."""
     names = list(batches)
     n = 0
     for lay, keys in (layouts or default_layouts()):
         for (t, c, p, v) in keys:
             ref = None
+            where = f"{lay} rank (tp, cp, pp, vp) = {(t, c, p, v)}"
             for name in names:
                 tg = shard(batches[name], lay, seq_lens, tp_rank=t, cp_rank=c, pp_rank=p, vp_stage=v)
                 if ref is None:
                     ref = (name, tg)
                     continue
-                assert torch.equal(tg.valid, ref[1].valid), f"{name} vs {ref[0]}: validity differs on {lay} rank {(t, c, p, v)}"
-                assert tg.layer_ids == ref[1].layer_ids
+                ref_name, ref_tg = ref
+                if not torch.equal(tg.valid, ref_tg.valid):
+                    row = int((tg.valid != ref_tg.valid).nonzero()[0])
+                    raise AssertionError(f"{name} vs {ref_name}: validity differs on {where}, "
+                                         f"{_target_row(lay, seq_lens, t, c, row)}: {bool(tg.valid[row])} vs "
+                                         f"{bool(ref_tg.valid[row])}")
+                if tg.layer_ids != ref_tg.layer_ids:
+                    raise AssertionError(f"{name} vs {ref_name}: layers {tg.layer_ids} vs {ref_tg.layer_ids} on {where}")
                 for lid in tg.layer_ids:
-                    assert torch.equal(tg.indices[lid], ref[1].indices[lid]), (
-                        f"{name} vs {ref[0]}: layer {lid} targets differ on rank (tp,cp,pp,vp)={(t, c, p, v)}")
+                    if not torch.equal(tg.indices[lid], ref_tg.indices[lid]):
+                        row = int((tg.indices[lid] != ref_tg.indices[lid]).any(-1).nonzero()[0])
+                        raise AssertionError(f"{name} vs {ref_name}: targets differ on {where}, "
+                                             f"{_target_row(lay, seq_lens, t, c, row)}, layer {lid}: "
+                                             f"{tg.indices[lid][row].tolist()} vs {ref_tg.indices[lid][row].tolist()}")
                 n += 1
     if n == 0:
         raise AssertionError("no rank target was compared")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ReplayBatch
+from r3bridge import ParallelLayout, ReplayBatch
 from r3bridge.canonical import canonical_form, drop_final_invalid_rows
 from r3bridge.megatron.phase import install_before_forward
 from r3bridge.protocols import BatchCodec
@@ -87,13 +87,22 @@ def test_good_codec_passes_and_broken_ones_fail():
 def test_same_targets_detects_a_difference():
     r = make_rollout(2, batch_size=4)
     a = r.expected()
+    assert bool(a.valid[3]) and a.rows_per_seq[0] > 5
     v = a.valid.clone()
     v[3] = False
-    b = ReplayBatch.from_packed(a.routes, a.rows_per_seq, num_experts=8, layer_ids=a.layer_ids, valid=v, source="rollout")
+    b = ReplayBatch.from_packed(a.routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=v,
+                                source="rollout")
     lens = [len(t) for t in r.tokens]
     assert check_same_targets({"a": a, "a2": a}, lens) > 0
-    with pytest.raises(AssertionError, match="differ"):
+    with pytest.raises(AssertionError, match=r"b vs a: validity differs on .* rank .*, sample 0, token 3: False vs True"):
         check_same_targets({"a": a, "b": b}, lens)
+    routes = a.routes.clone()
+    routes[5, 1] = torch.tensor([3, 2]) if routes[5, 1].tolist() != [3, 2] else torch.tensor([1, 0])
+    c = ReplayBatch.from_packed(routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=a.valid,
+                                source="rollout")
+    sample, token = next((i, 5 - int(a.offsets[i])) for i in range(a.num_seqs) if int(a.offsets[i + 1]) > 5)
+    with pytest.raises(AssertionError, match=rf"c vs a: targets differ on .*, sample {sample}, token {token}, layer 2:"):
+        check_same_targets({"a": a, "c": c}, lens)
     with pytest.raises(AssertionError, match="valid"):
         assert_same_batch(b, a, "x")
 
@@ -247,3 +256,16 @@ def test_check4_fails_naming_sample_token_and_layer():
                                              r"token \d+: router chose \[\d, \d\], want \[\d, \d\] \(\d+ of \d+ valid "
                                              r"rows differ\)"):
         assert_r3_passes(result)
+
+
+def test_gpu_layouts_are_layouts_of_the_default_shape():
+    from r3bridge.testing.conformance import CPU_LAYOUTS, GPU_LAYOUTS, layout_name
+    from r3bridge.testing.rollouts import ModelShape
+
+    shape = ModelShape()
+    flags = [0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense)
+    for world_size, lay in CPU_LAYOUTS + GPU_LAYOUTS:
+        assert lay.dp(world_size) >= 1
+        ParallelLayout(shape.num_layers, flags, tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp)
+    assert [layout_name(w, lay) for w, lay in CPU_LAYOUTS] == ["1 rank", "2 ranks tp=2", "2 ranks cp=2",
+                                                               "2 ranks pp=2 vpp=2"]
