@@ -16,7 +16,8 @@ their tests or their fixtures is not done lightly. The asserts and thresholds ar
             return my_framework_batch(rollout)        # built by the framework's own code
 
         @pytest.fixture(scope="class")
-        def megatron_runner(self):
+        @classmethod
+        def megatron_runner(cls):
             return MyFwRunner                         # picklable: rollout -> MegatronRunner
 
     class TestMyFwIngest(BaseIngestTests, MyFwFixtures):       # checks 1-3
@@ -27,7 +28,7 @@ their tests or their fixtures is not done lightly. The asserts and thresholds ar
 
 The fixtures with a default (model shape, layouts, seeds, thresholds) are overridden the same
 way. The Megatron fixtures are class-scoped (one set of rank processes per world size serves
-both of checks 4-5): override them with ``@pytest.fixture(scope="class")``.
+both of checks 4-5): override them with ``@pytest.fixture(scope="class")`` over ``@classmethod``.
 """
 from __future__ import annotations
 

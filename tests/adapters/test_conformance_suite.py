@@ -233,25 +233,23 @@ def test_pack_thd_and_unpack_rows():
     assert [x.tolist() for x in rows] == [[0.0, 1.0, 2.0], [4.0]]
 
 
-class ShiftedTemplateRunner:
+def shifted_template_runner(rollout):
     """The template's runner over a batch whose routes (and validity) sit one token late: the
     off-by-one codec, seen by the router instead of by check 1."""
+    from r3bridge.adapters._template import ROUTES_KEY, VALID_KEY
+    from r3bridge.adapters._template.test_conformance import TemplateRunner
 
-    def __new__(cls, rollout):
-        from r3bridge.adapters._template import ROUTES_KEY, VALID_KEY
-        from r3bridge.adapters._template.test_conformance import TemplateRunner
-
-        runner = TemplateRunner(rollout)
-        for key in (ROUTES_KEY, VALID_KEY):
-            runner.batch[key] = torch.roll(runner.batch[key], 1, dims=1)
-        return runner
+    runner = TemplateRunner(rollout)
+    for key in (ROUTES_KEY, VALID_KEY):
+        runner.batch[key] = torch.roll(runner.batch[key], 1, dims=1)
+    return runner
 
 
 @pytest.mark.slow
 def test_check4_fails_naming_sample_token_and_layer():
     from r3bridge.testing.conformance import ONE_RANK, MegatronCase, assert_r3_passes, run_megatron_checks
 
-    [result] = run_megatron_checks(MegatronCase(ShiftedTemplateRunner), ONE_RANK)
+    [result] = run_megatron_checks(MegatronCase(shifted_template_runner), ONE_RANK)
     with pytest.raises(AssertionError, match=r"check 4 on 1 rank, rank 0: layer [123], micro-batch 0: sample [03], "
                                              r"token \d+: router chose \[\d, \d\], want \[\d, \d\] \(\d+ of \d+ valid "
                                              r"rows differ\)"):
