@@ -4,6 +4,7 @@ The core (this package's top level) is pure tensor logic on torch and numpy: the
 schema, engine ingest, `ParallelLayout` and the exact rank distribution `shard` / `unshard`.
 `r3bridge.megatron` drives megatron-core; `r3bridge.adapters` plug it into trainers.
 """
+from r3bridge.dense import NO_ROUTE, dense_routes, padded_routes
 from r3bridge.errors import (
     ConfigError,
     CoverageError,
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ReplayBatch", "ParallelLayout", "PackPlan", "ShardedTargets", "shard", "unshard",
-    "rank_positions", "stitch", "StitchReport", "route_dtype",
+    "rank_positions", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError",
 ]

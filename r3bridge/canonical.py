@@ -90,7 +90,11 @@ def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tenso
     """Validity of dense rows ``[..., L, K]`` in a transport that writes "no route" as a zero row
     (verl's, SkyRL 0.3's). A row of distinct top-k ids is never all zero when ``K > 1``; with
     ``K == 1`` an expert-0 row cannot be told from "no route" and is routed natively (counted in
-    coverage), except in ``recorded`` routes, whose every row is real."""
+    coverage), except in ``recorded`` routes, whose every row is real.
+
+    The one rule (docs/porting.md, "No route"): "no route" is explicit, a validity field or an
+    in-band value no expert id takes (:func:`r3bridge.dense_routes`); this function is the only
+    place validity is inferred from zeros, for transports that have neither."""
     if recorded and routes.shape[-1] == 1:
         return torch.ones(routes.shape[:-2], dtype=torch.bool, device=routes.device)
     return (routes != 0).flatten(-2).any(-1)

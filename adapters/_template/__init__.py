@@ -1,13 +1,17 @@
-"""Template: r3bridge for <YourFramework>. Copy this folder to ``adapters/<yourframework>/``.
+"""Template: r3bridge for <YourFramework>, an adapter package of its own, anywhere (``r3bridge
+new-adapter NAME`` writes a copy with a pyproject announcing it in the ``r3bridge.adapters``
+entry-point group, its conformance tests and a README).
 
 A working skeleton for a toy framework whose training batch is a dict of padded ``[B, S, ...]``
-tensors (``tests/adapters/test_template.py`` runs it through conformance checks 1-5): replace
-the parts marked "your framework" with your framework's own formats and methods. Porting =
-these files + passing ``r3bridge.testing.conformance`` (docs/porting.md). Rules:
+tensors (its conformance test module runs it through checks 1-5 with pytest): replace the parts marked "your framework" with your framework's own formats and
+methods. Porting = these files + passing ``r3bridge.testing.conformance`` (docs/porting.md).
+The files import each other relatively, so the package works under any name. Rules:
 
 * import ``r3bridge`` only, never another adapter, and import the framework lazily;
 * subclass or wrap the framework's classes; never monkey-patch a class or module attribute;
-* never infer anything from a length: layer ids, coverage and validity are explicit fields;
+* "no route" is said explicitly (a validity field, or an in-band value no expert id takes:
+  :func:`r3bridge.padded_routes`); never infer it from lengths, and from zeros only through
+  :func:`r3bridge.canonical.nonzero_rows` for a transport that has no other way (``codec.py``);
 * every problem raises a ``r3bridge.ReplayError`` subclass (ConfigError for set-up problems);
 * the reference model never replays; R2 updates replay only routes with ``source="recorded"``.
 
@@ -23,10 +27,10 @@ Files, in the order data flows (the same in every adapter):
 """
 from __future__ import annotations
 
-from r3bridge.adapters._template.codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
-from r3bridge.adapters._template.config import replay_config
-from r3bridge.adapters._template.hooks import TemplateEngineMixin
-from r3bridge.adapters._template.rollout import TemplateRollout
+from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, VALID_KEY, TemplateCodec
+from .config import replay_config
+from .hooks import TemplateEngineMixin
+from .rollout import TemplateRollout
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec", "TemplateRollout", "TemplateEngineMixin",
-           "replay_config"]
+__all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec", "TemplateRollout",
+           "TemplateEngineMixin", "replay_config"]

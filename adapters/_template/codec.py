@@ -1,12 +1,20 @@
 """Trainer side: the training batch <-> ReplayBatch, in the canonical form (:mod:`r3bridge.canonical`).
 
-The toy framework's batch (your framework: its own batch object): a dict of right- or
-left-padded tensors, ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
-``[B, S, num_hidden_layers, K]`` with ``VALID_KEY`` ``[B, S]`` (False where the engine returned
-no route: never infer it from zeros or lengths) and, after R2's compute_log_prob, the recorded
-routes ``RECORDED_KEY`` ``[B, S, L_moe, K]`` + ``RECORDED_VALID_KEY``. Routes must travel *per
-sample*, in fields the framework moves with its samples through every split (check which of its
-utilities move which fields).
+The toy framework's batch (your framework: its own batch object): a dict of padded tensors (left,
+right or both), ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
+``[B, S, num_hidden_layers, K]`` and, after R2's compute_log_prob, the recorded routes
+``RECORDED_KEY`` ``[B, S, L_moe, K]``. Routes must travel *per sample*, in fields the framework
+moves with its samples through every split (check which of its utilities move which fields).
+
+**"No route" is said explicitly.** One rule, the same in docs/porting.md and
+:func:`r3bridge.canonical.nonzero_rows`: a row the engine did not route is marked by a validity
+field (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
+:data:`r3bridge.NO_ROUTE` there: :func:`r3bridge.padded_routes` writes it); never inferred from
+lengths. Only a transport with neither (it writes "no route" as an all-zero row: verl's,
+SkyRL 0.3's) is read with ``nonzero_rows``, the one function that makes that inference: set
+``VALID_KEY = None``. Never write ``ReplayBatch.sequence(i)`` into a field as it is: its
+invalid rows hold filler ids ``0..K-1`` that look like routes (``padded_routes`` /
+:func:`r3bridge.dense_routes` write ``no_route`` there instead).
 """
 from __future__ import annotations
 
@@ -14,17 +22,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of
+from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
+from r3bridge.dense import NO_ROUTE, padded_routes
 from r3bridge.errors import CoverageError
-from r3bridge.schema import ReplayBatch, route_dtype
+from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "RECORDED_VALID_KEY", "SAMPLE_KEY", "TemplateCodec"]
+__all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
 
-ROUTES_KEY = "routed_experts"            # rollout routes, every decoder layer
-VALID_KEY = "routed_valid"
-RECORDED_KEY = "r3bridge_recorded"       # R2: the trainer's own routes, MoE layers only
-RECORDED_VALID_KEY = "r3bridge_recorded_valid"
-SAMPLE_KEY = "r3bridge_sample"           # [B] batch-level sample index (R2 record pass)
+ROUTES_KEY = "routed_experts"                # rollout routes, every decoder layer (your framework's field)
+VALID_KEY: Optional[str] = "routed_valid"    # [B, S] bool; None: the transport writes "no route" as zero rows
+RECORDED_KEY = "r3bridge_recorded"           # R2: the trainer's own routes, MoE layers only, NO_ROUTE elsewhere
+SAMPLE_KEY = "r3bridge_sample"               # [B] batch-level sample index (R2 record pass)
 
 
 class TemplateCodec:
@@ -39,36 +47,31 @@ class TemplateCodec:
         """The routes the batch carries, one sequence per sample, in batch order."""
         attn = native["attention_mask"]
         if source == "recorded":
-            if native.get(RECORDED_KEY) is None:
+            recorded = native.get(RECORDED_KEY)
+            if recorded is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
-            return ReplayBatch.from_padded(native[RECORDED_KEY], attn, num_experts=self.num_experts,
-                               layer_ids=self.moe_layer_ids, valid=native[RECORDED_VALID_KEY], source="recorded")
+            valid = (recorded != NO_ROUTE).flatten(-2).any(-1)
+            return ReplayBatch.from_padded(recorded, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+                                           valid=valid, source="recorded")
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
         # the engine reports every decoder layer: keep the MoE ones, by id
-        sel = moe_layers_of(torch.as_tensor(routes), self.moe_layer_ids, layer_dim=2,
+        moe = moe_layers_of(torch.as_tensor(routes), self.moe_layer_ids, layer_dim=2,
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
-        rb = ReplayBatch.from_padded(sel, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                         valid=native[VALID_KEY], source="rollout")
-        return drop_final_invalid_rows(rb)
+        valid = nonzero_rows(moe) if VALID_KEY is None else native[VALID_KEY]
+        batch = ReplayBatch.from_padded(moe, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+                                        valid=valid, source="rollout")
+        return drop_final_invalid_rows(batch)
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:
-        """R2: the recorded routes (batch order, start 0) placed on each sample's real tokens."""
+        """R2: the recorded routes (batch order, start 0) placed on each sample's tokens,
+        :data:`r3bridge.NO_ROUTE` on tokens without a route and on padding."""
         attn = torch.as_tensor(native["attention_mask"]).bool().cpu()
-        b, s = attn.shape
-        if recorded.num_seqs != b or any(x != 0 for x in recorded.start_rows):
-            raise CoverageError(f"{recorded.num_seqs} recorded sequences for a batch of {b} (start 0 expected)")
-        out = torch.zeros(b, s, recorded.num_layers, recorded.topk, dtype=route_dtype(self.num_experts))
-        valid = torch.zeros(b, s, dtype=torch.bool)
-        for i in range(b):
-            cols = attn[i].nonzero().flatten()
-            r, v = recorded.sequence(i)
-            if r.shape[0] > cols.numel():
-                raise CoverageError(f"sample {i}: {r.shape[0]} recorded rows for {cols.numel()} tokens")
-            out[i, cols[: r.shape[0]]] = r.cpu().to(out.dtype)
-            valid[i, cols[: r.shape[0]]] = v.cpu()
-        native[RECORDED_KEY], native[RECORDED_VALID_KEY] = out, valid
+        if recorded.num_seqs != attn.shape[0] or any(x != 0 for x in recorded.start_rows):
+            raise CoverageError(f"{recorded.num_seqs} recorded sequences for a batch of {attn.shape[0]} "
+                                f"(start 0 expected)")
+        native[RECORDED_KEY] = padded_routes(recorded, attn, no_route=NO_ROUTE, dtype=torch.int16)
         return native
 
     def seq_lens(self, native: dict) -> list[int]:

@@ -20,12 +20,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._template.codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
-from r3bridge.adapters._template.config import replay_config
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.schema import ReplayBatch
+
+from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
+from .config import replay_config
 
 __all__ = ["TemplateEngineMixin"]
 

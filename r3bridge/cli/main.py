@@ -17,11 +17,12 @@ import sys
 from typing import Sequence
 
 from r3bridge import __version__
-from r3bridge.cli import diff_cmd, inspect_cmd
+from r3bridge.cli import adapters_cmd, diff_cmd, inspect_cmd, new_adapter
 from r3bridge.cli._common import CliError
 from r3bridge.errors import ReplayError
 
-_CORE_COMMANDS = {inspect_cmd.NAME: inspect_cmd, diff_cmd.NAME: diff_cmd}
+_CORE_COMMANDS = {inspect_cmd.NAME: inspect_cmd, diff_cmd.NAME: diff_cmd, new_adapter.NAME: new_adapter,
+                  adapters_cmd.NAME: adapters_cmd}
 
 # ----------------------------------------------------------------------------------- DEMO HOOK
 # `r3bridge demo` lives in r3bridge/cli/demo.py (owned by the Megatron side), which must provide

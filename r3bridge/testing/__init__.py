@@ -14,7 +14,10 @@ Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megat
 * ``data``      - packed batches, CP zigzag split, router row -> token mapping
 * ``schedule``  - forward step, ``run_schedule``, gradient sync, optimizer helpers
 * ``probe``     - ``RoutingProbe`` (router call recorder), ``topk_indices``
-* ``conformance`` - the adapter conformance suite (docs/porting.md)
+* ``rollouts``  - ``ModelShape``, ``CanonicalRollout``, ``make_rollout`` (what the checks run on)
+* ``runner``    - the ``MegatronRunner`` contract of checks 4-5 and its helpers (``pack_thd``, ...)
+* ``conformance`` - checks 1-5 as functions that pass or fail (docs/porting.md)
+* ``suite``     - the same checks as pytest base classes (``BaseIngestTests``, ``BaseMegatronTests``)
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ _EXPORTS = {
     "sync_grads": "schedule",
     "RoutingProbe": "probe",
     "topk_indices": "probe",
+    "ModelShape": "rollouts",
+    "CanonicalRollout": "rollouts",
+    "make_rollout": "rollouts",
+    "MegatronRunner": "runner",
+    "pack_thd": "runner",
+    "unpack_rows": "runner",
+    "record_packing": "runner",
+    "run_megatron_checks": "conformance",
+    "assert_megatron_checks": "conformance",
+    "BaseIngestTests": "suite",
+    "BaseMegatronTests": "suite",
 }
 
 __all__ = sorted(_EXPORTS)

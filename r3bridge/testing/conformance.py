@@ -1,167 +1,183 @@
-"""Conformance suite for framework adapters (see r3bridge.protocols and docs/porting.md).
+"""Conformance checks 1-5 for framework adapters (r3bridge.protocols, docs/porting.md): they pass
+or fail.
+
+This module and :mod:`r3bridge.testing.suite` (the same checks as pytest base classes) are
+intended for adapters that live anywhere, in r3bridge's tree or in a framework's own repository,
+to subclass and call. Their names, the fixtures the base classes ask for and the thresholds are a
+promise: moving or renaming them, or loosening a threshold, is not done lightly.
 
 An adapter passes when, for canonical rollouts (random routes, dense-first layers, multi-turn
 calls whose later prefill re-routes earlier tokens differently, resubmits, untracked tails):
 
 Ingest level (no Megatron):
 
-1. ``check_ingest``: the framework's own batch built from the rollout's engine outputs, read back
-   with ``codec.to_replay_batch``, equals the canonical ReplayBatch byte for byte;
-2. ``check_recorded_survives_split``: R2 routes written into the batch with
+1. :func:`check_ingest`: the framework's own batch built from the rollout's engine outputs, read
+   back with ``codec.to_replay_batch``, equals the canonical ReplayBatch byte for byte;
+2. :func:`check_recorded_survives_split`: R2 routes written into the batch with
    ``codec.write_recorded`` come back exactly, sample for sample, from every part of the
    framework's own re-partitioning (``codec.split``), also after a permutation of the batch;
-3. ``check_same_targets``: several ReplayBatches (e.g. one per framework) give identical per-rank
-   targets (``r3bridge.shard``) for a set of parallel layouts.
+3. :func:`check_same_targets`: several ReplayBatches (the adapter's and the canonical one) give
+   identical per-rank targets (``r3bridge.shard``) for a set of parallel layouts.
 
-Megatron level (CPU harness, inside ``r3bridge.testing.dist.spawn``):
+Megatron level (CPU harness, inside ``r3bridge.testing.dist.spawn_layouts``), through a
+:class:`~r3bridge.testing.runner.MegatronRunner` (the runner contract, documented there):
 
-4. ``megatron_r3_check``: the adapter's per-micro-batch hook, driven by the framework's real
+4. :func:`megatron_r3_check`: the adapter's per-micro-batch hook, driven by the framework's real
    schedule code on harness model chunks, makes every router call dispatch exactly the rollout's
    routes on valid rows (checked under a ``RoutingProbe`` against ``r3bridge.shard`` of the
-   canonical batch with the packing metadata the framework really used);
-5. ``megatron_r2_check``: R2 recorded by the adapter, written back, re-partitioned differently
-   and replayed, reproduces the recording pass's log-probs and native choices (agreement 1.0).
+   canonical batch with the packing the framework really used); decided by
+   :func:`assert_r3_passes`;
+5. :func:`megatron_r2_check`: R2 recorded by the adapter, written back, re-partitioned
+   differently and replayed, reproduces the recording pass's log-probs with agreement 1.0;
+   decided by :func:`assert_r2_passes`.
 
-The Megatron-level checks take a :class:`MegatronRunner` (what the adapter's test supplies: how
-to run one framework pass on harness chunks). Everything returns plain data or raises
-``AssertionError`` with a message naming sample, row and layer.
+:func:`run_megatron_checks` runs 4-5 on a list of layouts (:data:`CPU_LAYOUTS`: 1 rank and the
+2-rank TP2 + SP, CP2, PP2 x VPP2 layouts; :data:`GPU_LAYOUTS`: 4-rank ones for GPU machines)
+for a :class:`~r3bridge.testing.rollouts.ModelShape`. Failures raise ``AssertionError`` naming
+sample, token and layer (and "shifted by N rows" when the routes are the expected ones shifted).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
-from r3bridge.canonical import canonical_form, with_empty_sequences
-from r3bridge.ingest import stitch
+from r3bridge.canonical import with_empty_sequences
 from r3bridge.layout import ParallelLayout
 from r3bridge.protocols import BatchCodec
 from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
+from r3bridge.sharding import PackPlan, rank_positions, shard
+from r3bridge.testing.dist import Layout
+from r3bridge.testing.rollouts import CanonicalRollout, ModelShape, make_rollout
+from r3bridge.testing.runner import MegatronRunner
 
-__all__ = ["CanonicalRollout", "make_rollout", "check_ingest", "check_recorded_survives_split",
-           "check_same_targets", "default_layouts", "MegatronRunner", "megatron_r3_check", "megatron_r2_check",
-           "assert_same_batch"]
+__all__ = ["CanonicalRollout", "ModelShape", "make_rollout", "MegatronRunner",
+           "assert_same_batch", "check_ingest", "random_recorded", "check_recorded_survives_split",
+           "default_layouts", "check_same_targets",
+           "megatron_r3_check", "megatron_r2_check", "MegatronCase", "LayoutResult", "megatron_rank",
+           "run_megatron_checks", "assert_r3_passes", "assert_r2_passes", "assert_megatron_checks", "layout_name",
+           "ONE_RANK", "TWO_RANK", "CPU_LAYOUTS", "GPU_LAYOUTS", "GROUPS", "REGROUPED", "BATCH_SIZE",
+           "MIN_COVERAGE", "MAX_LOGPROB_DIFF"]
 
+# ---------------------------------------------------------------------------------- thresholds
+MIN_COVERAGE = 0.8          # check 4: share of router rows replayed (the rest: tails no call routed)
+MAX_LOGPROB_DIFF = 1e-5     # check 5: replayed vs recorded log-probs, fp32 harness
+BATCH_SIZE = 8              # checks 4-5: rollout samples, in GROUPS / REGROUPED
+GROUPS = ((0, 3), (1, 2), (4, 5), (6, 7))          # micro-batches of the compute_log_prob pass
+REGROUPED = ((5, 1), (0, 4), (2, 7), (3, 6))       # the R2 replay, re-partitioned differently
 
-@dataclass
-class CanonicalRollout:
-    """What the inference engine did for a batch of samples.
-
-    ``calls[i][t]``: the all-layers routes ``[rows, num_layers, K]`` (dense layers zero) engine call
-    ``t`` of sample ``i`` returned, from row 0 of that call's prompt (every call re-sends the whole
-    context: multi-turn prefill and resubmits); ``call_tokens[i][t]`` the call's prompt + output.
-    ``tokens[i]``: the sample's final trajectory (what the trainer sees)."""
-
-    tokens: list[list[int]]
-    calls: list[list[np.ndarray]]
-    call_tokens: list[list[list[int]]]
-    prompt_lens: list[int]
-    call_prompt_lens: list[list[int]]           # prompt length of each call (resubmit: prompt == previous call's tokens)
-    num_experts: int
-    num_layers: int
-    moe_layer_ids: list[int]
-    topk: int
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.tokens)
-
-    def expected(self) -> ReplayBatch:
-        """The canonical ReplayBatch: first-seen rows, MoE layers, one row per token (invalid where
-        no call routed it), a final row without a route dropped; source ``"rollout"``."""
-        per = []
-        for i in range(self.batch_size):
-            pieces = [ReplayBatch.from_ragged([c[:, self.moe_layer_ids]], num_experts=self.num_experts,
-                                              layer_ids=self.moe_layer_ids, source="rollout")
-                      for c in self.calls[i]]
-            rb, _ = stitch(pieces)
-            per.append(canonical_form(rb, [len(self.tokens[i])]))
-        return ReplayBatch.concat(per)
-
-    def response_lens(self) -> list[int]:
-        return [len(t) - p for t, p in zip(self.tokens, self.prompt_lens)]
+# ---------------------------------------------------------------------------------- layouts: (world size, layout)
+ONE_RANK = ((1, Layout()),)
+TWO_RANK = ((2, Layout(tp=2)), (2, Layout(cp=2)), (2, Layout(pp=2, vpp=2)))   # SP split, CP zigzag, VPP
+CPU_LAYOUTS = ONE_RANK + TWO_RANK
+# for GPU machines (``backend="nccl"``): too slow for 2 CPU cores
+GPU_LAYOUTS = ((4, Layout(tp=2, cp=2)), (4, Layout(tp=2, pp=2)), (4, Layout(pp=2, vpp=2, cp=2)),
+               (4, Layout(pp=4)))
 
 
-def _routes(rng: np.random.Generator, rows: int, num_layers: int, moe: Sequence[int], e: int, k: int,
-            dtype=np.uint8) -> np.ndarray:
-    out = np.zeros((rows, num_layers, k), dtype=dtype)
-    if rows:
-        scores = rng.random((rows, len(moe), e))
-        out[:, list(moe)] = np.argsort(-scores, axis=-1)[..., :k].astype(dtype)
-    return out
+def layout_name(world_size: int, layout: Layout) -> str:
+    """``"2 ranks tp=2"``: the sizes that differ from 1."""
+    sizes = [f"{k}={getattr(layout, k)}" for k in ("tp", "cp", "pp", "vpp", "ep", "etp")
+             if getattr(layout, k) not in (None, 1)]
+    return f"{world_size} rank{'s' if world_size > 1 else ''}" + (" " + " ".join(sizes) if sizes else "")
 
 
-def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 8, topk: int = 2,
-                 num_layers: int = 4, moe_layer_ids: Sequence[int] = (1, 2, 3), vocab: int = 100,
-                 max_prompt: int = 9, max_turns: int = 3, dtype=np.uint8) -> CanonicalRollout:
-    """Random rollouts covering single-turn, multi-turn (each later call re-routes the earlier
-    context *differently*: only first-seen rows are right), resubmits (a call repeated over the
-    same context) and final tokens no call routed (observations appended after the last call)."""
-    rng = np.random.default_rng(seed)
-    moe = list(moe_layer_ids)
-    tokens, calls, call_tokens, plens, call_plens = [], [], [], [], []
-    for i in range(batch_size):
-        p = int(rng.integers(2, max_prompt + 1))
-        ctx = list(rng.integers(1, vocab, size=p))
-        plens.append(p)
-        sample_calls, sample_call_tokens, sample_plens = [], [], []
-        turns = 1 if i == 0 else int(rng.integers(1, max_turns + 1))
-        for t in range(turns):
-            gen = list(rng.integers(1, vocab, size=int(rng.integers(1, 6))))
-            full = ctx + gen
-            sample_calls.append(_routes(rng, len(full) - 1, num_layers, moe, num_experts, topk, dtype))
-            sample_call_tokens.append(list(full))
-            sample_plens.append(len(ctx))
-            if i % 3 == 2 and t == 0:       # a resubmit of the same request: the prefix comes back again
-                again = full + list(rng.integers(1, vocab, size=2))
-                sample_calls.append(_routes(rng, len(again) - 1, num_layers, moe, num_experts, topk, dtype))
-                sample_call_tokens.append(list(again))
-                sample_plens.append(len(full))
-                full = again
-            ctx = list(full)
-            if t < turns - 1 or i % 2:      # an observation / tail the engine never routes
-                ctx += list(rng.integers(1, vocab, size=int(rng.integers(1, 4))))
-        tokens.append([int(x) for x in ctx])
-        calls.append(sample_calls)
-        call_tokens.append([[int(x) for x in c] for c in sample_call_tokens])
-        call_plens.append(sample_plens)
-    return CanonicalRollout(tokens, calls, call_tokens, plens, call_plens, num_experts, num_layers, moe, topk)
+# ---------------------------------------------------------------------------------- check 1
+def _shift_of(got: torch.Tensor, got_valid: torch.Tensor, want: torch.Tensor, want_valid: torch.Tensor,
+              max_shift: int = 4) -> Optional[int]:
+    """``s`` when ``got`` row ``r`` equals ``want`` row ``r - s`` on every row both route (at
+    least two, and half of ``want``'s routed rows), the smallest ``|s|`` first; else None."""
+    for s in sorted(range(-max_shift, max_shift + 1), key=abs):
+        lo, hi = max(0, s), min(got.shape[0], want.shape[0] + s)
+        if s == 0 or hi - lo < 2:
+            continue
+        both = got_valid[lo:hi] & want_valid[lo - s:hi - s]
+        if int(both.sum()) < max(2, int(want_valid.sum()) // 2):
+            continue
+        if torch.equal(got[lo:hi][both], want[lo - s:hi - s][both]):
+            return s
+    return None
+
+
+def _shift_words(s: int) -> str:
+    rows = f"{s} row{'' if abs(s) == 1 else 's'}"
+    where = "late" if s > 0 else "early"
+    return f"shifted by {rows} (token t holds the route of token t{-s:+d}: routes placed {abs(s)} token(s) {where})"
+
+
+def _sample_difference(i: int, got: ReplayBatch, want: ReplayBatch) -> Optional[tuple[str, Optional[int]]]:
+    """(the first difference of sample ``i``, the shift of its routes or None), or None."""
+    ra, va = got.sequence(i)
+    rb, vb = want.sequence(i)
+    comparable = got.layer_ids == want.layer_ids and got.topk == want.topk
+    if ra.shape[0] == rb.shape[0] and torch.equal(va, vb) and (not comparable or torch.equal(ra, rb)):
+        return None
+    words = []
+    s = _shift_of(ra, va, rb, vb) if comparable else None
+    if s is not None:
+        words.append(f"sample {i}: routes equal the expected ones {_shift_words(s)}")
+    if ra.shape[0] != rb.shape[0]:
+        words.append(f"sample {i}: {ra.shape[0]} rows, want {rb.shape[0]}")
+    n = min(ra.shape[0], rb.shape[0])
+    bad_valid = (va[:n] != vb[:n]).nonzero()
+    bad_route = (((ra[:n] != rb[:n]).flatten(1).any(1)) & va[:n] & vb[:n]).nonzero() if comparable else bad_valid[:0]
+    first = min([int(x[0]) for x in (bad_valid, bad_route) if x.numel()], default=None)
+    if first is not None and bad_valid.numel() and int(bad_valid[0]) == first:
+        words.append(f"sample {i}, token {first}: valid {bool(va[first])}, want {bool(vb[first])}")
+    elif first is not None:
+        layer = int((ra[first] != rb[first]).any(-1).nonzero()[0])
+        words.append(f"sample {i}, token {first}, layer {got.layer_ids[layer]}: routes {ra[first, layer].tolist()}, "
+                     f"want {rb[first, layer].tolist()}")
+    return ("; ".join(words) if words else f"sample {i}: routes differ"), s
 
 
 def assert_same_batch(got: ReplayBatch, want: ReplayBatch, what: str = "") -> None:
-    """Byte-identical, with a message naming the first difference."""
+    """Byte-identical, or ``AssertionError`` naming the first differing sample, token and layer,
+    and saying "shifted by N rows" (and how many samples are) when the routes are the expected
+    ones shifted."""
     if got.to_bytes() == want.to_bytes():
         return
-    msg = [f"{what}: ReplayBatches differ"]
-    for name in ("source", "layer_ids", "num_experts", "topk", "rows_per_seq", "start_rows"):
+    msg = [f"{what}: ReplayBatches differ" if what else "ReplayBatches differ"]
+    for name in ("source", "layer_ids", "num_experts", "topk", "start_rows"):
         a, b = getattr(got, name), getattr(want, name)
         if a != b:
             msg.append(f"{name}: got {a!r}, want {b!r}")
-    if got.rows_per_seq == want.rows_per_seq:
-        for i in range(got.num_seqs):
-            ra, va = got.sequence(i)
-            rb_, vb = want.sequence(i)
-            if not torch.equal(va, vb):
-                r = int((va != vb).nonzero()[0])
-                msg.append(f"sample {i}, row {r}: valid {bool(va[r])} vs {bool(vb[r])}")
-                break
-            if not torch.equal(ra, rb_):
-                r, l = (ra != rb_).any(-1).nonzero()[0].tolist()
-                msg.append(f"sample {i}, row {r}, layer {got.layer_ids[l]}: {ra[r, l].tolist()} vs {rb_[r, l].tolist()}")
-                break
+    if got.num_seqs != want.num_seqs:
+        msg.append(f"{got.num_seqs} sequences, want {want.num_seqs}")
+    else:
+        diffs = {i: d for i in range(got.num_seqs) if (d := _sample_difference(i, got, want)) is not None}
+        if diffs:
+            msg.append(next(iter(diffs.values()))[0])
+            shifts = Counter(shift for _, shift in diffs.values() if shift is not None)
+            for shift, count in shifts.items():
+                msg.append(f"{count} of {got.num_seqs} samples shifted by {shift} row{'' if abs(shift) == 1 else 's'}")
+            if len(diffs) > 1:
+                msg.append(f"samples differing: {list(diffs)}")
     raise AssertionError("; ".join(msg))
 
 
 def check_ingest(codec: BatchCodec, native: Any, rollout: CanonicalRollout, what: str = "") -> ReplayBatch:
-    """(1) the native batch carries exactly the canonical routes."""
+    """(1) the native batch carries exactly the canonical routes. Returns what the codec read."""
     got = codec.to_replay_batch(native, source="rollout")
     assert_same_batch(got, rollout.expected(), what or type(codec).__name__)
     lens = codec.seq_lens(native)
-    assert lens == [len(t) for t in rollout.tokens], f"seq_lens {lens} != trajectory lengths"
+    want = [len(t) for t in rollout.tokens]
+    if list(lens) != want:
+        raise AssertionError(f"{what or type(codec).__name__}: seq_lens {list(lens)} != trajectory lengths {want}")
     return got
+
+
+# ---------------------------------------------------------------------------------- check 2
+def random_recorded(rollout: CanonicalRollout, seed: int = 3) -> ReplayBatch:
+    """Random R2 routes (``source="recorded"``, one row per token, every row valid) for the
+    rollout's samples: what a recording pass returns."""
+    generator = torch.Generator().manual_seed(seed)
+    return ReplayBatch.from_ragged(
+        [torch.rand(len(t), len(rollout.moe_layer_ids), rollout.num_experts, generator=generator)
+         .topk(rollout.topk, -1).indices for t in rollout.tokens],
+        num_experts=rollout.num_experts, layer_ids=rollout.moe_layer_ids, source="recorded")
 
 
 def check_recorded_survives_split(codec: BatchCodec, native: Any, recorded: ReplayBatch,
@@ -177,71 +193,95 @@ def check_recorded_survives_split(codec: BatchCodec, native: Any, recorded: Repl
             kw = {} if order is None else {"order": order}
             for part, ids in codec.split(native, p, **kw):
                 got = codec.to_replay_batch(part, source="recorded")
-                assert_same_batch(got, recorded.select(ids), f"part of a {p}-way split (samples {ids})")
+                assert_same_batch(got, recorded.select(ids), f"part of a {p}-way split holding batch samples {ids} "
+                                                             f"(sample k below: the part's k-th)")
                 n += 1
+    if n == 0:
+        raise AssertionError("codec.split returned no part: nothing was checked")
     return n
 
 
-def default_layouts() -> list[tuple[ParallelLayout, list[tuple[int, int, int, int]]]]:
-    """(layout, rank keys) pairs: TP+SP, CP zigzag, PP with a dense first stage, VPP."""
+# ---------------------------------------------------------------------------------- check 3
+def default_layouts(shape: Optional[ModelShape] = None) -> list[tuple[ParallelLayout, list[tuple[int, int, int, int]]]]:
+    """(layout, rank keys) pairs for check 3: TP+SP, CP zigzag, TP+CP+PP, VPP and PP with a
+    dense first stage, those of them the shape's layer count splits into evenly (default shape:
+    :class:`ModelShape`'s)."""
+    from r3bridge.errors import LayoutError
+
+    shape = shape or ModelShape()
+
+    flags = [0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense)
+    sizes = (dict(tp=2), dict(cp=2), dict(tp=2, cp=2, pp=2), dict(pp=2, vpp=2),
+             dict(num_layers_in_first_pipeline_stage=1, pp=2))
     out = []
-    for lay in (ParallelLayout(4, [0, 1, 1, 1], tp=2), ParallelLayout(4, [0, 1, 1, 1], cp=2),
-                ParallelLayout(4, [0, 1, 1, 1], tp=2, cp=2, pp=2),
-                ParallelLayout(4, [0, 1, 1, 1], pp=2, vpp=2),
-                ParallelLayout(4, [0, 1, 1, 1], num_layers_in_first_pipeline_stage=1, pp=2)):
+    for kw in sizes:
+        try:
+            lay = ParallelLayout(shape.num_layers, flags, **kw)
+        except LayoutError:         # e.g. VPP 2 x PP 2 of 6 layers: not a layout of this model
+            continue
         keys = [(t, c, p, v) for t in range(lay.tp) for c in range(lay.cp) for p in range(lay.pp)
                 for v in range(lay.vp_size)]
         out.append((lay, keys))
     return out
 
 
+def _target_row(layout: ParallelLayout, seq_lens: Sequence[int], tp_rank: int, cp_rank: int, row: int) -> str:
+    """``sample s, token t`` of router row ``row`` of rank (tp_rank, cp_rank) (THD packing)."""
+    seqs, pos = rank_positions(PackPlan.build(layout, seq_lens), layout, tp_rank, cp_rank)
+    return f"sample {int(seqs[row])}, token {int(pos[row])}"
+
+
 def check_same_targets(batches: dict[str, ReplayBatch], seq_lens: Sequence[int], layouts=None) -> int:
-    """(3) identical per-rank targets from every batch. Returns the number of rank targets compared."""
+    """(3) identical per-rank targets from every batch. Returns the number of rank targets compared.
+    A difference names the layout, rank, sample, token and layer."""
     names = list(batches)
     n = 0
     for lay, keys in (layouts or default_layouts()):
         for (t, c, p, v) in keys:
             ref = None
+            where = f"{lay} rank (tp, cp, pp, vp) = {(t, c, p, v)}"
             for name in names:
                 tg = shard(batches[name], lay, seq_lens, tp_rank=t, cp_rank=c, pp_rank=p, vp_stage=v)
                 if ref is None:
                     ref = (name, tg)
                     continue
-                assert torch.equal(tg.valid, ref[1].valid), f"{name} vs {ref[0]}: validity differs on {lay} rank {(t, c, p, v)}"
-                assert tg.layer_ids == ref[1].layer_ids
+                ref_name, ref_tg = ref
+                if not torch.equal(tg.valid, ref_tg.valid):
+                    row = int((tg.valid != ref_tg.valid).nonzero()[0])
+                    raise AssertionError(f"{name} vs {ref_name}: validity differs on {where}, "
+                                         f"{_target_row(lay, seq_lens, t, c, row)}: {bool(tg.valid[row])} vs "
+                                         f"{bool(ref_tg.valid[row])}")
+                if tg.layer_ids != ref_tg.layer_ids:
+                    raise AssertionError(f"{name} vs {ref_name}: layers {tg.layer_ids} vs {ref_tg.layer_ids} on {where}")
                 for lid in tg.layer_ids:
-                    assert torch.equal(tg.indices[lid], ref[1].indices[lid]), (
-                        f"{name} vs {ref[0]}: layer {lid} targets differ on rank (tp,cp,pp,vp)={(t, c, p, v)}")
+                    if not torch.equal(tg.indices[lid], ref_tg.indices[lid]):
+                        row = int((tg.indices[lid] != ref_tg.indices[lid]).any(-1).nonzero()[0])
+                        raise AssertionError(f"{name} vs {ref_name}: targets differ on {where}, "
+                                             f"{_target_row(lay, seq_lens, t, c, row)}, layer {lid}: "
+                                             f"{tg.indices[lid][row].tolist()} vs {ref_tg.indices[lid][row].tolist()}")
                 n += 1
+    if n == 0:
+        raise AssertionError("no rank target was compared")
     return n
 
 
-# ---------------------------------------------------------------------------------- Megatron level
-class MegatronRunner(Protocol):
-    """What an adapter's test supplies to run one framework pass on harness chunks."""
-
-    def attach(self, ctx: Any, chunks: list, mode: str) -> Any:
-        """Build the framework object around ``chunks`` with ``replay_mode=mode``."""
-        ...
-
-    def micro_batches(self, rollout: CanonicalRollout, groups: Sequence[Sequence[int]], *, key: str) -> list:
-        """Native micro-batches holding samples ``groups[m]`` (``key``: "rollout" or "recorded")."""
-        ...
-
-    def run(self, obj: Any, micro_batches: list, *, phase: str) -> dict:
-        """One pass (``phase``: "compute_log_prob" or "update"); returns ``{"logprobs": [per-sample
-        tensors], "metrics": {...}, "recorded": ReplayBatch | None, "packing": [per micro-batch
-        dict(seq_lens=..., cu_seqlens_padded=..., format=..., seq_length=..., samples=...)]}``
-        (``samples``: rollout sample of each sequence, when the framework re-partitions itself)."""
-        ...
-
-    def write_recorded(self, rollout: CanonicalRollout, recorded: ReplayBatch) -> None:
-        """Keep ``recorded`` (sample order) for later ``micro_batches(..., key="recorded")``."""
-        ...
+# ---------------------------------------------------------------------------------- check 4
+def _router_mismatch(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor, plan: PackPlan,
+                     layout: ParallelLayout, ctx: Any, samples: Sequence[Any]) -> str:
+    """Which sample and token the first wrong router row is, and how many rows are wrong."""
+    bad = ((got != want).any(1) & valid).nonzero().flatten()
+    row = int(bad[0])
+    seqs, pos = rank_positions(plan, layout, ctx.tp_rank, ctx.cp_rank)
+    seq = int(seqs[row])
+    sample = samples[seq] if seq < len(samples) else f"padding sequence {seq}"
+    return (f"sample {sample}, token {int(pos[row])}: router chose {got[row].tolist()}, want {want[row].tolist()} "
+            f"({bad.numel()} of {int(valid.sum())} valid rows differ)")
 
 
 def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollout, groups, chunks: list) -> dict:
-    """(4) every router call of an R3 pass dispatches the canonical routes on valid rows."""
+    """(4) every router call of an R3 pass dispatches the canonical routes on valid rows.
+    Returns ``{"errors": [...], "checked_rows": n, "metrics": {...}}`` (decide with
+    :func:`assert_r3_passes`); each error names layer, micro-batch, sample and token."""
     from r3bridge.testing.probe import RoutingProbe
 
     obj = runner.attach(ctx, chunks, "R3")
@@ -254,6 +294,9 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
     by_layer: dict[int, list] = {}
     for call in probe.calls:
         by_layer.setdefault(call.layer_id, []).append(call)
+    if len(res["packing"]) < len(groups):
+        errors.append(f"the runner reported {len(res['packing'])} packing entries for {len(groups)} micro-batches")
+        return {"errors": errors, "checked_rows": 0, "metrics": res["metrics"]}
     for lid, calls in by_layer.items():
         if len(calls) != len(groups):
             errors.append(f"layer {lid}: {len(calls)} router calls for {len(groups)} micro-batches")
@@ -261,8 +304,8 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
         for m, (call, g) in enumerate(zip(calls, groups)):
             pk = dict(res["packing"][m])
             seq_lens = pk.pop("seq_lens")
-            g = pk.pop("samples", g)          # frameworks that re-balance micro-batches report their own
-            routes = expected.select(list(g))
+            g = list(pk.pop("samples", g))    # frameworks that re-balance micro-batches report their own
+            routes = expected.select(g)
             if len(seq_lens) > len(g):        # framework padding "sequences" (no routes)
                 routes = with_empty_sequences(routes, seq_lens[len(g):])
             tg = shard(routes, layout, seq_lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
@@ -270,17 +313,21 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
             got = call.topk()
             want = tg.indices[lid].sort(dim=1).values
             v = tg.valid
+            where = f"layer {lid}, micro-batch {m}"
             if got.shape != want.shape:
-                errors.append(f"layer {lid} micro-batch {m}: router saw {tuple(got.shape)} rows, targets {tuple(want.shape)}")
+                errors.append(f"{where}: router saw {tuple(got.shape)} rows, targets {tuple(want.shape)}")
             elif not torch.equal(got[v], want[v]):
-                errors.append(f"layer {lid} micro-batch {m}: {int((got[v] != want[v]).any(1).sum())} valid rows differ")
+                plan = PackPlan.build(layout, seq_lens, **pk)
+                errors.append(f"{where}: {_router_mismatch(got, want, v, plan, layout, ctx, g)}")
             checked += int(v.sum())
     return {"errors": errors, "checked_rows": checked, "metrics": res["metrics"]}
 
 
+# ---------------------------------------------------------------------------------- check 5
 def megatron_r2_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollout, record_groups, replay_groups,
                       chunks: list) -> dict:
-    """(5) record under R2, write back, replay re-partitioned: same log-probs, agreement 1.0."""
+    """(5) record under R2, write back, replay re-partitioned: same log-probs, agreement 1.0.
+    Returns plain data; decide with :func:`assert_r2_passes`."""
     obj = runner.attach(ctx, chunks, "R2")
     rec_res = runner.run(obj, runner.micro_batches(rollout, record_groups, key=None), phase="compute_log_prob")
     recorded = rec_res["recorded"]
@@ -290,9 +337,134 @@ def megatron_r2_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
     order_rep = [i for g in replay_groups for i in g]
     lp_rec = {i: lp for i, lp in zip(order_rec, rec_res["logprobs"])}
     lp_rep = {i: lp for i, lp in zip(order_rep, rep_res["logprobs"])}
-    diffs = [float((lp_rec[i] - lp_rep[i]).abs().max()) for i in lp_rec if lp_rep.get(i) is not None]
+    diffs = {i: float((lp_rec[i] - lp_rep[i]).abs().max()) for i in lp_rec if lp_rep.get(i) is not None}
+    worst = max(diffs, key=diffs.get) if diffs else None
     return {"recorded_rows": None if recorded is None else recorded.rows_per_seq,
-            "max_logprob_diff": max(diffs) if diffs else None,
+            "max_logprob_diff": diffs[worst] if diffs else None, "worst_sample": worst,
             "agreement": rep_res["metrics"].get("r3bridge/agreement/mean"), "metrics": rep_res["metrics"],
             # what the adapter hands to the framework's own metrics logging, if it says (optional)
             "framework_metrics": rep_res.get("framework_metrics")}
+
+
+# ---------------------------------------------------------------------------------- checks 4-5 on ranks
+@dataclass(frozen=True)
+class MegatronCase:
+    """Everything a rank needs for checks 4-5 (picklable: it travels to spawned ranks).
+
+    ``make_runner(rollout)`` builds a fresh :class:`MegatronRunner` (a class or a
+    ``functools.partial`` of one: lambdas do not pickle); ``extras(ctx, runners)``, optional,
+    runs after the checks on each rank with the two runners used (R3, R2) and its picklable
+    result is kept under ``"extras"``."""
+
+    make_runner: Callable[[CanonicalRollout], MegatronRunner]
+    shape: ModelShape = field(default_factory=ModelShape)
+    spec: Any = None                    # a ModelSpec; None: shape.model_spec()
+    rollout_seed: int = 11
+    extras: Optional[Callable[[Any, list], Any]] = None
+
+
+@dataclass
+class LayoutResult:
+    """The per-rank results of checks 4-5 on one layout."""
+
+    world_size: int
+    layout: Layout
+    ranks: list[dict]
+
+    @property
+    def name(self) -> str:
+        return layout_name(self.world_size, self.layout)
+
+
+def megatron_rank(ctx: Any, case: MegatronCase) -> dict:
+    """Rank function of checks 4-5: a fresh runner and fresh chunks per check."""
+    from r3bridge.testing.models import build_model_chunks
+
+    spec = case.spec if case.spec is not None else case.shape.model_spec()
+    rollout = case.shape.rollout(case.rollout_seed, batch_size=BATCH_SIZE)
+    runners: list = []
+
+    def fresh() -> MegatronRunner:
+        runners.append(case.make_runner(rollout))
+        return runners[-1]
+    out = {"r3": megatron_r3_check(ctx, fresh(), rollout, GROUPS, build_model_chunks(spec, ctx)),
+           "r2": megatron_r2_check(ctx, fresh(), rollout, GROUPS, REGROUPED, build_model_chunks(spec, ctx)),
+           "rank": ctx.rank, "pp_rank": ctx.pp_rank, "pp": ctx.pp, "last_stage": ctx.is_last_stage}
+    if case.extras is not None:
+        out["extras"] = case.extras(ctx, runners)
+    return out
+
+
+def run_megatron_checks(case: MegatronCase, layouts: Sequence[tuple[int, Layout]] = CPU_LAYOUTS, *,
+                        timeout: float = 900.0, backend: str = "gloo") -> list[LayoutResult]:
+    """Checks 4-5 on every ``(world_size, layout)``: one set of processes per world size
+    (:func:`r3bridge.testing.dist.spawn_layouts`). Returns the results; decide with
+    :func:`assert_megatron_checks`. A failing rank raises ``RankError`` with its traceback."""
+    from r3bridge.testing.dist import spawn_layouts
+
+    out: list[LayoutResult] = []
+    for world_size in dict.fromkeys(w for w, _ in layouts):
+        mine = [lay for w, lay in layouts if w == world_size]
+        per_layout = spawn_layouts(megatron_rank, world_size=world_size, layouts=mine, args=(case,),
+                                   timeout=timeout, backend=backend)
+        out += [LayoutResult(world_size, lay, ranks) for lay, ranks in zip(mine, per_layout)]
+    return out
+
+
+def assert_r3_passes(result: LayoutResult, *, min_coverage: float = MIN_COVERAGE) -> int:
+    """Check 4 decided on one layout: no router row differs, coverage above ``min_coverage`` on
+    every rank, some rows checked. Returns the rows checked."""
+    checked = 0
+    for rank, r in enumerate(result.ranks):
+        errors = r["r3"]["errors"]
+        if errors:
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            raise AssertionError(f"check 4 on {result.name}, rank {rank}: " + "; ".join(errors[:5]) + more)
+        coverage = r["r3"]["metrics"].get("r3bridge/coverage")
+        if coverage is None or not coverage > min_coverage:
+            raise AssertionError(f"check 4 on {result.name}, rank {rank}: coverage {coverage} is not above "
+                                 f"{min_coverage} (rows the adapter left to native routing)")
+        checked += r["r3"]["checked_rows"]
+    if checked == 0:
+        raise AssertionError(f"check 4 on {result.name}: no router row was checked")
+    return checked
+
+
+def assert_r2_passes(result: LayoutResult, *, batch_size: int = BATCH_SIZE,
+                     max_logprob_diff: float = MAX_LOGPROB_DIFF) -> float:
+    """Check 5 decided on one layout: every rank recorded one sequence per sample and replayed
+    with agreement 1.0; every last-stage rank compared log-probs, all within
+    ``max_logprob_diff``. Returns the largest difference."""
+    diffs = []
+    for rank, r in enumerate(result.ranks):
+        r2 = r["r2"]
+        where = f"check 5 on {result.name}, rank {rank}"
+        rows = r2["recorded_rows"]
+        if rows is None or len(rows) != batch_size:
+            raise AssertionError(f"{where}: R2 recorded {None if rows is None else len(rows)} sequences for "
+                                 f"{batch_size} samples")
+        agreement = r2["agreement"]
+        if agreement is None or abs(agreement - 1.0) > 1e-6:
+            raise AssertionError(f"{where}: agreement {agreement} replaying the recorded routes, want 1.0")
+        if r2["max_logprob_diff"] is None:
+            if r["last_stage"]:
+                raise AssertionError(f"{where}: a last-stage rank whose runner returned no log-probs to compare")
+            continue
+        if not r2["max_logprob_diff"] < max_logprob_diff:
+            raise AssertionError(f"{where}: sample {r2['worst_sample']}'s replayed log-probs differ from the "
+                                 f"recording pass by {r2['max_logprob_diff']:.3g} (limit {max_logprob_diff})")
+        diffs.append(r2["max_logprob_diff"])
+    if not diffs:
+        raise AssertionError(f"check 5 on {result.name}: no rank compared log-probs")
+    return max(diffs)
+
+
+def assert_megatron_checks(results: Sequence[LayoutResult], *, min_coverage: float = MIN_COVERAGE,
+                           max_logprob_diff: float = MAX_LOGPROB_DIFF) -> None:
+    """Checks 4 and 5 decided on every layout (the plain-function form of
+    :class:`r3bridge.testing.suite.BaseMegatronTests`)."""
+    if not results:
+        raise AssertionError("no layout was run")
+    for result in results:
+        assert_r3_passes(result, min_coverage=min_coverage)
+        assert_r2_passes(result, max_logprob_diff=max_logprob_diff)

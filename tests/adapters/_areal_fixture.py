@@ -22,10 +22,12 @@ from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 
 from r3bridge.adapters.areal import (
     ROUTES_KEY,
+    ArealCodec,
     MegatronEngineMixin,
     ModelInfo,
     PPOActorMixin,
@@ -36,11 +38,12 @@ from r3bridge.adapters.areal import (
 )
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
+from r3bridge.testing.suite import AdapterFixtures
 from testlab.areal_env import import_areal
 from testlab.areal_rollout import FakeSGLang  # the same fake server the real-engine test uses
 
-__all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner"]
+__all__ = ["FakeSGLang", "StandInInfEngine", "trajectories", "batch", "model_info", "ArealRunner", "ArealFixtures"]
 
 def _data():
     return import_areal("areal.utils.data")
@@ -269,8 +272,8 @@ class R3Actor(PPOActorMixin, _Actor):
 class ArealRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` for AReaL (stand-in engine, real utilities)."""
 
-    def __init__(self) -> None:
-        self.trajs: Optional[list] = None
+    def __init__(self, rollout: Optional[CanonicalRollout] = None) -> None:
+        self.trajs: Optional[list] = None         # built from the rollout ``micro_batches`` gets
 
     def attach(self, ctx, chunks, mode):
         for c in chunks:   # AReaL's models use RoPE; the harness GPT's learned absolute positions would get
@@ -339,3 +342,27 @@ class ArealRunner:
 
     def write_recorded(self, rollout, recorded):
         pass                                      # PPOActorMixin.compute_logp already wrote it back
+
+
+class ArealFixtures(AdapterFixtures):
+    """AReaL's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    batch AReaL's ``concat_padded_tensors`` builds from the workflow's trajectories, the runner;
+    checks 4-5 on the 2-rank layouts."""
+
+    @pytest.fixture
+    def codec(self, rollout):
+        return ArealCodec(model_info(rollout))
+
+    @pytest.fixture
+    def native_batch(self, rollout):
+        return batch(rollout)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_runner(cls):
+        return ArealRunner
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_layouts(cls):
+        return TWO_RANK

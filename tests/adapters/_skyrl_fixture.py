@@ -4,11 +4,13 @@ own code (generator-side first-seen accumulation, ``convert_prompts_responses_to
 from __future__ import annotations
 
 import base64
+import functools
 import io
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
+import pytest
 import torch
 
 from r3bridge.adapters.skyrl import (
@@ -27,9 +29,10 @@ from r3bridge.config import ReplayConfig
 from r3bridge.decoders import decode_vllm_routes
 from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
+from r3bridge.testing.suite import AdapterFixtures
 
-__all__ = ["wire", "generator_routes", "training_batch", "codec", "SkyRLRunner"]
+__all__ = ["wire", "generator_routes", "training_batch", "codec", "SkyRLRunner", "SkyRLFixtures"]
 
 
 def wire(arr: np.ndarray, transport: str) -> Any:
@@ -97,7 +100,7 @@ class SkyRLRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` over SkyRL's real ``MegatronModelWrapper``
     (``remove_microbatch_padding`` True: THD, False: BSHD) on harness chunks."""
 
-    def __init__(self, *, remove_microbatch_padding: bool = True) -> None:
+    def __init__(self, rollout: Optional[CanonicalRollout] = None, *, remove_microbatch_padding: bool = True) -> None:
         self.thd = remove_microbatch_padding
         self.recorded: Optional[ReplayBatch] = None
         self._batch = None
@@ -112,6 +115,8 @@ class SkyRLRunner:
                 if emb is not None:
                     emb.add_position_embedding = False
         cfg = chunks[0].config
+        if ctx.vpp:   # what a SkyRL job's megatron config sets for the interleaved schedule
+            cfg.microbatch_group_size_per_vp_stage = ctx.pp
         self.num_layers = cfg.num_layers
         self.moe = [i for i in range(cfg.num_layers)
                     if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]
@@ -184,3 +189,34 @@ class SkyRLRunner:
 
     def write_recorded(self, rollout, recorded):
         self.recorded = recorded
+
+
+class SkyRLFixtures(AdapterFixtures):
+    """SkyRL's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    ``TrainingInputBatch`` SkyRL's trainer builds, the runner over its ``MegatronModelWrapper``
+    (THD unless ``remove_microbatch_padding = False``); checks 4-5 on the 2-rank layouts."""
+
+    remove_microbatch_padding = True
+
+    @pytest.fixture
+    def codec(self, rollout):
+        return codec(rollout)
+
+    @pytest.fixture
+    def native_batch(self, rollout):
+        return training_batch(rollout)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_runner(cls):
+        return functools.partial(SkyRLRunner, remove_microbatch_padding=cls.remove_microbatch_padding)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_layouts(cls):
+        return TWO_RANK
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def min_coverage(cls):
+        return 0.5          # SkyRL's checks 4-5 have asserted coverage > 0.5 since their first version

@@ -25,6 +25,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import pytest
 import torch
 from _verl_batches import verl_batch
 from verl.utils import tensordict_utils as tu
@@ -35,12 +36,13 @@ from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 from r3bridge.config import ReplayConfig
 from r3bridge.megatron.phase import PhaseRunner
 from r3bridge.schema import ReplayBatch
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.data import PackedBatch, local_inputs
 from r3bridge.testing.schedule import make_forward_step
+from r3bridge.testing.suite import AdapterFixtures
 
-__all__ = ["HarnessVerl", "VerlEngine", "VerlRunner", "build_engine", "hf_config_of", "token_log_probs",
-           "verl_packed_batch"]
+__all__ = ["HarnessVerl", "VerlEngine", "VerlRunner", "VerlFixtures", "build_engine", "hf_config_of",
+           "token_log_probs", "verl_packed_batch"]
 
 INDEX_KEY = "conformance_sample"     # test-side: the rollout sample of each row, to pair outputs
 
@@ -286,3 +288,27 @@ class VerlRunner:
         rb = ReplayBatch.from_bytes(payload[0])
         back = sorted(range(len(order)), key=order.__getitem__)
         return rb.select(back)
+
+
+class VerlFixtures(AdapterFixtures):
+    """verl's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    batch verl's trainer holds (``verl_batch``), the runner; checks 4-5 on the 2-rank layouts."""
+
+    @pytest.fixture
+    def codec(self, rollout):
+        return VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                         num_hidden_layers=rollout.num_layers)
+
+    @pytest.fixture
+    def native_batch(self, rollout):
+        return verl_batch(rollout)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_runner(cls):
+        return VerlRunner
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_layouts(cls):
+        return TWO_RANK

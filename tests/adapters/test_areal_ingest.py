@@ -34,7 +34,12 @@ from r3bridge.adapters.areal import (  # noqa: E402
 )
 from r3bridge.errors import PayloadError  # noqa: E402
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
+from r3bridge.testing.suite import BaseIngestTests  # noqa: E402
 from testlab.areal_env import import_areal  # noqa: E402
+
+
+class TestArealIngest(BaseIngestTests, ac.ArealFixtures):
+    """Conformance checks 1-3 on AReaL's own batches and micro-batching."""
 
 data = import_areal("areal.utils.data")
 
@@ -126,7 +131,7 @@ def test_routes_survive_areal_unpad_and_concat():
 
 
 def test_conformance_recorded_survives_split():
-    rollout = make_rollout(9, batch_size=6)
+    rollout = make_rollout(9, batch_size=6, num_experts=8)
     batch = ac.batch(rollout)
     codec = ArealCodec(ac.model_info(rollout))
     g = torch.Generator().manual_seed(0)

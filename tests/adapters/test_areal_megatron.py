@@ -1,4 +1,5 @@
-"""AReaL adapter on a real megatron-core model (CPU harness), conformance checks 4 and 5.
+"""AReaL adapter on a real megatron-core model (CPU harness), conformance checks 4 and 5
+(:class:`r3bridge.testing.suite.BaseMegatronTests`).
 
 ``MegatronEngine`` itself cannot be imported here (``mbridge``, and ``areal.infra``'s OpenAI
 stack), so the engine is ``tests/adapters/_areal_fixture.StandInMegatronEngine``: its
@@ -17,23 +18,19 @@ import importlib.util
 
 import pytest
 
+from r3bridge.testing.suite import BaseMegatronTests
+
 assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
-
-def _cell(ctx):
-    from _areal_fixture import ArealRunner
-    from _megatron_checks import run_checks
-
-    return run_checks(ctx, lambda rollout: ArealRunner())
+from _areal_fixture import ArealFixtures  # noqa: E402
 
 
 @pytest.mark.slow
-def test_areal_engine_replays_exactly():
-    from _megatron_checks import spawn_and_check
-
-    for per_rank in spawn_and_check(_cell):
-        for r in per_rank:
-            # the update's driver metrics reach AReaL's stats tracker, tagged by phase
-            logged = r["r2"]["framework_metrics"]
-            assert logged["r3bridge/update/agreement/mean"] == pytest.approx(1.0), logged
-            assert logged["r3bridge/update/coverage"] == pytest.approx(r["r2"]["metrics"]["r3bridge/coverage"])
+class TestArealMegatron(BaseMegatronTests, ArealFixtures):
+    def test_metrics_reach_areal_stats_tracker(self, megatron_results):
+        for result in megatron_results:
+            for r in result.ranks:
+                # the update's driver metrics reach AReaL's stats tracker, tagged by phase
+                logged = r["r2"]["framework_metrics"]
+                assert logged["r3bridge/update/agreement/mean"] == pytest.approx(1.0), logged
+                assert logged["r3bridge/update/coverage"] == pytest.approx(r["r2"]["metrics"]["r3bridge/coverage"])

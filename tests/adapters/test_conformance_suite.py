@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ReplayBatch
+from r3bridge import ParallelLayout, ReplayBatch
 from r3bridge.canonical import canonical_form, drop_final_invalid_rows
 from r3bridge.megatron.phase import install_before_forward
 from r3bridge.protocols import BatchCodec
@@ -87,13 +87,22 @@ def test_good_codec_passes_and_broken_ones_fail():
 def test_same_targets_detects_a_difference():
     r = make_rollout(2, batch_size=4)
     a = r.expected()
+    assert bool(a.valid[3]) and a.rows_per_seq[0] > 5
     v = a.valid.clone()
     v[3] = False
-    b = ReplayBatch.from_packed(a.routes, a.rows_per_seq, num_experts=8, layer_ids=a.layer_ids, valid=v, source="rollout")
+    b = ReplayBatch.from_packed(a.routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=v,
+                                source="rollout")
     lens = [len(t) for t in r.tokens]
     assert check_same_targets({"a": a, "a2": a}, lens) > 0
-    with pytest.raises(AssertionError, match="differ"):
+    with pytest.raises(AssertionError, match=r"b vs a: validity differs on .* rank .*, sample 0, token 3: False vs True"):
         check_same_targets({"a": a, "b": b}, lens)
+    routes = a.routes.clone()
+    routes[5, 1] = torch.tensor([3, 2]) if routes[5, 1].tolist() != [3, 2] else torch.tensor([1, 0])
+    c = ReplayBatch.from_packed(routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=a.valid,
+                                source="rollout")
+    sample, token = next((i, 5 - int(a.offsets[i])) for i in range(a.num_seqs) if int(a.offsets[i + 1]) > 5)
+    with pytest.raises(AssertionError, match=rf"c vs a: targets differ on .*, sample {sample}, token {token}, layer 2:"):
+        check_same_targets({"a": a, "c": c}, lens)
     with pytest.raises(AssertionError, match="valid"):
         assert_same_batch(b, a, "x")
 
@@ -121,3 +130,140 @@ def test_drop_final_invalid_rows_and_install_hook_counts():
     assert counts == [2] and [c[1] for c in calls] == [[1], [2]]
     m(torch.zeros(1, 2))                 # hooks removed on exit
     assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------------- messages and decisions
+def _shifted(rb: ReplayBatch, seq_lens, by: int) -> ReplayBatch:
+    """``rb`` with every sample's routes placed ``by`` tokens late (the off-by-one codec)."""
+    per = []
+    for i, n in enumerate(seq_lens):
+        r, v = rb.sequence(i)
+        r = torch.cat([r[:1].expand(by, -1, -1), r])[: r.shape[0]]
+        v = torch.cat([torch.zeros(by, dtype=torch.bool), v])[: v.shape[0]]
+        per.append(canonical_form(ReplayBatch.from_ragged([r], num_experts=rb.num_experts, layer_ids=rb.layer_ids,
+                                                          valid=[v], source=rb.source), [n]))
+    return ReplayBatch.concat(per)
+
+
+@pytest.mark.parametrize("by", [1, 2])
+def test_check1_names_sample_token_and_the_shift(by):
+    r = make_rollout(4, batch_size=6)
+    lens = [len(t) for t in r.tokens]
+    native = {"routes": _shifted(r.expected(), lens, by), "lens": lens}
+    with pytest.raises(AssertionError) as e:
+        check_ingest(_Dict(), native, r, "toy")
+    msg = str(e.value)
+    rows = "row" if by == 1 else "rows"
+    assert f"sample 0: routes equal the expected ones shifted by {by} {rows}" in msg, msg
+    assert f"6 of 6 samples shifted by {by} {rows}" in msg, msg
+    assert "sample 0, token 0: valid False, want True" in msg, msg
+
+
+def test_check1_names_the_layer_of_a_wrong_route():
+    r = make_rollout(5, batch_size=4)
+    want = r.expected()
+    routes = want.routes.clone()
+    row = int(want.offsets[2]) + 1           # sample 2, token 1
+    routes[row, 1] = torch.tensor([3, 1]) if routes[row, 1].tolist() != [3, 1] else torch.tensor([2, 0])
+    got = ReplayBatch.from_packed(routes, want.rows_per_seq, num_experts=want.num_experts, layer_ids=want.layer_ids,
+                                  valid=want.valid, source="rollout")
+    with pytest.raises(AssertionError, match=r"sample 2, token 1, layer 2: routes \[") as e:
+        assert_same_batch(got, want, "x")
+    assert "shifted" not in str(e.value)
+
+
+def _rank(errors=(), coverage=0.9, rows=8, agreement=1.0, diff=0.0, last_stage=True):
+    return {"r3": {"errors": list(errors), "checked_rows": 10, "metrics": {"r3bridge/coverage": coverage}},
+            "r2": {"recorded_rows": [3] * rows, "agreement": agreement, "max_logprob_diff": diff, "worst_sample": 4,
+                   "metrics": {}},
+            "last_stage": last_stage}
+
+
+def test_megatron_decisions_fail_on_each_threshold():
+    from r3bridge.testing.conformance import LayoutResult, assert_megatron_checks, assert_r2_passes, assert_r3_passes
+    from r3bridge.testing.dist import Layout
+
+    def result(*ranks):
+        return LayoutResult(2, Layout(tp=2), list(ranks))
+    assert_megatron_checks([result(_rank(), _rank())])
+    with pytest.raises(AssertionError, match=r"check 4 on 2 ranks tp=2, rank 1: layer 2, micro-batch 0: sample 3"):
+        assert_r3_passes(result(_rank(), _rank(errors=["layer 2, micro-batch 0: sample 3, token 4: ..."])))
+    with pytest.raises(AssertionError, match="coverage 0.5 is not above 0.8"):
+        assert_r3_passes(result(_rank(coverage=0.5)))
+    assert_r3_passes(result(_rank(coverage=0.5)), min_coverage=0.4)
+    with pytest.raises(AssertionError, match="recorded 7 sequences for 8 samples"):
+        assert_r2_passes(result(_rank(rows=7)))
+    with pytest.raises(AssertionError, match="agreement 0.9"):
+        assert_r2_passes(result(_rank(agreement=0.9)))
+    with pytest.raises(AssertionError, match="sample 4's replayed log-probs differ .* by 0.001"):
+        assert_r2_passes(result(_rank(diff=1e-3)))
+    with pytest.raises(AssertionError, match="last-stage rank whose runner returned no log-probs"):
+        assert_r2_passes(result(_rank(diff=None)))
+    with pytest.raises(AssertionError, match="no rank compared log-probs"):
+        assert_r2_passes(result(_rank(diff=None, last_stage=False)))
+    with pytest.raises(AssertionError, match="no layout was run"):
+        assert_megatron_checks([])
+
+
+def test_defaults_agree_and_the_shape_builds_both():
+    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.rollouts import ModelShape
+
+    spec, shape, rollout = ModelSpec(), ModelShape(), make_rollout()
+    assert (rollout.num_experts, rollout.topk, rollout.num_layers) == \
+        (spec.num_moe_experts, spec.moe_router_topk, spec.num_layers) == \
+        (shape.num_experts, shape.topk, shape.num_layers)
+    eight = ModelShape(num_experts=8, first_dense=2)
+    s, r = eight.model_spec(), eight.rollout(0)
+    assert (s.num_moe_experts, s.moe_layer_freq) == (8, [0, 0, 1, 1])
+    assert (r.num_experts, r.moe_layer_ids, r.batch_size) == (8, [2, 3], 8)
+    with pytest.raises(ValueError, match="first_dense"):
+        ModelShape(first_dense=4)
+
+
+def test_pack_thd_and_unpack_rows():
+    from r3bridge.testing.runner import pack_thd, unpack_rows
+
+    packed = pack_thd([[5, 6, 7], [8]], vocab_size=100, align=4)
+    assert packed.seq_lens == [3, 1] and packed.padded_lens == [4, 4]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4] and packed.cu_seqlens_padded.tolist() == [0, 4, 8]
+    assert packed.input_ids.tolist() == [6, 7, 8, 0, 9, 0, 0, 0]
+    assert packed.labels.tolist()[:3] == [7, 8, 0] and packed.loss_mask.tolist()[:4] == [1, 1, 0, 0]
+    rows = unpack_rows(torch.arange(8.0), packed)
+    assert [x.tolist() for x in rows] == [[0.0, 1.0, 2.0], [4.0]]
+
+
+def shifted_template_runner(rollout):
+    """The template's runner over a batch whose routes (and validity) sit one token late: the
+    off-by-one codec, seen by the router instead of by check 1."""
+    from r3bridge.adapters._template import ROUTES_KEY, VALID_KEY
+    from r3bridge.adapters._template.test_conformance import TemplateRunner
+
+    runner = TemplateRunner(rollout)
+    for key in (ROUTES_KEY, VALID_KEY):
+        runner.batch[key] = torch.roll(runner.batch[key], 1, dims=1)
+    return runner
+
+
+@pytest.mark.slow
+def test_check4_fails_naming_sample_token_and_layer():
+    from r3bridge.testing.conformance import ONE_RANK, MegatronCase, assert_r3_passes, run_megatron_checks
+
+    [result] = run_megatron_checks(MegatronCase(shifted_template_runner), ONE_RANK)
+    with pytest.raises(AssertionError, match=r"check 4 on 1 rank, rank 0: layer [123], micro-batch 0: sample [03], "
+                                             r"token \d+: router chose \[\d, \d\], want \[\d, \d\] \(\d+ of \d+ valid "
+                                             r"rows differ\)"):
+        assert_r3_passes(result)
+
+
+def test_gpu_layouts_are_layouts_of_the_default_shape():
+    from r3bridge.testing.conformance import CPU_LAYOUTS, GPU_LAYOUTS, layout_name
+    from r3bridge.testing.rollouts import ModelShape
+
+    shape = ModelShape()
+    flags = [0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense)
+    for world_size, lay in CPU_LAYOUTS + GPU_LAYOUTS:
+        assert lay.dp(world_size) >= 1
+        ParallelLayout(shape.num_layers, flags, tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp)
+    assert [layout_name(w, lay) for w, lay in CPU_LAYOUTS] == ["1 rank", "2 ranks tp=2", "2 ranks cp=2",
+                                                               "2 ranks pp=2 vpp=2"]

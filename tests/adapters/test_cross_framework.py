@@ -83,7 +83,7 @@ def test_recorded_routes_same_in_every_framework():
     from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
 
-    rollout = make_rollout(8, batch_size=5)
+    rollout = make_rollout(8, batch_size=5, num_experts=8)
     lens = [len(t) for t in rollout.tokens]
     g = torch.Generator().manual_seed(3)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
@@ -122,7 +122,7 @@ def test_verl_codec_checks_1_to_3():
     from r3bridge.adapters.verl import VerlCodec
     from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split
 
-    rollout = make_rollout(4, batch_size=6)
+    rollout = make_rollout(4, batch_size=6, num_experts=8)
     codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
                       num_hidden_layers=rollout.num_layers)
     got = check_ingest(codec, verl_batch(rollout), rollout, "verl")

@@ -26,6 +26,11 @@ from r3bridge.adapters.skyrl import (
 )
 from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
+from r3bridge.testing.suite import BaseIngestTests
+
+
+class TestSkyRLIngest(BaseIngestTests, sk.SkyRLFixtures):
+    """Conformance checks 1-3 on SkyRL's own batches and micro-batching."""
 
 
 def _arr(rows, layers=4, k=2, seed=0, dtype=np.uint8):
@@ -92,7 +97,7 @@ def test_skyrl_own_accumulation_is_not_canonical():
 
 
 def test_conformance_recorded_survives_split():
-    rollout = make_rollout(5, batch_size=6)
+    rollout = make_rollout(5, batch_size=6, num_experts=8)
     batch = sk.training_batch(rollout)
     codec = sk.codec(rollout)
     g = torch.Generator().manual_seed(0)

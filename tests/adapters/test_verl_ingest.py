@@ -12,6 +12,7 @@ import pytest
 import torch
 import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from _verl_batches import MOE, NUM_LAYERS, E, K, make_verl_batch  # noqa: E402
+from _verl_runner import VerlFixtures  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
@@ -24,6 +25,11 @@ from r3bridge.adapters.verl.codec import (  # noqa: E402
     routes_to_nested,
 )
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
+from r3bridge.testing.suite import BaseIngestTests  # noqa: E402
+
+
+class TestVerlIngest(BaseIngestTests, VerlFixtures):
+    """Conformance checks 1-3 on verl's own batches and micro-batching."""
 
 
 def expected_rollout_batch(engine, prompt_lens, resp_lens):

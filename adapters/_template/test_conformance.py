@@ -1,0 +1,153 @@
+"""Conformance checks 1-5 of the <YourFramework> adapter, run with ``python -m pytest``
+(:mod:`r3bridge.testing.suite`: checks 1-3 in seconds, checks 4-5 start CPU ranks of a real
+megatron-core model: a few minutes).
+
+So that it runs as it is, "your framework" here is a toy one. Replace, in this order:
+
+1. :func:`framework_batch`: the toy framework's training batch. Yours: the batch your framework
+   builds *with its own code* from what its engine returned for the rollout;
+2. :class:`ToyEngine`: the toy framework's engine, whose ``forward_backward`` packs each
+   micro-batch (THD, alignment padding per sequence) and runs Megatron's schedule on the harness
+   chunks. Yours: your framework's engine class, with only the model-running body of its
+   forward step stood in for (:mod:`r3bridge.testing.runner` says how);
+3. :class:`TemplateRunner`: the :class:`r3bridge.testing.runner.MegatronRunner` checks 4-5
+   drive: attach, cut micro-batches, run one pass, report.
+
+The adapter's classes are used unchanged: ``TemplateEngineMixin`` is put in front of the engine
+exactly as in a real job.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r3bridge.adapters._template import (
+    ROUTES_KEY,
+    SAMPLE_KEY,
+    VALID_KEY,
+    TemplateCodec,
+    TemplateEngineMixin,
+    TemplateRollout,
+)
+from r3bridge.canonical import canonical_form
+from r3bridge.config import Phase, ReplayConfig
+from r3bridge.ingest import first_seen_rows
+from r3bridge.testing.conformance import CPU_LAYOUTS, assert_same_batch
+from r3bridge.testing.rollouts import CanonicalRollout
+from r3bridge.testing.runner import align_for, pack_thd, record_packing, unpack_rows
+from r3bridge.testing.suite import AdapterFixtures, BaseIngestTests, BaseMegatronTests
+
+
+# ---------------------------------------------------------------------------------- your framework
+def framework_batch(rollout: CanonicalRollout) -> dict:
+    """The toy framework's batch: each sample's engine calls stitched first-seen (every call
+    starts at row 0 here), right-padded; ``VALID_KEY`` marks the tokens an engine call routed."""
+    b, s = rollout.batch_size, max(len(t) for t in rollout.tokens)
+    batch = {"input_ids": torch.zeros(b, s, dtype=torch.int64), "attention_mask": torch.zeros(b, s, dtype=torch.bool),
+             ROUTES_KEY: torch.zeros(b, s, rollout.num_layers, rollout.topk, dtype=torch.int32)}
+    valid = torch.zeros(b, s, dtype=torch.bool)
+    for i, tokens in enumerate(rollout.tokens):
+        rows = torch.from_numpy(first_seen_rows(rollout.calls[i])[0].astype("int32"))
+        batch["input_ids"][i, :len(tokens)] = torch.tensor(tokens)
+        batch["attention_mask"][i, :len(tokens)] = True
+        batch[ROUTES_KEY][i, :len(rows)] = rows
+        valid[i, :len(rows)] = True
+    if VALID_KEY is not None:
+        batch[VALID_KEY] = valid
+    return batch
+
+
+class ToyEngine:
+    """The toy framework's engine: the method that runs Megatron's schedule once per pass."""
+
+    def __init__(self, chunks: list, ctx) -> None:
+        self.chunks, self.ctx = chunks, ctx
+
+    def forward_backward(self, micro_batches: list[dict], forward_only: bool = False):
+        from r3bridge.testing.schedule import make_forward_step, run_schedule
+
+        vocab = self.chunks[0].vocab_size
+        align = align_for(self.ctx.tp, self.ctx.cp)
+        self.packed = [pack_thd([ids[mask].tolist() for ids, mask in zip(mb["input_ids"], mb["attention_mask"].bool())],
+                                vocab_size=vocab, align=align) for mb in micro_batches]
+        return run_schedule(self.chunks, self.packed, make_forward_step(self.ctx, thd=True, collect_logits=True),
+                            forward_only=forward_only)
+
+
+class R3ToyEngine(TemplateEngineMixin, ToyEngine):
+    """The adapter's mixin in front of the framework's engine, as in a real job."""
+
+
+# ---------------------------------------------------------------------------------- the runner of checks 4-5
+class TemplateRunner:
+    """:class:`r3bridge.testing.runner.MegatronRunner` of the adapter on the toy engine."""
+
+    def __init__(self, rollout: CanonicalRollout) -> None:
+        self.codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                                   num_hidden_layers=rollout.num_layers)
+        self.batch = framework_batch(rollout)
+
+    def attach(self, ctx, chunks, mode):
+        engine = R3ToyEngine(chunks, ctx)
+        engine.r3_config = ReplayConfig(replay_mode=mode)
+        engine.r3_attach(chunks, self.codec)
+        engine.replayer = engine.r3_runner.replayer
+        return engine
+
+    def micro_batches(self, rollout, groups, *, key):
+        out = []
+        for group in groups:
+            index = torch.tensor(list(group))
+            mb = {k: v[index] for k, v in self.batch.items()}
+            mb[SAMPLE_KEY] = index
+            out.append(mb)
+        return out
+
+    def run(self, engine, micro_batches, *, phase):
+        engine.r3_phase = Phase(phase)
+        for chunk in engine.chunks:
+            chunk.eval()
+        with record_packing(engine.chunks[0]) as packing:
+            outputs = engine.forward_backward(micro_batches, forward_only=True)
+        per_sample = [rows for out, packed in zip(outputs, engine.packed)     # last pipeline stage only
+                      for rows in unpack_rows(out.logits, packed)]
+        return {"logprobs": per_sample, "metrics": dict(engine.r3_result.metrics),
+                "recorded": engine.r3_result.recorded, "packing": packing}
+
+    def write_recorded(self, rollout, recorded):
+        self.batch = self.codec.write_recorded(self.batch, recorded)
+
+
+# ---------------------------------------------------------------------------------- checks 1-5
+class TemplateFixtures(AdapterFixtures):
+    @pytest.fixture
+    def codec(self, rollout):
+        return TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                             num_hidden_layers=rollout.num_layers)
+
+    @pytest.fixture
+    def native_batch(self, rollout):
+        return framework_batch(rollout)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_runner(cls):
+        return TemplateRunner
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def megatron_layouts(cls):
+        return CPU_LAYOUTS          # 1 rank, TP2 + SP, CP2, PP2 x VPP2 (GPU_LAYOUTS on a GPU machine)
+
+
+class TestTemplateIngest(BaseIngestTests, TemplateFixtures):
+    """Checks 1-3, and the rollout side: the engine calls of each sample, stitched first-seen."""
+
+    def test_rollout_ingest(self, rollout):
+        ingest = TemplateRollout(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids)
+        read = canonical_form(ingest.routes_from_rollout(rollout.calls), [len(t) for t in rollout.tokens])
+        assert_same_batch(read, rollout.expected(), "TemplateRollout")
+
+
+class TestTemplateMegatron(BaseMegatronTests, TemplateFixtures):
+    """Checks 4-5."""

@@ -1,0 +1,149 @@
+"""Canonical rollouts and the model shape the conformance checks run on.
+
+:class:`CanonicalRollout` is what an inference engine did for a batch of samples (multi-turn
+calls that re-route earlier tokens differently, resubmits, dense-first layers, untracked tails),
+and :meth:`CanonicalRollout.expected` the routes every adapter's codec must read back.
+:class:`ModelShape` is the one place the checks take the model's shape from: the harness model
+(:meth:`ModelShape.model_spec`) and the rollouts (:meth:`ModelShape.rollout`) agree by
+construction, and the defaults of :func:`make_rollout`, :class:`ModelShape` and
+:class:`r3bridge.testing.models.ModelSpec` are the same (4 experts, top-2, 4 layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from r3bridge.canonical import canonical_form
+from r3bridge.ingest import stitch
+from r3bridge.schema import ReplayBatch
+
+__all__ = ["ModelShape", "CanonicalRollout", "make_rollout"]
+
+
+@dataclass
+class CanonicalRollout:
+    """What the inference engine did for a batch of samples.
+
+    ``calls[i][t]``: the all-layers routes ``[rows, num_layers, K]`` (dense layers zero) engine call
+    ``t`` of sample ``i`` returned, from row 0 of that call's prompt (every call re-sends the whole
+    context: multi-turn prefill and resubmits); ``call_tokens[i][t]`` the call's prompt + output.
+    ``tokens[i]``: the sample's final trajectory (what the trainer sees)."""
+
+    tokens: list[list[int]]
+    calls: list[list[np.ndarray]]
+    call_tokens: list[list[list[int]]]
+    prompt_lens: list[int]
+    call_prompt_lens: list[list[int]]           # prompt length of each call (resubmit: prompt == previous call's tokens)
+    num_experts: int
+    num_layers: int
+    moe_layer_ids: list[int]
+    topk: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+    def expected(self) -> ReplayBatch:
+        """The canonical ReplayBatch: first-seen rows, MoE layers, one row per token (invalid where
+        no call routed it), a final row without a route dropped; source ``"rollout"``."""
+        per = []
+        for i in range(self.batch_size):
+            pieces = [ReplayBatch.from_ragged([c[:, self.moe_layer_ids]], num_experts=self.num_experts,
+                                              layer_ids=self.moe_layer_ids, source="rollout")
+                      for c in self.calls[i]]
+            rb, _ = stitch(pieces)
+            per.append(canonical_form(rb, [len(self.tokens[i])]))
+        return ReplayBatch.concat(per)
+
+    def response_lens(self) -> list[int]:
+        return [len(t) - p for t, p in zip(self.tokens, self.prompt_lens)]
+
+
+def _routes(rng: np.random.Generator, rows: int, num_layers: int, moe: Sequence[int], e: int, k: int,
+            dtype=np.uint8) -> np.ndarray:
+    out = np.zeros((rows, num_layers, k), dtype=dtype)
+    if rows:
+        scores = rng.random((rows, len(moe), e))
+        out[:, list(moe)] = np.argsort(-scores, axis=-1)[..., :k].astype(dtype)
+    return out
+
+
+def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 4, topk: int = 2,
+                 num_layers: int = 4, moe_layer_ids: Sequence[int] = (1, 2, 3), vocab: int = 100,
+                 max_prompt: int = 9, max_turns: int = 3, dtype=np.uint8) -> CanonicalRollout:
+    """Random rollouts covering single-turn, multi-turn (each later call re-routes the earlier
+    context *differently*: only first-seen rows are right), resubmits (a call repeated over the
+    same context) and final tokens no call routed (observations appended after the last call)."""
+    rng = np.random.default_rng(seed)
+    moe = list(moe_layer_ids)
+    tokens, calls, call_tokens, plens, call_plens = [], [], [], [], []
+    for i in range(batch_size):
+        p = int(rng.integers(2, max_prompt + 1))
+        ctx = list(rng.integers(1, vocab, size=p))
+        plens.append(p)
+        sample_calls, sample_call_tokens, sample_plens = [], [], []
+        turns = 1 if i == 0 else int(rng.integers(1, max_turns + 1))
+        for t in range(turns):
+            gen = list(rng.integers(1, vocab, size=int(rng.integers(1, 6))))
+            full = ctx + gen
+            sample_calls.append(_routes(rng, len(full) - 1, num_layers, moe, num_experts, topk, dtype))
+            sample_call_tokens.append(list(full))
+            sample_plens.append(len(ctx))
+            if i % 3 == 2 and t == 0:       # a resubmit of the same request: the prefix comes back again
+                again = full + list(rng.integers(1, vocab, size=2))
+                sample_calls.append(_routes(rng, len(again) - 1, num_layers, moe, num_experts, topk, dtype))
+                sample_call_tokens.append(list(again))
+                sample_plens.append(len(full))
+                full = again
+            ctx = list(full)
+            if t < turns - 1 or i % 2:      # an observation / tail the engine never routes
+                ctx += list(rng.integers(1, vocab, size=int(rng.integers(1, 4))))
+        tokens.append([int(x) for x in ctx])
+        calls.append(sample_calls)
+        call_tokens.append([[int(x) for x in c] for c in sample_call_tokens])
+        call_plens.append(sample_plens)
+    return CanonicalRollout(tokens, calls, call_tokens, plens, call_plens, num_experts, num_layers, moe, topk)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The MoE model the checks run on: ``num_layers`` decoder layers, the first ``first_dense``
+    dense (DeepSeek-V3's ``first_k_dense_replace``), the rest MoE with ``num_experts`` experts,
+    top-``topk``. Engines report every decoder layer (dense ones as zero rows)."""
+
+    num_experts: int = 4
+    topk: int = 2
+    num_layers: int = 4
+    first_dense: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_dense < self.num_layers:
+            raise ValueError(f"first_dense={self.first_dense} must leave a MoE layer of {self.num_layers}")
+        if not 0 < self.topk <= self.num_experts:
+            raise ValueError(f"topk={self.topk} must be in 1..num_experts={self.num_experts}")
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(range(self.first_dense, self.num_layers))
+
+    def rollout(self, seed: int, *, batch_size: int = 8, **kw: Any) -> "CanonicalRollout":
+        """:func:`make_rollout` for this shape (``kw``: its other parameters)."""
+        return make_rollout(seed, batch_size=batch_size, num_experts=self.num_experts, topk=self.topk,
+                            num_layers=self.num_layers, moe_layer_ids=self.moe_layer_ids, **kw)
+
+    def model_spec(self, **overrides: Any) -> Any:
+        """The harness :class:`~r3bridge.testing.models.ModelSpec` of this shape, as checks 4-5
+        build it: MoE-only layers (``attention="identity"``: context parallelism needs it without
+        Transformer Engine), the all-to-all dispatcher with variable sequence lengths (packed
+        micro-batches of different lengths through the pipeline). ``overrides``: other fields."""
+        from r3bridge.testing.models import ModelSpec
+
+        kw: dict[str, Any] = dict(num_layers=self.num_layers, num_moe_experts=self.num_experts,
+                                  moe_router_topk=self.topk,
+                                  moe_layer_freq=[0] * self.first_dense + [1] * (self.num_layers - self.first_dense),
+                                  attention="identity", moe_token_dispatcher_type="alltoall",
+                                  extra_config={"variable_seq_lengths": True})
+        kw.update(overrides)
+        return ModelSpec(**kw)
