@@ -46,9 +46,10 @@ import torch
 
 from r3bridge.canonical import with_empty_sequences
 from r3bridge.layout import ParallelLayout
+from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.protocols import BatchCodec
 from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import PackPlan, rank_positions, shard
+from r3bridge.sharding import shard
 from r3bridge.testing.dist import Layout
 from r3bridge.testing.rollouts import CanonicalRollout, ModelShape, make_rollout
 from r3bridge.testing.runner import MegatronRunner
