@@ -29,6 +29,7 @@ import torch
 from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch
 
@@ -175,11 +176,14 @@ class PhaseRunner:
     ``carry_log_prob_metrics``: the framework logs only the update's metrics, so compute_log_prob's
     are held and reported with the next update (:meth:`metrics_to_log`)."""
 
-    def __init__(self, replayer: Any, config: ReplayConfig, *, carry_log_prob_metrics: bool = False) -> None:
+    def __init__(self, replayer: Any, config: ReplayConfig, *, carry_log_prob_metrics: bool = False,
+                 framework: str = "unknown") -> None:
         self.replayer = replayer
         self.config = config
         self.carry = carry_log_prob_metrics
         self._held: dict[str, list[float]] = {}
+        # route traces (the trace_dir option), written by r3bridge.megatron.trace for every adapter
+        self.tracer = None if config.trace_dir is None else RunTracer(config, framework)
 
     @property
     def active(self) -> bool:
@@ -223,6 +227,7 @@ class PhaseRunner:
             return
         with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
             ps = PhaseStep(self, phase, plan, step)
+            step.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
                 yield ps
             else:
@@ -236,6 +241,8 @@ class PhaseRunner:
                 with install_before_forward(mods, hook, n):
                     yield ps
         ps.result = ps._finish()
+        if self.tracer is not None:
+            self.tracer.finish(ps, step.trace)
 
     def metrics_to_log(self, result: Optional[PhaseResult], extra: Optional[dict[str, float]] = None
                        ) -> dict[str, list[float]]:
