@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -32,11 +33,11 @@ import torch
 from r3bridge.errors import PayloadError, ReplayError
 from r3bridge.layout import ParallelLayout
 from r3bridge.metrics import expert_load, topk_sets_equal
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import ShardedTargets, unshard
+from r3bridge.schema import ReplayBatch, route_dtype
+from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, unshard
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",
-           "layout_from_json", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare"]
+           "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare"]
 
 FORMAT_VERSION = 1
 VIEWS = ("replayed", "native", "dispatched")
@@ -69,6 +70,62 @@ def layout_to_json(layout: ParallelLayout) -> dict[str, Any]:
 
 def layout_from_json(d: dict[str, Any]) -> ParallelLayout:
     return ParallelLayout(**d)
+
+
+# ===================================================================================== writing
+def micro_batch_entry(seq_lens: Sequence[int], sample_ids: Sequence[Optional[int]], rows: int, *, format: str = "thd",
+                      cu_seqlens_padded: Any = None, seq_length: Optional[int] = None,
+                      uids: Optional[Sequence[Optional[str]]] = None) -> dict[str, Any]:
+    """A micro-batch as the index records it: the packing :func:`r3bridge.sharding.unshard` needs to
+    place each router row, the sample of each sequence (``None``: a padding sequence) and, when the
+    adapter passes them, the framework's own sample names (``uids``)."""
+    cu = cu_seqlens_padded
+    if isinstance(cu, torch.Tensor):
+        cu = cu.tolist()
+    return {"seq_lens": [int(x) for x in seq_lens], "sample_ids": [None if s is None else int(s) for s in sample_ids],
+            "rows": int(rows), "format": format, "cu_seqlens_padded": None if cu is None else [int(x) for x in cu],
+            "seq_length": None if seq_length is None else int(seq_length),
+            "uids": None if uids is None else [None if u is None else str(u) for u in uids]}
+
+
+def rank_batch(layout: ParallelLayout, tp_rank: int, cp_rank: int, micro_batches: Sequence[dict[str, Any]],
+               ids: Sequence[dict[int, torch.Tensor]], valid: Sequence[Optional[torch.Tensor]], *, num_experts: int,
+               source: str) -> ReplayBatch:
+    """One rank's rows of one pass as a payload: sequence ``k`` = micro-batch ``k``'s router rows
+    (``ids[k][layer]`` ``[rows, K]``), start row 0. A row is valid where it is a real token (packing
+    padding never is) and, with ``valid[k]`` given, where that mask holds (rows that had a route)."""
+    layers = sorted({lid for per in ids for lid in per})
+    dtype = route_dtype(num_experts)
+    parts, masks = [], []
+    for mb, per, v in zip(micro_batches, ids, valid):
+        plan = PackPlan.build(layout, mb["seq_lens"], format=mb["format"], cu_seqlens_padded=mb["cu_seqlens_padded"],
+                              seq_length=mb["seq_length"])
+        seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
+        real = pos < plan.seq_lens[seq]
+        parts.append(torch.stack([per[lid].to(dtype).cpu() for lid in layers], 1) if layers else
+                     torch.zeros((int(seq.numel()), 0, 1), dtype=dtype))
+        masks.append(real if v is None else v.cpu() & real)
+    rows = [int(m["rows"]) for m in micro_batches]
+    return ReplayBatch.from_trusted(torch.cat(parts), rows, [0] * len(rows), torch.cat(masks), tuple(layers),
+                                    num_experts, source)
+
+
+def write_payload(root: Path, name: str, data: bytes) -> None:
+    """Write one payload file whole (a temporary file renamed: a reader never sees half of it)."""
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def append_index(root: Path, rank: int, entry: dict[str, Any]) -> int:
+    """Append one line to the rank's index (one write call per line); returns its size in bytes."""
+    root.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"version": FORMAT_VERSION, **entry}, allow_nan=True) + "\n"
+    with open(root / index_name(rank), "a") as f:
+        f.write(line)
+    return len(line.encode())
 
 
 # ===================================================================================== reading
@@ -110,6 +167,7 @@ class MergedPass:
     keys: list[tuple[int, int]]                 # (dp_rank, sample id) per sequence
     native: ReplayBatch
     replayed: Optional[ReplayBatch]
+    uids: list[Optional[str]] = field(default_factory=list)   # the framework's sample names, if given
 
     @property
     def sample_ids(self) -> list[int]:
@@ -167,6 +225,7 @@ class TracePass:
         for rp in self.ranks:
             by_dp.setdefault(int(rp.entry["dp_rank"]), []).append(rp)
         keyed: dict[tuple[int, int], tuple[ReplayBatch, Optional[ReplayBatch]]] = {}
+        uid_of: dict[tuple[int, int], Optional[str]] = {}
         has_replay = "replayed" in e0["files"]
         for dp, rps in sorted(by_dp.items()):
             loaded = [(rp, rp.load("native"), rp.load("replayed") if has_replay else None) for rp in rps]
@@ -202,12 +261,13 @@ class TracePass:
                     if (dp, sid) in keyed:
                         raise TraceError(f"{rps[0].index_file}: {where}: sample {sid} appears twice")
                     keyed[(dp, sid)] = (views[0].select([i]), views[1].select([i]) if has_replay else None)
+                    uid_of[(dp, sid)] = (mb.get("uids") or [None] * len(mb["sample_ids"]))[i]
         keys = sorted(keyed)
         if not keys:
             raise TraceError(f"{self.ranks[0].index_file}: {where}: no sample was traced")
         native = ReplayBatch.concat([keyed[k][0] for k in keys])
         replayed = ReplayBatch.concat([keyed[k][1] for k in keys]) if has_replay else None  # type: ignore[misc]
-        return MergedPass(keys, native, replayed)
+        return MergedPass(keys, native, replayed, [uid_of[k] for k in keys])
 
 
 @dataclass
@@ -291,10 +351,13 @@ def _per_sample(eq: torch.Tensor, rows_ok: torch.Tensor, offsets: torch.Tensor) 
     return agree.tolist(), comp.tolist()
 
 
-def _lowest(keys: Sequence[tuple[int, int]], agree: list[int], comp: list[int], n: int) -> list[dict[str, Any]]:
+def _lowest(keys: Sequence[tuple[int, int]], agree: list[int], comp: list[int], n: int,
+            uids: Optional[Sequence[Optional[str]]] = None) -> list[dict[str, Any]]:
+    names = dict(zip(keys, uids)) if uids else {}
     rows = [(a / c, dp, s, c) for (dp, s), a, c in zip(keys, agree, comp) if c]
     rows.sort()
-    return [{"sample": s, "dp_rank": dp, "agreement": frac, "pairs": c} for frac, dp, s, c in rows[:n]]
+    return [{"sample": s, "dp_rank": dp, "uid": names.get((dp, s)), "agreement": frac, "pairs": c}
+            for frac, dp, s, c in rows[:n]]
 
 
 def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[str, Any]:
@@ -320,7 +383,7 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
         out["coverage"] = _nan_div(compared, rows)
         out["agreement"] = _nan_div(sum(agree_l), compared * nat.num_layers)
         a, c = _per_sample(eq, ok, nat.offsets)
-        out["lowest_samples"] = _lowest(merged.keys, a, c, lowest)
+        out["lowest_samples"] = _lowest(merged.keys, a, c, lowest, merged.uids)
     else:
         compared, agree_l = 0, [0] * nat.num_layers
         out["coverage"] = out["agreement"] = float("nan")
@@ -359,7 +422,7 @@ def compare(a: MergedPass, view_a: str, b: MergedPass, view_b: str, *, lowest: i
         eq = topk_sets_equal(xa.routes[:n], xb.routes[:n])
         ok = xa.valid & xb.valid
         ag, cp = _per_sample(eq, ok, xa.offsets)
-        low = _lowest(common, ag, cp, lowest)
+        low = _lowest(common, ag, cp, lowest, [dict(zip(a.keys, a.uids)).get(k) for k in common] if a.uids else None)
     else:                                       # other token coverage: per-sample figures are skipped
         low = []
     return {"samples": len(common), "samples_only_a": len(set(a.keys) - set(b.keys)),

@@ -74,8 +74,9 @@ def render_trace(s: dict[str, Any]) -> str:
     lines.append("lowest agreement samples (sample id: agreement over its (token, layer) pairs)")
     for p in s["passes"]:
         if p["lowest_samples"]:
-            low = ", ".join(f"{x['sample']}{'@dp' + str(x['dp_rank']) if x['dp_rank'] else ''}: "
-                            f"{fmt_pct(x['agreement'])}" for x in p["lowest_samples"])
+            low = ", ".join(f"{x['sample']}{'@dp' + str(x['dp_rank']) if x['dp_rank'] else ''}"
+                            f"{' (' + x['uid'] + ')' if x.get('uid') else ''}: {fmt_pct(x['agreement'])}"
+                            for x in p["lowest_samples"])
             lines.append(f"  step {p['step']} {p['pass']}: {low}")
     return "\n".join(lines)
 

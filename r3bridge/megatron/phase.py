@@ -44,7 +44,8 @@ class MicroBatch:
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
     out, sequences are numbered in install order. The packing fields are
-    :meth:`r3bridge.megatron.ReplayStep.install`'s."""
+    :meth:`r3bridge.megatron.ReplayStep.install`'s. ``uids``: the framework's own name of each
+    sequence's sample (``None`` for padding), written to route traces only."""
 
     seq_lens: Sequence[int]
     routes: Optional[ReplayBatch] = None
@@ -52,6 +53,7 @@ class MicroBatch:
     format: str = "thd"
     cu_seqlens_padded: Any = None
     seq_length: Optional[int] = None
+    uids: Optional[Sequence[Any]] = None
 
 
 Targets = Union[Sequence[MicroBatch], Callable[[int, int, tuple, dict], MicroBatch]]
@@ -90,6 +92,7 @@ class PhaseStep:
         self.result: Optional[PhaseResult] = None
         self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
         self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
+        self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
         self._next_id = 0
         self._next_pad = -1
 
@@ -107,6 +110,8 @@ class PhaseStep:
         known = self._ids.get(k)
         if known is None:
             known = self._ids[k] = self._sample_ids(mb, len(lens), k)
+            if mb.uids is not None:             # route traces name samples by them
+                self.uids[k] = [None if u is None else str(u) for u in mb.uids]
         elif len(known[0]) != len(lens):
             raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
                                    f"{len(known[0])}")

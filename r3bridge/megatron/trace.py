@@ -16,8 +16,6 @@ MAX all-reduce of a flag), so a pass is either written by all of them or by none
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,8 +23,7 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, rank_positions
-from r3bridge.trace import FORMAT_VERSION, index_name, layout_to_json, payload_name
+from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.megatron.phase import PhaseStep
@@ -137,44 +134,31 @@ class RunTracer:
     def _batches(self, ps: "PhaseStep", trace: StepTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
         rep = ps.runner.replayer
         idx = sorted(trace.meta)
-        layers = sorted({lid for k in idx for lid in trace.native[k]})
-        mbs, nat_parts, rep_parts, nat_valid, rep_valid = [], [], [], [], []
+        mbs = []
         for k in idx:
             mb = trace.meta[k]
-            plan = PackPlan.build(rep.layout, mb.seq_lens, **mb.pack)
-            seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
-            real = pos < plan.seq_lens[seq]         # packing padding rows are no token
-            nat_parts.append(torch.stack([trace.native[k][lid] for lid in layers], 1).cpu())
-            nat_valid.append(real)
-            if trace.replayed:
-                rep_parts.append(torch.stack([trace.replayed[k][lid] for lid in layers], 1).cpu())
-                rep_valid.append(trace.valid[k].cpu() & real)
-            cu = mb.pack.get("cu_seqlens_padded")
             samples = ps._ids[k][0] if k in ps._ids else list(mb.sample_ids)
-            mbs.append({"seq_lens": list(mb.seq_lens), "sample_ids": samples, "rows": mb.rows,
-                        "format": mb.pack.get("format", "thd"),
-                        "cu_seqlens_padded": None if cu is None else [int(x) for x in (cu.tolist() if
-                                                                          isinstance(cu, torch.Tensor) else cu)],
-                        "seq_length": mb.pack.get("seq_length")})
-        rows = [m["rows"] for m in mbs]
-        E = rep.num_experts
-        native = ReplayBatch.from_trusted(torch.cat(nat_parts), rows, [0] * len(rows), torch.cat(nat_valid),
-                                          tuple(layers), E, "native")
+            mbs.append(micro_batch_entry(mb.seq_lens, samples, mb.rows, format=mb.pack.get("format", "thd"),
+                                         cu_seqlens_padded=mb.pack.get("cu_seqlens_padded"),
+                                         seq_length=mb.pack.get("seq_length"), uids=ps.uids.get(k)))
+        args = (rep.layout, rep.tp_rank, rep.cp_rank, mbs)
+        native = rank_batch(*args, [trace.native[k] for k in idx], [None] * len(idx), num_experts=rep.num_experts,
+                            source="native")
         replayed = None
-        if rep_parts:
-            replayed = ReplayBatch.from_trusted(torch.cat(rep_parts), rows, [0] * len(rows), torch.cat(rep_valid),
-                                                tuple(layers), E, ps.plan.source or "rollout")
+        if trace.replayed:
+            replayed = rank_batch(*args, [trace.replayed[k] for k in idx], [trace.valid[k] for k in idx],
+                                  num_experts=rep.num_experts, source=ps.plan.source or "rollout")
         return mbs, replayed, native
 
     def _write(self, ps: "PhaseStep", trace: StepTrace) -> None:
         rep = ps.runner.replayer
         rank, world = _world()
-        if not trace.meta:
-            return
-        mbs, replayed, native = self._batches(ps, trace)
-        payloads = {"native": native.to_bytes()}
-        if replayed is not None:
-            payloads["replayed"] = replayed.to_bytes()
+        payloads: dict[str, bytes] = {}
+        if trace.meta:          # a pipeline stage without MoE layers routes nothing, yet takes part below
+            mbs, replayed, native = self._batches(ps, trace)
+            payloads["native"] = native.to_bytes()
+            if replayed is not None:
+                payloads["replayed"] = replayed.to_bytes()
         size = sum(len(b) for b in payloads.values())
         share = self.limit // world
         over = self.bytes_written + size > share
@@ -187,10 +171,12 @@ class RunTracer:
                                 "reason": f"trace_max_bytes={self.limit} ({share} per rank of {world}) would be "
                                           f"exceeded: this pass and every later one are not written"})
             return
+        if not payloads:
+            return
         files = {}
         for view, data in payloads.items():
             name = payload_name(self.step, ps.phase.value, self._pass_index, rank, view)
-            _write_atomic(self.root / name, data)
+            write_payload(self.root, name, data)
             files[view] = name
         self.bytes_written += size
         res = ps.result
@@ -208,12 +194,7 @@ class RunTracer:
         self._append(rank, entry)
 
     def _append(self, rank: int, entry: dict[str, Any]) -> None:
-        entry = {"version": FORMAT_VERSION, **entry}
-        self.root.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(entry, allow_nan=True) + "\n"
-        with open(self.root / index_name(rank), "a") as f:       # one write per line: no torn line
-            f.write(line)
-        self.bytes_written += len(line)
+        self.bytes_written += append_index(self.root, rank, entry)
 
 
 def _any_rank(flag: bool, rep: "Replayer") -> bool:
@@ -226,10 +207,3 @@ def _any_rank(flag: bool, rep: "Replayer") -> bool:
     for group in rep.metrics_groups:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -53,7 +53,8 @@ def _job(ctx, root: str) -> dict:
                               cu_seqlens_padded=batches[k].cu_seqlens_padded) for k in mb_idx]
         else:
             mbs = [MicroBatch(batches[k].seq_lens, routes[k] if mode == "R3" else None, ids[k],
-                              cu_seqlens_padded=batches[k].cu_seqlens_padded) for k in mb_idx]
+                              cu_seqlens_padded=batches[k].cu_seqlens_padded, uids=[f"uid-{s}" for s in ids[k]])
+                   for k in mb_idx]
         with RoutingProbe(chunks) as probe:
             with runner.run(phase, forward_only=forward_only, targets=mbs) as ps:
                 run_schedule(chunks, [batches[k] for k in mb_idx], fstep, forward_only=forward_only)
@@ -121,6 +122,9 @@ def test_trace_holds_what_the_routers_dispatched(job):
             step, name = label.split("/")
             m = _merged(r[mode]["trace_dir"], int(step), name)
             assert m.sample_ids == sorted({s for s, _ in p["dispatched"]}), (mode, label)
+            # the adapter's sample names (R3 passes and R2's recording pass here) travel with them
+            named = mode == "R3" or name.startswith("compute_log_prob")
+            assert m.uids == [f"uid-{s}" if named else None for s in m.sample_ids], (mode, label)
             disp = m.dispatched
             for i, s in enumerate(m.sample_ids):
                 got, _ = disp.sequence(i)
