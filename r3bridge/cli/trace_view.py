@@ -86,6 +86,8 @@ def plot_trace(s: dict[str, Any], out: str) -> None:
     import numpy as np
 
     passes = s["passes"]
+    if not passes:
+        raise CliError(f"{s['trace']}: no pass was written (see 'stopped'): no plot")
     labels = [f"{p['step']}/{p['pass']}" for p in passes]
     layers = s["moe_layer_ids"] or []
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})

@@ -247,7 +247,7 @@ class PhaseRunner:
                     yield ps
         ps.result = ps._finish()
         if self.tracer is not None:
-            self.tracer.finish(ps, step.trace)
+            self.tracer.finish(ps, step.trace, phase_tag(phase))
 
     def metrics_to_log(self, result: Optional[PhaseResult], extra: Optional[dict[str, float]] = None
                        ) -> dict[str, list[float]]:

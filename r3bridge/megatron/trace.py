@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
+from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
 
@@ -112,9 +113,9 @@ class RunTracer:
             return None
         return StepTrace(replayer, action)
 
-    def finish(self, ps: "PhaseStep", trace: Optional[StepTrace]) -> None:
+    def finish(self, ps: "PhaseStep", trace: Optional[StepTrace], tag: str) -> None:
         """After the pass: write this rank's payloads and index line; add the trace metrics to
-        the pass's result."""
+        the pass's result (``tag``: the phase's metrics tag, as :func:`r3bridge.metrics.tag_phase`)."""
         if trace is not None:
             self._write(ps, trace)
         res = ps.result
@@ -125,10 +126,7 @@ class RunTracer:
             extra[f"{self.prefix}trace/stopped"] = 1.0
             extra[f"{self.prefix}trace/dropped_passes"] = float(self.dropped_passes)
         res.metrics.update(extra)
-        from r3bridge.megatron.phase import phase_tag
-        from r3bridge.metrics import tag_phase
-
-        res.tagged.update(tag_phase(extra, self.prefix, phase_tag(ps.phase)))
+        res.tagged.update(tag_phase(extra, self.prefix, tag))
 
     # ------------------------------------------------------------------------------ writing
     def _batches(self, ps: "PhaseStep", trace: StepTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
