@@ -91,6 +91,13 @@ class ReplayConfig:
     # in metrics); "error" refuses any invalid row inside a sequence's covered range.
     invalid_rows: str = "native"
     metrics_prefix: str = "r3bridge/"
+    # Route traces for `r3bridge inspect` / `diff` (r3bridge/megatron/trace.py; off when None):
+    # every `trace_every`-th RL step, each rank writes what its routers replayed and would have
+    # chosen natively, until it has written its share of `trace_max_bytes` (then it stops and
+    # says so in its index and in the `trace/stopped` metric).
+    trace_dir: str | None = None
+    trace_every: int = 1
+    trace_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -98,6 +105,15 @@ class ReplayConfig:
             raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
+        self._check_trace()
+
+    def _check_trace(self) -> None:
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
+            raise ConfigError(f"trace_dir must be a folder path or null, got {self.trace_dir!r}")
+        for name in ("trace_every", "trace_max_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> "ReplayConfig":

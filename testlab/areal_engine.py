@@ -27,7 +27,7 @@ What is not AReaL's (each for a reason that exists only on a CPU machine without
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -155,7 +155,7 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
 
 
 def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mbs: int = 2,
-               ppo_n_minibatches: int = 2, recompute: bool = True) -> Any:
+               ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None) -> Any:
     """r3bridge's ``MegatronPPOActor`` subclass (``r3bridge.adapters.areal.megatron_ppo_actor_class``)
     with ``replay_mode=mode``: process groups through AReaL's ``create_process_group`` (the spawned
     rank already holds megatron's parallel state, as under AReaL's launcher), the model through
@@ -167,7 +167,7 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
 
     os.environ.setdefault("LOCAL_RANK", "0")
     alloc = import_areal("areal.api.alloc_mode", stand_ins=True)   # before the engine module is imported
-    cls = megatron_ppo_actor_class(ReplayConfig(replay_mode=mode))
+    cls = megatron_ppo_actor_class(ReplayConfig(replay_mode=mode, trace_dir=trace_dir))
     eng = cls(actor_config(ctx, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches, recompute=recompute))
     eng.create_process_group(alloc.ParallelStrategy(
         tensor_parallel_size=ctx.tp, pipeline_parallel_size=ctx.pp, context_parallel_size=ctx.cp,

@@ -13,7 +13,7 @@ splits).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -102,7 +102,7 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
 
 
 def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, steps: int = 2, n_mbs: int = 2,
-              ppo_n_minibatches: int = 2, recompute: bool = True) -> dict:
+              ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None) -> dict:
     """``steps`` AReaL PPO steps on the same rollout (``compute_logp``, ``compute_advantages``,
     ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
@@ -121,7 +121,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                         dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
                         num_experts=rollout.num_experts, topk=rollout.topk)
     eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
-                     recompute=recompute)
+                     recompute=recompute, trace_dir=trace_dir)
     chunks = chunks_of(eng)
     layout = eng.r3_replay.layout
     canonical = rollout.expected()

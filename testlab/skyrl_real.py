@@ -52,6 +52,7 @@ class StepSpec:
     permute: Optional[list[int]] = None        # sample order of the update batch (dynamic sampling)
     lr: float = 0.05
     extra: dict = field(default_factory=dict)
+    trace_dir: Optional[str] = None            # the r3bridge option trace_dir (route traces)
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -344,7 +345,7 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     hf = {"num_hidden_layers": mc.num_layers, "num_experts": mc.num_moe_experts,
           "num_experts_per_tok": mc.moe_router_topk, "mlp_only_layers": [i for i in range(mc.num_layers) if i not in moe]}
     worker_cls = type("HarnessPolicyWorker", (PolicyWorkerMixin, PolicyWorkerStandIn),
-                      {"r3_config": ReplayConfig(replay_mode=step.mode)})
+                      {"r3_config": ReplayConfig(replay_mode=step.mode, trace_dir=step.trace_dir)})
     w = worker_cls(cfg, chunks, hf)
     w.init_model()
     if ctx.vpp:

@@ -74,7 +74,8 @@ ATTENTION = "identity"
 MAX_TOKENS = 48                    # use_dynamic_bsz token budget per micro-batch
 
 
-def compose_job(model_dir: str, layout: JobLayout, mode: str, extra: tuple[str, ...] = ()) -> Any:
+def compose_job(model_dir: str, layout: JobLayout, mode: str, extra: tuple[str, ...] = (),
+                r3: Optional[dict] = None) -> Any:
     """verl's own ``ppo_megatron_trainer`` config with the overrides a user sets, plus the
     ``r3bridge`` section; validated and forwarded by the adapter (``prepare_verl_config``)."""
     import verl
@@ -112,7 +113,7 @@ def compose_job(model_dir: str, layout: JobLayout, mode: str, extra: tuple[str, 
     with initialize_config_dir(config_dir=d, version_base=None):
         cfg = compose(config_name="ppo_megatron_trainer", overrides=ov + list(extra))
     with open_dict(cfg):
-        cfg["r3bridge"] = {"replay_mode": mode}
+        cfg["r3bridge"] = {"replay_mode": mode, **(r3 or {})}
     prepare_verl_config(cfg)
     return cfg
 
@@ -535,7 +536,7 @@ def _with_old_log_probs(td: Any, lp_batch: Any, out: Any, mode: str) -> Any:
 
 
 def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, steps: int,
-                        canonical: Optional[list] = None) -> dict:
+                        canonical: Optional[list] = None, r3: Optional[dict] = None) -> dict:
     """``TrainingWorker``: ``infer_batch`` (compute_log_prob) then ``train_mini_batch`` (the
     update), ``steps`` times, checking every router call. ``canonical``: one
     :class:`~r3bridge.testing.conformance.CanonicalRollout` per step instead of this module's own
@@ -556,7 +557,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
 
     ps.destroy_model_parallel()           # verl's engine initialises model parallelism itself
     set_rank_env(ctx.rank, ctx.world_size)
-    cfg = compose_job(model_dir, layout, mode)
+    cfg = compose_job(model_dir, layout, mode, r3=r3)
     a = cfg.actor_rollout_ref
     model_config = omega_conf_to_dataclass(a.model)
     actor = omega_conf_to_dataclass(a.actor)
@@ -603,6 +604,8 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
         result["state_left"] += [f"step{step}/update: {x}" for x in _engine_state(engine)]
         if uout is not None:
             result["metrics"].append(("update", sorted(tu.get(uout, "metrics"))))
+            result.setdefault("metric_values", []).append(
+                {k: v for k, v in tu.get(uout, "metrics").items() if k.startswith("r3bridge/")})
     if log is not None:
         result["dispatch"] = log.records()
     return result

@@ -55,7 +55,7 @@ class TemplateEngineMixin:
         # expect_moe_layer_ids: routes indexed by the HF config's MoE layers must be the model's
         replayer = None if self.r3_config.plan(Phase.UPDATE).action is Action.NATIVE else \
             Replayer.from_config(self.r3_chunks, self.r3_config, layout, expect_moe_layer_ids=codec.moe_layer_ids)
-        self.r3_runner = PhaseRunner(replayer, self.r3_config)
+        self.r3_runner = PhaseRunner(replayer, self.r3_config, framework="template")
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False) -> Any:
         plan = None if self.r3_runner is None or self.r3_phase is None else self.r3_runner.plan(self.r3_phase)

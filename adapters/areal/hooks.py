@@ -219,7 +219,7 @@ class MegatronEngineMixin:
         from r3bridge.megatron import Replayer
         self.r3_replay = Replayer.from_config(list(self.model), self.r3_config, layout)
         # AReaL's stats tracker exports compute_logp's stats with the step: nothing to carry
-        self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config)
+        self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config, framework="areal")
 
     @staticmethod
     def _r3_log(tagged: dict) -> None:

@@ -75,7 +75,7 @@ class SkyRLReplay:
             from r3bridge.megatron import Replayer
             self.replayer = Replayer.from_config(self.chunks, cfg, layout, expect_moe_layer_ids=model.moe_layer_ids)
         # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
-        self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True)
+        self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True, framework="skyrl")
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
         self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
         self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged

@@ -61,7 +61,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         self.r3_config = cfg
         # the driver (r3bridge.megatron.Replayer, actor engines only) is the runner's; verl's
         # trainer drops compute_log_prob metrics, so the runner reports them with the update
-        self.r3_runner = PhaseRunner(None, cfg, carry_log_prob_metrics=True)
+        self.r3_runner = PhaseRunner(None, cfg, carry_log_prob_metrics=True, framework="verl")
         self._r3_step = None              # the open PhaseStep while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
         # The reference model never replays: no hook is attached to it at all.
@@ -115,8 +115,10 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only)
         self.r3_runner.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
                                     where=f"the {phase.value} batch", provide=_PROVIDE)
-        if plan.action is Action.RECORD:
+        numbered = plan.action is Action.RECORD or self.r3_config.trace_dir is not None
+        if numbered:
             # the batch-level sample index travels with each sample through verl's micro-batching
+            # (R2's recording order; the sample ids of a route trace)
             data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
         try:
             with self.r3_runner.run(phase, forward_only=forward_only) as ps:
@@ -124,7 +126,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         finally:
             self._r3_step = None
-            if plan.action is Action.RECORD:
+            if numbered:
                 data.pop(SAMPLE_KEY, None)
         if not output:                                  # not the last pipeline stage
             return output
@@ -169,7 +171,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             routes = replay_batch_from_tensordict(
                 batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
                 num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows)
-        else:
+        if self._r3_step.action is Action.RECORD or self.r3_config.trace_dir is not None:
             sample_ids = batch[SAMPLE_KEY].tolist()
         self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                 cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))

@@ -18,10 +18,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "routes the trainer recorded). Rows are matched by token position and compared "
                     "where valid in both; top-k sets are compared order-insensitively, on the layers "
                     "both files hold.")
-    p.add_argument("a", metavar="A", help="reference route file (e.g. rollout routes)")
-    p.add_argument("b", metavar="B", help="other route file (e.g. recorded routes)")
+    p.add_argument("a", metavar="A", help="reference route file (e.g. rollout routes), or a trace folder")
+    p.add_argument("b", metavar="B", nargs="?", default=None,
+                   help="other route file (e.g. recorded routes); with a trace folder A: optional second trace")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    p.add_argument("--plot", metavar="OUT.png", help="write a per-layer agreement bar chart (matplotlib)")
+    p.add_argument("--plot", metavar="OUT.png", help="write a per-layer agreement bar chart (matplotlib); for "
+                                                     "traces: a passes x layers agreement heatmap")
+    g = p.add_argument_group("traces (A a trace folder)")
+    g.add_argument("--step", type=int, default=None, help="only this RL step")
+    g.add_argument("--pass", dest="pass_a", default=None, metavar="PASS",
+                   help="A's pass: compute_log_prob, update (= update.0), update.1, ...")
+    g.add_argument("--vs-pass", dest="pass_b", default=None, metavar="PASS",
+                   help="compare with this pass of the same step (default: the same pass)")
+    g.add_argument("--view", dest="view_a", choices=("replayed", "native", "dispatched"), default=None,
+                   help="A's routes: replayed (rollout / recorded), native (the router's own top-k under "
+                        "replay) or dispatched (replayed where there was a route, else native)")
+    g.add_argument("--vs-view", dest="view_b", choices=("replayed", "native", "dispatched"), default=None,
+                   help="B's routes (defaults: one pass: replayed vs native; two passes: native; two traces: "
+                        "dispatched)")
+    g.add_argument("--lowest", type=int, default=5, help="how many lowest-agreement samples per comparison")
     return p
 
 
@@ -94,6 +109,10 @@ def plot(s: dict, out: str) -> None:
 
 
 def run(args) -> int:
+    if Path(args.a).is_dir() or (args.b is not None and Path(args.b).is_dir()):
+        return _run_trace(args)
+    if args.b is None:
+        raise CliError(f"{args.a}: diff needs two route files (or a trace folder)")
     a, _ = load_batch(args.a)
     b, _ = load_batch(args.b)
     try:
@@ -109,6 +128,27 @@ def run(args) -> int:
         print_json(s)
     else:
         print(render(s))
+    if args.plot:
+        info(args, f"wrote {args.plot}")
+    return 0
+
+
+def _run_trace(args) -> int:
+    from r3bridge.cli import trace_view
+
+    for x in (args.a, args.b):
+        if x is not None and not Path(x).is_dir():
+            raise CliError(f"{x}: not a trace folder (compare a trace with a trace, a route file with a route file)")
+    s = trace_view.diff_traces(args.a, args.b, step=args.step, pass_a=args.pass_a, pass_b=args.pass_b,
+                               view_a=args.view_a, view_b=args.view_b, lowest=args.lowest)
+    if args.plot:
+        trace_view.plot_diff(s, args.plot)
+    if args.json:
+        if args.plot:
+            s["plot"] = args.plot
+        print_json(s)
+    else:
+        print(trace_view.render_diff(s))
     if args.plot:
         info(args, f"wrote {args.plot}")
     return 0

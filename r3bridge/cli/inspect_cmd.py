@@ -17,9 +17,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Summarise a saved ReplayBatch (the bytes of ReplayBatch.to_bytes(), e.g. a .r3b "
                     "file): shape, coverage, layers, provenance and the per-layer expert load over "
                     "valid rows.")
-    p.add_argument("file", help="saved ReplayBatch (ReplayBatch.to_bytes() written to a file)")
+    p.add_argument("file", help="saved ReplayBatch (ReplayBatch.to_bytes() written to a file), or a trace "
+                                "folder (the r3bridge option trace_dir)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    p.add_argument("--plot", metavar="OUT.png", help="write a layers x experts load heatmap (matplotlib)")
+    p.add_argument("--plot", metavar="OUT.png", help="write a layers x experts load heatmap (matplotlib); for a "
+                                                     "trace: per-layer agreement per pass and the expert load")
+    p.add_argument("--step", type=int, default=None, help="trace: only this RL step")
+    p.add_argument("--lowest", type=int, default=5, help="trace: how many lowest-agreement samples per pass")
     return p
 
 
@@ -115,6 +119,8 @@ def plot(s: dict, out: str) -> None:
 
 
 def run(args) -> int:
+    if Path(args.file).is_dir():
+        return _run_trace(args)
     batch, nbytes = load_batch(args.file)
     s = summarize(batch, file=args.file, file_bytes=nbytes)
     if args.plot:
@@ -129,3 +135,20 @@ def run(args) -> int:
         info(args, f"wrote {args.plot}")
     return 0
 
+
+
+def _run_trace(args) -> int:
+    from r3bridge.cli import trace_view
+
+    s = trace_view.summarize_trace(args.file, lowest=args.lowest, step=args.step)
+    if args.plot:
+        trace_view.plot_trace(s, args.plot)
+    if args.json:
+        if args.plot:
+            s["plot"] = args.plot
+        print_json(s)
+    else:
+        print(trace_view.render_trace(s))
+    if args.plot:
+        info(args, f"wrote {args.plot}")
+    return 0

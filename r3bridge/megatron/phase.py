@@ -29,6 +29,7 @@ import torch
 from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch
 
@@ -43,7 +44,8 @@ class MicroBatch:
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
     out, sequences are numbered in install order. The packing fields are
-    :meth:`r3bridge.megatron.ReplayStep.install`'s."""
+    :meth:`r3bridge.megatron.ReplayStep.install`'s. ``uids``: the framework's own name of each
+    sequence's sample (``None`` for padding), written to route traces only."""
 
     seq_lens: Sequence[int]
     routes: Optional[ReplayBatch] = None
@@ -51,6 +53,7 @@ class MicroBatch:
     format: str = "thd"
     cu_seqlens_padded: Any = None
     seq_length: Optional[int] = None
+    uids: Optional[Sequence[Any]] = None
 
 
 Targets = Union[Sequence[MicroBatch], Callable[[int, int, tuple, dict], MicroBatch]]
@@ -89,6 +92,7 @@ class PhaseStep:
         self.result: Optional[PhaseResult] = None
         self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
         self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
+        self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
         self._next_id = 0
         self._next_pad = -1
 
@@ -106,6 +110,8 @@ class PhaseStep:
         known = self._ids.get(k)
         if known is None:
             known = self._ids[k] = self._sample_ids(mb, len(lens), k)
+            if mb.uids is not None:             # route traces name samples by them
+                self.uids[k] = [None if u is None else str(u) for u in mb.uids]
         elif len(known[0]) != len(lens):
             raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
                                    f"{len(known[0])}")
@@ -175,11 +181,14 @@ class PhaseRunner:
     ``carry_log_prob_metrics``: the framework logs only the update's metrics, so compute_log_prob's
     are held and reported with the next update (:meth:`metrics_to_log`)."""
 
-    def __init__(self, replayer: Any, config: ReplayConfig, *, carry_log_prob_metrics: bool = False) -> None:
+    def __init__(self, replayer: Any, config: ReplayConfig, *, carry_log_prob_metrics: bool = False,
+                 framework: str = "unknown") -> None:
         self.replayer = replayer
         self.config = config
         self.carry = carry_log_prob_metrics
         self._held: dict[str, list[float]] = {}
+        # route traces (the trace_dir option), written by r3bridge.megatron.trace for every adapter
+        self.tracer = None if config.trace_dir is None else RunTracer(config, framework)
 
     @property
     def active(self) -> bool:
@@ -223,6 +232,7 @@ class PhaseRunner:
             return
         with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
             ps = PhaseStep(self, phase, plan, step)
+            step.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
                 yield ps
             else:
@@ -236,6 +246,8 @@ class PhaseRunner:
                 with install_before_forward(mods, hook, n):
                     yield ps
         ps.result = ps._finish()
+        if self.tracer is not None:
+            self.tracer.finish(ps, step.trace, phase_tag(phase))
 
     def metrics_to_log(self, result: Optional[PhaseResult], extra: Optional[dict[str, float]] = None
                        ) -> dict[str, list[float]]:

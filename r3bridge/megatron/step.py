@@ -113,6 +113,7 @@ class ReplayStep:
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
+        self.trace: Any = None                  # a StepTrace while the pass is traced (megatron/trace.py)
         dev = self.device = replayer.device     # fixed for this schedule run
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
@@ -312,6 +313,8 @@ class ReplayStep:
             probs, idx = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)
             if in_forward:
                 mb.recorded[layer] = idx.detach().to(route_dtype(self.replayer.num_experts))
+                if self.trace is not None:
+                    self.trace.routed(mb, layer, idx, None, None)
             out = probs, idx
         else:
             t = mb.targets
@@ -343,12 +346,14 @@ class ReplayStep:
         if target.shape[1] != topk:
             raise ReplayStateError(f"layer {layer}: target top-k {target.shape[1]} != router top-k {topk}")
         idx = target
-        need_native = not mb.all_valid or (self.replayer.agreement and count)
+        need_native = not mb.all_valid or ((self.replayer.agreement or self.trace is not None) and count)
         if need_native:
             native = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
             if not mb.all_valid:
                 idx = torch.where(t.valid[:, None], target, native)
             if count:
+                if self.trace is not None:
+                    self.trace.routed(mb, layer, native, target, t.valid)
                 if self.replayer.agreement:
                     same = topk_sets_equal(native, target) & t.valid
                     self._counter.add(layer, agree=same.sum(), compared=t.num_valid)

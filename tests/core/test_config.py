@@ -66,3 +66,27 @@ def test_bad_config_raises_config_error(bad, match):
 def test_unknown_phase_raises_config_error():
     with pytest.raises(ConfigError, match="unknown phase"):
         phase_plan("R3", "rollout")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"trace_dir": ""}, "trace_dir must be a folder path"),
+    ({"trace_dir": 3}, "trace_dir must be a folder path"),
+    ({"trace_every": 0}, "trace_every must be an integer >= 1"),
+    ({"trace_every": 1.5}, "trace_every must be an integer >= 1"),
+    ({"trace_max_bytes": 0}, "trace_max_bytes must be an integer >= 1"),
+    ({"trace_max_bytes": True}, "trace_max_bytes must be an integer >= 1"),
+])
+def test_bad_trace_options_raise_config_error(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        ReplayConfig.from_mapping(bad)
+
+
+def test_tracing_is_off_by_default_and_one_key_turns_it_on(monkeypatch):
+    assert ReplayConfig().trace_dir is None
+    cfg = ReplayConfig.from_mapping({"replay_mode": "R3", "trace_dir": "/tmp/run1"})
+    assert cfg.trace_dir == "/tmp/run1" and cfg.trace_every == 1 and cfg.trace_max_bytes == 1 << 30
+    # the section reaches framework workers through R3BRIDGE_CONFIG (verl, SkyRL Ray workers)
+    monkeypatch.setenv("R3BRIDGE_CONFIG", '{"replay_mode": "R3", "trace_dir": "/tmp/run1", "trace_every": 5}')
+    env = ReplayConfig.from_env()
+    assert env.trace_dir == "/tmp/run1" and env.trace_every == 5
+    assert ReplayConfig.from_mapping(env.as_dict()) == env
