@@ -32,9 +32,11 @@ import torch
 
 from r3bridge.errors import PayloadError, ReplayError
 from r3bridge.layout import ParallelLayout
-from r3bridge.metrics import expert_load, topk_sets_equal
+from r3bridge.metrics import expert_load, route_agreement, topk_sets_equal
+from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions, unshard
+from r3bridge.sharding import ShardedTargets
+from r3bridge.unsharding import unshard
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",
            "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare"]
@@ -404,7 +406,6 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
 def compare(a: MergedPass, view_a: str, b: MergedPass, view_b: str, *, lowest: int = 5) -> dict[str, Any]:
     """Top-k set agreement of two views over the samples both hold, per layer and per sample
     (rows matched by token position, compared where valid in both)."""
-    from r3bridge.metrics import route_agreement
 
     ba, bb = a.view(view_a), b.view(view_b)
     common = sorted(set(a.keys) & set(b.keys))

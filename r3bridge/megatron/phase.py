@@ -133,6 +133,15 @@ class PhaseStep:
         self.step.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
                           seq_length=mb.seq_length, sample_ids=driver_ids)
 
+    @property
+    def replayer(self) -> Any:
+        return self.runner.replayer
+
+    def installed_sample_ids(self, index: int) -> Optional[list[Optional[int]]]:
+        """The batch-level sample ids installed for micro-batch ``index`` (None: not installed)."""
+        known = self._ids.get(index)
+        return None if known is None else known[0]
+
     def _sample_ids(self, mb: MicroBatch, n: int, k: int) -> tuple[list[Optional[int]], list[int]]:
         """(sample ids, None for padding; the ids the driver gets). Padding sequences need ids
         distinct from every sample's: negative ones, which no sample id is; the recording is

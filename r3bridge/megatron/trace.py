@@ -17,19 +17,43 @@ MAX all-reduce of a flag), so a pass is either written by all of them or by none
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from r3bridge.config import Action, Phase, ReplayConfig
+from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
+from r3bridge.layout import ParallelLayout
+from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.metrics import tag_phase
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
 
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.megatron.phase import PhaseStep
-    from r3bridge.megatron.replayer import Replayer
-    from r3bridge.megatron.step import MicroBatch
+
+class TracedReplayer(Protocol):
+    """What the tracer reads of the driver (``r3bridge.megatron.Replayer``)."""
+
+    layout: ParallelLayout
+    num_experts: int
+    topk: int
+    tp_rank: int
+    cp_rank: int
+    pp_rank: int
+    device: torch.device
+    metrics_groups: Sequence[Any]
+
+
+class TracedPass(Protocol):
+    """What the tracer reads of one phase's pass (``r3bridge.megatron.phase.PhaseStep``)."""
+
+    phase: Phase
+    plan: PhasePlan
+    result: Any
+    uids: dict[int, Any]
+
+    @property
+    def replayer(self) -> TracedReplayer: ...
+
+    def installed_sample_ids(self, index: int) -> Optional[list[Optional[int]]]: ...
 
 __all__ = ["StepTrace", "RunTracer"]
 
@@ -37,15 +61,15 @@ __all__ = ["StepTrace", "RunTracer"]
 class StepTrace:
     """What the routers of one driver step routed, per micro-batch and layer, on the device."""
 
-    def __init__(self, replayer: "Replayer", action: Action) -> None:
+    def __init__(self, replayer: TracedReplayer, action: Action) -> None:
         self.action = action
         self.dtype = route_dtype(replayer.num_experts)
-        self.meta: dict[int, "MicroBatch"] = {}                 # micro-batch index -> chunk 0's install
+        self.meta: dict[int, InstalledMicroBatch] = {}                 # micro-batch index -> chunk 0's install
         self.native: dict[int, dict[int, torch.Tensor]] = {}
         self.replayed: dict[int, dict[int, torch.Tensor]] = {}
         self.valid: dict[int, torch.Tensor] = {}
 
-    def routed(self, mb: "MicroBatch", layer: int, native: torch.Tensor, replayed: Optional[torch.Tensor],
+    def routed(self, mb: InstalledMicroBatch, layer: int, native: torch.Tensor, replayed: Optional[torch.Tensor],
                valid: Optional[torch.Tensor]) -> None:
         """One router call of a forward (never a recompute): ``native`` / ``replayed`` ``[rows, K]``;
         ``valid``: rows that had a route. Compact copies, no host sync."""
@@ -95,7 +119,7 @@ class RunTracer:
         self.dropped_passes = 0
 
     # ------------------------------------------------------------------------------ per pass
-    def begin(self, replayer: "Replayer", phase: Phase, action: Action) -> Optional[StepTrace]:
+    def begin(self, replayer: TracedReplayer, phase: Phase, action: Action) -> Optional[StepTrace]:
         """Called when a phase's driver step opens; a :class:`StepTrace` when this pass is traced."""
         if phase is Phase.OLD_LOG_PROB and self._update_seen:
             self.step += 1
@@ -113,7 +137,7 @@ class RunTracer:
             return None
         return StepTrace(replayer, action)
 
-    def finish(self, ps: "PhaseStep", trace: Optional[StepTrace], tag: str) -> None:
+    def finish(self, ps: TracedPass, trace: Optional[StepTrace], tag: str) -> None:
         """After the pass: write this rank's payloads and index line; add the trace metrics to
         the pass's result (``tag``: the phase's metrics tag, as :func:`r3bridge.metrics.tag_phase`)."""
         if trace is not None:
@@ -129,13 +153,14 @@ class RunTracer:
         res.tagged.update(tag_phase(extra, self.prefix, tag))
 
     # ------------------------------------------------------------------------------ writing
-    def _batches(self, ps: "PhaseStep", trace: StepTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
-        rep = ps.runner.replayer
+    def _batches(self, ps: TracedPass, trace: StepTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
+        rep = ps.replayer
         idx = sorted(trace.meta)
         mbs = []
         for k in idx:
             mb = trace.meta[k]
-            samples = ps._ids[k][0] if k in ps._ids else list(mb.sample_ids)
+            samples = ps.installed_sample_ids(k)
+            samples = list(mb.sample_ids) if samples is None else samples
             mbs.append(micro_batch_entry(mb.seq_lens, samples, mb.rows, format=mb.pack.get("format", "thd"),
                                          cu_seqlens_padded=mb.pack.get("cu_seqlens_padded"),
                                          seq_length=mb.pack.get("seq_length"), uids=ps.uids.get(k)))
@@ -148,8 +173,8 @@ class RunTracer:
                                   num_experts=rep.num_experts, source=ps.plan.source or "rollout")
         return mbs, replayed, native
 
-    def _write(self, ps: "PhaseStep", trace: StepTrace) -> None:
-        rep = ps.runner.replayer
+    def _write(self, ps: TracedPass, trace: StepTrace) -> None:
+        rep = ps.replayer
         rank, world = _world()
         payloads: dict[str, bytes] = {}
         if trace.meta:          # a pipeline stage without MoE layers routes nothing, yet takes part below
@@ -195,7 +220,7 @@ class RunTracer:
         self.bytes_written += append_index(self.root, rank, entry)
 
 
-def _any_rank(flag: bool, rep: "Replayer") -> bool:
+def _any_rank(flag: bool, rep: TracedReplayer) -> bool:
     """``flag`` ORed over the model-parallel group (and CP): its ranks stop at the same pass."""
     import torch.distributed as dist
 
