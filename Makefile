@@ -33,6 +33,8 @@ PIP = $(PY) -m pip install --disable-pip-version-check --progress-bar off -q -c 
 .PHONY: install test demo venv
 venv:
 	@if [ ! -x "$(PY)" ] && ! command -v "$(PY)" >/dev/null 2>&1; then \
+		$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make: r3bridge needs"\
+			"Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11"; exit 1; }; \
 		echo "make: creating the virtualenv $(VENV) ($(PYTHON) -m venv)"; \
 		$(PYTHON) -m venv "$(VENV)"; \
 	fi

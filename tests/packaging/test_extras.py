@@ -82,7 +82,7 @@ def _readme_rows() -> list[list[str]]:
     """The README's framework table: '| <Framework> <version> | `pip install ".[extra]"` | `python` | pins |'."""
     rows = []
     for line in (REPO / "README.md").read_text().splitlines():
-        m = re.match(r'\|\s*(verl|SkyRL|AReaL) (\d[\w.]*)\s*\|(.*)\|\s*$', line)
+        m = re.match(r'\|\s*(verl|SkyRL|AReaL) (\d+\.\d+\.\d+)\s*\|(.*)\|\s*$', line)
         if m:
             rows.append([m[1].lower(), m[2], *[c.strip() for c in m[3].split("|")]])
     return rows
