@@ -28,7 +28,9 @@ endif
 PY ?= $(VENV)/bin/python
 SKYRL04 ?= $(or $(R3BRIDGE_SKYRL04),build/skyrl04)
 TORCH_INDEX ?=
-PIP = $(PY) -m pip install --disable-pip-version-check --progress-bar off -q -c constraints.txt
+# --no-warn-conflicts: pip would report skyrl's and areal's unmet pins (step 4) as ERROR lines on
+# every later install; the `pip check` step below is the check instead, and fails on anything else.
+PIP = $(PY) -m pip install --disable-pip-version-check --progress-bar off -q --no-warn-conflicts -c constraints.txt
 
 .PHONY: install test demo venv
 venv:
@@ -46,7 +48,7 @@ install: venv
 	$(PIP) -e ".[megatron,demo,plot,verl]" --group dev
 	@echo "make install: skyrl 0.3 / areal 1.0 go in without their dependencies (see README"\
 	      "\"Install\"); pip check lists their unmet pins, which this environment does not need."
-	$(PIP) --no-deps --no-warn-conflicts skyrl==0.3.0 areal==1.0.4
+	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4
 	@# pip check may name skyrl's and areal's own pins (above); anything else is a real problem
 	@if $(PY) -m pip check --disable-pip-version-check | grep -vE '^(skyrl|areal) |^No broken'; then \
 		echo "make install: pip check found the problems above"; exit 1; fi

@@ -27,7 +27,7 @@ PRODUCT = [
     "r3bridge/testing/conformance.py", "r3bridge/testing/dist.py", "r3bridge/testing/cpu_shim.py",
     "r3bridge/adapters/__init__.py", "r3bridge/adapters/verl/__init__.py",
     "r3bridge/adapters/skyrl/__init__.py", "r3bridge/adapters/areal/__init__.py",
-    "r3bridge/adapters/_template/__init__.py", "r3bridge/configs/r3bridge.yaml",
+    "r3bridge/adapters/_template/__init__.py", "r3bridge/configs/__init__.py", "r3bridge/configs/r3bridge.yaml",
 ]
 
 
@@ -75,7 +75,7 @@ def test_product_and_kit_are_shipped(wheel):
     assert not missing, f"missing from the wheel: {missing}"
     # every module of the package's source folders, so a new subpackage left out of
     # [tool.setuptools] packages fails here instead of at a user's import
-    sources = {"r3bridge": REPO / "r3bridge", "r3bridge/adapters": REPO / "adapters"}
+    sources = {"r3bridge": REPO / "r3bridge", "r3bridge/adapters": REPO / "adapters", "r3bridge/configs": REPO / "configs"}
     expected = {f"{prefix}/{p.relative_to(root).as_posix()}" for prefix, root in sources.items()
                 for p in root.rglob("*.py") if "__pycache__" not in p.parts}
     assert expected - files == set()
@@ -83,6 +83,15 @@ def test_product_and_kit_are_shipped(wheel):
 
 def test_the_defaults_file_ships_as_it_is_in_the_checkout(wheel):
     assert wheel.read("r3bridge/configs/r3bridge.yaml") == (REPO / "configs" / "r3bridge.yaml").read_bytes()
+
+
+def test_the_installed_package_finds_its_defaults_file():
+    """Through the installed package (here the editable install of `make install`), not a path
+    into the checkout."""
+    import importlib.resources
+
+    found = importlib.resources.files("r3bridge.configs") / "r3bridge.yaml"
+    assert found.read_bytes() == (REPO / "configs" / "r3bridge.yaml").read_bytes()
 
 
 def test_metadata_declares_version_python_license_and_commands(wheel):
