@@ -1,33 +1,64 @@
-# The two commands of the README. Both start from a fresh machine: `make install` puts the CPU
-# torch 2.13.0 build first (an unpinned torch would pull gigabytes of CUDA wheels), then
-# r3bridge with its extras, then the skyrl / areal wheels without their dependencies (they
-# cannot share an environment with verl + torch 2.13: docs/frameworks.md) plus the few small
-# pure-python packages the modules the adapters import need.
-PY ?= python3
-PIP = $(PY) -m pip install --disable-pip-version-check -q
+# The README's two commands, `make demo` and `make test`. Both work on a machine that never saw
+# the project: they install everything first, into a virtualenv.
+#
+# Which virtualenv: the one that is active (VIRTUAL_ENV) if any, else `.venv` in the checkout,
+# created with `python3 -m venv` when missing. `make test VENV=/some/dir` (or the environment
+# variable VENV) puts it elsewhere: .ci/run uses that to start from nothing on every run.
+# PY=/path/to/python still names an interpreter directly.
+#
+# What is installed (versions: constraints.txt, the pip freeze of a fresh test environment):
+#   1. pip itself, upgraded in the virtualenv (>= 25.1 reads [dependency-groups]);
+#   2. torch 2.13.0 first, alone: an unpinned torch (a dependency of megatron-core, peft, ...)
+#      would pull a CUDA build and gigabytes of nvidia wheels. Where the index serves the CUDA
+#      build (PyPI on Linux), TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU one;
+#   3. r3bridge (editable) with the demo, plot, megatron and verl extras, the test / lint groups
+#      and the `frameworks` group (what the real SkyRL / AReaL tests import of those frameworks'
+#      dependencies), all with their dependencies, in one resolver run;
+#   4. the skyrl 0.3 and areal 1.0 wheels with --no-deps: their pins (transformers <= 5.8 / <= 5.3,
+#      torch < 2.11) cannot share an environment with verl 0.9 + torch 2.13 (README "Install");
+#      the tests import only the modules the adapters touch, with what step 3 installed;
+#   5. the skyrl 0.4 wheel's files into $(SKYRL04) (a Python >= 3.12 package; tests/adapters/
+#      test_skyrl04.py loads its data-layout modules on 3.11).
+PYTHON ?= python3
+ifdef VIRTUAL_ENV
+VENV ?= $(VIRTUAL_ENV)
+else
+VENV ?= .venv
+endif
+PY ?= $(VENV)/bin/python
+SKYRL04 ?= $(or $(R3BRIDGE_SKYRL04),build/skyrl04)
+TORCH_INDEX ?=
+# --no-warn-conflicts: pip would report skyrl's and areal's unmet pins (step 4) as ERROR lines on
+# every later install; the `pip check` step below is the check instead, and fails on anything else.
+PIP = $(PY) -m pip install --disable-pip-version-check --progress-bar off -q --no-warn-conflicts -c constraints.txt
 
-.PHONY: install test demo
-install:
-	$(PIP) torch==2.13.0
-	$(PIP) -e ".[megatron,verl,test]"
-	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4 skyrl-gym==0.4.0 \
-		jaxtyping==0.3.11 wadler-lindig loguru==0.7.3 colorlog==6.12.0 tenacity==9.2.1 lark==1.3.1 einops==0.8.2
-	# verl's real engine + worker test (tests/adapters/test_verl_real_*.py): verl 0.9.1 builds its
-	# Megatron model through mbridge (its own deps: einops above, already installed transformers /
-	# megatron-core); verl.workers.engine_workers imports fastapi and uvicorn (rollout utilities).
-	$(PIP) --no-deps mbridge==0.15.1
-	$(PIP) fastapi==0.165.0 uvicorn==0.54.0
-	# AReaL's real engine test (tests/adapters/test_areal_real.py): what `import areal`,
-	# areal.engine.sglang_remote and megatron_engine import at module level (uvloop, numba's JIT in
-	# areal.utils.seqpack, pybase64 for SGLang's routes, aiofiles / openai in areal.infra).
-	$(PIP) --no-deps uvloop==0.23.0 numba==0.68.1 llvmlite==0.50.0 pybase64==1.5.1 aiofiles==25.1.0 \
-		openai==3.54.0 httpx2==2.16.2 jiter==0.19.0
-	# SkyRL 0.4 (Python >= 3.12 as a package): its data-layout modules, for tests/adapters/test_skyrl04.py
-	$(PIP) --no-deps --ignore-requires-python --upgrade --target build/skyrl04 skyrl==0.4.0
+.PHONY: install test demo venv
+venv:
+	@if [ ! -x "$(PY)" ] && ! command -v "$(PY)" >/dev/null 2>&1; then \
+		$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make: r3bridge needs"\
+			"Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11"; exit 1; }; \
+		echo "make: creating the virtualenv $(VENV) ($(PYTHON) -m venv)"; \
+		$(PYTHON) -m venv "$(VENV)"; \
+	fi
+
+install: venv
+	@echo "make install: into $$($(PY) -c 'import sys; print(sys.prefix)')"
+	$(PIP) "pip>=25.1"
+	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) -e ".[megatron,demo,plot,verl]" --group dev
+	@echo "make install: skyrl 0.3 / areal 1.0 go in without their dependencies (see README"\
+	      "\"Install\"); pip check lists their unmet pins, which this environment does not need."
+	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4
+	@# pip check may name skyrl's and areal's own pins (above); anything else is a real problem
+	@if $(PY) -m pip check --disable-pip-version-check | grep -vE '^(skyrl|areal) |^No broken'; then \
+		echo "make install: pip check found the problems above"; exit 1; fi
+	@if [ -d "$(SKYRL04)/skyrl-0.4.0.dist-info" ]; then echo "make install: skyrl 0.4.0 already in $(SKYRL04)"; \
+	else $(PY) -m pip install --disable-pip-version-check --progress-bar off -q --no-deps \
+		--ignore-requires-python --target "$(SKYRL04)" skyrl==0.4.0; fi
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	R3BRIDGE_SKYRL04="$(SKYRL04)" $(PY) -m pytest -q
 
 demo: install
 	$(PY) -m r3bridge.cli.main demo

@@ -1,6 +1,7 @@
-"""Shared helpers of the subcommands: loading saved batches, output, plots."""
+"""Shared helpers of the subcommands: loading saved batches, output, plots, optional packages."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -13,6 +14,27 @@ from r3bridge.schema import ReplayBatch
 
 class CliError(Exception):
     """A user-facing problem: ``main`` prints ``error: <message>`` on one line and exits 2."""
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be found, without importing it (megatron.core takes seconds to import;
+    the command imports it for real once the check passed). ``sys.modules[name] = None`` and a
+    missing parent package both count as not installed."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(what: str, extra: str, packages: dict[str, str]) -> None:
+    """Raise a one-line CliError (exit 2) naming every missing distribution of ``packages``
+    ({import name: distribution name}) and the extra that installs them. Commands call it before
+    any work starts (the demo: before a rank is spawned), so a missing optional dependency never
+    ends in a traceback."""
+    missing = [dist for module, dist in packages.items() if not installed(module)]
+    if missing:
+        raise CliError(f"{what} needs {' and '.join(missing)}, not installed: "
+                       f'pip install "r3bridge[{extra}]" (in a checkout: pip install ".[{extra}]")')
 
 
 def load_batch(path: str) -> tuple[ReplayBatch, int]:
@@ -90,12 +112,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (headless); CliError if matplotlib is missing."""
+    require("--plot", "plot", {"matplotlib": "matplotlib"})
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise CliError("--plot needs matplotlib (pip install 'r3bridge[plot]')") from None
+    except ImportError as e:   # installed but broken: still one line
+        raise CliError(f"--plot needs matplotlib, which does not import ({e}): "
+                       f'pip install "r3bridge[plot]"') from None
     return plt
 
 

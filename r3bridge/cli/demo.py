@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from r3bridge.cli._common import CliError, pyplot, save_figure
+from r3bridge.cli._common import CliError, pyplot, require, save_figure
 
 NAME = "demo"
 
@@ -127,6 +127,8 @@ def _have_matplotlib() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    # before anything imports them or a rank is spawned: one line naming what to install
+    require("r3bridge demo", "demo", {"megatron.core": "megatron-core", "transformers": "transformers"})
     from r3bridge.demo.job import DemoOptions, layout_problem, run_demo
     from r3bridge.testing.dist import spawn
 

@@ -27,7 +27,7 @@ from r3bridge.cli._common import CliError
 NAME = "new-adapter"
 TEMPLATE_PACKAGE = "r3bridge.adapters._template"
 PACKAGE_FILES = ("__init__.py", "config.py", "rollout.py", "codec.py", "hooks.py")
-TEST_FILE = "test_conformance.py"
+TEST_FILE = "conformance_tests.py"   # shipped under a non-test name; written as tests/test_<name>_conformance.py
 SCAFFOLD = {"pyproject.toml": "scaffold/pyproject.toml.in", "README.md": "scaffold/README.md.in"}
 
 

@@ -237,7 +237,7 @@ def shifted_template_runner(rollout):
     """The template's runner over a batch whose routes (and validity) sit one token late: the
     off-by-one codec, seen by the router instead of by check 1."""
     from r3bridge.adapters._template import ROUTES_KEY, VALID_KEY
-    from r3bridge.adapters._template.test_conformance import TemplateRunner
+    from r3bridge.adapters._template.conformance_tests import TemplateRunner
 
     runner = TemplateRunner(rollout)
     for key in (ROUTES_KEY, VALID_KEY):

@@ -1,12 +1,12 @@
 """``adapters/_template`` is a working skeleton: a toy framework built from it passes conformance
-checks 1-5, through the template's own test module (``adapters/_template/test_conformance.py``,
+checks 1-5, through the template's own test module (``adapters/_template/conformance_tests.py``,
 what ``r3bridge new-adapter`` copies into every new adapter), collected here."""
 from __future__ import annotations
 
 import pytest
 
 from r3bridge.adapters._template import TemplateCodec
-from r3bridge.adapters._template.test_conformance import (  # noqa: F401  (collected by pytest)
+from r3bridge.adapters._template.conformance_tests import (  # noqa: F401  (collected by pytest)
     TestTemplateIngest,
     TestTemplateMegatron,
     framework_batch,
