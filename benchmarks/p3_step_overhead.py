@@ -24,7 +24,8 @@ so native routing and replay see the same tokens and the same expert loads:
   loads every step, a cache effect that made "R3" look 4-65% faster than native routing
   (field notes 12 and 14). It is reported to show that artifact, not as replay's cost.
 
-Arms are interleaved per step so clock drift hits all alike. ``--profile`` adds, per arm, the
+Arms are interleaved per step, in an order that rotates every step, so clock drift and position
+effects hit all alike. ``--profile`` adds, per arm, the
 GPU kernels that took the most time in one profiled step (torch.profiler). Also reported: the
 replay memory held per in-flight micro-batch against the budget ``local layers x local rows x K x 8``
 bytes.
@@ -117,6 +118,17 @@ class Inputs:
         return model(self.tokens, self.pos, self.mask, packed_seq_params=self.psp, **kw)
 
 
+def _gpu_total_ms(prof) -> float:
+    """The step's GPU time: every op's *self* device time (kernels counted once), in ms."""
+    total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        total += float(t or 0.0)
+    return round(total / 1000.0, 3)
+
+
 def _top_kernels(prof, n: int = 8) -> list[tuple[str, float]]:
     rows = []
     for e in prof.key_averages():
@@ -199,14 +211,16 @@ def main() -> None:
         return time.perf_counter() - t0
 
     times = {k: [] for k in variants}
+    names = list(variants)
     for it in range(args.warmup + args.iters):
-        for name in variants:
+        # the arms' order rotates every step: no arm always runs first (after another's backward)
+        for name in names[it % len(names):] + names[:it % len(names)]:
             dt = run(name, it % args.route_sets)
             if it >= args.warmup:
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
-    profile = {}
+    profile, gpu_ms = {}, {}
     if args.profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -215,6 +229,7 @@ def main() -> None:
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run(name, 1 % args.route_sets)
             profile[name] = _top_kernels(prof)
+            gpu_ms[name] = _gpu_total_ms(prof)
     seq_lens = sets[0].seq_lens
     if args.spec == "te":
         t = r3bridge.shard(routes[0], state["rep"].layout, seq_lens, format="thd",
@@ -236,6 +251,7 @@ def main() -> None:
     }
     if profile:
         res["top_kernels_ms"] = profile
+        res["gpu_time_ms_one_step"] = gpu_ms
     if args.json:
         print(json.dumps(res))
     else:

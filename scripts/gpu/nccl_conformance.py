@@ -49,11 +49,14 @@ CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_
          "pp2_uneven_dense_stage"]
 FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
 # cells whose guard must refuse the config (ConfigError naming the option) instead of replaying
-# FP8 with delayed scaling keeps an amax history that every forward updates, so the R2 replay pass
-# runs its GEMMs with other scales than the record pass: logits may differ although every router
-# row dispatched the recorded routes (checked row by row). Current (tensorwise) scaling has no such
-# state: its logits must be bit-equal.
-LOGITS_MAY_DIFFER = {"te_fp8_hybrid", "te_fp8_e4m3", "te_fp8_layout_packing", "te_fp8_permute_fusion"}
+# megatron-core 0.16.1's unpermute (moe_utils.unpermute) sums each token's top-k expert outputs with
+# scatter_add_ (CUDA atomics, in no fixed order) unless torch's deterministic algorithms are on
+# (then index_add_). A sum of two terms from zero is order-free (0+a+b == 0+b+a), so top-2 cells are
+# bit-stable; top-6 is not: two passes with the same routes can differ in the last bf16 bit. The
+# cell runs both ways: natively (logits may differ, routes are still checked row by row) and with
+# deterministic algorithms (logits must be bit-equal).
+LOGITS_MAY_DIFFER = {"te_int16_ids"}
+DETERMINISTIC = {"te_int16_ids_deterministic"}
 REFUSED = {"te_router_fusion": "moe_router_fusion", "te_cuda_graphs_te": "CUDA graphs capture the router",
            "te_cuda_graphs_local": "CUDA graphs capture the router"}
 
@@ -82,6 +85,7 @@ def te_cells() -> list[Any]:
         Cell("te_moe_recompute", one, te(recompute="moe")),
         Cell("te_mtp", one, te(num_layers=4, mtp_num_layers=1)),
         Cell("te_int16_ids", one, te(num_moe_experts=320, moe_router_topk=6)),
+        Cell("te_int16_ids_deterministic", one, te(num_moe_experts=320, moe_router_topk=6)),
         Cell("te_permute_fusion", one, te(extra_config={"moe_permute_fusion": True})),
         Cell("te_fp8_hybrid", one, te(extra_config={"fp8": "hybrid"})),
         Cell("te_fp8_e4m3", one, te(extra_config={"fp8": "e4m3"})),
@@ -145,6 +149,8 @@ def cell_rank(ctx: Any, cell: Any, device: str) -> dict[str, Any]:
     t0 = time.time()
     if cell.name in REFUSED:
         return refused_rank(ctx, cell)
+    if cell.name in DETERMINISTIC:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     res = run_cell(ctx, cell, serial=False, device=device)
     if "error" in res:           # run_cell reports per cell; here a failure must stop the group
         raise RuntimeError(f"cell {cell.name} failed on rank {ctx.rank}:\n{res['error']}")
@@ -160,6 +166,12 @@ def refused_rank(ctx: Any, cell: Any) -> dict[str, Any]:
     from r3bridge.megatron import Replayer
     from r3bridge.testing.models import build_model_chunks
 
+    if cell.spec.extra_config.get("cuda_graph_impl") == "local":
+        # megatron's local CUDA graphs need a graph-safe RNG tracker to build the model at all
+        # (cuda_graphs.py: "RNG tracker does not support cudagraphs!"): TE's, as Megatron-LM sets
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cell.spec.seed, te_rng_tracker=True, force_reset_rng=True)
     chunks = build_model_chunks(cell.spec, ctx)
     try:
         Replayer(chunks)
@@ -185,7 +197,8 @@ def summarize(per_rank: list[dict[str, Any]], cell_name: str = "") -> dict[str, 
            "agreement_random_targets": per_rank[0]["r3_metrics"].get("r3bridge/agreement/mean"),
            "seconds": max(x["seconds"] for x in per_rank)}
     if logits_may_differ:
-        out["r2_logits_note"] = "FP8 delayed scaling: amax history changes between record and replay passes"
+        out["r2_logits_note"] = ("top-k > 2 outputs summed by scatter_add_ in no fixed order (megatron "
+                                 "moe_utils.unpermute); see the _deterministic cell")
     for k in ("r3_router_calls_checked", "r3_rows_checked", "r3_mismatching_rows",
               "r2_router_calls_checked", "r2_rows_checked", "r2_mismatching_rows"):
         if k in per_rank[0]:
@@ -253,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         a.cells = ",".join([c.name for c in default_cells()] + ([c.name for c in te_cells()] if a.spec == "te" else []))
     if a.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        # cuBLAS needs a fixed workspace for deterministic algorithms (the _deterministic cells)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     summary: dict[str, Any] = {}
     ok = True
     for cell in select_cells(a.cells.split(","), a.device, a.spec):

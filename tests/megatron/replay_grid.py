@@ -204,8 +204,9 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     if device != "cpu":
         # without megatron's Float16Module wrapper, local-spec norms (torch LayerNorm) stay fp32:
         # cast the whole chunk to the configured dtype, as the wrapper would
-        # (TE-spec models are built on the GPU in params_dtype already: nothing to cast)
-        dtype = torch.bfloat16 if spec.extra_config.get("bf16") and spec.layer_spec != "te" else None
+        # (the TE spec too: its learned position embedding is a torch Embedding in fp32, and TE
+        # refuses an fp32 input outside autocast)
+        dtype = torch.bfloat16 if spec.extra_config.get("bf16") else None
         chunks = [c.to(device=device, dtype=dtype) for c in chunks]
     layout = rep.layout
     sp = bool(layout.sequence_parallel)
