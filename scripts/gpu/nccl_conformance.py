@@ -187,13 +187,19 @@ def summarize(per_rank: list[dict[str, Any]], cell_name: str = "") -> dict[str, 
     if "refused" in per_rank[0]:
         return {"pass": True, "refused_by_guard": per_rank[0]["refused"]}
     logits_may_differ = cell_name in LOGITS_MAY_DIFFER
-    passed = all(not x["r3_errors"] and not x.get("r2_errors") and x["state_clean"] and x["r2_agreement"] == 1.0
+    # in such a cell the replay pass's *native* top-k (the agreement metric's reference) sees
+    # hidden states that differ in the last bit too, so agreement may fall below 1; the routes
+    # dispatched are still checked row by row (r2_errors)
+    passed = all(not x["r3_errors"] and not x.get("r2_errors") and x["state_clean"]
+                 and (x["r2_agreement"] == 1.0 or logits_may_differ)
                  and (x["r2_logits_equal"] or not x["r2_logits_compared"] or logits_may_differ)
                  and x.get("tensor_growth", 0) <= 0 and x.get("device_bytes_growth", 0) <= 0 for x in per_rank)
     out = {"pass": passed, "r3_errors": sum(len(x["r3_errors"]) for x in per_rank),
            "r2_logits_bit_equal": all(x["r2_logits_equal"] for x in per_rank if x["r2_logits_compared"]),
            "r2_logits_maxdiff": max(x["r2_logits_maxdiff"] for x in per_rank),
            "coverage": per_rank[0]["r3_metrics"].get("r3bridge/coverage"),
+           "r2_agreement": min(x["r2_agreement"] for x in per_rank),
+           "state_clean": all(x["state_clean"] for x in per_rank),
            "agreement_random_targets": per_rank[0]["r3_metrics"].get("r3bridge/agreement/mean"),
            "seconds": max(x["seconds"] for x in per_rank)}
     if logits_may_differ:
