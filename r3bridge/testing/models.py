@@ -155,7 +155,8 @@ def _identity_attention(layer_spec: Any) -> Any:
 
 
 def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
-    """TransformerConfig for ``spec`` under the layout of ``ctx`` (CPU, fp32, no dropout)."""
+    """TransformerConfig for ``spec`` under the layout of ``ctx`` (fp32 unless ``extra_config`` says
+    otherwise, no dropout; built on the host for the local spec, on the GPU for TE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     te = _check_layer_spec(spec)
