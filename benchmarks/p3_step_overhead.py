@@ -1,19 +1,34 @@
 """P3: step overhead of R3 replay on one GPU (bf16), measured side by side with native routing.
 
-    python benchmarks/p3_step_overhead.py [--layers 8 --hidden 2048 --experts 64 --topk 8
-                                           --seqs 4 --seq-len 4096 --iters 10] [--json]
+    python benchmarks/p3_step_overhead.py [--spec local|te] [--route-sets 4] [--layers 8 --hidden 2048
+                                           --experts 64 --topk 8 --seqs 4 --seq-len 2048 --iters 12]
+                                           [--profile] [--json]
 
-Model: megatron-core GPTModel, local (non-TE) spec with real attention, every layer MoE, alltoall
-dispatcher, bf16. One micro-batch of ``seqs x seq_len`` tokens (BSHD, b = seqs). Per iteration:
-forward + backward. Variants, interleaved per iteration so clock drift hits all alike:
+Model: megatron-core GPTModel, every layer MoE, alltoall dispatcher, bf16, on either layer spec:
+
+* ``--spec te``: Transformer Engine's (TE attention on packed THD input, TEGroupedMLP), what
+  production jobs build; one packed micro-batch of ``seqs x seq_len`` tokens;
+* ``--spec local``: megatron-core's torch modules (SequentialMLP); local attention refuses THD, so
+  the same tokens go in as BSHD (b = seqs) with a causal mask.
+
+``--route-sets N`` token batches are drawn and each one's routes recorded once (R2 record, last
+token of each sequence dropped as the engines do). Step ``i`` of every arm runs batch ``i % N``,
+so native routing and replay see the same tokens and the same expert loads:
 
 * native: no replay object attached;
-* r3: r3bridge.megatron.Replayer step, targets installed per micro-batch (shard + H2D copy
-  included in the timing), agreement metric off;
-* r3+agreement: the same with the per-layer native-vs-replayed agreement computed in the hook.
+* r3: r3bridge.megatron.Replayer step replaying batch ``i % N``'s recorded routes, targets
+  installed per step (shard + H2D copy included in the timing), agreement metric off;
+* r3+agreement: the same with the per-layer native-vs-replayed agreement computed in the hook;
+* r3_one_set: replaying batch 0's routes on batch 0 every step, what P3 measured before
+  2026-11-25: with one fixed route set the grouped GEMMs and the dispatcher see the same expert
+  loads every step, a cache effect that made "R3" look 4-65% faster than native routing
+  (field notes 12 and 14). It is reported to show that artifact, not as replay's cost.
 
-Also reports the replay memory held per in-flight micro-batch against the budget
-``local layers x local rows x K x 8`` bytes.
+Arms are interleaved per step, in an order that rotates every step, so clock drift and position
+effects hit all alike. ``--profile`` adds, per arm, the
+GPU kernels that took the most time in one profiled step (torch.profiler). Also reported: the
+replay memory held per in-flight micro-batch against the budget ``local layers x local rows x K x 8``
+bytes.
 """
 from __future__ import annotations
 
@@ -35,8 +50,12 @@ def build(args):
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    te = args.spec == "te"
+    if te:
+        from r3bridge.testing.models import require_te
+        require_te()
     # megatron-core 0.16.1 without Transformer Engine: the router references te_general_gemm,
-    # a name only defined when TE imports (docs/testing-harness.md). The device image has no TE.
+    # a name only defined when TE imports (docs/testing-harness.md).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -49,13 +68,13 @@ def build(args):
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
         num_attention_heads=16, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.expert_ffn, moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, moe_grouped_gemm=te,
         moe_permute_fusion=False, moe_router_fusion=False, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         variable_seq_lengths=True)
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=te)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=32000,
                      max_sequence_length=args.seq_len, position_embedding_type="rope")
     # local-spec norms are torch LayerNorms created in fp32; Float16Module would cast them
@@ -63,17 +82,78 @@ def build(args):
     return cfg, model
 
 
+class Inputs:
+    """One token batch in the layout the spec takes: packed THD (TE) or BSHD + causal mask (local)."""
+
+    def __init__(self, args, seed: int) -> None:
+        b, s = args.seqs, args.seq_len
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens = [s] * b
+        self.te = args.spec == "te"
+        tokens = torch.randint(0, 32000, (b, s), generator=g).cuda()
+        if self.te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            self.cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+            self.tokens = tokens.reshape(1, b * s)
+            self.pos = torch.arange(s, device="cuda").repeat(b).unsqueeze(0)
+            self.mask = None
+            self.psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu,
+                                       cu_seqlens_q_padded=self.cu, cu_seqlens_kv_padded=self.cu,
+                                       max_seqlen_q=s, max_seqlen_kv=s)
+        else:
+            self.tokens = tokens
+            self.pos = torch.arange(s).expand(b, s).cuda()
+            self.mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s).cuda()
+            self.psp = None
+
+    def install(self, step, model, routes) -> None:
+        if self.te:
+            step.install(model, routes, self.seq_lens, format="thd", cu_seqlens_padded=self.cu.cpu())
+        else:
+            step.install(model, routes, self.seq_lens, format="bshd", seq_length=self.seq_lens[0])
+
+    def forward(self, model, labels: bool = True):
+        kw = {"labels": self.tokens} if labels else {}
+        return model(self.tokens, self.pos, self.mask, packed_seq_params=self.psp, **kw)
+
+
+def _gpu_total_ms(prof) -> float:
+    """The step's GPU time: every op's *self* device time (kernels counted once), in ms."""
+    total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        total += float(t or 0.0)
+    return round(total / 1000.0, 3)
+
+
+def _top_kernels(prof, n: int = 8) -> list[tuple[str, float]]:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t:
+            rows.append((e.key[:90], round(float(t) / 1000.0, 3)))     # ms
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--spec", choices=["local", "te"], default="te")
+    p.add_argument("--route-sets", type=int, default=4, help="token batches / recorded route sets cycled through")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--expert-ffn", type=int, default=1024)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--seqs", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -81,73 +161,110 @@ def main() -> None:
     from r3bridge.megatron import Replayer
 
     cfg, model = build(args)
-    b, s = args.seqs, args.seq_len
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 32000, (b, s), generator=g).cuda()
-    pos = torch.arange(s).expand(b, s).cuda()
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s).cuda()
+    b = args.seqs
     layers = list(range(args.layers))
-    # Replay the model's own routes (recorded once, last token of each sequence dropped as the
-    # engines do): the experts then see exactly the native token distribution, so the timing
-    # difference is the replay machinery alone, not a different expert load.
+    sets = [Inputs(args, seed) for seed in range(args.route_sets)]
+    routes = []
     rec_rep = Replayer([model], agreement=False)
-    with torch.no_grad(), rec_rep.step("record", forward_only=True) as rs:
-        rs.install(model, None, [s] * b, format="bshd", seq_length=s)
-        model(tokens, pos, mask)
+    for inp in sets:
+        with torch.no_grad(), rec_rep.step("record", forward_only=True) as rs:
+            inp.install(rs, model, None)
+            inp.forward(model, labels=False)
+        recorded = rs.recorded
+        routes.append(r3bridge.ReplayBatch.from_ragged([recorded.sequence(i)[0][:-1] for i in range(b)],
+                                                       num_experts=args.experts, layer_ids=layers, source="vllm"))
     rec_rep.detach()
-    recorded = rs.recorded
-    rb = r3bridge.ReplayBatch.from_ragged([recorded.sequence(i)[0][:-1] for i in range(b)],
-                                          num_experts=args.experts, layer_ids=layers, source="vllm")
 
-    def fwd_bwd():
-        out = model(tokens, pos, mask, labels=tokens)
+    def fwd_bwd(inp):
+        out = inp.forward(model)
         out.float().mean().backward()
 
-    def native():
-        fwd_bwd()
+    state = {"rep": Replayer([model], agreement=False)}
 
-    rep = Replayer([model], agreement=False)
-    rep_agree_flag = {"on": False}
+    def native(k):
+        fwd_bwd(sets[k])
 
-    def r3():
-        rep.agreement = rep_agree_flag["on"]
+    def replay(k, agreement):
+        rep = state["rep"]
+        rep.agreement = agreement
         with rep.step("replay", forward_only=False, source="rollout") as st:
-            st.install(model, rb, [s] * b, format="bshd", seq_length=s)
-            fwd_bwd()
-        return st
+            sets[k].install(st, model, routes[k])
+            fwd_bwd(sets[k])
 
-    variants = {"native": native, "r3": r3, "r3+agreement": r3}
+    variants = {
+        "native": native,
+        "r3": lambda k: replay(k, False),
+        "r3+agreement": lambda k: replay(k, True),
+        "r3_one_set": lambda k: replay(0, False),
+    }
+
+    def run(name, k):
+        if name == "native":
+            state["rep"].detach()
+        elif not any(r.router_replay is not None for r in state["rep"].chunks[0].routers.values()):
+            state["rep"] = Replayer([model], agreement=False)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        variants[name](k)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     times = {k: [] for k in variants}
+    names = list(variants)
     for it in range(args.warmup + args.iters):
-        for name, fn in variants.items():
-            rep_agree_flag["on"] = name == "r3+agreement"
-            if name == "native":
-                rep.detach()
-            elif not any(r.router_replay is not None for r in rep.chunks[0].routers.values()):
-                rep = Replayer([model], agreement=False)
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
+        # the arms' order rotates every step: no arm always runs first (after another's backward)
+        for name in names[it % len(names):] + names[:it % len(names)]:
+            dt = run(name, it % args.route_sets)
             if it >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    t = r3bridge.shard(rb, rep.layout, [s] * b, format="bshd", seq_length=s, device="cuda")
+    mins = {k: min(v) for k, v in times.items()}
+    profile, gpu_ms = {}, {}
+    if args.profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        for name in variants:
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(name, 1 % args.route_sets)
+            profile[name] = _top_kernels(prof)
+            gpu_ms[name] = _gpu_total_ms(prof)
+    seq_lens = sets[0].seq_lens
+    if args.spec == "te":
+        t = r3bridge.shard(routes[0], state["rep"].layout, seq_lens, format="thd",
+                           cu_seqlens_padded=sets[0].cu.cpu(), device="cuda")
+    else:
+        t = r3bridge.shard(routes[0], state["rep"].layout, seq_lens, format="bshd", seq_length=args.seq_len,
+                           device="cuda")
     rows = t.num_rows
     budget = len(layers) * rows * args.topk * 8
     held = sum(x.numel() * x.element_size() for x in t.indices.values())
     res = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "shape": vars(args), "median_s": med,
+        "transformer_engine": _te_version(), "shape": vars(args), "median_s": med, "min_s": mins,
         "overhead_r3": med["r3"] / med["native"] - 1, "overhead_r3_agreement": med["r3+agreement"] / med["native"] - 1,
+        "overhead_r3_min": mins["r3"] / mins["native"] - 1,
+        "one_route_set_artifact": med["r3_one_set"] / med["native"] - 1,
         "replay_bytes_per_microbatch": held, "valid_mask_bytes": t.valid.numel(), "budget_bytes": budget,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
     }
+    if profile:
+        res["top_kernels_ms"] = profile
+        res["gpu_time_ms_one_step"] = gpu_ms
     if args.json:
         print(json.dumps(res))
     else:
         for k, v in res.items():
             print(f"{k}: {v}")
+
+
+def _te_version():
+    try:
+        import transformer_engine
+    except ImportError:
+        return None
+    return str(transformer_engine.__version__)
 
 
 if __name__ == "__main__":

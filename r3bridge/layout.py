@@ -72,7 +72,9 @@ class ParallelLayout:
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: Any = None
     ep: int = 1
-    fp8: bool = False   # FP8 packing: per-sequence alignment lcm(16, align), total to align*128
+    # a framework's FP8 THD packing (verl's use_fp8_padding): per-sequence alignment lcm(16, align),
+    # total to align*128; not the model's config.fp8 (see from_megatron)
+    fp8: bool = False
     _stages: list[list[str]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -267,8 +269,17 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------------------ megatron
     @classmethod
-    def from_megatron(cls, config: Any, *, cp: int | None = None, fp8: bool | None = None) -> "ParallelLayout":
-        """Read a megatron-core ``TransformerConfig`` (duck-typed: any object with its fields)."""
+    def from_megatron(cls, config: Any, *, cp: int | None = None, fp8: bool = False) -> "ParallelLayout":
+        """Read a megatron-core ``TransformerConfig`` (duck-typed: any object with its fields).
+
+        ``fp8`` is the *framework's* FP8 packing rule (verl's ``use_fp8_padding``: sequences to
+        ``lcm(16, align)``, the micro-batch to ``align * 128``), used only where a micro-batch is
+        installed without ``cu_seqlens_padded``. It is never read from ``config.fp8``: the model
+        computes in FP8 on whatever rows the framework packs (megatron-core pads FP8 GEMM inputs
+        itself), and a framework may pack FP8 micro-batches without that padding. Guessing it from
+        the config made the plan 640 rows where the router saw 608 (TE 2.20, 1 x H100). Pass the
+        trainer's ``cu_seqlens_padded`` (every adapter does), or ``fp8=True`` for verl's rule.
+        """
         g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
         freq = g("moe_layer_freq", 1)
         if freq is None:
@@ -291,5 +302,5 @@ class ParallelLayout:
             account_for_loss_in_pipeline_split=bool(g("account_for_loss_in_pipeline_split", False)),
             pipeline_model_parallel_layout=layout,
             ep=g("expert_model_parallel_size", 1) or 1,
-            fp8=bool(g("fp8")) if fp8 is None else fp8,
+            fp8=bool(fp8),
         )

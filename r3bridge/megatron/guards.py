@@ -33,7 +33,11 @@ def check_config(config: Any) -> None:
     g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     problems = []
     if g("moe_router_fusion"):
-        problems.append("moe_router_fusion=True: the fused TE kernel returns before the replay hook is consulted")
+        # moe_utils.topk_routing_with_score_function returns TE's fused_topk_with_score_function
+        # before router_replay is looked at, in every release 0.16.1-0.19.2 (checked in the wheels)
+        problems.append("moe_router_fusion=True: the fused TE kernel (fused_topk_with_score_function in "
+                        "moe_utils.topk_routing_with_score_function) returns before the replay hook is consulted "
+                        "in megatron-core 0.16-0.19; set moe_router_fusion=False")
     lb = g("moe_router_load_balancing_type", "aux_loss")
     lbs = lb if isinstance(lb, (list, tuple)) else [lb]
     if "sinkhorn" in lbs:

@@ -2,8 +2,15 @@
 
 ``build_model_chunks(spec, ctx)`` returns one ``GPTModel`` per virtual pipeline stage of the
 calling rank, built from megatron's own per-layer block spec
-(``get_gpt_decoder_block_spec(use_transformer_engine=False)``) so that ``moe_layer_freq`` is
-honoured exactly as in production; only two things are changed in that spec:
+(``get_gpt_decoder_block_spec(use_transformer_engine=...)``) so that ``moe_layer_freq`` is
+honoured exactly as in production.
+
+``ModelSpec.layer_spec`` picks the layer spec: ``"local"`` (megatron-core's torch modules: the
+CPU harness, since Transformer Engine cannot install there) or ``"te"`` (Transformer Engine's:
+TE attention, which takes packed THD input, TEGroupedMLP experts, TE norms fused into the linear
+layers; what production jobs and mbridge / Megatron-Bridge build). ``"te"`` needs CUDA and the
+``transformer-engine`` package and builds the parameters on the GPU; :func:`require_te` names
+what is missing. With the local spec only two things are changed in megatron's spec:
 
 * every local torch norm is swapped for :class:`SequenceParallelTorchNorm` (megatron's
   ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``; TP+MoE training needs SP);
@@ -17,6 +24,7 @@ parallel layout (see :func:`deterministic_init`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -30,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.testing.dist import RankContext
 
 Recompute = Optional[Literal["full", "moe"]]
+LayerSpec = Literal["local", "te"]
 
 
 @dataclass
@@ -64,6 +73,20 @@ class ModelSpec:
     # GPTModel arguments (RoPE models such as a converted Qwen3-MoE, see testing/hf_to_mcore.py)
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     rotary_base: int = 10000
+    # "local": megatron-core's torch modules (CPU); "te": Transformer Engine's (GPU, see module doc)
+    layer_spec: LayerSpec = "local"
+
+
+def require_te() -> None:
+    """Raise ImportError naming the missing package if Transformer Engine cannot be used."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as e:  # ModuleNotFoundError, or TE's own "libtransformer_engine.so" errors
+        raise ImportError(
+            "ModelSpec(layer_spec='te') needs NVIDIA Transformer Engine: the package "
+            "'transformer-engine' (import name transformer_engine.pytorch, with a CUDA GPU) could not "
+            f"be imported ({type(e).__name__}: {e}); install transformer-engine[pytorch] or use "
+            "layer_spec='local'") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,10 +155,12 @@ def _identity_attention(layer_spec: Any) -> Any:
 
 
 def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
-    """TransformerConfig for ``spec`` under the layout of ``ctx`` (CPU, fp32, no dropout)."""
+    """TransformerConfig for ``spec`` under the layout of ``ctx`` (fp32 unless ``extra_config`` says
+    otherwise, no dropout; built on the host for the local spec, on the GPU for TE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if ctx.cp > 1 and spec.attention != "identity":
+    te = _check_layer_spec(spec)
+    if ctx.cp > 1 and spec.attention != "identity" and not te:
         # megatron's local DotProductAttention asserts "Context parallelism is only supported
         # by TEDotProductAttention!" and TE is not available on the CPU harness.
         raise ValueError("cp > 1 needs ModelSpec(attention='identity') without Transformer Engine")
@@ -155,7 +180,8 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
         moe_enable_routing_replay=False,  # r3bridge attaches its own object per router
         moe_router_fusion=False,
         moe_permute_fusion=False,
-        moe_grouped_gemm=False,
+        # TE spec: TEGroupedMLP (grouped GEMM), as production; local spec: SequentialMLP
+        moe_grouped_gemm=te,
         mtp_num_layers=spec.mtp_num_layers,
         tensor_model_parallel_size=ctx.tp,
         pipeline_model_parallel_size=ctx.pp,
@@ -168,7 +194,8 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
         num_layers_in_last_pipeline_stage=spec.num_layers_in_last_pipeline_stage,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
+        # TE modules are built on the GPU (TE needs CUDA); the local spec on the host
+        use_cpu_initialization=not te,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
@@ -200,6 +227,16 @@ def make_config(spec: ModelSpec, ctx: "RankContext") -> Any:
     return TransformerConfig(**kw)
 
 
+def _check_layer_spec(spec: ModelSpec) -> bool:
+    """True for the TE layer spec (after checking that TE imports), False for the local one."""
+    if spec.layer_spec == "te":
+        require_te()
+        return True
+    if spec.layer_spec != "local":
+        raise ValueError(f"layer_spec must be 'local' or 'te', got {spec.layer_spec!r}")
+    return False
+
+
 def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, deterministically initialised.
 
@@ -221,28 +258,33 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
     # harness model in the same process would index past it (IndexError in
     # save_to_aux_losses_tracker, moe_logging.py:125 on 0.19). One harness process builds many
     # models, so reset it (how differs per release: compat.reset_moe_metrics_tracker).
+    te = _check_layer_spec(spec)
     reset_moe_metrics_tracker()
     config = make_config(spec, ctx)
+    # the TE spec's norms are TE's (sequence-parallel aware): no swap; the local ones are swapped
+    swap = (lambda block: block) if te else _swap_norms
     chunks: list[torch.nn.Module] = []
     vp_stages: list[Optional[int]] = list(range(ctx.vpp)) if ctx.vpp else [None]
     for vp in vp_stages:
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, vp_stage=vp)
         if spec.attention == "identity":
             block = dataclasses.replace(
                 block, layer_specs=[_identity_attention(s) for s in block.layer_specs]
             )
-        block = _swap_norms(block)
+        block = swap(block)
         mtp_spec = None
         if spec.mtp_num_layers:
             # As in megatron's own GPT builders: MTP layers reuse this stage's last decoder
             # layer spec (None on stages without MTP). The enorm/hnorm/final norms come from
             # LocalSpecProvider and need the same SP-tolerant swap.
-            mtp_spec = _swap_norms(
-                get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp)
+            mtp_spec = swap(
+                get_gpt_mtp_block_spec(config, block, use_transformer_engine=te, vp_stage=vp)
             )
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        with cpu_shim.tensor_cuda_is_identity():
+        # the CPU shim's .cuda() identity only for host-built (local) models
+        shim = contextlib.nullcontext() if te else cpu_shim.tensor_cuda_is_identity()
+        with shim:
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=block,
@@ -269,6 +311,8 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+# TEGroupedMLP keeps one weight per local expert: experts.linear_fc1.weight3
+_GROUPED_EXPERT_RE = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def canonical_name(chunk: torch.nn.Module, local_name: str, ctx: "RankContext") -> str:
@@ -283,6 +327,10 @@ def canonical_name(chunk: torch.nn.Module, local_name: str, ctx: "RankContext") 
         n_local = chunk.config.num_moe_experts // ctx.ep  # type: ignore[union-attr, operator]
         gid = ctx.ep_rank * n_local + int(m.group(1))
         local_name = local_name[: m.start()] + f".experts.local_experts.{gid}." + local_name[m.end():]
+    m = _GROUPED_EXPERT_RE.search(local_name)
+    if m:
+        n_local = chunk.config.num_moe_experts // ctx.ep  # type: ignore[union-attr, operator]
+        local_name = local_name[: m.start()] + f"{m.group(1)}{ctx.ep_rank * n_local + int(m.group(2))}"
     return local_name
 
 
@@ -333,14 +381,17 @@ def _full_init_value(
     cname: str, p: torch.nn.Parameter, mod: torch.nn.Module, spec: ModelSpec, ctx: "RankContext"
 ) -> torch.Tensor:
     shape = full_shape(cname, p, ctx)
-    if isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+    # TE norms are TE modules, or fused into a linear layer (linear_qkv.layer_norm_weight)
+    is_norm = isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or (
+        spec.layer_spec == "te" and "Norm" in type(mod).__name__ and "Linear" not in type(mod).__name__)
+    if is_norm or cname.endswith(("layer_norm_weight", "layer_norm_bias")):
         return torch.ones(shape) if cname.endswith("weight") else torch.zeros(shape)
-    if cname.endswith("bias"):
+    if re.search(r"bias\d*$", cname):
         return torch.zeros(shape)
     std = spec.init_std
     if cname.endswith("router.weight"):
         std = spec.router_init_std
-    elif re.search(r"(linear_proj|linear_fc2)\.weight$", cname):
+    elif re.search(r"(linear_proj|linear_fc2)\.weight\d*$", cname):
         std = spec.init_std / (2.0 * spec.num_layers) ** 0.5  # megatron's scaled init
     # crc32 is stable across processes (python's hash() is salted per process).
     g = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:{cname}".encode()))

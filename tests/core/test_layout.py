@@ -225,6 +225,21 @@ def test_from_megatron_reads_parallel_sizes_sp_and_fp8():
     assert lay.align == 8 and lay.fp8 is False
     assert ParallelLayout.from_megatron(cfg, cp=1).align == 2
     assert ParallelLayout.from_megatron(cfg, fp8=True).align == 16
+
+
+def test_from_megatron_never_takes_the_fp8_packing_from_the_model_config():
+    """config.fp8 says the model computes in FP8, not how the framework packs: the FP8 padding
+    rule is the framework's (verl's use_fp8_padding) and is asked for explicitly."""
+    cfg = megatron_config(4, 1, tensor_model_parallel_size=2, sequence_parallel=True)
+    cfg.fp8 = "hybrid"          # as on a TE model (TransformerConfig needs TE to accept it)
+    lay = ParallelLayout.from_megatron(cfg)
+    assert lay.fp8 is False and lay.align == 2 and lay.total_align == 1
+    # 608 rows packed without FP8 padding: the plan is the 608 rows the router sees
+    from r3bridge.sharding import PackPlan
+    plan = PackPlan.build(lay, [200, 300, 108])
+    assert int(plan.padded_lens.sum()) == 608
+    fp8_plan = PackPlan.build(ParallelLayout.from_megatron(cfg, fp8=True), [200, 300, 108])
+    assert int(fp8_plan.padded_lens.sum()) == 768     # verl's rule, asked for: 16 per seq, total to 2*128
     off = ParallelLayout.from_megatron(megatron_config(4, 1, tensor_model_parallel_size=2))
     assert off.sequence_parallel is False and off.sp_split == 1
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,10 @@ class Cell:
     spec: ModelSpec = field(default_factory=ModelSpec)
     invalid_every: int = 7          # every n-th row of micro-batch 1 has no route
     memory_steps: int = 0           # extra replay steps to check that nothing accumulates
+    # "explicit": install() gets the batch's cu_seqlens_padded (what every adapter passes);
+    # "layout": it does not, and r3bridge derives the packing from the layout alone
+    packing: str = "explicit"
+    seq_lens: tuple[tuple[int, ...], ...] | None = None   # None: SEQ_LENS
 
 
 def default_cells() -> list[Cell]:
@@ -112,18 +117,24 @@ def expected_rows(batch: PackedBatch, routes: ReplayBatch, ctx: RankContext, sp:
     return out, valid
 
 
-def _install_step(step, inner, routes_by_batch, ids_by_batch):
+def _install_step(step, inner, routes_by_batch, ids_by_batch, explicit: bool = True):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         key = id(batch)
         step.install(model, routes_by_batch.get(key), batch.seq_lens,
-                     cu_seqlens_padded=batch.cu_seqlens_padded, sample_ids=ids_by_batch[key])
+                     cu_seqlens_padded=batch.cu_seqlens_padded if explicit else None, sample_ids=ids_by_batch[key])
         return inner(iter([batch]), model)
     return forward_step
 
 
-def _check_probe(probe: RoutingProbe, batches, routes, ctx, sp, recompute: bool, layers) -> list[str]:
+def _check_probe(probe: RoutingProbe, batches, routes, ctx, sp, recompute: bool, layers,
+                 counts: dict[str, int] | None = None) -> list[str]:
+    """Errors of every router call; ``counts`` gets the calls and valid rows checked."""
     errors = []
+    counts = {} if counts is None else counts
+    counts.setdefault("calls", 0)
+    counts.setdefault("rows", 0)
+    counts.setdefault("mismatching_rows", 0)
     calls = [c for c in probe.calls if not c.mtp]
     for lid in layers:
         mine = [c for c in calls if c.layer_id == lid]
@@ -140,10 +151,14 @@ def _check_probe(probe: RoutingProbe, batches, routes, ctx, sp, recompute: bool,
             for m, call in enumerate(seq):
                 want, valid = expected_rows(batches[m], routes[m], ctx, sp, lid)
                 got = call.topk().cpu()
+                counts["calls"] += 1
                 if got.shape != want.shape:
                     errors.append(f"layer {lid} mb {m} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-                elif not torch.equal(got[valid], want[valid]):
+                    continue
+                counts["rows"] += int(valid.sum())
+                if not torch.equal(got[valid], want[valid]):
                     bad = int((got[valid] != want[valid]).any(1).sum())
+                    counts["mismatching_rows"] += bad
                     errors.append(f"layer {lid} mb {m} {name}: {bad} valid rows differ from the targets")
     return errors
 
@@ -189,17 +204,30 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     if device != "cpu":
         # without megatron's Float16Module wrapper, local-spec norms (torch LayerNorm) stay fp32:
         # cast the whole chunk to the configured dtype, as the wrapper would
+        # (the TE spec too: its learned position embedding is a torch Embedding in fp32, and TE
+        # refuses an fp32 input outside autocast)
         dtype = torch.bfloat16 if spec.extra_config.get("bf16") else None
         chunks = [c.to(device=device, dtype=dtype) for c in chunks]
     layout = rep.layout
     sp = bool(layout.sequence_parallel)
-    thd = spec.attention == "identity"
+    # packed THD input: identity attention, or TE attention (local attention refuses THD)
+    thd = spec.attention == "identity" or spec.layer_spec == "te"
+    explicit = cell.packing == "explicit"
+    seq_lens = [list(x) for x in cell.seq_lens] if cell.seq_lens else SEQ_LENS
     align = align_for(ctx.tp, ctx.cp)
-    pad_to = max(sum(-(-n // align) * align for n in lens) for lens in SEQ_LENS)
+    if explicit and spec.extra_config.get("fp8"):
+        # a framework's FP8 THD packing (verl's preprocess_thd_engine with use_fp8_padding):
+        # sequences to lcm(16, align), the micro-batch to align * 128, passed as cu_seqlens_padded
+        total, align = align * 128, math.lcm(16, align)
+        pad_to = max(-(-sum(-(-n // align) * align for n in lens) // total) * total for lens in seq_lens)
+    elif explicit:
+        pad_to = max(sum(-(-n // align) * align for n in lens) for lens in seq_lens)
+    else:
+        pad_to = None   # the layout's own per-sequence alignment, nothing else
     batches = [batch_to(make_packed_batch(lens, spec.vocab_size, 100 + m, align=align, pad_to=pad_to), device)
-               for m, lens in enumerate(SEQ_LENS)]
+               for m, lens in enumerate(seq_lens)]
     routes = [make_routes(layout, lens, spec.num_moe_experts, spec.moe_router_topk, 7 + m,
-                          cell.invalid_every if m == 1 else 0) for m, lens in enumerate(SEQ_LENS)]
+                          cell.invalid_every if m == 1 else 0) for m, lens in enumerate(seq_lens)]
     ids, start = {}, 0
     for b in batches:
         ids[id(b)] = list(range(start, start + len(b.seq_lens)))
@@ -217,12 +245,19 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
 
     # 1. R3: forward-only replay (a log-prob pass), then a training step with a probe.
     inner = make_forward_step(ctx, thd=thd)
-    with rep.step("replay", forward_only=True, source="rollout") as st:
-        run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids), forward_only=True)
+    counts: dict[str, int] = {}
+    with RoutingProbe(chunks) as probe_fo:
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids, explicit), forward_only=True)
+    errors = _check_probe(probe_fo, batches, routes, ctx, sp, False, local_layers, counts)
     with RoutingProbe(chunks) as probe:
         with rep.step("replay", forward_only=False, source="rollout") as st:
-            run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids), forward_only=False)
-    out["r3_errors"] = _check_probe(probe, batches, routes, ctx, sp, spec.recompute is not None, local_layers)
+            run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids, explicit), forward_only=False)
+    out["r3_errors"] = errors + _check_probe(probe, batches, routes, ctx, sp, spec.recompute is not None,
+                                             local_layers, counts)
+    out["r3_router_calls_checked"] = counts["calls"]
+    out["r3_rows_checked"] = counts["rows"]
+    out["r3_mismatching_rows"] = counts["mismatching_rows"]
     out["r3_metrics"] = st.metrics
     out["mtp_calls"] = sum(1 for c in probe.calls if c.mtp)
     # after the steps: no step active, and every module hook a step registered is gone
@@ -234,11 +269,21 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     for c in chunks:
         c.eval()
     with rep.step("record", forward_only=True) as rec:
-        res_a = run_schedule(chunks, batches, _install_step(rec, collect, {}, ids), forward_only=True)
+        res_a = run_schedule(chunks, batches, _install_step(rec, collect, {}, ids, explicit), forward_only=True)
     recorded = rec.recorded
     rec_by_batch = {id(b): recorded.select(ids[id(b)]) for b in batches}
-    with rep.step("replay", forward_only=True, source="recorded") as st2:
-        res_b = run_schedule(chunks, batches, _install_step(st2, collect, rec_by_batch, ids), forward_only=True)
+    with RoutingProbe(chunks) as probe_r2:
+        with rep.step("replay", forward_only=True, source="recorded") as st2:
+            res_b = run_schedule(chunks, batches, _install_step(st2, collect, rec_by_batch, ids, explicit),
+                                 forward_only=True)
+    # every router call of the replay dispatched the recorded routes (layers this rank recorded)
+    r2_counts: dict[str, int] = {}
+    r2_layers = [lid for lid in local_layers if lid in recorded.layer_ids]
+    out["r2_errors"] = _check_probe(probe_r2, batches, [rec_by_batch[id(b)] for b in batches], ctx, sp,
+                                    False, r2_layers, r2_counts)
+    out["r2_router_calls_checked"] = r2_counts["calls"]
+    out["r2_rows_checked"] = r2_counts["rows"]
+    out["r2_mismatching_rows"] = r2_counts["mismatching_rows"]
     out["r2_logits_equal"] = all(torch.equal(a.logits, b.logits) for a, b in zip(res_a, res_b))
     out["r2_logits_maxdiff"] = max([float((a.logits.float() - b.logits.float()).abs().max()) for a, b in zip(res_a, res_b)] or [0.0])
     out["r2_logits_compared"] = len(res_a)

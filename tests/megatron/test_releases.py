@@ -88,6 +88,71 @@ def test_later_release_options_that_keep_replay_exact_are_accepted(overrides):
     check_config(_config(**overrides))
 
 
+def _real_config(**kw):
+    """The installed release's own TransformerConfig, __post_init__ normalisation included."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                             moe_router_topk=2, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
+                             add_bias_linear=False, gradient_accumulation_fusion=False, **kw)
+
+
+# Transformer Engine's paths that touch routing (tried on 1 x H100 with TE 2.20.2:
+# scripts/gpu/nccl_conformance.py --spec te, docs/gpu.md): TE CUDA graphs of the whole layer
+# (megatron's default scope) or of the router capture the router; the 0.16 spellings too.
+TE_GRAPHS = {
+    "te_graphs_default_scope": dict(cuda_graph_impl="transformer_engine"),
+    "te_graphs_moe_router": dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"]),
+    # scope "moe" needs drop-padding MoE (a capacity factor), refused on its own
+    "external_cuda_graph": dict(external_cuda_graph=True),      # 0.16's deprecated name for TE graphs
+    "enable_cuda_graph": dict(enable_cuda_graph=True),          # 0.16's deprecated name for local graphs
+}
+
+
+@pytest.mark.parametrize("name", sorted(TE_GRAPHS))
+def test_cuda_graphs_that_capture_the_router_are_refused(name):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # the deprecated spellings warn
+        cfg = _real_config(**TE_GRAPHS[name])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert "CUDA graphs capture the router" in str(e.value) and "'attn'" in str(e.value), str(e.value)
+
+
+def test_te_graphs_of_attention_only_are_accepted():
+    check_config(_real_config(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"]))
+
+
+def test_router_fusion_is_refused_naming_the_option_and_the_fused_path():
+    with pytest.raises(ConfigError) as e:
+        check_config(_real_config(moe_router_fusion=True))
+    for words in ("moe_router_fusion=True", "fused_topk_with_score_function", "moe_router_fusion=False"):
+        assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("fp8", ["hybrid", "e4m3"])
+def test_fp8_and_permute_fusion_keep_replay_exact(fp8):
+    """FP8 GEMMs and the fused permutation act after the router's top-k: accepted (replayed
+    exactly on 1 x H100, docs/gpu.md); the packing comes from the trainer, not from config.fp8."""
+    cfg = _config(fp8=fp8, moe_permute_fusion=True)
+    check_config(cfg)
+
+
+def test_router_fusion_is_refused_on_every_release_with_the_fused_early_return():
+    """The fused top-k returns before ``router_replay`` in the installed release's moe_utils too."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    src = inspect.getsource(moe_utils.topk_routing_with_score_function)
+    fused_at, replay_at = src.index("return fused_topk_with_score_function("), src.index("router_replay.get_replay_topk")
+    assert fused_at < replay_at
+    with pytest.raises(ConfigError, match="moe_router_fusion"):
+        check_config(_config(moe_router_fusion=True))
+
+
 def test_every_problem_is_listed_at_once():
     with pytest.raises(ConfigError) as e:
         check_config(_config(moe_router_force_biased=0.1, moe_router_load_balancing_type="quantile_balancing"))

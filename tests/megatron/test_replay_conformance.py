@@ -41,6 +41,10 @@ def test_r3_dispatches_exactly_the_targets(grid_results, cell):
     par, _ = _ranks(grid_results, cell)
     for r, o in enumerate(par):
         assert o["r3_errors"] == [], f"rank {r}: {o['r3_errors'][:5]}"
+        # forward-only and training passes, every MoE layer of the rank, every micro-batch (a
+        # dense pipeline stage has none: nothing to check there)
+        assert o["r3_router_calls_checked"] >= 2 * len(grid.SEQ_LENS) * len(o["layers"])
+        assert (o["r3_rows_checked"] > 0) == bool(o["layers"]) and o["r3_mismatching_rows"] == 0
         m = o["r3_metrics"]
         # micro-batch 1 has rows without a route and every sequence's last token has none
         assert 0.5 < m["r3bridge/coverage"] < 1.0
@@ -62,6 +66,9 @@ def test_r2_record_replay_is_bit_exact_and_matches_serial(grid_results, cell):
         if o["r2_logits_compared"]:
             assert o["r2_logits_equal"], f"rank {r}: replaying the recorded routes changed the logits"
         assert o["r2_agreement"] == 1.0
+        # the replay pass's router calls dispatched the recorded routes, row by row
+        assert o["r2_errors"] == [], f"rank {r}: {o['r2_errors'][:5]}"
+        assert (o["r2_rows_checked"] > 0) == bool(o["layers"]) and o["r2_mismatching_rows"] == 0
 
 
 @pytest.mark.parametrize("cell", [c.name for c in CELLS])
