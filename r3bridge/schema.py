@@ -173,7 +173,7 @@ class ReplayBatch:
         shapes = [(a.shape[0],) + tuple(a[:0][:, sel].shape[1:] if sel is not None else a.shape[1:]) for a in arrays]
         check_shapes([np.empty((0,) + sh[1:], dtype=np.uint8) for sh in shapes])
         total = sum(sh[0] for sh in shapes)
-        rows, layer_ids, topk, num_experts, starts, policy_versions = _checked_meta(
+        rows, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
             (total,) + shapes[0][1:], [sh[0] for sh in shapes], num_experts, layer_ids, start_rows, policy_versions)
         out = allocate((total, len(layer_ids), topk), route_dtype(num_experts), what=f"{source} ingest")
         vnp = None if valid is None else [v.numpy() for v in valid]
@@ -200,7 +200,7 @@ class ReplayBatch:
         routes = as_int_tensor(routes, what="routes")
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
-        rows_per_seq, layer_ids, topk, num_experts, starts, policy_versions = _checked_meta(
+        rows_per_seq, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
             tuple(routes.shape), rows_per_seq, num_experts, layer_ids, start_rows, policy_versions)
         n = len(rows_per_seq)
         if valid is None:
@@ -326,19 +326,7 @@ class ReplayBatch:
         """Raise unless every sequence's rows cover ``[start, start + rows)`` with
         ``start + rows`` equal to ``seq_len`` or ``seq_len - 1`` (the last sampled token is never
         fed forward, so it has no route)."""
-        if len(seq_lens) != self.num_seqs:
-            raise CoverageError(f"batch has {self.num_seqs} sequences but {len(seq_lens)} seq_lens were given")
-        if not self.num_seqs:
-            return
-        lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
-        end = torch.tensor(self.start_rows, dtype=torch.int64) + torch.tensor(self.rows_per_seq, dtype=torch.int64)
-        bad = ((end != lens) & (end != lens - 1)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise CoverageError(
-                f"sequence {i}: start row {self.start_rows[i]} + {self.rows_per_seq[i]} rows ends at "
-                f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
-                f"{int(lens[i]) - 1} or {int(lens[i])})")
+        check_coverage(self.start_rows, self.rows_per_seq, seq_lens)
 
     # ----------------------------------------------------------------------------- micro-batching
     def select(self, indices: Sequence[int]) -> "ReplayBatch":
@@ -454,6 +442,24 @@ def _sglang_numbers(mi, i: int):
     return out
 
 
+def check_coverage(start_rows: Sequence[int], rows_per_seq: Sequence[int], seq_lens: Sequence[int]) -> None:
+    """:meth:`ReplayBatch.check_seq_lens` on the metadata alone (the rank-direct ingest has no batch)."""
+    n = len(rows_per_seq)
+    if len(seq_lens) != n:
+        raise CoverageError(f"batch has {n} sequences but {len(seq_lens)} seq_lens were given")
+    if not n:
+        return
+    lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
+    end = torch.tensor(start_rows, dtype=torch.int64) + torch.tensor(rows_per_seq, dtype=torch.int64)
+    bad = ((end != lens) & (end != lens - 1)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise CoverageError(
+            f"sequence {i}: start row {start_rows[i]} + {rows_per_seq[i]} rows ends at "
+            f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
+            f"{int(lens[i]) - 1} or {int(lens[i])})")
+
+
 def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:
     """numpy views of per-sequence ``[rows, L, K]`` integer host arrays / CPU tensors, or None
     when any is something else (nested lists, a device tensor, a float or 2-D array: the general
@@ -469,7 +475,7 @@ def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:
     return out
 
 
-def _checked_meta(shape: tuple[int, ...], rows_per_seq, num_experts, layer_ids, start_rows, policy_versions):
+def checked_meta(shape: tuple[int, ...], rows_per_seq, num_experts, layer_ids, start_rows, policy_versions):
     """The metadata checks of ``from_packed`` for routes of ``shape`` ``[rows, L, K]`` (before any
     value is read): (rows_per_seq, layer_ids, topk, num_experts, start_rows, policy_versions)."""
     rows_per_seq = as_index_list(rows_per_seq, what="rows_per_seq", error=CoverageError)
