@@ -349,6 +349,19 @@ class ReplayBatch:
             new_rows, [self.start_rows[i] for i in idx.tolist()], self.layer_ids,
             self.num_experts, self.topk, self.source, pv, offsets)
 
+    def select_range(self, start: int, stop: int) -> "ReplayBatch":
+        """Sequences ``start .. stop - 1`` as views of this batch's buffers (no copy): the
+        consecutive micro-batches of a step cost nothing to cut."""
+        start = as_index(start, what="select_range start", error=CoverageError)
+        stop = as_index(stop, what="select_range stop", error=CoverageError)
+        if not 0 <= start <= stop <= self.num_seqs:
+            raise CoverageError(f"select_range({start}, {stop}) out of range for {self.num_seqs} sequences")
+        a, b = int(self._offsets[start]), int(self._offsets[stop])
+        pv = None if self.policy_versions is None else self.policy_versions[start:stop]
+        return ReplayBatch(self.routes[a:b], self.valid[a:b], self.rows_per_seq[start:stop],
+                           self.start_rows[start:stop], self.layer_ids, self.num_experts, self.topk,
+                           self.source, pv, self._offsets[start:stop + 1] - a)
+
     @staticmethod
     def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
         """Sequences of all ``batches``, in order. Schemas must agree."""

@@ -164,3 +164,15 @@ def test_a_batch_too_large_for_the_host_is_a_replay_error_naming_its_size():
     with pytest.raises(ReplayMemoryError, match=r"\[1099511627776, 40, 22\] uint8 needs 901120\.0 GiB") as e:
         allocate((1 << 40, 40, 22), torch.uint8, what="vLLM ingest")
     assert isinstance(e.value, ReplayError) and isinstance(e.value, MemoryError)
+
+
+def test_select_range_is_select_of_consecutive_sequences_without_a_copy():
+    rng = np.random.default_rng(5)
+    items = _engine_routes(rng, [5, 9, 1, 7], 2, set(), 2, 8, np.uint8)
+    rb = ReplayBatch.from_vllm(items, num_experts=8)
+    for a, b in ((0, 4), (1, 3), (2, 2), (3, 4)):
+        part = rb.select_range(a, b)
+        assert part.equals(rb.select(list(range(a, b))))
+        assert part.routes.numel() == 0 or part.routes.data_ptr() == rb.routes[int(rb.offsets[a])].data_ptr()
+    with pytest.raises(CoverageError, match="out of range"):
+        rb.select_range(2, 5)
