@@ -312,10 +312,25 @@ def main(argv=None):
     ap.add_argument("--skyrl04", default=os.environ.get("R3BRIDGE_SKYRL04", str(HERE.parent / "build" / "skyrl04")))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", default=None, help="PNG path for the log-log plot (matplotlib)")
+    ap.add_argument("--from-json", nargs="+", default=None,
+                    help="print (and --plot) the results of earlier --json runs instead of running")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return None
+    if args.from_json:
+        reports = [json.loads(Path(p).read_text()) for p in args.from_json]
+        rows = [r for rep in reports for r in rep["results"]]
+        for rep in reports:
+            m = rep["machine"]
+            print(f"# {m.get('cpu_model', m['processor'])}, {m['cpu_count']} cpus, host {rep['host_GiB']:.0f} GiB, "
+                  f"copy bandwidth {rep['copy_bandwidth_GBps']:.1f} GB/s (read + write), torch {m['torch']}")
+        print(markdown(rows))
+        for key, r in ratios(rows).items():
+            print(key, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+        if args.plot:
+            plot(rows, args.plot)
         return None
     sys.path.insert(0, str(HERE))
     from _common import machine_info
@@ -364,6 +379,23 @@ def _line(r: dict) -> str:
     extra = "".join(f"  {k}={r[k]:.2f}s" for k in ("batch_s", "rank_s") if k in r)
     return (f"{head}{r['wall_s']:>9.2f} s  added RSS {r['added_rss'] / 2**30:7.2f} GiB  "
             f"floor {r['floor_s']:.2f} s ({r['wall_s'] / r['floor_s']:.1f}x){extra}")
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results as a markdown table (docs/benchmarks.md)."""
+    out = ["| trajectories x max tokens | dist | tokens | arm | wall s | peak RSS added GiB | floor s | "
+           "wall / floor | notes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['trajectories']} x {r['max_len']} | {r['dist']} | {r['tokens'] / 1e6:.2f} M | {r['arm']} |"
+        if "error" in r:
+            out.append(f"{head} - | - | {r['floor_s']:.2f} | - | {r['error']} |")
+            continue
+        notes = ", ".join(f"{k[:-2]} {r[k]:.2f} s" for k in ("batch_s", "rank_s") if k in r)
+        if "rank_part" in r:
+            notes += f"; rank part {r['rank_part']}"
+        out.append(f"{head} {r['wall_s']:.2f} | {r['added_rss'] / 2**30:.2f} | {r['floor_s']:.2f} | "
+                   f"{r['wall_s'] / r['floor_s']:.1f} | {notes} |")
+    return "\n".join(out)
 
 
 def ratios(rows: list[dict]) -> dict:

@@ -85,11 +85,12 @@ def test_rank_targets_partial_coverage_start_rows_and_bshd():
                 _same(got, want)
 
 
-def test_rank_targets_names_bad_ids_it_reads_and_ignores_rows_it_does_not():
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])     # copied then checked / checked then narrowed
+def test_rank_targets_names_bad_ids_it_reads_and_ignores_rows_it_does_not(dtype):
     rng = np.random.default_rng(1)
     lay = ParallelLayout(4, 1, tp=1, cp=2, pp=2)
     lens = [16, 16]
-    items = [a.copy() for a in _engine_routes(rng, lens, 4, set(), 3, 8, np.int16)]
+    items = [a.copy() for a in _engine_routes(rng, lens, 4, set(), 3, 8, dtype)]
     items[1][2, 3] = [5, 5, 1]                  # sequence 1, row 2, layer 3: duplicate
     # layer 3 is on pp rank 1; token 2 of a 16-token sequence is in CP rank 0's first chunk
     with pytest.raises(RouteValueError, match=r"sequence 1, row 2 \(token 2\), layer 3: duplicate expert ids \[5, 5, 1\]"):
@@ -98,10 +99,12 @@ def test_rank_targets_names_bad_ids_it_reads_and_ignores_rows_it_does_not():
         ReplayBatch.from_vllm(items, num_experts=8)
     rank_targets(items, lay, lens, num_experts=8, pp_rank=0, cp_rank=0)     # layers 0-1: not read here
     rank_targets(items, lay, lens, num_experts=8, pp_rank=1, cp_rank=1)     # tokens 4-11 only
-    items[0][9, 1] = [1, 300, 2]                # int16 300: would wrap to 44 in uint8
-    with pytest.raises(RouteValueError, match=r"sequence 0, row 9 \(token 9\), layer 1: expert ids \[1, 300, 2\] out of range"):
+    big = 300 if dtype == np.int16 else 200     # int16 300 would wrap to 44 in uint8
+    items[0][9, 1] = [1, big, 2]
+    msg = rf"sequence 0, row 9 \(token 9\), layer 1: expert ids \[1, {big}, 2\] out of range"
+    with pytest.raises(RouteValueError, match=msg):
         rank_targets(items, lay, lens, num_experts=8, pp_rank=0, cp_rank=1)
-    with pytest.raises(RouteValueError, match=r"sequence 0, row 9 \(token 9\), layer 1: expert ids \[1, 300, 2\] out of range"):
+    with pytest.raises(RouteValueError, match=msg):
         ReplayBatch.from_vllm(items, num_experts=8)
 
 
