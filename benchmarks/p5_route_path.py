@@ -321,12 +321,13 @@ def main(argv=None):
         return None
     if args.from_json:
         reports = [json.loads(Path(p).read_text()) for p in args.from_json]
-        rows = [r for rep in reports for r in rep["results"]]
+        keep = set(args.dists.split(","))
+        rows = [r for rep in reports for r in rep["results"] if r["dist"] in keep]
         for rep in reports:
             m = rep["machine"]
             print(f"# {m.get('cpu_model', m['processor'])}, {m['cpu_count']} cpus, host {rep['host_GiB']:.0f} GiB, "
                   f"copy bandwidth {rep['copy_bandwidth_GBps']:.1f} GB/s (read + write), torch {m['torch']}")
-        print(markdown(rows))
+        print(markdown(rows), flush=True)
         for key, r in ratios(rows).items():
             print(key, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
         if args.plot:
