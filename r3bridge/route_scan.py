@@ -4,7 +4,7 @@ of each (row, layer) distinct, fused with the copy that narrows them to the sche
 Why not ``routes.sort(dim=-1)``: on a production batch (18 M rows x 40 layers x top-22) the sort
 of the whole packed tensor allocated its values and int64 indices (~6x the input) and took ~20x the
 copy time (field notes, 13). Here the work is cut into blocks of rows, each scanned while it is in
-cache, on a thread pool (numpy releases the GIL in these loops):
+cache, with no allocation that grows with the batch:
 
 * a sorting network over the K columns of a transposed chunk (:func:`row_faults`): adjacent
   sorted columns equal = a repeated id; first / last column = each row's min / max, so the range
@@ -14,6 +14,12 @@ cache, on a thread pool (numpy releases the GIL in these loops):
 A block never raises from a worker: it reports counts and its first bad (row, layer); the caller
 raises the first one in row order with the batch's total, so the error does not depend on thread
 timing and nothing is half-applied.
+
+Cost (P5 in docs/benchmarks.md, 16-core H100 host): about 50 ns per (row, layer) of top-22 on
+one core. The blocks run on a thread pool of torch's thread count, but numpy holds the GIL
+between its short calls, so 16 threads measured no faster than one (5.7 s vs 4.7 s for the same
+2.3 M tokens x 40 layers): this scan is what keeps the whole-batch ingest slower than a bare copy.
+A compiled kernel (or the check on the GPU) is what would close that gap.
 """
 from __future__ import annotations
 
@@ -73,9 +79,9 @@ def row_faults(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarra
     gathering copy from whatever layout ``ids`` has; each compare-exchange is then one
     ``minimum`` and one ``maximum`` over a contiguous vector of the ids' own dtype: SIMD, in
     cache); adjacent sorted columns are compared, and the first and last columns are each row's
-    minimum and maximum, so the range check costs no pass of its own. About 7x faster than a row
-    sort and 2x faster than 64-bit bitmasks per row for top-22 uint8, and exact for any dtype and
-    expert count."""
+    minimum and maximum, so the range check costs no pass of its own. On the 2-core CPU box it
+    was ~7x faster than a numpy row sort and ~2x faster than 64-bit bitmasks per row for top-22
+    uint8; exact for any dtype and expert count."""
     lead, k = ids.shape[:-1], ids.shape[-1]
     rows3 = ids[:, None, :] if ids.ndim == 2 else ids          # [rows, L, K]
     n, inner = rows3.shape[0], rows3.shape[1]
