@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from r3bridge._validate import as_index, as_index_list, raise_findings
+from r3bridge.batch_meta import check_coverage, checked_meta
 from r3bridge.decoders import decode_vllm_routes, select_layers
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError
 from r3bridge.layout import ParallelLayout
 from r3bridge.route_scan import block_rows, run_blocks, scan_block
-from r3bridge.schema import check_coverage, checked_meta, route_dtype
+from r3bridge.schema import route_dtype
 from r3bridge.sharding import PackPlan, ShardedTargets, rank_positions
 
 __all__ = ["rank_targets"]

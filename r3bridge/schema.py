@@ -21,6 +21,7 @@ import torch
 
 from r3bridge import wire
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
+from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
 from r3bridge.decoders import decode_sglang_routes, decode_vllm_routes, padded_rows, select_layers, sglang_rows
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
@@ -286,7 +287,7 @@ class ReplayBatch:
         per-row duplicate scan is not repeated."""
         if routes.dtype != route_dtype(num_experts) or routes.dim() != 3 or routes.shape[0] != sum(rows_per_seq):
             raise RouteShapeError(f"internal: routes {tuple(routes.shape)} {routes.dtype} do not fit the schema")
-        _check_layer_ids(layer_ids, routes.shape[1])
+        check_layer_ids(layer_ids, routes.shape[1])
         out = routes
         if not bool(valid.all()):
             out = out.clone()
@@ -387,7 +388,7 @@ class ReplayBatch:
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
         want = as_index_list(layer_ids, what="with_layers", error=LayerMappingError)
-        _check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
+        check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
         pos = {lid: j for j, lid in enumerate(self.layer_ids)}
         missing = [x for x in want if x not in pos]
         if missing:
@@ -455,24 +456,6 @@ def _sglang_numbers(mi, i: int):
     return out
 
 
-def check_coverage(start_rows: Sequence[int], rows_per_seq: Sequence[int], seq_lens: Sequence[int]) -> None:
-    """:meth:`ReplayBatch.check_seq_lens` on the metadata alone (the rank-direct ingest has no batch)."""
-    n = len(rows_per_seq)
-    if len(seq_lens) != n:
-        raise CoverageError(f"batch has {n} sequences but {len(seq_lens)} seq_lens were given")
-    if not n:
-        return
-    lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
-    end = torch.tensor(start_rows, dtype=torch.int64) + torch.tensor(rows_per_seq, dtype=torch.int64)
-    bad = ((end != lens) & (end != lens - 1)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise CoverageError(
-            f"sequence {i}: start row {start_rows[i]} + {rows_per_seq[i]} rows ends at "
-            f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
-            f"{int(lens[i]) - 1} or {int(lens[i])})")
-
-
 def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:
     """numpy views of per-sequence ``[rows, L, K]`` integer host arrays / CPU tensors, or None
     when any is something else (nested lists, a device tensor, a float or 2-D array: the general
@@ -486,47 +469,6 @@ def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:
             return None
         out.append(a)
     return out
-
-
-def checked_meta(shape: tuple[int, ...], rows_per_seq, num_experts, layer_ids, start_rows, policy_versions):
-    """The metadata checks of ``from_packed`` for routes of ``shape`` ``[rows, L, K]`` (before any
-    value is read): (rows_per_seq, layer_ids, topk, num_experts, start_rows, policy_versions)."""
-    rows_per_seq = as_index_list(rows_per_seq, what="rows_per_seq", error=CoverageError)
-    n = len(rows_per_seq)
-    if sum(rows_per_seq) != shape[0]:
-        raise CoverageError(f"rows_per_seq sums to {sum(rows_per_seq)} but routes have {shape[0]} rows")
-    if any(r < 0 for r in rows_per_seq):
-        raise CoverageError(f"negative row count in rows_per_seq {rows_per_seq}")
-    layer_ids = tuple(as_index_list(layer_ids, what="layer_ids", error=LayerMappingError))
-    _check_layer_ids(layer_ids, shape[1])
-    topk = int(shape[2])
-    num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
-    if num_experts <= 0:
-        raise RouteShapeError(f"num_experts must be positive, got {num_experts}")
-    if topk < 1 or topk > num_experts:
-        raise RouteShapeError(f"topk {topk} must be in [1, num_experts={num_experts}]")
-    starts = [0] * n if start_rows is None else as_index_list(start_rows, what="start_rows", error=CoverageError)
-    if len(starts) != n:
-        raise CoverageError(f"start_rows has {len(starts)} entries for {n} sequences")
-    if any(s < 0 for s in starts):
-        bad = next(i for i, s in enumerate(starts) if s < 0)
-        raise CoverageError(f"sequence {bad}: negative start row {starts[bad]}")
-    if policy_versions is not None:
-        policy_versions = as_index_list(policy_versions, what="policy_versions", error=CoverageError)
-        if len(policy_versions) != n:
-            raise CoverageError(f"policy_versions has {len(policy_versions)} entries for {n} sequences")
-    return rows_per_seq, layer_ids, topk, num_experts, starts, policy_versions
-
-
-def _check_layer_ids(layer_ids: tuple[int, ...], num_layer_axis: int) -> None:
-    if len(layer_ids) != num_layer_axis:
-        raise LayerMappingError(
-            f"layer_ids has {len(layer_ids)} entries but routes have {num_layer_axis} layers")
-    if any(x < 0 for x in layer_ids):
-        raise LayerMappingError(f"negative layer id in {list(layer_ids)}")
-    if len(set(layer_ids)) != len(layer_ids):
-        dup = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
-        raise LayerMappingError(f"duplicate layer ids {dup} in {list(layer_ids)}")
 
 
 def _canonical(routes: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
