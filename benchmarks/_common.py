@@ -126,3 +126,62 @@ def load_verl_router_replay_utils():
         m.__path__ = [str(path)]
         sys.modules[name] = m
     return importlib.import_module("verl.utils.megatron.router_replay_utils")
+
+
+def _load_file(name: str, path: Path):
+    s = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(s)
+    sys.modules[name] = mod
+    s.loader.exec_module(mod)
+    return mod
+
+
+def _stub_packages(pkgs: dict[str, Path]) -> None:
+    for name, path in pkgs.items():
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = [str(path)]
+            sys.modules[name] = m
+
+
+def load_skyrl04_preprocess(root: str | os.PathLike):
+    """``skyrl/train/dataset/preprocess.py`` of the SkyRL 0.4.0 wheel unpacked at ``root`` (the
+    folder holding ``skyrl/``: ``make install`` puts it in ``build/skyrl04``), without any package
+    ``__init__`` (they import datasets, transformers and ray). Stubbed: the *package* modules
+    only; ``packed_tensor``, ``packing_utils``, ``token_metadata``, ``routed_experts``,
+    ``replay_utils``, ``sample_support`` and ``preprocess`` are the wheel's files (they need
+    jaxtyping)."""
+    sk = Path(root) / "skyrl"
+    tr = sk / "backends" / "skyrl_train"
+    _stub_packages({"skyrl": sk, "skyrl.backends": sk / "backends", "skyrl.backends.skyrl_train": tr,
+                    "skyrl.backends.skyrl_train.utils": tr / "utils",
+                    "skyrl.backends.skyrl_train.distributed": tr / "distributed",
+                    "skyrl.backends.skyrl_train.distributed.megatron": tr / "distributed" / "megatron",
+                    "skyrl.train": sk / "train", "skyrl.train.dataset": sk / "train" / "dataset"})
+    for name, path in (("skyrl.backends.skyrl_train.utils.packed_tensor", tr / "utils" / "packed_tensor.py"),
+                       ("skyrl.backends.skyrl_train.distributed.megatron.packing_utils",
+                        tr / "distributed" / "megatron" / "packing_utils.py"),
+                       ("skyrl.backends.skyrl_train.distributed.megatron.token_metadata",
+                        tr / "distributed" / "megatron" / "token_metadata.py"),
+                       ("skyrl.backends.skyrl_train.utils.routed_experts", tr / "utils" / "routed_experts.py"),
+                       ("skyrl.backends.skyrl_train.utils.replay_utils", tr / "utils" / "replay_utils.py"),
+                       ("skyrl.backends.skyrl_train.utils.sample_support", tr / "utils" / "sample_support.py")):
+        if name not in sys.modules or not hasattr(sys.modules[name], "__file__"):
+            _load_file(name, path)
+    return _load_file("skyrl.train.dataset.preprocess", sk / "train" / "dataset" / "preprocess.py")
+
+
+def load_verl_attention_utils():
+    """``verl/utils/attention_utils.py`` (``unpad_input`` / ``index_first_axis``, what verl's
+    ``left_right_2_no_padding`` calls on ``routed_experts``) by file, without ``verl/__init__``
+    (ray) and without ``verl/utils/__init__`` (tokenizers, omegaconf). ``R3BRIDGE_VERL_ROOT``: a
+    folder holding ``verl/utils/attention_utils.py`` where verl is not installed (the GPU image)."""
+    root = os.environ.get("R3BRIDGE_VERL_ROOT")
+    if root:
+        path = Path(root) / "verl" / "utils" / "attention_utils.py"
+    else:
+        spec = importlib.util.find_spec("verl")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("verl is not installed (set R3BRIDGE_VERL_ROOT)")
+        path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "attention_utils.py"
+    return _load_file("verl_attention_utils_by_file", path)

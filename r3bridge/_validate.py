@@ -18,36 +18,80 @@ def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple
     return seq, row, starts[seq] + row
 
 
+def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, values: list,
+                      num_experts: int, total: int) -> RouteValueError:
+    """The one message for a bad (row, layer): ``kind`` is "range" or "duplicate"."""
+    where = f"sequence {seq}, row {row} (token {tok}), layer {layer}: "
+    if kind == "range":
+        return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
+                               f"({total} bad (row, layer) pairs in total)")
+    return RouteValueError(f"{where}duplicate expert ids {values} (a zero/padding row? mark rows without a route "
+                           f"invalid instead; {total} bad (row, layer) pairs in total)")
+
+
+def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],
+                   where) -> None:
+    """Raise the first finding of the blocks (range errors first, then duplicates), in row order,
+    with the batch's total. ``block_row0[b]``: first packed row of block ``b``; ``values(row,
+    col)`` the ids of a (row, layer); ``where(row)`` -> (sequence, row in sequence, token)."""
+    for kind in ("range", "dup"):
+        total = sum(getattr(f, f"{kind}_bad") for f in findings)
+        if not total:
+            continue
+        b, f = next((b, f) for b, f in enumerate(findings) if getattr(f, f"{kind}_bad"))
+        r, col = getattr(f, f"{kind}_first")
+        row = block_row0[b] + r
+        seq, srow, tok = where(row)
+        raise route_value_error("range" if kind == "range" else "duplicate", seq=seq, row=srow, tok=tok,
+                                layer=layer_ids[col], values=values(row, col), num_experts=num_experts,
+                                total=total)
+
+
 def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
                  layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
     """Ids in ``[0, num_experts)`` and distinct within each row, on valid rows only.
 
     Invalid rows may hold anything (engines send zero rows); they are overwritten with fillers.
+    On the host: block by block, no sort and no copy of the batch (:mod:`r3bridge.route_scan`).
     """
     if routes.numel() == 0:
         return
+    if routes.device.type != "cpu" or routes.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return _check_routes_torch(routes, valid, num_experts, layer_ids, offsets, starts)
+    from r3bridge.route_scan import block_rows, run_blocks, scan_block
+
+    arr = routes.numpy() if routes.is_contiguous() else routes.contiguous().numpy()
+    v = valid.cpu().numpy()
+    all_valid = bool(v.all())
+    step = block_rows(arr.shape[1] * arr.shape[2])
+    row0 = list(range(0, arr.shape[0], step))
+    tasks = [(lambda a=a: scan_block(arr[a:a + step], num_experts, valid=None if all_valid else v[a:a + step]))
+             for a in row0]
+    raise_findings(run_blocks(tasks), row0, lambda r, c: arr[r, c].tolist(), num_experts, layer_ids,
+                   lambda r: locate(offsets, starts, r))
+
+
+def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
+                        layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
+    """Device tensors: the same checks in torch (a sort of the rows on the device)."""
     lo, hi = int(routes.min()), int(routes.max())
     if lo < 0 or hi >= num_experts:
-        bad = ((routes < 0) | (routes >= num_experts)).any(-1) & valid[:, None]
+        bad = ((routes < 0) | (routes >= num_experts)).any(-1) & valid[:, None].to(routes.device)
         hits = bad.nonzero()
         if hits.numel():
             r, l = int(hits[0, 0]), int(hits[0, 1])
             seq, row, tok = locate(offsets, starts, r)
-            raise RouteValueError(
-                f"sequence {seq}, row {row} (token {tok}), layer {layer_ids[l]}: expert ids "
-                f"{routes[r, l].tolist()} out of range [0, {num_experts}) "
-                f"({int(bad.sum())} bad (row, layer) pairs in total)")
+            raise route_value_error("range", seq=seq, row=row, tok=tok, layer=layer_ids[l],
+                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(bad.sum()))
     if routes.shape[2] > 1:
         s = routes.sort(dim=-1).values
-        dup = (s[..., 1:] == s[..., :-1]).any(-1) & valid[:, None]
+        dup = (s[..., 1:] == s[..., :-1]).any(-1) & valid[:, None].to(routes.device)
         hits = dup.nonzero()
         if hits.numel():
             r, l = int(hits[0, 0]), int(hits[0, 1])
             seq, row, tok = locate(offsets, starts, r)
-            raise RouteValueError(
-                f"sequence {seq}, row {row} (token {tok}), layer {layer_ids[l]}: duplicate expert ids "
-                f"{routes[r, l].tolist()} (a zero/padding row? mark rows without a route invalid "
-                f"instead; {int(dup.sum())} bad (row, layer) pairs in total)")
+            raise route_value_error("duplicate", seq=seq, row=row, tok=tok, layer=layer_ids[l],
+                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(dup.sum()))
 
 
 # ------------------------------------------------------------------ numbers, byte order, devices

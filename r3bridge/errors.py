@@ -44,3 +44,9 @@ class ConfigError(ReplayError):
 
 class ReplayStateError(ReplayError):
     """Replay state was used out of order: missing target, consumed twice, leaked across steps."""
+
+
+class ReplayMemoryError(ReplayError, MemoryError):
+    """A batch does not fit in this host's memory; the message names the sizes (rows, layers,
+    top-k, bytes) and the way around it (build only one rank's targets:
+    :func:`r3bridge.rank_ingest.rank_targets`)."""

@@ -13,16 +13,17 @@ Principles (docs/architecture.md):
 """
 from __future__ import annotations
 
-import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from r3bridge import wire
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
+from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
 from r3bridge.decoders import decode_sglang_routes, decode_vllm_routes, padded_rows, select_layers, sglang_rows
+from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
@@ -111,6 +112,19 @@ class ReplayBatch:
         policy_versions: Sequence[int] | None = None,
     ) -> "ReplayBatch":
         """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence."""
+        host = _host_arrays(routes)
+        if host is not None:
+            masks = None
+            if valid is not None:
+                if len(valid) != len(host):
+                    raise CoverageError(f"valid has {len(valid)} entries for {len(host)} sequences")
+                masks = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
+                for i, x in enumerate(masks):
+                    if x.shape != (host[i].shape[0],):
+                        raise CoverageError(
+                            f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {host[i].shape[0]} rows")
+            return cls._from_host(host, None, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
+                                  valid=masks, source=source, policy_versions=policy_versions)
         tensors = [as_int_tensor(r, what=f"sequence {i}") for i, r in enumerate(routes)]
         for i, t in enumerate(tensors):
             if t.dim() != 3:
@@ -149,6 +163,28 @@ class ReplayBatch:
                                policy_versions=policy_versions)
 
     @classmethod
+    def _from_host(cls, arrays: list[np.ndarray], cols: Sequence[int] | None, *, num_experts: int,
+                   layer_ids: Sequence[int], start_rows: Sequence[int] | None, source: str,
+                   valid: list[torch.Tensor] | None = None,
+                   policy_versions: Sequence[int] | None = None) -> "ReplayBatch":
+        """Host arrays (one per sequence, all layers or ``cols`` of them) -> a batch, in one pass:
+        :func:`r3bridge.engine_pack.pack_sequences` selects, narrows and checks every block of rows
+        straight into the one buffer the batch keeps."""
+        sel = layer_columns(cols)
+        shapes = [(a.shape[0],) + tuple(a[:0][:, sel].shape[1:] if sel is not None else a.shape[1:]) for a in arrays]
+        check_shapes([np.empty((0,) + sh[1:], dtype=np.uint8) for sh in shapes])
+        total = sum(sh[0] for sh in shapes)
+        rows, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
+            (total,) + shapes[0][1:], [sh[0] for sh in shapes], num_experts, layer_ids, start_rows, policy_versions)
+        out = allocate((total, len(layer_ids), topk), route_dtype(num_experts), what=f"{source} ingest")
+        vnp = None if valid is None else [v.numpy() for v in valid]
+        pack_sequences(arrays, sel, out.numpy(), num_experts, layer_ids=layer_ids, starts=starts, valid=vnp)
+        v = torch.cat(valid) if valid else torch.ones(total, dtype=torch.bool)
+        if valid is not None and not bool(v.all()):
+            out[~v] = torch.arange(topk, dtype=out.dtype)
+        return cls(out, v, rows, starts, layer_ids, num_experts, topk, source, policy_versions)
+
+    @classmethod
     def from_packed(
         cls,
         routes: torch.Tensor,
@@ -163,33 +199,11 @@ class ReplayBatch:
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq``. Validates."""
         routes = as_int_tensor(routes, what="routes")
-        rows_per_seq = as_index_list(rows_per_seq, what="rows_per_seq", error=CoverageError)
-        n = len(rows_per_seq)
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
-        if sum(rows_per_seq) != routes.shape[0]:
-            raise CoverageError(
-                f"rows_per_seq sums to {sum(rows_per_seq)} but routes have {routes.shape[0]} rows")
-        if any(r < 0 for r in rows_per_seq):
-            raise CoverageError(f"negative row count in rows_per_seq {rows_per_seq}")
-        layer_ids = tuple(as_index_list(layer_ids, what="layer_ids", error=LayerMappingError))
-        _check_layer_ids(layer_ids, routes.shape[1])
-        topk = int(routes.shape[2])
-        num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
-        if num_experts <= 0:
-            raise RouteShapeError(f"num_experts must be positive, got {num_experts}")
-        if topk < 1 or topk > num_experts:
-            raise RouteShapeError(f"topk {topk} must be in [1, num_experts={num_experts}]")
-        starts = [0] * n if start_rows is None else as_index_list(start_rows, what="start_rows", error=CoverageError)
-        if len(starts) != n:
-            raise CoverageError(f"start_rows has {len(starts)} entries for {n} sequences")
-        if any(s < 0 for s in starts):
-            bad = next(i for i, s in enumerate(starts) if s < 0)
-            raise CoverageError(f"sequence {bad}: negative start row {starts[bad]}")
-        if policy_versions is not None:
-            policy_versions = as_index_list(policy_versions, what="policy_versions", error=CoverageError)
-            if len(policy_versions) != n:
-                raise CoverageError(f"policy_versions has {len(policy_versions)} entries for {n} sequences")
+        rows_per_seq, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
+            tuple(routes.shape), rows_per_seq, num_experts, layer_ids, start_rows, policy_versions)
+        n = len(rows_per_seq)
         if valid is None:
             valid = torch.ones(routes.shape[0], dtype=torch.bool, device=routes.device)
         else:
@@ -225,7 +239,15 @@ class ReplayBatch:
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         moe_layer_ids = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         start_rows = _opt_ids(start_rows, "start_rows", CoverageError)
-        arrays = [select_layers(decode_vllm_routes(it, seq=i), moe_layer_ids, i, "vLLM") for i, it in enumerate(items)]
+        decoded = [decode_vllm_routes(it, seq=i) for i, it in enumerate(items)]
+        host = _host_arrays(decoded)
+        if host is not None:
+            for i, a in enumerate(host):     # shape and layer-range checks on an empty view: nothing copied
+                select_layers(a[:0], moe_layer_ids, i, "vLLM")
+            layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(host[0].shape[1]))
+            return cls._from_host(host, moe_layer_ids, num_experts=num_experts, layer_ids=layer_ids,
+                                  start_rows=start_rows, source="vllm")
+        arrays = [select_layers(a, moe_layer_ids, i, "vLLM") for i, a in enumerate(decoded)]
         num_layers = arrays[0].shape[1] if arrays else 0
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
@@ -265,7 +287,7 @@ class ReplayBatch:
         per-row duplicate scan is not repeated."""
         if routes.dtype != route_dtype(num_experts) or routes.dim() != 3 or routes.shape[0] != sum(rows_per_seq):
             raise RouteShapeError(f"internal: routes {tuple(routes.shape)} {routes.dtype} do not fit the schema")
-        _check_layer_ids(layer_ids, routes.shape[1])
+        check_layer_ids(layer_ids, routes.shape[1])
         out = routes
         if not bool(valid.all()):
             out = out.clone()
@@ -305,19 +327,7 @@ class ReplayBatch:
         """Raise unless every sequence's rows cover ``[start, start + rows)`` with
         ``start + rows`` equal to ``seq_len`` or ``seq_len - 1`` (the last sampled token is never
         fed forward, so it has no route)."""
-        if len(seq_lens) != self.num_seqs:
-            raise CoverageError(f"batch has {self.num_seqs} sequences but {len(seq_lens)} seq_lens were given")
-        if not self.num_seqs:
-            return
-        lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
-        end = torch.tensor(self.start_rows, dtype=torch.int64) + torch.tensor(self.rows_per_seq, dtype=torch.int64)
-        bad = ((end != lens) & (end != lens - 1)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise CoverageError(
-                f"sequence {i}: start row {self.start_rows[i]} + {self.rows_per_seq[i]} rows ends at "
-                f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
-                f"{int(lens[i]) - 1} or {int(lens[i])})")
+        check_coverage(self.start_rows, self.rows_per_seq, seq_lens)
 
     # ----------------------------------------------------------------------------- micro-batching
     def select(self, indices: Sequence[int]) -> "ReplayBatch":
@@ -339,6 +349,19 @@ class ReplayBatch:
             self.valid.index_select(0, row_idx.to(self.valid.device)),
             new_rows, [self.start_rows[i] for i in idx.tolist()], self.layer_ids,
             self.num_experts, self.topk, self.source, pv, offsets)
+
+    def select_range(self, start: int, stop: int) -> "ReplayBatch":
+        """Sequences ``start .. stop - 1`` as views of this batch's buffers (no copy): the
+        consecutive micro-batches of a step cost nothing to cut."""
+        start = as_index(start, what="select_range start", error=CoverageError)
+        stop = as_index(stop, what="select_range stop", error=CoverageError)
+        if not 0 <= start <= stop <= self.num_seqs:
+            raise CoverageError(f"select_range({start}, {stop}) out of range for {self.num_seqs} sequences")
+        a, b = int(self._offsets[start]), int(self._offsets[stop])
+        pv = None if self.policy_versions is None else self.policy_versions[start:stop]
+        return ReplayBatch(self.routes[a:b], self.valid[a:b], self.rows_per_seq[start:stop],
+                           self.start_rows[start:stop], self.layer_ids, self.num_experts, self.topk,
+                           self.source, pv, self._offsets[start:stop + 1] - a)
 
     @staticmethod
     def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
@@ -365,7 +388,7 @@ class ReplayBatch:
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
         want = as_index_list(layer_ids, what="with_layers", error=LayerMappingError)
-        _check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
+        check_layer_ids(tuple(want), len(want))          # duplicates would break the schema
         pos = {lid: j for j, lid in enumerate(self.layer_ids)}
         missing = [x for x in want if x not in pos]
         if missing:
@@ -394,19 +417,24 @@ class ReplayBatch:
 
     # ----------------------------------------------------------------------------- transport
     def to_bytes(self) -> bytes:
-        """Versioned header + raw little-endian buffers. Never pickle: a pickled tensor is slow and unsafe to load."""
-        return _encode(self)
+        """Versioned header + raw little-endian buffers (:mod:`r3bridge.wire`). Never pickle: a
+        pickled tensor is slow and unsafe to load."""
+        return wire.encode(self)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "ReplayBatch":
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise PayloadError(f"ReplayBatch payload must be bytes, got {type(data).__name__}")
-        return _decode(bytes(data))
+        d = wire.decode(bytes(data))
+        # Re-validate: a payload from another process is input like any other.
+        return cls.from_packed(d.routes, d.rows_per_seq, num_experts=d.num_experts, layer_ids=d.layer_ids,
+                               start_rows=d.start_rows, valid=d.valid, source=d.source,
+                               policy_versions=d.policy_versions)
 
     @property
     def nbytes(self) -> int:
         """``len(self.to_bytes())`` without building it."""
-        return _encoded_size(self)
+        return wire.encoded_size(self)
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -428,15 +456,19 @@ def _sglang_numbers(mi, i: int):
     return out
 
 
-def _check_layer_ids(layer_ids: tuple[int, ...], num_layer_axis: int) -> None:
-    if len(layer_ids) != num_layer_axis:
-        raise LayerMappingError(
-            f"layer_ids has {len(layer_ids)} entries but routes have {num_layer_axis} layers")
-    if any(x < 0 for x in layer_ids):
-        raise LayerMappingError(f"negative layer id in {list(layer_ids)}")
-    if len(set(layer_ids)) != len(layer_ids):
-        dup = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
-        raise LayerMappingError(f"duplicate layer ids {dup} in {list(layer_ids)}")
+def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:
+    """numpy views of per-sequence ``[rows, L, K]`` integer host arrays / CPU tensors, or None
+    when any is something else (nested lists, a device tensor, a float or 2-D array: the general
+    path converts or refuses it with its own error)."""
+    if not isinstance(routes, (list, tuple)) or not routes:
+        return None
+    out = []
+    for r in routes:
+        a = host_array(r)
+        if a is None or a.ndim != 3 or a.dtype.kind not in "iu":
+            return None
+        out.append(a)
+    return out
 
 
 def _canonical(routes: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -461,101 +493,3 @@ def ragged_arange(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     # output_size: no size sync on GPU, and ~10x less CPU time for small inputs
     rep_start = torch.repeat_interleave(starts.to(torch.int64) - seg_start, lengths, output_size=total)
     return torch.arange(total, dtype=torch.int64) + rep_start
-
-
-# --------------------------------------------------------------------------------- wire format
-# Header (little endian):
-#   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present)
-#   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
-#   | header crc32 u32 (over the header bytes before it)
-# then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
-#       | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
-# and last: body crc32 u32 (over the body).
-# The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
-# num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
-# well-formed but different batch. CRC32 detects every error burst up to 32 bits, so every
-# single-byte flip. The header has its own checksum so the sizes it declares are trusted before
-# they are used to slice the body.
-_MAGIC = b"R3RB"
-_VERSION = 2
-_HEADER_FIELDS = struct.Struct("<4sHBBIQIIIH")
-_HEADER = struct.Struct("<4sHBBIQIIIHI")
-_CRC = struct.Struct("<I")
-_DTYPE_CODES = {torch.uint8: 1, torch.int16: 2, torch.int32: 3}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-_NP = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
-
-
-def _encoded_size(rb: ReplayBatch) -> int:
-    n, rows = rb.num_seqs, rb.total_rows
-    return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
-            + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
-            + rb.routes.numel() * rb.routes.element_size() + _CRC.size)
-
-
-def _encode(rb: ReplayBatch) -> bytes:
-    src = rb.source.encode()
-    flags = 1 if rb.policy_versions is not None else 0
-    fields = _HEADER_FIELDS.pack(_MAGIC, _VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
-                                 rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
-    body = [
-        src,
-        np.asarray(rb.layer_ids, dtype="<i4").tobytes(),
-        np.asarray(rb.rows_per_seq, dtype="<i8").tobytes(),
-        np.asarray(rb.start_rows, dtype="<i8").tobytes(),
-    ]
-    if rb.policy_versions is not None:
-        body.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
-    body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
-    body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
-                                                            copy=False).tobytes())
-    crc = 0
-    for part in body:
-        crc = zlib.crc32(part, crc)
-    return b"".join([fields, _CRC.pack(zlib.crc32(fields)), *body, _CRC.pack(crc)])
-
-
-def _decode(data: bytes) -> ReplayBatch:
-    if len(data) < _HEADER.size:
-        raise PayloadError(f"ReplayBatch payload truncated: {len(data)} bytes, header needs {_HEADER.size}")
-    magic, version, code, flags, n, rows, nl, k, e, src_len, head_crc = _HEADER.unpack_from(data, 0)
-    if magic != _MAGIC:
-        raise PayloadError(f"not a ReplayBatch payload (magic {magic!r})")
-    if version != _VERSION:
-        hint = " (written before payloads carried checksums: re-encode it)" if version == 1 else ""
-        raise PayloadError(f"ReplayBatch payload version {version}{hint}; this r3bridge reads version {_VERSION}")
-    if zlib.crc32(memoryview(data)[:_HEADER_FIELDS.size]) != head_crc:
-        raise PayloadError("ReplayBatch payload header checksum mismatch: the header is corrupted")
-    if code not in _CODE_DTYPES:
-        raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
-    dtype = _CODE_DTYPES[code]
-    sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
-             rows * nl * k * torch.empty((), dtype=dtype).element_size()]
-    need = _HEADER.size + sum(sizes) + _CRC.size
-    if len(data) != need:
-        raise PayloadError(
-            f"ReplayBatch payload is {len(data)} bytes but its header (seqs={n}, rows={rows}, "
-            f"layers={nl}, topk={k}) needs {need}: truncated or extended")
-    body = memoryview(data)[_HEADER.size:need - _CRC.size]
-    if zlib.crc32(body) != _CRC.unpack_from(data, need - _CRC.size)[0]:
-        raise PayloadError("ReplayBatch payload body checksum mismatch: routes or metadata are corrupted")
-    pos = 0
-    chunks = []
-    for s in sizes:
-        chunks.append(body[pos:pos + s])
-        pos += s
-    try:
-        source = bytes(chunks[0]).decode()
-    except UnicodeDecodeError:
-        raise PayloadError("ReplayBatch payload: source field is not UTF-8: corrupted") from None
-    layer_ids = np.frombuffer(chunks[1], dtype="<i4").tolist()
-    rows_per_seq = np.frombuffer(chunks[2], dtype="<i8").tolist()
-    start_rows = np.frombuffer(chunks[3], dtype="<i8").tolist()
-    pv = np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & 1 else None
-    valid = np.unpackbits(np.frombuffer(chunks[5], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
-    routes = np.frombuffer(chunks[6], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
-    # Re-validate: a payload from another process is input like any other.
-    return ReplayBatch.from_packed(
-        torch.from_numpy(routes.astype(_NP[dtype], copy=True)), rows_per_seq, num_experts=e,
-        layer_ids=layer_ids, start_rows=start_rows, valid=torch.from_numpy(valid.copy()),
-        source=source, policy_versions=pv)
