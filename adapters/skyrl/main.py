@@ -18,7 +18,8 @@ import ray
 
 from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class
 from r3bridge.adapters.skyrl._compat import import_skyrl
-from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config
+from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
+from r3bridge.announce import announce
 
 main_base = import_skyrl("skyrl.train.entrypoints.main_base")
 SkyRLGymGenerator = import_skyrl("skyrl.train.generators.skyrl_gym_generator").SkyRLGymGenerator
@@ -59,6 +60,7 @@ def entrypoint(cfg):
 def config_from_argv(argv: list[str]):
     """SkyRL's parsed, validated config with the ``trainer.r3bridge`` section in force."""
     cfg = parse_cli(argv)
+    announce(*replay_config_from_skyrl(cfg), "SkyRL launcher")
     prepare_skyrl_config(cfg)
     main_base.validate_cfg(cfg)
     return cfg
