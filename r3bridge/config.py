@@ -91,10 +91,15 @@ def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
     return _PLANS[(m, p)]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ReplayConfig:
     """The ``r3bridge`` section of a job config. ``configs/r3bridge.yaml`` mirrors these defaults
-    (a test keeps the two equal) for omegaconf / hydra users."""
+    (a test keeps the two equal) for omegaconf / hydra users.
+
+    Also an OmegaConf structured config, at the top level or nested in a framework's config
+    (AReaL's ``GRPOConfig``, SkyRL's ``TrainerConfig``). Not ``frozen``: OmegaConf makes a frozen
+    dataclass's nodes read-only, and a nested section could then not be filled from YAML. Treat an
+    instance as read-only; validation runs when it is built (``__post_init__``)."""
 
     # Annotated ``str`` (a ReplayMode is one) so that ``OmegaConf.structured(ReplayConfig)`` takes
     # ``off`` / ``disabled`` / YAML's ``false``; ``__post_init__`` turns it into a ReplayMode.

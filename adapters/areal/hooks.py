@@ -329,10 +329,28 @@ def log_areal_metrics(tracker: Any, values: dict) -> None:
                          **{key: torch.tensor([float(value)], dtype=torch.float32)})
 
 
+def check_areal(me: Any = None, ppo: Any = None, rl: Any = None) -> None:
+    """The installed AReaL is in r3bridge's ``areal`` range and has the methods the mixins override
+    (``ConfigError`` naming what is missing, the installed version and the supported range)."""
+    from r3bridge.versions import check_internals, check_release
+
+    check_release("areal", what="'s AReaL adapter")
+    need = []
+    if me is not None:
+        need += [(f"MegatronEngine.{m}", me.MegatronEngine, m) for m in
+                 ("initialize", "_prepare_mb_list", "forward_backward_batch")]
+    if ppo is not None:
+        need += [(f"PPOActor.{m}", ppo.PPOActor, m) for m in ("compute_logp", "_compute_logp", "_ppo_update")]
+    if rl is not None:
+        need += [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")]
+    check_internals("areal", need)
+
+
 def megatron_ppo_actor_class(config=None):
     """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
     me = import_areal("areal.engine.megatron_engine")
     ppo = import_areal("areal.trainer.ppo.actor")
+    check_areal(me=me, ppo=ppo)
 
     class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
         pass
@@ -351,6 +369,7 @@ def trainer_class(config=None):
     """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
     SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
     rl = import_areal("areal.trainer.rl_trainer")
+    check_areal(rl=rl)
     actor_cls = megatron_ppo_actor_class(config)
 
     class R3BridgePPOTrainer(rl.PPOTrainer):

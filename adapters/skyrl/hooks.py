@@ -160,6 +160,8 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
     SkyRL's, plus ``r3_replay=SkyRLReplay(...)``, or use :func:`wrap_model`."""
     if base is None:
         base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
+    from r3bridge.versions import check_internals
+    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, r3_replay: SkyRLReplay, **kwargs: Any) -> None:
@@ -324,6 +326,9 @@ def policy_worker_class(config=None, num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
+    from r3bridge.versions import check_internals
+    check_internals("skyrl", [(f"MegatronPolicyWorkerBase.{m}", base, m) for m in
+                              ("init_configs", "init_model", "forward", "forward_backward")])
     cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
                {"r3_config": None if config is None else replay_config(config)})
     return ray.remote(num_gpus=num_gpus)(cls)

@@ -21,8 +21,10 @@ from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
 
-main_base = import_skyrl("skyrl.train.entrypoints.main_base")
+# the generator first: on Python 3.11 import_skyrl must skip skyrl.train.generators' __init__ (its
+# VLM generator's pydantic chain), which main_base imports from
 SkyRLGymGenerator = import_skyrl("skyrl.train.generators.skyrl_gym_generator").SkyRLGymGenerator
+main_base = import_skyrl("skyrl.train.entrypoints.main_base")
 resolve_policy_model_name = import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils").resolve_policy_model_name
 
 
