@@ -56,11 +56,15 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> Any:
     (``parse_cli_args`` -> ``to_structured_cfg`` -> ``OmegaConf.to_object``), without its side effects
     (name-resolve set-up, saving the config). For a job, call AReaL's ``load_expr_config(argv,
     grpo_config_class())`` itself."""
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     from r3bridge.adapters.areal._compat import import_areal
     cli_args = import_areal("areal.api.cli_args")
-    cfg, _ = cli_args.parse_cli_args(list(argv))
+    try:
+        cfg, _ = cli_args.parse_cli_args(list(argv))
+    finally:   # AReaL initialises hydra globally and leaves it so: a later hydra user would fail
+        GlobalHydra.instance().clear()
     return OmegaConf.to_object(cli_args.to_structured_cfg(cfg, config_cls=config_cls or grpo_config_class()))
 
 

@@ -49,8 +49,10 @@ def installed(tmp_path_factory) -> str:
     """r3bridge built as a wheel and installed (not editable) into a folder that shadows the editable
     install on PYTHONPATH."""
     target = tmp_path_factory.mktemp("installed")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, timeout=900)
+    # pip's own build isolation: the build backend pyproject names (setuptools >= 68), from the registry
+    # or pip's cache; the venv's own setuptools may be older
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(ROOT)],
+                   check=True, timeout=900)
     return str(target)
 
 
