@@ -10,12 +10,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
+SOURCE_CONFIG = "config"
+SOURCE_DEFAULT = "default"
 
 __all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan"]
 
@@ -25,15 +27,28 @@ class ReplayMode(str, Enum):
     R2 = "R2"   # record the trainer's own routes in compute_log_prob, replay them in the updates
     R3 = "R3"   # replay the rollout engine's routes in every trainer forward
 
+    def __str__(self) -> str:    # "off", not "ReplayMode.OFF" (OmegaConf and f-strings use str())
+        return self.value
+
     @classmethod
     def parse(cls, value: Any) -> "ReplayMode":
+        """``off`` / ``R2`` / ``R3`` in any case. ``disabled`` (verl's spelling of off) and ``false``
+        also mean off: YAML 1.1 reads an unquoted ``off`` as the boolean False, and OmegaConf turns
+        that into the string ``"False"`` for a string field."""
         if isinstance(value, cls):
             return value
+        if value is False:
+            return cls.OFF
         s = str(value).strip()
+        if s.lower() in _OFF_SPELLINGS:
+            return cls.OFF
         for m in cls:
             if s.lower() == m.value.lower():
                 return m
-        raise ConfigError(f"replay_mode must be one of off, R2, R3; got {value!r}")
+        raise ConfigError(f"replay_mode must be one of off, R2, R3 (off also spelled disabled or false); got {value!r}")
+
+
+_OFF_SPELLINGS = ("off", "disabled", "false")
 
 
 class Phase(str, Enum):
@@ -76,12 +91,19 @@ def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
     return _PLANS[(m, p)]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ReplayConfig:
     """The ``r3bridge`` section of a job config. ``configs/r3bridge.yaml`` mirrors these defaults
-    (a test keeps the two equal) for omegaconf / hydra users."""
+    (a test keeps the two equal) for omegaconf / hydra users.
 
-    replay_mode: ReplayMode = ReplayMode.OFF
+    Also an OmegaConf structured config, at the top level or nested in a framework's config
+    (AReaL's ``GRPOConfig``, SkyRL's ``TrainerConfig``). Not ``frozen``: OmegaConf makes a frozen
+    dataclass's nodes read-only, and a nested section could then not be filled from YAML. Treat an
+    instance as read-only; validation runs when it is built (``__post_init__``)."""
+
+    # Annotated ``str`` (a ReplayMode is one) so that ``OmegaConf.structured(ReplayConfig)`` takes
+    # ``off`` / ``disabled`` / YAML's ``false``; ``__post_init__`` turns it into a ReplayMode.
+    replay_mode: str = ReplayMode.OFF
     # Compute, inside the router hook, whether the native top-k equals the replayed one
     # (per-layer route agreement). Costs one extra top-k per router call, no extra forward.
     agreement: bool = True
@@ -91,11 +113,14 @@ class ReplayConfig:
     # in metrics); "error" refuses any invalid row inside a sequence's covered range.
     invalid_rows: str = "native"
     metrics_prefix: str = "r3bridge/"
+    # Log agreement/layer_<id> for every MoE layer (False: agreement/mean, agreement/min and the
+    # WORST_LAYERS least-agreeing layers only; megatron-core also keeps per-layer MoE logging opt-in).
+    per_layer_metrics: bool = False
     # Route traces for `r3bridge inspect` / `diff` (r3bridge/megatron/trace.py; off when None):
     # every `trace_every`-th RL step, each rank writes what its routers replayed and would have
     # chosen natively, until it has written its share of `trace_max_bytes` (then it stops and
     # says so in its index and in the `trace/stopped` metric).
-    trace_dir: str | None = None
+    trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
 
@@ -145,6 +170,17 @@ class ReplayConfig:
         if env.get(ENV_MODE):
             return cls(replay_mode=ReplayMode.parse(env[ENV_MODE]))
         return cls()
+
+    @classmethod
+    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None
+                            ) -> "tuple[ReplayConfig, str]":
+        """:meth:`resolve` plus where the section came from: ``"config"`` (passed explicitly),
+        ``"environment (R3BRIDGE_CONFIG)"``, ``"environment (R3BRIDGE_REPLAY_MODE)"`` or ``"default"``."""
+        if cfg is not None:
+            return cls.resolve(cfg), SOURCE_CONFIG
+        source = (f"environment ({ENV_CONFIG})" if os.environ.get(ENV_CONFIG)
+                  else f"environment ({ENV_MODE})" if os.environ.get(ENV_MODE) else SOURCE_DEFAULT)
+        return cls.from_env(), source
 
     @classmethod
     def resolve(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None) -> "ReplayConfig":

@@ -2,8 +2,9 @@
 
 Files (the same in every adapter):
 
-* ``config.py`` - :func:`replay_config` (the same ``r3bridge`` section as every adapter, explicit
-  as ``engine.r3_config`` or through ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``) and
+* ``config.py`` - the ``r3bridge:`` section in AReaL's own YAML (:func:`grpo_config_class`: AReaL's
+  ``GRPOConfig`` plus the section, parsed by AReaL's ``load_expr_config``), :func:`replay_config`
+  (explicit, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``), the top-k check at ingest and
   :class:`ModelInfo`;
 * ``rollout.py`` - rollout side (:class:`ArealRollout`): SGLang ``meta_info["routed_experts"]``
   (base64 int32) -> :class:`r3bridge.ReplayBatch`, resubmits deduplicated and parent-concat turns
@@ -31,7 +32,7 @@ from r3bridge.adapters.areal.codec import (
     replay_batch_from_tensor,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal.config import ModelInfo, replay_config
+from r3bridge.adapters.areal.config import ModelInfo, grpo_config_class, replay_config
 from r3bridge.adapters.areal.hooks import (
     MegatronEngineMixin,
     PPOActorMixin,
@@ -54,4 +55,4 @@ __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_s
            "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor",
            "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
            "MegatronEngineMixin", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
-           "trainer_class", "workflow_class"]
+           "trainer_class", "workflow_class", "grpo_config_class"]

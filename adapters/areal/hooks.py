@@ -42,9 +42,17 @@ from r3bridge.adapters.areal.codec import (
     replay_batch_from_tensor,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal.config import ModelInfo, replay_config
+from r3bridge.adapters.areal.config import (
+    ModelInfo,
+    check_batch_topk,
+    check_routes_topk,
+    replay_config,
+    replay_config_with_source,
+    section_of,
+)
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.announce import announce, replay_mode_metric
+from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.ingest import first_seen_rows
@@ -142,10 +150,22 @@ class WorkflowMixin:
             raise ConfigError("WorkflowMixin handles one trajectory per episode ([1, S] input_ids)")
         tokens = ids[0].tolist()
         m = self.r3_model
+        for turn, r in enumerate(responses):     # before anything reshapes them: a clear top-k error
+            check_routes_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
+                              sample=_sample_name(data, len(tokens)), turn=turn)
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
         return out
+
+
+def _sample_name(data: Any, num_tokens: int) -> str:
+    """How an error names the episode's sample: the dataset's id when it has one."""
+    if isinstance(data, dict):
+        for key in ("query_id", "id", "uid", "index"):
+            if data.get(key) is not None:
+                return f"{key}={data[key]!r}"
+    return f"(the episode of {num_tokens} tokens)"
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -183,6 +203,9 @@ class PPOActorMixin:
                 # [B, 1, 1, S] has B*S elements: AReaL's splitter would cut it like a per-token field
                 raise ConfigError("r3bridge + AReaL: one MoE layer with top-1 is not supported (routes tensor "
                                   "would be split as a per-token field)")
+            model = getattr(eng, "r3_model", None)
+            if t is not None and model is not None:
+                check_batch_topk(t, topk=model.topk, key=key)
         data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
         eng.r3_phase = phase
         try:
@@ -196,6 +219,7 @@ class MegatronEngineMixin:
     """Per-micro-batch replay for AReaL's ``MegatronEngine``."""
 
     r3_config: Optional[ReplayConfig] = None
+    r3_source: str = SOURCE_CONFIG          # where r3_config came from, when it is set before r3_attach
     r3_phase: Optional[Phase] = None
     r3_replay = None            # the Replayer (None: replay off or not attached)
     r3_runner: Optional[PhaseRunner] = None
@@ -207,8 +231,11 @@ class MegatronEngineMixin:
         return out
 
     def r3_attach(self, model: ModelInfo, layout=None) -> None:
+        if self.r3_config is None:
+            self.r3_config, self.r3_source = replay_config_with_source(None)
         self.r3_config = replay_config(self.r3_config)
         self.r3_model = model
+        announce(self.r3_config, self.r3_source, "AReaL Megatron actor")
         if self.r3_config.replay_mode is ReplayMode.OFF:
             return
         for flag, why in (("enable_tree_training", "tree training packs shared prefixes"),
@@ -221,12 +248,14 @@ class MegatronEngineMixin:
         # AReaL's stats tracker exports compute_logp's stats with the step: nothing to carry
         self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config, framework="areal")
 
-    @staticmethod
-    def _r3_log(tagged: dict) -> None:
-        """Into AReaL's own stats tracker, exported and logged with the actor's stats of the step
-        (every rank holds the same all-reduced values, so its cross-rank reduction is exact)."""
-        if tagged:
-            import_areal("areal.utils.stats_tracker").scalar(**tagged)
+    def _r3_log(self, tagged: dict) -> None:
+        """Into AReaL's own stats tracker, exported and logged with the actor's stats of the step, under
+        the documented names (``r3bridge/update/coverage``): outside the actor's scope
+        (``ppo_actor/update/``), whose phase the tag already carries. Scalars: AReaL averages them over
+        the step's passes and ranks, as verl and SkyRL do (docs/metrics.md, "Aggregation")."""
+        tracker = import_areal("areal.utils.stats_tracker")
+        values = {**replay_mode_metric(self.r3_config), **tagged} if self.r3_config is not None else dict(tagged)
+        log_areal_metrics(tracker, values)
 
     def _r3_plan(self):
         if self.r3_runner is None or self.r3_phase is None:
@@ -271,6 +300,8 @@ class MegatronEngineMixin:
     def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
         plan = self._r3_plan()
         if plan is None:
+            if self.r3_phase is not None and self.r3_config is not None:
+                self._r3_log({})                 # replay off is logged too: r3bridge/replay_mode = 0
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         items = [pmb.get(MB_KEY) for pmb in mb_list.padded_mbs]
         if any(x is None for x in items):
@@ -282,10 +313,44 @@ class MegatronEngineMixin:
         return out
 
 
+def log_areal_metrics(tracker: Any, values: dict) -> None:
+    """``values`` into AReaL's stats tracker ``tracker`` (the module ``areal.utils.stats_tracker``),
+    unscoped. ``*_min`` keys as MIN stats (the minimum over the step's passes and ranks, as verl and
+    SkyRL reduce them by name), with AReaL's own ``<key>__count`` as their denominator; every other
+    key as a scalar (AReaL averages scalars and adds ``<key>__count``)."""
+    mins = {k: v for k, v in values.items() if k.endswith("_min")}
+    rest = {k: v for k, v in values.items() if k not in mins}
+    with tracker.DEFAULT_TRACKER.disable_scope():
+        if rest:
+            tracker.scalar(**rest)
+        for key, value in mins.items():
+            tracker.denominator(**{f"{key}__count": torch.ones(1, dtype=torch.bool)})
+            tracker.stat(denominator=f"{key}__count", reduce_type=tracker.ReduceType.MIN,
+                         **{key: torch.tensor([float(value)], dtype=torch.float32)})
+
+
+def check_areal(me: Any = None, ppo: Any = None, rl: Any = None) -> None:
+    """The installed AReaL is in r3bridge's ``areal`` range and has the methods the mixins override
+    (``ConfigError`` naming what is missing, the installed version and the supported range)."""
+    from r3bridge.versions import check_internals, check_release
+
+    check_release("areal", what="'s AReaL adapter")
+    need = []
+    if me is not None:
+        need += [(f"MegatronEngine.{m}", me.MegatronEngine, m) for m in
+                 ("initialize", "_prepare_mb_list", "forward_backward_batch")]
+    if ppo is not None:
+        need += [(f"PPOActor.{m}", ppo.PPOActor, m) for m in ("compute_logp", "_compute_logp", "_ppo_update")]
+    if rl is not None:
+        need += [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")]
+    check_internals("areal", need)
+
+
 def megatron_ppo_actor_class(config=None):
     """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
     me = import_areal("areal.engine.megatron_engine")
     ppo = import_areal("areal.trainer.ppo.actor")
+    check_areal(me=me, ppo=ppo)
 
     class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
         pass
@@ -304,6 +369,7 @@ def trainer_class(config=None):
     """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
     SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
     rl = import_areal("areal.trainer.rl_trainer")
+    check_areal(rl=rl)
     actor_cls = megatron_ppo_actor_class(config)
 
     class R3BridgePPOTrainer(rl.PPOTrainer):
@@ -314,6 +380,9 @@ def trainer_class(config=None):
                 from r3bridge.errors import ConfigError
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             actor = actor_cls(config=actor_config)
+            section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section
+            if section is not None:
+                actor.r3_config, actor.r3_source = section, SOURCE_CONFIG
             actor.create_process_group(parallel_strategy=alloc.parallel)
             return actor
 

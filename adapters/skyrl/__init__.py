@@ -2,9 +2,10 @@
 
 Files (the same in every adapter):
 
-* ``config.py`` - :func:`replay_config`: the same ``r3bridge`` section as every adapter
-  (:class:`r3bridge.ReplayConfig`), explicit or through ``R3BRIDGE_CONFIG`` (JSON) /
-  ``R3BRIDGE_REPLAY_MODE``;
+* ``config.py`` - the same ``r3bridge`` section as every adapter (:class:`r3bridge.ReplayConfig`) on
+  SkyRL's own command line, ``trainer.r3bridge.replay_mode=R3`` (:func:`skyrl_config_class`, parsed
+  by SkyRL's parser), with ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` as the fallback;
+* ``main.py`` - the entry point (``python -m r3bridge.adapters.skyrl.main``);
 * ``rollout.py`` - generator side (:class:`SkyRLRollout`): every vLLM call's routes in any of
   SkyRL's transports, stitched first-seen (:func:`merge_first_seen` on SkyRL's list format);
 * ``codec.py`` - trainer side (:class:`SkyRLCodec`): ``TrainingInputBatch`` fields
@@ -31,7 +32,7 @@ from r3bridge.adapters.skyrl.codec import (
     replay_batch_from_training_batch,
     training_batch_fields,
 )
-from r3bridge.adapters.skyrl.config import replay_config
+from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config, skyrl_config_class
 from r3bridge.adapters.skyrl.hooks import (
     RECORDED_KEY,
     FirstSeenRoutesMixin,
@@ -50,4 +51,4 @@ SKYRL_RELEASE = skyrl_release()
 __all__ = ["SKYRL_RELEASE", "SUPPORTED_RELEASES", "skyrl_release", "packed_training_batch_fields", "ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "RECORDED_KEY", "decode_routed_experts", "rollout_routes",
            "merge_first_seen", "replay_batch_from_training_batch", "training_batch_fields", "make_router_padding_mask",
            "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
-           "replay_config", "FirstSeenRoutesMixin", "policy_worker_class", "SkyRLCodec", "SkyRLRollout"]
+           "replay_config", "skyrl_config_class", "parse_cli", "prepare_skyrl_config", "FirstSeenRoutesMixin", "policy_worker_class", "SkyRLCodec", "SkyRLRollout"]

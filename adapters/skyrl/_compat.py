@@ -18,7 +18,6 @@ transports differ), ``None`` when SkyRL is not installed; any other release is r
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -26,6 +25,7 @@ import types
 from typing import Optional
 
 from r3bridge.errors import ConfigError
+from r3bridge.versions import check_release, release_series
 
 SUPPORTED_RELEASES = ("0.3", "0.4")
 
@@ -72,14 +72,13 @@ def import_skyrl(name: str):
 
 
 def skyrl_release(version: Optional[str] = None) -> Optional[str]:
-    """``"0.3"`` / ``"0.4"`` for the installed SkyRL (or ``version``), ``None`` if not installed."""
-    if version is None:
-        try:
-            version = importlib.metadata.version("skyrl")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    release = ".".join(version.split(".")[:2])
-    if release not in SUPPORTED_RELEASES:
-        raise ConfigError(f"r3bridge's SkyRL adapter supports SkyRL {' and '.join(r + '.x' for r in SUPPORTED_RELEASES)}; "
-                          f"skyrl {version} is installed (its route transport is not known to r3bridge)")
+    """``"0.3"`` / ``"0.4"`` for the installed SkyRL (or ``version``), ``None`` if not installed.
+    ``ConfigError`` outside the range r3bridge's ``skyrl`` extra declares (:mod:`r3bridge.versions`)."""
+    checked = check_release("skyrl", version, what="'s SkyRL adapter")
+    if checked is None:
+        return None
+    release = release_series(checked)
+    if release not in SUPPORTED_RELEASES:   # the extra's range and the known transports must agree
+        raise ConfigError(f"skyrl {version or checked} is installed; r3bridge's SkyRL adapter knows the route transport "
+                          f"of SkyRL {' and '.join(r + '.x' for r in SUPPORTED_RELEASES)} only")
     return release

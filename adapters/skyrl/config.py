@@ -1,14 +1,102 @@
-"""The ``r3bridge`` section for SkyRL: passed explicitly (a :class:`r3bridge.ReplayConfig` or its
-mapping) or through ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE``, else off."""
+"""The ``r3bridge`` section for SkyRL, on SkyRL's own command line: ``trainer.r3bridge.replay_mode=R3``.
+
+SkyRL 0.3's documented way for an integration to add config fields is a config subclass parsed in
+the integration's entry point (``trainer.override_entrypoint=...``; ``make_config`` /
+``SkyRLTrainConfig.from_cli_overrides``). :func:`skyrl_config_class` is that subclass: SkyRL's
+``TrainerConfig`` plus a field ``r3bridge`` of type :class:`r3bridge.ReplayConfig` (``None`` unless the
+command line sets one of its keys), so SkyRL's own
+strict parser accepts (and type-checks) ``trainer.r3bridge.<option>=...`` and refuses unknown keys.
+:func:`parse_cli` parses a SkyRL command line with it; :func:`prepare_skyrl_config` makes the parsed
+config pass SkyRL's own checks with r3bridge replaying (see there).
+
+Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are read as a fallback
+(:func:`replay_config`), else replay is off, and the adapter says so at startup.
+"""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional, Sequence
 
-from r3bridge.config import ReplayConfig
+from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.errors import ConfigError
 
-__all__ = ["replay_config"]
+__all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
+           "SECTION"]
+
+SECTION = "trainer.r3bridge"
+_ENTRYPOINT = "trainer.override_entrypoint="
 
 
 def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
     """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
     return ReplayConfig.resolve(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def skyrl_config_class() -> type:
+    """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (SkyRL's
+    ``make_config(trainer_cls=...)``)."""
+    from r3bridge.adapters.skyrl._compat import import_skyrl
+
+    sk = import_skyrl("skyrl.train.config.config")
+    # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
+    import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")
+    trainer_cls = dataclasses.dataclass(type("R3BridgeTrainerConfig", (sk.TrainerConfig,), {
+        # None: not on the command line (the environment fallback applies)
+        "__annotations__": {"r3bridge": Optional[ReplayConfig]},
+        "r3bridge": None,
+        "__module__": __name__,
+    }))
+    return sk.make_config(trainer_cls=trainer_cls)
+
+
+def parse_cli(argv: Sequence[str]) -> Any:
+    """A SkyRL command line (``key.path=value`` overrides) parsed by SkyRL's own parser into
+    :func:`skyrl_config_class`; ``trainer.override_entrypoint=...`` is SkyRL's dispatch key and is
+    dropped, as SkyRL's own ``main`` does before its strict parse."""
+    return skyrl_config_class().from_cli_overrides([a for a in argv if not a.startswith(_ENTRYPOINT)])
+
+
+def replay_config_from_skyrl(cfg: Any) -> tuple[ReplayConfig, str]:
+    """The section of a parsed SkyRL config and where it came from: ``"config"`` when the command line
+    set any ``trainer.r3bridge.*`` key, else the environment fallback or the default."""
+    section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
+    if isinstance(section, ReplayConfig):
+        return section, "config"
+    return ReplayConfig.resolve_with_source(None)
+
+
+def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
+    """Fill ``trainer.r3bridge`` (command line, else environment) and make SkyRL's checks pass.
+
+    SkyRL 0.3's ``validate_cfg`` insists on ``trainer.policy.megatron_config.moe_enable_routing_replay=true``
+    whenever ``generator.inference_engine.enable_return_routed_experts=true`` (its own R3). With
+    r3bridge replaying that flag means nothing: r3bridge's ``PolicyWorkerMixin`` always builds the
+    model with megatron's own replay off and drives its own hook. So under R3 this sets it for the
+    check, and the user never writes it. Contradictions are refused (``ConfigError`` naming both keys)."""
+    rc, _ = replay_config_from_skyrl(cfg)
+    cfg.trainer.r3bridge = rc
+    ie = cfg.generator.inference_engine
+    mc = cfg.trainer.policy.megatron_config
+    returns = bool(getattr(ie, "enable_return_routed_experts", False))
+    if rc.replay_mode is ReplayMode.R3:
+        if not returns:
+            raise ConfigError(f"{SECTION}.replay_mode=R3 replays vLLM's routes: set "
+                              "generator.inference_engine.enable_return_routed_experts=true")
+        mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
+    elif rc.replay_mode is ReplayMode.R2:
+        if returns:
+            raise ConfigError(f"{SECTION}.replay_mode=R2 records the trainer's own routes, but "
+                              "generator.inference_engine.enable_return_routed_experts=true asks vLLM for rollout "
+                              "routes: set it to false (or use replay_mode=R3)")
+        if mc.moe_enable_routing_replay:
+            raise ConfigError(f"{SECTION}.replay_mode=R2 and trainer.policy.megatron_config.moe_enable_routing_replay"
+                              "=true ask for two replays at once: leave SkyRL's flag false")
+    return rc
+
+
+def section_of(cfg: Any) -> Optional[ReplayConfig]:
+    """The already prepared ``trainer.r3bridge`` of a parsed config (``None`` for SkyRL's plain config)."""
+    section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
+    return section if isinstance(section, ReplayConfig) else None

@@ -37,7 +37,8 @@ from r3bridge.adapters.skyrl.codec import (
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
-from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.announce import announce, replay_mode_metric
+from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
@@ -78,7 +79,8 @@ class SkyRLReplay:
         self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True, framework="skyrl")
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
         self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
-        self.log_metrics: dict[str, float] = {}     # the last update's + its compute_log_prob's, tagged
+        # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
+        self.log_metrics: dict[str, float] = replay_mode_metric(cfg)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -124,7 +126,7 @@ class SkyRLReplay:
         self.result = ps.result
         logged = self.runner.metrics_to_log(ps.result)     # compute_log_prob's are held for the update
         if phase is Phase.UPDATE:
-            self.log_metrics = {k: sum(v) / len(v) for k, v in logged.items()}
+            self.log_metrics = {**replay_mode_metric(self.cfg), **{k: sum(v) / len(v) for k, v in logged.items()}}
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
@@ -158,6 +160,8 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
     SkyRL's, plus ``r3_replay=SkyRLReplay(...)``, or use :func:`wrap_model`."""
     if base is None:
         base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
+    from r3bridge.versions import check_internals
+    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, r3_replay: SkyRLReplay, **kwargs: Any) -> None:
@@ -188,7 +192,7 @@ def replay_for(actor_module, cfg: ReplayConfig, hf_config: Any) -> SkyRLReplay:
 class PolicyWorkerMixin:
     """``class MyPolicyWorker(PolicyWorkerMixin, MegatronPolicyWorkerBase)``."""
 
-    r3_config: Optional[ReplayConfig] = None
+    r3_config: Optional[ReplayConfig] = None      # set by policy_worker_class (the launcher's section)
 
     def init_configs(self, model_path, megatron_config, *args, **kwargs):
         mc = copy.copy(megatron_config)
@@ -197,7 +201,11 @@ class PolicyWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        self.r3_config = replay_config(self.r3_config)
+        if self.r3_config is None:
+            self.r3_config, source = ReplayConfig.resolve_with_source(None)
+        else:
+            self.r3_config, source = replay_config(self.r3_config), SOURCE_CONFIG
+        announce(self.r3_config, source, "SkyRL policy worker")
         replay = replay_for(self.actor_module, self.r3_config, self.strategy.hf_config)
         w = self.model
         self.model = model_wrapper_class(type(w))(config=w.cfg, actor_module=w.actor_module,
@@ -318,6 +326,9 @@ def policy_worker_class(config=None, num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
+    from r3bridge.versions import check_internals
+    check_internals("skyrl", [(f"MegatronPolicyWorkerBase.{m}", base, m) for m in
+                              ("init_configs", "init_model", "forward", "forward_backward")])
     cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
                {"r3_config": None if config is None else replay_config(config)})
     return ray.remote(num_gpus=num_gpus)(cls)

@@ -2,14 +2,22 @@
 
 Loaded in the driver and in every Ray worker, either through verl's plugin entry points (group
 ``verl.plugins``: ``import verl`` imports this module) or through
-``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``. Importing it registers
-:class:`~r3bridge.adapters.verl.hooks.R3BridgeMegatronEngine` for
-``(language_model, megatron, cuda, nvidia)``, which verl's ``EngineRegistry`` prefers over its
-stock Megatron engine.
+``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``.
 
-verl swallows plugin import errors (it logs them at DEBUG), so this module checks that the
+Opt-in: importing this module costs nothing and swaps nothing unless the job asked for replay.
+It reads the replay mode from the environment the launcher
+(``python -m r3bridge.adapters.verl.main_ppo``) gives every worker (``R3BRIDGE_CONFIG`` /
+``R3BRIDGE_REPLAY_MODE``); only when that mode is R2 or R3 does it import megatron-core and
+verl's Megatron engine and register :class:`~r3bridge.adapters.verl.hooks.R3BridgeMegatronEngine`
+for ``(language_model, megatron, cuda, nvidia)``, which verl's ``EngineRegistry`` prefers over its
+stock Megatron engine (:func:`register`; the launcher also calls it for a driver-local worker).
+With replay off, verl's own engine runs untouched and no ``r3bridge/*`` metric is logged (the
+launcher's startup line says replay is off).
+
+verl swallows plugin import errors (it logs them at DEBUG), so :func:`register` checks that the
 registration really took effect and logs the outcome itself, at INFO on success and ERROR on
-failure (logger ``r3bridge.adapters.verl``; level from ``R3BRIDGE_LOGGING_LEVEL``).
+failure (logger ``r3bridge.adapters.verl``; level from ``R3BRIDGE_LOGGING_LEVEL``); a job that
+asked for replay fails instead of training without it.
 
 Files (the same in every adapter): ``config.py`` (the ``r3bridge`` section), ``rollout.py``
 (:class:`VerlRollout`, the engine calls of a sample), ``codec.py`` (:class:`VerlCodec`, verl's
@@ -44,21 +52,34 @@ LOADED = False          # True once the engine is registered and the registry re
 LOAD_ERROR: str | None = None
 
 
+def _install() -> type:
+    """Register the engine (idempotent); the registry must then resolve ENGINE_KEY to it."""
+    from verl.workers.engine.base import EngineRegistry
+
+    from r3bridge.versions import check_internals, check_release
+
+    check_release("verl", what="'s verl adapter")
+    check_internals("verl", [("verl.workers.engine.base.EngineRegistry._engines", EngineRegistry, "_engines")])
+    from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
+
+    model_type, backend, device, vendor = ENGINE_KEY
+    got = EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))
+    if got is None:
+        EngineRegistry.register(model_type=model_type, backend=backend, device=device, vendor=vendor)(
+            R3BridgeMegatronEngine)
+        got = EngineRegistry._engines[model_type][backend][(device, vendor)]
+    if got is not R3BridgeMegatronEngine:
+        raise RuntimeError(f"EngineRegistry holds {got!r} for {ENGINE_KEY}, not the r3bridge engine")
+    return R3BridgeMegatronEngine
+
+
 def _register() -> None:
     global LOADED, LOAD_ERROR
     try:
-        from verl.workers.engine.base import EngineRegistry
-
-        from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
-
-        model_type, backend, device, vendor = ENGINE_KEY
-        got = EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))
-        if got is not R3BridgeMegatronEngine:
-            raise RuntimeError(f"EngineRegistry holds {got!r} for {ENGINE_KEY}, not the r3bridge engine")
-        LOADED = True
+        engine = _install()
+        LOADED, LOAD_ERROR = True, None
         logger.info("r3bridge verl adapter loaded (pid %d): %s registered for %s; replay config: %s",
-                    os.getpid(), R3BridgeMegatronEngine.__name__, ENGINE_KEY,
-                    replay_config_from_env().as_dict())
+                    os.getpid(), engine.__name__, ENGINE_KEY, replay_config_from_env().as_dict())
     except Exception as e:  # noqa: BLE001  (verl would hide it: say it loudly instead)
         LOAD_ERROR = f"{type(e).__name__}: {e}"
         logger.error("r3bridge verl adapter NOT loaded in pid %d: %s. Routing replay is inactive in "
@@ -72,6 +93,13 @@ def _register() -> None:
                               f"replay_mode={mode}: {LOAD_ERROR}") from e
 
 
+def register() -> bool:
+    """Register r3bridge's engine in verl's ``EngineRegistry`` (idempotent). Returns :data:`LOADED`."""
+    if not LOADED:
+        _register()
+    return LOADED
+
+
 def _requested_mode() -> str:
     try:
         return replay_config_from_env().replay_mode.value
@@ -79,8 +107,9 @@ def _requested_mode() -> str:
         return f"unreadable ({e})"
 
 
-_register()
+if _requested_mode() != "off":      # opt-in: replay off imports nothing more and registers nothing
+    _register()
 
 __all__ = ["LOADED", "LOAD_ERROR", "ENGINE_KEY", "ENV_VAR", "ROUTES_KEY", "SAMPLE_KEY", "VerlCodec", "VerlRollout",
-           "replay_config_from_env",
+           "register", "replay_config_from_env",
            "replay_config_from_verl", "validate_verl_config", "check_engine_config", "prepare_verl_config"]

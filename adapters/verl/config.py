@@ -72,8 +72,9 @@ def _problems(mode: ReplayMode, f: Mapping[str, Any]) -> list[str]:
         p.append(f"{_ACTOR}.strategy={f['strategy']!r}: the r3bridge verl adapter drives Megatron only "
                  f"(set it to 'megatron')")
     if known("verl_router_replay") and f["verl_router_replay"] != "disabled":
-        p.append(f"{_MEGATRON}.router_replay.mode={f['verl_router_replay']!r}: verl's own router replay "
-                 f"must stay 'disabled' when r3bridge replays (two replays at once)")
+        p.append(f"r3bridge.replay_mode={m} and {_MEGATRON}.router_replay.mode={f['verl_router_replay']!r} ask for "
+                 f"two replays at once: r3bridge.replay_mode is the one switch; leave verl's router_replay.mode "
+                 f"'disabled' (its default)")
     if known("ref_router_replay") and f["ref_router_replay"] != "disabled":
         p.append(f"actor_rollout_ref.ref.megatron.router_replay.mode={f['ref_router_replay']!r}: must be "
                  f"'disabled' (the reference model never replays)")
@@ -169,13 +170,18 @@ def _load_hf_config(verl_cfg: Any) -> Any:
         return None
 
 
-def prepare_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
+def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None) -> ReplayConfig:
     """Driver side: validate, fill the ``r3bridge`` section with defaults, and forward it to every
     Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's
-    environment); make the workers import the adapter even with verl plugins disabled."""
+    environment); make the workers import the adapter even with verl plugins disabled, and (replay
+    on) register the engine in this process too. ``announce_where``: log the startup line
+    (:func:`r3bridge.announce.announce`) naming it."""
     from omegaconf import OmegaConf, open_dict
 
     cfg = validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg))
+    if announce_where is not None:
+        from r3bridge.announce import announce
+        announce(cfg, "config" if _select(verl_cfg, "r3bridge", None) is not None else "default", announce_where)
     payload = json.dumps(cfg.as_dict())
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
@@ -200,4 +206,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
             if ADAPTER_MODULE not in libs:
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
     os.environ[ENV_VAR] = payload
+    if cfg.replay_mode is not ReplayMode.OFF:
+        from r3bridge.adapters.verl import register
+        register()      # a worker in this process (imported verl before the mode was known)
     return cfg

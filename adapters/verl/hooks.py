@@ -1,4 +1,5 @@
-"""The registered engine: verl's ``MegatronEngineWithLMHead`` plus r3bridge's replay driver.
+"""The engine r3bridge registers (``r3bridge.adapters.verl.register``, only when the job asks for
+replay): verl's ``MegatronEngineWithLMHead`` plus r3bridge's replay driver.
 
 Overrides (everything else is verl's):
 
@@ -23,7 +24,6 @@ import logging
 from typing import Any, Callable, Iterator
 
 import torch
-from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -33,8 +33,9 @@ from r3bridge.adapters.verl.codec import (
     replay_batch_from_tensordict,
     routes_to_nested,
 )
-from r3bridge.adapters.verl.config import check_engine_config, replay_config_from_env
-from r3bridge.config import Action, Phase, ReplayMode
+from r3bridge.adapters.verl.config import check_engine_config
+from r3bridge.announce import announce, replay_mode_metric
+from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
 from r3bridge.metrics import logprob_mismatch
@@ -49,11 +50,12 @@ _PROVIDE = {"rollout": "enable actor_rollout_ref.rollout.enable_rollout_routing_
             "off": "set actor_rollout_ref.rollout.enable_rollout_routing_replay=False"}
 
 
-@EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda", vendor="nvidia")
 class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.r3_init_state(replay_config_from_env())
+        cfg, source = ReplayConfig.resolve_with_source(None)     # the launcher's R3BRIDGE_CONFIG
+        self.r3_init_state(cfg)
+        announce(cfg, source, "verl reference engine" if self.r3_is_ref else "verl engine")
         if self.r3_active:
             check_engine_config(self.r3_config, self.engine_config, hf_config=self.model_config.hf_config)
 
@@ -133,7 +135,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         result = ps.result
         if result.action is Action.RECORD:
             output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(result.recorded_for(len(data)))
-        extra = self._r3_logprob_metrics(output, data, phase_tag(phase))
+        extra = {**replay_mode_metric(self.r3_config), **self._r3_logprob_metrics(output, data, phase_tag(phase))}
         for k, v in self.r3_runner.metrics_to_log(result, extra).items():
             output.setdefault("metrics", {}).setdefault(k, []).extend(v)
         return output

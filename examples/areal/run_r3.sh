@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# R3 with AReaL 1.0 (SPMD, local launcher). R2: R3BRIDGE_REPLAY_MODE=R2 and rollout.return_routed_experts=false.
+# R3 with AReaL 1.0 (SPMD, local launcher). R2: append r3bridge.replay_mode=R2 rollout.return_routed_experts=false.
+# The paths are the example's own, so this runs from any folder.
 set -euo pipefail
-export R3BRIDGE_REPLAY_MODE=${R3BRIDGE_REPLAY_MODE:-R3}
-python3 -m areal.infra.launcher.local examples/areal/gsm8k_r3bridge.py \
-  --config examples/areal/gsm8k_megatron.yaml "$@"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+python3 -m areal.infra.launcher.local "$HERE/gsm8k_r3bridge.py" --config "$HERE/gsm8k_megatron.yaml" "$@"

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # R2 with SkyRL 0.3: record the trainer's routes in compute_log_prob, replay them in every update.
+# Runs from any folder (the entry point ships with r3bridge). One node of 8 GPUs; add SkyRL's data,
+# logger and batch-size overrides as usual (they pass through "$@").
 set -euo pipefail
-export R3BRIDGE_REPLAY_MODE=R2                                   # r3bridge: the replay_mode key
 MODEL=${MODEL:-Qwen/Qwen3-30B-A3B}
-python -m skyrl.train.entrypoints.main_base \
-  trainer.override_entrypoint=examples.skyrl.main_r3bridge \
+python -m r3bridge.adapters.skyrl.main \
+  trainer.r3bridge.replay_mode=R2 \
   trainer.strategy=megatron \
   trainer.policy.model.path="$MODEL" \
+  trainer.placement.policy_num_gpus_per_node=8 \
+  trainer.placement.ref_num_gpus_per_node=8 \
   trainer.policy.megatron_config.tensor_model_parallel_size=2 \
   trainer.policy.megatron_config.pipeline_model_parallel_size=2 \
   trainer.policy.megatron_config.expert_model_parallel_size=4 \
-  trainer.policy.megatron_config.moe_enable_routing_replay=false \
+  trainer.ref.megatron_config.tensor_model_parallel_size=2 \
+  trainer.ref.megatron_config.pipeline_model_parallel_size=2 \
+  trainer.ref.megatron_config.expert_model_parallel_size=4 \
+  generator.inference_engine.num_engines=4 \
+  generator.inference_engine.tensor_parallel_size=2 \
   trainer.remove_microbatch_padding=true \
   generator.inference_engine.enable_return_routed_experts=false \
   "$@"

@@ -53,16 +53,17 @@ def summarize(results: list[dict[str, Any]], modes: list[str]) -> dict[str, dict
         mm = next(r[mode]["mismatch"] for r in results if r[mode]["mismatch"] is not None)
         cov = [r[mode]["coverage"] for r in results]
         per_layer = {int(i): float(agree[i] / total[i]) for i in range(len(total)) if total[i] > 0}
-        native = [r[mode]["native_agreement"] for r in results if r[mode].get("native_agreement") is not None]
+        native = [r[mode]["agreement_mean"] for r in results if r[mode].get("agreement_mean") is not None]
         out[mode] = {
             "route_agreement": float(agree.sum() / total.sum()) if float(total.sum()) else 0.0,
             "k3_kl": mm["mismatch/k3_kl"], "abs_diff": mm["mismatch/abs_diff"],
             "F2": mm["mismatch/F2"], "F5": mm["mismatch/F5"],
             "replay_coverage": sum(cov) / len(cov),
             "_layers": per_layer,
-            # the driver's own metric: how often the trainer's router alone would have picked
-            # the replayed set (None without replay); not part of the JSON contract
-            "_native_agreement": sum(native) / len(native) if native else None,
+            # the driver's own metric, as a training job logs it (r3bridge/update/agreement/mean): how
+            # often the trainer's router alone would have picked the replayed set (None without
+            # replay); not part of the JSON contract
+            "_agreement_mean": sum(native) / len(native) if native else None,
             "_steps": _per_step(results, mode),
         }
     return out
@@ -161,17 +162,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(public, allow_nan=False))
     else:
-        print(f"{'mode':<5} {'agreement':>10} {'native':>8} {'k3_kl':>10} {'|d|':>10} {'F(2)':>9} {'F(5)':>9} "
-              f"{'coverage':>9}")
+        print(f"{'mode':<5} {'route_agreement':>15} {'agreement/mean':>14} {'k3_kl':>10} {'|d|':>10} {'F(2)':>9} "
+              f"{'F(5)':>9} {'coverage':>9}")
         for m, s in public.items():
-            nat = summary[m]["_native_agreement"]
-            print(f"{m:<5} {s['route_agreement']:>10.4f} {'-' if nat is None else f'{nat:.4f}':>8} "
+            nat = summary[m]["_agreement_mean"]
+            print(f"{m:<5} {s['route_agreement']:>15.4f} {'-' if nat is None else f'{nat:.4f}':>14} "
                   f"{s['k3_kl']:>10.3e} {s['abs_diff']:>10.3e} {s['F2']:>9.2e} {s['F5']:>9.2e} "
                   f"{s['replay_coverage']:>9.3f}")
         for m, s in summary.items():
             layers = " ".join(f"L{l}={v:.3f}" for l, v in s["_layers"].items())
             steps = " ".join(f"{x['route_agreement']:.3f}/{x['k3_kl']:.1e}" for x in s["_steps"])
-            print(f"  {m} per-layer agreement: {layers}; per step (agreement/k3): {steps}")
+            print(f"  {m} per-layer route_agreement: {layers}; per step (route_agreement/k3): {steps}")
     if plot:
         _plot(summary, plot)
         log(f"plot: {plot}")

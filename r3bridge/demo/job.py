@@ -184,7 +184,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
     history = {m: [hf_ref] for m in opts.modes}    # trainer weights (HF names) at the start of each step
     num_layers = layout.num_layers
     per_mode = {m: dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers), sums=None, cov=[],
-                        native=[], steps=[]) for m in opts.modes}
+                        agreement_mean=[], steps=[]) for m in opts.modes}
     per_update = _micro_batches_per_update(ctx.pp, ctx.vpp)
     n_groups = _mini_batches(opts, ctx.pp, ctx.vpp) * per_update
     for step_i in range(opts.steps):
@@ -238,7 +238,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 opt.step()
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
                 if plan.source:
-                    pm["native"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
+                    pm["agreement_mean"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
                 _count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
                     for j, b in enumerate(mini):
@@ -263,7 +263,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
         out[mode] = {"agree": pm["agree"].tolist(), "total": pm["total"].tolist(),
                      "mismatch": mismatch_from_sums(pm["sums"], prefix="") if pm["sums"] is not None else None,
                      "coverage": sum(pm["cov"]) / len(pm["cov"]) if pm["cov"] else 0.0,
-                     "native_agreement": sum(pm["native"]) / len(pm["native"]) if pm["native"] else None,
+                     "agreement_mean": sum(pm["agreement_mean"]) / len(pm["agreement_mean"]) if pm["agreement_mean"] else None,
                      "steps": pm["steps"]}
     out["rank"] = dict(pp=ctx.pp_rank, tp=ctx.tp_rank, cp=ctx.cp_rank, last=last_stage)
     return out

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import inspect
 
+from packaging.version import Version
+
 from r3bridge.errors import ConfigError
+from r3bridge.versions import supported_range
 
-MIN_MEGATRON_CORE = (0, 16, 0)
-# First release whose router has not been checked for hook bypasses (guards.py).
-MAX_MEGATRON_CORE_EXCLUSIVE = (0, 20, 0)
-
-
-def _fmt(v: tuple[int, ...]) -> str:
-    return ".".join(map(str, v))
+MIN_MEGATRON_CORE = (0, 16, 0)      # the first release with the per-router hook
+# The checked window itself is r3bridge's `megatron` extra (pyproject.toml), read back at run time
+# (r3bridge.versions.supported_range): the first release past it has not been checked for hook bypasses.
 
 
 def megatron_version() -> tuple[int, int, int]:
@@ -35,22 +34,29 @@ def megatron_version() -> tuple[int, int, int]:
     return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
 
 
+def _megatron_release() -> Version:
+    from megatron.core import package_info
+    major, minor, patch = megatron_version()
+    return Version(f"{major}.{minor}.{patch}{getattr(package_info, 'PRE_RELEASE', '') or ''}")
+
+
 def check_megatron() -> None:
     """Raise ConfigError unless megatron-core is a checked release with the per-router hook."""
-    v = megatron_version()
+    v = _megatron_release()
+    spec = supported_range("megatron-core")
     from megatron.core.transformer.moe import moe_utils, router
 
     has_hook = "router_replay" in inspect.signature(moe_utils.topk_routing_with_score_function).parameters
-    if v < MIN_MEGATRON_CORE or not has_hook or not hasattr(router.TopKRouter, "routing"):
+    too_new = any(s.operator in ("<", "<=") and not s.contains(v, prereleases=True) for s in spec)
+    if not too_new and (not spec.contains(v, prereleases=True) or not has_hook
+                        or not hasattr(router.TopKRouter, "routing")):
         raise ConfigError(
-            f"megatron-core {_fmt(v)} has no per-router replay hook "
-            f"(router.router_replay / get_replay_topk); r3bridge needs megatron-core >= "
-            f"{_fmt(MIN_MEGATRON_CORE)}")
-    if v >= MAX_MEGATRON_CORE_EXCLUSIVE:
+            f"megatron-core {v} has no per-router replay hook (router.router_replay / get_replay_topk); "
+            f"r3bridge supports megatron-core{spec}")
+    if too_new:
         raise ConfigError(
-            f"megatron-core {_fmt(v)} is newer than the releases r3bridge was checked against "
-            f"({_fmt(MIN_MEGATRON_CORE)} to <{_fmt(MAX_MEGATRON_CORE_EXCLUSIVE)}): a new routing path "
-            f"could bypass the replay hook and replay would silently do nothing")
+            f"megatron-core {v} is newer than the releases r3bridge was checked against (megatron-core{spec}): "
+            f"a new routing path could bypass the replay hook and replay would silently do nothing")
 
 
 def router_takes_padding_mask() -> bool:

@@ -13,7 +13,8 @@ runner owns the rest, in this order:
    is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhaseStep.install`);
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
-5. the driver's metrics tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
+5. the driver's metrics summarised (:func:`r3bridge.metrics.summarize_layers`: per-layer keys only
+   with ``per_layer_metrics``) and tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
    metrics carried to the next update for frameworks that log only the update's
    (:meth:`PhaseRunner.metrics_to_log`);
 6. R2: the recorded routes of the real samples, in sample-id order (:attr:`PhaseResult.recorded`).
@@ -30,7 +31,7 @@ from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.megatron.trace import RunTracer
-from r3bridge.metrics import tag_phase
+from r3bridge.metrics import summarize_layers, tag_phase
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_before_forward", "phase_tag"]
@@ -165,7 +166,9 @@ class PhaseStep:
 
     def _finish(self) -> PhaseResult:
         step = self.step
-        metrics = dict(step.metrics)
+        cfg = self.runner.config
+        # per-layer agreement keys opt-in (ReplayConfig.per_layer_metrics), a compact summary by default
+        metrics = summarize_layers(step.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
         res = PhaseResult(self.phase, self.action, metrics,
                           tag_phase(metrics, self.runner.config.metrics_prefix, phase_tag(self.phase)))
         if self.action is Action.RECORD:

@@ -58,6 +58,8 @@ def _check(lay, per_rank):
             assert math.isfinite(g1) and math.isfinite(g2) and g1 != g2, (where, res["grad_norms"])
         for step in range(2):
             m3, m2 = r["R3"]["metrics"][step], r["R2"]["metrics"][step]
+            for m in (m3, m2):      # the names docs/metrics.md documents, unscoped; AReaL adds <key>__count
+                _check_logged(m.keys(), framework_suffixes=("__count",))
             # what the mixin logged into AReaL's stats tracker, exported with the step's stats
             upd3 = {k.split("r3bridge/update/")[1]: v for k, v in m3.items() if "r3bridge/update/" in k}
             upd2 = {k.split("r3bridge/update/")[1]: v for k, v in m2.items() if "r3bridge/update/" in k}
@@ -81,3 +83,8 @@ def test_areal_engine_tp2_and_pp2_vpp2(tmp_path):
     res = spawn_layouts(_cell, world_size=2, layouts=layouts, args=(str(tmp_path),), timeout=900)
     for lay, per_rank in zip(layouts, res):
         _check(lay, per_rank)
+
+
+def _check_logged(*args, **kwargs) -> None:
+    from _documented_metrics import check_logged  # tests/adapters helper (not importable in workers)
+    check_logged(*args, **kwargs)

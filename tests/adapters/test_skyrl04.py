@@ -12,6 +12,7 @@ run in a child process with it first on ``sys.path``; where SkyRL 0.4 is the ins
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,8 +182,10 @@ def test_skyrl04(check):
 def test_other_releases_refused():
     from r3bridge.adapters.skyrl import skyrl_release
     assert skyrl_release("0.3.0") == "0.3" and skyrl_release("0.4.2") == "0.4"
-    for v in ("0.2.9", "0.5.0", "1.0.0"):
-        with pytest.raises(ConfigError, match="supports SkyRL 0.3.x and 0.4.x"):
+    assert skyrl_release("0.4.0rc1") == "0.4"                 # pre-releases of a supported release
+    for v in ("0.2.9", "0.5.0", "1.0.0", "0.3.0.dev1"):
+        with pytest.raises(ConfigError, match=re.escape(f"skyrl {v} is installed; r3bridge's SkyRL adapter supports "
+                                                        "skyrl<0.5,>=0.3")):
             skyrl_release(v)
 
 

@@ -54,6 +54,7 @@ def _check(res):
                 if "max_logprob_diff" in s:          # last pipeline stage
                     assert s["max_logprob_diff"] < 1e-5, (mode, s)
                 logged = s["logged"]                 # SkyRL's own per-micro-batch metrics
+                _check_logged(logged.keys())          # as docs/metrics.md names them (SkyRL adds "policy/")
                 assert logged["r3bridge/update/coverage"] == s["upd_metrics"]["r3bridge/coverage"]
                 assert "policy_loss" in logged and "policy_kl" in logged
             if mode == "R2":
@@ -75,3 +76,8 @@ def test_skyrl_real_training_path_tp2(results):
 @pytest.mark.slow
 def test_skyrl_real_training_path_pp2_vpp2(results):
     _check(results[1])
+
+
+def _check_logged(*args, **kwargs) -> None:
+    from _documented_metrics import check_logged  # tests/adapters helper (not importable in workers)
+    check_logged(*args, **kwargs)

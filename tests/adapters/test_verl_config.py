@@ -152,6 +152,43 @@ def test_engine_side_checks_with_verl_dataclass(base_cfg):
     vc.check_engine_config(ReplayConfig(), bad, hf_config=DENSE_HF)          # off: nothing to check
 
 
-def test_launcher_adds_plus_to_r3bridge_overrides():
-    assert rewrite_overrides(["r3bridge.replay_mode=R3", "+r3bridge.agreement=false", "trainer.n=1"]) == \
-        ["+r3bridge.replay_mode=R3", "+r3bridge.agreement=false", "trainer.n=1"]
+def test_launcher_passes_r3bridge_overrides_with_double_plus():
+    assert rewrite_overrides(["r3bridge.replay_mode=R3", "+r3bridge.agreement=false", "++r3bridge.min_coverage=0.5",
+                              "trainer.n=1", "+trainer.x=1"]) == \
+        ["++r3bridge.replay_mode=R3", "++r3bridge.agreement=false", "++r3bridge.min_coverage=0.5",
+         "trainer.n=1", "+trainer.x=1"]
+
+
+@pytest.mark.parametrize("existing", [[], ["+r3bridge={replay_mode: 'off', min_coverage: 0.1}"]],
+                         ids=["no-section", "section-already-composed"])
+def test_rewritten_overrides_compose_with_hydra_with_or_without_a_section(existing):
+    """Hydra's own composition of verl's config: ``++`` adds the section or overrides the one there
+    (a single ``+`` fails on an existing key, which the old launcher produced)."""
+    import verl.trainer.main_ppo as m
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    d = os.path.join(os.path.dirname(m.__file__), "config")
+    with initialize_config_dir(config_dir=d, version_base=None):
+        cfg = compose(config_name="ppo_megatron_trainer",
+                      overrides=existing + rewrite_overrides(["r3bridge.replay_mode=R3", "r3bridge.min_coverage=0.5"]))
+        assert vc.replay_config_from_verl(cfg) == ReplayConfig(replay_mode="R3", min_coverage=0.5)
+        if existing:
+            with pytest.raises(ConfigCompositionException):
+                compose(config_name="ppo_megatron_trainer", overrides=existing + ["+r3bridge.replay_mode=R3"])
+
+
+@pytest.mark.parametrize("spelling", ["off", "disabled", False])
+def test_every_off_spelling_is_off_in_a_verl_config(base_cfg, spelling):
+    assert vc.validate_verl_config(job(base_cfg, spelling)).replay_mode is ReplayMode.OFF
+
+
+def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
+    with pytest.raises(ConfigError) as ei:
+        vc.validate_verl_config(job(base_cfg, "R3", **{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"}),
+                                hf_config=MOE_HF)
+    msg = str(ei.value)
+    assert "r3bridge.replay_mode=R3" in msg and "actor_rollout_ref.actor.megatron.router_replay.mode='R3'" in msg
+    # verl's own replay alone (r3bridge off) is verl's business: nothing to refuse
+    own = job(base_cfg, "off", **{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"})
+    assert vc.validate_verl_config(own).replay_mode is ReplayMode.OFF

@@ -1,4 +1,5 @@
-"""The adapter loads through verl's plugin entry point / external_lib and owns the registry key."""
+"""The adapter loads through verl's plugin entry point / external_lib, opts in only when the job asks
+for replay, and then owns the registry key."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,8 @@ def test_registry_resolves_to_adapter_engine(monkeypatch):
     import r3bridge.adapters.verl as adapter
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
-    assert adapter.LOADED and adapter.LOAD_ERROR is None
+    assert adapter.register() and adapter.LOADED and adapter.LOAD_ERROR is None
+    assert adapter.register()                                # idempotent
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     assert cls is R3BridgeMegatronEngine and issubclass(cls, MegatronEngineWithLMHead)
     # only the LM-head engine on cuda/nvidia is ours: the critic and other devices stay verl's
@@ -93,3 +95,42 @@ def test_fresh_processes_load_it_by_entry_point_and_by_external_lib():
         assert "r3bridge verl adapter loaded" in err + out and "'replay_mode': 'R3'" in err + out
     assert "PLUGIN True True R3BridgeMegatronEngine" in outs[0][0]     # entry point
     assert "PLUGIN False True R3BridgeMegatronEngine" in outs[1][0]    # external_lib
+
+
+_IMPORT_COST = (
+    "import sys, time\n"
+    "t = time.perf_counter()\n"
+    "import verl\n"
+    "seconds = time.perf_counter() - t\n"
+    "a = sys.modules.get('r3bridge.adapters.verl')\n"
+    "print('PROBE', a is not None, 'megatron.core' in sys.modules, 'r3bridge.adapters.verl.hooks' in sys.modules,\n"
+    "      bool(a and a.LOADED), f'{seconds:.2f}')\n"
+)
+
+
+def _import_verl(**env_vars: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE")}
+    env.update(env_vars)
+    p = subprocess.run([sys.executable, "-c", _IMPORT_COST], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("PROBE"))
+    return line.split()[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{}, {"R3BRIDGE_REPLAY_MODE": "off"}, {"R3BRIDGE_REPLAY_MODE": "disabled"},
+                                 {"R3BRIDGE_CONFIG": '{"replay_mode": "off"}'}], ids=["unset", "off", "disabled", "json"])
+def test_import_verl_with_replay_off_costs_nothing(env):
+    """verl loads r3bridge's entry point, which imports no megatron-core and registers nothing: verl's
+    stock engine stays in the registry (the import time is printed for the record, not asserted)."""
+    loaded_plugin, megatron, hooks, registered, _seconds = _import_verl(**env)
+    assert loaded_plugin == "True"                        # the entry point did run
+    assert (megatron, hooks, registered) == ("False", "False", "False")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{"R3BRIDGE_REPLAY_MODE": "R3"}, {"R3BRIDGE_CONFIG": '{"replay_mode": "R2"}'}],
+                         ids=["R3", "R2-json"])
+def test_import_verl_with_replay_on_registers_the_engine(env):
+    loaded_plugin, megatron, hooks, registered, _seconds = _import_verl(**env)
+    assert (loaded_plugin, megatron, hooks, registered) == ("True", "True", "True", "True")

@@ -63,7 +63,7 @@ def test_plain_run_without_matplotlib_prints_the_table_and_skips_the_plot(tmp_pa
     plot = tmp_path / "demo.png"
     proc = _run(["--mode", "R3", "--steps", "1", "--tp", "2", "--plot", str(plot)], env=env, module="r3bridge")
     lines = proc.stdout.splitlines()
-    assert lines[0].split()[:3] == ["mode", "agreement", "native"]
+    assert lines[0].split()[:3] == ["mode", "route_agreement", "agreement/mean"]   # the metrics' names
     assert lines[1].split()[:2] == ["R3", "1.0000"]
     assert "matplotlib is not installed: the plot is skipped" in proc.stderr
     assert "[r3bridge demo] step 1/1 mode R3 done" in proc.stderr     # progress on stderr

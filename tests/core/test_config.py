@@ -90,3 +90,66 @@ def test_tracing_is_off_by_default_and_one_key_turns_it_on(monkeypatch):
     env = ReplayConfig.from_env()
     assert env.trace_dir == "/tmp/run1" and env.trace_every == 5
     assert ReplayConfig.from_mapping(env.as_dict()) == env
+
+
+# ----------------------------------------------------------------------- one "off", OmegaConf
+@pytest.mark.parametrize("spelling", ["off", "OFF", "disabled", "Disabled", "false", "False", False])
+def test_every_spelling_of_off_means_off(spelling):
+    assert ReplayMode.parse(spelling) is ReplayMode.OFF
+    assert ReplayConfig(replay_mode=spelling).replay_mode is ReplayMode.OFF
+
+
+def test_unquoted_yaml_off_reads_as_off():
+    # YAML 1.1 reads an unquoted `off` as the boolean False (OmegaConf's loader does too)
+    section = omegaconf.OmegaConf.create("replay_mode: off\nmin_coverage: 0.5")
+    assert section.replay_mode is False
+    cfg = ReplayConfig.from_mapping(omegaconf.OmegaConf.to_container(section))
+    assert cfg.replay_mode is ReplayMode.OFF and cfg.min_coverage == 0.5
+
+
+@pytest.mark.parametrize("yaml_text, mode", [("replay_mode: off", ReplayMode.OFF),
+                                             ("replay_mode: disabled", ReplayMode.OFF),
+                                             ("replay_mode: R3\nmin_coverage: 0.25", ReplayMode.R3),
+                                             ("replay_mode: r2", ReplayMode.R2)])
+def test_replay_config_is_an_omegaconf_structured_config(yaml_text, mode):
+    schema = omegaconf.OmegaConf.structured(ReplayConfig)
+    assert schema.replay_mode == "off"
+    merged = omegaconf.OmegaConf.merge(schema, omegaconf.OmegaConf.create(yaml_text))
+    cfg = omegaconf.OmegaConf.to_object(merged)
+    assert isinstance(cfg, ReplayConfig) and cfg.replay_mode is mode
+
+
+def test_structured_config_refuses_unknown_keys_and_bad_modes():
+    schema = omegaconf.OmegaConf.structured(ReplayConfig)
+    with pytest.raises(omegaconf.errors.ConfigKeyError):
+        omegaconf.OmegaConf.merge(schema, omegaconf.OmegaConf.create("replay_mod: R3"))
+    merged = omegaconf.OmegaConf.merge(schema, omegaconf.OmegaConf.create("replay_mode: R4"))
+    with pytest.raises(ConfigError, match="replay_mode must be one of"):
+        omegaconf.OmegaConf.to_object(merged)
+
+
+def test_resolve_with_source_names_where_the_section_came_from(monkeypatch):
+    monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
+    monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)
+    assert ReplayConfig.resolve_with_source(None) == (ReplayConfig(), "default")
+    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"})[1] == "config"
+    monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R3")
+    cfg, source = ReplayConfig.resolve_with_source(None)
+    assert cfg.replay_mode is ReplayMode.R3 and source == "environment (R3BRIDGE_REPLAY_MODE)"
+    monkeypatch.setenv("R3BRIDGE_CONFIG", '{"replay_mode": "R3", "min_coverage": 0.5}')
+    assert ReplayConfig.resolve_with_source(None)[1] == "environment (R3BRIDGE_CONFIG)"
+
+
+def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog):
+    import logging
+
+    from r3bridge.announce import announce, replay_mode_metric
+
+    with caplog.at_level(logging.INFO, logger="r3bridge"):
+        line = announce(ReplayConfig(), "default", "test")
+        assert "replay_mode=off (from default)" in line and "OFF" in line
+        assert any(r.levelno == logging.WARNING and "replay_mode=off" in r.getMessage() for r in caplog.records)
+        line = announce(ReplayConfig(replay_mode="R3"), "config", "test")
+        assert "replay_mode=R3 (from config)" in line
+    assert replay_mode_metric(ReplayConfig()) == {"r3bridge/replay_mode": 0.0}
+    assert replay_mode_metric(ReplayConfig(replay_mode="R2", metrics_prefix="x/")) == {"x/replay_mode": 2.0}

@@ -1,0 +1,78 @@
+"""SkyRL 0.3 entry point with r3bridge: SkyRL's own ``main_base`` with three subclasses swapped in and
+the ``trainer.r3bridge`` section on SkyRL's command line.
+
+    python -m r3bridge.adapters.skyrl.main trainer.r3bridge.replay_mode=R3 <SkyRL's overrides>
+    # or SkyRL's own dispatch (its main_base imports on Python >= 3.12 only):
+    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=r3bridge.adapters.skyrl.main ...
+
+The command line is parsed by SkyRL's parser into :func:`~r3bridge.adapters.skyrl.config.skyrl_config_class`
+(``trainer.r3bridge.*`` is a typed field); :func:`~r3bridge.adapters.skyrl.config.prepare_skyrl_config`
+fills it (environment fallback) and makes SkyRL's own checks pass. The section reaches the Ray workers
+inside the policy worker class (:func:`policy_worker_class`), not through the environment.
+"""
+from __future__ import annotations
+
+import sys
+
+import ray
+
+from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class
+from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
+from r3bridge.announce import announce
+
+# the generator first: on Python 3.11 import_skyrl must skip skyrl.train.generators' __init__ (its
+# VLM generator's pydantic chain), which main_base imports from
+SkyRLGymGenerator = import_skyrl("skyrl.train.generators.skyrl_gym_generator").SkyRLGymGenerator
+main_base = import_skyrl("skyrl.train.entrypoints.main_base")
+resolve_policy_model_name = import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils").resolve_policy_model_name
+
+
+class Generator(FirstSeenRoutesMixin, SkyRLGymGenerator):
+    """First-seen multi-turn routes instead of SkyRL's last-turn overwrite."""
+
+
+class Trainer(TrainerMixin, main_base.RayPPOTrainer):
+    """R2: the routes recorded in compute_log_prob go back into the TrainingInputBatch."""
+
+    def build_models(self, PolicyWorker, CriticWorker, RefWorker):
+        super().build_models(policy_worker_class(self.r3_config), CriticWorker, RefWorker)
+
+
+class Exp(main_base.BasePPOExp):
+    def get_generator(self, cfg, tokenizer, inference_engine_client):
+        return Generator(generator_cfg=cfg.generator, skyrl_gym_cfg=cfg.environment.skyrl_gym,
+                         inference_engine_client=inference_engine_client, tokenizer=tokenizer,
+                         policy_model_name=resolve_policy_model_name(cfg))
+
+    def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
+                    generator, colocate_pg):
+        t = Trainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
+                    eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
+                    generator=generator, colocate_pg=colocate_pg)
+        t.r3_config = cfg.trainer.r3bridge          # filled by prepare_skyrl_config
+        return t
+
+
+@ray.remote(num_cpus=1)
+def entrypoint(cfg):
+    Exp(cfg).run()
+
+
+def config_from_argv(argv: list[str]):
+    """SkyRL's parsed, validated config with the ``trainer.r3bridge`` section in force."""
+    cfg = parse_cli(argv)
+    announce(*replay_config_from_skyrl(cfg), "SkyRL launcher")
+    prepare_skyrl_config(cfg)
+    main_base.validate_cfg(cfg)
+    return cfg
+
+
+def main() -> None:
+    cfg = config_from_argv(sys.argv[1:])
+    main_base.initialize_ray(cfg)
+    ray.get(entrypoint.remote(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The one startup line every adapter logs, and the ``r3bridge/replay_mode`` metric.
+
+A job whose ``r3bridge`` setting is missing or mistyped trains with replay off; that must be seen,
+not found out later. Each adapter calls :func:`announce` once per process and model when it
+starts, and logs :func:`replay_mode_metric` with its metrics (``off`` is 0, ``R2`` 2, ``R3`` 3).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from r3bridge.config import SOURCE_DEFAULT, ReplayConfig, ReplayMode
+
+__all__ = ["announce", "replay_mode_metric", "REPLAY_MODE_CODES", "logger"]
+
+REPLAY_MODE_CODES = {ReplayMode.OFF: 0.0, ReplayMode.R2: 2.0, ReplayMode.R3: 3.0}
+
+logger = logging.getLogger("r3bridge")
+
+
+def _ensure_handler() -> None:
+    """INFO lines reach stderr even in a process that configured no logging (Ray workers)."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
+
+
+def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
+    """``{prefix}replay_mode``: 0 (off), 2 (R2) or 3 (R3)."""
+    return {f"{cfg.metrics_prefix}replay_mode": REPLAY_MODE_CODES[cfg.replay_mode]}
+
+
+def announce(cfg: ReplayConfig, source: str, where: str) -> str:
+    """Log which replay mode is in force in ``where`` (e.g. ``"SkyRL policy worker"``) and where it
+    came from (``config``, ``environment (...)``, ``default``). Off by default is a WARNING (visible
+    without any logging set-up); returns the line."""
+    mode = cfg.replay_mode
+    line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {source})"
+    if mode is ReplayMode.OFF and source == SOURCE_DEFAULT:
+        line += ("; no r3bridge setting was found, so routing replay is OFF (set the framework's r3bridge "
+                 "section, or R3BRIDGE_REPLAY_MODE / R3BRIDGE_CONFIG)")
+        logger.warning(line)
+    else:
+        _ensure_handler()
+        logger.info(line)
+    return line

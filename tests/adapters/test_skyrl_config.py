@@ -1,0 +1,72 @@
+"""The r3bridge section on SkyRL 0.3's own command line, parsed by SkyRL's own parser."""
+from __future__ import annotations
+
+import pytest
+
+from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
+from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.errors import ConfigError
+
+R3_LINE = ["trainer.override_entrypoint=r3bridge.adapters.skyrl.main", "trainer.strategy=megatron",
+           "trainer.r3bridge.replay_mode=R3", "trainer.r3bridge.min_coverage=0.5",
+           "trainer.policy.megatron_config.tensor_model_parallel_size=2",
+           "generator.inference_engine.enable_return_routed_experts=true",
+           "generator.inference_engine.distributed_executor_backend=mp"]
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
+    monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)
+
+
+def test_section_on_skyrls_command_line():
+    cfg = parse_cli(R3_LINE)
+    assert cfg.trainer.r3bridge == ReplayConfig(replay_mode="R3", min_coverage=0.5)
+    assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2     # SkyRL's own keys still parse
+    assert replay_config_from_skyrl(cfg) == (ReplayConfig(replay_mode="R3", min_coverage=0.5), "config")
+
+
+def test_skyrls_check_passes_without_moe_enable_routing_replay():
+    """The user no longer writes moe_enable_routing_replay=true: SkyRL's own validate_cfg passes."""
+    from r3bridge.adapters.skyrl._compat import import_skyrl
+
+    utils = import_skyrl("skyrl.train.utils.utils")
+    cfg = parse_cli(R3_LINE)
+    assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is False
+    with pytest.raises(AssertionError, match="moe_enable_routing_replay must be True"):
+        utils.validate_inference_engine_cfg(parse_cli(R3_LINE))       # SkyRL's own check, unprepared
+    assert prepare_skyrl_config(cfg).replay_mode is ReplayMode.R3
+    assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is True
+    utils.validate_inference_engine_cfg(cfg)
+    utils.validate_megatron_cfg(cfg)
+
+
+@pytest.mark.parametrize("line, needle", [
+    (["trainer.r3bridge.replay_mode=R3"], "enable_return_routed_experts=true"),
+    (["trainer.r3bridge.replay_mode=R2", "generator.inference_engine.enable_return_routed_experts=true"],
+     "enable_return_routed_experts=true asks vLLM"),
+    (["trainer.r3bridge.replay_mode=R2", "trainer.policy.megatron_config.moe_enable_routing_replay=true"],
+     "two replays at once"),
+])
+def test_contradictions_name_both_keys(line, needle):
+    with pytest.raises(ConfigError, match=needle) as ei:
+        prepare_skyrl_config(parse_cli(line))
+    assert "trainer.r3bridge.replay_mode" in str(ei.value)
+
+
+def test_mistyped_keys_and_modes_are_refused():
+    with pytest.raises(ValueError, match="replay_mod"):
+        parse_cli(["trainer.r3bridge.replay_mod=R3"])
+    with pytest.raises(ConfigError, match="replay_mode must be one of"):
+        parse_cli(["trainer.r3bridge.replay_mode=R4"])
+
+
+def test_environment_is_the_fallback(monkeypatch):
+    cfg = parse_cli(["trainer.strategy=megatron"])
+    assert replay_config_from_skyrl(cfg) == (ReplayConfig(), "default")
+    monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R2")
+    rc, source = replay_config_from_skyrl(cfg)
+    assert rc.replay_mode is ReplayMode.R2 and source == "environment (R3BRIDGE_REPLAY_MODE)"
+    # an explicit command-line value wins over the environment, "off" included
+    assert replay_config_from_skyrl(parse_cli(["trainer.r3bridge.replay_mode=off"]))[0].replay_mode is ReplayMode.OFF
