@@ -79,7 +79,8 @@ def _job(ctx, root: str) -> dict:
 
     for mode in ("R3", "R2"):
         trace_dir = f"{where}/{mode}" + (f"/rank{ctx.rank}" if serial else "")
-        cfg = ReplayConfig(replay_mode=mode, trace_dir=trace_dir, agreement=(mode == "R3"))
+        cfg = ReplayConfig(replay_mode=mode, trace_dir=trace_dir, agreement=(mode == "R3"),
+                           per_layer_metrics=True)     # every layer logged, to compare with the trace
         rep = Replayer.from_config(chunks, cfg)
         runner = PhaseRunner(rep, cfg, framework="harness")
         routes = [make_routes(rep.layout, b.seq_lens, E, K, 60 + i, invalid_every=5 if i == 1 else 0)
@@ -200,6 +201,8 @@ def test_trace_agreement_equals_the_logged_metrics(job):
             for row in s["per_layer"]:
                 assert row["agreement"] == pytest.approx(logged[f"r3bridge/agreement/layer_{row['layer']}"],
                                                          abs=1e-12), (label, row["layer"])
+            assert min(row["agreement"] for row in s["per_layer"]) == pytest.approx(
+                logged["r3bridge/agreement/layer_min"], abs=1e-12), label
             assert 0.0 < s["agreement"] < 0.8        # random routes: replay really overrode the router
             assert logged["r3bridge/trace/bytes"] > 0 and "r3bridge/trace/stopped" not in logged
 
