@@ -242,13 +242,6 @@ def router_rows(batch: dict) -> tuple[list[int], list[int]]:
     return seq, pos
 
 
-@dataclass
-class Passes:
-    """The router calls of one run, grouped into passes: (role, grad, pass index) -> records."""
-
-    passes: list[tuple[str, bool, list[dict]]]
-
-
 def group_passes(recs: list[dict]) -> list[tuple[str, bool, list[dict]]]:
     """Consecutive router calls of one (role, grad mode) form a pass (compute_log_prob, ref,
     update mini-batches); a pass ends when another kind of call comes."""
