@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch, sentinel_dtype
@@ -46,12 +47,16 @@ def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[
 
 
 def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                             moe_layer_ids: Sequence[int], source: str = "rollout") -> ReplayBatch:
+                             moe_layer_ids: Sequence[int], source: str = "rollout",
+                             topk: Optional[int] = None) -> ReplayBatch:
     """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), -> canonical ReplayBatch in that order."""
+    batches are right-padded), -> canonical ReplayBatch in that order. Route errors name the
+    sample by its row of ``t`` (AReaL's trajectory in the batch) and its token; ``topk`` (the
+    model's) refuses routes of another width here, naming both."""
     t = torch.as_tensor(t)
     if t.dim() != 4:
         raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
+    check_topk("routes", int(t.shape[2]), topk)
     if t.shape[1] != len(moe_layer_ids):
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     rows, lens = [int(r) for r in rows], [int(n) for n in lens]
@@ -67,8 +72,9 @@ def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequenc
         v = ~(x == none).flatten(1).all(1)
         per.append(torch.where(v[:, None, None], x, torch.zeros_like(x)))
         valid.append(v)
-    rb = ReplayBatch.from_ragged(per, num_experts=num_experts, layer_ids=list(moe_layer_ids), valid=valid,
-                                 source=source)
+    with naming_samples("AReaL", [f"batch row {r}" for r in rows]):
+        rb = ReplayBatch.from_ragged(per, num_experts=num_experts, layer_ids=list(moe_layer_ids), valid=valid,
+                                     source=source)
     return drop_final_invalid_rows(rb) if source != "recorded" else rb
 
 
@@ -82,7 +88,7 @@ def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
 
 
 def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
-                            source: str = "rollout") -> ReplayBatch:
+                            source: str = "rollout", topk: Optional[int] = None) -> ReplayBatch:
     """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) ->
     canonical ReplayBatch of its samples in batch order."""
     t = data.get(key)
@@ -90,7 +96,7 @@ def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer
         raise CoverageError(f"the batch has no {key!r}")
     lens = _right_padded_lens(data["attention_mask"])
     return replay_batch_from_tensor(t, range(len(lens)), lens, num_experts=num_experts,
-                                    moe_layer_ids=moe_layer_ids, source=source)
+                                    moe_layer_ids=moe_layer_ids, source=source, topk=topk)
 
 
 def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,7 @@ class ArealCodec:
     def to_replay_batch(self, native: dict, *, source: str = "rollout"):
         key = RECORDED_KEY if source == "recorded" else ROUTES_KEY
         return replay_batch_from_batch(native, key=key, num_experts=self.model.num_experts,
-                                       moe_layer_ids=self.model.moe_layer_ids, source=source)
+                                       moe_layer_ids=self.model.moe_layer_ids, source=source, topk=self.model.topk)
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])

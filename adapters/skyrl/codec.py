@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch, route_dtype
@@ -42,10 +43,32 @@ def _get(batch: Any, key: str) -> Any:
 
 def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                                      num_hidden_layers: Optional[int] = None, source: str = "rollout",
-                                     routes_key: str = ROUTES_KEY) -> ReplayBatch:
+                                     routes_key: str = ROUTES_KEY, topk: Optional[int] = None,
+                                     sample_ids: Optional[Sequence[int]] = None) -> ReplayBatch:
     """A ``TrainingInputBatch`` (or worker micro-batch dict) -> ReplayBatch of its samples in batch
     order, canonical form (r3bridge.protocols): one row per real token, start 0, uncaptured rows
-    invalid, a final row without a route dropped (``source="rollout"`` only)."""
+    invalid, a final row without a route dropped (``source="rollout"`` only).
+
+    Route errors name the sample by its row of ``batch`` (``sample_ids[i]`` when given: e.g. the
+    mini-batch row of a micro-batch's row ``i``) and its token; ``topk`` (the model's) refuses
+    routes of another width here, naming both."""
+    with naming_samples("SkyRL", _row_names(batch, sample_ids)):
+        return _replay_batch_from_training_batch(batch, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                                                 num_hidden_layers=num_hidden_layers, source=source,
+                                                 routes_key=routes_key, topk=topk)
+
+
+def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
+    if sample_ids is not None:
+        return [f"batch row {int(i)}" for i in sample_ids]
+    attn = _get(batch, "attention_mask")
+    n = int(torch.as_tensor(attn).shape[0]) if attn is not None else 0
+    return [f"batch row {i}" for i in range(n)]
+
+
+def _replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
+                                      num_hidden_layers: Optional[int], source: str, routes_key: str,
+                                      topk: Optional[int]) -> ReplayBatch:
     routes = _get(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
@@ -57,6 +80,7 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
         raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
                           "r3bridge needs one sample per row")
     if _is_packed(routes):
+        check_topk(routes_key, int(torch.as_tensor(routes.values).shape[-1]), topk)
         rb = _from_packed_field(routes, _get(batch, MASK_KEY), attn, num_experts=num_experts,
                                 moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers, source=source,
                                 routes_key=routes_key)
@@ -64,6 +88,7 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
+    check_topk(routes_key, int(routes.shape[-1]), topk)
     moe = [int(i) for i in moe_layer_ids]
     sel = moe_layers_of(routes, moe, layer_dim=2, num_hidden_layers=num_hidden_layers, field=routes_key)
     attn = torch.as_tensor(attn).bool()
@@ -203,8 +228,9 @@ class SkyRLCodec:
     """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
-                 release: Optional[str] = None) -> None:
+                 release: Optional[str] = None, topk: Optional[int] = None) -> None:
         from r3bridge.adapters.skyrl._compat import skyrl_release
+        self.topk = None if topk is None else int(topk)
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
@@ -214,7 +240,8 @@ class SkyRLCodec:
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
         return replay_batch_from_training_batch(
             native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source)
+            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source,
+            topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them

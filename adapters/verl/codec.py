@@ -20,11 +20,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "replay_batch_from_tensordict", "routes_to_nested", "VerlCodec"]
+__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
@@ -43,18 +44,42 @@ def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return values, offsets.diff().tolist()
 
 
+def sample_names(td: Any) -> list[str]:
+    """How verl knows each sample of a (micro-)batch: its index in the batch the engine received
+    (:data:`SAMPLE_KEY`, added by the engine before verl splits micro-batches) and, when the batch
+    carries it, verl's ``uid`` (the prompt group); the position in the micro-batch otherwise."""
+    n = len(td) if hasattr(td, "__len__") else 0
+    idx = td.get(SAMPLE_KEY, None) if hasattr(td, "get") else None
+    names = [f"batch index {int(i)}" for i in idx.tolist()] if idx is not None else \
+        [f"micro-batch position {i}" for i in range(n)]
+    uid = td.get("uid", None) if hasattr(td, "get") else None
+    try:
+        uids = list(uid) if uid is not None and not isinstance(uid, torch.Tensor) else None
+    except TypeError:
+        uids = None
+    if uids is not None and len(uids) == len(names):
+        names = [f"{n} (uid {u})" for n, u in zip(names, uids)]
+    return names
+
+
 def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
                                  source: str, num_hidden_layers: int | None = None,
-                                 invalid_rows: str = "native") -> ReplayBatch:
+                                 invalid_rows: str = "native", topk: int | None = None) -> ReplayBatch:
     """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
     every decoder layer, ``num_hidden_layers`` of them (rollout routes, R3).
-    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range."""
+    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
+    ``topk``: the model's top-k; routes of another width are refused here, naming both.
+    Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
     routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
     if routes is None:
         raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
     values, rows = _jagged(routes)
+    check_topk(ROUTES_KEY, int(values.shape[-1]), topk)
+    names = sample_names(td) if hasattr(td, "get") else [f"micro-batch position {i}" for i in range(len(rows))]
+    if len(names) != len(rows):
+        names = [f"micro-batch position {i}" for i in range(len(rows))]
     moe = [int(i) for i in moe_layer_ids]
     nl = int(values.shape[1])
     if source == "recorded":
@@ -68,13 +93,15 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
                                     "decoder layer)")
         sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=f"rollout {ROUTES_KEY}")
     valid = nonzero_rows(sel, recorded=source == "recorded")
-    rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+    with naming_samples("verl", names):
+        rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
     if source != "recorded":
         rb = drop_final_invalid_rows(rb)     # the final token never fed the engine
     if invalid_rows == "error" and not bool(rb.valid.all()):
         bad = int((~rb.valid).nonzero()[0])
         seq = int((rb.offsets[1:] <= bad).sum())
-        raise CoverageError(f"sample {seq} of the micro-batch has rows without a route (zero rows in "
+        token = rb.start_rows[seq] + bad - int(rb.offsets[seq])
+        raise CoverageError(f"verl sample {names[seq]}: token {token} has no route (a zero row in "
                             f"{ROUTES_KEY}) and r3bridge.invalid_rows='error'")
     return rb
 
@@ -96,16 +123,17 @@ class VerlCodec:
     """The :class:`r3bridge.protocols.BatchCodec` of verl's no-padding ``TensorDict`` batch."""
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
-                 invalid_rows: str = "native") -> None:
+                 invalid_rows: str = "native", topk: int | None = None) -> None:
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
         self.invalid_rows = invalid_rows
+        self.topk = None if topk is None else int(topk)
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
         return replay_batch_from_tensordict(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts,
                                             source=source, num_hidden_layers=self.num_hidden_layers,
-                                            invalid_rows=self.invalid_rows)
+                                            invalid_rows=self.invalid_rows, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         native[ROUTES_KEY] = routes_to_nested(recorded)

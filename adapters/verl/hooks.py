@@ -27,6 +27,7 @@ import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
+from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.verl.codec import (
     ROUTES_KEY,
     SAMPLE_KEY,
@@ -117,19 +118,18 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only)
         self.r3_runner.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
                                     where=f"the {phase.value} batch", provide=_PROVIDE)
-        numbered = plan.action is Action.RECORD or self.r3_config.trace_dir is not None
-        if numbered:
-            # the batch-level sample index travels with each sample through verl's micro-batching
-            # (R2's recording order; the sample ids of a route trace)
-            data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
+        if plan.action is Action.REPLAY:
+            self._r3_check_topk(data, phase)
+        # the batch-level sample index travels with each sample through verl's micro-batching:
+        # R2 records by it, and route errors name the sample by it (not its micro-batch position)
+        data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
         try:
             with self.r3_runner.run(phase, forward_only=forward_only) as ps:
                 self._r3_step = ps
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         finally:
             self._r3_step = None
-            if numbered:
-                data.pop(SAMPLE_KEY, None)
+            data.pop(SAMPLE_KEY, None)
         if not output:                                  # not the last pipeline stage
             return output
         result = ps.result
@@ -139,6 +139,16 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         for k, v in self.r3_runner.metrics_to_log(result, extra).items():
             output.setdefault("metrics", {}).setdefault(k, []).extend(v)
         return output
+
+    def _r3_check_topk(self, data, phase: Phase) -> None:
+        """Refuse routes of another top-k than the model's before the schedule starts (not at
+        the first router, mid-forward), naming the field and both values."""
+        routes = data.get(ROUTES_KEY, None)
+        k = self.r3_model.topk
+        if routes is None or k is None:
+            return
+        width = int(routes.values().shape[-1] if getattr(routes, "is_nested", False) else routes.shape[-1])
+        check_topk(ROUTES_KEY, width, k, where=f"the {phase.value} batch")
 
     def _r3_logprob_metrics(self, output: dict, data, tag: str) -> dict[str, float]:
         """Trainer-vs-rollout log-prob mismatch of this pass, in verl's padded response layout."""
@@ -167,14 +177,15 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
         input_ids = batch["input_ids"]
         seq_lens = input_ids.offsets().diff().tolist()
-        routes, sample_ids = None, None
+        routes = None
+        # every pass carries the batch-level sample index: R2 records by it, traces and route
+        # errors name samples by it
+        sample_ids = batch[SAMPLE_KEY].tolist()
         if self._r3_step.action is Action.REPLAY:
             m = self.r3_model
             routes = replay_batch_from_tensordict(
                 batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
-                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows)
-        if self._r3_step.action is Action.RECORD or self.r3_config.trace_dir is not None:
-            sample_ids = batch[SAMPLE_KEY].tolist()
+                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk)
         self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                 cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
 

@@ -3,15 +3,22 @@ carries.
 
 verl 0.9's agent loop takes each sample's ``routed_experts`` array (``[rows, num_hidden_layers,
 K]``, every decoder layer) from its vLLM / SGLang server and places it from the prompt start in
-the padded batch; a multi-turn loop keeps only the last call's. r3bridge asks for the calls
-stitched first-seen instead (the rows that sampled each token): :class:`VerlRollout` does that
-(:func:`r3bridge.ingest.rollout_routes`).
+the padded batch; its multi-turn tool loop keeps only the last call's
+(``experimental/agent_loop/tool_agent_loop.py:286``), whose rows for earlier turns' tokens are
+the re-prefill's routes, not the ones that sampled them. r3bridge stitches the calls first-seen
+instead (the rows that sampled each token): :class:`VerlRollout` does that for a batch
+(:func:`r3bridge.ingest.rollout_routes`) and for one agent-loop sample
+(:meth:`VerlRollout.agent_loop_routes`, used by
+:class:`r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop`).
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from r3bridge.ingest import rollout_routes
+import numpy as np
+
+from r3bridge.errors import RouteShapeError
+from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["VerlRollout"]
@@ -20,12 +27,38 @@ __all__ = ["VerlRollout"]
 class VerlRollout:
     """The :class:`r3bridge.protocols.RolloutIngest` of verl's agent loop."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
+                 topk: int | None = None) -> None:
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
+        self.topk = None if topk is None else int(topk)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "VerlRollout":
+        from r3bridge.hf import ModelInfo
+
+        info = ModelInfo.from_hf_config(hf_config)
+        return cls(num_experts=info.num_experts, moe_layer_ids=info.moe_layer_ids, num_hidden_layers=info.num_layers,
+                   topk=info.topk)
 
     def routes_from_rollout(self, engine_outputs: Sequence[Sequence[Any]]) -> ReplayBatch:
         """``engine_outputs[i]``: sample ``i``'s engine calls (vLLM arrays, ``.npy`` base64, nested
         lists), each from row 0 -> one first-seen sequence per sample, MoE layers."""
         return rollout_routes(engine_outputs, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids)
+
+    def agent_loop_routes(self, calls: Sequence[Any], *, sample: str = "") -> tuple[np.ndarray, StitchReport]:
+        """One agent-loop sample's server calls (each ``TokenOutput.routed_experts``: ``[rows,
+        num_hidden_layers, K]`` from row 0 of that call's prompt) -> the first-seen rows in verl's
+        own transport (same shape and dtype, every decoder layer) and the stitch report (rows a
+        later call re-prefilled, and how many of those routed differently)."""
+        where = f"sample {sample}: " if sample else ""
+        for t, c in enumerate(calls):
+            shape = np.shape(c)
+            if len(shape) != 3 or shape[1] != self.num_hidden_layers:
+                raise RouteShapeError(f"{where}server call {t} returned routed_experts of shape {list(shape)}; "
+                                      f"expected [rows, num_hidden_layers={self.num_hidden_layers}, topk]")
+            if self.topk is not None and shape[2] != self.topk:
+                raise RouteShapeError(f"{where}server call {t} returned routed_experts with top-k {shape[2]}, "
+                                      f"the model routes top-{self.topk} (num_experts_per_tok)")
+        return first_seen_rows(calls)

@@ -73,7 +73,7 @@ def test_zero_tail_rows_are_invalid_never_replayed():
     r2, v2 = rb.sequence(2)
     assert not bool(v2.any())
     assert r2.tolist() == [[[0, 1]] * len(MOE)] * 3       # canonical distinct fillers, never duplicates
-    with pytest.raises(CoverageError, match="sample 1"):
+    with pytest.raises(CoverageError, match="verl sample micro-batch position 1: token 3 has no route"):
         replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
                                      num_hidden_layers=NUM_LAYERS, invalid_rows="error")
 

@@ -1,0 +1,53 @@
+"""``VerlRollout.agent_loop_routes``: one agent-loop sample's server calls -> first-seen rows in
+verl's transport, re-prefill disagreements counted (what ``FirstSeenToolAgentLoop`` stores; the
+whole loop runs in tests/adapters/test_verl_e2e.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3bridge.adapters.verl.rollout import VerlRollout
+from r3bridge.errors import RouteShapeError
+
+LAYERS, E, K = 3, 8, 2
+
+
+def _call(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = np.zeros((rows, LAYERS, K), dtype=np.uint8)
+    for r in range(rows):
+        for layer in (1, 2):
+            out[r, layer] = rng.choice(E, size=K, replace=False)
+    return out
+
+
+def _rollout() -> VerlRollout:
+    return VerlRollout(num_experts=E, moe_layer_ids=[1, 2], num_hidden_layers=LAYERS, topk=K)
+
+
+def test_first_seen_rows_win_and_disagreements_are_counted():
+    first = _call(6, 0)
+    second = np.concatenate([first, _call(4, 1)])          # turn 2 re-sends turn 1's 6 rows
+    # the re-prefill routed token 2 elsewhere in layer 1
+    second[2, 1] = [e for e in range(E) if e not in set(first[2, 1].tolist())][:K]
+    routes, report = _rollout().agent_loop_routes([first, second], sample="abc")
+    assert routes.shape == (10, LAYERS, K) and routes.dtype == first.dtype
+    assert np.array_equal(routes[:6], first)                # first-seen: the rows that sampled the tokens
+    assert np.array_equal(routes[6:], second[6:])
+    assert report.overlap_rows == [6] and report.total_disagreeing == 1
+    # verl 0.9.1's tool loop would have kept `second`, whose row 2 differs
+    assert not np.array_equal(second[:6], routes[:6])
+
+
+def test_call_shape_and_topk_are_checked_naming_the_sample():
+    with pytest.raises(RouteShapeError, match=r"sample abc: server call 1 .* num_hidden_layers=3"):
+        _rollout().agent_loop_routes([_call(4, 0), np.zeros((6, 2, K), np.uint8)], sample="abc")
+    with pytest.raises(RouteShapeError, match=r"server call 0 returned routed_experts with top-k 3, the model routes top-2"):
+        _rollout().agent_loop_routes([np.zeros((4, LAYERS, 3), np.uint8)])
+
+
+def test_from_hf_config():
+    from testlab.mbridge_spec import tiny_qwen3_moe
+
+    r = VerlRollout.from_hf_config(tiny_qwen3_moe(num_layers=4, dense=(0,), num_experts=8, topk=2))
+    assert (r.num_hidden_layers, r.moe_layer_ids, r.num_experts, r.topk) == (4, [1, 2, 3], 8, 2)

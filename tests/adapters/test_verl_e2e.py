@@ -1,0 +1,117 @@
+"""verl 0.9.1's whole job on CPU through r3bridge's launcher: Ray, agent loop, rollout server,
+reward, compute_log_prob, reference, GRPO update, 2 steps, for replay_mode R3, R2 and off.
+
+``python -m r3bridge.adapters.verl.main_ppo`` runs as a user runs it (a subprocess with verl's
+overrides plus ``r3bridge.replay_mode``); the rollout backend is r3bridge's HF transformers engine
+registered in verl's rollout registries (:mod:`testlab.verl_hf_rollout`); two prompts of each step
+go through the tool agent loop (two server calls each) with r3bridge's first-seen stitching
+(:class:`r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop`). Every router call of the
+actor and the reference model is logged in the Ray workers (:mod:`testlab.verl_e2e_worker`) and
+checked per (sample, token, layer) (:func:`testlab.verl_e2e.check_run`): R3 dispatches the routes
+the server returned (first-seen) on every row it returned, R2's update dispatches what the same
+sample's compute_log_prob chose, off and the reference model route natively. The control run
+switches first-seen off (verl's own last-call behaviour): its R3 dispatch must then disagree with
+the first-seen routes. See docs/use-with-verl.md ("End to end").
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from testlab import verl_e2e as E
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 2
+
+
+def _run(tmp_path_factory, mode: str, *, first_seen: bool = True) -> E.RunResult:
+    root = str(tmp_path_factory.mktemp(f"verl_e2e_{mode}_{'first' if first_seen else 'last'}"))
+    paths = E.write_job(root, first_seen=first_seen)
+    t0 = time.monotonic()
+    proc = subprocess.run(E.job_command(paths, mode, steps=STEPS), env=E.job_env(paths, REPO), cwd=root,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    res = E.read_run(paths, proc.returncode, proc.stdout[-6000:])
+    print(f"verl e2e {mode} first_seen={first_seen}: rc {proc.returncode}, {time.monotonic() - t0:.0f} s, "
+          f"{len(res.calls)} server calls, {len(res.dispatch)} router calls")
+    assert proc.returncode == 0, res.output
+    return res
+
+
+@pytest.fixture(scope="module")
+def r3(tmp_path_factory):
+    return _run(tmp_path_factory, "R3")
+
+
+@pytest.fixture(scope="module")
+def r3_last_call(tmp_path_factory):
+    return _run(tmp_path_factory, "R3", first_seen=False)
+
+
+@pytest.fixture(scope="module")
+def r2(tmp_path_factory):
+    return _run(tmp_path_factory, "R2")
+
+
+@pytest.fixture(scope="module")
+def off(tmp_path_factory):
+    return _run(tmp_path_factory, "off")
+
+
+def _checked(res: E.RunResult, mode: str, **kw) -> list[E.StepCheck]:
+    checks = E.check_run(res, mode, **kw)
+    assert len(checks) == STEPS, [c.step for c in checks]
+    for c in checks:
+        assert c.samples == E.BATCH * E.N, c
+        assert c.compared["compute_log_prob"] > 0 and c.compared["update"] > 0, c
+        # the reference model: no hook, its own top-k on every row
+        assert c.ref_native[0] == c.ref_native[1] > 0, c
+    return checks
+
+
+def test_r3_dispatches_the_servers_first_seen_routes(r3):
+    checks = _checked(r3, "R3")
+    for c in checks:
+        assert c.errors == [], c.errors
+        assert c.multi_turn == 2 * E.N, c    # two tool-agent prompts per step, N samples each
+        # the reference model ignores the rollout routes (it would match them everywhere if it replayed)
+        same, total = c.ref_equal_rollout
+        assert total > 0 and same < total / 2, c
+    # the re-prefill of the second turn routed some first-turn tokens differently (bf16 engine)
+    assert sum(c.reprefill[0] for c in checks) > 0, [c.reprefill for c in checks]
+    mets = E.r3bridge_metrics(r3)
+    assert len(mets) == STEPS
+    for m in mets:
+        assert m["actor/r3bridge/update/coverage"] > 0.9, m
+        assert "actor/r3bridge/old_log_prob/coverage" in m and "actor/r3bridge/update/agreement/mean" in m, m
+
+
+def test_r3_with_last_call_routes_fails_the_check(r3_last_call):
+    """First-seen off: the agent loop keeps the last call's routes (verl 0.9.1's behaviour); the
+    trainer replays exactly those, and the first-seen check fails on the re-prefilled rows."""
+    last = _checked(r3_last_call, "R3", first_seen=False)
+    assert all(c.errors == [] for c in last), [c.errors for c in last]
+    first = E.check_run(r3_last_call, "R3", first_seen=True)
+    wrong = [e for c in first for e in c.errors]
+    assert wrong, "the last call's routes passed the first-seen check"
+    assert sum(c.reprefill[0] for c in first) > 0
+
+
+def test_r2_update_replays_what_compute_log_prob_chose(r2):
+    checks = _checked(r2, "R2")
+    for c in checks:
+        assert c.errors == [], c.errors
+    for m in E.r3bridge_metrics(r2):
+        assert m["actor/r3bridge/update/agreement/mean"] == pytest.approx(1.0), m
+        assert m["actor/r3bridge/update/coverage"] == pytest.approx(1.0), m
+
+
+def test_off_routes_natively_and_logs_nothing(off):
+    checks = _checked(off, "off")
+    for c in checks:
+        assert c.errors == [], c.errors
+    assert all(m == {} for m in E.r3bridge_metrics(off)), E.r3bridge_metrics(off)
