@@ -48,7 +48,9 @@ install: venv
 	$(PIP) -e ".[megatron,demo,plot,verl]" --group dev
 	@echo "make install: skyrl 0.3 / areal 1.0 go in without their dependencies (see README"\
 	      "\"Install\"); pip check lists their unmet pins, which this environment does not need."
-	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4
+	@# TransferQueue (verl's V1 trainer imports transfer_queue): without its ray[default] extras,
+	@# which verl's whole-job test (tests/adapters/test_verl_e2e.py) does not use
+	$(PIP) --no-deps skyrl==0.3.0 areal==1.0.4 TransferQueue==0.1.11
 	@# pip check may name skyrl's and areal's own pins (above); anything else is a real problem
 	@if $(PY) -m pip check --disable-pip-version-check | grep -vE '^(skyrl|areal) |^No broken'; then \
 		echo "make install: pip check found the problems above"; exit 1; fi
