@@ -92,12 +92,3 @@ def check_routes_topk(routes: Any, *, num_layers: int, topk: int, sample: Any, t
         f"rows) carry {theirs} ({width} ids per token for {num_layers} layers); the model's config says "
         f"top-{topk} (num_experts_per_tok): the rollout engine serves another model or config")
 
-
-def check_batch_topk(routes: Any, *, topk: int, key: str) -> None:
-    """The trainer-side ``[batch, L_moe, K, seq]`` routes tensor against the model's top-k."""
-    shape = tuple(getattr(routes, "shape", ()))
-    if len(shape) == 4 and int(shape[2]) != topk:
-        raise RouteShapeError(
-            f"AReaL batch field {key!r}: sample 0 (every sample), token 0, layer 0 carries top-{int(shape[2])} "
-            f"routes; the model's config says top-{topk} (num_experts_per_tok)")
-

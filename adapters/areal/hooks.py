@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.codec import (
     RECORDED_KEY,
@@ -44,7 +45,6 @@ from r3bridge.adapters.areal.codec import (
 )
 from r3bridge.adapters.areal.config import (
     ModelInfo,
-    check_batch_topk,
     check_routes_topk,
     replay_config,
     replay_config_with_source,
@@ -205,7 +205,7 @@ class PPOActorMixin:
                                   "would be split as a per-token field)")
             model = getattr(eng, "r3_model", None)
             if t is not None and model is not None:
-                check_batch_topk(t, topk=model.topk, key=key)
+                check_topk(repr(key), int(t.shape[2]), model.topk, where="AReaL batch (every sample)")
         data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
         eng.r3_phase = phase
         try:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters.areal.config import check_batch_topk, check_routes_topk, parse_cli, section_of
+from r3bridge.adapters._naming import check_topk
+from r3bridge.adapters.areal.config import check_routes_topk, parse_cli, section_of
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RouteShapeError
 
@@ -52,5 +53,5 @@ def test_topk_mismatch_at_ingest_names_sample_token_layer_and_both_topks():
     msg = str(ei.value)
     for part in ("query_id='q7'", "turn 1", "token 0", "layer 0", "top-4", "top-2"):
         assert part in msg, (part, msg)
-    with pytest.raises(RouteShapeError, match="top-3 routes; the model's config says top-2"):
-        check_batch_topk(torch.zeros(2, 4, 3, 9), topk=2, key="r3bridge_routes")
+    with pytest.raises(RouteShapeError, match="carries 3 expert ids per token and layer, the model routes top-2"):
+        check_topk("'r3bridge_routes'", torch.zeros(2, 4, 3, 9).shape[2], 2, where="AReaL batch (every sample)")
