@@ -127,7 +127,7 @@ def check_recorded_written_back_in_04_layout():
         check_recorded_survives_split,
         make_rollout,
     )
-    rollout = make_rollout(5, batch_size=6)
+    rollout = make_rollout(5, batch_size=6, num_experts=8)
     batch = _batch04(rollout)
     codec = _codec(rollout)
     assert codec.release == "0.4"
