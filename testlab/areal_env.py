@@ -2,7 +2,8 @@
 
 ``areal/engine/megatron_engine.py`` imports, at module level, two things that cannot exist on
 this CPU machine; everything else it imports is AReaL's own code or a small package installed by
-``make install`` (``uvloop``, ``numba``, ``pybase64``, ... pinned in the Makefile):
+``make install`` (``uvloop``, ``numba``, ``pybase64``, ...: pyproject.toml's ``frameworks`` dependency
+group, pinned in constraints.txt):
 
 * ``megatron.bridge`` (package ``megatron-bridge``): AReaL 1.0.4 pins ``megatron-bridge==0.4.0``
   for Python >= 3.12 only, and every release that installs on Python 3.11 (0.3.x) imports

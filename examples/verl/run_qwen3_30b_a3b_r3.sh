@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # R3: replay the experts vLLM chose while sampling, in compute_log_prob and in every update.
 # Needs vLLM >= 0.22 (verl checks it) returning routed experts; r3bridge must be installed
-# (pip install "r3bridge[verl]"), which registers the adapter through verl's plugin entry point.
+# (pip install ".[verl]" in the r3bridge checkout), which registers the adapter through verl's plugin entry point.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
