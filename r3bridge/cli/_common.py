@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from r3bridge.errors import ReplayError
 from r3bridge.schema import ReplayBatch
@@ -131,3 +131,19 @@ def save_figure(fig, out: str) -> None:
         raise CliError(f"{out}: cannot write plot: {getattr(e, 'strerror', None) or e}") from None
     finally:
         plt.close(fig)
+
+
+def report(args, summary: dict, render: Callable[[dict], str], plot: Callable[[dict, str], None]) -> int:
+    """The end of every summarising command: ``--plot`` written, then ``--json`` (the summary, with
+    the plot's path) or the rendered text on stdout, and the ``wrote`` note. Returns exit code 0."""
+    if args.plot:
+        plot(summary, args.plot)
+    if args.json:
+        if args.plot:
+            summary["plot"] = args.plot
+        print_json(summary)
+    else:
+        print(render(summary))
+    if args.plot:
+        info(args, f"wrote {args.plot}")
+    return 0

@@ -4,7 +4,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from r3bridge.cli._common import CliError, fmt_ids, fmt_pct, info, load_batch, print_json, pyplot, save_figure, table
+from r3bridge.cli._common import (
+    CliError,
+    fmt_ids,
+    fmt_pct,
+    info,
+    load_batch,
+    print_json,
+    pyplot,
+    report,
+    save_figure,
+    table,
+)
 from r3bridge.errors import ReplayError
 from r3bridge.metrics import AgreementReport, route_agreement
 
@@ -141,14 +152,4 @@ def _run_trace(args) -> int:
             raise CliError(f"{x}: not a trace folder (compare a trace with a trace, a route file with a route file)")
     s = trace_view.diff_traces(args.a, args.b, step=args.step, pass_a=args.pass_a, pass_b=args.pass_b,
                                view_a=args.view_a, view_b=args.view_b, lowest=args.lowest)
-    if args.plot:
-        trace_view.plot_diff(s, args.plot)
-    if args.json:
-        if args.plot:
-            s["plot"] = args.plot
-        print_json(s)
-    else:
-        print(trace_view.render_diff(s))
-    if args.plot:
-        info(args, f"wrote {args.plot}")
-    return 0
+    return report(args, s, trace_view.render_diff, trace_view.plot_diff)

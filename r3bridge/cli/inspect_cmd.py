@@ -4,7 +4,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from r3bridge.cli._common import fmt_ids, fmt_num, fmt_pct, info, load_batch, print_json, pyplot, save_figure, table
+from r3bridge.cli._common import (
+    fmt_ids,
+    fmt_num,
+    fmt_pct,
+    info,
+    load_batch,
+    print_json,
+    pyplot,
+    report,
+    save_figure,
+    table,
+)
 from r3bridge.metrics import expert_load
 from r3bridge.schema import ReplayBatch
 
@@ -141,14 +152,4 @@ def _run_trace(args) -> int:
     from r3bridge.cli import trace_view
 
     s = trace_view.summarize_trace(args.file, lowest=args.lowest, step=args.step)
-    if args.plot:
-        trace_view.plot_trace(s, args.plot)
-    if args.json:
-        if args.plot:
-            s["plot"] = args.plot
-        print_json(s)
-    else:
-        print(trace_view.render_trace(s))
-    if args.plot:
-        info(args, f"wrote {args.plot}")
-    return 0
+    return report(args, s, trace_view.render_trace, trace_view.plot_trace)
