@@ -8,9 +8,7 @@ from r3bridge.cli._common import (
     CliError,
     fmt_ids,
     fmt_pct,
-    info,
     load_batch,
-    print_json,
     pyplot,
     report,
     save_figure,
@@ -131,17 +129,7 @@ def run(args) -> int:
     except ReplayError as e:
         raise CliError(f"{args.a} vs {args.b}: cannot compare: {e}") from None
     s = summarize(rep, a=args.a, b=args.b, source_a=a.source, source_b=b.source)
-    if args.plot:
-        plot(s, args.plot)
-    if args.json:
-        if args.plot:
-            s["plot"] = args.plot
-        print_json(s)
-    else:
-        print(render(s))
-    if args.plot:
-        info(args, f"wrote {args.plot}")
-    return 0
+    return report(args, s, render, plot)
 
 
 def _run_trace(args) -> int:

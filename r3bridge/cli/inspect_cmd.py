@@ -8,9 +8,7 @@ from r3bridge.cli._common import (
     fmt_ids,
     fmt_num,
     fmt_pct,
-    info,
     load_batch,
-    print_json,
     pyplot,
     report,
     save_figure,
@@ -134,17 +132,7 @@ def run(args) -> int:
         return _run_trace(args)
     batch, nbytes = load_batch(args.file)
     s = summarize(batch, file=args.file, file_bytes=nbytes)
-    if args.plot:
-        plot(s, args.plot)
-    if args.json:
-        if args.plot:
-            s["plot"] = args.plot
-        print_json(s)
-    else:
-        print(render(s))
-    if args.plot:
-        info(args, f"wrote {args.plot}")
-    return 0
+    return report(args, s, render, plot)
 
 
 
