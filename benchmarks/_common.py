@@ -79,23 +79,11 @@ def load_skyrl_replay_utils():
         "skyrl.backends.skyrl_train.distributed.megatron": train / "distributed" / "megatron",
         "skyrl.backends.skyrl_train.utils": train / "utils",
     }
-    for name, path in pkgs.items():
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [str(path)]
-            sys.modules[name] = m
-
-    def load(name: str, path: Path):
-        s = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(s)
-        sys.modules[name] = mod
-        s.loader.exec_module(mod)
-        return mod
-
-    load("skyrl.backends.skyrl_train.distributed.megatron.packing_utils",
-         pkgs["skyrl.backends.skyrl_train.distributed.megatron"] / "packing_utils.py")
-    return load("skyrl.backends.skyrl_train.utils.replay_utils",
-                pkgs["skyrl.backends.skyrl_train.utils"] / "replay_utils.py")
+    _stub_packages(pkgs)
+    _load_file("skyrl.backends.skyrl_train.distributed.megatron.packing_utils",
+               pkgs["skyrl.backends.skyrl_train.distributed.megatron"] / "packing_utils.py")
+    return _load_file("skyrl.backends.skyrl_train.utils.replay_utils",
+                      pkgs["skyrl.backends.skyrl_train.utils"] / "replay_utils.py")
 
 
 def load_verl_router_replay_utils():
