@@ -77,7 +77,7 @@ class StepTrace:
         self.native.setdefault(mb.index, {})[layer] = native.detach().to(self.dtype)
         if replayed is not None:
             self.replayed.setdefault(mb.index, {})[layer] = replayed.detach().to(self.dtype)
-            self.valid[mb.index] = valid if valid is not None else torch.ones(native.shape[0], dtype=torch.bool)
+            self.valid[mb.index] = valid if valid is not None else torch.ones(native.shape[0], dtype=torch.bool, device=native.device)
 
 
 def _world() -> tuple[int, int]:
