@@ -14,6 +14,7 @@ from r3bridge.errors import (
     ReplayError,
     ReplayMemoryError,
     ReplayStateError,
+    RoleError,
     RouteShapeError,
     RouteValueError,
     StitchError,
@@ -33,4 +34,5 @@ __all__ = [
     "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
+    "RoleError",
 ]

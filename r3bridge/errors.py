@@ -50,3 +50,9 @@ class ReplayMemoryError(ReplayError, MemoryError):
     """A batch does not fit in this host's memory; the message names the sizes (rows, layers,
     top-k, bytes) and the way around it (build only one rank's targets:
     :func:`r3bridge.rank_ingest.rank_targets`)."""
+
+
+class RoleError(ReplayError):
+    """A model of one role (critic, reference, teacher, draft / MTP) would replay, received another
+    role's routes, or had its replay state changed by another role's build: only the actor
+    replays. The message names both roles."""

@@ -7,12 +7,13 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, ReplayConfig
-from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError
+from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
 from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
+from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
 from r3bridge.megatron.step import ReplayStep
 
 
@@ -40,11 +41,15 @@ class Replayer:
                  mask_unrouted_rows: bool = True,
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None,
-                 expect_moe_layer_ids: Optional[Sequence[int]] = None) -> None:
+                 expect_moe_layer_ids: Optional[Sequence[int]] = None, role: Role | str = Role.ACTOR) -> None:
         """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
         :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
-        land on the wrong layers (verl #5037's dense-layer shift)."""
+        land on the wrong layers (verl #5037's dense-layer shift). ``role``: the role the framework
+        built this model for; anything but ``actor`` is refused (:mod:`r3bridge.megatron.roles`)."""
         check_megatron()
+        if Role.of(role) is not Role.ACTOR:
+            raise RoleError(f"a Replayer was asked for the {Role.of(role).value} model: only the actor replays "
+                            f"(the {Role.of(role).value} must route natively)")
         if invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -78,6 +83,11 @@ class Replayer:
         self.active_step: Optional[ReplayStep] = None
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
+        # MTP (draft) routers are never in layer_chunk: find_routers keeps them apart, by object,
+        # whatever layer_number they alias (NeMo RL #3903); declare_role marks them draft and
+        # refuses any replay object on them.
+        declare_role(chunks, Role.ACTOR)
+        self._hooks: dict[int, RouterHook] = {}
         for c in self.chunks:
             for lid, router in c.routers.items():
                 if isinstance(router.router_replay, RouterHook):
@@ -86,7 +96,8 @@ class Replayer:
         for c in self.chunks:
             for lid, router in c.routers.items():
                 self._previous[lid] = router.router_replay
-                router.router_replay = RouterHook(self, c.vp_stage, lid)
+                router.router_replay = self._hooks[lid] = RouterHook(self, c.vp_stage, lid)
+        self._actor_routers = {lid: r for c in self.chunks for lid, r in c.routers.items()}
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +121,7 @@ class Replayer:
     def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:
         """One schedule run. ``action`` from :func:`r3bridge.config.phase_plan`; ``source`` the
         plan's route source ("rollout" / "recorded"), checked against each installed batch."""
+        check_actor(self._actor_routers, self._hooks)
         return ReplayStep(self, action, forward_only=forward_only, source=source)
 
     def chunk_index(self, model: torch.nn.Module | int) -> int:
@@ -120,6 +132,10 @@ class Replayer:
         for i, c in enumerate(self.chunks):
             if c.chunk is model or unwrap(c.chunk) is model:
                 return i
+        other = model_role(model)
+        if other is not None and other is not Role.ACTOR:
+            raise RoleError(f"actor routes were installed on a model chunk of the {other.value} model: the "
+                            f"{other.value} never replays (only the actor's Replayer chunks take routes)")
         raise ReplayStateError(f"{type(model).__name__} is not one of this Replayer's model chunks")
 
     @property
@@ -138,3 +154,5 @@ class Replayer:
             for lid, router in c.routers.items():
                 router.router_replay = self._previous.get(lid)
         self._previous.clear()
+        self._hooks.clear()
+        self._actor_routers.clear()

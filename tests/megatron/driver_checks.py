@@ -31,6 +31,10 @@ GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {
 
 
 def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    return _outcome_of(fn)
+
+
+def _outcome_of(fn: Callable[[], Any]) -> dict[str, Any]:
     try:
         value = fn()
         return {"ok": True, "value": value}
@@ -219,9 +223,65 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     }
     rep16.detach()
 
+    out.update(_role_checks(ctx, chunks, orphan, routes0, b0))
+
     # --- version check: the running megatron-core passes
     from r3bridge.megatron import check_megatron
     out["version_ok"] = _outcome(check_megatron)
+    return out
+
+
+def _role_checks(ctx: RankContext, chunks: list, other: list, routes: Any, batch: Any) -> dict[str, Any]:
+    """Only the actor replays (r3bridge.megatron.roles): ``other`` is a second model of the same
+    process, declared the reference; each scenario is one way routes or replay state cross roles
+    (miles #2226, NeMo RL #4083 / #3903)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from r3bridge.megatron import Replayer
+    from r3bridge.megatron.hook import RouterHook
+    from r3bridge.megatron.roles import check_declared, declare_role, model_routers, role_of
+
+    def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+        return _outcome_of(lambda: (fn(), None)[1])     # what a call returns stays in this process
+
+    rep = Replayer(chunks)
+    out: dict[str, Any] = {"role_declare_reference": _outcome(lambda: declare_role(other, "reference"))}
+    out["role_replayer_on_reference"] = _outcome(lambda: Replayer(other))
+    out["role_replayer_for_teacher"] = _outcome(lambda: Replayer(other, role="teacher"))
+    out["role_actor_declared_critic"] = _outcome(lambda: declare_role(chunks, "critic"))
+
+    def routes_to_reference():
+        with rep.step("replay", forward_only=True, source="rollout") as st:
+            st.install(other[0], routes, batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded)
+    out["role_routes_to_reference"] = _outcome(routes_to_reference)
+
+    def swapped(model: list, fn: Callable[[], Any]) -> dict[str, Any]:
+        # what TopKRouter.__init__ builds under moe_enable_routing_replay=True: a RouterReplay in
+        # megatron's process-global list, driven by every set_global_router_replay_action
+        router = _routers(model[0])[0]
+        before, router.router_replay = router.router_replay, RouterReplay()
+        try:
+            return _outcome(fn)
+        finally:
+            RouterReplay.global_router_replay_instances.remove(router.router_replay)
+            router.router_replay = before
+    out["role_reference_megatron_replay"] = swapped(other, lambda: check_declared(other, "reference"))
+    out["role_actor_hook_replaced"] = swapped(chunks, lambda: rep.step("replay", forward_only=True, source="rollout"))
+    rep.detach()
+
+    # MTP (draft) routers of the actor: marked draft, never among the replayed layers, no hook
+    mtp = build_model_chunks(ModelSpec(mtp_num_layers=1), ctx)
+    rep_mtp = Replayer(mtp)
+    drafts = [r for name, r in model_routers(mtp[0]) if ".mtp." in f".{name}"]
+    out["role_mtp"] = {"layer_ids": rep_mtp.layer_ids, "drafts": len(drafts),
+                       "draft_roles": sorted({role_of(r).value for r in drafts}),
+                       "draft_hooks": [r.router_replay is not None for r in drafts]}
+    rep_mtp.detach()
+    # a draft router that holds a replay hook (NeMo RL #3903: MTP layers replayed another layer's
+    # routes) makes the actor's Replayer refuse to attach
+    drafts[0].router_replay = RouterHook(rep, 0, 0)
+    out["role_mtp_hooked"] = _outcome(lambda: Replayer(mtp))
+    drafts[0].router_replay = None
     return out
 
 

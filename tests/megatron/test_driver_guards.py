@@ -128,3 +128,33 @@ def test_record_numbers_samples_across_micro_batches_by_default(checks):
 def test_layout_that_disagrees_with_the_model_is_refused(checks):
     # routers at layers 0..3, a layout saying only 0 and 2 are MoE (dense-layer shift, verl #5037)
     _raised(checks["layout_mismatch"], "LayerMappingError", "routers are at layers [0, 1, 2, 3]", "[0, 2]")
+
+
+# ---- roles: only the actor replays (miles #2226, NeMo RL #4083 / #3903; r3bridge.megatron.roles)
+def test_a_reference_model_cannot_get_a_replayer(checks):
+    assert checks["role_declare_reference"]["ok"], checks["role_declare_reference"]
+    _raised(checks["role_replayer_on_reference"], "RoleError", "reference", "actor")
+    _raised(checks["role_replayer_for_teacher"], "RoleError", "teacher", "only the actor replays")
+
+
+def test_the_actor_model_cannot_be_declared_another_role(checks):
+    _raised(checks["role_actor_declared_critic"], "RoleError", "actor", "critic")
+
+
+def test_actor_routes_never_reach_the_reference_model(checks):
+    _raised(checks["role_routes_to_reference"], "RoleError", "actor", "reference")
+
+
+def test_a_reference_built_with_megatron_replay_is_refused(checks):
+    _raised(checks["role_reference_megatron_replay"], "RoleError", "reference", "RouterReplay", "actor")
+
+
+def test_another_build_replacing_the_actor_hook_is_caught_at_the_next_step(checks):
+    _raised(checks["role_actor_hook_replaced"], "RoleError", "actor", "lost its replay hook")
+
+
+def test_mtp_routers_are_draft_and_never_replayed(checks):
+    mtp = checks["role_mtp"]
+    assert mtp["layer_ids"] == [0, 1, 2, 3] and mtp["drafts"] == 1, mtp
+    assert mtp["draft_roles"] == ["draft"] and mtp["draft_hooks"] == [False]
+    _raised(checks["role_mtp_hooked"], "RoleError", "draft", "actor")
