@@ -644,6 +644,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
         "ref_replayer": getattr(ref, "r3_replayer", "missing") is not None,
         "passes": [], "state_left": [], "metrics": [], "r2_transport": [], "ref": []}
     mini = 4
+    result["roles"] = _role_scenarios(actor, ref, ref_w, chunks, ref_chunks, make_rollout(seed=199, with_routes=True))
     for step in range(steps):
         roll = make_rollout(seed=200 + step, with_routes=mode == "R3")
         lp = old_log_prob_batch(roll.td)
@@ -679,6 +680,42 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
         if uout is not None:
             result["metrics"].append(("update", sorted(tu.get(uout, "metrics"))))
     return result
+
+
+def _role_scenarios(actor: Any, ref: Any, ref_w: Any, chunks: list, ref_chunks: list, roll: Rollout) -> dict:
+    """Only the actor replays (r3bridge.megatron.roles), in verl's colocated actor + reference
+    worker: the roles each engine declared, and what each way of crossing roles raises (the
+    error's class and message, or "no error")."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from r3bridge.megatron.roles import model_routers, role_of
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def install_on_reference():
+        # the actor's replay step handed a reference chunk (routes reaching another role)
+        with actor.r3_replayer.step("replay", forward_only=True, source="rollout") as st:
+            st.install(ref.module[0], None, [len(t) for t in roll.tokens])
+
+    out = {"actor": sorted({role_of(r).value for c in chunks for _, r in model_routers(c)}),
+           "reference": sorted({role_of(r).value for c in ref_chunks for _, r in model_routers(c)}),
+           "routes_to_reference": outcome(install_on_reference)}
+    # what TopKRouter builds under moe_enable_routing_replay=True (e.g. the reference's
+    # override_transformer_config or router_replay.mode set for it): a RouterReplay in megatron's
+    # process-global list, which every set_global_router_replay_action for the actor drives too
+    router = next(r for _, r in model_routers(ref_chunks[0]))
+    router.router_replay = RouterReplay()
+    try:
+        out["reference_with_megatron_replay"] = outcome(lambda: ref_w.compute_ref_log_prob(ref_log_prob_batch(roll.td)))
+    finally:
+        RouterReplay.global_router_replay_instances.remove(router.router_replay)
+        router.router_replay = None
+    return out
 
 
 def _registered_engine() -> type:

@@ -39,6 +39,7 @@ from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
+from r3bridge.megatron.roles import Role, check_declared, declare_role
 from r3bridge.metrics import logprob_mismatch
 
 logger = logging.getLogger("r3bridge.adapters.verl")
@@ -88,7 +89,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         self.r3_attach()
 
     def r3_attach(self) -> None:
-        """Check the built model against the HF config and attach the driver (actor only)."""
+        """Check the built model against the HF config and attach the driver (actor only). The
+        reference engine declares its model the reference (r3bridge.megatron.roles): a replay
+        object on any of its routers is refused, naming both roles."""
+        if self.r3_is_ref and self.r3_config.replay_mode is not ReplayMode.OFF:
+            declare_role(self.module, Role.REFERENCE)
         if not self.r3_active:
             return
         from r3bridge.megatron import Replayer
@@ -112,6 +117,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         return Phase.OLD_LOG_PROB if forward_only else Phase.UPDATE
 
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
+        if self.r3_is_ref and self.r3_config.replay_mode is not ReplayMode.OFF:
+            # nothing gave the reference a replay object since its build (another role's set-up)
+            check_declared(self.module, Role.REFERENCE)
         phase = self.r3_phase(forward_only)
         plan = self.r3_runner.plan(phase)
         if plan is None:

@@ -159,3 +159,20 @@ def test_metrics_and_no_state_left(runs, name):
 def _check_logged(*args, **kwargs) -> None:
     from _documented_metrics import check_logged  # tests/adapters helper (not importable in workers)
     check_logged(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_only_the_actor_replays(runs, name):
+    """Roles (r3bridge.megatron.roles; miles #2226, NeMo RL #4083): in verl's colocated actor +
+    reference worker each engine declares its model's role, actor routes installed on a reference
+    chunk are refused, and a reference that holds megatron's RouterReplay is refused before its
+    log-prob pass, each naming both roles."""
+    _, ranks = runs[name]
+    for r in ranks:
+        roles = r["actor_ref"]["roles"]
+        assert roles["actor"] == ["actor"] and roles["reference"] == ["reference"], roles
+        for scenario in ("routes_to_reference", "reference_with_megatron_replay"):
+            msg = roles[scenario]
+            assert msg.startswith("RoleError: ") and "actor" in msg and "reference" in msg, (scenario, msg)
+        assert "RouterReplay" in roles["reference_with_megatron_replay"]
