@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
+from r3bridge.layer_axis import check_layer_axis
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
@@ -123,6 +124,10 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
+    # What the layer axis of the rollout routes is (r3bridge/layer_axis.py): "all_hidden" (vLLM,
+    # SGLang: every decoder layer), "moe_only" (TensorRT-LLM: MoE layers only), or null: read
+    # from its length only where that is unambiguous, refused otherwise (never guessed).
+    layer_axis: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -130,6 +135,7 @@ class ReplayConfig:
             raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
+        check_layer_axis(self.layer_axis, where="r3bridge.layer_axis")
         self._check_trace()
 
     def _check_trace(self) -> None:

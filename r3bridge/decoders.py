@@ -25,35 +25,40 @@ import numpy as np
 import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
            "padded_rows"]
 
 
 def moe_layers_of(routes: Any, moe_layer_ids: Sequence[int], *, layer_dim: int,
-                  num_hidden_layers: Optional[int] = None, field: str = "routes") -> Any:
-    """The MoE layers of an array / tensor whose ``layer_dim`` axis is every decoder layer (engines
-    report all of them, dense ones as zero rows), selected by id, never by offset.
-    ``num_hidden_layers`` (``None``: not checked) must be that axis's size: otherwise engine and
-    trainer describe different models. ``field`` names the routes in errors."""
-    nl = int(routes.shape[layer_dim])
-    if num_hidden_layers is not None and nl != int(num_hidden_layers):
-        raise LayerMappingError(f"{field} has {nl} layers but the model has num_hidden_layers={int(num_hidden_layers)} "
-                                f"(engine and trainer disagree)")
-    ids = [int(i) for i in moe_layer_ids]
-    if ids and not 0 <= min(ids) <= max(ids) < nl:
-        raise LayerMappingError(f"{field}: MoE layers {ids} out of range for {nl} reported layers")
+                  num_hidden_layers: Optional[int] = None, field: str = "routes",
+                  layer_axis: Optional[str] = None) -> Any:
+    """The MoE layers of an array / tensor along its ``layer_dim`` axis, selected by id, never by
+    offset. ``layer_axis`` says what that axis is (:mod:`r3bridge.layer_axis`): ``"all_hidden"``
+    (vLLM, SGLang: every decoder layer, dense ones as zero rows), ``"moe_only"`` (TensorRT-LLM), or
+    ``None``: read from its length only where that is unambiguous, refused otherwise.
+    ``num_hidden_layers`` (``None``: not checked) is the model's decoder layer count. ``field``
+    names the routes in errors."""
+    cols = axis_columns(int(routes.shape[layer_dim]), layer_axis=layer_axis, moe_layer_ids=moe_layer_ids,
+                         num_hidden_layers=num_hidden_layers, field=field)
+    if cols is None:
+        return routes
     # list indexing copies (numpy and torch): read-only engine buffers are never aliased
-    return routes[(slice(None),) * layer_dim + (ids,)]
+    return routes[(slice(None),) * layer_dim + (cols,)]
 
 
-def select_layers(arr: Any, moe_layer_ids: Sequence[int] | None, seq: int, what: str) -> Any:
-    """Keep only the MoE layers' columns of an all-layers ``[rows, num_hidden_layers, K]`` array."""
+def select_layers(arr: Any, moe_layer_ids: Sequence[int] | None, seq: int, what: str,
+                  layer_axis: Optional[str] = ALL_HIDDEN) -> Any:
+    """Keep only the MoE layers' columns of a ``[rows, layers, K]`` array whose layer axis is
+    ``layer_axis`` (vLLM and SGLang: ``"all_hidden"``)."""
     if arr.ndim != 3:
         raise RouteShapeError(f"sequence {seq}: {what} routes must be [rows, layers, topk], got shape {tuple(arr.shape)}")
     if moe_layer_ids is None:
+        if layer_axis == MOE_ONLY:
+            raise LayerMappingError(f"sequence {seq}: {what} routes with layer_axis='moe_only' need moe_layer_ids")
         return arr
-    return moe_layers_of(arr, moe_layer_ids, layer_dim=1, field=f"sequence {seq}")
+    return moe_layers_of(arr, moe_layer_ids, layer_dim=1, field=f"sequence {seq}", layer_axis=layer_axis)
 
 
 def decode_vllm_routes(payload: Any, *, seq: int = 0) -> np.ndarray | torch.Tensor:

@@ -25,6 +25,7 @@ from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
 from r3bridge.decoders import decode_sglang_routes, decode_vllm_routes, padded_rows, select_layers, sglang_rows
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
 
@@ -233,30 +234,54 @@ class ReplayBatch:
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
-                  start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+                  start_rows: Sequence[int] | None = None, layer_axis: str = ALL_HIDDEN,
+                  source: str = "vllm") -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
-        :func:`r3bridge.decoders.decode_vllm_routes`)."""
+        :func:`r3bridge.decoders.decode_vllm_routes`). ``layer_axis`` (:mod:`r3bridge.layer_axis`):
+        vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         moe_layer_ids = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         start_rows = _opt_ids(start_rows, "start_rows", CoverageError)
+        layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         decoded = [decode_vllm_routes(it, seq=i) for i, it in enumerate(items)]
+        # the columns to keep: the MoE layers' of an all-hidden axis, every one of a MoE-only axis
+        cols = None if layer_axis == MOE_ONLY else moe_layer_ids
         host = _host_arrays(decoded)
         if host is not None:
             for i, a in enumerate(host):     # shape and layer-range checks on an empty view: nothing copied
-                select_layers(a[:0], moe_layer_ids, i, "vLLM")
+                select_layers(a[:0], moe_layer_ids, i, source, layer_axis)
             layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(host[0].shape[1]))
-            return cls._from_host(host, moe_layer_ids, num_experts=num_experts, layer_ids=layer_ids,
-                                  start_rows=start_rows, source="vllm")
-        arrays = [select_layers(a, moe_layer_ids, i, "vLLM") for i, a in enumerate(decoded)]
+            return cls._from_host(host, cols, num_experts=num_experts, layer_ids=layer_ids,
+                                  start_rows=start_rows, source=source)
+        arrays = [select_layers(a, moe_layer_ids, i, source, layer_axis) for i, a in enumerate(decoded)]
         num_layers = arrays[0].shape[1] if arrays else 0
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                               source="vllm")
+                               source=source)
+
+    @classmethod
+    def from_trtllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int],
+                    start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+        """TensorRT-LLM ``CompletionOutput``s or their ``routed_experts`` (TensorRT-LLM #18397, RFC
+        #17778): ``(seq_len - 1, num_moe_layers, top_k)`` per request, rows for the prompt and
+        generated tokens but the last (it was never fed forward), one entry per **MoE** layer
+        (``layer_axis="moe_only"``: entry ``j`` is ``moe_layer_ids[j]``), pre-EPLB logical expert
+        ids (captured before the load balancer maps them to replicas)."""
+        if moe_layer_ids is None:
+            raise LayerMappingError("TensorRT-LLM routes have one entry per MoE layer: from_trtllm needs "
+                                    "moe_layer_ids (r3bridge.hf.ModelInfo.moe_layer_ids)")
+        items = list(items)
+        for i, it in enumerate(items):
+            if it is None or getattr(it, "routed_experts", 0) is None:
+                raise PayloadError(f"sequence {i}: TensorRT-LLM returned no routed_experts (a request without "
+                                   f"router replay capture, or an aborted one)")
+        return cls.from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows,
+                             layer_axis=MOE_ONLY, source="trtllm")
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
                     moe_layer_ids: Sequence[int] | None = None,
-                    start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+                    start_rows: Sequence[int] | None = None, layer_axis: str = ALL_HIDDEN) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
         completion - 1 - start."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
@@ -271,7 +296,7 @@ class ReplayBatch:
             mi = _sglang_numbers(mi, i)
             rows = sglang_rows(mi, start=starts[i], seq=i)
             a = decode_sglang_routes(mi.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=i)
-            arrays.append(select_layers(a, moe_layer_ids, i, "SGLang"))
+            arrays.append(select_layers(a, moe_layer_ids, i, "SGLang", check_layer_axis(layer_axis) or ALL_HIDDEN))
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
             return cls.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],

@@ -64,11 +64,14 @@ def sample_names(td: Any) -> list[str]:
 
 def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
                                  source: str, num_hidden_layers: int | None = None,
-                                 invalid_rows: str = "native", topk: int | None = None) -> ReplayBatch:
+                                 invalid_rows: str = "native", topk: int | None = None,
+                                 layer_axis: str | None = None) -> ReplayBatch:
     """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
-    every decoder layer, ``num_hidden_layers`` of them (rollout routes, R3).
+    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.layer_axis`): every decoder
+    layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
+    layers only (TensorRT-LLM).
     ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
     ``topk``: the model's top-k; routes of another width are refused here, naming both.
     Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
@@ -88,10 +91,11 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
                                     f"layers {moe}")
         sel = values
     else:
-        if num_hidden_layers is None:
+        if num_hidden_layers is None and layer_axis != "moe_only":
             raise LayerMappingError("rollout routes need num_hidden_layers (their layer axis is every "
                                     "decoder layer)")
-        sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=f"rollout {ROUTES_KEY}")
+        sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers,
+                            field=f"rollout {ROUTES_KEY}", layer_axis=layer_axis)
     valid = nonzero_rows(sel, recorded=source == "recorded")
     with naming_samples("verl", names):
         rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)

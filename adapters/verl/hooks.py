@@ -193,7 +193,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             m = self.r3_model
             routes = replay_batch_from_tensordict(
                 batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
-                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk)
+                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk,
+                layer_axis=self.r3_config.layer_axis)
         self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                 cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
 
