@@ -61,7 +61,7 @@ def axis_columns(reported: int, *, layer_axis: Optional[str], moe_layer_ids: Opt
         return None                       # every reported layer is MoE: both readings are the identity
     fits_all = hidden is None or reported == hidden
     fits_moe = reported == len(moe)
-    if fits_moe and moe == list(range(reported)):
+    if fits_moe and fits_all and moe == list(range(reported)):
         return None                       # the MoE layers are the first ones: both readings agree
     if fits_moe:
         raise LayerMappingError(

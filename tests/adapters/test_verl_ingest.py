@@ -94,6 +94,22 @@ def test_layer_count_and_layout_errors():
                                      source="rollout", num_hidden_layers=NUM_LAYERS)
 
 
+def test_moe_only_routes_need_layer_axis():
+    """A TensorRT-LLM-style ``routed_experts`` (MoE layers only) in verl's field: refused unless the
+    ``r3bridge.layer_axis`` option says so, then read onto the same layers as the all-hidden form."""
+    pl, rl = [4, 3], [3, 2]
+    td, engine = make_verl_batch(pl, rl)
+    wide = td[ROUTES_KEY]
+    narrow = torch.nested.nested_tensor_from_jagged(wide.values()[:, MOE].contiguous(), wide.offsets())
+    moe_only = TensorDict({ROUTES_KEY: narrow}, batch_size=[len(pl)])
+    with pytest.raises(LayerMappingError, match="set layer_axis='moe_only'"):
+        replay_batch_from_tensordict(moe_only, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                     num_hidden_layers=NUM_LAYERS)
+    rb = replay_batch_from_tensordict(moe_only, moe_layer_ids=MOE, num_experts=E, source="rollout",
+                                      num_hidden_layers=NUM_LAYERS, layer_axis="moe_only")
+    assert rb.equals(expected_rollout_batch(engine, pl, rl))
+
+
 def test_corrupt_row_with_duplicates_raises():
     td, _ = make_verl_batch([3], [2])
     v = td[ROUTES_KEY].values()
