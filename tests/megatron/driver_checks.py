@@ -15,7 +15,7 @@ from r3bridge.testing.data import make_packed_batch
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks
 from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.schedule import make_forward_step, run_schedule, zero_grads
 
 GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {
     "fused_router": ("moe_router_fusion", True),
@@ -224,6 +224,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     rep16.detach()
 
     out.update(_role_checks(ctx, chunks, orphan, routes0, b0))
+    out["off_topk_replay"] = _off_topk_replay(ctx)
 
     # --- version check: the running megatron-core passes
     from r3bridge.megatron import check_megatron
@@ -282,6 +283,57 @@ def _role_checks(ctx: RankContext, chunks: list, other: list, routes: Any, batch
     drafts[0].router_replay = RouterHook(rep, 0, 0)
     out["role_mtp_hooked"] = _outcome(lambda: Replayer(mtp))
     drafts[0].router_replay = None
+    return out
+
+
+def _off_topk_replay(ctx: RankContext) -> dict[str, Any]:
+    """ISEEKYAN/Megatron-LM #79: replayed experts the trainer's own top-k would not pick must keep
+    their routing score and pass a gradient to the router (a replay that gathers from the
+    post-top-k, scatter-zeroed probs reads zeros there and kills both). R3 targets here are, for
+    every token and MoE layer, exactly the experts the native top-k leaves out (4 experts, top-2).
+    Pre-softmax scoring (megatron gathers the replayed probs from the dense softmax) and no aux
+    loss, so the router's gradient flows only through the replayed experts' probs."""
+    import torch
+
+    from r3bridge.megatron import Replayer
+    from r3bridge.schema import ReplayBatch
+
+    # router_init_std small: the left-out experts keep a visible share of the dense softmax
+    spec = ModelSpec(moe_aux_loss_coeff=0.0, router_init_std=0.05, extra_config={"moe_router_pre_softmax": True})
+    model = build_model_chunks(spec, ctx)
+    fs = make_forward_step(ctx, thd=False)
+    batch = make_packed_batch([9, 6], spec.vocab_size, 3)
+    with RoutingProbe(model) as native:
+        run_schedule(model, [batch], fs, forward_only=True)
+    layers = sorted({call.layer_id for call in native.calls})
+    cu = batch.cu_seqlens_padded.tolist()
+    per_seq = []
+    for s, n in enumerate(batch.seq_lens):
+        rows = []
+        for call in sorted(native.calls, key=lambda c: c.layer_id):
+            chosen = call.routing_map[cu[s]: cu[s] + n - 1]
+            rows.append(torch.nonzero(~chosen)[:, 1].view(n - 1, -1))     # the experts native leaves out
+        per_seq.append(torch.stack(rows, 1))
+    routes = ReplayBatch.from_ragged(per_seq, num_experts=spec.num_moe_experts, layer_ids=layers)
+    rep = Replayer(model)
+    zero_grads(model)
+    with RoutingProbe(model) as probe:
+        with rep.step("replay", forward_only=False, source="rollout") as st:
+            run_schedule(model, [batch], _install_step(st, fs, {id(batch): routes}, {id(batch): [0, 1]}),
+                         forward_only=False)
+    rep.detach()
+    out: dict[str, Any] = {"layers": layers, "min_prob": {}, "grad_rows": {}, "disjoint": True}
+    for call in probe.calls:
+        rows = torch.cat([torch.arange(cu[s], cu[s] + n - 1) for s, n in enumerate(batch.seq_lens)])
+        want = routes.routes[:, layers.index(call.layer_id)].long()
+        nat = native.calls[layers.index(call.layer_id)].routing_map[rows]
+        out["disjoint"] &= not bool(nat.gather(1, want).any())
+        out["min_prob"][call.layer_id] = float(call.probs[rows].gather(1, want).min())
+    routers = {r.layer_number - 1: r for c in model for r in _routers(c)}
+    for lid, router in routers.items():
+        grad = router.weight.grad
+        replayed = sorted(set(routes.routes[:, layers.index(lid)].flatten().tolist()))
+        out["grad_rows"][lid] = {e: float(grad[e].abs().sum()) for e in replayed}
     return out
 
 

@@ -158,3 +158,16 @@ def test_mtp_routers_are_draft_and_never_replayed(checks):
     assert mtp["layer_ids"] == [0, 1, 2, 3] and mtp["drafts"] == 1, mtp
     assert mtp["draft_roles"] == ["draft"] and mtp["draft_hooks"] == [False]
     _raised(checks["role_mtp_hooked"], "RoleError", "draft", "actor")
+
+
+def test_replayed_experts_outside_the_native_topk_keep_score_and_gradient(checks):
+    """ISEEKYAN/Megatron-LM #79: every replayed expert here is one the trainer's own top-k would not
+    pick; each keeps a nonzero routing prob, and each one's row of the router weight gets a
+    nonzero gradient (no aux loss: the replayed probs are the only path to the router)."""
+    r = checks["off_topk_replay"]
+    assert r["disjoint"], "the targets must all lie outside the native top-k"
+    assert sorted(r["min_prob"]) == r["layers"] and sorted(r["grad_rows"]) == r["layers"]
+    for layer, p in r["min_prob"].items():
+        assert p > 0.0, f"layer {layer}: a replayed expert's routing prob is {p}"
+    for layer, rows in r["grad_rows"].items():
+        assert rows and all(g > 0 for g in rows.values()), f"layer {layer}: router grad rows {rows}"
