@@ -31,7 +31,7 @@ from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.conformance import CanonicalRollout
 
-__all__ = ["StepSpec", "PolicyWorkerStandIn", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
+__all__ = ["StepSpec", "PolicyWorkerStandIn", "RefWorkerStandIn", "reference_roles", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
 
 _WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -234,6 +234,62 @@ class PackingNotes:
                 pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
                 self.notes[c].append({"format": "bshd", "seq_length": int(pos.shape[1])})
         return pre
+
+
+class RefWorkerStandIn:
+    """Stand-in for SkyRL 0.3's ``MegatronRefWorkerBase`` (which imports Megatron-Bridge): what its
+    ``init_configs`` / ``init_model`` do with the model, on harness chunks built as SkyRL's
+    ``MegatronWorker`` builds them (``provider.moe_enable_routing_replay`` from
+    ``trainer.ref.megatron_config``), wrapped in SkyRL's plain ``MegatronModelWrapper``."""
+
+    def __init__(self, cfg: Any, chunks: list) -> None:
+        self.cfg = cfg
+        self._chunks = chunks
+        self.actor_module: list = []
+        self.model = None
+        self.enable_router_replay = False
+
+    def init_model(self, model_path: str = "harness", num_training_steps: int = 1):
+        mc = self.cfg.ref.megatron_config
+        self.enable_router_replay = bool(mc.moe_enable_routing_replay)      # as MegatronWorker.init_configs
+        self.actor_module = list(self._chunks)
+        wrapper = _skyrl(_WRAPPER)
+        self.model = wrapper.MegatronModelWrapper(config=self.cfg, actor_module=self.actor_module,
+                                                  actor_optimizer=None, policy_loss_fn=None, is_vlm=False)
+
+
+def reference_roles(ctx: Any, spec: Any) -> dict:
+    """SkyRL's reference worker with r3bridge's ``RefWorkerMixin``, built with and without
+    ``trainer.ref.megatron_config.moe_enable_routing_replay``: the role its routers carry, or the
+    error the build raised (SkyRL would then drive the reference's RouterReplay with the actor's
+    rollout routes through megatron's process-global list: NeMo RL #4083)."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from r3bridge.adapters.skyrl import RefWorkerMixin
+    from r3bridge.errors import ReplayError
+    from r3bridge.megatron.roles import model_routers, role_of
+    from r3bridge.testing.models import build_model_chunks
+
+    worker_cls = type("HarnessRefWorker", (RefWorkerMixin, RefWorkerStandIn), {})
+    out: dict = {}
+    for flag in (False, True):
+        cfg = _skyrl("skyrl.train.config").TrainerConfig()
+        cfg.ref.megatron_config.moe_enable_routing_replay = flag
+        built = len(RouterReplay.global_router_replay_instances)
+        chunks = build_model_chunks(dataclasses.replace(
+            spec, extra_config={**spec.extra_config, "moe_enable_routing_replay": flag}), ctx)
+        worker = worker_cls(cfg, chunks)
+        try:
+            worker.init_model()
+            out[flag] = {"roles": sorted({role_of(r).value for c in chunks for _, r in model_routers(c)}),
+                         "error": None}
+        except ReplayError as e:
+            out[flag] = {"roles": None, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            del RouterReplay.global_router_replay_instances[built:]     # never pruned by megatron
+    return out
 
 
 def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: Sequence[Sequence[int]],

@@ -37,11 +37,13 @@ from r3bridge.adapters.skyrl.hooks import (
     RECORDED_KEY,
     FirstSeenRoutesMixin,
     PolicyWorkerMixin,
+    RefWorkerMixin,
     SkyRLReplay,
     TrainerMixin,
     model_wrapper_class,
     policy_worker_class,
     record_ids_field,
+    ref_worker_class,
 )
 from r3bridge.adapters.skyrl.rollout import SkyRLRollout, decode_routed_experts, merge_first_seen, rollout_routes
 
@@ -50,5 +52,5 @@ SKYRL_RELEASE = skyrl_release()
 
 __all__ = ["SKYRL_RELEASE", "SUPPORTED_RELEASES", "skyrl_release", "packed_training_batch_fields", "ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "RECORDED_KEY", "decode_routed_experts", "rollout_routes",
            "merge_first_seen", "replay_batch_from_training_batch", "training_batch_fields", "make_router_padding_mask",
-           "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
-           "replay_config", "skyrl_config_class", "parse_cli", "prepare_skyrl_config", "FirstSeenRoutesMixin", "policy_worker_class", "SkyRLCodec", "SkyRLRollout"]
+           "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+           "replay_config", "skyrl_config_class", "parse_cli", "prepare_skyrl_config", "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "SkyRLCodec", "SkyRLRollout"]

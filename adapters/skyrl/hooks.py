@@ -17,7 +17,10 @@
   ``TrainingInputBatch`` (``rollout_expert_indices`` + ``router_padding_mask``), so mini-batch /
   DP re-partitioning carries them with their samples.
 
-The reference worker keeps SkyRL's plain wrapper: the reference model never replays.
+* :class:`RefWorkerMixin` - put before ``MegatronRefWorkerBase``: the reference worker keeps
+  SkyRL's plain wrapper and never replays; its model is declared the reference, so a replay
+  object on any of its routers (megatron's RouterReplay, built with the ref's
+  ``moe_enable_routing_replay``) is refused, naming both roles.
 """
 from __future__ import annotations
 
@@ -42,10 +45,11 @@ from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMo
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.megatron.roles import Role, check_declared, declare_role
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
-           "FirstSeenRoutesMixin", "policy_worker_class", "RECORDED_KEY"]
+__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+           "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
 # the SkyRL setting that supplies the routes of each source, and the one that keeps rollout routes out
@@ -187,6 +191,25 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
 def replay_for(actor_module, cfg: ReplayConfig, hf_config: Any) -> SkyRLReplay:
     return SkyRLReplay(actor_module, cfg, ModelInfo.from_hf_config(hf_config))
+
+
+class RefWorkerMixin:
+    """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: the reference model never
+    replays. SkyRL's reference worker builds its model with ``trainer.ref.megatron_config.
+    moe_enable_routing_replay`` and then hands ``rollout_expert_indices`` to SkyRL's replay_utils,
+    which drive megatron's process-global ``RouterReplay``: the actor's rollout routes would be
+    replayed in the reference (NeMo RL #4083). The model is declared the reference
+    (:mod:`r3bridge.megatron.roles`): any replay object on its routers raises a ``RoleError``
+    naming both roles, after the build and before every forward."""
+
+    def init_model(self, *args, **kwargs):
+        out = super().init_model(*args, **kwargs)
+        declare_role(self.actor_module, Role.REFERENCE)
+        return out
+
+    def forward(self, data, *args, **kwargs):
+        check_declared(self.actor_module, Role.REFERENCE)
+        return super().forward(data, *args, **kwargs)
 
 
 class PolicyWorkerMixin:
@@ -332,3 +355,14 @@ def policy_worker_class(config=None, num_gpus: int = 1):
     cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
                {"r3_config": None if config is None else replay_config(config)})
     return ray.remote(num_gpus=num_gpus)(cls)
+
+
+def ref_worker_class(num_gpus: int = 1):
+    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker`` (SkyRL's own is
+    ``ray.remote(num_gpus=1)(MegatronRefWorkerBase)``)."""
+    import ray
+
+    base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase
+    from r3bridge.versions import check_internals
+    check_internals("skyrl", [(f"MegatronRefWorkerBase.{m}", base, m) for m in ("init_model", "forward")])
+    return ray.remote(num_gpus=num_gpus)(type("R3BridgeMegatronRefWorker", (RefWorkerMixin, base), {}))

@@ -16,7 +16,7 @@ import sys
 
 import ray
 
-from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class
+from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class, ref_worker_class
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
@@ -33,10 +33,12 @@ class Generator(FirstSeenRoutesMixin, SkyRLGymGenerator):
 
 
 class Trainer(TrainerMixin, main_base.RayPPOTrainer):
-    """R2: the routes recorded in compute_log_prob go back into the TrainingInputBatch."""
+    """R2: the routes recorded in compute_log_prob go back into the TrainingInputBatch; the
+    reference worker declares its model the reference (it never replays)."""
 
     def build_models(self, PolicyWorker, CriticWorker, RefWorker):
-        super().build_models(policy_worker_class(self.r3_config), CriticWorker, RefWorker)
+        ref = ref_worker_class() if RefWorker is not None else None
+        super().build_models(policy_worker_class(self.r3_config), CriticWorker, ref)
 
 
 class Exp(main_base.BasePPOExp):

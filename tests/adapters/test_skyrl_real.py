@@ -20,7 +20,7 @@ PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]     # the update sees the samples in another 
 def _cell(ctx, cells):
     from r3bridge.testing.conformance import make_rollout
     from r3bridge.testing.models import ModelSpec
-    from testlab.skyrl_real import StepSpec, run_steps
+    from testlab.skyrl_real import StepSpec, reference_roles, run_steps
 
     thd, spec_kw, step_kw = cells[(ctx.tp, ctx.pp)]
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity" if thd else "real",
@@ -31,6 +31,7 @@ def _cell(ctx, cells):
     for mode in ("R3", "R2"):
         out[mode] = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=thd, permute=PERMUTE,
                                                   **step_kw), rollouts)
+    out["reference"] = reference_roles(ctx, spec)
     return out
 
 
@@ -43,6 +44,7 @@ CELLS = {(2, 1): (False, {}, {}),
 
 def _check(res):
     for r in res:
+        _check_reference(r["reference"])
         for mode in ("R3", "R2"):
             steps = r[mode]["steps"]
             assert len(steps) == 2
@@ -76,6 +78,14 @@ def test_skyrl_real_training_path_tp2(results):
 @pytest.mark.slow
 def test_skyrl_real_training_path_pp2_vpp2(results):
     _check(results[1])
+
+
+def _check_reference(ref) -> None:
+    """Roles (r3bridge.megatron.roles): SkyRL's reference worker with ``RefWorkerMixin`` declares its
+    model the reference; built with megatron's replay flag it is refused, naming both roles."""
+    assert ref[False] == {"roles": ["reference"], "error": None}, ref[False]
+    err = ref[True]["error"] or "no error"
+    assert err.startswith("RoleError: ") and "reference" in err and "actor" in err and "RouterReplay" in err, err
 
 
 def _check_logged(*args, **kwargs) -> None:
