@@ -34,7 +34,7 @@ import torch
 from testlab.areal_env import import_areal
 from testlab.mbridge_spec import tiny_qwen3_moe
 
-__all__ = ["make_actor", "build_through_mbridge", "initialize_on_cpu", "chunks_of", "ENGINE_KW"]
+__all__ = ["make_actor", "build_through_mbridge", "initialize_on_cpu", "chunks_of", "reference_roles", "ENGINE_KW"]
 
 # The engine options the tests run with (AReaL defaults except where noted).
 ENGINE_KW = dict(dtype="float32",          # the CPU harness is fp32 (AReaL's default is bfloat16)
@@ -73,10 +73,11 @@ def actor_config(ctx: Any, *, n_mbs: int, ppo_n_minibatches: int, recompute: boo
     )
 
 
-def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4) -> None:
+def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, role: str = "actor") -> None:
     """The rest of what ``MegatronEngine.initialize`` sets, on CPU, for ``models`` (built by
     :func:`build_through_mbridge`; see the module docstring), then r3bridge attached as its mixin
-    does after ``initialize``."""
+    does after ``initialize(role=role)``: the actor's ``MegatronEngineMixin`` attaches the driver,
+    the other engines' ``RoleEngineMixin`` declares the model's role."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import finalize_model_grads
@@ -117,7 +118,10 @@ def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4) 
             raise
         engine.checkpointer = None
     engine._initialized = True
-    engine.r3_attach(ModelInfo.from_hf_config(engine.hf_config))
+    if hasattr(engine, "r3_attach"):
+        engine.r3_attach(ModelInfo.from_hf_config(engine.hf_config), role=role)
+    else:
+        engine.r3_declare_role(role)
 
 
 def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
@@ -155,25 +159,28 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
 
 
 def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mbs: int = 2,
-               ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None) -> Any:
+               ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None,
+               role: str = "actor", engine_class: Any = None) -> Any:
     """r3bridge's ``MegatronPPOActor`` subclass (``r3bridge.adapters.areal.megatron_ppo_actor_class``)
     with ``replay_mode=mode``: process groups through AReaL's ``create_process_group`` (the spawned
     rank already holds megatron's parallel state, as under AReaL's launcher), the model through
     mbridge as AReaL builds it (:func:`build_through_mbridge`, checkpoint config in ``workdir``),
     the rest of ``initialize`` on CPU (:func:`initialize_on_cpu`). ``recompute``: AReaL's
-    ``gradient_checkpointing`` (full, uniform, 1 layer: its defaults)."""
+    ``gradient_checkpointing`` (full, uniform, 1 layer: its defaults). ``role`` / ``engine_class``:
+    the role AReaL's trainer initialises the engine as, and another class than r3bridge's actor
+    (e.g. ``r3bridge.adapters.areal.megatron_role_engine_class()`` for the reference)."""
     from r3bridge.adapters.areal import megatron_ppo_actor_class
     from r3bridge.config import ReplayConfig
 
     os.environ.setdefault("LOCAL_RANK", "0")
     alloc = import_areal("areal.api.alloc_mode", stand_ins=True)   # before the engine module is imported
-    cls = megatron_ppo_actor_class(ReplayConfig(replay_mode=mode, trace_dir=trace_dir))
+    cls = engine_class or megatron_ppo_actor_class(ReplayConfig(replay_mode=mode, trace_dir=trace_dir))
     eng = cls(actor_config(ctx, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches, recompute=recompute))
     eng.create_process_group(alloc.ParallelStrategy(
         tensor_parallel_size=ctx.tp, pipeline_parallel_size=ctx.pp, context_parallel_size=ctx.cp,
         data_parallel_size=ctx.dp, expert_parallel_size=ctx.ep, expert_tensor_parallel_size=ctx.etp))
     models = build_through_mbridge(eng, hf_config if hf_config is not None else tiny_qwen3_moe(), workdir)
-    initialize_on_cpu(eng, models)
+    initialize_on_cpu(eng, models, role=role)
     return eng
 
 
@@ -182,3 +189,34 @@ def chunks_of(engine: Any) -> list:
     from testlab.mbridge_spec import _unwrap
 
     return [_unwrap(m) for m in engine.model]
+
+
+def reference_roles(ctx: Any, workdir: str) -> dict:
+    """Only the actor replays (r3bridge.megatron.roles), on AReaL's engines: the reference engine
+    ``trainer_class`` builds (``RoleEngineMixin``) declares its model the reference; given megatron's
+    RouterReplay (what a build with ``moe_enable_routing_replay`` makes) it refuses its next pass;
+    r3bridge's actor engine initialised as ``role="ref"`` refuses to attach. Each error, or "no error"."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from r3bridge.adapters.areal import megatron_role_engine_class
+    from r3bridge.megatron.roles import model_routers, role_of
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    import_areal("areal.api.alloc_mode", stand_ins=True)        # before the engine module is imported
+    ref = make_actor(ctx, "R3", f"{workdir}/ref", role="ref", engine_class=megatron_role_engine_class())
+    out = {"reference": sorted({role_of(r).value for c in chunks_of(ref) for _, r in model_routers(c)})}
+    router = next(r for _, r in model_routers(chunks_of(ref)[0]))
+    router.router_replay = RouterReplay()
+    try:
+        out["reference_with_megatron_replay"] = outcome(lambda: ref.forward_backward_batch(None, None, True))
+    finally:
+        RouterReplay.global_router_replay_instances.remove(router.router_replay)
+        router.router_replay = None
+    out["actor_engine_as_reference"] = outcome(lambda: make_actor(ctx, "R3", f"{workdir}/actor_as_ref", role="ref"))
+    return out

@@ -37,9 +37,11 @@ from r3bridge.adapters.areal.hooks import (
     MegatronEngineMixin,
     PPOActorMixin,
     RecordingBackend,
+    RoleEngineMixin,
     SGLangEngineMixin,
     WorkflowMixin,
     megatron_ppo_actor_class,
+    megatron_role_engine_class,
     trainer_class,
     workflow_class,
 )
@@ -54,5 +56,5 @@ from r3bridge.adapters.areal.rollout import (
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_seen_rows", "routes_from_attempts",
            "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor",
            "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
-           "MegatronEngineMixin", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
+           "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
            "trainer_class", "workflow_class", "grpo_config_class"]

@@ -18,6 +18,9 @@ Trainer:
   that lets the engine slice routes per micro-batch, and under R2 writes the recorded routes back
   into each trajectory dict (``r3bridge_recorded``), where ``compute_advantages`` /
   ``ppo_update`` carry them with their samples.
+* :class:`RoleEngineMixin` - AReaL's reference / teacher engines (:func:`trainer_class` builds
+  them): the model is declared its role after ``initialize(role=...)``; a replay object on any of
+  its routers raises a ``RoleError`` naming both roles. Only the actor replays.
 * :class:`MegatronEngineMixin` - ``class M(MegatronEngineMixin, MegatronEngine)``: attaches the
   driver after ``initialize``; ``_prepare_mb_list`` attaches to every padded micro-batch its own
   :class:`r3bridge.megatron.MicroBatch` (explicit, in the micro-batch: no engine-level side
@@ -54,12 +57,13 @@ from r3bridge.adapters.areal.rollout import routes_from_responses
 from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.decoders import decode_sglang_routes, sglang_rows
-from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.ingest import first_seen_rows
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.megatron.roles import Role, check_declared, declare_role
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
-           "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
+           "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
 
 MB_KEY = "r3bridge_mb"          # in each padded micro-batch: its r3bridge.megatron.MicroBatch
 # what supplies the routes of each source
@@ -227,10 +231,12 @@ class MegatronEngineMixin:
 
     def initialize(self, *args: Any, **kwargs: Any) -> Any:
         out = super().initialize(*args, **kwargs)
-        self.r3_attach(ModelInfo.from_hf_config(self.hf_config))
+        self.r3_attach(ModelInfo.from_hf_config(self.hf_config), role=kwargs.get("role"))
         return out
 
-    def r3_attach(self, model: ModelInfo, layout=None) -> None:
+    def r3_attach(self, model: ModelInfo, layout=None, role: Optional[str] = None) -> None:
+        """``role``: what AReaL's trainer initialised this engine as (``initialize(role=...)``);
+        the Replayer refuses anything but the actor, naming both roles."""
         if self.r3_config is None:
             self.r3_config, self.r3_source = replay_config_with_source(None)
         self.r3_config = replay_config(self.r3_config)
@@ -244,7 +250,7 @@ class MegatronEngineMixin:
             if getattr(self, flag, False):
                 raise ConfigError(f"r3bridge + AReaL: {flag} is not supported ({why})")
         from r3bridge.megatron import Replayer
-        self.r3_replay = Replayer.from_config(list(self.model), self.r3_config, layout)
+        self.r3_replay = Replayer.from_config(list(self.model), self.r3_config, layout, role=areal_role(role))
         # AReaL's stats tracker exports compute_logp's stats with the step: nothing to carry
         self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config, framework="areal")
 
@@ -313,6 +319,44 @@ class MegatronEngineMixin:
         return out
 
 
+# AReaL's trainer initialises each engine with role "actor", "critic", "ref" or "teacher"
+_AREAL_ROLES = {None: Role.ACTOR, "actor": Role.ACTOR, "critic": Role.CRITIC, "ref": Role.REFERENCE,
+                "teacher": Role.TEACHER}
+
+
+def areal_role(name: Optional[str]) -> Role:
+    try:
+        return _AREAL_ROLES[name]
+    except KeyError:
+        return Role.of(name)           # raises a RoleError naming the unknown role
+
+
+class RoleEngineMixin:
+    """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference,
+    teacher; :func:`trainer_class` builds them): after ``initialize(role=...)`` the model is
+    declared that role (:mod:`r3bridge.megatron.roles`), and re-checked before every pass, so a
+    replay object on any of its routers raises a ``RoleError`` naming both roles."""
+
+    r3_role: Optional[Role] = None
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().initialize(*args, **kwargs)
+        self.r3_declare_role(kwargs.get("role"))
+        return out
+
+    def r3_declare_role(self, role: Optional[str]) -> None:
+        self.r3_role = areal_role(role if role is not None else "ref")
+        if self.r3_role is Role.ACTOR:
+            raise RoleError("RoleEngineMixin is for AReaL's other engines (ref, teacher); the actor replays "
+                            "through r3bridge's MegatronEngineMixin")
+        declare_role(list(self.model), self.r3_role)
+
+    def forward_backward_batch(self, *args: Any, **kwargs: Any) -> Any:
+        if self.r3_role is not None:
+            check_declared(list(self.model), self.r3_role)
+        return super().forward_backward_batch(*args, **kwargs)
+
+
 def log_areal_metrics(tracker: Any, values: dict) -> None:
     """``values`` into AReaL's stats tracker ``tracker`` (the module ``areal.utils.stats_tracker``),
     unscoped. ``*_min`` keys as MIN stats (the minimum over the step's passes and ranks, as verl and
@@ -365,6 +409,12 @@ def megatron_ppo_actor_class(config=None):
     return R3BridgeMegatronPPOActor
 
 
+def megatron_role_engine_class():
+    """AReaL's ``MegatronPPOActor`` for a reference / teacher engine, its role declared."""
+    me = import_areal("areal.engine.megatron_engine")
+    return type("R3BridgeMegatronRoleEngine", (RoleEngineMixin, me.MegatronPPOActor), {})
+
+
 def trainer_class(config=None):
     """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
     SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
@@ -374,6 +424,12 @@ def trainer_class(config=None):
 
     class R3BridgePPOTrainer(rl.PPOTrainer):
         def _create_train_engine(self, actor_config, alloc):
+            if alloc.backend == "megatron" and not rl.is_single_controller() and \
+                    actor_config is not getattr(getattr(self, "config", None), "actor", None):
+                # the reference / teacher engine: AReaL's class, its model's role declared
+                engine = megatron_role_engine_class()(config=actor_config)
+                engine.create_process_group(parallel_strategy=alloc.parallel)
+                return engine
             if actor_config is not getattr(getattr(self, "config", None), "actor", None) or alloc.backend != "megatron":
                 return super()._create_train_engine(actor_config, alloc)
             if rl.is_single_controller():

@@ -40,6 +40,9 @@ def _cell(ctx, workdir):
         res = run_steps(ctx, mode, rollout, f"{workdir}/rank{ctx.rank}", steps=2, **kw)
         res["num_records"] = len(res.pop("records"))
         out[mode] = res
+    if ctx.world_size == 1:
+        from testlab.areal_engine import reference_roles
+        out["roles"] = reference_roles(ctx, f"{workdir}/rank{ctx.rank}/roles")
     return out
 
 
@@ -75,6 +78,13 @@ def _check(lay, per_rank):
 def test_areal_engine_one_rank(tmp_path):
     (per_rank,) = spawn_layouts(_cell, world_size=1, layouts=[Layout()], args=(str(tmp_path),), timeout=600)
     _check(Layout(), per_rank)
+    # roles (r3bridge.megatron.roles; NeMo RL #4083): the reference engine trainer_class builds
+    # declares its model the reference and refuses a replay object; the actor engine refuses role=ref
+    roles = per_rank[0]["roles"]
+    assert roles["reference"] == ["reference"], roles
+    for scenario in ("reference_with_megatron_replay", "actor_engine_as_reference"):
+        msg = roles[scenario]
+        assert msg.startswith("RoleError: ") and "reference" in msg and "actor" in msg, (scenario, msg)
 
 
 @pytest.mark.slow
