@@ -708,7 +708,8 @@ def _role_scenarios(actor: Any, ref: Any, ref_w: Any, chunks: list, ref_chunks: 
     # what TopKRouter builds under moe_enable_routing_replay=True (e.g. the reference's
     # override_transformer_config or router_replay.mode set for it): a RouterReplay in megatron's
     # process-global list, which every set_global_router_replay_action for the actor drives too
-    router = next(r for _, r in model_routers(ref_chunks[0]))
+    # every rank raises before verl's schedule (a rank that went on would wait for its pipeline peer)
+    router = next(r for c in ref_chunks for _, r in model_routers(c))
     router.router_replay = RouterReplay()
     try:
         out["reference_with_megatron_replay"] = outcome(lambda: ref_w.compute_ref_log_prob(ref_log_prob_batch(roll.td)))

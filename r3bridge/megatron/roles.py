@@ -11,9 +11,10 @@ every instance of the process), so a build or a call made for one role reaches e
 * MTP layers used another layer's routes (NeMo RL #3903).
 
 r3bridge never uses that global state (its hook is per router instance, :mod:`hook`), and records
-roles on the model instances themselves: each router carries its role in one attribute
-(``router.r3bridge_role``), set when the framework declares the model. There is no registry
-object to share or forget; a model's role lives and dies with the model.
+roles on the model instances themselves: each router, and each declared chunk (a pipeline stage
+of dense layers has no router), carries its role in one attribute (``r3bridge_role``), set when
+the framework declares the model. There is no registry object to share or forget; a model's role
+lives and dies with the model.
 
 Checks, each raising :class:`r3bridge.errors.RoleError` naming both roles:
 
@@ -33,7 +34,7 @@ import torch
 
 from r3bridge.errors import RoleError
 
-ROLE_ATTR = "r3bridge_role"      # the instance attribute on each TopKRouter
+ROLE_ATTR = "r3bridge_role"      # the instance attribute on each TopKRouter and each declared chunk
 
 
 class Role(str, Enum):
@@ -69,7 +70,11 @@ def role_of(router: torch.nn.Module) -> Optional[Role]:
 
 
 def model_role(module: torch.nn.Module) -> Optional[Role]:
-    """The role of the first declared router in ``module`` (a model chunk); None if none is."""
+    """The role ``module`` (a model chunk, also one without a router: a pipeline stage of dense
+    layers) was declared with, else that of its first declared router; None if none is."""
+    own = getattr(module, ROLE_ATTR, None)
+    if own is not None:
+        return own
     for _, router in model_routers(module):
         role = role_of(router)
         if role is not None:
@@ -101,6 +106,10 @@ def declare_role(model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     count = 0
     for vp, chunk in enumerate(chunks):
+        held = getattr(chunk, ROLE_ATTR, None)
+        if held is not None and held is not role:
+            raise RoleError(f"model chunk {vp} belongs to the {held.value} model and is now declared {role.value}: "
+                            f"one module shared by two roles would replay for both; build a separate model")
         for name, router in model_routers(chunk):
             own = Role.DRAFT if role is Role.ACTOR and _is_mtp(name) else role
             where = f"chunk {vp} router {name or '<root>'} (layer_number {getattr(router, 'layer_number', None)})"
@@ -114,6 +123,7 @@ def declare_role(model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role
                                 f"{own.value} with moe_enable_routing_replay=False and attach no Replayer to it")
             setattr(router, ROLE_ATTR, own)
             count += 1
+        setattr(chunk, ROLE_ATTR, role)
     return count
 
 
