@@ -19,7 +19,7 @@ import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError
+from r3bridge.errors import ConfigError, RoleError
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "SECTION"]
@@ -79,6 +79,12 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
+    ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
+    if rc.replay_mode is not ReplayMode.OFF and getattr(ref_mc, "moe_enable_routing_replay", False):
+        # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
+        raise RoleError("trainer.ref.megatron_config.moe_enable_routing_replay=true: SkyRL's reference worker would "
+                        "replay the actor's rollout routes through megatron's global RouterReplay; only the actor "
+                        f"replays ({SECTION}.replay_mode={rc.replay_mode.value}): leave the reference's flag false")
     returns = bool(getattr(ie, "enable_return_routed_experts", False))
     if rc.replay_mode is ReplayMode.R3:
         if not returns:

@@ -70,3 +70,13 @@ def test_environment_is_the_fallback(monkeypatch):
     assert rc.replay_mode is ReplayMode.R2 and source == "environment (R3BRIDGE_REPLAY_MODE)"
     # an explicit command-line value wins over the environment, "off" included
     assert replay_config_from_skyrl(parse_cli(["trainer.r3bridge.replay_mode=off"]))[0].replay_mode is ReplayMode.OFF
+
+
+def test_a_replaying_reference_is_refused_on_the_command_line():
+    """Roles (NeMo RL #4083): SkyRL's reference worker replays rollout routes when its own
+    megatron_config asks for megatron's replay; only the actor replays."""
+    from r3bridge.errors import RoleError
+
+    with pytest.raises(RoleError, match="trainer.ref.megatron_config.moe_enable_routing_replay=true.*only the actor"):
+        prepare_skyrl_config(parse_cli(R3_LINE + ["trainer.ref.megatron_config.moe_enable_routing_replay=true"]))
+    assert prepare_skyrl_config(parse_cli(R3_LINE)).replay_mode is ReplayMode.R3
