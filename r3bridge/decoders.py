@@ -12,6 +12,10 @@ engine calls; nothing here imports either. Formats (docs/frameworks.md):
   with ``prompt_tokens + completion_tokens - 1`` rows (minus the start offset).
 * Both report *every* decoder layer, dense ones as zero rows: :func:`select_layers` keeps the
   layers in ``moe_layer_ids`` (never map by "i + offset").
+* TensorRT-LLM ``CompletionOutput.routed_experts``: ``(seq_len - 1, num_moe_layers, top_k)``, the
+  MoE layers only, pre-EPLB logical ids (TensorRT-LLM #18397, RFC #17778); the same array
+  transports as vLLM's. ``layer_axis="moe_only"`` (:mod:`r3bridge.layer_axis`) reads it; an
+  unstated axis whose length fits both readings is refused, never guessed.
 * The padded trainer layout ``[B, S, L, K]`` + ``[B, S]`` mask: :func:`padded_rows`.
 """
 from __future__ import annotations
