@@ -244,6 +244,9 @@ class MegatronEngineMixin:
         announce(self.r3_config, self.r3_source, "AReaL Megatron actor")
         if self.r3_config.replay_mode is ReplayMode.OFF:
             return
+        if self.r3_config.layer_axis == "moe_only":
+            raise ConfigError("r3bridge.layer_axis=moe_only: AReaL's routes come from SGLang, which reports every "
+                              "hidden layer (r3bridge's WorkflowMixin keeps the MoE ones): leave it null or all_hidden")
         for flag, why in (("enable_tree_training", "tree training packs shared prefixes"),
                           ("is_vision_model", "vision models run on padded [B, S] input"),
                           ("use_padded_seq", "padded (BSHD) models are not wired")):

@@ -79,6 +79,9 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
+    if rc.layer_axis == "moe_only":
+        raise ConfigError(f"{SECTION}.layer_axis=moe_only: SkyRL's Megatron path rolls out with vLLM only "
+                          f"(its validate_cfg), which reports every hidden layer: leave it null or all_hidden")
     ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
     if rc.replay_mode is not ReplayMode.OFF and getattr(ref_mc, "moe_enable_routing_replay", False):
         # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)

@@ -80,3 +80,10 @@ def test_a_replaying_reference_is_refused_on_the_command_line():
     with pytest.raises(RoleError, match="trainer.ref.megatron_config.moe_enable_routing_replay=true.*only the actor"):
         prepare_skyrl_config(parse_cli(R3_LINE + ["trainer.ref.megatron_config.moe_enable_routing_replay=true"]))
     assert prepare_skyrl_config(parse_cli(R3_LINE)).replay_mode is ReplayMode.R3
+
+
+def test_a_moe_only_layer_axis_is_refused():
+    """SkyRL rolls out with vLLM only (every hidden layer): a layer_axis it cannot honour is refused,
+    never ignored."""
+    with pytest.raises(ConfigError, match="layer_axis=moe_only"):
+        prepare_skyrl_config(parse_cli(R3_LINE + ["trainer.r3bridge.layer_axis=moe_only"]))
