@@ -23,8 +23,10 @@ def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, va
     """The one message for a bad (row, layer): ``kind`` is "range" or "duplicate"."""
     where = f"sequence {seq}, row {row} (token {tok}), layer {layer}: "
     if kind == "range":
+        # ids are logical (the router's, pre-EPLB): an engine's physical replica slots are not
         return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
-                               f"({total} bad (row, layer) pairs in total)")
+                               f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
+                               f"pre-EPLB: map physical replica slots back first)")
     return RouteValueError(f"{where}duplicate expert ids {values} (a zero/padding row? mark rows without a route "
                            f"invalid instead; {total} bad (row, layer) pairs in total)")
 

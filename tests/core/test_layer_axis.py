@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ConfigError, LayerMappingError, ParallelLayout, PayloadError, ReplayBatch, shard, unshard
+from r3bridge import (
+    ConfigError,
+    LayerMappingError,
+    ParallelLayout,
+    PayloadError,
+    ReplayBatch,
+    RouteValueError,
+    shard,
+    unshard,
+)
 from r3bridge.config import ReplayConfig
 from r3bridge.decoders import moe_layers_of
 
@@ -120,3 +129,12 @@ def test_trtllm_batch_round_trips_through_shard_and_unshard():
         routes, valid = back.sequence(i)
         assert bool(valid[: a.shape[0]].all())
         assert np.array_equal(routes[: a.shape[0]].sort(-1).values.numpy(), np.sort(a, -1))
+
+
+def test_physical_replica_slots_are_refused_as_not_logical_ids():
+    """Expert ids are logical (pre-EPLB): a slot of a redundant-expert placement (>= num_experts)
+    is refused, and the message says which id space is expected."""
+    a = _moe_only(np.random.default_rng(4), 3, 3)
+    a[1, 2, 0] = E + 3                                  # an EPLB replica slot, not an expert id
+    with pytest.raises(RouteValueError, match=r"layer 4: expert ids .* out of range \[0, 16\).*logical"):
+        ReplayBatch.from_trtllm([a], num_experts=E, moe_layer_ids=MOE)
