@@ -210,7 +210,7 @@ def reference_roles(ctx: Any, workdir: str) -> dict:
 
     import_areal("areal.api.alloc_mode", stand_ins=True)        # before the engine module is imported
     ref = make_actor(ctx, "R3", f"{workdir}/ref", role="ref", engine_class=megatron_role_engine_class())
-    out = {"reference": sorted({role_of(r).value for c in chunks_of(ref) for _, r in model_routers(c)})}
+    out = {"reference": sorted({str(getattr(role_of(r), "value", None)) for c in chunks_of(ref) for _, r in model_routers(c)})}
     router = next(r for c in chunks_of(ref) for _, r in model_routers(c))
     router.router_replay = RouterReplay()
     try:

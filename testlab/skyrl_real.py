@@ -283,7 +283,7 @@ def reference_roles(ctx: Any, spec: Any) -> dict:
         worker = worker_cls(cfg, chunks)
         try:
             worker.init_model()
-            out[flag] = {"roles": sorted({role_of(r).value for c in chunks for _, r in model_routers(c)}),
+            out[flag] = {"roles": sorted({str(getattr(role_of(r), "value", None)) for c in chunks for _, r in model_routers(c)}),
                          "error": None}
         except ReplayError as e:
             out[flag] = {"roles": None, "error": f"{type(e).__name__}: {e}"}

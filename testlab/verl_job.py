@@ -702,8 +702,8 @@ def _role_scenarios(actor: Any, ref: Any, ref_w: Any, chunks: list, ref_chunks: 
         with actor.r3_replayer.step("replay", forward_only=True, source="rollout") as st:
             st.install(ref.module[0], None, [len(t) for t in roll.tokens])
 
-    out = {"actor": sorted({role_of(r).value for c in chunks for _, r in model_routers(c)}),
-           "reference": sorted({role_of(r).value for c in ref_chunks for _, r in model_routers(c)}),
+    out = {"actor": sorted({str(getattr(role_of(r), "value", None)) for c in chunks for _, r in model_routers(c)}),
+           "reference": sorted({str(getattr(role_of(r), "value", None)) for c in ref_chunks for _, r in model_routers(c)}),
            "routes_to_reference": outcome(install_on_reference)}
     # what TopKRouter builds under moe_enable_routing_replay=True (e.g. the reference's
     # override_transformer_config or router_replay.mode set for it): a RouterReplay in megatron's

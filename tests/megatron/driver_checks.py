@@ -275,7 +275,7 @@ def _role_checks(ctx: RankContext, chunks: list, other: list, routes: Any, batch
     rep_mtp = Replayer(mtp)
     drafts = [r for name, r in model_routers(mtp[0]) if ".mtp." in f".{name}"]
     out["role_mtp"] = {"layer_ids": rep_mtp.layer_ids, "drafts": len(drafts),
-                       "draft_roles": sorted({role_of(r).value for r in drafts}),
+                       "draft_roles": sorted({str(getattr(role_of(r), "value", None)) for r in drafts}),
                        "draft_hooks": [r.router_replay is not None for r in drafts]}
     rep_mtp.detach()
     # a draft router that holds a replay hook (NeMo RL #3903: MTP layers replayed another layer's
