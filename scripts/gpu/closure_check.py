@@ -10,6 +10,7 @@ repository root (testlab/ is imported from there).
 
   python scripts/gpu/closure_check.py --sets base te ray verl -- r3bridge.adapters.verl.main_ppo ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ def allowed_distributions(sets: list[str]) -> set[str]:
             for line in f:
                 spec = line.split("#")[0].strip()
                 if not spec or spec.startswith("file:"):
-                    if spec:   # file:.../NAME-VERSION-....whl
+                    if spec:  # file:.../NAME-VERSION-....whl
                         names.add(_norm(os.path.basename(spec).split("-")[0]))
                     continue
                 names.add(_norm(spec.removeprefix("build:").split("==")[0].split(">=")[0]))
@@ -85,7 +86,7 @@ def main() -> int:
     ap.add_argument("--sets", nargs="+", required=True)
     ap.add_argument("modules", nargs="+")
     args = ap.parse_args()
-    sys.path.insert(0, os.getcwd())   # testlab/ and the checkout, as on the device
+    sys.path.insert(0, os.getcwd())  # testlab/ and the checkout, as on the device
     hide = _Hide(allowed_distributions(args.sets))
     hide.install()
     failed = 0
@@ -97,7 +98,7 @@ def main() -> int:
             failed += 1
             print(f"FAILED  {m}: {type(e).__name__}: {e}")
             print("".join(traceback.format_exc().splitlines(keepends=True)[-6:]))
-    for top, owners in sorted(hide.hidden.items()):   # looked up at least once (maybe optional)
+    for top, owners in sorted(hide.hidden.items()):  # looked up at least once (maybe optional)
         print(f"absent on the device: {top} (distribution {', '.join(owners)})")
     return 1 if failed else 0
 
