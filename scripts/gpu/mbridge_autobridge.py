@@ -159,6 +159,41 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def checkpoint_expert_layout(hf_dir: str) -> str:
+    """ "per-expert" or "fused": Qwen3MoEBridge 0.6.2 maps only per-expert HF names
+    (``models/qwen/qwen3_moe_bridge.py:90-111``); transformers' ``save_pretrained`` writes those."""
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, name), "pt") as f:
+                keys += list(f.keys())
+    fused = any(k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) for k in keys)
+    per_expert = any(".mlp.experts.0.gate_proj.weight" in k for k in keys)
+    return "mixed" if fused and per_expert else "fused" if fused else "per-expert" if per_expert else "none"
+
+
+@torch.no_grad()
+def logprob_gap(
+    hf_model: torch.nn.Module, tokens: Sequence[Sequence[int]], batches: Sequence[Any], results: Sequence[Any]
+) -> dict[str, float]:
+    """Trainer (native routing) vs the engine's model: log-probs of the same tokens. Context for the
+    native agreement (a wrong rope / norm mapping would show here first), not a pass criterion."""
+    dev = next(hf_model.parameters()).device
+    diffs = []
+    for grp, b, r in zip(GROUPS, batches, results):
+        lp = torch.log_softmax(r.logits.float(), -1).gather(-1, b.labels.to(r.logits.device)[:, None]).squeeze(-1)
+        for j, i in enumerate(grp):
+            ids = torch.as_tensor([list(tokens[i])], device=dev)
+            ref = torch.log_softmax(hf_model(input_ids=ids).logits[0, :-1].float(), -1)
+            ref = ref.gather(-1, ids[0, 1:, None]).squeeze(-1)
+            off, n = int(b.cu_seqlens_padded[j]), len(tokens[i]) - 1
+            diffs.append((lp[off : off + n].to(ref.device) - ref).abs())
+    d = torch.cat(diffs) if diffs else torch.zeros(1)
+    return {"native_logprob_absdiff_max": float(d.max()), "native_logprob_absdiff_mean": float(d.mean())}
+
+
 # ------------------------------------------------------------------------------------ GPU part
 
 
@@ -297,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf_state = {k: v.clone() for k, v in model.state_dict().items()}
     tmp = tempfile.mkdtemp(prefix="r3b-mbridge-")
     model.save_pretrained(tmp, safe_serialization=True)
+    res["hf_checkpoint_experts"] = checkpoint_expert_layout(tmp)
     # The engine holds the same weights rounded to bf16 and runs fp32 (as testlab.hf_checks):
     # a serving engine's numerics differ from the trainer's.
     with torch.no_grad():
@@ -344,7 +380,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"errors": errs, **counts, "step": st}, out
 
     # 1. native (no replay): the trainer's own top-k against the engine's routes
-    nat, _ = checked("native", True, None, routes, False, {}, "native")
+    nat, nat_out = checked("native", True, None, routes, False, {}, "native")
+    res.update(logprob_gap(engine.model, ro.tokens, cpu_batches, nat_out))
     res["native_calls"], res["native_rows"] = nat["calls"], nat["rows"]
     res["native_agree_rows"] = nat["rows"] - nat["mismatching_rows"]
     # 2. R3: the engine's routes, forward-only (old log-prob) and training (update)

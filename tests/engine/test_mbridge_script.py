@@ -147,3 +147,38 @@ def test_without_megatron_bridge_one_line_says_what_to_install(mb, tmp_path, cap
     got = json.loads(line)
     assert got["pass"] is False and "scripts/gpu/wheels/mbridge.txt" in got["error"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == got
+
+
+def test_checkpoint_layout_is_what_the_bridge_maps(mb, hf, tmp_path):
+    _, model = hf
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    assert mb.checkpoint_expert_layout(str(tmp_path)) == "per-expert"
+
+
+def test_logprob_gap_is_zero_for_the_same_model_and_sees_a_change(mb, hf):
+    from dataclasses import dataclass
+
+    from r3bridge.demo.hf_to_mcore import packed_from_tokens
+
+    cfg, model = hf
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(1, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 4, 7, 6, 3)]
+
+    @dataclass
+    class Result:
+        logits: torch.Tensor
+
+    batches, results = [], []
+    with torch.no_grad():
+        for grp in mb.GROUPS:
+            b = packed_from_tokens([tokens[i] for i in grp], align=1)
+            logits = torch.zeros(b.total, cfg.vocab_size)
+            for j, i in enumerate(grp):
+                off = int(b.cu_seqlens_padded[j])
+                logits[off : off + len(tokens[i])] = model(input_ids=torch.tensor([tokens[i]])).logits[0]
+            batches.append(b)
+            results.append(Result(logits))
+    same = mb.logprob_gap(model, tokens, batches, results)
+    assert same["native_logprob_absdiff_max"] < 1e-5
+    results[1].logits[int(batches[1].cu_seqlens_padded[1])] += 3.0 * torch.randn(cfg.vocab_size, generator=g)
+    assert mb.logprob_gap(model, tokens, batches, results)["native_logprob_absdiff_max"] > 1e-2
