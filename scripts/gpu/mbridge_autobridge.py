@@ -91,23 +91,14 @@ def moe_layer_freq(cfg: Any) -> list[int]:
 
 
 def dense_layer_tensors(hf_state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
-    """The TE-spec names and values of every dense layer's MLP, from HF weights.
+    """The TE-spec names and values of every dense layer's MLP, from HF weights: r3bridge's own
+    translation (``r3bridge.demo.hf_to_mcore``: ``linear_fc1 = [gate; up]``; ``to_te_names``: the
+    MLP's pre-norm fused into ``linear_fc1.layer_norm_weight``)."""
+    from r3bridge.demo.hf_to_mcore import hf_to_mcore, to_te_names
 
-    The translation is r3bridge's own (``r3bridge.demo.hf_to_mcore``: ``linear_fc1 = [gate; up]``);
-    on the TE spec the MLP's pre-norm is fused into ``linear_fc1`` (``layer_norm_weight``) instead
-    of the local spec's ``pre_mlp_layernorm``."""
-    from r3bridge.demo.hf_to_mcore import hf_to_mcore
-
-    local = hf_to_mcore(hf_state, cfg)
-    out: dict[str, torch.Tensor] = {}
-    for i, moe in enumerate(moe_layer_freq(cfg)):
-        if moe:
-            continue
-        p = f"decoder.layers.{i}."
-        out[p + "mlp.linear_fc1.weight"] = local[p + "mlp.linear_fc1.weight"]
-        out[p + "mlp.linear_fc2.weight"] = local[p + "mlp.linear_fc2.weight"]
-        out[p + "mlp.linear_fc1.layer_norm_weight"] = local[p + "pre_mlp_layernorm.weight"]
-    return out
+    te = to_te_names(hf_to_mcore(hf_state, cfg))
+    dense = [i for i, moe in enumerate(moe_layer_freq(cfg)) if not moe]
+    return {k: v for k, v in te.items() if any(k.startswith(f"decoder.layers.{i}.mlp.") for i in dense)}
 
 
 @torch.no_grad()
