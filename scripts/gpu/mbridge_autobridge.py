@@ -291,7 +291,8 @@ def build_autobridge(
     return chunks
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    """The GPU run; ``res`` fills as it goes (what was reached is reported if a later stage fails)."""
     from replay_grid import _check_probe, _install_step
 
     from r3bridge.demo.hf_engine import HFEngine, build_hf_model
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "on top of the TE set (docs/gpu.md, Megatron-Bridge)"
         ) from e
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    res: dict[str, Any] = {"dtype": args.dtype, "errors": []}
+    res.update(dtype=args.dtype, errors=[])
     for mod in ("megatron.bridge", "megatron.core", "transformer_engine", "transformers", "torch"):
         try:
             res.setdefault("versions", {})[mod] = __import__(mod, fromlist=["__version__"]).__version__
@@ -426,13 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-std", type=float, default=ROUTER_STD)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    partial: dict[str, Any] = {}
     try:
-        summary = run(args)
+        summary = run(args, partial)
     except Exception as e:  # the lead reads one line either way; the traceback follows on stderr
         import traceback
 
         traceback.print_exc()
-        summary = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+        summary = {**partial, "pass": False, "error": f"{type(e).__name__}: {e}"}
     line = json.dumps(summary, sort_keys=True, default=str)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         f.write(line + "\n")
