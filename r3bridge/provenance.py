@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from r3bridge.errors import ProvenanceError
 
 __all__ = ["RouteProvenance", "checked_provenance", "concat_provenance", "select_provenance", "ProvenanceCount",
-           "check_pairing", "CHECK_MODES"]
+           "ProvenancePairing", "check_pairing", "CHECK_MODES"]
 
 CHECK_MODES = ("refuse", "count", "off")
 EPOCH_MAX = 2**31 - 1          # the wire format stores the epoch as i32
@@ -123,6 +123,20 @@ class ProvenanceCount:
         return {f"{prefix}provenance/checked_samples": float(self.checked),
                 f"{prefix}provenance/mismatched_samples": float(self.mismatched),
                 f"{prefix}provenance/unchecked_samples": float(self.unchecked)}
+
+
+@dataclass(frozen=True)
+class ProvenancePairing:
+    """What an adapter knows of one pass's samples, in the batch's sample order: where each one's
+    routes came from, where the log-probs they are paired with came from (``None``: unknown, for a
+    side or a sample), and the framework's name of each sample (errors name it)."""
+
+    routes: Optional[Sequence[Optional[RouteProvenance]]]
+    logprobs: Optional[Sequence[Optional[RouteProvenance]]]
+    names: Optional[Sequence[str]] = None
+
+    def check(self, mode: str) -> ProvenanceCount:
+        return check_pairing(self.routes, self.logprobs, mode, names=self.names)
 
 
 def check_pairing(routes: Optional[Sequence[Optional[RouteProvenance]]],
