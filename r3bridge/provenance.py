@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
+
 from r3bridge.errors import ProvenanceError
 
 __all__ = ["RouteProvenance", "checked_provenance", "concat_provenance", "select_provenance", "ProvenanceCount",
-           "ProvenancePairing", "check_pairing", "CHECK_MODES"]
+           "ProvenancePairing", "check_pairing", "CHECK_MODES", "versions_tensor", "from_versions_tensor"]
 
 CHECK_MODES = ("refuse", "count", "off")
 EPOCH_MAX = 2**31 - 1          # the wire format stores the epoch as i32
@@ -137,6 +139,44 @@ class ProvenancePairing:
 
     def check(self, mode: str) -> ProvenanceCount:
         return check_pairing(self.routes, self.logprobs, mode, names=self.names)
+
+    def select(self, indices: Sequence[int]) -> "ProvenancePairing":
+        """The samples ``indices`` (e.g. those of one mini-batch), in that order."""
+        idx = [int(i) for i in indices]
+
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in idx]
+        return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names))
+
+
+# Frameworks whose batches carry per-sample data only as tensors (SkyRL, AReaL) carry provenance as
+# an int64 [n, 2] tensor: (weight version, epoch), -1 = unknown, a row of -1s = no provenance. The
+# engine name is the adapter's and no request id travels.
+def versions_tensor(items: Sequence[Optional[RouteProvenance]]) -> torch.Tensor:
+    out = torch.full((len(items), 2), -1, dtype=torch.int64)
+    for i, p in enumerate(items):
+        if p is not None:
+            out[i, 0] = -1 if p.weight_version is None else p.weight_version
+            out[i, 1] = -1 if p.epoch is None else p.epoch
+    return out
+
+
+def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RouteProvenance]]:
+    """:func:`versions_tensor`'s inverse; ``what`` names the field in errors."""
+    t = torch.as_tensor(t)
+    if t.dim() != 2 or t.shape[1] != 2 or t.dtype.is_floating_point:
+        raise ProvenanceError(f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got "
+                              f"{t.dtype} {list(t.shape)}")
+    out: list[Optional[RouteProvenance]] = []
+    for i, (version, epoch) in enumerate(t.tolist()):
+        if version == -1 and epoch == -1:
+            out.append(None)
+            continue
+        try:
+            out.append(RouteProvenance(engine, "", None if version == -1 else version, None if epoch == -1 else epoch))
+        except ProvenanceError as e:
+            raise ProvenanceError(f"{what}, sample {i}: {e}") from None
+    return out
 
 
 def check_pairing(routes: Optional[Sequence[Optional[RouteProvenance]]],
