@@ -9,6 +9,7 @@ version, re-prefill / retraction epoch), filled by the adapter from what its fra
 the driver compares it with the provenance of the log-probs the routes are paired with
 (:func:`check_pairing`, ``ReplayConfig.provenance_check``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,12 +19,22 @@ import torch
 
 from r3bridge.errors import ProvenanceError
 
-__all__ = ["RouteProvenance", "checked_provenance", "concat_provenance", "select_provenance", "ProvenanceCount",
-           "ProvenancePairing", "check_pairing", "CHECK_MODES", "versions_tensor", "from_versions_tensor"]
+__all__ = [
+    "RouteProvenance",
+    "checked_provenance",
+    "concat_provenance",
+    "select_provenance",
+    "ProvenanceCount",
+    "ProvenancePairing",
+    "check_pairing",
+    "CHECK_MODES",
+    "versions_tensor",
+    "from_versions_tensor",
+]
 
 CHECK_MODES = ("refuse", "count", "off")
-EPOCH_MAX = 2**31 - 1          # the wire format stores the epoch as i32
-VERSION_MAX = 2**63 - 1        # and the weight version as i64
+EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch as i32
+VERSION_MAX = 2**63 - 1  # and the weight version as i64
 
 
 def _int_field(value, what: str, limit: int) -> Optional[int]:
@@ -58,8 +69,9 @@ class RouteProvenance:
             raise ProvenanceError(f"RouteProvenance.engine must be a non-empty string, got {self.engine!r}")
         if not isinstance(self.request_id, str):
             raise ProvenanceError(f"RouteProvenance.request_id must be a string, got {self.request_id!r}")
-        object.__setattr__(self, "weight_version",
-                           _int_field(self.weight_version, "RouteProvenance.weight_version", VERSION_MAX))
+        object.__setattr__(
+            self, "weight_version", _int_field(self.weight_version, "RouteProvenance.weight_version", VERSION_MAX)
+        )
         object.__setattr__(self, "epoch", _int_field(self.epoch, "RouteProvenance.epoch", EPOCH_MAX))
 
     def differences(self, other: "RouteProvenance") -> tuple[str, ...]:
@@ -72,22 +84,27 @@ class RouteProvenance:
         return tuple(out)
 
     def __str__(self) -> str:
-        return (f"engine={self.engine} request_id={self.request_id or '?'} weight_version="
-                f"{'?' if self.weight_version is None else self.weight_version} epoch="
-                f"{'?' if self.epoch is None else self.epoch}")
+        return (
+            f"engine={self.engine} request_id={self.request_id or '?'} weight_version="
+            f"{'?' if self.weight_version is None else self.weight_version} epoch="
+            f"{'?' if self.epoch is None else self.epoch}"
+        )
 
 
 Provenances = tuple[Optional[RouteProvenance], ...]
 
 
-def checked_provenance(provenance: Optional[Sequence[Optional[RouteProvenance]]], num_seqs: int) -> Optional[Provenances]:
+def checked_provenance(
+    provenance: Optional[Sequence[Optional[RouteProvenance]]], num_seqs: int
+) -> Optional[Provenances]:
     """``provenance`` as a tuple of one entry per sequence (``None``: that sequence has none), or
     ``None``; raises :class:`ProvenanceError` naming the sequence."""
     if provenance is None:
         return None
     if isinstance(provenance, (str, bytes, RouteProvenance)) or not hasattr(provenance, "__len__"):
-        raise ProvenanceError(f"provenance must be a sequence of RouteProvenance (one per sequence), got "
-                              f"{type(provenance).__name__}")
+        raise ProvenanceError(
+            f"provenance must be a sequence of RouteProvenance (one per sequence), got {type(provenance).__name__}"
+        )
     out = tuple(provenance)
     if len(out) != num_seqs:
         raise ProvenanceError(f"provenance has {len(out)} entries for {num_seqs} sequences")
@@ -122,9 +139,11 @@ class ProvenanceCount:
     unchecked: int = 0
 
     def as_metrics(self, prefix: str = "r3bridge/") -> dict[str, float]:
-        return {f"{prefix}provenance/checked_samples": float(self.checked),
-                f"{prefix}provenance/mismatched_samples": float(self.mismatched),
-                f"{prefix}provenance/unchecked_samples": float(self.unchecked)}
+        return {
+            f"{prefix}provenance/checked_samples": float(self.checked),
+            f"{prefix}provenance/mismatched_samples": float(self.mismatched),
+            f"{prefix}provenance/unchecked_samples": float(self.unchecked),
+        }
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,7 @@ class ProvenancePairing:
 
         def pick(xs):
             return None if xs is None else [xs[i] for i in idx]
+
         return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names))
 
 
@@ -165,8 +185,9 @@ def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RoutePro
     """:func:`versions_tensor`'s inverse; ``what`` names the field in errors."""
     t = torch.as_tensor(t)
     if t.dim() != 2 or t.shape[1] != 2 or t.dtype.is_floating_point:
-        raise ProvenanceError(f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got "
-                              f"{t.dtype} {list(t.shape)}")
+        raise ProvenanceError(
+            f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got {t.dtype} {list(t.shape)}"
+        )
     out: list[Optional[RouteProvenance]] = []
     for i, (version, epoch) in enumerate(t.tolist()):
         if version == -1 and epoch == -1:
@@ -179,9 +200,13 @@ def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RoutePro
     return out
 
 
-def check_pairing(routes: Optional[Sequence[Optional[RouteProvenance]]],
-                  logprobs: Optional[Sequence[Optional[RouteProvenance]]], mode: str, *,
-                  names: Optional[Sequence[str]] = None) -> ProvenanceCount:
+def check_pairing(
+    routes: Optional[Sequence[Optional[RouteProvenance]]],
+    logprobs: Optional[Sequence[Optional[RouteProvenance]]],
+    mode: str,
+    *,
+    names: Optional[Sequence[str]] = None,
+) -> ProvenanceCount:
     """Compare each sample's route provenance with its log-probs' (same order, one per sample).
 
     ``mode``: ``"count"`` counts mismatches, ``"refuse"`` raises :class:`ProvenanceError` naming the
@@ -217,12 +242,15 @@ def check_pairing(routes: Optional[Sequence[Optional[RouteProvenance]]],
         raise ProvenanceError(
             f"{name}: its routes came from another engine pass than its log-probs ({', '.join(diff)} differ): "
             f"routes [{r}], log-probs [{lp}]; {count.mismatched} of {count.checked} checked samples differ "
-            f"(provenance_check='refuse'; 'count' replays them and counts them)")
+            f"(provenance_check='refuse'; 'count' replays them and counts them)"
+        )
     return count
 
 
 def _comparable(a: RouteProvenance, b: RouteProvenance) -> bool:
     # the engine is always known: two engines differ outright; the same engine needs a field
     # that says which pass (request id, weight version or epoch) known on both sides
-    return a.engine != b.engine or any(getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "")
-               for f in ("request_id", "weight_version", "epoch"))
+    return a.engine != b.engine or any(
+        getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "")
+        for f in ("request_id", "weight_version", "epoch")
+    )

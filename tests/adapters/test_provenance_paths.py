@@ -70,10 +70,16 @@ def _skyrl(ctx, rollout) -> dict:
         hook = w.actor_module[0].register_forward_pre_hook(lambda *a, seen=forwards: seen.append(1))
 
         def mbs(runner=runner, w=w, batch=batch):
-            w.r3.provenance = provenance_pairing(batch)       # what PolicyWorkerMixin does per pass
+            w.r3.provenance = provenance_pairing(batch)  # what PolicyWorkerMixin does per pass
             return runner.micro_batches(rollout, GROUPS, key="rollout")
-        res[name] = _phases(runner, w, mbs, forwards, lambda w=w: dict(
-            active=w.r3.replayer.active_step is not None, left=w.r3.provenance is not None))
+
+        res[name] = _phases(
+            runner,
+            w,
+            mbs,
+            forwards,
+            lambda w=w: dict(active=w.r3.replayer.active_step is not None, left=w.r3.provenance is not None),
+        )
         hook.remove()
     return res
 
@@ -119,9 +125,13 @@ def _areal(ctx, rollout) -> dict:
         forwards: list = []
         hook = actor.engine.model[0].register_forward_pre_hook(lambda *a, seen=forwards: seen.append(1))
         eng = actor.engine
-        res[name] = _phases(runner, actor, lambda runner=runner: runner.micro_batches(rollout, GROUPS, key="rollout"),
-                            forwards, lambda eng=eng: dict(active=eng.r3_replay.active_step is not None,
-                                                           left=eng.r3_provenance is not None))
+        res[name] = _phases(
+            runner,
+            actor,
+            lambda runner=runner: runner.micro_batches(rollout, GROUPS, key="rollout"),
+            forwards,
+            lambda eng=eng: dict(active=eng.r3_replay.active_step is not None, left=eng.r3_provenance is not None),
+        )
         hook.remove()
     return res
 
@@ -158,16 +168,24 @@ def _check(res: dict, routes: str, logprobs: str, differ: str) -> None:
 
 def test_skyrl_reprefilled_routes_are_counted_refused_or_pass(results):
     res = results["skyrl"]
-    _check(res, "engine=skyrl request_id=? weight_version=4 epoch=?",
-           "engine=skyrl request_id=? weight_version=3 epoch=?", "weight_version")
-    logged = res["count"]["update"]["logged"]       # SkyRL logs compute_log_prob's keys with the update's
+    _check(
+        res,
+        "engine=skyrl request_id=? weight_version=4 epoch=?",
+        "engine=skyrl request_id=? weight_version=3 epoch=?",
+        "weight_version",
+    )
+    logged = res["count"]["update"]["logged"]  # SkyRL logs compute_log_prob's keys with the update's
     assert logged["r3bridge/update/provenance/mismatched_samples"] == 1.0
     assert logged["r3bridge/old_log_prob/provenance/mismatched_samples"] == 1.0
 
 
 def test_areal_retracted_routes_are_counted_refused_or_pass(results):
     res = results["areal"]
-    _check(res, "engine=sglang request_id=? weight_version=3 epoch=1",
-           "engine=sglang request_id=? weight_version=? epoch=0", "epoch")
-    logged = res["count"]["update"]["logged"]       # AReaL's stats tracker, exported as AReaL does
+    _check(
+        res,
+        "engine=sglang request_id=? weight_version=3 epoch=1",
+        "engine=sglang request_id=? weight_version=? epoch=0",
+        "epoch",
+    )
+    logged = res["count"]["update"]["logged"]  # AReaL's stats tracker, exported as AReaL does
     assert logged["r3bridge/update/provenance/mismatched_samples"] == 1.0

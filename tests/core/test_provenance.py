@@ -194,3 +194,19 @@ def test_recorded_and_trusted_batches_have_no_provenance():
         torch.zeros((2, 1, 1), dtype=torch.uint8), [2], [0], torch.ones(2, dtype=torch.bool), (0,), 4, "recorded"
     )
     assert rb.provenance is None
+
+
+def test_versions_tensor_roundtrip_and_errors():
+    from r3bridge.provenance import ProvenancePairing, from_versions_tensor, versions_tensor
+
+    items = [RouteProvenance("sglang", "", 3, 1), None, RouteProvenance("sglang", "", None, 0)]
+    t = versions_tensor(items)
+    assert t.tolist() == [[3, 1], [-1, -1], [-1, 0]] and t.dtype == torch.int64
+    assert from_versions_tensor(t, engine="sglang", what="f") == items
+    with pytest.raises(ProvenanceError, match=r"field x must be an integer \[samples, 2\]"):
+        from_versions_tensor(torch.zeros(3, 3), engine="sglang", what="field x")
+    with pytest.raises(ProvenanceError, match="field x, sample 1: .*weight_version"):
+        from_versions_tensor(torch.tensor([[1, 0], [-5, 0]]), engine="sglang", what="field x")
+    pairing = ProvenancePairing(items, [None, None, items[2]], ["a", "b", "c"])
+    sub = pairing.select([2, 0])
+    assert sub.routes == [items[2], items[0]] and sub.logprobs == [items[2], None] and sub.names == ["c", "a"]
