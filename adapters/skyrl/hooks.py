@@ -21,6 +21,7 @@ The reference worker keeps SkyRL's plain wrapper: the reference model never repl
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
@@ -222,8 +223,21 @@ class PolicyWorkerMixin:
         return out
 
     def forward(self, data, loss_fn=None, loss_fn_config=None):
+        with self._r3_provenance(data):
+            return self._r3_forward(data, loss_fn, loss_fn_config)
+
+    @contextlib.contextmanager
+    def _r3_provenance(self, data):
+        """The pass's route / log-prob provenance (R3), for this call only: never a later pass's."""
+        r3 = self.model.r3
+        r3.provenance = provenance_pairing(data) if replay_config(self.r3_config).replay_mode is ReplayMode.R3 else None
+        try:
+            yield
+        finally:
+            r3.provenance = None
+
+    def _r3_forward(self, data, loss_fn, loss_fn_config):
         mode = replay_config(self.r3_config).replay_mode
-        self.model.r3.provenance = provenance_pairing(data) if mode is ReplayMode.R3 else None
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
         runner = self.model.r3.runner
@@ -253,8 +267,8 @@ class PolicyWorkerMixin:
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
-        self.model.r3.provenance = provenance_pairing(data) if mode is ReplayMode.R3 else None
-        return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        with self._r3_provenance(data):
+            return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
 
 class TrainerMixin:
