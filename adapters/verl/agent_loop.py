@@ -95,7 +95,7 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
             agent_data.extra_fields[OVERLAP_KEY] = int(sum(report.overlap_rows))
             agent_data.extra_fields[DISAGREE_KEY] = int(report.total_disagreeing)
             routes_from, logprobs_from = call_provenance(self.server_manager.outputs,
-                                                         engine=str(self.config.actor_rollout_ref.rollout.name),
+                                                         engine=str(self.config.actor_rollout_ref.rollout.name or "verl"),
                                                          request_id=str(agent_data.request_id))
             agent_data.extra_fields[ROUTE_PROVENANCE_KEY] = routes_from
             agent_data.extra_fields[LOGPROB_PROVENANCE_KEY] = logprobs_from
