@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
+from r3bridge.provenance import CHECK_MODES
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
@@ -123,6 +124,12 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
+    # Routes whose provenance (engine pass: request id, weight version, re-prefill epoch) differs
+    # from that of the log-probs they are paired with (r3bridge/provenance.py; miles #3277, vLLM
+    # #39917): "count" replays them and counts them (provenance/* metrics), "refuse" raises a
+    # ProvenanceError naming the sample and both provenances before the pass installs anything,
+    # "off" compares nothing.
+    provenance_check: str = "count"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -130,6 +137,8 @@ class ReplayConfig:
             raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
+        if self.provenance_check not in CHECK_MODES:
+            raise ConfigError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {self.provenance_check!r}")
         self._check_trace()
 
     def _check_trace(self) -> None:
