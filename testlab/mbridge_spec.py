@@ -227,6 +227,12 @@ def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_experts=num_experts, num_experts_per_tok=topk, mlp_only_layers=list(dense),
                          decoder_sparse_step=1, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                         # as Qwen3-MoE checkpoints set it: mbridge 0.15.1's Qwen3MoEBridge ignores the
+                         # field and always renormalises the top-k weights (moe_router_pre_softmax=False,
+                         # mbridge/models/qwen3moe.py); with transformers' default (False) the engine and
+                         # the trainer weight the experts differently and diverge after the first MoE
+                         # layer (native agreement 0.30 on the GPU, 2026-11-26)
+                         norm_topk_prob=True)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     return cfg
