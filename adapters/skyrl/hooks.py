@@ -106,7 +106,13 @@ class SkyRLReplay:
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
         plan = self.runner.plan(phase)
         mbs = [dict(m) for m in micro_batches]
-        carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
+        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
+        for m in mbs:
+            # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
+            # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+            for key in (ROUTES_KEY, MASK_KEY):
+                if key in m:
+                    m[key] = None
         self.result = None
         if plan is None:
             return call(mbs)
