@@ -249,7 +249,9 @@ class PolicyWorkerStandIn:
             m["num_real_microbatches"] = len(mbs)
         metrics = self.model.forward_backward_mini_batch(
             micro_batches=mbs, seq_len=mbs[0]["sequences"].shape[1], micro_batch_size=mbs[0]["sequences"].shape[0],
-            temperature=self.cfg.algorithm.temperature, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            temperature=self.cfg.algorithm.temperature, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+            # SkyRL 0.4's worker passes this too (megatron_worker.py:1205)
+            **({"return_per_token_outputs": True} if self.release == "0.4" else {}))
         outs = [o for m in metrics for o in m.pop("loss_fn_outputs", [])]
         return dispatch.WorkerOutput(loss_fn_outputs=outs, metrics={"micro_batches": metrics})
 
