@@ -98,8 +98,10 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
             and not m["dispatch_errors"]
             and m["dispatch_compared"] > 0
         )
-        if mode == "R2":
-            mode_ok = mode_ok and all(d is not None and d <= logprob_tol for d in m["max_logprob_diff"])
+        m["routes_ok"] = mode_ok
+        if mode == "R2":  # same weights, same routes: the update's log-probs are compute_log_prob's
+            m["logprob_ok"] = all(d is not None and d <= logprob_tol for d in m["max_logprob_diff"])
+            mode_ok = mode_ok and m["logprob_ok"]
         m["ok"] = mode_ok
         ok = ok and mode_ok
         modes[mode] = m
