@@ -38,8 +38,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 LAYOUTS = {"tp1": dict(), "tp2_sp": dict(tp=2), "pp2_vpp2": dict(pp=2, vpp=2)}
 
 
-def _skyrl(ctx: Any, rollouts: list, layer_spec: str) -> dict:
+def _skyrl(ctx: Any, rollouts: list, layer_spec: str, device: str) -> dict:
     from testlab.real_paths import run_skyrl
+
+    if device == "cpu":  # SkyRL 0.4 on a CPU machine: testlab.skyrl04_env's Megatron-Bridge stand-in
+        from testlab.skyrl04_env import apply
+
+        apply()
 
     return run_skyrl(ctx, rollouts, layer_spec)
 
@@ -108,7 +113,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="cross-framework-") as tmp:
             for fw in fws:
                 if fw == "skyrl":
-                    args: tuple = ([rollout], skyrl_spec if world == 1 or a.skyrl_spec else None)
+                    args: tuple = ([rollout], skyrl_spec if world == 1 or a.skyrl_spec else None, a.device)
                     fn: Any = _skyrl
                 elif fw == "areal":
                     fn, args = _areal, (f"{tmp}/areal", rollout, a.device, names)

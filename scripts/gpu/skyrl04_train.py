@@ -18,8 +18,10 @@ log-probs must equal compute_log_prob's (same weights, same routes).
 
   --device cuda (default): NCCL, one GPU, TP1; --layer-spec te (default; TE attention on SkyRL's
     packed THD input, bf16) or local (MoE-only layers, fp32).
-  --device cpu: gloo with the CPU shim, local spec: runs whatever SkyRL is installed (0.3 on the
-    Python 3.11 CPU machines, where 0.4 cannot import) through the same code path.
+  --device cpu: gloo with the CPU shim, local spec, whatever SkyRL comes first on the path: 0.3 as
+    installed on the CPU machines, or 0.4.0 (PYTHONPATH=build/skyrl04 and megatron-core >= 0.17 first;
+    SkyRL 0.4's wrapper then imports on Python 3.11), with testlab.skyrl04_env's stand-in for
+    megatron.bridge.peft.utils when Megatron-Bridge cannot import (``megatron_bridge_stand_in``).
 
 Output: one JSON line (also <out>/skyrl04_train.json): ``ok`` and, per mode,
 ``router_rows_mismatched`` (must be 0), ``router_rows_checked`` (> 0), ``dispatch_errors`` ([]),
@@ -38,12 +40,17 @@ from typing import Any
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 
-def _cell(ctx: Any, layer_spec: str, steps: int) -> dict:
+def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
     from testlab.device_runs import PERMUTE, skyrl_rollouts, skyrl_spec
     from testlab.skyrl_real import StepSpec, run_steps
 
+    stand_ins = False
+    if device == "cpu":  # never on the GPU: there the real megatron-bridge must import
+        from testlab.skyrl04_env import apply
+
+        stand_ins = apply()
     spec, rollouts = skyrl_spec(layer_spec), skyrl_rollouts(steps)
-    out = {}
+    out: dict[str, Any] = {"megatron_bridge_stand_in": stand_ins}
     for mode in ("R3", "R2"):
         t0 = time.time()
         out[mode] = run_steps(
@@ -65,6 +72,8 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
     rollouts = skyrl_rollouts(steps)
     modes, ok = {}, True
     for mode, r in res.items():
+        if mode not in ("R3", "R2"):
+            continue
         recs = DispatchRecords.merge([r["dispatch"]])
         m: dict[str, Any] = {
             "router_rows_mismatched": 0,
@@ -105,7 +114,7 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
         m["ok"] = mode_ok
         ok = ok and mode_ok
         modes[mode] = m
-    return {"ok": ok, "modes": modes}
+    return {"ok": ok, "modes": modes, "megatron_bridge_stand_in": res["megatron_bridge_stand_in"]}
 
 
 def main() -> int:
@@ -146,7 +155,7 @@ def main() -> int:
             _cell,
             world_size=1,
             layouts=[Layout()],
-            args=(layer_spec, a.steps),
+            args=(layer_spec, a.steps, a.device),
             backend=backend_of(a.device),
             timeout=a.timeout,
         )
