@@ -18,6 +18,10 @@ Frameworks (``--frameworks``, default ``skyrl,areal``):
          harness shims (``testlab.verl_cpu``) and is run on ``--device cpu`` only here; on the GPU
          verl's own job is ``scripts/gpu/verl_e2e.sh``.
 Layouts (``--layouts``): ``tp1`` (1 GPU, default) or ``tp2_sp,pp2_vpp2`` (2 ranks, as the CPU test).
+``--path-<framework> DIRS``: run that framework in a child interpreter whose PYTHONPATH starts with
+DIRS (its own wheel sets): SkyRL 0.4 needs megatron-core >= 0.17, while AReaL's mbridge 0.15.1 fails
+on 0.17 (``mbridge/core/util.py:83``: ``ModelType.encoder_and_decoder`` is gone), so on the device
+the two run with different megatron-core sites.
 
 Output: one JSON line (also <out>/cross_framework.json): ``ok``, per layout the comparison's
 ``errors`` ([]), ``compared`` routed entries (> 0), ``keys`` per framework (equal: 3 passes x
@@ -28,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
 
 LAYOUTS = {"tp1": dict(), "tp2_sp": dict(tp=2), "pp2_vpp2": dict(pp=2, vpp=2)}
 
@@ -61,6 +68,91 @@ def _verl(ctx: Any, model_dir: str, rollout: Any) -> dict:
     return run_verl(ctx, model_dir, rollout)
 
 
+def run_framework(fw: str, names: list, device: str, skyrl_spec: Optional[str], timeout: float) -> list:
+    """``fw`` on the rollout under each layout of ``names``, in this process's environment:
+    per-layout, per-rank results of its ``testlab.real_paths`` rank function."""
+    from r3bridge.testing.dist import Layout, spawn_layouts
+    from testlab.device_runs import backend_of
+    from testlab.real_paths import rollout as make
+
+    rollout = make()
+    world = 1 if names == ["tp1"] else 2
+    layouts = []
+    for n in names:
+        kw = dict(LAYOUTS[n])
+        if kw.get("tp", 1) > 1:
+            kw["etp"] = kw["tp"]  # megatron's default (test_skyrl_real.py)
+        layouts.append(Layout(**kw))
+    with tempfile.TemporaryDirectory(prefix="cross-framework-") as tmp:
+        if fw == "skyrl":
+            args: tuple = ([rollout], skyrl_spec, device)
+            fn: Any = _skyrl
+        elif fw == "areal":
+            fn, args = _areal, (f"{tmp}/areal", rollout, device, names)
+        else:
+            from testlab.verl_job import write_tiny_qwen3_moe
+
+            fn, args = _verl, (write_tiny_qwen3_moe(f"{tmp}/model"), rollout)
+        return spawn_layouts(
+            fn, world_size=world, layouts=layouts, args=args, backend=backend_of(device), timeout=timeout
+        )
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("skyrl", "areal", "verl", "megatron-core", "mbridge", "megatron-bridge"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_framework_in_child(
+    fw: str, prefix: str, a: argparse.Namespace, names: list, skyrl_spec: Optional[str], tmp: str
+) -> tuple[list, dict]:
+    """``fw`` in a child interpreter whose PYTHONPATH starts with ``prefix`` (its own wheel sets:
+    SkyRL 0.4 needs megatron-core >= 0.17, AReaL's mbridge 0.15.1 fails on 0.17's ModelType)."""
+    out = os.path.join(tmp, f"{fw}.pkl")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (prefix, ROOT, os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--device",
+        a.device,
+        "--layouts",
+        ",".join(names),
+        "--timeout",
+        str(a.timeout),
+        "--one",
+        fw,
+        "--one-out",
+        out,
+    ]
+    if skyrl_spec:
+        cmd += ["--skyrl-spec", skyrl_spec]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout + 120)
+    if p.returncode != 0:
+        raise RuntimeError(f"{fw} (PYTHONPATH prefix {prefix}) failed:\n{(p.stdout + p.stderr)[-4000:]}")
+    import torch
+
+    from testlab.dispatch_records import DispatchRecords
+
+    with open(out, "rb") as f:
+        got = pickle.load(f)
+    for per_rank in got["results"]:
+        for r in per_rank:
+            name, keys, ids = r["dispatch"]
+            r["dispatch"] = (
+                DispatchRecords(name, torch.tensor(keys, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64))
+                if keys
+                else DispatchRecords(name)
+            )
+    return got["results"], got["versions"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -69,12 +161,32 @@ def main() -> int:
     ap.add_argument("--skyrl-spec", default=None, choices=["te", "local"], help="default: te on cuda, local on cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--timeout", type=float, default=900)
+    for fw in ("skyrl", "areal", "verl"):
+        ap.add_argument(
+            f"--path-{fw}",
+            default="",
+            help=f"PYTHONPATH prefix of a child process running {fw} "
+            "(its own wheel sets); default: this process's environment",
+        )
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one framework, results pickled
+    ap.add_argument("--one-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.one:
+        names = [n for n in a.layouts.split(",") if n]
+        res = run_framework(a.one, names, a.device, a.skyrl_spec, a.timeout)
+        # plain Python data: the parent may import another megatron-core, whose pickle reducers differ
+        plain = [
+            [
+                {**r, "dispatch": (r["dispatch"].framework, r["dispatch"].keys.tolist(), r["dispatch"].ids.tolist())}
+                for r in per_rank
+            ]
+            for per_rank in res
+        ]
+        with open(a.one_out, "wb") as f:
+            pickle.dump({"results": plain, "versions": _versions()}, f)
+        return 0
 
-    import importlib.metadata as md
-
-    from r3bridge.testing.dist import Layout, spawn_layouts
-    from testlab.device_runs import backend_of, emit
+    from testlab.device_runs import emit
     from testlab.dispatch_records import DispatchRecords, compare_dispatch
     from testlab.real_paths import rollout as make
 
@@ -87,43 +199,34 @@ def main() -> int:
     if "tp1" in names and world != 1:
         ap.error("tp1 runs alone (1 rank); tp2_sp and pp2_vpp2 together (2 ranks)")
     skyrl_spec = a.skyrl_spec or ("te" if a.device == "cuda" else "local")
-    versions = {}
-    for dist in ("skyrl", "areal", "verl", "megatron-core", "mbridge"):
-        try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    head = {"frameworks": fws, "layouts": names, "device": a.device, "skyrl_spec": skyrl_spec, "versions": versions}
+    if world > 1 and not a.skyrl_spec:
+        skyrl_spec = None  # the CPU test's choice per layout (testlab.real_paths.run_skyrl)
+    head: dict[str, Any] = {
+        "frameworks": fws,
+        "layouts": names,
+        "device": a.device,
+        "skyrl_spec": skyrl_spec,
+        "versions": {},
+    }
     if a.device == "cuda":
         import torch
 
         head["gpu"] = torch.cuda.get_device_name(0)
     rollout = make()
-    backend = backend_of(a.device)
-    layouts = []
-    for n in names:
-        kw = dict(LAYOUTS[n])
-        if kw.get("tp", 1) > 1:
-            kw["etp"] = kw["tp"]  # megatron's default (test_skyrl_real.py)
-        layouts.append(Layout(**kw))
     t0 = time.time()
     per_fw: dict[str, list] = {}
     summary: dict[str, Any] = dict(head)
     try:
         with tempfile.TemporaryDirectory(prefix="cross-framework-") as tmp:
             for fw in fws:
-                if fw == "skyrl":
-                    args: tuple = ([rollout], skyrl_spec if world == 1 or a.skyrl_spec else None, a.device)
-                    fn: Any = _skyrl
-                elif fw == "areal":
-                    fn, args = _areal, (f"{tmp}/areal", rollout, a.device, names)
+                prefix = getattr(a, f"path_{fw}")
+                if prefix:
+                    per_fw[fw], versions = run_framework_in_child(fw, prefix, a, names, skyrl_spec, tmp)
                 else:
-                    from testlab.verl_job import write_tiny_qwen3_moe
-
-                    fn, args = _verl, (write_tiny_qwen3_moe(f"{tmp}/model"), rollout)
-                per_fw[fw] = spawn_layouts(
-                    fn, world_size=world, layouts=layouts, args=args, backend=backend, timeout=a.timeout
-                )
+                    per_fw[fw], versions = run_framework(fw, names, a.device, skyrl_spec, a.timeout), _versions()
+                summary["versions"][fw] = {
+                    k: v for k, v in versions.items() if k in (fw, "megatron-core", "mbridge", "megatron-bridge")
+                }
         lens = [len(t) for t in rollout.tokens]
         ok, out = True, {}
         for i, n in enumerate(names):
