@@ -35,7 +35,11 @@ def _finalize(model: Any, num_tokens: Optional[Any] = None) -> None:
 
 
 def apply() -> bool:
-    """Register the stand-ins if ``megatron.bridge`` is not importable. Returns whether it did."""
+    """Register the stand-ins if ``megatron.bridge`` is not importable. Returns whether they are in
+    place (also when an earlier call in this process registered them)."""
+    registered = sys.modules.get("megatron.bridge.peft.utils")
+    if registered is not None:
+        return getattr(registered, "r3bridge_stand_in", False)
     if importlib.util.find_spec("megatron.bridge") is not None:
         return False
     for name in ("megatron.bridge", "megatron.bridge.peft"):
@@ -46,5 +50,6 @@ def apply() -> bool:
     utils.__doc__ = "stand-in (testlab.skyrl04_env): no LoRA adapters, megatron's finalize_model_grads"
     utils.enable_expert_parallel_grad_sync_in_finalize = lambda modules: None
     utils.finalize_model_grads_with_expert_adapter_sync = _finalize
+    utils.r3bridge_stand_in = True
     sys.modules["megatron.bridge.peft.utils"] = utils
     return True
