@@ -83,6 +83,7 @@ class TEFreeBridgeMixin:
     r3_init_std: float = 0.02
     r3_router_init_std: float = 0.5
     r3_dense_from_hf: bool = True
+    r3_on_device: bool = False      # a real accelerator (the device scripts): mbridge's .cuda() runs
 
     def _build_base_config(self, text_config_key: Any = None, **kwargs: Any) -> Any:
         kwargs.update(TE_ONLY_OFF)
@@ -114,6 +115,8 @@ class TEFreeBridgeMixin:
     def get_model(self, *args: Any, **kwargs: Any) -> Any:
         from r3bridge.testing.cpu_shim import tensor_cuda_is_identity
 
+        if self.r3_on_device:
+            return super().get_model(*args, **kwargs)  # type: ignore[misc]
         with tensor_cuda_is_identity():
             return super().get_model(*args, **kwargs)  # type: ignore[misc]
 
@@ -188,9 +191,10 @@ def rank_context_from_mpu(seed: int) -> Any:
 @contextlib.contextmanager
 def te_free_bridges(*, attention: Literal["real", "identity"] = "real", seed: int = 1234,
                     init_std: float = 0.02, router_init_std: float = 0.5,
-                    dense_from_hf: bool = True) -> Iterator[dict[str, type]]:
+                    dense_from_hf: bool = True, on_device: bool = False) -> Iterator[dict[str, type]]:
     """Inside the block, ``mbridge.AutoBridge`` builds TE-free harness bridges (see module doc).
 
+    ``on_device``: the model goes to the GPU as mbridge puts it there (``.cuda()``), no CPU shim.
     Yields the substituted classes by model type. Bridges created inside keep their class after
     the block (verl keeps its bridge for the engine's lifetime); the registry is restored on exit.
     """
@@ -200,7 +204,7 @@ def te_free_bridges(*, attention: Literal["real", "identity"] = "real", seed: in
     registry = mb_bridge._MODEL_REGISTRY
     saved = dict(registry)
     attrs = dict(r3_attention=attention, r3_seed=seed, r3_init_std=init_std,
-                 r3_router_init_std=router_init_std, r3_dense_from_hf=dense_from_hf)
+                 r3_router_init_std=router_init_std, r3_dense_from_hf=dense_from_hf, r3_on_device=on_device)
     swapped: dict[str, type] = {}
     try:
         for model_type, cls in saved.items():

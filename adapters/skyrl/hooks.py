@@ -113,7 +113,13 @@ class SkyRLReplay:
         plan = self.runner.plan(phase)
         pairing, self.provenance = self.provenance, None
         mbs = [dict(m) for m in micro_batches]
-        carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
+        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
+        for m in mbs:
+            # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
+            # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+            for key in (ROUTES_KEY, MASK_KEY):
+                if key in m:
+                    m[key] = None
         self.result = None
         if plan is None:
             return call(mbs)
@@ -181,13 +187,14 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
                                call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
-                                        loss_fn=None, loss_fn_config=None, forward_only: bool = False):
-            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update
+                                        loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
+            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update;
+            # kwargs: SkyRL 0.4's return_per_token_outputs (passed through as its worker gives it)
             sup = super().forward_backward_mini_batch
             return self.r3.add_metrics(self.r3.run(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
                 call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
-                                     loss_fn_config=loss_fn_config, forward_only=forward_only)))
+                                     loss_fn_config=loss_fn_config, forward_only=forward_only, **kwargs)))
 
     return R3BridgeMegatronModelWrapper
 
@@ -222,9 +229,10 @@ class PolicyWorkerMixin:
         self.enable_router_replay = self.r3_config.replay_mode is not ReplayMode.OFF
         return out
 
-    def forward(self, data, loss_fn=None, loss_fn_config=None):
+    def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
+        # kwargs: SkyRL 0.4's return_per_token_outputs, passed through
         with self._r3_provenance(data):
-            return self._r3_forward(data, loss_fn, loss_fn_config)
+            return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
 
     @contextlib.contextmanager
     def _r3_provenance(self, data):
@@ -236,17 +244,17 @@ class PolicyWorkerMixin:
         finally:
             r3.provenance = None
 
-    def _r3_forward(self, data, loss_fn, loss_fn_config):
+    def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
-            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         runner = self.model.r3.runner
         runner.check_routes(runner.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY,
                             provide=_PROVIDE)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
         try:
-            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         finally:
             data[ROUTES_KEY] = None
         from megatron.core import parallel_state as mpu
@@ -260,7 +268,7 @@ class PolicyWorkerMixin:
             o[RECORDED_KEY] = rec.select([i]).to_bytes()
         return out
 
-    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         mark = (data.metadata or {}).get(ROUTES_MARK)
         mode = replay_config(self.r3_config).replay_mode
         if mode is ReplayMode.R2 and mark != "recorded":
@@ -268,7 +276,7 @@ class PolicyWorkerMixin:
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
         with self._r3_provenance(data):
-            return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
 
 
 class TrainerMixin:
