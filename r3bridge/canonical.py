@@ -40,7 +40,8 @@ def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
     keep_d = keep.to(rb.routes.device)
     return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
-                                   source=rb.source, policy_versions=rb.policy_versions)
+                                   source=rb.source, policy_versions=rb.policy_versions,
+                                   provenance=rb.provenance)
 
 
 def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
@@ -61,7 +62,8 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
         valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool)]))
     full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
-                                   source=rb.source)
+                                   source=rb.source, policy_versions=rb.policy_versions,
+                                   provenance=rb.provenance)
     return drop_final_invalid_rows(full)
 
 
@@ -83,7 +85,7 @@ def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
     if rb.source == source:
         return rb
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
-                       rb.topk, source, rb.policy_versions, rb.offsets)
+                       rb.topk, source, rb.policy_versions, rb.offsets, rb.provenance)
 
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
 from r3bridge.layer_axis import check_layer_axis
+from r3bridge.provenance import CHECK_MODES
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
@@ -128,6 +129,12 @@ class ReplayConfig:
     # SGLang: every decoder layer), "moe_only" (TensorRT-LLM: MoE layers only), or null: read
     # from its length only where that is unambiguous, refused otherwise (never guessed).
     layer_axis: Optional[str] = None
+    # Routes whose provenance (engine pass: request id, weight version, re-prefill epoch) differs
+    # from that of the log-probs they are paired with (r3bridge/provenance.py; miles #3277, vLLM
+    # #39917): "count" replays them and counts them (provenance/* metrics), "refuse" raises a
+    # ProvenanceError naming the sample and both provenances before the pass installs anything,
+    # "off" compares nothing.
+    provenance_check: str = "count"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -136,6 +143,8 @@ class ReplayConfig:
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
         check_layer_axis(self.layer_axis, where="r3bridge.layer_axis")
+        if self.provenance_check not in CHECK_MODES:
+            raise ConfigError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {self.provenance_check!r}")
         self._check_trace()
 
     def _check_trace(self) -> None:

@@ -56,3 +56,8 @@ class RoleError(ReplayError):
     """A model of one role (critic, reference, teacher, draft / MTP) would replay, received another
     role's routes, or had its replay state changed by another role's build: only the actor
     replays. The message names both roles."""
+
+
+class ProvenanceError(ReplayError):
+    """Route provenance is malformed (wrong length, wrong type), or the routes of a sample came
+    from another engine pass than the log-probs they are paired with (``provenance_check="refuse"``)."""

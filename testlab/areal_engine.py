@@ -73,11 +73,14 @@ def actor_config(ctx: Any, *, n_mbs: int, ppo_n_minibatches: int, recompute: boo
     )
 
 
-def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, role: str = "actor") -> None:
+def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, device: str = "cpu",
+                      role: str = "actor") -> None:
     """The rest of what ``MegatronEngine.initialize`` sets, on CPU, for ``models`` (built by
     :func:`build_through_mbridge`; see the module docstring), then r3bridge attached as its mixin
     does after ``initialize(role=role)``: the actor's ``MegatronEngineMixin`` attaches the driver,
-    the other engines' ``RoleEngineMixin`` declares the model's role."""
+    the other engines' ``RoleEngineMixin`` declares the model's role. ``device="cuda"`` (the device
+    scripts): the same state on this rank's GPU, as ``initialize`` sets it, and megatron's optimizer
+    without the CPU proxy."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import finalize_model_grads
@@ -87,9 +90,12 @@ def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, 
     api = import_areal("areal.api")
     from r3bridge.adapters.areal import ModelInfo
 
-    _shim_optimizer()
+    if device == "cpu":
+        _shim_optimizer()
+        engine.device = torch.device("cpu")
+    else:
+        engine.device = torch.device("cuda", torch.cuda.current_device())
     engine.seed = 1
-    engine.device = torch.device("cpu")
     engine.rank, engine.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     engine.is_pp_head = (mpu.get_data_parallel_rank(with_context_parallel=True) == 0
                          and mpu.get_tensor_model_parallel_rank() == 0)
@@ -124,7 +130,7 @@ def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, 
         engine.r3_declare_role(role)
 
 
-def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
+def build_through_mbridge(engine: Any, hf_config: Any, workdir: str, *, device: str = "cpu") -> list:
     """The model as ``MegatronEngine.initialize`` builds it, with AReaL's own functions:
     ``_build_hf_mcore_bridge`` (``mbridge.AutoBridge.from_pretrained`` of a checkpoint directory
     holding ``hf_config``, recompute options from AReaL's config), ``make_hf_and_mcore_config``,
@@ -140,7 +146,7 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
     pls = import_areal("areal.engine.megatron_utils.pipeline_parallel")
     hf_config.save_pretrained(workdir)
     engine.config.path = workdir
-    with te_free_bridges(attention="identity"):
+    with te_free_bridges(attention="identity", on_device=device != "cpu"):
         engine.bridge = engine._build_hf_mcore_bridge()
         hf = engine.bridge.hf_config
         if not hasattr(hf, "rope_theta"):
@@ -160,15 +166,16 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str) -> list:
 
 def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mbs: int = 2,
                ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None,
-               role: str = "actor", engine_class: Any = None) -> Any:
+               device: str = "cpu", role: str = "actor", engine_class: Any = None) -> Any:
     """r3bridge's ``MegatronPPOActor`` subclass (``r3bridge.adapters.areal.megatron_ppo_actor_class``)
     with ``replay_mode=mode``: process groups through AReaL's ``create_process_group`` (the spawned
     rank already holds megatron's parallel state, as under AReaL's launcher), the model through
     mbridge as AReaL builds it (:func:`build_through_mbridge`, checkpoint config in ``workdir``),
     the rest of ``initialize`` on CPU (:func:`initialize_on_cpu`). ``recompute``: AReaL's
-    ``gradient_checkpointing`` (full, uniform, 1 layer: its defaults). ``role`` / ``engine_class``:
-    the role AReaL's trainer initialises the engine as, and another class than r3bridge's actor
-    (e.g. ``r3bridge.adapters.areal.megatron_role_engine_class()`` for the reference)."""
+    ``gradient_checkpointing`` (full, uniform, 1 layer: its defaults). ``device``: "cpu" (the CPU
+    harness) or "cuda" (a real GPU: the same model, spec and steps, no CPU shims). ``role`` /
+    ``engine_class``: the role AReaL's trainer initialises the engine as, and another class than
+    r3bridge's actor (e.g. ``r3bridge.adapters.areal.megatron_role_engine_class()`` for the reference)."""
     from r3bridge.adapters.areal import megatron_ppo_actor_class
     from r3bridge.config import ReplayConfig
 
@@ -179,8 +186,9 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
     eng.create_process_group(alloc.ParallelStrategy(
         tensor_parallel_size=ctx.tp, pipeline_parallel_size=ctx.pp, context_parallel_size=ctx.cp,
         data_parallel_size=ctx.dp, expert_parallel_size=ctx.ep, expert_tensor_parallel_size=ctx.etp))
-    models = build_through_mbridge(eng, hf_config if hf_config is not None else tiny_qwen3_moe(), workdir)
-    initialize_on_cpu(eng, models, role=role)
+    models = build_through_mbridge(eng, hf_config if hf_config is not None else tiny_qwen3_moe(), workdir,
+                                   device=device)
+    initialize_on_cpu(eng, models, device=device, role=role)
     return eng
 
 

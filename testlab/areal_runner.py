@@ -80,7 +80,7 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
             routes = ReplayBatch.concat([routes, extra])
         tg = shard(routes, layout, lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
                    vp_stage=call.chunk, layer_ids=[call.layer_id], format="thd", cu_seqlens_padded=cu)
-        got = call.topk()
+        got = call.topk().cpu()        # the router's device (a GPU on the device scripts)
         if log is not None:
             sample, token = router_rows(real, lens, layout, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
                                         cu_seqlens_padded=cu)
@@ -97,19 +97,22 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
             errors.append(f"{where}: {bad} of {int(v.sum())} valid rows differ")
         checked += int(v.sum())
         records.append(dict(phase=p["phase"], micro_batch=k, samples=real, chunk=call.chunk, layer=call.layer_id,
-                            grad_enabled=call.grad_enabled, valid=v.clone(), topk=got.to(torch.uint8)))
+                            grad_enabled=call.grad_enabled, valid=v.clone(), topk=got.to(torch.uint8), mismatched=bad))
     return errors, records, checked
 
 
 def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, steps: int = 2, n_mbs: int = 2,
-              ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None) -> dict:
+              ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None,
+              device: str = "cpu") -> dict:
     """``steps`` AReaL PPO steps on the same rollout (``compute_logp``, ``compute_advantages``,
     ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
     stats AReaL's tracker exported), ``records`` (per router call: phase, micro-batch, rollout
     samples, chunk, layer, grad_enabled, valid rows, dispatched top-k ids), ``dispatch`` (this
     rank's :class:`~testlab.dispatch_records.DispatchRecords`: every real token's
-    dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks)."""
+    dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks),
+    ``recorded`` (R2: each step's recorded routes, ``ReplayBatch.to_bytes``). ``device``: "cpu"
+    (the CPU harness) or "cuda" (``testlab.areal_engine.make_actor`` on this rank's GPU)."""
     from r3bridge.testing.probe import RoutingProbe
     from testlab.areal_engine import chunks_of, make_actor
     from testlab.areal_rollout import trajectories
@@ -121,7 +124,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                         dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
                         num_experts=rollout.num_experts, topk=rollout.topk)
     eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
-                     recompute=recompute, trace_dir=trace_dir)
+                     recompute=recompute, trace_dir=trace_dir, device=device)
     chunks = chunks_of(eng)
     layout = eng.r3_replay.layout
     canonical = rollout.expected()
@@ -131,6 +134,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     calls: dict = {}
     metrics: list = []
     grad_norms: list = []
+    recorded_per_step: list = []
     dispatch = DispatchLog("areal")
     for step in range(steps):
         trajs = trajectories(rollout)
@@ -141,6 +145,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 for t, lp in zip(trajs, logp):
                     t["prox_logp"] = lp
                 recorded = None if eng.r3_result is None else eng.r3_result.recorded
+                recorded_per_step.append(None if recorded is None else recorded.to_bytes())
                 trajs = eng.compute_advantages(trajs)
                 eng.ppo_update(trajs)
             finally:
@@ -168,4 +173,5 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 1 for c in probe.calls[p["start"]:p["end"]] if c.grad_enabled)
     return dict(errors=errors, checked_rows=checked, calls=calls, metrics=metrics, records=records,
                 dispatch=dispatch.records(),
-                grad_norms=grad_norms, recorded_rows=None if mode != "R2" else recorded.rows_per_seq)
+                grad_norms=grad_norms, recorded_rows=None if mode != "R2" else recorded.rows_per_seq,
+                recorded=recorded_per_step if mode == "R2" else None)

@@ -83,6 +83,7 @@ class TEFreeBridgeMixin:
     r3_init_std: float = 0.02
     r3_router_init_std: float = 0.5
     r3_dense_from_hf: bool = True
+    r3_on_device: bool = False      # a real accelerator (the device scripts): mbridge's .cuda() runs
 
     def _build_base_config(self, text_config_key: Any = None, **kwargs: Any) -> Any:
         kwargs.update(TE_ONLY_OFF)
@@ -114,6 +115,8 @@ class TEFreeBridgeMixin:
     def get_model(self, *args: Any, **kwargs: Any) -> Any:
         from r3bridge.testing.cpu_shim import tensor_cuda_is_identity
 
+        if self.r3_on_device:
+            return super().get_model(*args, **kwargs)  # type: ignore[misc]
         with tensor_cuda_is_identity():
             return super().get_model(*args, **kwargs)  # type: ignore[misc]
 
@@ -188,9 +191,10 @@ def rank_context_from_mpu(seed: int) -> Any:
 @contextlib.contextmanager
 def te_free_bridges(*, attention: Literal["real", "identity"] = "real", seed: int = 1234,
                     init_std: float = 0.02, router_init_std: float = 0.5,
-                    dense_from_hf: bool = True) -> Iterator[dict[str, type]]:
+                    dense_from_hf: bool = True, on_device: bool = False) -> Iterator[dict[str, type]]:
     """Inside the block, ``mbridge.AutoBridge`` builds TE-free harness bridges (see module doc).
 
+    ``on_device``: the model goes to the GPU as mbridge puts it there (``.cuda()``), no CPU shim.
     Yields the substituted classes by model type. Bridges created inside keep their class after
     the block (verl keeps its bridge for the engine's lifetime); the registry is restored on exit.
     """
@@ -200,7 +204,7 @@ def te_free_bridges(*, attention: Literal["real", "identity"] = "real", seed: in
     registry = mb_bridge._MODEL_REGISTRY
     saved = dict(registry)
     attrs = dict(r3_attention=attention, r3_seed=seed, r3_init_std=init_std,
-                 r3_router_init_std=router_init_std, r3_dense_from_hf=dense_from_hf)
+                 r3_router_init_std=router_init_std, r3_dense_from_hf=dense_from_hf, r3_on_device=on_device)
     swapped: dict[str, type] = {}
     try:
         for model_type, cls in saved.items():
@@ -227,6 +231,12 @@ def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_experts=num_experts, num_experts_per_tok=topk, mlp_only_layers=list(dense),
                          decoder_sparse_step=1, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                         # as Qwen3-MoE checkpoints set it: mbridge 0.15.1's Qwen3MoEBridge ignores the
+                         # field and always renormalises the top-k weights (moe_router_pre_softmax=False,
+                         # mbridge/models/qwen3moe.py); with transformers' default (False) the engine and
+                         # the trainer weight the experts differently and diverge after the first MoE
+                         # layer (native agreement 0.30 on the GPU, 2026-11-26)
+                         norm_topk_prob=True)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     return cfg

@@ -1,4 +1,4 @@
-"""SkyRL 0.3's real training path on harness chunks (test-only).
+"""SkyRL's real training path on harness chunks (test-only), SkyRL 0.3 or 0.4 (the installed one).
 
 What runs is SkyRL's own code: ``MegatronModelWrapper.forward`` (the forward-only log-prob pass)
 and ``forward_backward_mini_batch`` (one mini-batch update with SkyRL's registered policy loss and
@@ -18,6 +18,11 @@ nothing else; it never touches routes except to pass ``rollout_expert_indices`` 
 :func:`run_steps` is a rank function body: it trains for a few steps and returns picklable
 results, including every router call checked against the routes that should have been replayed
 (the routing probe, forward passes and recomputes alike).
+
+SkyRL 0.4 (Python >= 3.12; ``scripts/gpu/skyrl04_train.py`` on the device): the batch carries
+0.4's own transport (``RoutedExpertTrace`` per sample, ``PackedTensor`` routes with
+``router_padding_mask``, :func:`batch04`), the stand-in passes routes and mask as 0.4's worker does
+and runs the wrapper's deferred gradient sync (``run_pending_grad_sync``) in ``optim_step``.
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
     update reads (advantages; old / base log-probs are filled in after compute_log_prob)."""
     from r3bridge.adapters.skyrl import merge_first_seen
 
+    if _release() == "0.4":
+        return _training_input04(rollout, seed=seed)
     pre = _skyrl("skyrl.train.dataset.preprocess")
     tb = _skyrl("skyrl.backends.skyrl_train.training_batch")
     prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
@@ -83,6 +90,49 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
         "sequences": seqs, "attention_mask": attn, "response_mask": resp_mask, "loss_mask": loss_mask,
         "rewards": rewards, "advantages": adv, "rollout_expert_indices": rei})
     batch.metadata = {"response_length": int(resp_mask.shape[1]), "uids": [str(i) for i in range(len(prompts))]}
+    return batch
+
+
+def _release() -> Optional[str]:
+    from r3bridge.adapters.skyrl import skyrl_release
+    return skyrl_release()
+
+
+def batch04(rollout: CanonicalRollout):
+    """SkyRL 0.4's transport of ``rollout``, built by SkyRL 0.4's own code: one generator-side
+    ``RoutedExpertTrace`` per sample fed call by call (the engine answers from the trace's
+    ``prompt_start``, as SkyRL 0.4's request asks), ``convert_prompts_responses_to_batch_tensors``
+    (``PackedTensor`` routes) and ``make_router_padding_mask``. Returns (the tensors
+    ``convert_prompts_responses_to_batch_tensors`` returned, router padding mask)."""
+    import numpy as np
+
+    trace_mod = _skyrl("skyrl.backends.skyrl_train.utils.routed_experts")
+    pre = _skyrl("skyrl.train.dataset.preprocess")
+    routes = []
+    for i, calls in enumerate(rollout.calls):
+        trace = trace_mod.RoutedExpertTrace()
+        for c, toks, plen in zip(calls, rollout.call_tokens[i], rollout.call_prompt_lens[i]):
+            trace.record_generation(prompt_token_count=plen, generated_token_count=len(toks) - plen,
+                                    routed_experts=np.ascontiguousarray(c[trace.prompt_start:]))
+        n = len(rollout.tokens[i])
+        routes.append(trace.finalize(token_count=n, loss_mask=[0] * n))
+    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    out = pre.convert_prompts_responses_to_batch_tensors(
+        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
+        None, routes, None)
+    return out, pre.make_router_padding_mask(out[1], [len(r) for r in routes])
+
+
+def _training_input04(rollout: CanonicalRollout, *, seed: int):
+    tb = _skyrl("skyrl.backends.skyrl_train.training_batch")
+    (seqs, attn, resp_mask, rewards, loss_mask, _, rei, _), mask = batch04(rollout)
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(resp_mask.shape, generator=g) * resp_mask
+    batch = tb.TrainingInputBatch({
+        "sequences": seqs, "attention_mask": attn, "response_mask": resp_mask, "loss_mask": loss_mask,
+        "rewards": rewards, "advantages": adv, "rollout_expert_indices": rei, "router_padding_mask": mask})
+    batch.metadata = {"response_length": int(resp_mask.shape[1]), "uids": [str(i) for i in range(len(rollout.tokens))]}
     return batch
 
 
@@ -127,6 +177,7 @@ class PolicyWorkerStandIn:
         self.model = None
         self.actor_module: list = []
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.release = _release()
 
     def init_configs(self, model_path, megatron_config, *args, **kwargs):
         self.enable_router_replay = bool(megatron_config.moe_enable_routing_replay)
@@ -149,9 +200,12 @@ class PolicyWorkerStandIn:
         """A compute_log_prob micro-batch (a ``TrainingInputBatch`` chunk) as SkyRL's worker builds it."""
         attn = mb["attention_mask"]
         rei = mb.get("rollout_expert_indices")
-        return {"sequences": mb["sequences"], "attention_mask": attn, "position_ids": _positions(attn),
-                "num_actions": mb.metadata["response_length"],
-                "rollout_expert_indices": self._routes(rei), "sub_seq_lengths": mb.get("sub_seq_lengths")}
+        out = {"sequences": mb["sequences"], "attention_mask": attn, "position_ids": _positions(attn),
+               "num_actions": mb.metadata["response_length"],
+               "rollout_expert_indices": self._routes(rei), "sub_seq_lengths": mb.get("sub_seq_lengths")}
+        if self.release == "0.4":
+            out["router_padding_mask"] = mb.get("router_padding_mask") if self.enable_router_replay else None
+        return out
 
     def _train_dict(self, exp) -> dict:
         """An update micro-batch (SkyRL's ``Experience`` from ``BatchIterator``) as SkyRL's worker builds it."""
@@ -159,12 +213,18 @@ class PolicyWorkerStandIn:
                 "position_ids": _positions(exp.attention_mask), "num_actions": exp.num_actions,
                 "old_action_log_probs": exp.action_log_probs, "base_action_log_probs": exp.base_action_log_probs,
                 "advantages": exp.advantages, "loss_mask": exp.loss_mask,
-                "rollout_action_logprobs": exp.rollout_logprobs, "action_mask": exp.action_mask,
+                "rollout_action_logprobs": exp.rollout_logprobs, "action_mask": getattr(exp, "action_mask", None),
                 "rollout_expert_indices": self._routes(exp.rollout_expert_indices),
-                "sub_seq_lengths": exp.sub_seq_lengths, "is_padding_batch": False}
+                "sub_seq_lengths": exp.sub_seq_lengths, "is_padding_batch": False,
+                **({"response_mask": exp.response_mask,
+                    "router_padding_mask": exp.router_padding_mask if self.enable_router_replay else None}
+                   if self.release == "0.4" else {})}
 
     def _routes(self, rei):
-        return rei.to(torch.int32) if rei is not None and self.enable_router_replay else None
+        if rei is None or not self.enable_router_replay:
+            return None
+        # 0.3's worker casts its dense routes to int32; 0.4's passes its PackedTensor as it is
+        return rei if self.release == "0.4" else rei.to(torch.int32)
 
     def forward(self, data, loss_fn=None, loss_fn_config=None):
         dispatch = _skyrl("skyrl.backends.skyrl_train.distributed.dispatch")
@@ -189,15 +249,19 @@ class PolicyWorkerStandIn:
             m["num_real_microbatches"] = len(mbs)
         metrics = self.model.forward_backward_mini_batch(
             micro_batches=mbs, seq_len=mbs[0]["sequences"].shape[1], micro_batch_size=mbs[0]["sequences"].shape[0],
-            temperature=self.cfg.algorithm.temperature, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            temperature=self.cfg.algorithm.temperature, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+            # SkyRL 0.4's worker passes this too (megatron_worker.py:1205)
+            **({"return_per_token_outputs": True} if self.release == "0.4" else {}))
         outs = [o for m in metrics for o in m.pop("loss_fn_outputs", [])]
         return dispatch.WorkerOutput(loss_fn_outputs=outs, metrics={"micro_batches": metrics})
 
     def optim_step(self) -> float:
         """SGD over the DDP main grads (megatron's optimizer would read the same buffers)."""
+        if hasattr(self.model, "run_pending_grad_sync"):   # SkyRL 0.4 defers finalize_model_grads to here
+            self.model.run_pending_grad_sync()
         norm = 0.0
         for p in self.optimizer.param_groups[0]["params"]:
-            p.grad = p.main_grad.clone()
+            p.grad = p.main_grad.to(p.dtype, copy=True)      # bf16 params (the GPU runs) keep their dtype
             norm += float(p.grad.double().pow(2).sum())
         self.optimizer.step()
         for p in self.optimizer.param_groups[0]["params"]:
@@ -229,7 +293,7 @@ class PackingNotes:
         def pre(module, args, kwargs):
             psp = kwargs.get("packed_seq_params")
             if psp is not None:
-                self.notes[c].append({"format": "thd", "cu_seqlens_padded": psp.cu_seqlens_q_padded.clone()})
+                self.notes[c].append({"format": "thd", "cu_seqlens_padded": psp.cu_seqlens_q_padded.cpu().clone()})
             else:
                 pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
                 self.notes[c].append({"format": "bshd", "seq_length": int(pos.shape[1])})
@@ -294,13 +358,15 @@ def reference_roles(ctx: Any, spec: Any) -> dict:
 
 def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: Sequence[Sequence[int]],
                        seq_lens: Sequence[int], routes: ReplayBatch, layout: ParallelLayout, *,
-                       passes: set[bool]) -> tuple[list[str], int]:
+                       passes: set[bool], mismatched: Optional[list] = None) -> tuple[list[str], int]:
     """Every router call against ``routes`` (one sequence per sample, canonical form): calls of one
     (chunk, layer) are split by grad mode (``passes``: False = a no-grad pass, forward-only or the
     first pass of a recomputed layer; True = a pass with grad, the recompute or a plain training
     forward), each must hold one call per micro-batch in schedule order, and on every valid row the
     top-k a router dispatched must be the target ``r3bridge.shard`` gives for that rank, chunk and
-    the packing SkyRL really used. Returns (errors, checked valid rows)."""
+    the packing SkyRL really used. Returns (errors, checked valid rows); ``mismatched`` (a list)
+    gets the number of valid rows per call whose dispatched top-k differs (all of a call's rows when
+    its shape differs)."""
     errors: list[str] = []
     checked = 0
     by: dict[tuple[int, int], dict[bool, list]] = {}
@@ -318,13 +384,18 @@ def check_router_calls(ctx: Any, calls: list, notes: list[list[dict]], groups: S
             for k, (call, g) in enumerate(zip(cs, groups)):
                 tg = shard(routes.select(list(g)), layout, [seq_lens[i] for i in g], tp_rank=ctx.tp_rank,
                            cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank, vp_stage=c, layer_ids=[lid], **notes[c][k])
-                got, want, v = call.topk(), tg.indices[lid].sort(dim=1).values, tg.valid
+                got, want, v = call.topk().cpu(), tg.indices[lid].sort(dim=1).values, tg.valid
                 if got.shape != want.shape:
                     errors.append(f"chunk {c} layer {lid} micro-batch {k} grad={grad}: router saw "
                                   f"{tuple(got.shape)} rows, targets {tuple(want.shape)}")
-                elif not torch.equal(got[v], want[v]):
-                    errors.append(f"chunk {c} layer {lid} micro-batch {k} grad={grad}: "
-                                  f"{int((got[v] != want[v]).any(1).sum())} of {int(v.sum())} valid rows differ")
+                    bad = int(v.sum())
+                else:
+                    bad = int((got[v] != want[v]).any(1).sum())
+                    if bad:
+                        errors.append(f"chunk {c} layer {lid} micro-batch {k} grad={grad}: "
+                                      f"{bad} of {int(v.sum())} valid rows differ")
+                if mismatched is not None:
+                    mismatched.append(bad)
                 checked += int(v.sum())
     if not by:
         errors.append("no router call was recorded")
@@ -348,7 +419,7 @@ def log_dispatch(ctx: Any, log: Any, step: int, phase: str, calls: list, notes: 
         g = list(groups[k])
         sample, token = router_rows(g, [seq_lens[i] for i in g], layout, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
                                     **notes[call.chunk][k])
-        log.add(step=step, phase=phase, grad=call.grad_enabled, layer=call.layer_id, topk=call.topk(),
+        log.add(step=step, phase=phase, grad=call.grad_enabled, layer=call.layer_id, topk=call.topk().cpu(),
                 sample=sample, token=token)
 
 
@@ -362,6 +433,8 @@ def _from_last_stage(t: Optional[torch.Tensor], shape: tuple) -> torch.Tensor:
     last stage and sends the whole batch to every rank)."""
     from megatron.core import parallel_state as ps
 
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return t.float().contiguous()
     buf = t.float().contiguous() if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.zeros(shape)
     torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
@@ -416,6 +489,8 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
         batch = training_input(rollout, seed=s)
         if step.mode == "R2":       # generator.inference_engine.enable_return_routed_experts=False
             batch["rollout_expert_indices"] = None
+            if "router_padding_mask" in batch:
+                batch["router_padding_mask"] = None
         b, a = batch["sequences"].shape[0], batch.metadata["response_length"]
         seq_lens = batch["attention_mask"].sum(-1).tolist()
         res: dict[str, Any] = {"step": s}
@@ -435,11 +510,14 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
             codec.write_recorded(batch, recorded)        # what TrainerMixin does with them
             expected = recorded
             res["recorded_rows"] = recorded.rows_per_seq
+            res["recorded"] = recorded.to_bytes()       # what the update had to replay (for dispatch checks)
         else:
             expected = None
         if expected is not None:
+            bad: list[int] = []
             res["fwd_errors"], res["fwd_checked"] = check_router_calls(
-                ctx, fwd_calls, fwd_notes, fwd_groups, seq_lens, expected, layout, passes={False})
+                ctx, fwd_calls, fwd_notes, fwd_groups, seq_lens, expected, layout, passes={False}, mismatched=bad)
+            res["fwd_mismatched"] = sum(bad)
         res["fwd_metrics"] = dict(w.model.r3.metrics)
 
         batch["action_log_probs"] = lp
@@ -452,9 +530,11 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
                      seq_lens, layout)
         if expected is not None:
             passes = {False, True} if recompute else {True}
+            bad = []
             res["upd_errors"], res["upd_checked"] = check_router_calls(
                 ctx, probe.calls, notes.notes, _groups(order, step.micro_train_batch_size), seq_lens, expected,
-                layout, passes=passes)
+                layout, passes=passes, mismatched=bad)
+            res["upd_mismatched"] = sum(bad)
         res["upd_metrics"] = dict(w.model.r3.metrics)
         res["logged"] = {k: v for k, v in out2.metrics["micro_batches"][0].items() if k != "loss_fn_outputs"}
         if last:   # the update's log-probs (same weights, same routes) against compute_log_prob's
@@ -472,6 +552,8 @@ def _broadcast_obj(obj: Any) -> Any:
     """The last pipeline stage's object on every stage."""
     from megatron.core import parallel_state as ps
 
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                             group=ps.get_pipeline_model_parallel_group())

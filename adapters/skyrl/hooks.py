@@ -24,6 +24,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
@@ -36,6 +37,7 @@ from r3bridge.adapters.skyrl.codec import (
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
+    provenance_pairing,
     replay_batch_from_training_batch,
 )
 from r3bridge.adapters.skyrl.config import replay_config
@@ -46,6 +48,7 @@ from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.megatron.roles import Role, check_declared, declare_role
+from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
@@ -82,6 +85,9 @@ class SkyRLReplay:
         # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
         self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True, framework="skyrl")
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
+        # the next pass's route / log-prob provenance (set by the worker from the whole batch,
+        # before SkyRL cuts it into micro-batches, which carry only routes); used once
+        self.provenance: Optional[ProvenancePairing] = None
         self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
         # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
         self.log_metrics: dict[str, float] = replay_mode_metric(cfg)
@@ -109,8 +115,15 @@ class SkyRLReplay:
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
         plan = self.runner.plan(phase)
+        pairing, self.provenance = self.provenance, None
         mbs = [dict(m) for m in micro_batches]
-        carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
+        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
+        for m in mbs:
+            # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
+            # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+            for key in (ROUTES_KEY, MASK_KEY):
+                if key in m:
+                    m[key] = None
         self.result = None
         if plan is None:
             return call(mbs)
@@ -125,7 +138,7 @@ class SkyRLReplay:
             return dataclasses.replace(mb, format="bshd", seq_length=int(pos.shape[1]))
 
         with self.runner.run(phase, forward_only=forward_only, targets=install, chunks=self.chunks,
-                             num_micro_batches=len(mbs)) as ps:
+                             num_micro_batches=len(mbs), provenance=pairing) as ps:
             out = call(mbs)
         self.result = ps.result
         logged = self.runner.metrics_to_log(ps.result)     # compute_log_prob's are held for the update
@@ -178,13 +191,14 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
                                call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
-                                        loss_fn=None, loss_fn_config=None, forward_only: bool = False):
-            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update
+                                        loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
+            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update;
+            # kwargs: SkyRL 0.4's return_per_token_outputs (passed through as its worker gives it)
             sup = super().forward_backward_mini_batch
             return self.r3.add_metrics(self.r3.run(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
                 call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
-                                     loss_fn_config=loss_fn_config, forward_only=forward_only)))
+                                     loss_fn_config=loss_fn_config, forward_only=forward_only, **kwargs)))
 
     return R3BridgeMegatronModelWrapper
 
@@ -238,17 +252,32 @@ class PolicyWorkerMixin:
         self.enable_router_replay = self.r3_config.replay_mode is not ReplayMode.OFF
         return out
 
-    def forward(self, data, loss_fn=None, loss_fn_config=None):
+    def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
+        # kwargs: SkyRL 0.4's return_per_token_outputs, passed through
+        with self._r3_provenance(data):
+            return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
+
+    @contextlib.contextmanager
+    def _r3_provenance(self, data):
+        """The pass's route / log-prob provenance (R3), for this call only: never a later pass's."""
+        r3 = self.model.r3
+        r3.provenance = provenance_pairing(data) if replay_config(self.r3_config).replay_mode is ReplayMode.R3 else None
+        try:
+            yield
+        finally:
+            r3.provenance = None
+
+    def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
-            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         runner = self.model.r3.runner
         runner.check_routes(runner.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY,
                             provide=_PROVIDE)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
         try:
-            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         finally:
             data[ROUTES_KEY] = None
         from megatron.core import parallel_state as mpu
@@ -262,14 +291,15 @@ class PolicyWorkerMixin:
             o[RECORDED_KEY] = rec.select([i]).to_bytes()
         return out
 
-    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         mark = (data.metadata or {}).get(ROUTES_MARK)
         mode = replay_config(self.r3_config).replay_mode
         if mode is ReplayMode.R2 and mark != "recorded":
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
-        return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        with self._r3_provenance(data):
+            return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
 
 
 class TrainerMixin:

@@ -165,9 +165,10 @@ def hf_config_of(tf_config: Any) -> dict:
             "n_routed_experts": tf_config.num_moe_experts, "num_experts_per_tok": tf_config.moe_router_topk}
 
 
-def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False) -> VerlEngine:
-    """The adapter's engine over ``chunks`` with ``replay_mode=mode``, attached by its own
-    ``r3_attach`` (``reference``: verl's reference engine, ``engine_config.forward_only``).
+def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False, **options: Any) -> VerlEngine:
+    """The adapter's engine over ``chunks`` with ``replay_mode=mode`` (and the other r3bridge
+    ``options``), attached by its own ``r3_attach`` (``reference``: verl's reference engine,
+    ``engine_config.forward_only``).
     ``eng.fed``: (chunk, rollout samples, packed stream) of every forward step, in call order."""
     cfg = chunks[0].config
     cfg.finalize_model_grads_func = None        # the harness has no DDP wrapper to finalize
@@ -189,7 +190,7 @@ def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False) 
     eng.ctx = ctx
     eng.fed = []
     eng.inner = make_forward_step(ctx, thd=True, collect_logits=True)
-    eng.r3_init_state(ReplayConfig(replay_mode=mode))
+    eng.r3_init_state(ReplayConfig(replay_mode=mode, **options))
     eng.r3_runner = _KeepResults(eng.r3_runner)
     eng.r3_attach()
     eng.replayer = eng.r3_replayer              # what the r3 check reads the layout from

@@ -4,7 +4,7 @@ at every router call (docs/testing-harness.md, "Same rollout, three real framewo
 Layouts: TP2 + sequence parallelism, and PP2 x VPP2 (interleaved 1F1B, one layer per chunk), on 2
 gloo ranks, full recompute, R3, one step (compute_log_prob and one update) per framework and layout.
 Each framework runs both layouts in its own spawned process group (``spawn_layouts``), one framework
-after another:
+after another (rank functions: ``testlab.real_paths``, shared with scripts/gpu/cross_framework.py):
 
 * verl 0.9.1: ``TrainingWorker.infer_batch`` / ``train_mini_batch`` on verl's Megatron engine
   (mbridge-built tiny Qwen3-MoE), routes in verl's padded ``routed_experts`` through its
@@ -31,6 +31,8 @@ import pytest
 
 from r3bridge.testing.dist import Layout, spawn_layouts
 from testlab.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
+from testlab.real_paths import rollout as _rollout
+from testlab.real_paths import run_areal, run_skyrl, run_verl
 
 for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
     assert importlib.util.find_spec(_mod) is not None, f"{_mod} is not installed: run `make install`"
@@ -42,67 +44,8 @@ LAYOUTS = {"tp2_sp": Layout(tp=2), "pp2_vpp2": Layout(pp=2, vpp=2)}
 NAMES = list(LAYOUTS)
 
 
-def _rollout():
-    from r3bridge.testing.conformance import make_rollout
-
-    # the three models: 4 layers, layer 0 dense, 8 experts, top-2, vocabulary >= 64 (verl's tokenizer).
-    # 189 tokens, the longest 30: AReaL's one 256-row micro-batch then has real tokens on both
-    # sequence-parallel halves; verl's dynamic-bsz budget (48 tokens) still fits every sample.
-    return make_rollout(7, batch_size=8, num_experts=8, topk=2, num_layers=4, moe_layer_ids=[1, 2, 3], vocab=64,
-                        max_prompt=24)
-
-
-def _verl(ctx, model_dir, rollout):
-    from testlab import verl_job as vj
-
-    job = vj.JobLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, recompute=True)
-    res = vj.run_training_worker(ctx, model_dir, job, "R3", 1, canonical=[rollout])
-    return {"dispatch": res["dispatch"], "errors": [m for p in res["passes"] for m in p.mismatches],
-            "checked": sum(p.checked_rows for p in res["passes"]),
-            # chunk 0's packed micro-batches in compute_log_prob and the update, as verl split them
-            "micro_batches": [len(p.micro_batches) for p in res["passes"]]}
-
-
-def _skyrl(ctx, rollouts):
-    from r3bridge.testing.models import ModelSpec
-    from testlab.skyrl_real import StepSpec, run_steps
-
-    if ctx.pp > 1:
-        # SkyRL's PP path as test_skyrl_real.py trains it: THD packing (identity attention: megatron's
-        # local attention refuses packed sequences), SkyRL's alltoall + variable_seq_lengths settings
-        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
-                         attention="identity", recompute="full", moe_token_dispatcher_type="alltoall",
-                         extra_config={"variable_seq_lengths": True})
-        step = StepSpec(mode="R3", remove_microbatch_padding=True, micro_train_batch_size=2,
-                        permute=[5, 1, 0, 4, 2, 7, 3, 6])
-    else:
-        spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,
-                         attention="real", recompute="full")
-        step = StepSpec(mode="R3", remove_microbatch_padding=False, permute=[5, 1, 0, 4, 2, 7, 3, 6])
-    res = run_steps(ctx, spec, step, rollouts)
-    # the runner's own check against the rollouts' routes
-    errors = [e for s in res["steps"] for e in s["fwd_errors"] + s["upd_errors"]]
-    # the runner's check holds one router call per (chunk, layer, pass) for each of these micro-batches
-    n = len(rollouts[0].tokens)
-    return {"dispatch": res["dispatch"], "errors": errors,
-            "checked": sum(s["fwd_checked"] + s["upd_checked"] for s in res["steps"]),
-            "micro_batches": [-(-n // step.micro_forward_batch_size), -(-n // step.micro_train_batch_size)]}
-
-
 def _areal(ctx, workdir, rollout):
-    from testlab.areal_runner import run_steps
-
-    # n_mbs=1: one micro-batch per pass at TP2 (AReaL pads each to a 256-token page:
-    # test_areal_real.py); under PP AReaL itself splits each pass into at least 2 * pp micro-batches
-    # (4 here, of different lengths: the interleaved schedule's warm-up, steady state and cool-down)
-    res = run_steps(ctx, "R3", rollout, f"{workdir}/{NAMES[ctx.layout_index]}/rank{ctx.rank}", steps=1,
-                    n_mbs=1, ppo_n_minibatches=1)
-    # micro-batches each pass's router calls were matched to (compute_log_prob, then the update)
-    mbs = {}
-    for r in res["records"]:
-        mbs[r["phase"]] = max(mbs.get(r["phase"], 0), r["micro_batch"] + 1)
-    return {"dispatch": res["dispatch"], "errors": res["errors"], "checked": res["checked_rows"],
-            "micro_batches": [mbs.get("compute_log_prob", 0), mbs.get("update", 0)]}
+    return run_areal(ctx, f"{workdir}/{NAMES[ctx.layout_index]}", rollout)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +58,10 @@ def runs(tmp_path_factory):
     changed = with_route_changed(rollout, *CHANGED)
     model_dir = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
     per_fw = {
-        "verl": spawn_layouts(_verl, world_size=2, layouts=list(LAYOUTS.values()), args=(model_dir, rollout),
+        "verl": spawn_layouts(run_verl, world_size=2, layouts=list(LAYOUTS.values()), args=(model_dir, rollout),
                               timeout=900),
         # etp = tp under TP2: megatron's default (test_skyrl_real.py)
-        "skyrl": spawn_layouts(_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2), LAYOUTS["pp2_vpp2"]],
+        "skyrl": spawn_layouts(run_skyrl, world_size=2, layouts=[Layout(tp=2, etp=2), LAYOUTS["pp2_vpp2"]],
                                args=([rollout, changed],), timeout=900),
         "areal": spawn_layouts(_areal, world_size=2, layouts=list(LAYOUTS.values()),
                                args=(str(tmp_path_factory.mktemp("areal")), rollout), timeout=900),

@@ -44,31 +44,15 @@ def _sk(name):
 
 
 def _batch04(rollout):
-    """What SkyRL 0.4's generator and trainer build from the rollout's engine calls."""
-    import numpy as np
+    """What SkyRL 0.4's generator and trainer build from the rollout's engine calls
+    (``testlab.skyrl_real.batch04``: SkyRL 0.4's RoutedExpertTrace, collation and padding mask)."""
+    from testlab.skyrl_real import batch04
 
-    trace_mod = _sk("skyrl.backends.skyrl_train.utils.routed_experts")
-    pre = _sk("skyrl.train.dataset.preprocess")
     tb = _sk("skyrl.backends.skyrl_train.training_batch")
-    routes = []
-    for i, calls in enumerate(rollout.calls):
-        trace = trace_mod.RoutedExpertTrace()
-        for c, toks, plen in zip(calls, rollout.call_tokens[i], rollout.call_prompt_lens[i]):
-            # the engine answers from routed_experts_prompt_start = trace.prompt_start (SkyRL 0.4's request)
-            trace.record_generation(prompt_token_count=plen, generated_token_count=len(toks) - plen,
-                                    routed_experts=np.ascontiguousarray(c[trace.prompt_start:]))
-        n = len(rollout.tokens[i])
-        routes.append(trace.finalize(token_count=n, loss_mask=[0] * n))
-    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    out = pre.convert_prompts_responses_to_batch_tensors(
-        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
-        None, routes, None)
-    seqs, attn, rei = out[0], out[1], out[6]
-    mask = pre.make_router_padding_mask(attn, [len(r) for r in routes])
-    batch = tb.TrainingInputBatch({"sequences": seqs, "attention_mask": attn, "response_mask": out[2],
-                                   "rollout_expert_indices": rei, "router_padding_mask": mask})
-    batch.metadata = {"uids": [str(i) for i in range(len(prompts))]}
+    out, mask = batch04(rollout)
+    batch = tb.TrainingInputBatch({"sequences": out[0], "attention_mask": out[1], "response_mask": out[2],
+                                   "rollout_expert_indices": out[6], "router_padding_mask": mask})
+    batch.metadata = {"uids": [str(i) for i in range(len(rollout.tokens))]}
     return batch
 
 
