@@ -16,6 +16,7 @@ from r3bridge.errors import (
     ReplayStateError,
     RouteShapeError,
     RouteValueError,
+    RouteWeightsError,
     StitchError,
 )
 from r3bridge.ingest import StitchReport, stitch
@@ -33,4 +34,5 @@ __all__ = [
     "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
+    "RouteWeightsError",
 ]

@@ -5,11 +5,14 @@ no import of :mod:`r3bridge.schema` and no cycle), :func:`decode` returns the fi
 values; ``ReplayBatch.from_bytes`` rebuilds (and re-validates) the batch from them.
 
 Header (little endian):
-  magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present)
+  magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present,
+  bit2: routing weights present)
   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
   | header crc32 u32 (over the header bytes before it)
 then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
       | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
+      | [weights f16[rows, L, K], little endian]  (bit2; the last section, so a payload without it
+        reads as before)
 and last: body crc32 u32 (over the body).
 
 The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
@@ -54,6 +57,35 @@ class DecodedBatch:
     num_experts: int
     source: str
     policy_versions: list[int] | None
+    weights: torch.Tensor | None = None     # float16 [rows, L, K] (flags bit2)
+
+
+# ---------------------------------------------------------------- routing weights (flags bit2)
+WEIGHTS_FLAG = 4
+_WEIGHTS_NP = np.dtype("<f2")
+
+
+def _weights_flag(rb: Any) -> int:
+    return WEIGHTS_FLAG if getattr(rb, "weights", None) is not None else 0
+
+
+def _weights_size(flags: int, rows: int, nl: int, k: int) -> int:
+    return 2 * rows * nl * k if flags & WEIGHTS_FLAG else 0
+
+
+def _encode_weights(rb: Any) -> list[bytes]:
+    """The weights section (empty list without weights): float16 little endian, row-major."""
+    if getattr(rb, "weights", None) is None:
+        return []
+    w = rb.weights.detach().cpu().contiguous().to(torch.float16).numpy()
+    return [w.astype(_WEIGHTS_NP, copy=False).tobytes()]
+
+
+def _decode_weights(chunk: memoryview, flags: int, rows: int, nl: int, k: int) -> torch.Tensor | None:
+    if not flags & WEIGHTS_FLAG:
+        return None
+    w = np.frombuffer(chunk, dtype=_WEIGHTS_NP).reshape(rows, nl, k)
+    return torch.from_numpy(w.astype(np.float16, copy=True))
 
 
 def encoded_size(rb: Any) -> int:
@@ -61,13 +93,14 @@ def encoded_size(rb: Any) -> int:
     n, rows = rb.num_seqs, rb.total_rows
     return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
             + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
-            + rb.routes.numel() * rb.routes.element_size() + _CRC.size)
+            + rb.routes.numel() * rb.routes.element_size()
+            + _weights_size(_weights_flag(rb), rows, rb.num_layers, rb.topk) + _CRC.size)
 
 
 def encode(rb: Any) -> bytes:
     """A `ReplayBatch` -> payload bytes."""
     src = rb.source.encode()
-    flags = 1 if rb.policy_versions is not None else 0
+    flags = (1 if rb.policy_versions is not None else 0) | _weights_flag(rb)
     fields = _HEADER_FIELDS.pack(MAGIC, VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
                                  rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
     body = [
@@ -81,6 +114,7 @@ def encode(rb: Any) -> bytes:
     body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
     body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
                                                             copy=False).tobytes())
+    body += _encode_weights(rb)
     crc = 0
     for part in body:
         crc = zlib.crc32(part, crc)
@@ -103,7 +137,7 @@ def decode(data: bytes) -> DecodedBatch:
         raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
     dtype = _CODE_DTYPES[code]
     sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
-             rows * nl * k * torch.empty((), dtype=dtype).element_size()]
+             rows * nl * k * torch.empty((), dtype=dtype).element_size(), _weights_size(flags, rows, nl, k)]
     need = _HEADER.size + sum(sizes) + _CRC.size
     if len(data) != need:
         raise PayloadError(
@@ -130,4 +164,5 @@ def decode(data: bytes) -> DecodedBatch:
         start_rows=np.frombuffer(chunks[3], dtype="<i8").tolist(),
         layer_ids=np.frombuffer(chunks[1], dtype="<i4").tolist(),
         num_experts=e, source=source,
-        policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & 1 else None)
+        policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & 1 else None,
+        weights=_decode_weights(chunks[7], flags, rows, nl, k))
