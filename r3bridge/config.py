@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
+from r3bridge.replay_policy import check_policy
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
@@ -123,6 +124,12 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
+    # What replay does with a replayed expert (r3bridge/replay_policy.py): "hard" dispatches
+    # every one; "threshold" keeps one only if the trainer's own score for it is at least
+    # threshold_ratio x the weakest score of the trainer's native top-k, else the native choice
+    # replaces it (prime-rl #2703), and reports the replaced fraction.
+    replay_policy: str = "hard"
+    threshold_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -131,6 +138,7 @@ class ReplayConfig:
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
         self._check_trace()
+        check_policy(self.replay_policy, self.threshold_ratio)
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
