@@ -130,6 +130,11 @@ class ReplayConfig:
     # replaces it (prime-rl #2703), and reports the replaced fraction.
     replay_policy: str = "hard"
     threshold_ratio: float = 0.5
+    # Hand the framework's loss the per-token router log-ratio (trainer vs rollout gate weights
+    # of the replayed experts; r3bridge/replay_policy.py) for router importance sampling
+    # (prime-rl #1406 / #1661, RSPO). Needs routing weights in the routes and pp == 1; the
+    # router_log_ratio metrics are reported whenever the routes carry weights.
+    router_log_ratio: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -139,6 +144,8 @@ class ReplayConfig:
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
         self._check_trace()
         check_policy(self.replay_policy, self.threshold_ratio)
+        if not isinstance(self.router_log_ratio, bool):
+            raise ConfigError(f"router_log_ratio must be true or false, got {self.router_log_ratio!r}")
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

@@ -19,10 +19,14 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 
+from r3bridge.errors import ConfigError
+from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
+from r3bridge.megatron.recorder import _all_gather
+from r3bridge.packing import PackPlan, token_owners
 from r3bridge.replay_policy import router_log_ratio
 
-__all__ = ["PolicyStats"]
+__all__ = ["PolicyStats", "per_token"]
 
 # counts columns
 _REPLACED, _SLOTS, _LR_SUM, _LR_ABS, _LR_PAIRS = range(5)
@@ -44,6 +48,7 @@ class PolicyStats:
         self.counts = torch.zeros(5, dtype=torch.float64, device=device)
         # (chunk, micro-batch) -> float32 [rows]: sum over the chunk's layers of the log-ratio
         self.log_ratio: dict[tuple[int, int], torch.Tensor] = {}
+        self.micro_batches: dict[tuple[int, int], InstalledMicroBatch] = {}
         self._expected: dict[
             tuple[int, int],
             tuple[InstalledMicroBatch, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
@@ -92,6 +97,7 @@ class PolicyStats:
             ratio = router_log_ratio(train, rollout, mask)
             key = (mb.chunk, mb.index)
             self.log_ratio[key] = ratio if key not in self.log_ratio else self.log_ratio[key] + ratio
+            self.micro_batches[key] = mb
             self.counts[_LR_SUM] += ratio.sum()
             self.counts[_LR_ABS] += ratio.abs().sum()
             self.counts[_LR_PAIRS] += valid.sum()
@@ -118,3 +124,25 @@ class PolicyStats:
     def clear(self) -> None:
         self._expected.clear()
         self.log_ratio.clear()
+        self.micro_batches.clear()
+
+
+def per_token(ratio: torch.Tensor, mb: InstalledMicroBatch, layout: ParallelLayout, *, tp_rank: int, cp_rank: int,
+              groups: Mapping[str, Any]) -> list[torch.Tensor]:
+    """A micro-batch's router log-ratio, this rank's router rows (``ratio [rows]``), as one
+    ``[seq_len]`` tensor per sequence: position ``j`` holds the log-ratio of the routes at
+    position ``j`` (0 where there is none). The rows of the other TP (sequence parallel) and
+    CP ranks are all-gathered first: every rank of the group runs this micro-batch's forward at
+    the same time, so the collective is safe inside the loss. Pipeline stages are not summed
+    (they run other micro-batches at that moment): callers refuse ``pp > 1``."""
+    if layout.pp > 1:
+        raise ConfigError(f"the per-token router log-ratio needs pp == 1 (each of the {layout.pp} pipeline "
+                          f"stages holds only its own MoE layers' share); use the router_log_ratio metrics")
+    plan = PackPlan.build(layout, mb.seq_lens, **mb.pack)
+    tp_parts = layout.tp if layout.sequence_parallel else 1
+    rows = int(ratio.numel())
+    flat = _all_gather(ratio.float(), groups.get("tp"), tp_parts)
+    flat = _all_gather(flat, groups.get("cp"), layout.cp)       # [cp][tp][rows]
+    rank, row = token_owners(plan, layout, tp_parts)
+    values = flat[(rank * rows + row).to(flat.device)]
+    return list(values.split(plan.seq_lens.tolist()))

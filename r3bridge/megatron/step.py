@@ -37,7 +37,7 @@ from r3bridge.layout import ParallelLayout
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
-from r3bridge.megatron.policy_stats import PolicyStats
+from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.packing import PackPlan, rank_positions
@@ -390,6 +390,16 @@ class ReplayStep:
         ``[rows]`` in router row order, summed over the chunk's MoE layers (``None``: its routes
         carry no weights). Complete once the chunk's forward of that micro-batch has run."""
         return self.policy.log_ratio.get((chunk, index))
+
+    def router_log_ratio_tokens(self, chunk: int, index: int) -> Optional[list[torch.Tensor]]:
+        """:meth:`router_log_ratio` as one ``[seq_len]`` tensor per sequence of the micro-batch,
+        every TP / CP rank's rows gathered (:func:`r3bridge.megatron.policy_stats.per_token`)."""
+        ratio = self.policy.log_ratio.get((chunk, index))
+        if ratio is None:
+            return None
+        rep = self.replayer
+        return per_token(ratio, self.policy.micro_batches[(chunk, index)], rep.layout, tp_rank=rep.tp_rank,
+                         cp_rank=rep.cp_rank, groups=rep.groups)
 
     # ---------------------------------------------------------------------------- end of step
     def _check_drained(self) -> None:

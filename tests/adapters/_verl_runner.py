@@ -100,6 +100,7 @@ class HarnessVerl(MegatronEngineWithLMHead):
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return {}
         self.results = [(item["logits"], item["packed"]) for item in store]
+        self.handed_log_ratio = [item.get("handed_log_ratio") for item in store]
         # verl's own post-processing: per-token log-probs (nested, one row per token) back in
         # the batch's sample order (dynamic batching re-orders samples)
         outs = [{"model_output": {"log_probs": token_log_probs(logits, packed)}, "metrics": {}}
@@ -115,7 +116,9 @@ class HarnessVerl(MegatronEngineWithLMHead):
 
         def loss_func(per_token):
             value, reduced = loss(per_token)
-            return value, {**reduced, "packed": packed}
+            # what a verl loss reading its micro-batch ``data`` sees (r3bridge.router_log_ratio)
+            handed = batch.get("router_log_ratio", None)
+            return value, {**reduced, "packed": packed, "handed_log_ratio": handed}
         return output, loss_func
 
 
@@ -165,7 +168,7 @@ def hf_config_of(tf_config: Any) -> dict:
             "n_routed_experts": tf_config.num_moe_experts, "num_experts_per_tok": tf_config.moe_router_topk}
 
 
-def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False) -> VerlEngine:
+def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False, **options: Any) -> VerlEngine:
     """The adapter's engine over ``chunks`` with ``replay_mode=mode``, attached by its own
     ``r3_attach`` (``reference``: verl's reference engine, ``engine_config.forward_only``).
     ``eng.fed``: (chunk, rollout samples, packed stream) of every forward step, in call order."""
@@ -189,7 +192,7 @@ def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False) 
     eng.ctx = ctx
     eng.fed = []
     eng.inner = make_forward_step(ctx, thd=True, collect_logits=True)
-    eng.r3_init_state(ReplayConfig(replay_mode=mode))
+    eng.r3_init_state(ReplayConfig(replay_mode=mode, **options))
     eng.r3_runner = _KeepResults(eng.r3_runner)
     eng.r3_attach()
     eng.replayer = eng.r3_replayer              # what the r3 check reads the layout from
