@@ -127,8 +127,15 @@ class PolicyStats:
         self.micro_batches.clear()
 
 
-def per_token(ratio: torch.Tensor, mb: InstalledMicroBatch, layout: ParallelLayout, *, tp_rank: int, cp_rank: int,
-              groups: Mapping[str, Any]) -> list[torch.Tensor]:
+def per_token(
+    ratio: torch.Tensor,
+    mb: InstalledMicroBatch,
+    layout: ParallelLayout,
+    *,
+    tp_rank: int,
+    cp_rank: int,
+    groups: Mapping[str, Any],
+) -> list[torch.Tensor]:
     """A micro-batch's router log-ratio, this rank's router rows (``ratio [rows]``), as one
     ``[seq_len]`` tensor per sequence: position ``j`` holds the log-ratio of the routes at
     position ``j`` (0 where there is none). The rows of the other TP (sequence parallel) and
@@ -136,13 +143,15 @@ def per_token(ratio: torch.Tensor, mb: InstalledMicroBatch, layout: ParallelLayo
     the same time, so the collective is safe inside the loss. Pipeline stages are not summed
     (they run other micro-batches at that moment): callers refuse ``pp > 1``."""
     if layout.pp > 1:
-        raise ConfigError(f"the per-token router log-ratio needs pp == 1 (each of the {layout.pp} pipeline "
-                          f"stages holds only its own MoE layers' share); use the router_log_ratio metrics")
+        raise ConfigError(
+            f"the per-token router log-ratio needs pp == 1 (each of the {layout.pp} pipeline "
+            f"stages holds only its own MoE layers' share); use the router_log_ratio metrics"
+        )
     plan = PackPlan.build(layout, mb.seq_lens, **mb.pack)
     tp_parts = layout.tp if layout.sequence_parallel else 1
     rows = int(ratio.numel())
     flat = _all_gather(ratio.float(), groups.get("tp"), tp_parts)
-    flat = _all_gather(flat, groups.get("cp"), layout.cp)       # [cp][tp][rows]
+    flat = _all_gather(flat, groups.get("cp"), layout.cp)  # [cp][tp][rows]
     rank, row = token_owners(plan, layout, tp_parts)
     values = flat[(rank * rows + row).to(flat.device)]
     return list(values.split(plan.seq_lens.tolist()))
