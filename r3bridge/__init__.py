@@ -11,6 +11,7 @@ from r3bridge.errors import (
     LayerMappingError,
     LayoutError,
     PayloadError,
+    ProvenanceError,
     ReplayError,
     ReplayMemoryError,
     ReplayStateError,
@@ -22,6 +23,7 @@ from r3bridge.errors import (
 from r3bridge.ingest import StitchReport, stitch
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.provenance import RouteProvenance
 from r3bridge.rank_ingest import rank_targets
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import ShardedTargets, shard
@@ -30,9 +32,9 @@ from r3bridge.unsharding import unshard
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBatch", "ParallelLayout", "PackPlan", "ShardedTargets", "shard", "unshard",
+    "ReplayBatch", "RouteProvenance", "ParallelLayout", "PackPlan", "ShardedTargets", "shard", "unshard",
     "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
-    "RouteWeightsError",
+    "RouteWeightsError", "ProvenanceError",
 ]

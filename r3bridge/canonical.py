@@ -41,6 +41,7 @@ def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
     return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
                                    source=rb.source, policy_versions=rb.policy_versions,
+                                   provenance=rb.provenance,
                                    weights=None if rb.weights is None else rb.weights[keep_d])
 
 
@@ -66,7 +67,8 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
             weights.append(torch.cat([w, torch.zeros((pad,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)]))
     full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
-                                   source=rb.source,
+                                   source=rb.source, policy_versions=rb.policy_versions,
+                                   provenance=rb.provenance,
                                    weights=None if rb.weights is None else (torch.cat(weights) if weights
                                                                             else rb.weights))
     return drop_final_invalid_rows(full)
@@ -92,7 +94,7 @@ def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
     if rb.source == source:
         return rb
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
-                       rb.topk, source, rb.policy_versions, rb.offsets, rb.weights)
+                       rb.topk, source, rb.policy_versions, rb.offsets, rb.provenance, weights=rb.weights)
 
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:

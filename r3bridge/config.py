@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Mapping, Optional
 
 from r3bridge.errors import ConfigError
+from r3bridge.provenance import CHECK_MODES
 from r3bridge.replay_policy import check_policy
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
@@ -124,6 +125,12 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
+    # Routes whose provenance (engine pass: request id, weight version, re-prefill epoch) differs
+    # from that of the log-probs they are paired with (r3bridge/provenance.py; miles #3277, vLLM
+    # #39917): "count" replays them and counts them (provenance/* metrics), "refuse" raises a
+    # ProvenanceError naming the sample and both provenances before the pass installs anything,
+    # "off" compares nothing.
+    provenance_check: str = "count"
     # What replay does with a replayed expert (r3bridge/replay_policy.py): "hard" dispatches
     # every one; "threshold" keeps one only if the trainer's own score for it is at least
     # threshold_ratio x the weakest score of the trainer's native top-k, else the native choice
@@ -142,6 +149,8 @@ class ReplayConfig:
             raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
+        if self.provenance_check not in CHECK_MODES:
+            raise ConfigError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {self.provenance_check!r}")
         self._check_trace()
         check_policy(self.replay_policy, self.threshold_ratio)
         if not isinstance(self.router_log_ratio, bool):

@@ -54,3 +54,8 @@ class ReplayMemoryError(ReplayError, MemoryError):
     """A batch does not fit in this host's memory; the message names the sizes (rows, layers,
     top-k, bytes) and the way around it (build only one rank's targets:
     :func:`r3bridge.rank_ingest.rank_targets`)."""
+
+
+class ProvenanceError(ReplayError):
+    """Route provenance is malformed (wrong length, wrong type), or the routes of a sample came
+    from another engine pass than the log-probs they are paired with (``provenance_check="refuse"``)."""

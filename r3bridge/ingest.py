@@ -20,6 +20,7 @@ import torch
 from r3bridge.canonical import with_source
 from r3bridge.decoders import decode_vllm_routes
 from r3bridge.errors import LayerMappingError, PayloadError, RouteShapeError, StitchError
+from r3bridge.provenance import RouteProvenance, checked_provenance
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["stitch", "StitchReport", "first_seen_rows", "rollout_routes"]
@@ -48,7 +49,9 @@ class StitchReport:
 def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
     """Append-only multi-turn / resubmit stitching: ``pieces[t]`` holds, for every sequence, the
     rows engine call ``t`` returned (possibly none). First-seen valid rows win (they sampled the
-    tokens); repeated rows are deduplicated; disagreements are counted; gaps raise."""
+    tokens); repeated rows are deduplicated; disagreements are counted; gaps raise. A sequence's
+    provenance is that of the first piece that returned rows for it (the pass that sampled its
+    earliest tokens; later pieces' provenance is not merged in)."""
     if not pieces:
         raise StitchError("stitch of no pieces")
     a = pieces[0]
@@ -60,8 +63,9 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
             raise StitchError(f"stitch: piece {t} has {b.num_seqs} sequences, piece 0 has {a.num_seqs}")
     with_weights = _stitch_weights_present(pieces)
     report = StitchReport()
-    seq_routes, seq_valid, seq_start, seq_weights = [], [], [], []
+    seq_routes, seq_valid, seq_start, seq_weights, seq_prov = [], [], [], [], []
     for i in range(a.num_seqs):
+        prov = None if a.provenance is None else a.provenance[i]
         start = end = None
         routes = valid = weights = None
         over = dis = fill = 0
@@ -75,6 +79,7 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
             if start is None:
                 start, end, routes, valid = s, e, r.clone(), v.clone()
                 weights = None if w is None else w.clone()
+                prov = None if p.provenance is None else p.provenance[i]
                 continue
             if s > end or e < start:
                 raise StitchError(f"sequence {i}, piece {t}: rows [{s}, {e}) leave a gap after the rows "
@@ -112,12 +117,14 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
         seq_valid.append(valid)
         seq_start.append(start)
         seq_weights.append(weights)
+        seq_prov.append(prov)
     if not seq_routes:                     # pieces without sequences: nothing to stitch
         return a, report
     out = ReplayBatch.from_packed(torch.cat(seq_routes), [int(x.shape[0]) for x in seq_routes],
                                   num_experts=a.num_experts, layer_ids=a.layer_ids, start_rows=seq_start,
                                   valid=torch.cat(seq_valid), source=a.source,
                                   policy_versions=a.policy_versions,
+                                  provenance=None if all(x is None for x in seq_prov) else seq_prov,
                                   weights=torch.cat(seq_weights) if with_weights else None)
     return out, report
 
@@ -166,20 +173,23 @@ def first_seen_rows(calls: Sequence[Any]) -> tuple[np.ndarray, StitchReport]:
 
 def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_layer_ids: Sequence[int],
                    start_rows: Sequence[Sequence[int]] | None = None,
-                   report: list | None = None) -> ReplayBatch:
+                   report: list | None = None,
+                   provenance: Sequence[RouteProvenance | None] | None = None) -> ReplayBatch:
     """``calls[i][t]``: the routes engine call ``t`` of sample ``i`` returned (any vLLM transport,
     :func:`r3bridge.decoders.decode_vllm_routes`), from row 0 of that call's prompt unless ``start_rows[i][t]`` says
     otherwise (vLLM ``routed_experts_prompt_start``). Returns one sequence per sample, first-seen
     rows kept, ``source="rollout"``. ``report`` (a list) receives one :class:`StitchReport` per
-    sample."""
+    sample. ``provenance``: one per sample, the engine pass its routes came from."""
+    provenance = checked_provenance(provenance, len(calls))
     per_sample = []
     for i, sample_calls in enumerate(calls):
         if not sample_calls:
             raise PayloadError(f"sample {i}: no engine call returned routes")
         arrays = [decode_vllm_routes(p, seq=i) for p in sample_calls]
         starts = list(start_rows[i]) if start_rows is not None else [0] * len(arrays)
+        prov = None if provenance is None else [provenance[i]]
         pieces = [ReplayBatch.from_vllm([a], num_experts=num_experts, moe_layer_ids=list(moe_layer_ids),
-                                        start_rows=[s]) for a, s in zip(arrays, starts)]
+                                        start_rows=[s], provenance=prov) for a, s in zip(arrays, starts)]
         rb, rep = stitch(pieces)
         if report is not None:
             report.append(rep)

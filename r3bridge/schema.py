@@ -34,6 +34,7 @@ from r3bridge.decoders import (
 )
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
+from r3bridge.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
 from r3bridge.route_weights import as_weights_tensor, check_weights
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
@@ -100,6 +101,9 @@ class ReplayBatch:
     source: str = "ragged"          # "vllm", "sglang", "recorded", "verl", ... (provenance)
     policy_versions: list[int] | None = None   # optional, per sequence
     _offsets: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    # optional, per sequence (None entries: unknown): the engine pass the routes came from
+    # (r3bridge.provenance); checked against the log-probs' by the driver
+    provenance: tuple[RouteProvenance | None, ...] | None = None
     # optional float16 [total_rows, L, K]: the engine's gate weight of each routed expert
     # (r3bridge.route_weights); 0 on rows without a route. Every row operation carries it.
     weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -111,6 +115,7 @@ class ReplayBatch:
             if self.rows_per_seq:
                 offs[1:] = torch.cumsum(torch.tensor(self.rows_per_seq, dtype=torch.int64), 0)
             object.__setattr__(self, "_offsets", offs)
+        object.__setattr__(self, "provenance", checked_provenance(self.provenance, len(self.rows_per_seq)))
 
     @classmethod
     def from_ragged(
@@ -123,18 +128,21 @@ class ReplayBatch:
         valid: Sequence | None = None,
         source: str = "ragged",
         policy_versions: Sequence[int] | None = None,
+        provenance: Sequence[RouteProvenance | None] | None = None,
         weights: Sequence | None = None,
     ) -> "ReplayBatch":
         """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence; ``weights`` (optional):
         one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert."""
         batch = cls._ragged_routes(routes, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                                   valid=valid, source=source, policy_versions=policy_versions)
+                                   valid=valid, source=source, policy_versions=policy_versions,
+                                   provenance=provenance)
         return batch if weights is None else batch.with_weights(_ragged_weights(weights, batch))
 
     @classmethod
     def _ragged_routes(cls, routes: Sequence, *, num_experts: int, layer_ids: Sequence[int],
                        start_rows: Sequence[int] | None, valid: Sequence | None, source: str,
-                       policy_versions: Sequence[int] | None) -> "ReplayBatch":
+                       policy_versions: Sequence[int] | None,
+                       provenance: Sequence[RouteProvenance | None] | None) -> "ReplayBatch":
         host = _host_arrays(routes)
         if host is not None:
             masks = None
@@ -147,7 +155,8 @@ class ReplayBatch:
                         raise CoverageError(
                             f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {host[i].shape[0]} rows")
             return cls._from_host(host, None, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                                  valid=masks, source=source, policy_versions=policy_versions)
+                                  valid=masks, source=source, policy_versions=policy_versions,
+                                  provenance=provenance)
         tensors = [as_int_tensor(r, what=f"sequence {i}") for i, r in enumerate(routes)]
         for i, t in enumerate(tensors):
             if t.dim() != 3:
@@ -183,16 +192,18 @@ class ReplayBatch:
             v = torch.cat(vt) if vt else torch.zeros(0, dtype=torch.bool)
         return cls.from_packed(flat, rows, num_experts=num_experts, layer_ids=layer_ids,
                                start_rows=start_rows, valid=v, source=source,
-                               policy_versions=policy_versions)
+                               policy_versions=policy_versions, provenance=provenance)
 
     @classmethod
     def _from_host(cls, arrays: list[np.ndarray], cols: Sequence[int] | None, *, num_experts: int,
                    layer_ids: Sequence[int], start_rows: Sequence[int] | None, source: str,
                    valid: list[torch.Tensor] | None = None,
-                   policy_versions: Sequence[int] | None = None) -> "ReplayBatch":
+                   policy_versions: Sequence[int] | None = None,
+                   provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
         """Host arrays (one per sequence, all layers or ``cols`` of them) -> a batch, in one pass:
         :func:`r3bridge.engine_pack.pack_sequences` selects, narrows and checks every block of rows
         straight into the one buffer the batch keeps."""
+        provenance = checked_provenance(provenance, len(arrays))     # before the copy, like the other metadata
         sel = layer_columns(cols)
         shapes = [(a.shape[0],) + tuple(a[:0][:, sel].shape[1:] if sel is not None else a.shape[1:]) for a in arrays]
         check_shapes([np.empty((0,) + sh[1:], dtype=np.uint8) for sh in shapes])
@@ -205,7 +216,8 @@ class ReplayBatch:
         v = torch.cat(valid) if valid else torch.ones(total, dtype=torch.bool)
         if valid is not None and not bool(v.all()):
             out[~v] = torch.arange(topk, dtype=out.dtype)
-        return cls(out, v, rows, starts, layer_ids, num_experts, topk, source, policy_versions)
+        return cls(out, v, rows, starts, layer_ids, num_experts, topk, source, policy_versions,
+                   provenance=provenance)
 
     @classmethod
     def from_packed(
@@ -219,6 +231,7 @@ class ReplayBatch:
         valid: torch.Tensor | None = None,
         source: str = "ragged",
         policy_versions: Sequence[int] | None = None,
+        provenance: Sequence[RouteProvenance | None] | None = None,
         weights: torch.Tensor | None = None,
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq`` (and optionally their
@@ -229,6 +242,7 @@ class ReplayBatch:
         rows_per_seq, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
             tuple(routes.shape), rows_per_seq, num_experts, layer_ids, start_rows, policy_versions)
         n = len(rows_per_seq)
+        provenance = checked_provenance(provenance, n)
         if valid is None:
             valid = torch.ones(routes.shape[0], dtype=torch.bool, device=routes.device)
         else:
@@ -243,28 +257,33 @@ class ReplayBatch:
         checked = None if weights is None else check_weights(weights, packed, valid, layer_ids, offsets, starts)
         return cls(packed, valid.clone(),
                    rows_per_seq, starts, layer_ids, num_experts, topk, source,
-                   policy_versions, offsets, checked)
+                   policy_versions, offsets, provenance, weights=checked)
 
     # Engine / trainer formats: the payloads are decoded by r3bridge.decoders (no batch there).
     @classmethod
     def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
-                    valid=None, source: str = "padded") -> "ReplayBatch":
+                    valid=None, source: str = "padded",
+                    provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
         """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
         flat, lens, v = padded_rows(
             as_int_tensor(routes, what="padded"), as_mask(attention_mask, what="attention_mask", error=CoverageError),
             None if valid is None else as_mask(valid, what="valid", error=CoverageError))
         return cls.from_packed(flat, lens, num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
                                layer_ids=as_index_list(layer_ids, what="layer_ids", error=LayerMappingError),
-                               valid=v, source=source)
+                               valid=v, source=source, provenance=provenance)
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
-                  start_rows: Sequence[int] | None = None, weights: Sequence | None = None) -> "ReplayBatch":
+                  start_rows: Sequence[int] | None = None,
+                  provenance: Sequence[RouteProvenance | None] | None = None,
+                  weights: Sequence | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
-        :func:`r3bridge.decoders.decode_vllm_routes`). ``weights``: optional, one array per
-        sequence in the routes' shape (every reported layer; vLLM itself returns none)."""
+        :func:`r3bridge.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
+        pass each came from (:func:`r3bridge.decoders.vllm_provenance` builds it from request
+        outputs). ``weights``: optional, one array per sequence in the routes' shape (every
+        reported layer; vLLM itself returns none)."""
         batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
-                                      start_rows=start_rows)
+                                      start_rows=start_rows, provenance=provenance)
         if weights is None:
             return batch
         moe = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
@@ -274,7 +293,8 @@ class ReplayBatch:
 
     @classmethod
     def _from_vllm_routes(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None,
-                          start_rows: Sequence[int] | None) -> "ReplayBatch":
+                          start_rows: Sequence[int] | None,
+                          provenance: Sequence[RouteProvenance | None] | None) -> "ReplayBatch":
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         moe_layer_ids = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         start_rows = _opt_ids(start_rows, "start_rows", CoverageError)
@@ -285,20 +305,23 @@ class ReplayBatch:
                 select_layers(a[:0], moe_layer_ids, i, "vLLM")
             layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(host[0].shape[1]))
             return cls._from_host(host, moe_layer_ids, num_experts=num_experts, layer_ids=layer_ids,
-                                  start_rows=start_rows, source="vllm")
+                                  start_rows=start_rows, source="vllm", provenance=provenance)
         arrays = [select_layers(a, moe_layer_ids, i, "vLLM") for i, a in enumerate(decoded)]
         num_layers = arrays[0].shape[1] if arrays else 0
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                               source="vllm")
+                               source="vllm", provenance=provenance)
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
                     moe_layer_ids: Sequence[int] | None = None,
-                    start_rows: Sequence[int] | None = None) -> "ReplayBatch":
+                    start_rows: Sequence[int] | None = None,
+                    provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
         completion - 1 - start. Routing weights are read when the meta_infos carry them
-        (:data:`r3bridge.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none."""
+        (:data:`r3bridge.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
+        ``provenance``: one per meta_info (:func:`r3bridge.decoders.sglang_provenance` reads it
+        from the meta_infos)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)
         topk = as_index(topk, what="topk", error=RouteShapeError)
@@ -322,9 +345,10 @@ class ReplayBatch:
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
             return cls.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],
-                                   num_experts=num_experts, layer_ids=layer_ids, source="sglang")
+                                   num_experts=num_experts, layer_ids=layer_ids, source="sglang",
+                                   provenance=provenance)
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=starts,
-                               source="sglang", weights=weights or None)
+                               source="sglang", provenance=provenance, weights=weights or None)
 
     @classmethod
     def from_trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
@@ -386,7 +410,8 @@ class ReplayBatch:
         rows = torch.tensor(self.rows_per_seq, dtype=torch.int64)[idx] if idx.numel() else idx
         starts = self._offsets[idx]
         row_idx = ragged_arange(starts, rows)
-        pv = None if self.policy_versions is None else [self.policy_versions[i] for i in idx.tolist()]
+        order = idx.tolist()
+        pv = None if self.policy_versions is None else [self.policy_versions[i] for i in order]
         new_rows = rows.tolist()
         offsets = torch.zeros(len(new_rows) + 1, dtype=torch.int64)
         if new_rows:
@@ -394,9 +419,9 @@ class ReplayBatch:
         return ReplayBatch(
             self.routes.index_select(0, row_idx.to(self.routes.device)),
             self.valid.index_select(0, row_idx.to(self.valid.device)),
-            new_rows, [self.start_rows[i] for i in idx.tolist()], self.layer_ids,
-            self.num_experts, self.topk, self.source, pv, offsets,
-            None if self.weights is None else self.weights.index_select(0, row_idx.to(self.weights.device)))
+            new_rows, [self.start_rows[i] for i in order], self.layer_ids,
+            self.num_experts, self.topk, self.source, pv, offsets, select_provenance(self.provenance, order),
+            weights=None if self.weights is None else self.weights.index_select(0, row_idx.to(self.weights.device)))
 
     def select_range(self, start: int, stop: int) -> "ReplayBatch":
         """Sequences ``start .. stop - 1`` as views of this batch's buffers (no copy): the
@@ -410,7 +435,8 @@ class ReplayBatch:
         return ReplayBatch(self.routes[a:b], self.valid[a:b], self.rows_per_seq[start:stop],
                            self.start_rows[start:stop], self.layer_ids, self.num_experts, self.topk,
                            self.source, pv, self._offsets[start:stop + 1] - a,
-                           None if self.weights is None else self.weights[a:b])
+                           None if self.provenance is None else self.provenance[start:stop],
+                           weights=None if self.weights is None else self.weights[a:b])
 
     @staticmethod
     def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
@@ -432,7 +458,9 @@ class ReplayBatch:
         return ReplayBatch(
             torch.cat([b.routes for b in batches]), torch.cat([b.valid for b in batches]), rows,
             [s for b in batches for s in b.start_rows], a.layer_ids, a.num_experts, a.topk,
-            sources.pop() if len(sources) == 1 else "mixed", pv, weights=_concat_weights(batches))
+            sources.pop() if len(sources) == 1 else "mixed", pv,
+            provenance=concat_provenance([(b.provenance, b.num_seqs) for b in batches]),
+            weights=_concat_weights(batches))
 
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
@@ -445,16 +473,16 @@ class ReplayBatch:
         cols = torch.tensor([pos[x] for x in want], dtype=torch.int64, device=self.routes.device)
         return ReplayBatch(self.routes.index_select(1, cols), self.valid, self.rows_per_seq,
                            self.start_rows, tuple(want), self.num_experts, self.topk, self.source,
-                           self.policy_versions, self._offsets,
-                           None if self.weights is None else self.weights.index_select(1, cols))
+                           self.policy_versions, self._offsets, self.provenance,
+                           weights=None if self.weights is None else self.weights.index_select(1, cols))
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
         if torch.device(device).type == "meta":
             raise RouteShapeError("ReplayBatch.to('meta'): a meta tensor holds no routes")
         return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
                            self.start_rows, self.layer_ids, self.num_experts, self.topk,
-                           self.source, self.policy_versions, self._offsets,
-                           None if self.weights is None else self.weights.to(device))
+                           self.source, self.policy_versions, self._offsets, self.provenance,
+                           weights=None if self.weights is None else self.weights.to(device))
 
     def with_weights(self, weights: torch.Tensor | None) -> "ReplayBatch":
         """The same routes with ``weights`` (``[total_rows, L, K]`` real numbers, validated and
@@ -462,10 +490,12 @@ class ReplayBatch:
         checked = None if weights is None else check_weights(weights, self.routes, self.valid, self.layer_ids,
                                                              self._offsets, self.start_rows)
         return ReplayBatch(self.routes, self.valid, self.rows_per_seq, self.start_rows, self.layer_ids,
-                           self.num_experts, self.topk, self.source, self.policy_versions, self._offsets, checked)
+                           self.num_experts, self.topk, self.source, self.policy_versions, self._offsets,
+                           self.provenance, weights=checked)
 
     def equals(self, other: "ReplayBatch") -> bool:
-        """Same schema, coverage, validity, routes and weights (provenance is not compared)."""
+        """Same schema, coverage, validity, routes and weights (``source``, ``policy_versions`` and
+        ``provenance`` are not compared)."""
         if (self.weights is None) != (other.weights is None) or (
                 self.weights is not None and not torch.equal(self.weights.cpu(), other.weights.cpu())):
             return False
@@ -491,7 +521,7 @@ class ReplayBatch:
         # Re-validate: a payload from another process is input like any other.
         return cls.from_packed(d.routes, d.rows_per_seq, num_experts=d.num_experts, layer_ids=d.layer_ids,
                                start_rows=d.start_rows, valid=d.valid, source=d.source,
-                               policy_versions=d.policy_versions, weights=d.weights)
+                               policy_versions=d.policy_versions, provenance=d.provenance, weights=d.weights)
 
     @property
     def nbytes(self) -> int:

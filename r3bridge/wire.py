@@ -6,14 +6,19 @@ values; ``ReplayBatch.from_bytes`` rebuilds (and re-validates) the batch from th
 
 Header (little endian):
   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present,
-  bit2: routing weights present)
+  bit1: provenance present, bit2: routing weights present)
   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
   | header crc32 u32 (over the header bytes before it)
 then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
-      | [policy_versions i64[n]] | valid packed bits u8[ceil(rows/8)] | routes raw
-      | [weights f16[rows, L, K], little endian]  (bit2; the last section, so a payload without it
-        reads as before)
+      | [policy_versions i64[n]] | [provenance] | valid packed bits u8[ceil(rows/8)] | routes raw
+      | [weights f16[rows, L, K], little endian]  (bit2; the last section, after the routes)
 and last: body crc32 u32 (over the body).
+
+Provenance (version 3, flags bit1; :mod:`r3bridge.provenance`), one entry per sequence, columns:
+  weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | engine length u16[n]
+  | request id length u32[n] | the engines' utf-8 bytes | the request ids' utf-8 bytes
+An engine length of 0 marks a sequence without provenance (a provenance always names its engine).
+Version 2 payloads (no provenance, no weights: only bit0) are read as they were written.
 
 The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
 num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
@@ -31,12 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3bridge.errors import PayloadError
+from r3bridge.errors import PayloadError, ProvenanceError
+from r3bridge.provenance import RouteProvenance
 
 __all__ = ["encode", "decode", "encoded_size", "DecodedBatch", "VERSION"]
 
 MAGIC = b"R3RB"
-VERSION = 2
+VERSION = 3
+READABLE_VERSIONS = (2, 3)      # 2: before provenance and weights (flags bit1 and bit2 never set)
+FLAG_POLICY_VERSIONS = 1
+FLAG_PROVENANCE = 2
+FLAG_WEIGHTS = 4
+_KNOWN_FLAGS = FLAG_POLICY_VERSIONS | FLAG_PROVENANCE | FLAG_WEIGHTS
 _HEADER_FIELDS = struct.Struct("<4sHBBIQIIIH")
 _HEADER = struct.Struct("<4sHBBIQIIIHI")
 _CRC = struct.Struct("<I")
@@ -57,20 +68,20 @@ class DecodedBatch:
     num_experts: int
     source: str
     policy_versions: list[int] | None
+    provenance: tuple[RouteProvenance | None, ...] | None = None
     weights: torch.Tensor | None = None     # float16 [rows, L, K] (flags bit2)
 
 
 # ---------------------------------------------------------------- routing weights (flags bit2)
-WEIGHTS_FLAG = 4
 _WEIGHTS_NP = np.dtype("<f2")
 
 
 def _weights_flag(rb: Any) -> int:
-    return WEIGHTS_FLAG if getattr(rb, "weights", None) is not None else 0
+    return FLAG_WEIGHTS if getattr(rb, "weights", None) is not None else 0
 
 
 def _weights_size(flags: int, rows: int, nl: int, k: int) -> int:
-    return 2 * rows * nl * k if flags & WEIGHTS_FLAG else 0
+    return 2 * rows * nl * k if flags & FLAG_WEIGHTS else 0
 
 
 def _encode_weights(rb: Any) -> list[bytes]:
@@ -82,7 +93,7 @@ def _encode_weights(rb: Any) -> list[bytes]:
 
 
 def _decode_weights(chunk: memoryview, flags: int, rows: int, nl: int, k: int) -> torch.Tensor | None:
-    if not flags & WEIGHTS_FLAG:
+    if not flags & FLAG_WEIGHTS:
         return None
     w = np.frombuffer(chunk, dtype=_WEIGHTS_NP).reshape(rows, nl, k)
     return torch.from_numpy(w.astype(np.float16, copy=True))
@@ -92,7 +103,7 @@ def encoded_size(rb: Any) -> int:
     """``len(encode(rb))`` without building it."""
     n, rows = rb.num_seqs, rb.total_rows
     return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
-            + (8 * n if rb.policy_versions is not None else 0) + (rows + 7) // 8
+            + (8 * n if rb.policy_versions is not None else 0) + _provenance_size(rb.provenance) + (rows + 7) // 8
             + rb.routes.numel() * rb.routes.element_size()
             + _weights_size(_weights_flag(rb), rows, rb.num_layers, rb.topk) + _CRC.size)
 
@@ -100,7 +111,8 @@ def encoded_size(rb: Any) -> int:
 def encode(rb: Any) -> bytes:
     """A `ReplayBatch` -> payload bytes."""
     src = rb.source.encode()
-    flags = (1 if rb.policy_versions is not None else 0) | _weights_flag(rb)
+    flags = (FLAG_POLICY_VERSIONS if rb.policy_versions is not None else 0) | \
+        (FLAG_PROVENANCE if rb.provenance is not None else 0) | _weights_flag(rb)
     fields = _HEADER_FIELDS.pack(MAGIC, VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
                                  rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
     body = [
@@ -111,6 +123,8 @@ def encode(rb: Any) -> bytes:
     ]
     if rb.policy_versions is not None:
         body.append(np.asarray(rb.policy_versions, dtype="<i8").tobytes())
+    if rb.provenance is not None:
+        body.append(_encode_provenance(rb.provenance))
     body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
     body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
                                                             copy=False).tobytes())
@@ -128,16 +142,24 @@ def decode(data: bytes) -> DecodedBatch:
     magic, version, code, flags, n, rows, nl, k, e, src_len, head_crc = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise PayloadError(f"not a ReplayBatch payload (magic {magic!r})")
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         hint = " (written before payloads carried checksums: re-encode it)" if version == 1 else ""
-        raise PayloadError(f"ReplayBatch payload version {version}{hint}; this r3bridge reads version {VERSION}")
+        raise PayloadError(f"ReplayBatch payload version {version}{hint}; this r3bridge reads versions "
+                           f"{', '.join(map(str, READABLE_VERSIONS))}")
     if zlib.crc32(memoryview(data)[:_HEADER_FIELDS.size]) != head_crc:
         raise PayloadError("ReplayBatch payload header checksum mismatch: the header is corrupted")
+    known = _KNOWN_FLAGS if version >= 3 else FLAG_POLICY_VERSIONS
+    if flags & ~known:
+        raise PayloadError(f"ReplayBatch payload version {version} has unknown flags {flags:#04x} "
+                           f"(written by a newer r3bridge?)")
     if code not in _CODE_DTYPES:
         raise PayloadError(f"ReplayBatch payload has unknown dtype code {code}")
     dtype = _CODE_DTYPES[code]
-    sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & 1 else 0, (rows + 7) // 8,
-             rows * nl * k * torch.empty((), dtype=dtype).element_size(), _weights_size(flags, rows, nl, k)]
+    sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & FLAG_POLICY_VERSIONS else 0]
+    # the provenance section's size is in its own length columns (covered by the body CRC below)
+    sizes.append(_provenance_section_size(data, _HEADER.size + sum(sizes), n) if flags & FLAG_PROVENANCE else 0)
+    sizes += [(rows + 7) // 8, rows * nl * k * torch.empty((), dtype=dtype).element_size(),
+              _weights_size(flags, rows, nl, k)]
     need = _HEADER.size + sum(sizes) + _CRC.size
     if len(data) != need:
         raise PayloadError(
@@ -155,8 +177,8 @@ def decode(data: bytes) -> DecodedBatch:
         source = bytes(chunks[0]).decode()
     except UnicodeDecodeError:
         raise PayloadError("ReplayBatch payload: source field is not UTF-8: corrupted") from None
-    valid = np.unpackbits(np.frombuffer(chunks[5], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
-    routes = np.frombuffer(chunks[6], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
+    valid = np.unpackbits(np.frombuffer(chunks[6], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
+    routes = np.frombuffer(chunks[7], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
     return DecodedBatch(
         routes=torch.from_numpy(routes.astype(_NP[dtype], copy=True)),
         valid=torch.from_numpy(valid.copy()),
@@ -164,5 +186,79 @@ def decode(data: bytes) -> DecodedBatch:
         start_rows=np.frombuffer(chunks[3], dtype="<i8").tolist(),
         layer_ids=np.frombuffer(chunks[1], dtype="<i4").tolist(),
         num_experts=e, source=source,
-        policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & 1 else None,
-        weights=_decode_weights(chunks[7], flags, rows, nl, k))
+        policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & FLAG_POLICY_VERSIONS else None,
+        provenance=_decode_provenance(chunks[5], n) if flags & FLAG_PROVENANCE else None,
+        weights=_decode_weights(chunks[8], flags, rows, nl, k))
+
+
+# ------------------------------------------------------------------------------- provenance section
+_ABSENT = -1                      # weight version / epoch unknown
+_PROV_FIXED = 8 + 4 + 2 + 4       # bytes per sequence before the strings
+
+
+def _provenance_size(provenance) -> int:
+    if provenance is None:
+        return 0
+    return _PROV_FIXED * len(provenance) + sum(
+        len(p.engine.encode()) + len(p.request_id.encode()) for p in provenance if p is not None)
+
+
+def _encode_provenance(provenance) -> bytes:
+    """The section's bytes: four columns, then the engines' and the request ids' utf-8 bytes."""
+    n = len(provenance)
+    versions = np.full(n, _ABSENT, dtype="<i8")
+    epochs = np.full(n, _ABSENT, dtype="<i4")
+    engine_lens = np.zeros(n, dtype="<u2")
+    request_lens = np.zeros(n, dtype="<u4")
+    engines, requests = [], []
+    for i, p in enumerate(provenance):
+        if p is None:
+            continue
+        engine, request = p.engine.encode(), p.request_id.encode()
+        if len(engine) > 0xFFFF or len(request) > 0xFFFFFFFF:
+            raise PayloadError(f"sequence {i}: provenance engine name of {len(engine)} bytes does not fit the "
+                               f"wire format (at most 65535)")
+        versions[i] = _ABSENT if p.weight_version is None else p.weight_version
+        epochs[i] = _ABSENT if p.epoch is None else p.epoch
+        engine_lens[i], request_lens[i] = len(engine), len(request)
+        engines.append(engine)
+        requests.append(request)
+    return b"".join([versions.tobytes(), epochs.tobytes(), engine_lens.tobytes(), request_lens.tobytes(),
+                     *engines, *requests])
+
+
+def _provenance_section_size(data: bytes, start: int, n: int) -> int:
+    """Size of the section at ``start`` of ``data``, read from its length columns."""
+    fixed_end = start + _PROV_FIXED * n
+    if len(data) < fixed_end:
+        raise PayloadError(f"ReplayBatch payload truncated inside its provenance section ({len(data)} bytes)")
+    lens_at = start + 12 * n
+    engine_lens = np.frombuffer(data, dtype="<u2", count=n, offset=lens_at)
+    request_lens = np.frombuffer(data, dtype="<u4", count=n, offset=lens_at + 2 * n)
+    return _PROV_FIXED * n + int(engine_lens.sum(dtype=np.int64)) + int(request_lens.sum(dtype=np.int64))
+
+
+def _decode_provenance(section: memoryview, n: int) -> tuple[RouteProvenance | None, ...]:
+    versions = np.frombuffer(section, dtype="<i8", count=n).tolist()
+    epochs = np.frombuffer(section, dtype="<i4", count=n, offset=8 * n).tolist()
+    engine_lens = np.frombuffer(section, dtype="<u2", count=n, offset=12 * n).tolist()
+    request_lens = np.frombuffer(section, dtype="<u4", count=n, offset=14 * n).tolist()
+    pos = _PROV_FIXED * n
+    engines = []
+    for length in engine_lens:
+        engines.append(bytes(section[pos:pos + length]))
+        pos += length
+    out: list[RouteProvenance | None] = []
+    for i in range(n):
+        request = bytes(section[pos:pos + request_lens[i]])
+        pos += request_lens[i]
+        if not engine_lens[i]:
+            out.append(None)
+            continue
+        try:
+            out.append(RouteProvenance(engines[i].decode(), request.decode(),
+                                       None if versions[i] == _ABSENT else versions[i],
+                                       None if epochs[i] == _ABSENT else epochs[i]))
+        except (UnicodeDecodeError, ProvenanceError) as e:
+            raise PayloadError(f"ReplayBatch payload: sequence {i}'s provenance is malformed ({e})") from None
+    return tuple(out)

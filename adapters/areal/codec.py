@@ -16,18 +16,26 @@ import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
 from r3bridge.schema import ReplayBatch, sentinel_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ArealCodec", "trajectory_tensor", "replay_batch_from_batch",
-           "replay_batch_from_tensor", "batch_tensor"]
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
+           "ArealCodec", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor", "batch_tensor",
+           "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
+# per trajectory [1, 2] int64 (batched [B, 2]): (weight version, re-prefill epoch), -1 unknown
+# (r3bridge.provenance.versions_tensor); AReaL's R3 engine is SGLang, no request id travels
+ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
+LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+ENGINE = "sglang"
+PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 
 
 def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
@@ -143,3 +151,25 @@ class ArealCodec:
             part.update({k: v[torch.tensor(ids)] for k, v in carried.items()})
             out.append((part, ids))
         return out
+
+
+def provenance_fields(routes: RouteProvenance | None, logprobs: RouteProvenance | None) -> dict[str, torch.Tensor]:
+    """One trajectory's route and log-prob provenance -> its two ``[1, 2]`` fields."""
+    return {ROUTE_PROVENANCE_KEY: versions_tensor([routes]), LOGPROB_PROVENANCE_KEY: versions_tensor([logprobs])}
+
+
+def provenance_pairing(data: dict) -> ProvenancePairing:
+    """A batched AReaL dict's route and log-prob provenance, one per trajectory (a missing field:
+    unknown, its samples counted unchecked), named by batch row."""
+    n = int(data["attention_mask"].shape[0])
+
+    def column(key: str):
+        t = data.get(key)
+        if t is None:
+            return None
+        out = from_versions_tensor(t, engine=ENGINE, what=f"AReaL batch field {key!r}")
+        if len(out) != n:
+            raise ProvenanceError(f"AReaL batch field {key!r} has {len(out)} rows for {n} trajectories")
+        return out
+    return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY),
+                             [f"batch row {i}" for i in range(n)])

@@ -36,10 +36,14 @@ import torch
 from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.codec import (
+    ENGINE,
+    PROVENANCE_KEYS,
     RECORDED_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
     batch_tensor,
+    provenance_fields,
+    provenance_pairing,
     replay_batch_from_tensor,
     trajectory_tensor,
 )
@@ -53,10 +57,11 @@ from r3bridge.adapters.areal.config import (
 from r3bridge.adapters.areal.rollout import routes_from_responses
 from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.decoders import decode_sglang_routes, sglang_rows
+from r3bridge.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.ingest import first_seen_rows
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.provenance import ProvenancePairing, RouteProvenance
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
@@ -110,7 +115,21 @@ async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
         resp.routed_experts = rows                 # deduplicated
         resp.r3bridge_resubmits = len(with_routes) - 1
         resp.r3bridge_disagreeing_rows = report.total_disagreeing
+        resp.r3bridge_provenance = response_provenance(with_routes[0], resp)
     return resp
+
+
+def response_provenance(meta_info: dict, resp: Any) -> tuple[RouteProvenance, RouteProvenance]:
+    """(route provenance, log-prob provenance) of a response whose first-seen rows came from the
+    attempt of ``meta_info``: the routes are that attempt's pass (SGLang's ``num_retractions``: a
+    retracted request is re-prefilled and returns the re-prefill's routes, miles #3277; its numeric
+    ``weight_version``); the log-probs of its first tokens were sampled in the first pass (epoch 0)
+    under AReaL's version of the first output token (``ModelResponse.output_versions``)."""
+    routes = sglang_provenance(meta_info, engine=ENGINE)
+    versions = [v for v in (getattr(resp, "output_versions", None) or []) if isinstance(v, int) and v >= 0]
+    logprobs = RouteProvenance(ENGINE, routes.request_id, versions[0] if versions else None,
+                               None if routes.epoch is None else 0)
+    return routes, logprobs
 
 
 class SGLangEngineMixin:
@@ -156,6 +175,9 @@ class WorkflowMixin:
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
+        # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
+        first = getattr(responses[0], "r3bridge_provenance", None) if responses else None
+        out.update(provenance_fields(*(first if first is not None else (None, None))))
         return out
 
 
@@ -208,10 +230,13 @@ class PPOActorMixin:
                 check_topk(repr(key), int(t.shape[2]), model.topk, where="AReaL batch (every sample)")
         data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
         eng.r3_phase = phase
+        # per batch row; the engine keeps each pass's samples (by sample id) for the R3 check
+        eng.r3_provenance = provenance_pairing(data)
         try:
             return fn()
         finally:
             eng.r3_phase = None
+            eng.r3_provenance = None
             data.pop(SAMPLE_KEY, None)
 
 
@@ -224,6 +249,8 @@ class MegatronEngineMixin:
     r3_replay = None            # the Replayer (None: replay off or not attached)
     r3_runner: Optional[PhaseRunner] = None
     r3_result: Optional[PhaseResult] = None     # the last replaying forward_backward_batch's
+    r3_provenance: Optional[ProvenancePairing] = None       # the actor's batch, per batch row
+    r3_pass_provenance: Optional[ProvenancePairing] = None  # the next pass's samples (_prepare_mb_list)
 
     def initialize(self, *args: Any, **kwargs: Any) -> Any:
         out = super().initialize(*args, **kwargs)
@@ -264,8 +291,9 @@ class MegatronEngineMixin:
 
     def _prepare_mb_list(self, input_: dict) -> Any:
         input_ = dict(input_)
-        carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY) if k in input_}
+        carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY, *PROVENANCE_KEYS) if k in input_}
         mb_list = super()._prepare_mb_list(input_)
+        self.r3_pass_provenance = None
         plan = self._r3_plan()
         if plan is None:
             return mb_list
@@ -295,6 +323,8 @@ class MegatronEngineMixin:
                 # the CP zigzag and the SP split use.
                 lens, gids = lens + [1], gids + [None]
             pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu())
+        if self.r3_provenance is not None:      # this pass's samples: a mini-batch of the actor's batch
+            self.r3_pass_provenance = self.r3_provenance.select([gid_of_row[r] for r in fwd])
         return mb_list
 
     def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
@@ -306,7 +336,9 @@ class MegatronEngineMixin:
         items = [pmb.get(MB_KEY) for pmb in mb_list.padded_mbs]
         if any(x is None for x in items):
             raise ReplayStateError("micro-batches without r3bridge targets (built outside _prepare_mb_list?)")
-        with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=items, chunks=list(self.model)) as ps:
+        pairing, self.r3_pass_provenance = self.r3_pass_provenance, None
+        with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=items, chunks=list(self.model),
+                                provenance=pairing) as ps:
             out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         self.r3_result = ps.result
         self._r3_log(ps.result.tagged)

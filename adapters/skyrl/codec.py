@@ -21,15 +21,24 @@ import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
-from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
+from r3bridge.errors import ConfigError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
 from r3bridge.schema import ReplayBatch, route_dtype
 
-__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "SkyRLCodec", "replay_batch_from_training_batch",
-           "training_batch_fields", "packed_training_batch_fields", "make_router_padding_mask"]
+__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
+           "SkyRLCodec", "replay_batch_from_training_batch", "training_batch_fields", "packed_training_batch_fields",
+           "make_router_padding_mask", "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
+# Per-sample provenance as SkyRL batches carry per-sample data, int64 tensors [B, 2]:
+# (weight version, re-prefill epoch), -1 = unknown; a row of -1s = no provenance. SkyRL's weight
+# version is its inference client's ``weight_version`` (one step per weight sync); the batch holds
+# no engine name or request id, so provenance names the engine ENGINE and no request.
+ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
+LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+ENGINE = "skyrl"
 
 
 def _get(batch: Any, key: str) -> Any:
@@ -275,3 +284,30 @@ class SkyRLCodec:
         size = -(-b // num_parts)
         parts = src.chunk(size)
         return [(p, idx[i * size:(i + 1) * size]) for i, p in enumerate(parts)]
+
+
+def provenance_fields(routes: Sequence[Optional[RouteProvenance]],
+                      logprobs: Sequence[Optional[RouteProvenance]]) -> dict[str, torch.Tensor]:
+    """Per-sample route and log-prob provenance -> the two ``[B, 2]`` int64 fields a
+    ``TrainingInputBatch`` carries (:data:`ROUTE_PROVENANCE_KEY`, :data:`LOGPROB_PROVENANCE_KEY`)."""
+    if len(routes) != len(logprobs):
+        raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
+    return {ROUTE_PROVENANCE_KEY: versions_tensor(routes), LOGPROB_PROVENANCE_KEY: versions_tensor(logprobs)}
+
+
+def _provenance_column(batch: Any, key: str, n: int) -> Optional[list[Optional[RouteProvenance]]]:
+    t = _get(batch, key)
+    if t is None:
+        return None
+    out = from_versions_tensor(t, engine=ENGINE, what=f"SkyRL batch field {key!r}")
+    if len(out) != n:
+        raise ProvenanceError(f"SkyRL batch field {key!r} has {len(out)} rows for {n} samples")
+    return out
+
+
+def provenance_pairing(batch: Any) -> ProvenancePairing:
+    """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: unknown, its
+    samples counted unchecked), samples named by their row and SkyRL uid."""
+    n = int(_get(batch, "attention_mask").shape[0])
+    return ProvenancePairing(_provenance_column(batch, ROUTE_PROVENANCE_KEY, n),
+                             _provenance_column(batch, LOGPROB_PROVENANCE_KEY, n), _row_names(batch, None))

@@ -21,6 +21,7 @@ The reference worker keeps SkyRL's plain wrapper: the reference model never repl
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
@@ -33,6 +34,7 @@ from r3bridge.adapters.skyrl.codec import (
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
+    provenance_pairing,
     replay_batch_from_training_batch,
 )
 from r3bridge.adapters.skyrl.config import replay_config
@@ -42,6 +44,7 @@ from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMo
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "TrainerMixin",
@@ -78,6 +81,9 @@ class SkyRLReplay:
         # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
         self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True, framework="skyrl")
         self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
+        # the next pass's route / log-prob provenance (set by the worker from the whole batch,
+        # before SkyRL cuts it into micro-batches, which carry only routes); used once
+        self.provenance: Optional[ProvenancePairing] = None
         self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
         # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
         self.log_metrics: dict[str, float] = replay_mode_metric(cfg)
@@ -105,6 +111,7 @@ class SkyRLReplay:
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
         plan = self.runner.plan(phase)
+        pairing, self.provenance = self.provenance, None
         mbs = [dict(m) for m in micro_batches]
         carried = [(m.pop(ROUTES_KEY, None), m.pop(MASK_KEY, None)) for m in mbs]  # SkyRL's own replay never runs
         self.result = None
@@ -121,7 +128,7 @@ class SkyRLReplay:
             return dataclasses.replace(mb, format="bshd", seq_length=int(pos.shape[1]))
 
         with self.runner.run(phase, forward_only=forward_only, targets=install, chunks=self.chunks,
-                             num_micro_batches=len(mbs)) as ps:
+                             num_micro_batches=len(mbs), provenance=pairing) as ps:
             out = call(mbs)
         self.result = ps.result
         logged = self.runner.metrics_to_log(ps.result)     # compute_log_prob's are held for the update
@@ -216,6 +223,20 @@ class PolicyWorkerMixin:
         return out
 
     def forward(self, data, loss_fn=None, loss_fn_config=None):
+        with self._r3_provenance(data):
+            return self._r3_forward(data, loss_fn, loss_fn_config)
+
+    @contextlib.contextmanager
+    def _r3_provenance(self, data):
+        """The pass's route / log-prob provenance (R3), for this call only: never a later pass's."""
+        r3 = self.model.r3
+        r3.provenance = provenance_pairing(data) if replay_config(self.r3_config).replay_mode is ReplayMode.R3 else None
+        try:
+            yield
+        finally:
+            r3.provenance = None
+
+    def _r3_forward(self, data, loss_fn, loss_fn_config):
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
@@ -246,7 +267,8 @@ class PolicyWorkerMixin:
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
-        return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        with self._r3_provenance(data):
+            return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
 
 class TrainerMixin:

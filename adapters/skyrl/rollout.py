@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from r3bridge.adapters.skyrl.codec import ENGINE
 from r3bridge.decoders import decode_vllm_routes
 from r3bridge.ingest import first_seen_rows, rollout_routes
+from r3bridge.provenance import RouteProvenance
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen"]
+__all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen", "call_provenance"]
 
 decode_routed_experts = decode_vllm_routes
 
@@ -49,3 +51,16 @@ def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[
     if previous is None or len(previous) == 0:
         return list(new)
     return first_seen_rows([previous, new])[0].tolist()
+
+
+def call_provenance(version_at_submit: Optional[int], version_at_return: Optional[int], *,
+                    epoch: Optional[int] = None) -> tuple[RouteProvenance, RouteProvenance]:
+    """(route provenance, log-prob provenance) of one sample's first engine call from SkyRL's
+    inference client ``weight_version`` (one step per weight sync) read when the call was submitted
+    and when it returned. A weight sync in between means the engine may have re-prefilled the
+    request under the new weights (SGLang's retraction during an async weight update, miles #3277):
+    its routes then come from the newer version, the log-probs of its first tokens from the older.
+    ``epoch``: the engine's re-prefill count where it reports one (SGLang ``num_retractions``)."""
+    routes = RouteProvenance(ENGINE, "", version_at_return, epoch)
+    logprobs = RouteProvenance(ENGINE, "", version_at_submit, None if epoch is None else 0)
+    return routes, logprobs

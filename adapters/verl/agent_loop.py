@@ -22,7 +22,10 @@ and ``agent_name: r3bridge_tool_agent`` in the dataset (or
 Per sample, ``extra_fields`` gains :data:`OVERLAP_KEY` (rows a later call re-sent) and
 :data:`DISAGREE_KEY` (those whose re-prefill route differs from the first-seen one), which verl
 carries in the batch's non-tensor fields; :func:`stitch_metrics` turns a batch's values into
-metrics.
+metrics. It also gains the sample's route and log-prob provenance
+(:data:`r3bridge.adapters.verl.codec.ROUTE_PROVENANCE_KEY` / ``LOGPROB_PROVENANCE_KEY``,
+:func:`r3bridge.adapters.verl.rollout.call_provenance`), which the engine compares per
+``provenance_check``.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from typing import Any, Sequence
 import numpy as np
 from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
 
-from r3bridge.adapters.verl.rollout import VerlRollout
+from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
+from r3bridge.adapters.verl.rollout import VerlRollout, call_provenance
 
 logger = logging.getLogger("r3bridge.adapters.verl")
 
@@ -48,11 +52,13 @@ class _RouteCapture:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.calls: list[Any] = []
+        self.outputs: list[Any] = []     # the TokenOutputs of those calls (their provenance)
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
         out = await self._inner.generate(*args, **kwargs)
         if out.routed_experts is not None:
             self.calls.append(out.routed_experts)
+            self.outputs.append(out)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -88,6 +94,11 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
             agent_data.routed_experts = routes
             agent_data.extra_fields[OVERLAP_KEY] = int(sum(report.overlap_rows))
             agent_data.extra_fields[DISAGREE_KEY] = int(report.total_disagreeing)
+            routes_from, logprobs_from = call_provenance(self.server_manager.outputs,
+                                                         engine=str(self.config.actor_rollout_ref.rollout.name or "verl"),
+                                                         request_id=str(agent_data.request_id))
+            agent_data.extra_fields[ROUTE_PROVENANCE_KEY] = routes_from
+            agent_data.extra_fields[LOGPROB_PROVENANCE_KEY] = logprobs_from
         return state
 
 

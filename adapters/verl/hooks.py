@@ -36,6 +36,7 @@ from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
+    provenance_pairing,
     replay_batch_from_tensordict,
     routes_to_nested,
 )
@@ -137,7 +138,10 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         # R2 records by it, and route errors name the sample by it (not its micro-batch position)
         data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
         try:
-            with self.r3_runner.run(phase, forward_only=forward_only) as ps:
+            # R3: routes whose engine pass differs from their log-probs' are counted or refused
+            # (provenance_check) before the schedule starts
+            pairing = provenance_pairing(data) if plan.action is Action.REPLAY else None
+            with self.r3_runner.run(phase, forward_only=forward_only, provenance=pairing) as ps:
                 self._r3_step = ps
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         finally:

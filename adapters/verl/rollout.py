@@ -17,11 +17,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from r3bridge.errors import RouteShapeError
+from r3bridge.errors import ProvenanceError, RouteShapeError
 from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
+from r3bridge.provenance import RouteProvenance
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["VerlRollout"]
+__all__ = ["VerlRollout", "call_provenance"]
 
 
 class VerlRollout:
@@ -62,3 +63,33 @@ class VerlRollout:
                 raise RouteShapeError(f"{where}server call {t} returned routed_experts with top-k {shape[2]}, "
                                       f"the model routes top-{self.topk} (num_experts_per_tok)")
         return first_seen_rows(calls)
+
+
+def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = "") -> tuple[RouteProvenance,
+                                                                                             RouteProvenance]:
+    """One sample's server calls (verl ``TokenOutput``s, in call order) -> (where its routes came
+    from, where its log-probs came from).
+
+    First-seen stitching keeps the first call's rows for the earliest tokens, so the routes are the
+    first call's pass: weight version its ``extra_fields["global_steps"]`` (the server's when the
+    call returned: the weights of its last prefill), epoch its ``num_preempted`` (each vLLM
+    preemption re-prefills the request and returns the re-prefill's routes; vLLM #39917; ``None``
+    or -1: not reported). The first tokens' log-probs were sampled in the first pass: epoch 0,
+    weight version ``min_global_steps`` (verl's resuming client: the first attempt's), else the
+    call's ``global_steps``."""
+    if not outputs:
+        raise ProvenanceError(f"sample {request_id or '?'}: no server call to take provenance from")
+    first = outputs[0]
+    extra = getattr(first, "extra_fields", None) or {}
+    version = _version(extra.get("global_steps"))
+    sampled = _version(extra.get("min_global_steps"))
+    preempted = getattr(first, "num_preempted", None)
+    epoch = int(preempted) if isinstance(preempted, int) and preempted >= 0 else None
+    routes = RouteProvenance(engine, str(request_id), version, epoch)
+    logprobs = RouteProvenance(engine, str(request_id), version if sampled is None else sampled, 0)
+    return routes, logprobs
+
+
+def _version(value: Any) -> int | None:
+    # verl's global_steps: an int, or None / -1 before the trainer set one (validation runs)
+    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0 else None

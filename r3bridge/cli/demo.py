@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from r3bridge.cli._common import CliError, pyplot, require, save_figure
+from r3bridge.cli._common import CliError, installed, pyplot, require, save_figure
 
 NAME = "demo"
 
@@ -34,6 +34,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="engine numerics; auto: bf16 on cuda, bf16-rounded weights with fp32 compute on cpu")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: one gloo process per rank; cuda: one process per GPU (NCCL)")
+    p.add_argument("--spec", choices=["local", "te"], default="local",
+                   help="trainer layer spec: local (megatron-core's torch modules, fp32) or te (Transformer "
+                        "Engine: TE attention on packed THD input, TEGroupedMLP, bf16; needs --device cuda "
+                        "and transformer-engine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None, help="SGD learning rate of the updates (default 0.003)")
     p.add_argument("--plot", default="r3bridge_demo.png",
@@ -130,10 +134,18 @@ def _have_matplotlib() -> bool:
 def run(args: argparse.Namespace) -> int:
     # before anything imports them or a rank is spawned: one line naming what to install
     require("r3bridge demo", "demo", {"megatron.core": "megatron-core", "transformers": "transformers"})
+    if args.spec == "te":
+        if args.device != "cuda":
+            raise CliError("--spec te needs --device cuda (Transformer Engine builds its modules on the GPU)")
+        if not installed("transformer_engine"):
+            raise CliError("--spec te needs transformer-engine (NVIDIA Transformer Engine with its PyTorch "
+                           'extension), not installed: pip install "transformer-engine[pytorch]" '
+                           "(or run --spec local)")
     from r3bridge.demo.job import DemoOptions, layout_problem, run_demo
     from r3bridge.testing.dist import spawn
 
-    problem = layout_problem(args.tp, args.pp, args.vpp, args.ep, args.cp, args.steps)
+    problem = layout_problem(args.tp, args.pp, args.vpp, args.ep, args.cp, args.steps,
+                             DemoOptions(layer_spec=args.spec))
     if args.lag < 0:
         problem = problem or f"--lag must be >= 0, got {args.lag}"
     if problem:
@@ -148,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
     modes = ["off", "R2", "R3"] if args.mode == "all" else [args.mode]
     world = max(args.tp * args.cp * args.pp, args.ep * args.pp)
     opts = DemoOptions(modes=tuple(modes), steps=args.steps, seed=args.seed, verbose=not args.json,
-                       device=args.device, lag=args.lag, engine_dtype=args.engine_dtype,
+                       device=args.device, lag=args.lag, engine_dtype=args.engine_dtype, layer_spec=args.spec,
                        **({} if args.lr is None else {"lr": args.lr}))
     log(f"[r3bridge demo] {world} {args.device.upper()} rank(s): tp={args.tp} pp={args.pp} vpp={args.vpp} ep={args.ep} "
-        f"cp={args.cp}; modes {', '.join(modes)}; {args.steps} step(s); rollout engine: HF transformers "
+        f"cp={args.cp}; {args.spec} layer spec; modes {', '.join(modes)}; {args.steps} step(s); rollout engine: HF transformers "
         f"Qwen3-MoE ({'bf16' if args.device == 'cuda' and args.engine_dtype == 'auto' else args.engine_dtype}), "
         f"weights {args.lag} step(s) behind the trainer")
     t0 = time.time()

@@ -5,6 +5,8 @@ architecture (RMSNorm, GQA with q/k norms, RoPE, SwiGLU, softmax top-k router); 
 maps an HF state dict to the harness's *canonical* full state (global layer and expert ids, full
 shapes), which :func:`r3bridge.testing.models.load_reference_state` slices for any parallel layout;
 ``mcore_to_hf`` is the inverse (the demo pushes the trainer's weights to the engine with it).
+Both speak the local layer spec's names; :func:`to_te_names` / :func:`from_te_names` rename them
+for the Transformer Engine layer spec (``ModelSpec(layer_spec="te")``).
 
 Layouts that differ between the two (megatron's, from its module code):
 
@@ -22,6 +24,7 @@ docs/testing-harness.md) the attention weights are dropped and the HF model must
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Sequence
 
 import torch
@@ -30,8 +33,8 @@ from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.testing.data import PackedBatch, make_packed_batch
 from r3bridge.testing.models import ModelSpec
 
-__all__ = ["spec_from_hf", "hf_to_mcore", "mcore_to_hf", "zero_attention", "packed_from_tokens",
-           "router_settings"]
+__all__ = ["spec_from_hf", "hf_to_mcore", "mcore_to_hf", "to_te_names", "from_te_names", "zero_attention",
+           "packed_from_tokens", "router_settings"]
 
 Attention = Literal["real", "identity"]
 
@@ -156,6 +159,58 @@ def mcore_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf_reference: dict[str
             put(hp + "mlp.gate_proj.weight", gate)
             put(hp + "mlp.up_proj.weight", up)
             put(hp + "mlp.down_proj.weight", state[mp + "mlp.linear_fc2.weight"])
+    return out
+
+
+_LAYER = re.compile(r"(decoder\.layers\.\d+\.)(.*)")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
+
+
+def to_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec canonical names -> the TE layer spec's (same tensors).
+
+    TE fuses the attention's input norm into ``linear_qkv`` (``layer_norm_weight``) and a dense
+    MLP's pre-norm into ``linear_fc1``; an MoE layer keeps its ``pre_mlp_layernorm``; TEGroupedMLP
+    names expert ``e``'s weights ``experts.linear_fc1.weight<e>`` instead of
+    ``experts.local_experts.<e>.linear_fc1.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        p, rest = m.groups()
+        e = _LOCAL_EXPERT.fullmatch(rest)
+        if rest == "input_layernorm.weight":
+            out[p + "self_attention.linear_qkv.layer_norm_weight"] = t
+        elif rest == "pre_mlp_layernorm.weight" and p + "mlp.linear_fc1.weight" in state:   # dense layer
+            out[p + "mlp.linear_fc1.layer_norm_weight"] = t
+        elif e is not None:
+            out[p + f"mlp.experts.{e.group(2)}.weight{e.group(1)}"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def from_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_te_names`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        p, rest = m.groups()
+        e = _GROUPED_EXPERT.fullmatch(rest)
+        if rest == "self_attention.linear_qkv.layer_norm_weight":
+            out[p + "input_layernorm.weight"] = t
+        elif rest == "mlp.linear_fc1.layer_norm_weight":
+            out[p + "pre_mlp_layernorm.weight"] = t
+        elif e is not None:
+            out[p + f"mlp.experts.local_experts.{e.group(2)}.{e.group(1)}.weight"] = t
+        else:
+            out[name] = t
     return out
 
 

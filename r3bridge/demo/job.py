@@ -33,11 +33,13 @@ import torch
 from r3bridge.config import Phase, phase_plan
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import (
+    from_te_names,
     gather_full_state,
     hf_to_mcore,
     mcore_to_hf,
     packed_from_tokens,
     spec_from_hf,
+    to_te_names,
     zero_attention,
 )
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
@@ -65,6 +67,8 @@ class DemoOptions:
     device: str = "cpu"          # "cuda": ranks run on GPUs (NCCL); trainer fp32 as on CPU
     engine_dtype: str = "auto"   # "bf16": weights and compute; "bf16-weights": bf16-rounded weights,
                                  # fp32 compute; "fp32"; auto: bf16 on cuda, bf16-weights on cpu
+    layer_spec: str = "local"    # "te": Transformer Engine layer spec (cuda only): TE attention on
+                                 # packed THD input, TEGroupedMLP, bf16 trainer (as the TE GPU cells)
 
 
 # The demo model (a tiny Qwen3-MoE, layer 0 dense): its sizes are also what layout_problem checks,
@@ -89,6 +93,8 @@ def layout_problem(tp: int, pp: int, vpp: int | None, ep: int, cp: int, steps: i
         return "--vpp N needs N >= 2 and --pp >= 2 (Megatron refuses virtual stages without pipelining)"
     if LAYERS % (pp * (vpp or 1)):
         return f"the demo model has {LAYERS} layers: pp x vpp = {pp * (vpp or 1)} must divide it"
+    if o.layer_spec == "te" and cp > 1:
+        return "--spec te runs with --cp 1 (the demo's CP path is the CPU harness's MoE-only layers)"
     if QUERY_GROUPS % tp or EXPERTS % ep:
         return (f"the demo model has {HEADS} attention heads in {QUERY_GROUPS} query groups and {EXPERTS} "
                 f"experts: --tp must divide the groups, --ep the experts")
@@ -158,6 +164,7 @@ def _rollout(engine: HFEngine, opts: DemoOptions, step_i: int):
 def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
     from r3bridge.megatron import Replayer
 
+    te = opts.layer_spec == "te"
     attention = "identity" if ctx.cp > 1 else "real"
     cfg = hf_config()
     hf_model = build_hf_model(cfg, seed=1234)
@@ -170,12 +177,16 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
         engine_model = engine_model.to(torch.bfloat16)
     engine = HFEngine(engine_model.to(opts.device))
     spec = spec_from_hf(cfg, attention=attention)
+    if te:   # bf16 as the TE GPU cells (TE's fused THD attention kernels take fp16 / bf16)
+        spec = dataclasses.replace(spec, layer_spec="te", extra_config={
+            **spec.extra_config, "bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16})
     trainer = build_model_chunks(spec, ctx)
-    load_reference_state(trainer, hf_to_mcore(hf_ref, cfg, attention=attention), ctx)
-    trainer = [c.to(opts.device) for c in trainer]
+    reference = hf_to_mcore(hf_ref, cfg, attention=attention)
+    load_reference_state(trainer, to_te_names(reference) if te else reference, ctx)
+    trainer = [c.to(opts.device, dtype=torch.bfloat16 if te else None) for c in trainer]
     rep = Replayer(trainer)
     layout = rep.layout
-    thd = attention == "identity"
+    thd = attention == "identity" or te   # TE attention takes the packed THD stream itself
     fwd = make_forward_step(ctx, thd=thd)
     fwd_logits = make_forward_step(ctx, thd=thd, collect_logits=True)
     align = align_for(ctx.tp, ctx.cp)
@@ -254,7 +265,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                                 "sums": None if step_pm["sums"] is None else step_pm["sums"].tolist()})
             lineage[mode] = _state(trainer)
             full = gather_full_state(trainer, ctx)
-            history[mode].append(mcore_to_hf(full, cfg, hf_ref))
+            history[mode].append(mcore_to_hf(from_te_names(full) if te else full, cfg, hf_ref))
             del history[mode][:-(opts.lag + 1)]
             if opts.verbose and ctx.rank == 0:
                 print(f"[r3bridge demo] step {step_i + 1}/{opts.steps} mode {mode} done", file=sys.stderr, flush=True)

@@ -13,6 +13,8 @@ runner owns the rest, in this order:
    is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhaseStep.install`);
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
+4b. R3: each sample's route provenance compared with its log-probs' (``ReplayConfig.provenance_check``,
+   :mod:`r3bridge.provenance`) *before* the step opens, so a refusal installs nothing;
 5. the driver's metrics summarised (:func:`r3bridge.metrics.summarize_layers`: per-layer keys only
    with ``per_layer_metrics``) and tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
    metrics carried to the next update for frameworks that log only the update's
@@ -32,6 +34,7 @@ from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
+from r3bridge.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_before_forward", "phase_tag"]
@@ -96,6 +99,7 @@ class PhaseStep:
         self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
         self._next_id = 0
         self._next_pad = -1
+        self.provenance: Optional[ProvenanceCount] = None     # R3: the pass's provenance check
 
     @property
     def action(self) -> Action:
@@ -181,6 +185,8 @@ class PhaseStep:
         cfg = self.runner.config
         # per-layer agreement keys opt-in (ReplayConfig.per_layer_metrics), a compact summary by default
         metrics = summarize_layers(step.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
+        if self.provenance is not None:
+            metrics.update(self.provenance.as_metrics(cfg.metrics_prefix))
         res = PhaseResult(self.phase, self.action, metrics,
                           tag_phase(metrics, self.runner.config.metrics_prefix, phase_tag(self.phase)))
         if self.action is Action.RECORD:
@@ -242,20 +248,27 @@ class PhaseRunner:
     @contextlib.contextmanager
     def run(self, phase: Phase, *, forward_only: bool, targets: Optional[Targets] = None,
             chunks: Optional[Sequence[torch.nn.Module]] = None,
-            num_micro_batches: Optional[int] = None) -> Iterator[Optional[PhaseStep]]:
+            num_micro_batches: Optional[int] = None,
+            provenance: Optional[ProvenancePairing] = None) -> Iterator[Optional[PhaseStep]]:
         """Context around the framework's schedule call. Yields ``None`` for a native phase,
         else the :class:`PhaseStep`, whose ``result`` is set on a clean exit.
 
         ``targets`` (a list indexed by micro-batch, or ``(chunk, k, args, kwargs) -> MicroBatch``)
         installs from forward pre-hooks on ``chunks`` (default: the replayer's); without it the
-        adapter calls :meth:`PhaseStep.install` itself."""
+        adapter calls :meth:`PhaseStep.install` itself.
+
+        ``provenance``: the pass's samples' route and log-prob provenance; under R3 they are
+        compared per ``provenance_check`` before anything is installed (``"refuse"`` raises
+        :class:`r3bridge.errors.ProvenanceError` here), and the counts join the pass's metrics."""
         phase = Phase(phase)
         plan = self.plan(phase)
         if plan is None:
             yield None
             return
+        checked = self._check_provenance(plan, provenance)
         with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
             ps = PhaseStep(self, phase, plan, step)
+            ps.provenance = checked
             step.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
                 yield ps
@@ -272,6 +285,14 @@ class PhaseRunner:
         ps.result = ps._finish()
         if self.tracer is not None:
             self.tracer.finish(ps, step.trace, phase_tag(phase))
+
+    def _check_provenance(self, plan: PhasePlan, pairing: Optional[ProvenancePairing]) -> Optional[ProvenanceCount]:
+        """R3's check of rollout routes against the log-probs they are paired with. R2 replays
+        the routes the trainer recorded in the same pass as its log-probs: nothing to compare."""
+        mode = self.config.provenance_check
+        if pairing is None or mode == "off" or plan.action is not Action.REPLAY or plan.source != "rollout":
+            return None
+        return pairing.check(mode)
 
     def metrics_to_log(self, result: Optional[PhaseResult], extra: Optional[dict[str, float]] = None
                        ) -> dict[str, list[float]]:

@@ -272,8 +272,9 @@ class R3Actor(PPOActorMixin, _Actor):
 class ArealRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` for AReaL (stand-in engine, real utilities)."""
 
-    def __init__(self, rollout: Optional[CanonicalRollout] = None) -> None:
+    def __init__(self, rollout: Optional[CanonicalRollout] = None, **options) -> None:
         self.trajs: Optional[list] = None         # built from the rollout ``micro_batches`` gets
+        self.options = options                    # other r3bridge options (ReplayConfig fields)
 
     def attach(self, ctx, chunks, mode):
         for c in chunks:   # AReaL's models use RoPE; the harness GPT's learned absolute positions would get
@@ -281,7 +282,7 @@ class ArealRunner:
             if emb is not None:
                 emb.add_position_embedding = False
         eng = R3StandInEngine(chunks, ctx)
-        eng.r3_config = ReplayConfig(replay_mode=mode)
+        eng.r3_config = ReplayConfig(replay_mode=mode, **self.options)
         cfg = chunks[0].config
         moe = [i for i in range(cfg.num_layers)
                if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]

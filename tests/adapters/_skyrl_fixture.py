@@ -100,8 +100,10 @@ class SkyRLRunner:
     """:class:`r3bridge.testing.conformance.MegatronRunner` over SkyRL's real ``MegatronModelWrapper``
     (``remove_microbatch_padding`` True: THD, False: BSHD) on harness chunks."""
 
-    def __init__(self, rollout: Optional[CanonicalRollout] = None, *, remove_microbatch_padding: bool = True) -> None:
+    def __init__(self, rollout: Optional[CanonicalRollout] = None, *, remove_microbatch_padding: bool = True,
+                 **options: Any) -> None:
         self.thd = remove_microbatch_padding
+        self.options = options              # other r3bridge options (ReplayConfig fields)
         self.recorded: Optional[ReplayBatch] = None
         self._batch = None
 
@@ -120,7 +122,7 @@ class SkyRLRunner:
         self.num_layers = cfg.num_layers
         self.moe = [i for i in range(cfg.num_layers)
                     if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]
-        rep = SkyRLReplay(chunks, ReplayConfig(replay_mode=mode),
+        rep = SkyRLReplay(chunks, ReplayConfig(replay_mode=mode, **self.options),
                           ModelInfo(num_experts=cfg.num_moe_experts, moe_layer_ids=self.moe, num_layers=cfg.num_layers))
         w = model_wrapper_class()(config=tc, actor_module=chunks, r3_replay=rep)
         w.replayer = rep.replayer

@@ -169,8 +169,9 @@ def hf_config_of(tf_config: Any) -> dict:
 
 
 def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False, **options: Any) -> VerlEngine:
-    """The adapter's engine over ``chunks`` with ``replay_mode=mode``, attached by its own
-    ``r3_attach`` (``reference``: verl's reference engine, ``engine_config.forward_only``).
+    """The adapter's engine over ``chunks`` with ``replay_mode=mode`` (and the other r3bridge
+    ``options``), attached by its own ``r3_attach`` (``reference``: verl's reference engine,
+    ``engine_config.forward_only``).
     ``eng.fed``: (chunk, rollout samples, packed stream) of every forward step, in call order."""
     cfg = chunks[0].config
     cfg.finalize_model_grads_func = None        # the harness has no DDP wrapper to finalize

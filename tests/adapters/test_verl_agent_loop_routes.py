@@ -51,3 +51,27 @@ def test_from_hf_config():
 
     r = VerlRollout.from_hf_config(tiny_qwen3_moe(num_layers=4, dense=(0,), num_experts=8, topk=2))
     assert (r.num_hidden_layers, r.moe_layer_ids, r.num_experts, r.topk) == (4, [1, 2, 3], 8, 2)
+
+
+def test_call_provenance_from_verl_token_outputs():
+    """What ``FirstSeenToolAgentLoop`` stamps per sample, from verl's own ``TokenOutput``: the first
+    call's pass for the routes (``global_steps``, ``num_preempted`` as epoch), its first pass
+    (epoch 0, ``min_global_steps``) for the log-probs."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from r3bridge.adapters.verl.rollout import call_provenance
+    from r3bridge.errors import ProvenanceError
+    from r3bridge.provenance import RouteProvenance
+
+    preempted = TokenOutput(token_ids=[1], num_preempted=2, extra_fields={"global_steps": 7, "min_global_steps": 6})
+    later = TokenOutput(token_ids=[2], num_preempted=0, extra_fields={"global_steps": 8})
+    routes, logprobs = call_provenance([preempted, later], engine="sglang", request_id="r1")
+    assert routes == RouteProvenance("sglang", "r1", 7, 2)
+    assert logprobs == RouteProvenance("sglang", "r1", 6, 0)
+    assert routes.differences(logprobs) == ("weight_version", "epoch")
+    # verl's "not available" values: num_preempted -1 / None, global_steps None before training
+    unknown = TokenOutput(token_ids=[1], num_preempted=-1, extra_fields={"global_steps": None})
+    routes, logprobs = call_provenance([unknown], engine="vllm")
+    assert (routes.weight_version, routes.epoch, logprobs.weight_version) == (None, None, None)
+    with pytest.raises(ProvenanceError, match="no server call"):
+        call_provenance([], engine="vllm", request_id="r2")

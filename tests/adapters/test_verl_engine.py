@@ -402,8 +402,41 @@ def _router_log_ratio(ctx) -> dict:
     return res
 
 
+def _provenance(ctx) -> dict:
+    """The retraction case: sample 3's server call was preempted once (vLLM re-prefilled it, so its
+    routes are the re-prefill's, epoch 1) while its first tokens' log-probs came from the first
+    pass. Provenance comes from verl's own ``TokenOutput`` (``global_steps``, ``num_preempted``)
+    through the agent loop's ``call_provenance``, into the batch as verl carries extra fields."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.rollout.replica import TokenOutput
+
+    from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, SAMPLE_KEY
+    from r3bridge.adapters.verl.rollout import call_provenance
+    from r3bridge.errors import ProvenanceError
+
+    res = {}
+    for name, check, preempted in (("count", "count", 1), ("refuse", "refuse", 1), ("matching", "refuse", 0)):
+        _, eng, td = _setup(ctx, "R3", provenance_check=check)
+        pairs = [call_provenance([TokenOutput(token_ids=[1], num_preempted=preempted if i == 3 else 0,
+                                              extra_fields={"global_steps": 5, "min_global_steps": 5})],
+                                 engine="vllm", request_id=f"req-{i}") for i in range(BATCH)]
+        tu.assign_non_tensor_stack(td, ROUTE_PROVENANCE_KEY, [r for r, _ in pairs])
+        tu.assign_non_tensor_stack(td, LOGPROB_PROVENANCE_KEY, [lp for _, lp in pairs])
+        r = {}
+        for phase, fo in (("compute_log_prob", True), ("update", False)):
+            try:
+                out, _ = _run(eng, td, forward_only=fo)
+                r[phase] = dict(error=None, metrics=dict(eng.r3_runner.results[-1].metrics),
+                                logged=sorted((out or {}).get("metrics", {})))
+            except ProvenanceError as e:
+                r[phase] = dict(error=str(e), fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
+                                step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
+        res[name] = r
+    return res
+
+
 ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_failure": _schedule_failure,
-            "router_log_ratio": _router_log_ratio}
+            "router_log_ratio": _router_log_ratio, "provenance": _provenance}
 PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch}
 
 
@@ -557,3 +590,28 @@ def test_router_log_ratio_reaches_the_loss_per_token(one_rank):
     assert r["errors"] == [] and r["tokens"] > 0 and r["nonzero"], r["errors"][:3]
     assert "r3bridge/replay/router_log_ratio_mean" in r["metrics"]
     assert r["no_weights"] is not None and "routing weights" in r["no_weights"]
+
+
+def test_reprefilled_routes_are_counted_or_refused_by_provenance(one_rank):
+    """Retraction / preemption case (miles #3277, vLLM #39917): count mode replays and counts the
+    one sample whose routes came from a re-prefill, refuse mode stops before anything is installed
+    naming that sample and both provenances, matching provenance passes with 0 mismatches."""
+    res = one_rank["provenance"]
+    for phase in ("compute_log_prob", "update"):
+        counted = res["count"][phase]
+        assert counted["error"] is None
+        assert counted["metrics"]["r3bridge/provenance/mismatched_samples"] == 1.0
+        assert counted["metrics"]["r3bridge/provenance/checked_samples"] == BATCH
+        assert counted["metrics"]["r3bridge/provenance/unchecked_samples"] == 0.0
+        matching = res["matching"][phase]
+        assert matching["error"] is None and matching["metrics"]["r3bridge/provenance/mismatched_samples"] == 0.0
+        refused = res["refuse"][phase]
+        assert "batch index 3: " in refused["error"] and "epoch differ" in refused["error"], refused["error"]
+        assert "request_id=req-3 weight_version=5 epoch=1" in refused["error"]
+        assert "request_id=req-3 weight_version=5 epoch=0" in refused["error"]
+        # nothing half-applied: no forward ran, no step or sample index left behind
+        assert (refused["fed"], refused["active"], refused["step"], refused["sample_key"]) == (0, False, False, False)
+    # verl logs the update's keys, compute_log_prob's carried with them (docs/metrics.md section 0)
+    logged = res["count"]["update"]["logged"]
+    for tag in ("old_log_prob", "update"):
+        assert f"r3bridge/{tag}/provenance/mismatched_samples" in logged, logged

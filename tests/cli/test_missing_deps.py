@@ -82,3 +82,24 @@ def test_the_check_passes_where_the_packages_are_installed():
     assert installed("megatron.core") and installed("transformers")
     require("r3bridge demo", "demo", {"megatron.core": "megatron-core", "transformers": "transformers"})
     assert not installed("r3bridge_no_such_module")
+
+
+def test_demo_te_spec_without_transformer_engine_names_it(tmp_path):
+    """`--spec te` on a machine without Transformer Engine (this one): one line, exit 2, no rank."""
+    argv = ["demo", "--json", "--steps", "1", "--device", "cuda", "--spec", "te"]
+    proc = _run(["transformer_engine"], argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc)
+    assert "--spec te needs transformer-engine" in line and "transformer-engine[pytorch]" in line
+    assert proc.stdout.strip() == "spawn-machinery-imported=False"
+    assert not list(tmp_path.iterdir())
+
+
+def test_demo_te_spec_needs_cuda_and_one_cp_rank(tmp_path):
+    from r3bridge.demo.job import DemoOptions, layout_problem
+
+    proc = _run([], ["demo", "--json", "--steps", "1", "--spec", "te"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "--spec te needs --device cuda" in _one_error_line(proc)
+    assert "--spec te runs with --cp 1" in layout_problem(1, 1, None, 1, 2, 1, DemoOptions(layer_spec="te"))
+    assert layout_problem(1, 1, None, 1, 2, 1, DemoOptions()) is None

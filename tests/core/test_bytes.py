@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3bridge import PayloadError, ReplayBatch, ReplayError
+from r3bridge.provenance import RouteProvenance
 
 from ._reference import random_routes
 
@@ -121,15 +122,17 @@ def test_payload_is_revalidated():
 
 
 def _realistic() -> bytes:
-    """Three vLLM-like sequences (prompt offsets, a few rows without a route, policy versions),
-    64 experts top-4 on 3 MoE layers of a dense-first model: every header field and every body
-    section is present and non-trivial."""
+    """Three vLLM-like sequences (prompt offsets, a few rows without a route, policy versions,
+    provenance: one sequence without), 64 experts top-4 on 3 MoE layers of a dense-first model:
+    every header field and every body section is present and non-trivial."""
     rng = np.random.default_rng(7)
     rows = [9, 14, 5]
     valid = [rng.random(r) > 0.2 for r in rows]
     rb = ReplayBatch.from_ragged([random_routes(rng, r, 3, 4, 64) for r in rows], num_experts=64,
                                  layer_ids=[1, 2, 5], start_rows=[0, 3, 11], valid=valid,
-                                 source="vllm", policy_versions=[4, 4, 3])
+                                 source="vllm", policy_versions=[4, 4, 3],
+                                 provenance=[RouteProvenance("vllm", "req-0", 4, 0), None,
+                                             RouteProvenance("sglang", "r2", None, 1)])
     return rb.to_bytes()
 
 
@@ -168,5 +171,5 @@ def test_version_1_payload_is_refused_with_a_hint():
     rb = _sample()
     v1 = bytearray(rb.to_bytes())
     struct.pack_into("<H", v1, 4, 1)
-    with pytest.raises(PayloadError, match="version 1 .*re-encode.*reads version 2"):
+    with pytest.raises(PayloadError, match="version 1 .*re-encode.*reads versions 2, 3"):
         ReplayBatch.from_bytes(bytes(v1))

@@ -57,6 +57,7 @@ def test_mode_parsing_is_case_insensitive():
     ({"replay_mode": "R4"}, "replay_mode must be one of"),
     ({"min_coverage": 1.5}, "min_coverage"),
     ({"invalid_rows": "skip"}, "invalid_rows"),
+    ({"provenance_check": "warn"}, "provenance_check must be one of refuse, count, off"),
 ])
 def test_bad_config_raises_config_error(bad, match):
     with pytest.raises(ConfigError, match=match):

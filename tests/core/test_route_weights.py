@@ -11,7 +11,16 @@ import pytest
 import torch
 
 import r3bridge
-from r3bridge import ParallelLayout, ReplayBatch, RouteWeightsError, rank_targets, shard, stitch, unshard
+from r3bridge import (
+    ParallelLayout,
+    ReplayBatch,
+    RouteProvenance,
+    RouteWeightsError,
+    rank_targets,
+    shard,
+    stitch,
+    unshard,
+)
 from r3bridge.canonical import canonical_form, with_empty_sequences
 from r3bridge.packing import PackPlan, rank_positions
 
@@ -133,12 +142,51 @@ def test_wire_round_trip_with_weights_and_old_payloads_still_read():
     plain = rb.with_weights(None).to_bytes()
     assert not plain[7] & 4 and len(data) - len(plain) == 2 * rb.routes.numel()
     assert ReplayBatch.from_bytes(plain).weights is None
-    old = ReplayBatch.from_bytes(OLD_PAYLOAD)
-    assert old.weights is None and old.policy_versions == [5, 6] and old.rows_per_seq == [2, 1]
+    old = ReplayBatch.from_bytes(OLD_PAYLOAD)  # version 2: read through the v2 path
+    assert OLD_PAYLOAD[4] == 2 and old.weights is None and old.provenance is None
+    assert old.policy_versions == [5, 6] and old.rows_per_seq == [2, 1]
     flipped = bytearray(data)
     flipped[-4 - 1] ^= 0x40  # a byte of the weights section
     with pytest.raises(r3bridge.PayloadError, match="body checksum"):
         ReplayBatch.from_bytes(bytes(flipped))
+
+
+def test_wire_round_trip_with_weights_and_provenance_together():
+    # both optional sections in one payload: provenance (bit1) after the policy versions, weights
+    # (bit2) after the routes; a flipped byte in either is caught by the body CRC
+    rb, _, _ = make_batch([3, 2], [0, 2], valid=[torch.tensor([True, False, True]), torch.ones(2, dtype=torch.bool)])
+    prov = (RouteProvenance("sglang", "req-0", 7, 1), None)
+    both = ReplayBatch.from_packed(
+        rb.routes,
+        rb.rows_per_seq,
+        num_experts=E,
+        layer_ids=rb.layer_ids,
+        valid=rb.valid,
+        policy_versions=[3, 4],
+        provenance=prov,
+        weights=rb.weights,
+    )
+    data = both.to_bytes()
+    assert data[7] == 1 | 2 | 4 and len(data) == both.nbytes
+    back = ReplayBatch.from_bytes(data)
+    assert back.equals(both) and torch.equal(back.weights, rb.weights)
+    assert back.provenance == prov and back.policy_versions == [3, 4]
+    # dropping the weights leaves the provenance section intact, and the payload shorter by exactly them
+    no_w = both.with_weights(None).to_bytes()
+    back_no_w = ReplayBatch.from_bytes(no_w)
+    assert back_no_w.provenance == prov and back_no_w.weights is None and no_w[7] == 1 | 2
+    assert len(data) - len(no_w) == 2 * rb.routes.numel()
+    # row operations carry both fields (positional order: ..., _offsets, provenance, weights)
+    sel = both.select([1, 0]).with_layers([2])
+    assert sel.provenance == (None, prov[0]) and sel.policy_versions == [4, 3]
+    assert torch.equal(sel.weights, torch.cat([rb.weights[3:], rb.weights[:3]])[:, 1:])
+    assert ReplayBatch.concat([both, both.with_weights(rb.weights)]).provenance == prov + prov
+    at = data.index(b"req-0")
+    for pos in (at + 2, len(data) - 4 - 3):  # a byte of the request id, a byte of the weights
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x10
+        with pytest.raises(r3bridge.PayloadError, match="body checksum"):
+            ReplayBatch.from_bytes(bytes(flipped))
 
 
 # ------------------------------------------------------------------------ sharded / packed path

@@ -1,0 +1,256 @@
+"""Where a sequence's routes came from, and the check that they came from the pass its log-probs did.
+
+Routes and log-probs of one sample can come from different engine passes while every shape
+matches: SGLang retracts a request during an async weight update, re-prefills it and returns the
+re-prefill's routes with the first pass's log-probs (miles #3277); vLLM drops a preempted request's
+routes without a word (vLLM #39917). Nothing in the routes themselves shows it, so each sequence of
+a :class:`r3bridge.ReplayBatch` may carry a :class:`RouteProvenance` (engine, request id, weight
+version, re-prefill / retraction epoch), filled by the adapter from what its framework reports, and
+the driver compares it with the provenance of the log-probs the routes are paired with
+(:func:`check_pairing`, ``ReplayConfig.provenance_check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from r3bridge.errors import ProvenanceError
+
+__all__ = [
+    "RouteProvenance",
+    "checked_provenance",
+    "concat_provenance",
+    "select_provenance",
+    "ProvenanceCount",
+    "ProvenancePairing",
+    "check_pairing",
+    "CHECK_MODES",
+    "versions_tensor",
+    "from_versions_tensor",
+]
+
+CHECK_MODES = ("refuse", "count", "off")
+EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch as i32
+VERSION_MAX = 2**63 - 1  # and the weight version as i64
+
+
+def _int_field(value, what: str, limit: int) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ProvenanceError(f"{what} must be an int or None, got {value!r}")
+    value = int(value.__index__())
+    if not 0 <= value <= limit:
+        raise ProvenanceError(f"{what} must be in [0, {limit}], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class RouteProvenance:
+    """The engine pass a sequence's routes (or a sample's log-probs) came from.
+
+    ``engine``: the engine or framework that produced them (``"vllm"``, ``"sglang"``, ...; never
+    empty). ``request_id``: the engine's request id (``""``: unknown). ``weight_version``: the policy
+    weight version the engine held (verl ``global_steps``, SkyRL / AReaL weight version; ``None``:
+    unknown). ``epoch``: how many times the engine re-prefilled the request (retraction,
+    preemption, abort and resume) before this pass (``None``: the engine does not report it).
+    Fields a side does not know are not compared (:meth:`differences`)."""
+
+    engine: str
+    request_id: str = ""
+    weight_version: Optional[int] = None
+    epoch: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, str) or not self.engine:
+            raise ProvenanceError(f"RouteProvenance.engine must be a non-empty string, got {self.engine!r}")
+        if not isinstance(self.request_id, str):
+            raise ProvenanceError(f"RouteProvenance.request_id must be a string, got {self.request_id!r}")
+        object.__setattr__(
+            self, "weight_version", _int_field(self.weight_version, "RouteProvenance.weight_version", VERSION_MAX)
+        )
+        object.__setattr__(self, "epoch", _int_field(self.epoch, "RouteProvenance.epoch", EPOCH_MAX))
+
+    def differences(self, other: "RouteProvenance") -> tuple[str, ...]:
+        """Names of the fields both sides know (non-empty / not None) whose values differ."""
+        out = []
+        for name in ("engine", "request_id", "weight_version", "epoch"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a not in (None, "") and b not in (None, "") and a != b:
+                out.append(name)
+        return tuple(out)
+
+    def __str__(self) -> str:
+        return (
+            f"engine={self.engine} request_id={self.request_id or '?'} weight_version="
+            f"{'?' if self.weight_version is None else self.weight_version} epoch="
+            f"{'?' if self.epoch is None else self.epoch}"
+        )
+
+
+Provenances = tuple[Optional[RouteProvenance], ...]
+
+
+def checked_provenance(
+    provenance: Optional[Sequence[Optional[RouteProvenance]]], num_seqs: int
+) -> Optional[Provenances]:
+    """``provenance`` as a tuple of one entry per sequence (``None``: that sequence has none), or
+    ``None``; raises :class:`ProvenanceError` naming the sequence."""
+    if provenance is None:
+        return None
+    if isinstance(provenance, (str, bytes, RouteProvenance)) or not hasattr(provenance, "__len__"):
+        raise ProvenanceError(
+            f"provenance must be a sequence of RouteProvenance (one per sequence), got {type(provenance).__name__}"
+        )
+    out = tuple(provenance)
+    if len(out) != num_seqs:
+        raise ProvenanceError(f"provenance has {len(out)} entries for {num_seqs} sequences")
+    for i, p in enumerate(out):
+        if p is not None and not isinstance(p, RouteProvenance):
+            raise ProvenanceError(f"sequence {i}: provenance must be a RouteProvenance or None, got {type(p).__name__}")
+    return out
+
+
+def select_provenance(provenance: Optional[Provenances], indices: Sequence[int]) -> Optional[Provenances]:
+    return None if provenance is None else tuple(provenance[i] for i in indices)
+
+
+def concat_provenance(parts: Sequence[tuple[Optional[Provenances], int]]) -> Optional[Provenances]:
+    """(provenance, num_seqs) of each batch -> the concatenation's; sequences of a batch without
+    provenance get ``None``; ``None`` when no part has any."""
+    if all(p is None for p, _ in parts):
+        return None
+    out: list[Optional[RouteProvenance]] = []
+    for p, n in parts:
+        out.extend(p if p is not None else (None,) * n)
+    return tuple(out)
+
+
+@dataclass
+class ProvenanceCount:
+    """Samples whose route and log-prob provenance were both known and compared, those that
+    differed, and those left unchecked (either side unknown)."""
+
+    checked: int = 0
+    mismatched: int = 0
+    unchecked: int = 0
+
+    def as_metrics(self, prefix: str = "r3bridge/") -> dict[str, float]:
+        return {
+            f"{prefix}provenance/checked_samples": float(self.checked),
+            f"{prefix}provenance/mismatched_samples": float(self.mismatched),
+            f"{prefix}provenance/unchecked_samples": float(self.unchecked),
+        }
+
+
+@dataclass(frozen=True)
+class ProvenancePairing:
+    """What an adapter knows of one pass's samples, in the batch's sample order: where each one's
+    routes came from, where the log-probs they are paired with came from (``None``: unknown, for a
+    side or a sample), and the framework's name of each sample (errors name it)."""
+
+    routes: Optional[Sequence[Optional[RouteProvenance]]]
+    logprobs: Optional[Sequence[Optional[RouteProvenance]]]
+    names: Optional[Sequence[str]] = None
+
+    def check(self, mode: str) -> ProvenanceCount:
+        return check_pairing(self.routes, self.logprobs, mode, names=self.names)
+
+    def select(self, indices: Sequence[int]) -> "ProvenancePairing":
+        """The samples ``indices`` (e.g. those of one mini-batch), in that order."""
+        idx = [int(i) for i in indices]
+
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in idx]
+
+        return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names))
+
+
+# Frameworks whose batches carry per-sample data only as tensors (SkyRL, AReaL) carry provenance as
+# an int64 [n, 2] tensor: (weight version, epoch), -1 = unknown, a row of -1s = no provenance. The
+# engine name is the adapter's and no request id travels.
+def versions_tensor(items: Sequence[Optional[RouteProvenance]]) -> torch.Tensor:
+    out = torch.full((len(items), 2), -1, dtype=torch.int64)
+    for i, p in enumerate(items):
+        if p is not None:
+            out[i, 0] = -1 if p.weight_version is None else p.weight_version
+            out[i, 1] = -1 if p.epoch is None else p.epoch
+    return out
+
+
+def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RouteProvenance]]:
+    """:func:`versions_tensor`'s inverse; ``what`` names the field in errors."""
+    t = torch.as_tensor(t)
+    if t.dim() != 2 or t.shape[1] != 2 or t.dtype.is_floating_point:
+        raise ProvenanceError(
+            f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got {t.dtype} {list(t.shape)}"
+        )
+    out: list[Optional[RouteProvenance]] = []
+    for i, (version, epoch) in enumerate(t.tolist()):
+        if version == -1 and epoch == -1:
+            out.append(None)
+            continue
+        try:
+            out.append(RouteProvenance(engine, "", None if version == -1 else version, None if epoch == -1 else epoch))
+        except ProvenanceError as e:
+            raise ProvenanceError(f"{what}, sample {i}: {e}") from None
+    return out
+
+
+def check_pairing(
+    routes: Optional[Sequence[Optional[RouteProvenance]]],
+    logprobs: Optional[Sequence[Optional[RouteProvenance]]],
+    mode: str,
+    *,
+    names: Optional[Sequence[str]] = None,
+) -> ProvenanceCount:
+    """Compare each sample's route provenance with its log-probs' (same order, one per sample).
+
+    ``mode``: ``"count"`` counts mismatches, ``"refuse"`` raises :class:`ProvenanceError` naming the
+    first mismatched sample (``names[i]``, else its position) and both provenances, before anything
+    is installed; ``"off"`` compares nothing (returns an empty count). A sample is *checked* when
+    both sides have a provenance and either their engines differ or a field that names the pass
+    (request id, weight version, epoch) is known on both; a field unknown on either side is not
+    compared."""
+    if mode not in CHECK_MODES:
+        raise ProvenanceError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {mode!r}")
+    count = ProvenanceCount()
+    if mode == "off":
+        return count
+    n = len(routes) if routes is not None else len(logprobs) if logprobs is not None else 0
+    if routes is not None and logprobs is not None and len(routes) != len(logprobs):
+        raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
+    first_bad = None
+    for i in range(n):
+        r = routes[i] if routes is not None else None
+        lp = logprobs[i] if logprobs is not None else None
+        if r is None or lp is None or not _comparable(r, lp):
+            count.unchecked += 1
+            continue
+        count.checked += 1
+        diff = r.differences(lp)
+        if diff:
+            count.mismatched += 1
+            if first_bad is None:
+                first_bad = (i, r, lp, diff)
+    if first_bad is not None and mode == "refuse":
+        i, r, lp, diff = first_bad
+        name = names[i] if names is not None else f"sample {i}"
+        raise ProvenanceError(
+            f"{name}: its routes came from another engine pass than its log-probs ({', '.join(diff)} differ): "
+            f"routes [{r}], log-probs [{lp}]; {count.mismatched} of {count.checked} checked samples differ "
+            f"(provenance_check='refuse'; 'count' replays them and counts them)"
+        )
+    return count
+
+
+def _comparable(a: RouteProvenance, b: RouteProvenance) -> bool:
+    # the engine is always known: two engines differ outright; the same engine needs a field
+    # that says which pass (request id, weight version or epoch) known on both sides
+    return a.engine != b.engine or any(
+        getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "")
+        for f in ("request_id", "weight_version", "epoch")
+    )
