@@ -17,6 +17,7 @@ from r3bridge.errors import (
     ReplayStateError,
     RouteShapeError,
     RouteValueError,
+    RouteWeightsError,
     StitchError,
 )
 from r3bridge.ingest import StitchReport, stitch
@@ -35,5 +36,5 @@ __all__ = [
     "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
-    "ProvenanceError",
+    "RouteWeightsError", "ProvenanceError",
 ]
