@@ -18,6 +18,7 @@ from r3bridge.errors import (
     RoleError,
     RouteShapeError,
     RouteValueError,
+    RouteWeightsError,
     StitchError,
 )
 from r3bridge.ingest import StitchReport, stitch
@@ -36,6 +37,5 @@ __all__ = [
     "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
-    "RoleError",
-    "ProvenanceError",
+    "RoleError", "RouteWeightsError", "ProvenanceError",
 ]

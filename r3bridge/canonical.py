@@ -41,7 +41,8 @@ def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
     return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
                                    source=rb.source, policy_versions=rb.policy_versions,
-                                   provenance=rb.provenance)
+                                   provenance=rb.provenance,
+                                   weights=None if rb.weights is None else rb.weights[keep_d])
 
 
 def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
@@ -52,7 +53,7 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
     lens = [int(n) for n in seq_lens]
     if len(lens) != rb.num_seqs:
         raise CoverageError(f"{len(lens)} seq_lens for {rb.num_seqs} sequences")
-    seqs, valids = [], []
+    seqs, valids, weights = [], [], []
     for i, n in enumerate(lens):
         r, v = rb.sequence(i)
         if r.shape[0] > n:
@@ -60,10 +61,16 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
         pad = n - r.shape[0]
         seqs.append(torch.cat([r, torch.zeros((pad,) + tuple(r.shape[1:]), dtype=r.dtype)]))
         valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool)]))
+        if rb.weights is not None:
+            a = int(rb.offsets[i])
+            w = rb.weights[a:a + r.shape[0]]
+            weights.append(torch.cat([w, torch.zeros((pad,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)]))
     full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
                                    source=rb.source, policy_versions=rb.policy_versions,
-                                   provenance=rb.provenance)
+                                   provenance=rb.provenance,
+                                   weights=None if rb.weights is None else (torch.cat(weights) if weights
+                                                                            else rb.weights))
     return drop_final_invalid_rows(full)
 
 
@@ -76,6 +83,8 @@ def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatc
     empty = ReplayBatch.from_packed(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.routes.dtype),
                                     [0] * len(lens), num_experts=rb.num_experts, layer_ids=rb.layer_ids,
                                     start_rows=lens, source=rb.source)
+    if rb.weights is not None:      # zero rows of weights: concat keeps the batch's weights
+        empty = empty.with_weights(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.weights.dtype))
     return ReplayBatch.concat([rb, empty])
 
 
@@ -85,7 +94,7 @@ def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
     if rb.source == source:
         return rb
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
-                       rb.topk, source, rb.policy_versions, rb.offsets, rb.provenance)
+                       rb.topk, source, rb.policy_versions, rb.offsets, rb.provenance, weights=rb.weights)
 
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 from r3bridge.errors import ConfigError
 from r3bridge.layer_axis import check_layer_axis
 from r3bridge.provenance import CHECK_MODES
+from r3bridge.replay_policy import check_policy
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
@@ -135,6 +136,17 @@ class ReplayConfig:
     # ProvenanceError naming the sample and both provenances before the pass installs anything,
     # "off" compares nothing.
     provenance_check: str = "count"
+    # What replay does with a replayed expert (r3bridge/replay_policy.py): "hard" dispatches
+    # every one; "threshold" keeps one only if the trainer's own score for it is at least
+    # threshold_ratio x the weakest score of the trainer's native top-k, else the native choice
+    # replaces it (prime-rl #2703), and reports the replaced fraction.
+    replay_policy: str = "hard"
+    threshold_ratio: float = 0.5
+    # Hand the framework's loss the per-token router log-ratio (trainer vs rollout gate weights
+    # of the replayed experts; r3bridge/replay_policy.py) for router importance sampling
+    # (prime-rl #1406 / #1661, RSPO). Needs routing weights in the routes and pp == 1; the
+    # router_log_ratio metrics are reported whenever the routes carry weights.
+    router_log_ratio: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -146,6 +158,9 @@ class ReplayConfig:
         if self.provenance_check not in CHECK_MODES:
             raise ConfigError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {self.provenance_check!r}")
         self._check_trace()
+        check_policy(self.replay_policy, self.threshold_ratio)
+        if not isinstance(self.router_log_ratio, bool):
+            raise ConfigError(f"router_log_ratio must be true or false, got {self.router_log_ratio!r}")
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

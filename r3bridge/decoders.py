@@ -17,6 +17,12 @@ engine calls; nothing here imports either. Formats (docs/frameworks.md):
   transports as vLLM's. ``layer_axis="moe_only"`` (:mod:`r3bridge.layer_axis`) reads it; an
   unstated axis whose length fits both readings is refused, never guessed.
 * The padded trainer layout ``[B, S, L, K]`` + ``[B, S]`` mask: :func:`padded_rows`.
+* Routing weights (optional, :mod:`r3bridge.route_weights`): SGLang #23999 proposes
+  ``--enable-return-routed-expert-weights``, a float32 buffer parallel to the ids, same
+  token-major ``[rows, num_layers, top_k]`` layout; read from ``meta_info`` under one of
+  :data:`SGLANG_WEIGHTS_KEYS` by :func:`decode_sglang_weights`. vLLM returns no weights
+  (0.33); a fork or plugin that does passes them per sequence in the routes' shape
+  (:func:`decode_vllm_weights`).
 * Where a response's routes came from (:class:`r3bridge.provenance.RouteProvenance`):
   :func:`vllm_provenance` (request id, preemption count) and :func:`sglang_provenance` (meta_info
   ``id``, ``weight_version``, ``num_retractions``).
@@ -31,12 +37,18 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
 from r3bridge.provenance import RouteProvenance
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
-           "padded_rows", "vllm_provenance", "sglang_provenance"]
+           "padded_rows", "decode_sglang_weights", "decode_vllm_weights", "sglang_weights_of", "SGLANG_WEIGHTS_KEYS",
+           "vllm_provenance", "sglang_provenance"]
+
+# meta_info keys of SGLang's routing weights: the proposal (SGLang #23999, unmerged) names its flag
+# ``enable_return_routed_expert_weights``; ``routed_experts_weights`` follows the ids' key (and
+# is what miles calls the same data). The first present is read.
+SGLANG_WEIGHTS_KEYS = ("routed_experts_weights", "routed_expert_weights")
 
 
 def moe_layers_of(routes: Any, moe_layer_ids: Sequence[int], *, layer_dim: int,
@@ -185,6 +197,62 @@ def padded_rows(routes: torch.Tensor, attention_mask: Any, valid: Any = None
             raise RouteShapeError(f"valid mask shape {tuple(vt.shape)} does not match attention_mask {tuple(m.shape)}")
         v = vt.cpu()[m]
     return flat, lens.tolist(), v
+
+
+def _float_array(payload: Any, *, seq: int, what: str) -> np.ndarray:
+    """A real-valued array / tensor / nested lists -> numpy (no copy where possible)."""
+    if isinstance(payload, torch.Tensor):
+        if payload.device.type == "meta":
+            raise RouteWeightsError(f"sequence {seq}: {what} is a meta tensor (no values)")
+        a = payload.detach().cpu().float().numpy() if payload.dtype == torch.bfloat16 else payload.detach().cpu().numpy()
+    else:
+        a = np.asarray(payload)
+    if a.dtype.kind not in "fiu":
+        raise RouteWeightsError(f"sequence {seq}: {what} must be real numbers, got dtype {a.dtype}")
+    return a
+
+
+def sglang_weights_of(meta_info: Any) -> Any:
+    """The routing weights payload of an SGLang ``meta_info`` (``None``: it has none)."""
+    if not isinstance(meta_info, Mapping):
+        return None
+    return next((meta_info[k] for k in SGLANG_WEIGHTS_KEYS if meta_info.get(k) is not None), None)
+
+
+def decode_sglang_weights(payload: Any, *, num_layers: int, topk: int, rows: int, seq: int = 0) -> np.ndarray:
+    """SGLang's routing weights (base64 of flat little-endian float32, or an array / tensor) ->
+    float32 ``[rows, num_layers, topk]``, checked against the ids' row count."""
+    if isinstance(payload, (str, bytes, bytearray)):
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise PayloadError(f"sequence {seq}: routing weights are not valid base64 ({e})") from None
+        if len(raw) % 4:
+            raise PayloadError(f"sequence {seq}: routing weights decode to {len(raw)} bytes, not a whole number "
+                               f"of float32 values")
+        flat = np.frombuffer(raw, dtype="<f4")
+    else:
+        flat = _float_array(payload, seq=seq, what="routing weights").reshape(-1)
+    if flat.size != rows * num_layers * topk:
+        raise RouteWeightsError(f"sequence {seq}: {flat.size} routing weights for {rows} rows x {num_layers} layers "
+                                f"x top-{topk} ids")
+    return flat.astype(np.float32, copy=False).reshape(rows, num_layers, topk)
+
+
+def decode_vllm_weights(payload: Any, *, seq: int = 0) -> np.ndarray:
+    """One sequence's routing weights in the routes' vLLM shape ``[rows, num_hidden_layers, K]``:
+    an array / tensor, nested lists, or base64 of a ``.npy`` file."""
+    if payload is None:
+        raise RouteWeightsError(f"sequence {seq}: no routing weights (None)")
+    if isinstance(payload, (str, bytes, bytearray)):
+        try:
+            payload = np.load(io.BytesIO(base64.b64decode(payload, validate=True)), allow_pickle=False)
+        except (binascii.Error, ValueError, OSError) as e:
+            raise PayloadError(f"sequence {seq}: routing weights are not base64 of a .npy array ({e})") from None
+    a = _float_array(payload, seq=seq, what="routing weights")
+    if a.ndim != 3:
+        raise RouteWeightsError(f"sequence {seq}: routing weights must be [rows, layers, topk], got shape {a.shape}")
+    return a
 
 
 def _version_number(value: Any) -> Optional[int]:

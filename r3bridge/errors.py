@@ -34,6 +34,10 @@ class PayloadError(ReplayError):
     """A serialized payload (SGLang base64, r3bridge bytes) is malformed or truncated."""
 
 
+class RouteWeightsError(ReplayError):
+    """Routing weights do not fit their routes (shape) or are not finite non-negative numbers."""
+
+
 class StitchError(ReplayError):
     """Multi-turn / resubmit routes cannot be stitched unambiguously."""
 

@@ -61,21 +61,24 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
                                     f"{b.num_experts}, {b.topk}); piece 0 has ({list(a.layer_ids)}, {a.num_experts}, {a.topk})")
         if b.num_seqs != a.num_seqs:
             raise StitchError(f"stitch: piece {t} has {b.num_seqs} sequences, piece 0 has {a.num_seqs}")
+    with_weights = _stitch_weights_present(pieces)
     report = StitchReport()
-    seq_routes, seq_valid, seq_start, seq_prov = [], [], [], []
+    seq_routes, seq_valid, seq_start, seq_weights, seq_prov = [], [], [], [], []
     for i in range(a.num_seqs):
         prov = None if a.provenance is None else a.provenance[i]
         start = end = None
-        routes = valid = None
+        routes = valid = weights = None
         over = dis = fill = 0
         for t, p in enumerate(pieces):
             r, v = p.sequence(i)
+            w = _piece_weights(p, i) if with_weights else None
             s = p.start_rows[i]
             if r.shape[0] == 0:
                 continue
             e = s + r.shape[0]
             if start is None:
                 start, end, routes, valid = s, e, r.clone(), v.clone()
+                weights = None if w is None else w.clone()
                 prov = None if p.provenance is None else p.provenance[i]
                 continue
             if s > end or e < start:
@@ -90,22 +93,30 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
             take = ~old_v & new_v
             fill += int(take.sum())
             old_r[take] = new_r[take]
+            if weights is not None:     # a row's weights travel with its route: first seen wins too
+                weights[lo - start:hi - start][take] = w[lo - s:hi - s][take]
             old_v |= new_v
             if s < start:      # rows before anything seen so far
                 routes, valid = torch.cat([r[:start - s], routes]), torch.cat([v[:start - s], valid])
+                if weights is not None:
+                    weights = torch.cat([w[:start - s], weights])
                 start = s
             if e > end:        # rows after
                 routes, valid = torch.cat([routes, r[end - s:]]), torch.cat([valid, v[end - s:]])
+                if weights is not None:
+                    weights = torch.cat([weights, w[end - s:]])
                 end = e
         if start is None:
             start, routes = 0, a.routes[:0]
             valid = a.valid[:0]
+            weights = None if not with_weights else a.weights[:0]
         report.overlap_rows.append(over)
         report.disagreeing_rows.append(dis)
         report.filled_rows.append(fill)
         seq_routes.append(routes)
         seq_valid.append(valid)
         seq_start.append(start)
+        seq_weights.append(weights)
         seq_prov.append(prov)
     if not seq_routes:                     # pieces without sequences: nothing to stitch
         return a, report
@@ -113,8 +124,25 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
                                   num_experts=a.num_experts, layer_ids=a.layer_ids, start_rows=seq_start,
                                   valid=torch.cat(seq_valid), source=a.source,
                                   policy_versions=a.policy_versions,
-                                  provenance=None if all(x is None for x in seq_prov) else seq_prov)
+                                  provenance=None if all(x is None for x in seq_prov) else seq_prov,
+                                  weights=torch.cat(seq_weights) if with_weights else None)
     return out, report
+
+
+def _stitch_weights_present(pieces: Sequence[ReplayBatch]) -> bool:
+    """Whether the stitched batch carries weights: all pieces have them or none does (a mix
+    would leave some rows without a weight)."""
+    have = [p.weights is not None for p in pieces]
+    if any(have) and not all(have):
+        j = have.index(not have[0])
+        raise StitchError(f"stitch: piece {j} {'has' if have[j] else 'lacks'} routing weights, piece 0 "
+                          f"{'has' if have[0] else 'lacks'} them")
+    return all(have) and bool(have)
+
+
+def _piece_weights(piece: ReplayBatch, i: int) -> torch.Tensor:
+    a, b = int(piece.offsets[i]), int(piece.offsets[i + 1])
+    return piece.weights[a:b]  # type: ignore[index]
 
 
 def first_seen_rows(calls: Sequence[Any]) -> tuple[np.ndarray, StitchReport]:

@@ -23,9 +23,9 @@ import torch
 
 from r3bridge._validate import as_index, as_index_list, raise_findings
 from r3bridge.batch_meta import check_coverage, checked_meta
-from r3bridge.decoders import decode_vllm_routes, select_layers
+from r3bridge.decoders import decode_vllm_routes, decode_vllm_weights, select_layers
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns
-from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError, RouteWeightsError
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.route_scan import block_rows, run_blocks, scan_block
@@ -47,11 +47,12 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
                  tp_rank: int = 0, cp_rank: int = 0, pp_rank: int = 0, vp_stage: int = 0, format: str = "thd",
                  cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None, seq_length: int | None = None,
                  device: torch.device | str | None = None,
-                 layer_ids: Sequence[int] | None = None) -> ShardedTargets:
+                 layer_ids: Sequence[int] | None = None, weights: Sequence[Any] | None = None) -> ShardedTargets:
     """Targets of rank (tp_rank, cp_rank, pp_rank, vp_stage) for the micro-batch whose vLLM routes
     are ``items`` (any transport :func:`r3bridge.decoders.decode_vllm_routes` reads: arrays of
     ``[rows, num_hidden_layers, K]``); the arguments are those of ``ReplayBatch.from_vllm`` and
-    :func:`r3bridge.shard`."""
+    :func:`r3bridge.shard`. ``weights``: optional routing weights, one array per item in its
+    routes' shape (``ReplayBatch.from_vllm``'s ``weights``); the rank reads its rows of them too."""
     num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
     moe = None if moe_layer_ids is None else as_index_list(moe_layer_ids, what="moe_layer_ids", error=LayerMappingError)
     starts_in = None if start_rows is None else as_index_list(start_rows, what="start_rows", error=CoverageError)
@@ -92,8 +93,10 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
     dev = torch.device(device) if device is not None else torch.device("cpu")
     num_valid = int(valid.sum())
     valid_t = torch.from_numpy(valid)
+    if weights is not None and len(weights) != len(arrays):
+        raise RouteWeightsError(f"rank_targets: {len(weights)} weight arrays for {len(arrays)} sequences")
     if not want:
-        return ShardedTargets({}, valid_t.to(dev), (), k, num_valid)
+        return ShardedTargets({}, valid_t.to(dev), (), k, num_valid, None if weights is None else {})
     # layer-major from the start ([nl, T, K]: each run lands in its place with one strided copy), so
     # the widening to int64 is one contiguous pass (a permuting widen ran at ~1 GB/s)
     compact_t = allocate((len(want), t_rows, k), route_dtype(num_experts), what="rank_targets")
@@ -102,7 +105,36 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
     out = allocate((len(want), t_rows, k), torch.int64, what="rank_targets int64 targets") if dev.type == "cpu" \
         else torch.empty((len(want), t_rows, k), dtype=torch.int64, device=dev)
     out.copy_(compact_t.to(dev, non_blocking=True))
-    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t.to(dev), tuple(want), k, num_valid)
+    rank_weights = None if weights is None else _rank_weights(weights, arrays, cols, seq, src_row, valid, starts, want, dev)
+    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t.to(dev), tuple(want), k, num_valid,
+                          rank_weights)
+
+
+def _rank_weights(weights: Sequence[Any], arrays: list[np.ndarray], cols: list[int], seq: np.ndarray,
+                  src_row: np.ndarray, valid: np.ndarray, starts: Sequence[int], want: list[int],
+                  dev: torch.device) -> dict[int, torch.Tensor]:
+    """This rank's rows and layers of the per-sequence weights (float32 ``[T, K]`` per layer,
+    rounded through the schema's float16 as ``shard`` of a batch gives them; 0 on rows without a
+    route). Checked as the schema checks weights, on what this rank reads."""
+    t_rows, k = int(seq.shape[0]), int(arrays[0].shape[2]) if arrays else 1
+    out = np.zeros((t_rows, len(want), k), dtype=np.float32)
+    for i, payload in enumerate(weights):
+        w = decode_vllm_weights(payload, seq=i)
+        if tuple(w.shape) != tuple(arrays[i].shape):
+            raise RouteWeightsError(f"sequence {i}: weights have shape {tuple(w.shape)}, its routes "
+                                    f"{tuple(arrays[i].shape)}")
+        mine = np.flatnonzero((seq == i) & valid)
+        if mine.size:
+            out[mine] = w[src_row[mine]][:, cols]
+    narrow = out.astype(np.float16)
+    bad = (~np.isfinite(out) | (out < 0) | ~np.isfinite(narrow)).any(-1)
+    if bad.any():
+        r, col = (int(x) for x in np.argwhere(bad)[0])
+        i, row = int(seq[r]), int(src_row[r])
+        raise RouteWeightsError(f"sequence {i}, row {row} (token {starts[i] + row}), layer {want[col]}: weights "
+                                f"{out[r, col].tolist()} must be finite, non-negative and within float16 range")
+    layer_major = torch.from_numpy(narrow.transpose(1, 0, 2).copy()).to(dev, torch.float32)
+    return {lid: layer_major[j] for j, lid in enumerate(want)}
 
 
 def _covered_rows(seq: np.ndarray, pos: np.ndarray, starts: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray

@@ -22,11 +22,21 @@ import torch
 from r3bridge import wire
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
 from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
-from r3bridge.decoders import decode_sglang_routes, decode_vllm_routes, padded_rows, select_layers, sglang_rows
+from r3bridge.decoders import (
+    decode_sglang_routes,
+    decode_sglang_weights,
+    decode_vllm_routes,
+    decode_vllm_weights,
+    padded_rows,
+    select_layers,
+    sglang_rows,
+    sglang_weights_of,
+)
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
-from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
 from r3bridge.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
+from r3bridge.route_weights import as_weights_tensor, check_weights
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
 
@@ -95,6 +105,9 @@ class ReplayBatch:
     # optional, per sequence (None entries: unknown): the engine pass the routes came from
     # (r3bridge.provenance); checked against the log-probs' by the driver
     provenance: tuple[RouteProvenance | None, ...] | None = None
+    # optional float16 [total_rows, L, K]: the engine's gate weight of each routed expert
+    # (r3bridge.route_weights); 0 on rows without a route. Every row operation carries it.
+    weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------- construction
     def __post_init__(self) -> None:
@@ -117,8 +130,20 @@ class ReplayBatch:
         source: str = "ragged",
         policy_versions: Sequence[int] | None = None,
         provenance: Sequence[RouteProvenance | None] | None = None,
+        weights: Sequence | None = None,
     ) -> "ReplayBatch":
-        """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence."""
+        """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence; ``weights`` (optional):
+        one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert."""
+        batch = cls._ragged_routes(routes, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
+                                   valid=valid, source=source, policy_versions=policy_versions,
+                                   provenance=provenance)
+        return batch if weights is None else batch.with_weights(_ragged_weights(weights, batch))
+
+    @classmethod
+    def _ragged_routes(cls, routes: Sequence, *, num_experts: int, layer_ids: Sequence[int],
+                       start_rows: Sequence[int] | None, valid: Sequence | None, source: str,
+                       policy_versions: Sequence[int] | None,
+                       provenance: Sequence[RouteProvenance | None] | None) -> "ReplayBatch":
         host = _host_arrays(routes)
         if host is not None:
             masks = None
@@ -208,8 +233,10 @@ class ReplayBatch:
         source: str = "ragged",
         policy_versions: Sequence[int] | None = None,
         provenance: Sequence[RouteProvenance | None] | None = None,
+        weights: torch.Tensor | None = None,
     ) -> "ReplayBatch":
-        """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq``. Validates."""
+        """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq`` (and optionally their
+        ``weights``, same shape). Validates."""
         routes = as_int_tensor(routes, what="routes")
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
@@ -228,9 +255,10 @@ class ReplayBatch:
             offsets[1:] = torch.cumsum(torch.tensor(rows_per_seq, dtype=torch.int64), 0)
         check_routes(routes, valid, num_experts, layer_ids, offsets, starts)
         packed = _canonical(routes, valid, num_experts)
+        checked = None if weights is None else check_weights(weights, packed, valid, layer_ids, offsets, starts)
         return cls(packed, valid.clone(),
                    rows_per_seq, starts, layer_ids, num_experts, topk, source,
-                   policy_versions, offsets, provenance)
+                   policy_versions, offsets, provenance, weights=checked)
 
     # Engine / trainer formats: the payloads are decoded by r3bridge.decoders (no batch there).
     @classmethod
@@ -248,17 +276,35 @@ class ReplayBatch:
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
                   start_rows: Sequence[int] | None = None,
-                  provenance: Sequence[RouteProvenance | None] | None = None, layer_axis: str = ALL_HIDDEN,
+                  provenance: Sequence[RouteProvenance | None] | None = None,
+                  weights: Sequence | None = None, layer_axis: str = ALL_HIDDEN,
                   source: str = "vllm") -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
         :func:`r3bridge.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
         pass each came from (:func:`r3bridge.decoders.vllm_provenance` builds it from request
-        outputs). ``layer_axis`` (:mod:`r3bridge.layer_axis`): vLLM reports every hidden layer;
-        ``"moe_only"`` reads one entry per ``moe_layer_ids``."""
+        outputs). ``weights``: optional, one array per sequence in the routes' shape (every
+        reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.layer_axis`):
+        vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
+        (routes and weights alike)."""
+        layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
+        batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                                      start_rows=start_rows, provenance=provenance, layer_axis=layer_axis,
+                                      source=source)
+        if weights is None:
+            return batch
+        moe = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
+        return batch.with_weights(_ragged_weights(
+            [select_layers(decode_vllm_weights(w, seq=i), moe, i, f"{source} weights", layer_axis)
+             for i, w in enumerate(weights)], batch))
+
+    @classmethod
+    def _from_vllm_routes(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None,
+                          start_rows: Sequence[int] | None,
+                          provenance: Sequence[RouteProvenance | None] | None, layer_axis: str,
+                          source: str) -> "ReplayBatch":
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         moe_layer_ids = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         start_rows = _opt_ids(start_rows, "start_rows", CoverageError)
-        layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         decoded = [decode_vllm_routes(it, seq=i) for i, it in enumerate(items)]
         # the columns to keep: the MoE layers' of an all-hidden axis, every one of a MoE-only axis
         cols = None if layer_axis == MOE_ONLY else moe_layer_ids
@@ -302,8 +348,10 @@ class ReplayBatch:
                     provenance: Sequence[RouteProvenance | None] | None = None,
                     layer_axis: str = ALL_HIDDEN) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
-        completion - 1 - start. ``provenance``: one per meta_info
-        (:func:`r3bridge.decoders.sglang_provenance` reads it from the meta_infos)."""
+        completion - 1 - start. Routing weights are read when the meta_infos carry them
+        (:data:`r3bridge.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
+        ``provenance``: one per meta_info (:func:`r3bridge.decoders.sglang_provenance` reads it
+        from the meta_infos)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)
         topk = as_index(topk, what="topk", error=RouteShapeError)
@@ -311,19 +359,27 @@ class ReplayBatch:
         starts = [0] * len(meta_infos) if start_rows is None else _opt_ids(start_rows, "start_rows", CoverageError)
         if len(starts) != len(meta_infos):
             raise CoverageError(f"start_rows has {len(starts)} entries for {len(meta_infos)} sequences")
-        arrays = []
+        axis = check_layer_axis(layer_axis) or ALL_HIDDEN
+        arrays, weights = [], []
         for i, mi in enumerate(meta_infos):
             mi = _sglang_numbers(mi, i)
             rows = sglang_rows(mi, start=starts[i], seq=i)
             a = decode_sglang_routes(mi.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=i)
-            arrays.append(select_layers(a, moe_layer_ids, i, "SGLang", check_layer_axis(layer_axis) or ALL_HIDDEN))
+            arrays.append(select_layers(a, moe_layer_ids, i, "SGLang", axis))
+            w = sglang_weights_of(mi)
+            if w is not None:
+                w = decode_sglang_weights(w, num_layers=num_layers, topk=topk, rows=int(a.shape[0]), seq=i)
+                weights.append(select_layers(w, moe_layer_ids, i, "SGLang weights", axis))
+        if weights and len(weights) != len(arrays):
+            raise RouteWeightsError(f"{len(weights)} of {len(arrays)} SGLang responses carry routing weights: "
+                                    f"all or none (was the server restarted without the flag?)")
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
             return cls.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],
                                    num_experts=num_experts, layer_ids=layer_ids, source="sglang",
                                    provenance=provenance)
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=starts,
-                               source="sglang", provenance=provenance)
+                               source="sglang", provenance=provenance, weights=weights or None)
 
     @classmethod
     def from_trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
@@ -395,7 +451,8 @@ class ReplayBatch:
             self.routes.index_select(0, row_idx.to(self.routes.device)),
             self.valid.index_select(0, row_idx.to(self.valid.device)),
             new_rows, [self.start_rows[i] for i in order], self.layer_ids,
-            self.num_experts, self.topk, self.source, pv, offsets, select_provenance(self.provenance, order))
+            self.num_experts, self.topk, self.source, pv, offsets, select_provenance(self.provenance, order),
+            weights=None if self.weights is None else self.weights.index_select(0, row_idx.to(self.weights.device)))
 
     def select_range(self, start: int, stop: int) -> "ReplayBatch":
         """Sequences ``start .. stop - 1`` as views of this batch's buffers (no copy): the
@@ -409,7 +466,8 @@ class ReplayBatch:
         return ReplayBatch(self.routes[a:b], self.valid[a:b], self.rows_per_seq[start:stop],
                            self.start_rows[start:stop], self.layer_ids, self.num_experts, self.topk,
                            self.source, pv, self._offsets[start:stop + 1] - a,
-                           None if self.provenance is None else self.provenance[start:stop])
+                           None if self.provenance is None else self.provenance[start:stop],
+                           weights=None if self.weights is None else self.weights[a:b])
 
     @staticmethod
     def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
@@ -432,7 +490,8 @@ class ReplayBatch:
             torch.cat([b.routes for b in batches]), torch.cat([b.valid for b in batches]), rows,
             [s for b in batches for s in b.start_rows], a.layer_ids, a.num_experts, a.topk,
             sources.pop() if len(sources) == 1 else "mixed", pv,
-            provenance=concat_provenance([(b.provenance, b.num_seqs) for b in batches]))
+            provenance=concat_provenance([(b.provenance, b.num_seqs) for b in batches]),
+            weights=_concat_weights(batches))
 
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
@@ -445,18 +504,32 @@ class ReplayBatch:
         cols = torch.tensor([pos[x] for x in want], dtype=torch.int64, device=self.routes.device)
         return ReplayBatch(self.routes.index_select(1, cols), self.valid, self.rows_per_seq,
                            self.start_rows, tuple(want), self.num_experts, self.topk, self.source,
-                           self.policy_versions, self._offsets, self.provenance)
+                           self.policy_versions, self._offsets, self.provenance,
+                           weights=None if self.weights is None else self.weights.index_select(1, cols))
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
         if torch.device(device).type == "meta":
             raise RouteShapeError("ReplayBatch.to('meta'): a meta tensor holds no routes")
         return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
                            self.start_rows, self.layer_ids, self.num_experts, self.topk,
-                           self.source, self.policy_versions, self._offsets, self.provenance)
+                           self.source, self.policy_versions, self._offsets, self.provenance,
+                           weights=None if self.weights is None else self.weights.to(device))
+
+    def with_weights(self, weights: torch.Tensor | None) -> "ReplayBatch":
+        """The same routes with ``weights`` (``[total_rows, L, K]`` real numbers, validated and
+        stored as float16; ``None`` drops them)."""
+        checked = None if weights is None else check_weights(weights, self.routes, self.valid, self.layer_ids,
+                                                             self._offsets, self.start_rows)
+        return ReplayBatch(self.routes, self.valid, self.rows_per_seq, self.start_rows, self.layer_ids,
+                           self.num_experts, self.topk, self.source, self.policy_versions, self._offsets,
+                           self.provenance, weights=checked)
 
     def equals(self, other: "ReplayBatch") -> bool:
-        """Same schema, coverage, validity and routes (``source``, ``policy_versions`` and
+        """Same schema, coverage, validity, routes and weights (``source``, ``policy_versions`` and
         ``provenance`` are not compared)."""
+        if (self.weights is None) != (other.weights is None) or (
+                self.weights is not None and not torch.equal(self.weights.cpu(), other.weights.cpu())):
+            return False
         return (
             self.layer_ids == other.layer_ids and self.num_experts == other.num_experts
             and self.topk == other.topk and self.rows_per_seq == other.rows_per_seq
@@ -479,7 +552,7 @@ class ReplayBatch:
         # Re-validate: a payload from another process is input like any other.
         return cls.from_packed(d.routes, d.rows_per_seq, num_experts=d.num_experts, layer_ids=d.layer_ids,
                                start_rows=d.start_rows, valid=d.valid, source=d.source,
-                               policy_versions=d.policy_versions, provenance=d.provenance)
+                               policy_versions=d.policy_versions, provenance=d.provenance, weights=d.weights)
 
     @property
     def nbytes(self) -> int:
@@ -504,6 +577,36 @@ def _sglang_numbers(mi, i: int):
     if isinstance(out.get("routed_experts"), torch.Tensor):
         check_readable(out["routed_experts"], what=f"sequence {i}: routed_experts", error=PayloadError)
     return out
+
+
+def _ragged_weights(weights: Sequence, batch: "ReplayBatch") -> torch.Tensor:
+    """Per-sequence weights -> one packed tensor, each checked against its sequence's routes."""
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or len(weights) != batch.num_seqs:
+        raise RouteWeightsError(f"weights must be one array per sequence ({batch.num_seqs}), got {type(weights).__name__}"
+                                f"{'' if not hasattr(weights, '__len__') else f' of {len(weights)}'}")
+    parts = []
+    for i, w in enumerate(weights):
+        t = as_weights_tensor(w, what=f"sequence {i}: weights")
+        want = (batch.rows_per_seq[i], batch.num_layers, batch.topk)
+        if tuple(t.shape) != want:
+            raise RouteWeightsError(f"sequence {i}: weights have shape {tuple(t.shape)}, its routes {list(want)}")
+        parts.append(t.to(torch.float32))
+    if not parts:
+        return torch.zeros((0, batch.num_layers, batch.topk), dtype=torch.float32)
+    return torch.cat(parts)
+
+
+def _concat_weights(batches: Sequence["ReplayBatch"]) -> torch.Tensor | None:
+    """The batches' weights end to end; a mix of batches with and without raises (dropping the
+    weights of some would make later log-ratios silently partial)."""
+    have = [b.weights is not None for b in batches]
+    if not any(have):
+        return None
+    if not all(have):
+        j = have.index(not have[0])
+        raise RouteWeightsError(f"concat: batch {j} {'has' if have[j] else 'lacks'} routing weights, batch 0 "
+                                f"{'has' if have[0] else 'lacks'} them")
+    return torch.cat([b.weights for b in batches])  # type: ignore[misc]
 
 
 def _host_arrays(routes: Sequence) -> list[np.ndarray] | None:

@@ -33,6 +33,9 @@ class ShardedTargets:
     layer_ids: tuple[int, ...]
     topk: int
     num_valid: int | None = None    # valid.sum(), counted on the host by shard (no device sync)
+    # the rollout's gate weight of each target id (float32 [T_local, K] per layer, 0 on rows
+    # without a route); None when the batch carries no weights
+    weights: dict[int, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -40,7 +43,8 @@ class ShardedTargets:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.indices.values()) + self.valid.numel()
+        return (sum(t.numel() * t.element_size() for t in self.indices.values()) + self.valid.numel()
+                + sum(t.numel() * t.element_size() for t in (self.weights or {}).values()))
 
 
 def _lookup(batch: ReplayBatch, seq: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor
@@ -186,7 +190,7 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     topk = batch.topk
     num_valid = int(valid.sum())        # valid is still on the host here
     if not want:
-        return ShardedTargets({}, valid.to(out_device), (), topk, num_valid)
+        return ShardedTargets({}, valid.to(out_device), (), topk, num_valid, None if batch.weights is None else {})
     src = batch.routes
     cols = [col_of[x] for x in want]
     # Gather the compact (uint8/int16) rows and layers first, transpose to [nl, T, K] while still
@@ -202,5 +206,23 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     invalid = (~valid).nonzero().squeeze(1)
     if invalid.numel():
         out[:, invalid.to(out_device)] = torch.arange(topk, dtype=torch.int64, device=out_device)
+    weights = None if batch.weights is None else _shard_weights(batch.weights, row, valid, cols, want, out_device)
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(out_device), tuple(want), topk,
-                          num_valid)
+                          num_valid, weights)
+
+
+def _shard_weights(weights: torch.Tensor, row: torch.Tensor, valid: torch.Tensor, cols: list[int], want: list[int],
+                   device: torch.device) -> dict[int, torch.Tensor]:
+    """The weights of the rows and layers ``shard`` picked, by the same row map (so they follow
+    their ids through packing, CP zigzag and the SP split): float32 ``[T_local, K]`` per layer,
+    0 on rows without a route."""
+    topk = weights.shape[2]
+    if weights.shape[0] == 0:
+        compact = torch.zeros((len(want), row.numel(), topk), dtype=weights.dtype, device=weights.device)
+    else:
+        compact = _gather_layer_major(weights, row.to(weights.device), cols)
+    out = compact.to(device=device, dtype=torch.float32)
+    invalid = (~valid).nonzero().squeeze(1)
+    if invalid.numel():
+        out[:, invalid.to(device)] = 0
+    return {lid: out[j] for j, lid in enumerate(want)}

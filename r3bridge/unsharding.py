@@ -149,8 +149,33 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
                             f"targets are missing or overlap")
     # The ids come from shard() of a validated batch or from the router's own top-k: distinct by
     # construction, so only the schema is rebuilt (the O(rows*L*K log K) duplicate scan is skipped).
-    return ReplayBatch.from_trusted(out, rows.tolist(), starts.tolist(), valid.to(device), tuple(layer_ids), num_experts,
-                                source)
+    batch = ReplayBatch.from_trusted(out, rows.tolist(), starts.tolist(), valid.to(device), tuple(layer_ids),
+                                     num_experts, source)
+    weights = _unshard_weights(_dedupe_sp_off(targets, layout), plan, layout, starts, rows, offsets, col_of, device)
+    return batch if weights is None else batch.with_weights(weights)
+
+
+def _unshard_weights(targets: Mapping[RankKey, ShardedTargets], plan: PackPlan, layout: ParallelLayout,
+                     starts: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, col_of: dict[int, int],
+                     device: torch.device) -> torch.Tensor | None:
+    """The ranks' routing weights scattered back by the same row map as their ids (None when no
+    rank has weights; some ranks with and some without raise)."""
+    have = {key: t.weights is not None for key, t in targets.items()}
+    if not any(have.values()):
+        return None
+    if not all(have.values()):
+        missing = sorted(key for key, h in have.items() if not h)
+        raise ReplayStateError(f"unshard: ranks {missing} carry no routing weights, other ranks do")
+    topk = next(t.topk for t in targets.values())
+    out = torch.zeros((int(offsets[-1]), len(col_of), topk), dtype=torch.float32, device=device)
+    for (tp_rank, cp_rank, _, _), rank_targets in targets.items():
+        seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
+        rel = pos - starts[seq]
+        keep = ((rel >= 0) & (rel < rows[seq])).nonzero().squeeze(1)
+        dst = (offsets[seq] + rel).index_select(0, keep).to(device)
+        for lid, w in rank_targets.weights.items():  # type: ignore[union-attr]
+            out[dst, col_of[lid]] = w.to(device=device, dtype=torch.float32).index_select(0, keep.to(w.device))
+    return out
 
 
 def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequence[PackPlan], sample_ids: Sequence[int],

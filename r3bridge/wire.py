@@ -6,18 +6,19 @@ values; ``ReplayBatch.from_bytes`` rebuilds (and re-validates) the batch from th
 
 Header (little endian):
   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present,
-  bit1: provenance present)
+  bit1: provenance present, bit2: routing weights present)
   num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
   | header crc32 u32 (over the header bytes before it)
 then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
       | [policy_versions i64[n]] | [provenance] | valid packed bits u8[ceil(rows/8)] | routes raw
+      | [weights f16[rows, L, K], little endian]  (bit2; the last section, after the routes)
 and last: body crc32 u32 (over the body).
 
 Provenance (version 3, flags bit1; :mod:`r3bridge.provenance`), one entry per sequence, columns:
   weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | engine length u16[n]
   | request id length u32[n] | the engines' utf-8 bytes | the request ids' utf-8 bytes
 An engine length of 0 marks a sequence without provenance (a provenance always names its engine).
-Version 2 payloads (no provenance) are read as they were written.
+Version 2 payloads (no provenance, no weights: only bit0) are read as they were written.
 
 The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
 num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
@@ -42,10 +43,11 @@ __all__ = ["encode", "decode", "encoded_size", "DecodedBatch", "VERSION"]
 
 MAGIC = b"R3RB"
 VERSION = 3
-READABLE_VERSIONS = (2, 3)      # 2: before provenance (flags bit1 never set)
+READABLE_VERSIONS = (2, 3)      # 2: before provenance and weights (flags bit1 and bit2 never set)
 FLAG_POLICY_VERSIONS = 1
 FLAG_PROVENANCE = 2
-_KNOWN_FLAGS = FLAG_POLICY_VERSIONS | FLAG_PROVENANCE
+FLAG_WEIGHTS = 4
+_KNOWN_FLAGS = FLAG_POLICY_VERSIONS | FLAG_PROVENANCE | FLAG_WEIGHTS
 _HEADER_FIELDS = struct.Struct("<4sHBBIQIIIH")
 _HEADER = struct.Struct("<4sHBBIQIIIHI")
 _CRC = struct.Struct("<I")
@@ -67,6 +69,34 @@ class DecodedBatch:
     source: str
     policy_versions: list[int] | None
     provenance: tuple[RouteProvenance | None, ...] | None = None
+    weights: torch.Tensor | None = None     # float16 [rows, L, K] (flags bit2)
+
+
+# ---------------------------------------------------------------- routing weights (flags bit2)
+_WEIGHTS_NP = np.dtype("<f2")
+
+
+def _weights_flag(rb: Any) -> int:
+    return FLAG_WEIGHTS if getattr(rb, "weights", None) is not None else 0
+
+
+def _weights_size(flags: int, rows: int, nl: int, k: int) -> int:
+    return 2 * rows * nl * k if flags & FLAG_WEIGHTS else 0
+
+
+def _encode_weights(rb: Any) -> list[bytes]:
+    """The weights section (empty list without weights): float16 little endian, row-major."""
+    if getattr(rb, "weights", None) is None:
+        return []
+    w = rb.weights.detach().cpu().contiguous().to(torch.float16).numpy()
+    return [w.astype(_WEIGHTS_NP, copy=False).tobytes()]
+
+
+def _decode_weights(chunk: memoryview, flags: int, rows: int, nl: int, k: int) -> torch.Tensor | None:
+    if not flags & FLAG_WEIGHTS:
+        return None
+    w = np.frombuffer(chunk, dtype=_WEIGHTS_NP).reshape(rows, nl, k)
+    return torch.from_numpy(w.astype(np.float16, copy=True))
 
 
 def encoded_size(rb: Any) -> int:
@@ -74,14 +104,15 @@ def encoded_size(rb: Any) -> int:
     n, rows = rb.num_seqs, rb.total_rows
     return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
             + (8 * n if rb.policy_versions is not None else 0) + _provenance_size(rb.provenance) + (rows + 7) // 8
-            + rb.routes.numel() * rb.routes.element_size() + _CRC.size)
+            + rb.routes.numel() * rb.routes.element_size()
+            + _weights_size(_weights_flag(rb), rows, rb.num_layers, rb.topk) + _CRC.size)
 
 
 def encode(rb: Any) -> bytes:
     """A `ReplayBatch` -> payload bytes."""
     src = rb.source.encode()
     flags = (FLAG_POLICY_VERSIONS if rb.policy_versions is not None else 0) | \
-        (FLAG_PROVENANCE if rb.provenance is not None else 0)
+        (FLAG_PROVENANCE if rb.provenance is not None else 0) | _weights_flag(rb)
     fields = _HEADER_FIELDS.pack(MAGIC, VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
                                  rb.total_rows, rb.num_layers, rb.topk, rb.num_experts, len(src))
     body = [
@@ -97,6 +128,7 @@ def encode(rb: Any) -> bytes:
     body.append(np.packbits(rb.valid.cpu().numpy(), bitorder="little").tobytes())
     body.append(rb.routes.cpu().contiguous().numpy().astype(np.dtype(_NP[rb.routes.dtype]).newbyteorder("<"),
                                                             copy=False).tobytes())
+    body += _encode_weights(rb)
     crc = 0
     for part in body:
         crc = zlib.crc32(part, crc)
@@ -126,7 +158,8 @@ def decode(data: bytes) -> DecodedBatch:
     sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & FLAG_POLICY_VERSIONS else 0]
     # the provenance section's size is in its own length columns (covered by the body CRC below)
     sizes.append(_provenance_section_size(data, _HEADER.size + sum(sizes), n) if flags & FLAG_PROVENANCE else 0)
-    sizes += [(rows + 7) // 8, rows * nl * k * torch.empty((), dtype=dtype).element_size()]
+    sizes += [(rows + 7) // 8, rows * nl * k * torch.empty((), dtype=dtype).element_size(),
+              _weights_size(flags, rows, nl, k)]
     need = _HEADER.size + sum(sizes) + _CRC.size
     if len(data) != need:
         raise PayloadError(
@@ -154,7 +187,8 @@ def decode(data: bytes) -> DecodedBatch:
         layer_ids=np.frombuffer(chunks[1], dtype="<i4").tolist(),
         num_experts=e, source=source,
         policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & FLAG_POLICY_VERSIONS else None,
-        provenance=_decode_provenance(chunks[5], n) if flags & FLAG_PROVENANCE else None)
+        provenance=_decode_provenance(chunks[5], n) if flags & FLAG_PROVENANCE else None,
+        weights=_decode_weights(chunks[8], flags, rows, nl, k))
 
 
 # ------------------------------------------------------------------------------- provenance section

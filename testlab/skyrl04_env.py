@@ -1,8 +1,12 @@
-"""Running SkyRL 0.4's ``MegatronModelWrapper`` in a CPU process (tests and ``--device cpu`` only).
+"""Running SkyRL 0.4.0's ``MegatronModelWrapper`` without Megatron-Bridge (tests, and the GPU scripts).
 
-SkyRL 0.4's wrapper imports one thing at module level that a CPU machine cannot have:
-``megatron.bridge.peft.utils`` (Megatron-Bridge, which imports Transformer Engine; the import is at
-``skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:8``) for two functions:
+SkyRL 0.4.0's wrapper imports two functions from ``megatron.bridge.peft.utils`` at module level
+(``skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:8-10``) that exist in **no
+released Megatron-Bridge**: 0.6.2, the newest on PyPI (2026-11-26), has neither (its
+``peft/utils.py`` was searched; the GPU run of 2026-11-26 stopped there with ``ImportError: cannot
+import name 'enable_expert_parallel_grad_sync_in_finalize'``); SkyRL's metadata asks for an
+unversioned ``megatron-bridge``. On a CPU machine Megatron-Bridge cannot import at all (it imports
+Transformer Engine). The two functions:
 
 * ``enable_expert_parallel_grad_sync_in_finalize(modules)``: drops Megatron-Bridge's per-micro-batch
   grad-sync hooks of *shared-expert LoRA adapters*; without LoRA there is nothing to drop, so the
@@ -12,9 +16,10 @@ SkyRL 0.4's wrapper imports one thing at module level that a CPU machine cannot 
   without LoRA adapters it is megatron's ``finalize_model_grads``, which the stand-in calls.
 
 Everything else is SkyRL 0.4's own code. :func:`apply` registers the stand-ins in the calling
-process (a spawned rank) only when ``megatron.bridge`` cannot be imported; on the GPU the real
-package is installed and :func:`apply` is never called (scripts/gpu/skyrl04_train.py calls it for
-``--device cpu`` only). SkyRL 0.4 also needs megatron-core >= 0.17 (``PackedSeqParams(total_tokens=...)``,
+process (a spawned rank) only when ``megatron.bridge`` cannot be imported (never over a real one):
+the GPU scripts run SkyRL with a megatron-core >= 0.17 site that holds no Megatron-Bridge, and
+report ``megatron_bridge_stand_in``. No LoRA is used, so nothing SkyRL does with batches, micro-batches
+or gradients differs. SkyRL 0.4 also needs megatron-core >= 0.17 (``PackedSeqParams(total_tokens=...)``,
 ``skyrl/backends/skyrl_train/distributed/megatron/megatron_utils.py:810``).
 """
 

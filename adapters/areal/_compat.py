@@ -46,9 +46,13 @@ def import_areal(name: str):
     """Import ``name`` (see the module docstring)."""
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except ImportError as first:
         for mod in [m for m in list(sys.modules) if m == "areal" or m.startswith("areal.")]:
             if sys.modules.get(mod) is None:
                 del sys.modules[mod]
         _shim_packages()
-        return importlib.import_module(name)
+        try:
+            return importlib.import_module(name)
+        except ImportError as again:
+            # the first failure is the cause a user can act on (a missing package, say): keep it
+            raise again from first

@@ -10,6 +10,10 @@ verl's transport (after ``left_right_2_no_padding``) is a nested jagged tensor
 * recorded routes (R2, written by this adapter in verl's own R2 layout): int16,
   ``L = len(moe_layer_ids)``, every token.
 
+Routing weights (optional, :data:`WEIGHTS_KEY`): the same nested layout as the rollout routes,
+float, ``[batch, (tokens_i), num_hidden_layers, K]``, the engine's gate weight of each id (SGLang
+#23999); they follow their rows into ``ReplayBatch.weights``.
+
 A zero row is never a route (top-k ids are distinct), so zero rows become ``valid = False`` and are
 routed natively: nothing is inferred from a length. With ``K == 1`` a rollout row of expert 0 in
 every MoE layer cannot be told from "no route" and is routed natively too (counted in coverage).
@@ -26,10 +30,12 @@ from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, R
 from r3bridge.provenance import ProvenancePairing, RouteProvenance
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["ROUTES_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "replay_batch_from_tensordict",
-           "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
+__all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
+           "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
+WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
+LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
 # per-sample RouteProvenance (or None), written by the agent loop into extra_fields, which verl
 # carries as non-tensor batch fields (adapters/verl/agent_loop.py)
@@ -125,8 +131,17 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
         sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers,
                             field=f"rollout {ROUTES_KEY}", layer_axis=layer_axis)
     valid = nonzero_rows(sel, recorded=source == "recorded")
+    weights = None
+    raw_weights = td.get(WEIGHTS_KEY, None) if hasattr(td, "get") and source != "recorded" else None
+    if raw_weights is not None:
+        w_values, w_rows = _jagged(raw_weights)
+        if w_rows != rows or tuple(w_values.shape[1:]) != tuple(values.shape[1:]):
+            raise RouteShapeError(f"{WEIGHTS_KEY} {tuple(w_values.shape)} rows {w_rows} do not match {ROUTES_KEY} "
+                                  f"{tuple(values.shape)} rows {rows}")
+        weights = moe_layers_of(w_values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=WEIGHTS_KEY)
     with naming_samples("verl", names):
-        rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
+        rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source,
+                                     weights=weights)
     if source != "recorded":
         rb = drop_final_invalid_rows(rb)     # the final token never fed the engine
     if invalid_rows == "error" and not bool(rb.valid.all()):

@@ -10,7 +10,11 @@ Overrides (everything else is verl's):
   routes in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``
   (compute_log_prob's with the next update: verl's trainer drops that pass's metrics);
 * ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets
-  (:class:`r3bridge.megatron.MicroBatch`), then runs verl's own ``forward_step`` on it;
+  (:class:`r3bridge.megatron.MicroBatch`), then runs verl's own ``forward_step`` on it; with
+  ``router_log_ratio`` on, the loss callable verl returns is wrapped so that the micro-batch's
+  TensorDict carries ``router_log_ratio`` (nested ``[batch, (tokens)]`` float32, position ``j``
+  aligned with ``log_probs[j]``) when verl's loss function reads ``data`` (nothing of verl is
+  patched: a custom policy loss reads the key);
 * ``disable_adapter``: a LoRA "reference in actor" pass never replays.
 
 Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
@@ -29,6 +33,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.verl.codec import (
+    LOG_RATIO_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
     provenance_pairing,
@@ -38,6 +43,7 @@ from r3bridge.adapters.verl.codec import (
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.errors import ConfigError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
 from r3bridge.megatron.roles import Role, check_declared, declare_role
@@ -105,6 +111,13 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                             cp_layout=self._get_context_parallel_layout(_unwrap(self.module[0])))
         self.r3_replayer = Replayer.from_config(self.module, self.r3_config,
                                                 expect_moe_layer_ids=self.r3_model.moe_layer_ids)
+        pp = self.r3_replayer.layout.pp
+        if self.r3_config.router_log_ratio and pp > 1:
+            self.r3_replayer.detach()
+            self.r3_replayer = None
+            raise ConfigError(f"r3bridge.router_log_ratio=true needs pipeline_model_parallel_size=1 (got {pp}): "
+                              f"the loss runs while other stages compute other micro-batches, so their layers' "
+                              f"share cannot be summed in")
         logger.info("r3bridge: replay_mode=%s attached to %d model chunk(s), MoE layers %s",
                     self.r3_config.replay_mode.value, len(self.module), self.r3_model.moe_layer_ids)
 
@@ -182,10 +195,21 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         if self._r3_step is None:
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
-        self.r3_install(batch, model)
-        return super().forward_step(iter((batch,)), model, logits_processor_func, postprocess_micro_batch_func)
+        index = self.r3_install(batch, model)
+        output, loss = super().forward_step(iter((batch,)), model, logits_processor_func, postprocess_micro_batch_func)
+        if not (self.r3_config.router_log_ratio and self._r3_step.action is Action.REPLAY):
+            return output, loss
+        step = self._r3_step
 
-    def r3_install(self, batch, model) -> None:
+        def loss_with_log_ratio(*args: Any, **kwargs: Any) -> Any:
+            # the loss runs after this chunk's forward: every router of the micro-batch has run
+            per_seq = step.router_log_ratio_tokens(model, index)
+            device = batch["input_ids"].values().device
+            batch[LOG_RATIO_KEY] = torch.nested.as_nested_tensor([t.to(device) for t in per_seq], layout=torch.jagged)
+            return loss(*args, **kwargs)
+        return output, loss_with_log_ratio
+
+    def r3_install(self, batch, model) -> int:
         """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
         input_ids = batch["input_ids"]
         seq_lens = input_ids.offsets().diff().tolist()
@@ -199,8 +223,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                 batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
                 num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk,
                 layer_axis=self.r3_config.layer_axis)
-        self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
-                                                cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
+        return self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
+                                                       cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""

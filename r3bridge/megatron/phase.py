@@ -105,9 +105,10 @@ class PhaseStep:
     def action(self) -> Action:
         return self.plan.action
 
-    def install(self, model: torch.nn.Module, mb: MicroBatch, index: Optional[int] = None) -> None:
+    def install(self, model: torch.nn.Module, mb: MicroBatch, index: Optional[int] = None) -> int:
         """Install ``mb`` as the next micro-batch of ``model``'s chunk (call right before its forward).
-        ``index``: the micro-batch's position in the schedule (chunks after the first repeat it)."""
+        ``index``: the micro-batch's position in the schedule (chunks after the first repeat it).
+        Returns that position (what :meth:`router_log_ratio_tokens` takes)."""
         c = self.runner.replayer.chunk_index(model)
         k = self._installed.get(c, 0) if index is None else int(index)
         self._installed[c] = k + 1
@@ -135,8 +136,19 @@ class PhaseStep:
                                     f"{len(lens)} packed of which {sum(s is None for s in ids)} padding")
             if extra:
                 routes = with_empty_sequences(routes, lens[routes.num_seqs:])
+        if self.runner.config.router_log_ratio and self.action is Action.REPLAY and routes.weights is None:
+            raise ConfigError(f"chunk {c}, micro-batch {k}: router_log_ratio=true needs the rollout's routing "
+                              f"weights, and these routes carry none (SGLang: --enable-return-routed-expert-weights)")
         self.step.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
                           seq_length=mb.seq_length, sample_ids=driver_ids)
+        return k
+
+    def router_log_ratio_tokens(self, model: torch.nn.Module, index: int) -> Optional[list[torch.Tensor]]:
+        """The router log-ratio of micro-batch ``index`` (every MoE layer of ``model``'s chunk),
+        one ``[seq_len]`` tensor per packed sequence, position ``j`` the routes at position ``j``
+        (:mod:`r3bridge.replay_policy`). ``None`` when its routes carry no weights. Call after the
+        chunk's forward of that micro-batch (from the loss)."""
+        return self.step.router_log_ratio_tokens(self.runner.replayer.chunk_index(model), index)
 
     @property
     def replayer(self) -> Any:

@@ -15,6 +15,7 @@ from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
 from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
 from r3bridge.megatron.step import ReplayStep
+from r3bridge.replay_policy import check_policy
 
 
 def _parallel_state_ranks() -> dict[str, Any]:
@@ -41,7 +42,8 @@ class Replayer:
                  mask_unrouted_rows: bool = True,
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None,
-                 expect_moe_layer_ids: Optional[Sequence[int]] = None, role: Role | str = Role.ACTOR) -> None:
+                 expect_moe_layer_ids: Optional[Sequence[int]] = None, replay_policy: str = "hard",
+                 threshold_ratio: float = 0.5, role: Role | str = Role.ACTOR) -> None:
         """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
         :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
         land on the wrong layers (verl #5037's dense-layer shift). ``role``: the role the framework
@@ -74,6 +76,19 @@ class Replayer:
         self.min_coverage = float(min_coverage)
         self.invalid_rows = invalid_rows
         self.metrics_prefix = metrics_prefix
+        check_policy(replay_policy, threshold_ratio)
+        self.replay_policy = replay_policy
+        self.threshold_ratio = float(threshold_ratio)
+        # what megatron-core hands the replay hook (moe_utils.topk_routing_with_score_function):
+        # a softmax router without pre-softmax ranks raw logits, every other router probabilities
+        self.score_space = ("logits" if config.moe_router_score_function == "softmax"
+                            and not config.moe_router_pre_softmax else "probs")
+        self.topk_scaling_factor = config.moe_router_topk_scaling_factor
+        if replay_policy == "threshold" and getattr(config, "moe_router_enable_expert_bias", False):
+            # the scores ranked are score + bias, not the gate score the threshold compares
+            raise ConfigError("replay_policy='threshold' with moe_router_enable_expert_bias: the router ranks "
+                              "biased scores, so 'the weakest native score' has no gate-score meaning; use "
+                              "replay_policy='hard'")
         # rows without a route kept out of aux loss / z-loss / expert-bias counts (stats_mask.py);
         # False only to measure what they would change (scripts/padding_mask_effect.py)
         self.mask_unrouted_rows = bool(mask_unrouted_rows) and router_takes_padding_mask()
@@ -115,7 +130,8 @@ class Replayer:
                     layout: Optional[ParallelLayout] = None, **kwargs: Any) -> "Replayer":
         """Every option of the job's ``r3bridge`` section, so adapters cannot forget one."""
         return cls(model_chunks, layout, agreement=config.agreement, min_coverage=config.min_coverage,
-                   invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix, **kwargs)
+                   invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix,
+                   replay_policy=config.replay_policy, threshold_ratio=config.threshold_ratio, **kwargs)
 
     # -------------------------------------------------------------------------------- public
     def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:

@@ -37,9 +37,11 @@ from r3bridge.layout import ParallelLayout
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
+from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.replay_policy import threshold_select
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import ShardedTargets, shard
 
@@ -66,6 +68,11 @@ class StepHost(Protocol):
     invalid_rows: str
     metrics_prefix: str
     mask_unrouted_rows: bool
+    # the replay policy (r3bridge/replay_policy.py) and how this model's routers score experts
+    replay_policy: str
+    threshold_ratio: float
+    score_space: str
+    topk_scaling_factor: Optional[float]
     # at most one step runs at a time; the router hooks forward to it
     active_step: Optional[ReplayStep]
 
@@ -118,6 +125,8 @@ class ReplayStep:
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
         self._counter = AgreementCounter(replayer.layout.moe_layer_ids, device=dev)
+        # replay policy / router log-ratio (r3bridge/megatron/policy_stats.py)
+        self.policy = PolicyStats(replayer.metrics_prefix, device=dev)
 
     # ---------------------------------------------------------------------------- context
     def __enter__(self) -> "ReplayStep":
@@ -128,6 +137,8 @@ class ReplayStep:
             self._handles.append(found.chunk.register_forward_hook(self._make_post(c)))
         if self.action is Action.REPLAY and self.replayer.mask_unrouted_rows:
             self._handles += stats_mask.attach([found.routers for found in self.replayer.chunks], self)
+        if self.action is Action.REPLAY:
+            self._handles += self.policy.attach([found.routers for found in self.replayer.chunks], self)
         self.replayer.active_step = self
         return self
 
@@ -156,6 +167,7 @@ class ReplayStep:
             q.clear()
         self._pairings.clear()
         self._pair_mismatch.clear()
+        self.policy.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
         if self.replayer.active_step is self:
@@ -346,11 +358,19 @@ class ReplayStep:
         if target.shape[1] != topk:
             raise ReplayStateError(f"layer {layer}: target top-k {target.shape[1]} != router top-k {topk}")
         idx = target
-        need_native = not mb.all_valid or ((self.replayer.agreement or self.trace is not None) and count)
+        threshold = self.replayer.replay_policy == "threshold"
+        need_native = not mb.all_valid or threshold or ((self.replayer.agreement or self.trace is not None) and count)
+        kept = None
         if need_native:
             native = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
+            if threshold:
+                idx, replaced = threshold_select(scores, target, native, ratio=self.replayer.threshold_ratio,
+                                                 score_space=self.replayer.score_space, valid=t.valid)
+                kept = ~replaced
+                if count:
+                    self.policy.count_replaced(replaced, t.num_valid, topk)
             if not mb.all_valid:
-                idx = torch.where(t.valid[:, None], target, native)
+                idx = torch.where(t.valid[:, None], idx, native)
             if count:
                 if self.trace is not None:
                     self.trace.routed(mb, layer, native, target, t.valid)
@@ -361,7 +381,25 @@ class ReplayStep:
             # coverage is over real tokens: packing padding never has a route, so the valid rows
             # (counted on the host at install) are the replayed tokens and the rest went native
             self._counter.add(layer, replayed=t.num_valid, native=mb.token_rows - t.num_valid)
+            if t.weights is not None:       # the router's output gives the trainer's gate weights
+                self.policy.expect(mb, layer, idx, t.weights[layer], t.valid, kept)
         return scores.gather(1, idx), idx
+
+    def router_log_ratio(self, chunk: int, index: int) -> Optional[torch.Tensor]:
+        """The router log-ratio of micro-batch ``index`` of ``chunk`` on this rank: float32
+        ``[rows]`` in router row order, summed over the chunk's MoE layers (``None``: its routes
+        carry no weights). Complete once the chunk's forward of that micro-batch has run."""
+        return self.policy.log_ratio.get((chunk, index))
+
+    def router_log_ratio_tokens(self, chunk: int, index: int) -> Optional[list[torch.Tensor]]:
+        """:meth:`router_log_ratio` as one ``[seq_len]`` tensor per sequence of the micro-batch,
+        every TP / CP rank's rows gathered (:func:`r3bridge.megatron.policy_stats.per_token`)."""
+        ratio = self.policy.log_ratio.get((chunk, index))
+        if ratio is None:
+            return None
+        rep = self.replayer
+        return per_token(ratio, self.policy.micro_batches[(chunk, index)], rep.layout, tp_rank=rep.tp_rank,
+                         cp_rank=rep.cp_rank, groups=rep.groups)
 
     # ---------------------------------------------------------------------------- end of step
     def _check_drained(self) -> None:
@@ -386,6 +424,7 @@ class ReplayStep:
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
+        out.update(self.policy.metrics(self.replayer.metrics_groups, threshold=self.replayer.replay_policy == "threshold"))
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
         return out

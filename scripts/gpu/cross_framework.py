@@ -48,10 +48,11 @@ LAYOUTS = {"tp1": dict(), "tp2_sp": dict(tp=2), "pp2_vpp2": dict(pp=2, vpp=2)}
 def _skyrl(ctx: Any, rollouts: list, layer_spec: str, device: str) -> dict:
     from testlab.real_paths import run_skyrl
 
-    if device == "cpu":  # SkyRL 0.4 on a CPU machine: testlab.skyrl04_env's Megatron-Bridge stand-in
-        from testlab.skyrl04_env import apply
+    # SkyRL 0.4.0's two Megatron-Bridge helpers exist in no released Megatron-Bridge: the stand-in
+    # (testlab.skyrl04_env) goes in wherever megatron.bridge is not importable, CPU or GPU
+    from testlab.skyrl04_env import apply
 
-        apply()
+    apply()
 
     return run_skyrl(ctx, rollouts, layer_spec)
 

@@ -246,6 +246,10 @@ def build_autobridge(
             "pipeline_model_parallel_size": 1,
             "expert_model_parallel_size": 1,
             "sequence_parallel": False,
+            # the provider defaults to True, which needs APEX's fused_weight_gradient_mlp_cuda (not on
+            # the image: "ColumnParallelLinear was called with gradient_accumulation_fusion set to
+            # True but ...", first device run 2026-11-26); it changes how grads accumulate, not routing
+            "gradient_accumulation_fusion": False,
         },
     )
     bridge_load: Callable = provider.pre_wrap_hook  # the bridge's HF loader (composed hooks)

@@ -42,13 +42,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
     from testlab.device_runs import PERMUTE, skyrl_rollouts, skyrl_spec
+    from testlab.skyrl04_env import apply
     from testlab.skyrl_real import StepSpec, run_steps
 
-    stand_ins = False
-    if device == "cpu":  # never on the GPU: there the real megatron-bridge must import
-        from testlab.skyrl04_env import apply
-
-        stand_ins = apply()
+    # SkyRL 0.4.0 imports two helpers that no released Megatron-Bridge has (testlab.skyrl04_env):
+    # the stand-in goes in wherever megatron.bridge is not importable, CPU or GPU, and is reported
+    stand_ins = apply()
     spec, rollouts = skyrl_spec(layer_spec), skyrl_rollouts(steps)
     out: dict[str, Any] = {"megatron_bridge_stand_in": stand_ins}
     for mode in ("R3", "R2"):

@@ -100,6 +100,7 @@ class HarnessVerl(MegatronEngineWithLMHead):
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return {}
         self.results = [(item["logits"], item["packed"]) for item in store]
+        self.handed_log_ratio = [item.get("handed_log_ratio") for item in store]
         # verl's own post-processing: per-token log-probs (nested, one row per token) back in
         # the batch's sample order (dynamic batching re-orders samples)
         outs = [{"model_output": {"log_probs": token_log_probs(logits, packed)}, "metrics": {}}
@@ -115,7 +116,9 @@ class HarnessVerl(MegatronEngineWithLMHead):
 
         def loss_func(per_token):
             value, reduced = loss(per_token)
-            return value, {**reduced, "packed": packed}
+            # what a verl loss reading its micro-batch ``data`` sees (r3bridge.router_log_ratio)
+            handed = batch.get("router_log_ratio", None)
+            return value, {**reduced, "packed": packed, "handed_log_ratio": handed}
         return output, loss_func
 
 

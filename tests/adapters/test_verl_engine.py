@@ -350,6 +350,58 @@ def _schedule_failure(ctx) -> dict:
     return res
 
 
+def _router_log_ratio(ctx) -> dict:
+    """R3 with rollout routing weights and ``router_log_ratio`` on: the loss of every micro-batch
+    finds ``router_log_ratio`` in its TensorDict, equal per token to the trainer's gate weights
+    (the routers' own output probs, read by the RoutingProbe) of the replayed experts against the
+    rollout's weights, summed over the MoE layers; without weights the pass is refused."""
+    import torch
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY, WEIGHTS_KEY, VerlCodec
+    from r3bridge.errors import ConfigError
+    from r3bridge.sharding import shard
+
+    rollout, eng, td = _setup(ctx, "R3", router_log_ratio=True)
+    routes = td[ROUTES_KEY]
+    g = torch.Generator().manual_seed(3)
+    weights = torch.rand(routes.values().shape, generator=g) * 0.9 + 0.05
+    td[WEIGHTS_KEY] = torch.nested.nested_tensor_from_jagged(weights, offsets=routes.offsets())
+    out, probe = _run(eng, td, forward_only=True)
+    batch = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_hidden_layers=rollout.num_layers).to_replay_batch(td)
+    fed = _fed_by_chunk(eng)[0]
+    expected = [None] * len(fed)
+    seen: dict[int, int] = {}
+    for call in probe.calls:
+        m = seen[call.layer_id] = seen.get(call.layer_id, -1) + 1
+        samples, packed = fed[m]
+        tg = shard(batch.select(samples), eng.r3_replayer.layout, packed.seq_lens, layer_ids=[call.layer_id],
+                   cu_seqlens_padded=packed.cu_seqlens_padded)
+        idx, w = tg.indices[call.layer_id], tg.weights[call.layer_id]
+        term = (call.probs.double().gather(1, idx).log() - w.double().log()).sum(-1)
+        term = torch.where(tg.valid, term, 0.0)
+        expected[m] = term if expected[m] is None else expected[m] + term
+    errors, tokens = [], 0
+    for m, ((samples, packed), handed) in enumerate(zip(fed, eng.handed_log_ratio)):
+        if handed is None:
+            errors.append(f"micro-batch {m}: the loss found no router_log_ratio")
+            continue
+        for s, got, off, n in zip(samples, handed.unbind(), packed.cu_seqlens_padded.tolist(), packed.seq_lens):
+            want = expected[m][off:off + n]
+            if got.shape != want.shape or not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):
+                errors.append(f"micro-batch {m} sample {s}: handed {got.tolist()} != {want.tolist()}")
+            tokens += n
+    res = dict(errors=errors, tokens=tokens, nonzero=bool(any(bool(e.abs().sum() > 0) for e in expected)),
+               metrics=dict(eng.r3_runner.results[-1].metrics))
+    td.pop(WEIGHTS_KEY)
+    try:
+        _run(eng, td, forward_only=True)
+        res["no_weights"] = None
+    except ConfigError as e:
+        res["no_weights"] = str(e)
+    return res
+
+
 def _provenance(ctx) -> dict:
     """The retraction case: sample 3's server call was preempted once (vLLM re-prefilled it, so its
     routes are the re-prefill's, epoch 1) while its first tokens' log-probs came from the first
@@ -384,7 +436,7 @@ def _provenance(ctx) -> dict:
 
 
 ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_failure": _schedule_failure,
-            "provenance": _provenance}
+            "router_log_ratio": _router_log_ratio, "provenance": _provenance}
 PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch}
 
 
@@ -531,6 +583,13 @@ def test_schedule_failure_frees_state(one_rank):
     assert r["R3"]["after_errors"] == [] and r["R3"]["after_checked"] > 0
     logged = r["R3"]["upd_logged"]
     assert len(logged["r3bridge/old_log_prob/coverage"]) == 1     # the failed pass held nothing
+
+
+def test_router_log_ratio_reaches_the_loss_per_token(one_rank):
+    r = one_rank["router_log_ratio"]
+    assert r["errors"] == [] and r["tokens"] > 0 and r["nonzero"], r["errors"][:3]
+    assert "r3bridge/replay/router_log_ratio_mean" in r["metrics"]
+    assert r["no_weights"] is not None and "routing weights" in r["no_weights"]
 
 
 def test_reprefilled_routes_are_counted_or_refused_by_provenance(one_rank):

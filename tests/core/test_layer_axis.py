@@ -82,6 +82,14 @@ def test_moe_only_routes_given_as_all_hidden_are_refused_not_guessed():
     sg = ReplayBatch.from_sglang([meta], num_experts=E, num_layers=len(MOE), topk=K, moe_layer_ids=MOE,
                                  layer_axis="moe_only")
     assert torch.equal(sg.routes, ok.routes)
+    # routing weights (SGLang #23999) follow the same axis as the ids
+    w = np.random.default_rng(5).random(a.shape).astype("<f4")
+    meta["routed_experts_weights"] = base64.b64encode(w.tobytes()).decode()
+    sgw = ReplayBatch.from_sglang([meta], num_experts=E, num_layers=len(MOE), topk=K, moe_layer_ids=MOE,
+                                  layer_axis="moe_only")
+    assert sgw.weights is not None and tuple(sgw.weights.shape) == a.shape
+    vw = ReplayBatch.from_vllm([a], num_experts=E, moe_layer_ids=MOE, layer_axis="moe_only", weights=[w])
+    assert torch.equal(vw.weights, sgw.weights)
 
 
 @pytest.mark.parametrize("hidden", [HIDDEN, None])

@@ -145,7 +145,7 @@ def test_wire_refuses_unknown_flags():
     import zlib
 
     data = bytearray(batch().to_bytes())
-    data[7] |= 4  # a flag this version does not know
+    data[7] |= 8  # a flag this version does not know (bit0 policy versions, bit1 provenance, bit2 weights)
     struct.pack_into("<I", data, 34, zlib.crc32(bytes(data[:34])))
     with pytest.raises(PayloadError, match="unknown flags"):
         ReplayBatch.from_bytes(bytes(data))
