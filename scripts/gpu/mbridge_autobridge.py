@@ -323,7 +323,9 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
             res.setdefault("versions", {})[mod] = f"unknown ({type(e).__name__})"
     res["device"] = torch.cuda.get_device_name(0)
 
-    cfg = hf_config()
+    dense = () if args.dense_layers == "none" else tuple(int(i) for i in args.dense_layers.split(","))
+    res["dense_layers"] = list(dense)
+    cfg = hf_config(dense_layers=dense)
     model = build_hf_model(cfg, seed=args.seed, router_std=args.router_std)
     hf_state = {k: v.clone() for k, v in model.state_dict().items()}
     tmp = tempfile.mkdtemp(prefix="r3b-mbridge-")
@@ -429,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--router-std", type=float, default=ROUTER_STD)
+    ap.add_argument(
+        "--dense-layers",
+        default=",".join(str(i) for i in MODEL["dense_layers"]),
+        help="HF mlp_only_layers, comma separated, or 'none' (every layer MoE). Megatron-Bridge 0.6.2 "
+        "cannot load a dense-first checkpoint: its conversion tasks hold None for the dense MLP's "
+        "parameters and load_weights_hf_to_megatron dereferences them (model_bridge.py:1100, "
+        "AttributeError: 'NoneType' object has no attribute 'megatron_module', 2026-11-26)",
+    )
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     partial: dict[str, Any] = {}
