@@ -157,3 +157,42 @@ def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
                 extra = [r for r in own.get(req.name, []) if r.marker and r.marker.evaluate({"extra": "skyrl-train"})]
                 assert extra, f"{arg}: not in skyrl {dist.version}'s skyrl-train extra"
                 assert not pinned or str(extra[0].specifier) == str(req.specifier), (arg, str(extra[0]))
+
+
+def test_areal_guide_says_its_megatron_engine_needs_python_312_as_areal_declares():
+    """AReaL 1.0.4 installs on 3.11, but `areal.engine.megatron_engine` imports megatron.bridge at
+    module level and AReaL declares megatron-bridge only for Python >= 3.12 (seen in a fresh
+    virtualenv: `trainer_class()` -> No module named 'megatron.bridge'). The guide and the README
+    must say so while the installed release's metadata and code say so."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    dist = distribution("areal")
+    bridge = [Requirement(r) for r in dist.requires or [] if Requirement(r).name == "megatron-bridge"]
+    assert bridge, "areal no longer requires megatron-bridge: revisit the guide's Python note"
+    env = {"extra": "megatron", "platform_machine": "x86_64", "sys_platform": "linux"}
+    assert not any(r.marker.evaluate({**env, "python_full_version": "3.11.7"}) for r in bridge)
+    assert all(r.marker.evaluate({**env, "python_full_version": "3.12.3"}) for r in bridge)
+    engine = dist.locate_file("areal/engine/megatron_engine.py").read_text()
+    assert "\nfrom megatron.bridge import" in engine           # at module level, not inside a function
+    assert "a real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
+    assert "a real AReaL Megatron\njob needs Python 3.12" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_step_runs_from_another_folder_with_an_installed_r3bridge(tmp_path, installed):
+    """The last line of the guides' "Try it on CPU" block (SkyRL's: the quickest of the three;
+    scripts/guides_fresh_venv.sh runs all three in fresh virtualenvs): from a folder outside the
+    checkout, r3bridge imported from the installed wheel, not the checkout, replay on and every
+    checked router row dispatching the rollout's route."""
+    env = {k: v for k, v in os.environ.items() if k not in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE")}
+    env["PYTHONPATH"] = installed                  # shadows the editable install, as a site-packages copy would
+    proc = subprocess.run([sys.executable, str(ROOT / "testlab" / "cpu_step.py"), "skyrl"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"from {installed}/r3bridge" in out, out[:500]
+    assert "r3bridge (SkyRL policy worker, pid " in out and "): replay_mode=R3 (from config)" in out
+    assert "r3bridge/replay_mode=3" in out and "r3bridge/update/coverage=" in out
+    assert " 0 mismatching" in out and "cpu_step: OK" in out
