@@ -67,7 +67,7 @@ for fw in "${FRAMEWORKS[@]}"; do
         done
     } > "$dir/driver.sh"
     if [ "$TORCH_INDEX_OK" = 0 ] && printf '%s\n' "${LINES[@]}" | grep -q -- "--index-url $TORCH_CPU_INDEX"; then
-        note=" (torch from the configured index: download.pytorch.org unreachable)"
+        note="download.pytorch.org unreachable: torch from the configured index"
     fi
     echo "== $fw: $(( ${#LINES[@]} - 1 )) lines from docs/use-with-$fw.md, log $log"
     bash "$dir/driver.sh" > "$log" 2>&1
@@ -76,6 +76,12 @@ for fw in "${FRAMEWORKS[@]}"; do
     run_line=$(awk '$1 == "TIMING" && /cpu_step.py/' "$log" | tail -1)
     run_s=$(echo "$run_line" | awk '{ printf "%.0f", $3 }')
     size=$(du -sh "$dir/venv" 2>/dev/null | cut -f1)
+    torch_v=$("$dir/venv/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null)
+    [ -n "$torch_v" ] && note="torch $torch_v${note:+; $note}"
+    # the CPU step's first line names where r3bridge was imported from
+    where=$(grep -m1 -oE "r3bridge [0-9.]+ from [^ ]+" "$log" | awk '{ print $4 }')
+    case "$where" in "$dir/venv/"*site-packages*) note="${note:+$note; }r3bridge installed, not editable";;
+                     "") ;; *) note="${note:+$note; }r3bridge imported from $where";; esac
     cmd=$(printf '%s\n' "${LINES[@]}" | grep cpu_step.py | tail -1)
     if [ $rc -ne 0 ]; then
         result="FAILED (exit $rc at: $(grep '^TIMING' "$log" | tail -1 | cut -d' ' -f4-))"
@@ -83,8 +89,8 @@ for fw in "${FRAMEWORKS[@]}"; do
     else
         startup=$(grep -m1 -oE "r3bridge \([^)]*\): replay_mode=(R3|R2) \(from [^)]*\)+" "$log")
         # what the framework returned: the mode code (3 = R3, 2 = R2) and the update's coverage
-        metric=$(grep -m1 -oE "[a-z_/]*r3bridge/replay_mode=\[?[0-9.e+-]+\]?" "$log")
-        coverage=$(grep -m1 -oE "[a-z_/]*r3bridge/update/coverage=\[?[0-9.e+-]+\]?" "$log")
+        metric=$(grep -m1 -oE "[a-z_/]*r3bridge/replay_mode=(\[[^]]*\]|[0-9.e+-]+)" "$log")
+        coverage=$(grep -m1 -oE "[a-z_/]*r3bridge/update/coverage=(\[[^]]*\]|[0-9.e+-]+)" "$log")
         [ -n "$coverage" ] && metric="$metric, $coverage"
         if [ -n "$startup" ] && [ -n "$metric" ] && grep -q "^cpu_step: OK" "$log"; then
             result="replay on: '${startup#*: }', $metric, $(grep -m1 -oE '[0-9]+ \(token, layer\) pairs checked' "$log" | cut -d' ' -f1) pairs checked, 0 mismatching"
@@ -92,8 +98,8 @@ for fw in "${FRAMEWORKS[@]}"; do
             result="NOT SHOWN (startup line: ${startup:-none}; metric: ${metric:-none})"
         fi
     fi
-    echo "   $fw: install ${install_s} s$note, venv $size, run ${run_s:-?} s: $result"
-    ROWS+=("| $fw | ${install_s}$note | $size | \`${cmd}\` | ${run_s:--} | $result |")
+    echo "   $fw: install ${install_s} s (${note}), venv $size, run ${run_s:-?} s: $result"
+    ROWS+=("| $fw | ${install_s} (${note}) | $size | \`${cmd}\` | ${run_s:--} | $result |")
 done
 
 echo
