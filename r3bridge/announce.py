@@ -18,14 +18,18 @@ REPLAY_MODE_CODES = {ReplayMode.OFF: 0.0, ReplayMode.R2: 2.0, ReplayMode.R3: 3.0
 logger = logging.getLogger("r3bridge")
 
 
-def _ensure_handler() -> None:
-    """INFO lines reach stderr even in a process that configured no logging (Ray workers)."""
+def _ensure_visible() -> None:
+    """The INFO line reaches a handler: unless someone set the ``r3bridge`` logger's level, it is
+    INFO (``R3BRIDGE_LOGGING_LEVEL`` overrides), since a framework that configured only the root
+    logger (verl: a root handler, root at WARNING) would drop it; a process that configured no
+    logging at all (Ray workers) gets a stderr handler."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
     if logger.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
 
 
 def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
@@ -44,6 +48,6 @@ def announce(cfg: ReplayConfig, source: str, where: str) -> str:
                  "section, or R3BRIDGE_REPLAY_MODE / R3BRIDGE_CONFIG)")
         logger.warning(line)
     else:
-        _ensure_handler()
+        _ensure_visible()
         logger.info(line)
     return line

@@ -154,3 +154,28 @@ def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog)
         assert "replay_mode=R3 (from config)" in line
     assert replay_mode_metric(ReplayConfig()) == {"r3bridge/replay_mode": 0.0}
     assert replay_mode_metric(ReplayConfig(replay_mode="R2", metrics_prefix="x/")) == {"x/replay_mode": 2.0}
+
+
+def test_announce_reaches_a_root_handler_left_at_warning():
+    """verl's workers configure only the root logger (a handler, level WARNING): the R3 startup line
+    must still reach that handler, not be dropped by the inherited level (seen in a fresh verl
+    virtualenv: scripts/guides_fresh_venv.sh)."""
+    import logging
+
+    from r3bridge.announce import announce, logger
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    root = logging.getLogger()
+    old_level, old_r3_level = root.level, logger.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logger.setLevel(logging.NOTSET)
+    try:
+        announce(ReplayConfig(replay_mode="R3"), "config", "verl engine")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+        logger.setLevel(old_r3_level)
+    assert [r.getMessage() for r in seen if "replay_mode=R3 (from config)" in r.getMessage()], seen

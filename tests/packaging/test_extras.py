@@ -58,6 +58,19 @@ def test_every_adapter_extra_and_the_demo_bring_megatron_core():
         assert megatron in EXTRAS[extra], f"[{extra}] lacks {megatron}"
 
 
+def test_extras_bring_mbridge_with_what_import_mbridge_needs():
+    """mbridge 0.15.1 declares einops and safetensors, which `import mbridge` imports, only under its
+    own `megatron` extra: an extra bringing plain `mbridge` left a fresh verl virtualenv without einops
+    (scripts/guides_fresh_venv.sh). The installed mbridge's metadata says what that extra holds."""
+    import_needs = {Requirement(r).name for r in distribution("mbridge").requires or []
+                    if Requirement(r).marker is not None and Requirement(r).marker.evaluate({"extra": "megatron"})}
+    assert "einops" in import_needs, import_needs
+    for extra, reqs in EXTRAS.items():
+        for req in reqs:
+            if req.name == "mbridge":
+                assert "megatron" in req.extras, f"[{extra}] brings {req}: without mbridge[megatron], no {import_needs}"
+
+
 def test_no_extra_names_a_torch_build():
     """torch comes only from the core dependency (a range): the extras never pick a build, so a
     machine with the CPU torch keeps it."""

@@ -1,0 +1,163 @@
+"""One replayed PPO step through verl's, SkyRL's or AReaL's own training path, on the CPU harness.
+
+This is the "Try it on CPU" command of the guides (docs/use-with-verl.md, use-with-skyrl.md,
+use-with-areal.md); scripts/guides_fresh_venv.sh runs it in a fresh virtualenv per framework:
+
+    python /path/to/r3bridge/testlab/cpu_step.py verl|skyrl|areal [--mode R3|R2|off] [--steps N]
+
+It runs the same code as the suite's real-path tests, in one gloo rank (docs/testing-harness.md
+lists what stands in for what a CPU cannot run): verl's ``TrainingWorker`` (``infer_batch``,
+``train_mini_batch``) with r3bridge's engine from verl's registry (testlab.verl_job), SkyRL 0.3's
+``MegatronModelWrapper`` behind ``PolicyWorkerMixin`` (testlab.skyrl_real), AReaL's
+``MegatronPPOActor`` with r3bridge's mixins (testlab.areal_runner). Every router call is compared
+with the routes it had to dispatch. Printed: the adapter's startup line (logger ``r3bridge``, from
+the rank process), the ``r3bridge/*`` metrics as the framework returned them, and one line per
+step, ``checked`` (token, layer) pairs and ``mismatching``. Exit status 1 when any call dispatched
+other routes than it should have.
+
+Runs from any folder, with r3bridge installed editable or not: testlab/ is r3bridge's test lab (not
+in the wheel), so the checkout is appended to ``sys.path``, after site-packages, and the installed
+r3bridge is the one imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FRAMEWORKS = ("verl", "skyrl", "areal")
+# SkyRL's update sees the samples in another order than compute_log_prob, re-partitioned
+SKYRL_PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]
+
+
+def _verl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
+    from testlab import verl_job
+
+    layout = verl_job.JobLayout(recompute=True)
+    res = verl_job.run_training_worker(ctx, verl_job.write_tiny_qwen3_moe(workdir), layout, mode, steps)
+    per_step: dict[str, list] = {}
+    for p in res["passes"]:  # "step0/compute_log_prob", "step0/update", ...
+        per_step.setdefault(p.phase.split("/")[0], []).append(p)
+    return {
+        "steps": [
+            {
+                "what": f"{step} {' + '.join(p.phase.split('/', 1)[1] for p in ps)}",
+                "checked": sum(p.checked_rows for p in ps),
+                "mismatching": sum(len(p.mismatches) for p in ps),
+                "first": [m for p in ps for m in p.mismatches][:3],
+            }
+            for step, ps in per_step.items()
+        ],
+        "metrics": res.get("metric_values", []),
+    }
+
+
+def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
+    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.models import ModelSpec
+    from testlab.skyrl_real import StepSpec, run_steps
+
+    spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], recompute="full")
+    rollouts = [
+        make_rollout(
+            21 + s,
+            batch_size=8,
+            num_experts=spec.num_moe_experts,
+            topk=spec.moe_router_topk,
+            num_layers=4,
+            moe_layer_ids=[1, 2, 3],
+        )
+        for s in range(steps)
+    ]
+    res = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=False, permute=SKYRL_PERMUTE), rollouts)
+    out = []
+    for i, s in enumerate(res["steps"]):
+        errors = s.get("fwd_errors", []) + s.get("upd_errors", [])
+        out.append(
+            {
+                "what": f"step {i} compute_log_prob + update",
+                "checked": s.get("fwd_checked", 0) + s.get("upd_checked", 0),
+                "mismatching": len(errors),
+                "first": errors[:3],
+            }
+        )
+    # SkyRL's per-micro-batch metrics of the update (its trainer logs them with "policy/" in front)
+    return {
+        "steps": out,
+        "metrics": [{k: v for k, v in s["logged"].items() if k.startswith("r3bridge/")} for s in res["steps"]],
+    }
+
+
+def _areal(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
+    from r3bridge.testing.conformance import make_rollout
+    from testlab.areal_runner import run_steps
+
+    rollout = make_rollout(11, batch_size=8, num_experts=4, topk=2, max_prompt=40)
+    res = run_steps(ctx, mode, rollout, workdir, steps=steps, n_mbs=2, ppo_n_minibatches=2)
+    # AReaL's runner checks all passes of all steps together
+    return {
+        "steps": [
+            {
+                "what": f"{steps} step(s), compute_logp + ppo_update",
+                "checked": res["checked_rows"],
+                "mismatching": len(res["errors"]),
+                "first": [str(e) for e in res["errors"][:3]],
+            }
+        ],
+        "metrics": res["metrics"],
+    }
+
+
+def _rank(ctx: Any, framework: str, workdir: str, mode: str, steps: int) -> dict:
+    run = {"verl": _verl, "skyrl": _skyrl, "areal": _areal}[framework]
+    return run(ctx, workdir, mode, steps)
+
+
+def _value(v: Any) -> str:
+    """A logged metric: a number, or verl's per-micro-batch list of numbers."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(f"{float(x):.4g}" for x in v) + "]"
+    return f"{float(v):.4g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cpu_step.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("framework", choices=FRAMEWORKS)
+    p.add_argument("--mode", default="R3", choices=("R3", "R2", "off"))
+    p.add_argument("--steps", type=int, default=1)
+    args = p.parse_args(argv)
+
+    import r3bridge
+    from r3bridge.testing.dist import spawn
+
+    print(
+        f"cpu_step: {args.framework}, replay_mode={args.mode}, {args.steps} step(s), 1 gloo rank; "
+        f"r3bridge {r3bridge.__version__} from {os.path.dirname(r3bridge.__file__)}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix=f"r3bridge-cpu-step-{args.framework}-") as workdir:
+        (res,) = spawn(_rank, world_size=1, args=(args.framework, workdir, args.mode, args.steps), timeout=900)
+    for i, m in enumerate(res["metrics"]):
+        print(f"step {i} metrics: " + ", ".join(f"{k}={_value(v)}" for k, v in sorted(m.items())))
+    bad = 0
+    for s in res["steps"]:
+        bad += s["mismatching"]
+        print(
+            f"{s['what']}: {s['checked']} (token, layer) "
+            f"pairs checked against the routes they had to dispatch, {s['mismatching']} mismatching"
+            + (f": {s['first']}" if s["first"] else "")
+        )
+    print(f"cpu_step: {'FAILED' if bad else 'OK'}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.path[0:1] = []  # this folder: testlab's modules are imported as testlab.*
+    sys.path.append(ROOT)  # after site-packages: an installed r3bridge wins over the checkout's
+    from testlab.cpu_step import main as _main  # the rank function must pickle as testlab.cpu_step._rank
+
+    sys.exit(_main())
