@@ -120,6 +120,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     from testlab.mbridge_spec import tiny_qwen3_moe
 
     st = import_areal("areal.utils.stats_tracker")
+    data_mod = import_areal("areal.utils.data")
     hf = tiny_qwen3_moe(num_layers=rollout.num_layers,
                         dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
                         num_experts=rollout.num_experts, topk=rollout.topk)
@@ -137,7 +138,11 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     recorded_per_step: list = []
     dispatch = DispatchLog("areal")
     for step in range(steps):
-        trajs = trajectories(rollout)
+        # on the engine's device, as AReaL's trainer hands them over: its DistRolloutCoordinator
+        # moves the rollout's trajectories with tensor_container_to(.., current_device()) before
+        # compute_logp (areal/infra/dist_rollout.py, rollout_batch / prepare_batch); compute_logp's
+        # prox_logp comes back on that device and compute_advantages mixes it with loss_mask
+        trajs = data_mod.tensor_container_to(trajectories(rollout), eng.device)
         with RoutingProbe(chunks, include_mtp=False) as probe:
             log = _PassLog(eng, probe)
             try:

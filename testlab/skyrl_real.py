@@ -36,7 +36,7 @@ from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.conformance import CanonicalRollout
 
-__all__ = ["StepSpec", "PolicyWorkerStandIn", "RefWorkerStandIn", "reference_roles", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
+__all__ = ["StepSpec", "PolicyWorkerStandIn", "train_device", "to_train_device", "check_param_devices", "RefWorkerStandIn", "reference_roles", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
 
 _WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -163,6 +163,38 @@ def ddp_wrap(chunks: list, config: Any) -> list:
                                     disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
 
 
+def train_device() -> torch.device:
+    """Where megatron's ``DistributedDataParallel`` puts its grad buffers (``param.main_grad``):
+    ``torch.cuda.current_device()``, this rank's GPU under NCCL, "cpu" under the CPU shim."""
+    dev = torch.cuda.current_device()
+    return torch.device(dev) if isinstance(dev, str) else torch.device("cuda", dev)
+
+
+def to_train_device(chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """Every chunk on :func:`train_device`, as Megatron-Bridge's ``get_model`` (SkyRL's
+    ``make_megatron_module`` -> ``provide_distributed_model``) moves each chunk with
+    ``.cuda(torch.cuda.current_device())`` before wrapping it in DDP. The harness's TE build
+    leaves parameters on the host that megatron creates without a device (the router's
+    ``weight``, ``torch.empty`` in moe/router.py; the learned position embedding,
+    ``torch.nn.Embedding``); megatron's router moves only its own weight at its first forward
+    (``TopKRouter.gating``), so an unused one (the position embedding under SkyRL's THD path)
+    stayed on the host while DDP put its ``main_grad`` on the GPU."""
+    dev = train_device()
+    for c in chunks:
+        c.to(dev)
+    return dev
+
+
+def check_param_devices(modules: Sequence[torch.nn.Module], params: Sequence[torch.nn.Parameter]) -> None:
+    """Every trained parameter on the device of its DDP grad buffer (``main_grad``); an
+    AssertionError naming each one that is not (the optimizer step would assign a gradient
+    of another device)."""
+    names = {id(p): n for m in modules for n, p in m.named_parameters()}
+    bad = [f"{names.get(id(p), '?')}: param on {p.device}, main_grad on {p.main_grad.device}"
+           for p in params if getattr(p, "main_grad", None) is not None and p.device != p.main_grad.device]
+    assert not bad, f"{len(bad)} parameter(s) not on their grad buffer's device: " + "; ".join(bad[:8])
+
+
 class PolicyWorkerStandIn:
     """Stand-in for SkyRL 0.3's ``MegatronPolicyWorkerBase`` (see the module docstring): the
     trainer-facing methods ``init_configs`` / ``init_model`` / ``forward`` / ``forward_backward``
@@ -187,8 +219,10 @@ class PolicyWorkerStandIn:
         self.init_configs(model_path, self.cfg.policy.megatron_config)
         wrapper = _skyrl(_WRAPPER)
         ppo = _skyrl("skyrl.backends.skyrl_train.utils.ppo_utils")
+        to_train_device(self._chunks)
         self.actor_module = ddp_wrap(self._chunks, self._chunks[0].config)
         params = [p for c in self.actor_module for p in c.parameters() if p.requires_grad]
+        check_param_devices(self.actor_module, params)
         # megatron's optimizers allocate on CUDA (docs/testing-harness.md): plain SGD over the
         # DDP grad buffers (param.main_grad), after finalize_model_grads reduced them
         self.optimizer = torch.optim.SGD(params, lr=self.cfg.policy.optimizer_config.lr)
@@ -260,6 +294,7 @@ class PolicyWorkerStandIn:
         if hasattr(self.model, "run_pending_grad_sync"):   # SkyRL 0.4 defers finalize_model_grads to here
             self.model.run_pending_grad_sync()
         norm = 0.0
+        check_param_devices(self.actor_module, self.optimizer.param_groups[0]["params"])
         for p in self.optimizer.param_groups[0]["params"]:
             p.grad = p.main_grad.to(p.dtype, copy=True)      # bf16 params (the GPU runs) keep their dtype
             norm += float(p.grad.double().pow(2).sum())
@@ -435,10 +470,12 @@ def _from_last_stage(t: Optional[torch.Tensor], shape: tuple) -> torch.Tensor:
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return t.float().contiguous()
-    buf = t.float().contiguous() if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.zeros(shape)
+    # on the rank's device: NCCL broadcasts only GPU tensors; the caller compares on the host
+    dev = train_device()
+    buf = t.float().to(dev).contiguous() if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.zeros(shape, device=dev)
     torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
-    return buf
+    return buf.cpu()
 
 
 def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalRollout]) -> dict:

@@ -109,9 +109,9 @@ def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer
 
 def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
     """R2 write-back: recorded ReplayBatch (batch order) -> ``[B, L_moe, K, S]`` for a right-padded
-    ``attention_mask``."""
+    ``attention_mask``, on its device (the batch's other fields are on the trainer's GPU)."""
     attn = torch.as_tensor(attention_mask)
-    return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1])
+    return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1]).to(attn.device)
 
 
 class ArealCodec:

@@ -232,7 +232,9 @@ class PPOActorMixin:
             model = getattr(eng, "r3_model", None)
             if t is not None and model is not None:
                 check_topk(repr(key), int(t.shape[2]), model.topk, where="AReaL batch (every sample)")
-        data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64)[:, None].expand(attn.shape).contiguous()
+        # on the batch's device, like every field AReaL's splitter and engine move with it
+        data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64,
+                                        device=attn.device)[:, None].expand(attn.shape).contiguous()
         eng.r3_phase = phase
         # per batch row; the engine keeps each pass's samples (by sample id) for the R3 check
         eng.r3_provenance = provenance_pairing(data)
@@ -291,7 +293,7 @@ class MegatronEngineMixin:
         the step's passes and ranks, as verl and SkyRL do (docs/metrics.md, "Aggregation")."""
         tracker = import_areal("areal.utils.stats_tracker")
         values = {**replay_mode_metric(self.r3_config), **tagged} if self.r3_config is not None else dict(tagged)
-        log_areal_metrics(tracker, values)
+        log_areal_metrics(tracker, values, device=getattr(self, "device", None))
 
     def _r3_plan(self):
         if self.r3_runner is None or self.r3_phase is None:
@@ -392,20 +394,22 @@ class RoleEngineMixin:
         return super().forward_backward_batch(*args, **kwargs)
 
 
-def log_areal_metrics(tracker: Any, values: dict) -> None:
+def log_areal_metrics(tracker: Any, values: dict, device: Any = None) -> None:
     """``values`` into AReaL's stats tracker ``tracker`` (the module ``areal.utils.stats_tracker``),
     unscoped. ``*_min`` keys as MIN stats (the minimum over the step's passes and ranks, as verl and
     SkyRL reduce them by name), with AReaL's own ``<key>__count`` as their denominator; every other
-    key as a scalar (AReaL averages scalars and adds ``<key>__count``)."""
+    key as a scalar (AReaL averages scalars and adds ``<key>__count``). ``device``: the engine's
+    (``MegatronEngine.device``); the MIN stats live there because ``export_stats`` all-reduces them
+    over the data-parallel group, which NCCL does only for GPU tensors (None: the host)."""
     mins = {k: v for k, v in values.items() if k.endswith("_min")}
     rest = {k: v for k, v in values.items() if k not in mins}
     with tracker.DEFAULT_TRACKER.disable_scope():
         if rest:
             tracker.scalar(**rest)
         for key, value in mins.items():
-            tracker.denominator(**{f"{key}__count": torch.ones(1, dtype=torch.bool)})
+            tracker.denominator(**{f"{key}__count": torch.ones(1, dtype=torch.bool, device=device)})
             tracker.stat(denominator=f"{key}__count", reduce_type=tracker.ReduceType.MIN,
-                         **{key: torch.tensor([float(value)], dtype=torch.float32)})
+                         **{key: torch.tensor([float(value)], dtype=torch.float32, device=device)})
 
 
 def check_areal(me: Any = None, ppo: Any = None, rl: Any = None) -> None:

@@ -108,3 +108,23 @@ def test_areal_reduction_and_names(passes):
     assert not any(k.startswith("ppo_actor/") for k in got), sorted(got)
     _close(ours, _expected(passes))
     assert all(got[f"{k}__count"] == sum(k in p for p in passes) for k in ours)
+
+
+def test_areal_min_stats_on_the_engine_device(passes):
+    """The MIN stats go on the engine's device: AReaL's ``export_stats`` all-reduces them over the
+    data-parallel group, which NCCL refuses for host tensors (``meta`` stands in for the GPU)."""
+    import torch
+
+    from r3bridge.adapters.areal._compat import import_areal
+    from r3bridge.adapters.areal.hooks import log_areal_metrics
+
+    tracker = import_areal("areal.utils.stats_tracker")
+    tracker.DEFAULT_TRACKER.export()                    # start empty
+    try:
+        log_areal_metrics(tracker, passes[0], device=torch.device("meta"))
+        mins = {k: v for k, v in tracker.DEFAULT_TRACKER.stats.items() if k.endswith("_min") or k.endswith("_min__count")}
+        assert mins and all(t.device.type == "meta" for v in mins.values() for t in v), mins
+    finally:
+        tracker.DEFAULT_TRACKER.stats.clear()           # meta tensors cannot be exported
+        tracker.DEFAULT_TRACKER.denominators.clear()
+        tracker.DEFAULT_TRACKER.reduce_types.clear()

@@ -91,3 +91,21 @@ def _check_reference(ref) -> None:
 def _check_logged(*args, **kwargs) -> None:
     from _documented_metrics import check_logged  # tests/adapters helper (not importable in workers)
     check_logged(*args, **kwargs)
+
+
+def test_param_device_check_names_the_stray_parameter():
+    """The stand-in's optimizer step assigns ``main_grad`` (DDP's buffer, on the rank's device) as
+    the gradient: a parameter left on another device (the GPU run's host-built position
+    embedding) is refused by name before that assignment (``meta`` stands in for a second device)."""
+    import torch
+
+    from testlab.skyrl_real import check_param_devices
+
+    m = torch.nn.Module()
+    m.ok = torch.nn.Parameter(torch.zeros(2))
+    m.stray = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    for p in m.parameters():
+        p.main_grad = torch.zeros(2)
+    check_param_devices([m], [m.ok])
+    with pytest.raises(AssertionError, match=r"1 parameter\(s\).*stray: param on meta, main_grad on cpu"):
+        check_param_devices([m], list(m.parameters()))
