@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["backend_of", "skyrl_spec", "skyrl_rollouts", "areal_rollout", "dispatch_disagreements", "emit"]
+__all__ = ["backend_of", "skyrl_spec", "skyrl_rollouts", "areal_rollout", "dispatch_disagreements", "emit", "error_text"]
 
 PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]  # the SkyRL update sees the samples in another order
 
@@ -105,3 +105,11 @@ def emit(out_dir: Optional[str], name: str, summary: dict) -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             f.write(line + "\n")
+
+
+def error_text(e: BaseException, *, head: int = 8000, tail: int = 3000) -> str:
+    """A failed run's error for its JSON summary: the start (where a rank's chained traceback puts
+    the root cause) and the end (the outermost error). Cutting the start off hid the cause of
+    AReaL's first GPU failure behind 4000 characters of AReaL's model repr (2026-11-26)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= head + tail else f"{text[:head]}\n[... {len(text) - head - tail} characters ...]\n{text[-tail:]}"

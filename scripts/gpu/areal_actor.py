@@ -109,7 +109,7 @@ def main() -> int:
     import importlib.metadata as md
 
     from r3bridge.testing.dist import Layout, spawn_layouts
-    from testlab.device_runs import backend_of, emit
+    from testlab.device_runs import backend_of, emit, error_text
 
     head = {
         "framework": "areal",
@@ -137,7 +137,7 @@ def main() -> int:
             )
         summary = {**head, **summarize(per_rank[0], a.steps)}
     except Exception as e:  # a failed rank: its traceback is the result
-        summary = {**head, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        summary = {**head, "ok": False, "error": error_text(e)}
     summary["seconds"] = round(time.time() - t0, 1)
     emit(a.out, "areal_actor", summary)
     return 0 if summary["ok"] else 1

@@ -136,7 +136,7 @@ def run_framework_in_child(
         cmd += ["--skyrl-spec", skyrl_spec]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout + 120)
     if p.returncode != 0:
-        raise RuntimeError(f"{fw} (PYTHONPATH prefix {prefix}) failed:\n{(p.stdout + p.stderr)[-4000:]}")
+        raise RuntimeError(f"{fw} (PYTHONPATH prefix {prefix}) failed:\n{(p.stdout + p.stderr)[:8000]}\n[...]\n{(p.stdout + p.stderr)[-3000:]}")
     import torch
 
     from testlab.dispatch_records import DispatchRecords
@@ -187,7 +187,7 @@ def main() -> int:
             pickle.dump({"results": plain, "versions": _versions()}, f)
         return 0
 
-    from testlab.device_runs import emit
+    from testlab.device_runs import emit, error_text
     from testlab.dispatch_records import DispatchRecords, compare_dispatch
     from testlab.real_paths import rollout as make
 
@@ -257,7 +257,7 @@ def main() -> int:
             ok = ok and layout_ok
         summary.update(ok=ok, layouts_result=out)
     except Exception as e:  # a failed rank: its traceback is the result
-        summary.update(ok=False, error=f"{type(e).__name__}: {e}"[-4000:])
+        summary.update(ok=False, error=error_text(e))
     summary["seconds"] = round(time.time() - t0, 1)
     emit(a.out, "cross_framework", summary)
     return 0 if summary["ok"] else 1
