@@ -59,8 +59,8 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
         if r.shape[0] > n:
             raise CoverageError(f"sequence {i}: {r.shape[0]} route rows for {n} tokens")
         pad = n - r.shape[0]
-        seqs.append(torch.cat([r, torch.zeros((pad,) + tuple(r.shape[1:]), dtype=r.dtype)]))
-        valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool)]))
+        seqs.append(torch.cat([r, torch.zeros((pad,) + tuple(r.shape[1:]), dtype=r.dtype, device=r.device)]))
+        valids.append(torch.cat([v, torch.zeros(pad, dtype=torch.bool, device=v.device)]))
         if rb.weights is not None:
             a = int(rb.offsets[i])
             w = rb.weights[a:a + r.shape[0]]
@@ -85,7 +85,9 @@ def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatc
                                     start_rows=lens, source=rb.source)
     if rb.weights is not None:      # zero rows of weights: concat keeps the batch's weights
         empty = empty.with_weights(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.weights.dtype))
-    return ReplayBatch.concat([rb, empty])
+    # on the batch's device: AReaL hands its routes to the adapter on the GPU (first GPU run,
+    # 2026-11-26: torch.cat of CUDA routes with these CPU rows failed in compute_logp)
+    return ReplayBatch.concat([rb, empty.to(rb.routes.device)])
 
 
 def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:

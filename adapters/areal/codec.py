@@ -61,7 +61,10 @@ def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequenc
     batches are right-padded), -> canonical ReplayBatch in that order. Route errors name the
     sample by its row of ``t`` (AReaL's trajectory in the batch) and its token; ``topk`` (the
     model's) refuses routes of another width here, naming both."""
-    t = torch.as_tensor(t)
+    # host data from here on, as every other adapter's routes: AReaL hands its trajectories to the
+    # actor on the GPU (areal/infra/dist_rollout.py:200), and the driver moves each rank's shard to
+    # its routers' device itself
+    t = torch.as_tensor(t).cpu()
     if t.dim() != 4:
         raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
     check_topk("routes", int(t.shape[2]), topk)
@@ -87,7 +90,7 @@ def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequenc
 
 
 def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
-    attn = torch.as_tensor(attention_mask).bool()
+    attn = torch.as_tensor(attention_mask).bool().cpu()   # on the GPU in a GPU job: a host check
     lens = attn.sum(-1).long()
     pos = torch.arange(attn.shape[-1])[None, :]
     if not bool((attn == (pos < lens[:, None])).all()):
