@@ -179,6 +179,11 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
     from r3bridge.adapters.areal import megatron_ppo_actor_class
     from r3bridge.config import ReplayConfig
 
+    if device == "cuda":
+        # AReaL's launcher gives each process its own LOCAL_RANK and the engine pins its GPU from it
+        # (megatron_engine.py:313); the harness already set this rank's device. With "0" on every rank
+        # both ranks of the 2-GPU run sat on GPU 0 ("Duplicate GPU detected", 2026-11-26)
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
     os.environ.setdefault("LOCAL_RANK", "0")
     alloc = import_areal("areal.api.alloc_mode", stand_ins=True)   # before the engine module is imported
     cls = engine_class or megatron_ppo_actor_class(ReplayConfig(replay_mode=mode, trace_dir=trace_dir))
