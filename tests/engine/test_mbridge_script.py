@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -134,14 +134,9 @@ def test_summary_passes_only_when_every_row_matched(mb):
         assert mb.summarize({**ok, **bad})["pass"] is False, bad
 
 
-def test_without_megatron_bridge_one_line_says_what_to_install(mb, tmp_path, capsys):
-    pytest.importorskip("megatron.core")
-    try:
-        import megatron.bridge  # noqa: F401
-
-        pytest.skip("megatron-bridge is installed here")
-    except ImportError:
-        pass
+def test_without_megatron_bridge_one_line_says_what_to_install(mb, tmp_path, capsys, monkeypatch):
+    # absent here anyway (Python 3.11); None in sys.modules makes it absent wherever this runs
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)
     assert mb.main(["--out", str(tmp_path)]) == 1
     line = (tmp_path / "summary.json").read_text()
     got = json.loads(line)

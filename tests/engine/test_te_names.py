@@ -10,8 +10,6 @@ import fnmatch
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 # Megatron-Bridge 0.6.2 Qwen3MoEBridge.mapping_registry(): the megatron (TE spec) parameter names
 BRIDGE_TE_NAMES = [
     "embedding.word_embeddings.weight",
