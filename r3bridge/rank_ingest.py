@@ -105,25 +105,29 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
     out = allocate((len(want), t_rows, k), torch.int64, what="rank_targets int64 targets") if dev.type == "cpu" \
         else torch.empty((len(want), t_rows, k), dtype=torch.int64, device=dev)
     out.copy_(compact_t.to(dev, non_blocking=True))
-    rank_weights = None if weights is None else _rank_weights(weights, arrays, cols, seq, src_row, valid, starts, want, dev)
+    rank_weights = None if weights is None else _rank_weights(weights, arrays, cols, seq, src_row, valid, starts, want,
+                                                              k, dev)
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t.to(dev), tuple(want), k, num_valid,
                           rank_weights)
 
 
 def _rank_weights(weights: Sequence[Any], arrays: list[np.ndarray], cols: list[int], seq: np.ndarray,
-                  src_row: np.ndarray, valid: np.ndarray, starts: Sequence[int], want: list[int],
+                  src_row: np.ndarray, valid: np.ndarray, starts: Sequence[int], want: list[int], k: int,
                   dev: torch.device) -> dict[int, torch.Tensor]:
     """This rank's rows and layers of the per-sequence weights (float32 ``[T, K]`` per layer,
     rounded through the schema's float16 as ``shard`` of a batch gives them; 0 on rows without a
     route). Checked as the schema checks weights, on what this rank reads."""
-    t_rows, k = int(seq.shape[0]), int(arrays[0].shape[2]) if arrays else 1
-    out = np.zeros((t_rows, len(want), k), dtype=np.float32)
+    out = np.zeros((int(seq.shape[0]), len(want), k), dtype=np.float32)
+    # this rank's routed rows grouped by sequence in one pass (not one scan of every row per sequence)
+    routed = np.flatnonzero(valid)
+    routed = routed[np.argsort(seq[routed], kind="stable")]
+    bounds = np.searchsorted(seq[routed], np.arange(len(weights) + 1))
     for i, payload in enumerate(weights):
         w = decode_vllm_weights(payload, seq=i)
         if tuple(w.shape) != tuple(arrays[i].shape):
             raise RouteWeightsError(f"sequence {i}: weights have shape {tuple(w.shape)}, its routes "
                                     f"{tuple(arrays[i].shape)}")
-        mine = np.flatnonzero((seq == i) & valid)
+        mine = routed[bounds[i]:bounds[i + 1]]
         if mine.size:
             out[mine] = w[src_row[mine]][:, cols]
     narrow = out.astype(np.float16)
