@@ -173,12 +173,13 @@ class ProvenancePairing:
 # an int64 [n, 2] tensor: (weight version, epoch), -1 = unknown, a row of -1s = no provenance. The
 # engine name is the adapter's and no request id travels.
 def versions_tensor(items: Sequence[Optional[RouteProvenance]]) -> torch.Tensor:
-    out = torch.full((len(items), 2), -1, dtype=torch.int64)
-    for i, p in enumerate(items):
-        if p is not None:
-            out[i, 0] = -1 if p.weight_version is None else p.weight_version
-            out[i, 1] = -1 if p.epoch is None else p.epoch
-    return out
+    def row(p: Optional[RouteProvenance]) -> tuple[int, int]:
+        if p is None:
+            return (-1, -1)
+        return (-1 if p.weight_version is None else p.weight_version, -1 if p.epoch is None else p.epoch)
+
+    # one tensor built from the rows (not one element assignment per field and sample)
+    return torch.tensor([row(p) for p in items], dtype=torch.int64).reshape(len(items), 2)
 
 
 def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RouteProvenance]]:
