@@ -195,34 +195,33 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     cols = [col_of[x] for x in want]
     # Gather the compact (uint8/int16) rows and layers first, transpose to [nl, T, K] while still
     # narrow, then widen to int64 in one contiguous pass (on ``out_device``).
-    if src.shape[0] == 0:
-        # No row at all (e.g. only 1-token sequences): every row is a filler; index_select on an
-        # empty source raised even though row==0 is only a placeholder for uncovered rows.
-        compact = torch.zeros((len(want), row.numel(), topk), dtype=src.dtype, device=src.device)
-    else:
-        compact = _gather_layer_major(src, row.to(src.device), cols)
+    compact = _picked_rows(src, row, cols)
     out = torch.empty((len(want), row.numel(), topk), dtype=torch.int64, device=out_device)
     out.copy_(compact.to(out_device, non_blocking=True))
     invalid = (~valid).nonzero().squeeze(1)
     if invalid.numel():
         out[:, invalid.to(out_device)] = torch.arange(topk, dtype=torch.int64, device=out_device)
-    weights = None if batch.weights is None else _shard_weights(batch.weights, row, valid, cols, want, out_device)
+    weights = None if batch.weights is None else _shard_weights(batch.weights, row, invalid, cols, want, out_device)
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid.to(out_device), tuple(want), topk,
                           num_valid, weights)
 
 
-def _shard_weights(weights: torch.Tensor, row: torch.Tensor, valid: torch.Tensor, cols: list[int], want: list[int],
+def _picked_rows(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -> torch.Tensor:
+    """``src [rows, L, K]``'s rows ``row`` and layer columns ``cols``, layer-major ``[nl, T, K]``
+    in ``src``'s dtype and device."""
+    if src.shape[0] == 0:
+        # No row at all (e.g. only 1-token sequences): every row is a filler; index_select on an
+        # empty source raised even though row==0 is only a placeholder for uncovered rows.
+        return torch.zeros((len(cols), row.numel(), src.shape[2]), dtype=src.dtype, device=src.device)
+    return _gather_layer_major(src, row.to(src.device), cols)
+
+
+def _shard_weights(weights: torch.Tensor, row: torch.Tensor, invalid: torch.Tensor, cols: list[int], want: list[int],
                    device: torch.device) -> dict[int, torch.Tensor]:
     """The weights of the rows and layers ``shard`` picked, by the same row map (so they follow
     their ids through packing, CP zigzag and the SP split): float32 ``[T_local, K]`` per layer,
-    0 on rows without a route."""
-    topk = weights.shape[2]
-    if weights.shape[0] == 0:
-        compact = torch.zeros((len(want), row.numel(), topk), dtype=weights.dtype, device=weights.device)
-    else:
-        compact = _gather_layer_major(weights, row.to(weights.device), cols)
-    out = compact.to(device=device, dtype=torch.float32)
-    invalid = (~valid).nonzero().squeeze(1)
+    0 on the rows without a route (``invalid``, host indices)."""
+    out = _picked_rows(weights, row, cols).to(device=device, dtype=torch.float32)
     if invalid.numel():
         out[:, invalid.to(device)] = 0
     return {lid: out[j] for j, lid in enumerate(want)}
