@@ -39,7 +39,7 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
-from r3bridge.provenance import RouteProvenance
+from r3bridge.provenance import RouteProvenance, reported_int
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
            "padded_rows", "decode_sglang_weights", "decode_vllm_weights", "sglang_weights_of", "SGLANG_WEIGHTS_KEYS",
@@ -258,13 +258,9 @@ def decode_vllm_weights(payload: Any, *, seq: int = 0) -> np.ndarray:
 def _version_number(value: Any) -> Optional[int]:
     """A weight version as an int: ints, and strings of digits (SGLang's ``weight_version`` is a
     free-form tag, ``"default"`` until a weight update names one); anything else is unknown."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value) if int(value) >= 0 else None
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
-    return None
+    return reported_int(value)
 
 
 def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None,
@@ -277,8 +273,8 @@ def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None
     preempted = getattr(completion, "num_preempted", None)
     if preempted is None:
         preempted = getattr(request_output, "num_preempted", None)
-    epoch = int(preempted) if isinstance(preempted, (int, np.integer)) and int(preempted) >= 0 else None
-    return RouteProvenance(engine, str(getattr(request_output, "request_id", "") or ""), weight_version, epoch)
+    return RouteProvenance(engine, str(getattr(request_output, "request_id", "") or ""), weight_version,
+                           reported_int(preempted))
 
 
 def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[int] = None,
@@ -290,8 +286,6 @@ def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[
     given here (the framework's own) takes precedence."""
     if not isinstance(meta_info, Mapping):
         raise PayloadError(f"SGLang meta_info must be a dict, got {type(meta_info).__name__}")
-    retractions = meta_info.get("num_retractions")
-    epoch = int(retractions) if isinstance(retractions, (int, np.integer)) and not isinstance(retractions, bool) \
-        and int(retractions) >= 0 else None
+    epoch = reported_int(meta_info.get("num_retractions"))
     version = weight_version if weight_version is not None else _version_number(meta_info.get("weight_version"))
     return RouteProvenance(engine, str(meta_info.get("id") or ""), version, epoch)

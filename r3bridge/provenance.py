@@ -13,8 +13,9 @@ the driver compares it with the provenance of the log-probs the routes are paire
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from r3bridge.errors import ProvenanceError
@@ -30,11 +31,22 @@ __all__ = [
     "CHECK_MODES",
     "versions_tensor",
     "from_versions_tensor",
+    "reported_int",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
 EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch as i32
 VERSION_MAX = 2**63 - 1  # and the weight version as i64
+
+
+def reported_int(value: Any) -> Optional[int]:
+    """An engine- or framework-reported count (weight version, preemptions, retractions) as an
+    int: a non-negative int (not a bool); ``None`` (unknown) for anything else, e.g. ``-1`` or
+    ``None`` where the engine did not report one. Unknown fields are not compared, and samples
+    without a comparable field are counted as unchecked (:class:`ProvenanceCount`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value) if int(value) >= 0 else None
 
 
 def _int_field(value, what: str, limit: int) -> Optional[int]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from r3bridge.errors import ProvenanceError, RouteShapeError
 from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
-from r3bridge.provenance import RouteProvenance
+from r3bridge.provenance import RouteProvenance, reported_int
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["VerlRollout", "call_provenance"]
@@ -81,15 +81,9 @@ def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = ""
         raise ProvenanceError(f"sample {request_id or '?'}: no server call to take provenance from")
     first = outputs[0]
     extra = getattr(first, "extra_fields", None) or {}
-    version = _version(extra.get("global_steps"))
-    sampled = _version(extra.get("min_global_steps"))
-    preempted = getattr(first, "num_preempted", None)
-    epoch = int(preempted) if isinstance(preempted, int) and preempted >= 0 else None
-    routes = RouteProvenance(engine, str(request_id), version, epoch)
+    version = reported_int(extra.get("global_steps"))
+    sampled = reported_int(extra.get("min_global_steps"))
+    routes = RouteProvenance(engine, str(request_id), version, reported_int(getattr(first, "num_preempted", None)))
     logprobs = RouteProvenance(engine, str(request_id), version if sampled is None else sampled, 0)
     return routes, logprobs
 
-
-def _version(value: Any) -> int | None:
-    # verl's global_steps: an int, or None / -1 before the trainer set one (validation runs)
-    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0 else None
