@@ -135,14 +135,7 @@ def decode_sglang_routes(payload: Any, *, num_layers: int | None = None, topk: i
         raise PayloadError(f"sequence {seq}: routed_experts is a dict {payload!r}; SGLang serialises a raw "
                            f"tensor as {{}} with skip_tokenizer_init: ask for the base64 form")
     if isinstance(payload, (str, bytes, bytearray)):
-        try:
-            raw = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise PayloadError(f"sequence {seq}: routed_experts is not valid base64 ({e})") from None
-        if len(raw) % 4:
-            raise PayloadError(f"sequence {seq}: routed_experts decodes to {len(raw)} bytes, not a whole "
-                               f"number of int32 values")
-        flat = np.frombuffer(raw, dtype="<i4")
+        flat = _base64_values(payload, "<i4", seq=seq, what="routed_experts")
     elif isinstance(payload, torch.Tensor):
         flat = payload.detach().cpu().reshape(-1).numpy()
     elif payload is None:
@@ -219,18 +212,23 @@ def sglang_weights_of(meta_info: Any) -> Any:
     return next((meta_info[k] for k in SGLANG_WEIGHTS_KEYS if meta_info.get(k) is not None), None)
 
 
+def _base64_values(payload: str | bytes | bytearray, dtype: str, *, seq: int, what: str) -> np.ndarray:
+    """SGLang's base64 of a flat little-endian 4-byte array (ids ``"<i4"``, weights ``"<f4"``)."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise PayloadError(f"sequence {seq}: {what} is not valid base64 ({e})") from None
+    if len(raw) % 4:
+        raise PayloadError(f"sequence {seq}: {what} decodes to {len(raw)} bytes, not a whole number of "
+                           f"{np.dtype(dtype).name} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def decode_sglang_weights(payload: Any, *, num_layers: int, topk: int, rows: int, seq: int = 0) -> np.ndarray:
     """SGLang's routing weights (base64 of flat little-endian float32, or an array / tensor) ->
     float32 ``[rows, num_layers, topk]``, checked against the ids' row count."""
     if isinstance(payload, (str, bytes, bytearray)):
-        try:
-            raw = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise PayloadError(f"sequence {seq}: routing weights are not valid base64 ({e})") from None
-        if len(raw) % 4:
-            raise PayloadError(f"sequence {seq}: routing weights decode to {len(raw)} bytes, not a whole number "
-                               f"of float32 values")
-        flat = np.frombuffer(raw, dtype="<f4")
+        flat = _base64_values(payload, "<f4", seq=seq, what="the routing weights payload")
     else:
         flat = _float_array(payload, seq=seq, what="routing weights").reshape(-1)
     if flat.size != rows * num_layers * topk:
