@@ -194,13 +194,18 @@ def versions_tensor(items: Sequence[Optional[RouteProvenance]]) -> torch.Tensor:
     return torch.tensor([row(p) for p in items], dtype=torch.int64).reshape(len(items), 2)
 
 
-def from_versions_tensor(t, *, engine: str, what: str) -> list[Optional[RouteProvenance]]:
-    """:func:`versions_tensor`'s inverse; ``what`` names the field in errors."""
+def from_versions_tensor(
+    t, *, engine: str, what: str, samples: Optional[int] = None
+) -> list[Optional[RouteProvenance]]:
+    """:func:`versions_tensor`'s inverse; ``what`` names the field in errors; ``samples``: the row
+    count the batch needs (one per sample), checked when given."""
     t = torch.as_tensor(t)
     if t.dim() != 2 or t.shape[1] != 2 or t.dtype.is_floating_point:
         raise ProvenanceError(
             f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got {t.dtype} {list(t.shape)}"
         )
+    if samples is not None and t.shape[0] != samples:
+        raise ProvenanceError(f"{what} has {t.shape[0]} rows for {samples} samples")
     out: list[Optional[RouteProvenance]] = []
     for i, (version, epoch) in enumerate(t.tolist()):
         if version == -1 and epoch == -1:

@@ -16,7 +16,7 @@ import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows
-from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
 from r3bridge.schema import ReplayBatch, sentinel_dtype
 
@@ -170,9 +170,6 @@ def provenance_pairing(data: dict) -> ProvenancePairing:
         t = data.get(key)
         if t is None:
             return None
-        out = from_versions_tensor(t, engine=ENGINE, what=f"AReaL batch field {key!r}")
-        if len(out) != n:
-            raise ProvenanceError(f"AReaL batch field {key!r} has {len(out)} rows for {n} trajectories")
-        return out
+        return from_versions_tensor(t, engine=ENGINE, what=f"AReaL batch field {key!r}", samples=n)
     return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY),
                              [f"batch row {i}" for i in range(n)])

@@ -299,10 +299,7 @@ def _provenance_column(batch: Any, key: str, n: int) -> Optional[list[Optional[R
     t = _get(batch, key)
     if t is None:
         return None
-    out = from_versions_tensor(t, engine=ENGINE, what=f"SkyRL batch field {key!r}")
-    if len(out) != n:
-        raise ProvenanceError(f"SkyRL batch field {key!r} has {len(out)} rows for {n} samples")
-    return out
+    return from_versions_tensor(t, engine=ENGINE, what=f"SkyRL batch field {key!r}", samples=n)
 
 
 def provenance_pairing(batch: Any) -> ProvenancePairing:

@@ -27,7 +27,7 @@ import torch
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
-from r3bridge.provenance import ProvenancePairing, RouteProvenance
+from r3bridge.provenance import ProvenancePairing, RouteProvenance, checked_provenance
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
@@ -79,12 +79,10 @@ def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | 
     if value is None:
         return None
     items = value.tolist() if hasattr(value, "tolist") else list(value)
-    if len(items) != n:
-        raise ProvenanceError(f"verl batch field {key!r} has {len(items)} entries for {n} samples")
-    for i, p in enumerate(items):
-        if p is not None and not isinstance(p, RouteProvenance):
-            raise ProvenanceError(f"verl batch field {key!r}, sample {i}: a RouteProvenance or None, got {p!r}")
-    return items
+    try:
+        return list(checked_provenance(items, n))  # type: ignore[arg-type]
+    except ProvenanceError as e:
+        raise ProvenanceError(f"verl batch field {key!r}: {e}") from None
 
 
 def provenance_pairing(td: Any) -> ProvenancePairing:
