@@ -65,7 +65,7 @@ from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.ingest import first_seen_rows
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.megatron.roles import Role, check_declared, declare_role
-from r3bridge.provenance import ProvenancePairing, RouteProvenance
+from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
@@ -130,9 +130,9 @@ def response_provenance(meta_info: dict, resp: Any) -> tuple[RouteProvenance, Ro
     ``weight_version``); the log-probs of its first tokens were sampled in the first pass (epoch 0)
     under AReaL's version of the first output token (``ModelResponse.output_versions``)."""
     routes = sglang_provenance(meta_info, engine=ENGINE)
-    versions = [v for v in (getattr(resp, "output_versions", None) or []) if isinstance(v, int) and v >= 0]
-    logprobs = RouteProvenance(ENGINE, routes.request_id, versions[0] if versions else None,
-                               None if routes.epoch is None else 0)
+    # the first known version: stop there (output_versions has one entry per output token)
+    first = next((v for v in (getattr(resp, "output_versions", None) or []) if reported_int(v) is not None), None)
+    logprobs = RouteProvenance(ENGINE, routes.request_id, first, None if routes.epoch is None else 0)
     return routes, logprobs
 
 

@@ -189,3 +189,16 @@ def test_areal_retracted_routes_are_counted_refused_or_pass(results):
     )
     logged = res["count"]["update"]["logged"]  # AReaL's stats tracker, exported as AReaL does
     assert logged["r3bridge/update/provenance/mismatched_samples"] == 1.0
+
+
+def test_areal_response_provenance_takes_the_first_known_output_version():
+    from types import SimpleNamespace
+
+    from r3bridge.adapters.areal.hooks import response_provenance
+
+    meta = {"id": "r1", "num_retractions": 2, "weight_version": "7"}
+    routes, logprobs = response_provenance(meta, SimpleNamespace(output_versions=[-1, True, 5, 6]))
+    assert (routes.weight_version, routes.epoch) == (7, 2)
+    assert (logprobs.request_id, logprobs.weight_version, logprobs.epoch) == ("r1", 5, 0)
+    _, unknown = response_provenance({"id": "r2"}, SimpleNamespace(output_versions=None))
+    assert (unknown.weight_version, unknown.epoch) == (None, None)
