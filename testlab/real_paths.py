@@ -52,24 +52,12 @@ def run_skyrl(ctx: Any, rollouts: list, layer_spec: Optional[str] = None) -> dic
     from r3bridge.testing.models import ModelSpec
     from testlab.skyrl_real import StepSpec, run_steps
 
-    if layer_spec is not None:
+    if layer_spec is not None or ctx.pp > 1:
+        # the device scripts' spec; under PP the CPU test trains SkyRL's THD path on the same
+        # MoE-only ("local") model (megatron's local attention refuses packed sequences)
         from testlab.device_runs import skyrl_spec
 
-        spec = skyrl_spec(layer_spec)
-        step = StepSpec(mode="R3", remove_microbatch_padding=True, micro_train_batch_size=2, permute=PERMUTE)
-    elif ctx.pp > 1:
-        # SkyRL's PP path as test_skyrl_real.py trains it: THD packing (identity attention: megatron's
-        # local attention refuses packed sequences), SkyRL's alltoall + variable_seq_lengths settings
-        spec = ModelSpec(
-            num_layers=4,
-            moe_layer_freq=[0, 1, 1, 1],
-            num_moe_experts=8,
-            moe_router_topk=2,
-            attention="identity",
-            recompute="full",
-            moe_token_dispatcher_type="alltoall",
-            extra_config={"variable_seq_lengths": True},
-        )
+        spec = skyrl_spec(layer_spec or "local")
         step = StepSpec(mode="R3", remove_microbatch_padding=True, micro_train_batch_size=2, permute=PERMUTE)
     else:
         spec = ModelSpec(
