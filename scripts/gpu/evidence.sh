@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The evidence run on the device machine (docs/evidence.md): off / R2 / R3 x 3 seeds + the noise
+# floor, GRPO on one GPU, in the background, bounded in wall-clock time.
+#
+#   bash scripts/gpu/evidence.sh start [ARGS...]  start it (setsid nohup) and return after its first lines;
+#                                                 ARGS go to `r3bridge evidence run` (default: the docs' run)
+#   bash scripts/gpu/evidence.sh status           the orchestrator's last lines and the steps per arm
+#   bash scripts/gpu/evidence.sh collect          into $OUT/evidence: the logs gzipped, run.json, the arms'
+#                                                 statuses, the warm start's stats, the figure and the table
+#
+# Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable (`bundle.sh install` of the
+# base and vLLM sets; EXTRA_PYTHONPATH=$(bash scripts/gpu/bundle.sh pythonpath SET) for a set
+# installed with --target). The run lives in $RUN (default ~/evidence), outside $OUT, so the calls
+# after `start` find it while the machine stays warm.
+set -euo pipefail
+RUN=${RUN:-$HOME/evidence}
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+case "${1:-}" in
+start)
+  shift
+  [ $# -gt 0 ] || set -- --engine vllm --device cuda --seeds 0,1,2 --steps 300 --wall-s 660
+  mkdir -p "$RUN"
+  python -c "import torch, vllm, transformers, megatron.core as m; print('torch', torch.__version__, 'vllm', \
+vllm.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__, \
+torch.cuda.get_device_name(0))" | tee "$RUN/versions.txt"
+  setsid nohup python -m r3bridge evidence run --out "$RUN/run" "$@" > "$RUN/orchestrator.log" 2>&1 < /dev/null &
+  echo "$!" > "$RUN/pid"
+  sleep 45
+  tail -n 5 "$RUN/orchestrator.log"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv ;;
+status)
+  tail -n 3 "$RUN/orchestrator.log"
+  for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && echo "$(basename "$f" .jsonl): $(wc -l < "$f") steps"; done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+collect)
+  dest=${OUT:-.}/evidence; mkdir -p "$dest"
+  for f in "$RUN"/run/logs/*.jsonl; do gzip -9c "$f" > "$dest/$(basename "$f").gz"; done
+  cp "$RUN"/run/logs/*.json "$RUN/run/run.json" "$RUN/versions.txt" "$dest/"
+  cp "$RUN/run/warmstart/stats.json" "$dest/warmstart.json" 2>/dev/null || true
+  tail -n 40 "$RUN/orchestrator.log" > "$dest/orchestrator.tail.txt"
+  for f in "$RUN"/run/procs/*.log; do tail -n 20 "$f" > "$dest/proc$(basename "$f" .log).tail.txt"; done
+  python -m r3bridge evidence plot "$RUN/run" --out "$dest/evidence.png" | tee "$dest/table.md"
+  du -sh "$dest" ;;
+*) sed -n 2,14p "$0"; exit 2 ;;
+esac
