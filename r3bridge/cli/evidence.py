@@ -51,12 +51,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--prompts", type=int, default=32, help="problems per step")
     r.add_argument("--group", type=int, default=8, help="samples per problem (GRPO group)")
     r.add_argument("--mini-batches", type=int, default=4, help="updates per rollout batch")
-    r.add_argument("--lr", type=float, default=None, help="Adam learning rate of GRPO (default 2e-4)")
+    r.add_argument("--lr", type=float, default=None, help="Adam learning rate of GRPO (default 1e-4)")
     r.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default=None,
                    help="megatron trainer: bf16 params + fp32 main weights (default on cuda) or fp32 (cpu)")
     r.add_argument("--spec", choices=["local", "te"], default="local", help="trainer layer spec (te: cuda)")
-    r.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default 1500)")
+    r.add_argument("--sft-steps", type=int, default=None,
+                   help="warm-start steps at most (default 3000; it stops at 60%% greedy accuracy or after 150 s)")
     r.add_argument("--sft-batch", type=int, default=None, help="warm-start batch (default 256)")
+    r.add_argument("--sft-seconds", type=float, default=None, help="warm-start time bound (default 150)")
+    r.add_argument("--sft-target", type=float, default=None,
+                   help="warm-start greedy accuracy at which it stops (default 0.6)")
     r.add_argument("--max-digits", type=int, default=3, help="operand digits of the addition task")
     r.add_argument("--partial-credit", type=float, default=0.0,
                    help="reward of a wrong answer per digit in place, as a fraction of the whole (default 0)")
@@ -107,8 +111,9 @@ def _run(args: argparse.Namespace) -> int:
         cfg = RunConfig(
             shape=ModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
             task=AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit),
-            warm=WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch))
-                                     if v is not None}),
+            warm=WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
+                                                       ("max_seconds", args.sft_seconds),
+                                                       ("target_accuracy", args.sft_target)) if v is not None}),
             grpo=grpo, arms=make_arms(args.modes, args.seeds, args.engine, not args.no_floor),
             resume=args.resume)
     except ValueError as e:

@@ -37,7 +37,7 @@ class GRPOOptions:
     group: int = 8
     mini_batches: int = 4
     logprob_micro_batches: int = 2
-    lr: float = 2e-4
+    lr: float = 1e-4
     clip: float = 0.2
     grad_clip: float = 1.0
     temperature: float = 1.0

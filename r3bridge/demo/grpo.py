@@ -28,6 +28,7 @@ Every step appends one line to ``logs/<arm>.jsonl`` in verl's file-logger format
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -88,7 +89,8 @@ class HFRollout:
             model = model.to(torch.bfloat16)
         self.engine = HFEngine(model.to(device).eval())
         e = self.engine
-        self.num_layers, self.moe_layer_ids, self.num_experts, self.topk = e.num_layers, e.moe_layer_ids, e.num_experts, e.topk
+        self.num_layers, self.moe_layer_ids = e.num_layers, e.moe_layer_ids
+        self.num_experts, self.topk = e.num_experts, e.topk
 
     def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         self.engine.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf_state.items()})
@@ -316,18 +318,15 @@ class ArmRunner:
     def _pass(self, action: Action, source: Optional[str], batches: list, ids_of: dict, routes_of: dict,
               probe: bool = False):
         """One forward-only schedule run over ``batches``: (results, replay step, probe or None)."""
+        prb = RoutingProbe(self.trainer, include_mtp=False) if probe else None
         for c in self.trainer:
             c.eval()
-        prb = RoutingProbe(self.trainer, include_mtp=False) if probe else None
         try:
-            if prb is not None:
-                prb.__enter__()
-            with self.rep.step(action, forward_only=True, source=source) as st:
-                res = run_schedule(self.trainer, batches, _install(st, self.fwd_logits, routes_of, ids_of),
-                                   forward_only=True)
+            with prb if prb is not None else contextlib.nullcontext():
+                with self.rep.step(action, forward_only=True, source=source) as st:
+                    res = run_schedule(self.trainer, batches, _install(st, self.fwd_logits, routes_of, ids_of),
+                                       forward_only=True)
         finally:
-            if prb is not None:
-                prb.remove()
             for c in self.trainer:
                 c.train()
         return res, st, prb
@@ -411,21 +410,33 @@ class ArmRunner:
                                          source="self")
 
     def step(self, step: int) -> dict[str, float]:
-        o, arm = self.opts, self.arm
+        """One GRPO step; returns the step's log line."""
         t_step, cpu_step = time.perf_counter(), time.process_time()
         timing: dict[str, float] = {}
         s, lp = self.rollout(step, timing)
         m: dict[str, float] = {"critic/score/mean": float(s.rewards.mean()),
                                "task/accuracy": float((s.rewards == 1.0).mean()),
                                "response_length/mean": float(np.mean([len(r) for r in s.responses]))}
-        # ---- compute_log_prob (theta_old)
         t = time.perf_counter()
-        plan = phase_plan(arm.mode, Phase.OLD_LOG_PROB)
-        lp_batches = [b for _, b in lp]
+        old_lp, recorded = self.compute_log_prob(s, lp, m)
+        timing["old_log_prob"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.update(step, s, old_lp, recorded, m)
+        timing["update_actor"] = time.perf_counter() - t
+        timing["step"] = time.perf_counter() - t_step
+        timing["step_cpu"] = time.process_time() - cpu_step     # this process's CPU time (a shared box: wall / cpu)
+        m.update({f"timing_s/{k}": v for k, v in timing.items()})
+        return m
+
+    def compute_log_prob(self, s: Samples, lp: list, m: dict[str, float]):
+        """theta_old's log-probs per sample (and R2's recording); logs the train-vs-rollout
+        mismatch, the entropy and how often the trainer's own routers chose the engine's experts."""
+        plan = phase_plan(self.arm.mode, Phase.OLD_LOG_PROB)
+        batches = [b for _, b in lp]
         ids_of = {id(b): list(map(int, g)) for g, b in lp}
-        roll_of = {id(b): s.routes.select(ids_of[id(b)]) for b in lp_batches}
-        res, st, probe = self._pass(plan.action, plan.source, lp_batches, ids_of,
-                                    roll_of if plan.source else {}, probe=plan.source is None)
+        roll_of = {id(b): s.routes.select(ids_of[id(b)]) for b in batches}
+        res, st, probe = self._pass(plan.action, plan.source, batches, ids_of, roll_of if plan.source else {},
+                                    probe=plan.source is None)
         old_lp: list[torch.Tensor] = [torch.empty(0)] * len(s)
         sums, ent_sum, ent_n = None, 0.0, 0
         for (g, b), r in zip(lp, res):
@@ -434,8 +445,8 @@ class ArmRunner:
             mask = b.loss_mask.bool()
             ent_sum += float(-(logp_all.exp() * logp_all).sum(-1)[mask].sum())
             ent_n += int(mask.sum())
-            roll = _per_token(s, g, b, s.rollout_lp)
-            part = logprob_mismatch_sums(full, roll, mask, cu_seqlens=b.cu_seqlens_padded, exclude_last=False)
+            part = logprob_mismatch_sums(full, _per_token(s, g, b, s.rollout_lp), mask,
+                                         cu_seqlens=b.cu_seqlens_padded, exclude_last=False)
             sums = part if sums is None else sums + part
             full = full.cpu()
             for sl, i in zip(_response_slices(s, g, b), g):
@@ -443,25 +454,28 @@ class ArmRunner:
         _put_mismatch(m, "actor/r3bridge/old_log_prob/mismatch/", sums)
         m["actor/entropy"] = ent_sum / max(ent_n, 1)
         if probe is not None:       # native routing: compare what the routers chose with the engine
-            tally = {"agree": torch.zeros(self.rep.layout.num_layers), "total": torch.zeros(self.rep.layout.num_layers)}
-            count_agreement(probe, lp_batches, roll_of, self.rep.layout, self.ctx, tally, grad_enabled=False)
+            n = self.rep.layout.num_layers
+            tally = {"agree": torch.zeros(n), "total": torch.zeros(n)}
+            count_agreement(probe, batches, roll_of, self.rep.layout, self.ctx, tally, grad_enabled=False)
             m["route/native_vs_engine"] = float(tally["agree"].sum() / tally["total"].sum().clamp(min=1))
         else:                       # R3: the driver compares the native top-k with the replayed engine's
             m["route/native_vs_engine"] = st.metrics["r3bridge/agreement/mean"]
             m["actor/r3bridge/old_log_prob/coverage"] = st.metrics["r3bridge/coverage"]
-        recorded = st.recorded
-        timing["old_log_prob"] = time.perf_counter() - t
-        # ---- updates
-        t = time.perf_counter()
-        plan = phase_plan(arm.mode, Phase.UPDATE)
-        order = np.random.default_rng([arm.seed, step, 1]).permutation(len(s))
-        upd_sums, norms, stats, cov, agree = None, [], [], [], []
+        return old_lp, st.recorded
+
+    def update(self, step: int, s: Samples, old_lp: list[torch.Tensor], recorded: Optional[ReplayBatch],
+               m: dict[str, float]) -> None:
+        """The samples shuffled into mini-batches, one PPO-clip update each, routed per the plan;
+        logs the updates' mismatch with the rollout, the PPO statistics and the gradient norms."""
+        o, plan = self.opts, phase_plan(self.arm.mode, Phase.UPDATE)
+        order = np.random.default_rng([self.arm.seed, step, 1]).permutation(len(s))
+        adv = [torch.full((len(r),), float(a)) for r, a in zip(s.responses, s.advantages)]
+        sums, norms, stats, cov, agree = None, [], [], [], []
         for u, g in enumerate(np.array_split(order, o.mini_batches)):
             ids = list(map(int, g))
             b = _pack(s, ids, o.device)
-            per = {id(b): {"old_lp": _per_token(s, ids, b, old_lp), "adv": _per_token(
-                s, ids, b, [torch.full((len(r),), float(a)) for r, a in zip(s.responses, s.advantages)]),
-                "mask": b.loss_mask.float()}}
+            per = {id(b): {"old_lp": _per_token(s, ids, b, old_lp), "adv": _per_token(s, ids, b, adv),
+                           "mask": b.loss_mask.float()}}
             ref = {}
             if plan.source == "recorded":
                 ref = {id(b): recorded.select(ids)}
@@ -477,15 +491,14 @@ class ArmRunner:
             if plan.source:
                 cov.append(us.metrics["r3bridge/coverage"])
                 agree.append(us.metrics["r3bridge/agreement/mean"])
-            roll = _per_token(s, ids, b, s.rollout_lp)
-            part = logprob_mismatch_sums(out[0]["logp"], roll, b.loss_mask.bool(), cu_seqlens=b.cu_seqlens_padded,
-                                         exclude_last=False)
-            upd_sums = part if upd_sums is None else upd_sums + part
+            mask = b.loss_mask.bool()
+            part = logprob_mismatch_sums(out[0]["logp"], _per_token(s, ids, b, s.rollout_lp), mask,
+                                         cu_seqlens=b.cu_seqlens_padded, exclude_last=False)
+            sums = part if sums is None else sums + part
             if u == 0:   # weights still theta_old: only routing and kernels can move the log-probs
-                mask = b.loss_mask.bool()
-                m["actor/first_update/abs_log_ratio"] = float(
-                    (out[0]["logp"] - per[id(b)]["old_lp"]).abs()[mask].mean())
-        _put_mismatch(m, "actor/r3bridge/update/mismatch/", upd_sums)
+                shift = (out[0]["logp"] - per[id(b)]["old_lp"]).abs()[mask]
+                m["actor/first_update/abs_log_ratio"] = float(shift.mean())
+        _put_mismatch(m, "actor/r3bridge/update/mismatch/", sums)
         m.update({"actor/pg_loss": float(np.mean([x["loss"] for x in stats])),
                   "actor/pg_clipfrac": float(np.mean([x["clipfrac"] for x in stats])),
                   "actor/ppo_kl": float(np.mean([x["ppo_kl"] for x in stats])),
@@ -495,11 +508,6 @@ class ArmRunner:
         if cov:
             m["actor/r3bridge/update/coverage"] = float(np.mean(cov))
             m["actor/r3bridge/update/agreement/mean"] = float(np.mean(agree))
-        timing["update_actor"] = time.perf_counter() - t
-        timing["step"] = time.perf_counter() - t_step
-        timing["step_cpu"] = time.process_time() - cpu_step     # this process's CPU time (a shared box: wall / cpu)
-        m.update({f"timing_s/{k}": v for k, v in timing.items()})
-        return m
 
 
 def _put_mismatch(m: dict[str, float], prefix: str, sums: torch.Tensor) -> None:

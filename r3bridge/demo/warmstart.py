@@ -54,13 +54,19 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class WarmStartOptions:
-    steps: int = 1500
+    """``steps`` at most; every 100 steps the greedy accuracy is measured and training stops once
+    it reaches ``target_accuracy`` (GRPO needs room to learn: a policy that is always right gives
+    every group the same reward) or after ``max_seconds``."""
+
+    steps: int = 3000
     batch: int = 256
     lr: float = 3e-3
     warmup: int = 30
     aux_loss: float = 0.01      # HF's load-balancing loss coefficient (router_aux_loss_coef)
     seed: int = 0
     eval_problems: int = 512
+    target_accuracy: float = 0.6
+    max_seconds: float = 150.0
 
 
 def _lr_at(step: int, opts: WarmStartOptions) -> float:
@@ -119,10 +125,13 @@ def warm_start(shape: ModelShape, task: task_mod.AdditionTask, opts: WarmStartOp
             acc = greedy_accuracy(model, task, 256, opts.seed, device)
             model.train()
             curve.append((step, float(loss.detach()), acc))
-            log(f"[warm start] step {step}/{opts.steps} loss {curve[-1][1]:.4f} greedy accuracy {acc:.3f} "
+            log(f"[warm start] step {step + 1}/{opts.steps} loss {curve[-1][1]:.4f} greedy accuracy {acc:.3f} "
                 f"({time.time() - t0:.0f} s)")
+            if acc >= opts.target_accuracy or time.time() - t0 > opts.max_seconds:
+                break
     model.eval()
     acc = greedy_accuracy(model, task, opts.eval_problems, opts.seed, device)
-    stats = {"greedy_accuracy": acc, "seconds": time.time() - t0, "curve": curve, "options": asdict(opts)}
+    stats = {"greedy_accuracy": acc, "steps": step + 1, "seconds": time.time() - t0, "curve": curve,
+             "options": asdict(opts)}
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
     return state, stats
