@@ -53,6 +53,10 @@ _LLM_ARGS = ("enable_return_routed_experts", "kv_cache_memory_bytes", "skip_toke
 def _import_vllm() -> Any:
     # must be set before vLLM builds its engine: the engine core in this process
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # the run samples without top-k / top-p, so vLLM never uses the FlashInfer sampler; at the
+    # variable's default vLLM 0.24.0 still imports flashinfer for it, which the device's wheel set
+    # does not carry (docs/gpu.md, "Real vLLM on the device")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     try:
         import vllm
     except ImportError as e:

@@ -8,14 +8,15 @@
 #   bash scripts/gpu/evidence.sh collect          into $OUT/evidence: the logs gzipped, run.json, the arms'
 #                                                 statuses, the warm start's stats, the figure and the table
 #
-# Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable (`bundle.sh install` of the
-# base and vLLM sets; EXTRA_PYTHONPATH=$(bash scripts/gpu/bundle.sh pythonpath SET) for a set
-# installed with --target). The run lives in $RUN (default ~/evidence), outside $OUT, so the calls
-# after `start` find it while the machine stays warm.
+# Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
+# the base and vllm sets (docs/gpu.md, "Real vLLM on the device"), which puts the vllm set in
+# /tmp/site-vllm; EXTRA_PYTHONPATH overrides that folder. The run lives in $RUN (default
+# ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
 set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
+EXTRA_PYTHONPATH=${EXTRA_PYTHONPATH-$(bash "$(dirname "$0")/bundle.sh" pythonpath vllm)}
 export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0
 case "${1:-}" in
 start)
   shift
