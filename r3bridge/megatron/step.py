@@ -94,6 +94,17 @@ def fingerprint(scores: torch.Tensor) -> torch.Tensor:
     return scores.detach()[::step][:FINGERPRINT_ROWS].float().sum(-1)
 
 
+def _check_topk(routes: ReplayBatch, topk: int, where: str) -> None:
+    """Routes of another top-k than the model's routers, refused at install (not at the first
+    router call), naming the micro-batch and its samples; a batch without one valid row got its
+    top-k from its shape, not from the model (aborted samples only: build it with the model's)."""
+    if routes.topk == topk:
+        return
+    why = (" and not one valid row: its samples have no routes (aborted?), so that top-k came from the "
+           "batch's shape; build their ReplayBatch with the model's top-k" if not bool(routes.valid.any()) else "")
+    raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
+
+
 class ReplayStep:
     """Created by :meth:`Replayer.step`; use as a context manager."""
 
@@ -208,8 +219,9 @@ class ReplayStep:
         mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
         if self.action is Action.REPLAY:
             if routes is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay step without routes")
             self._check_source(routes)
+            _check_topk(routes, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
             if rep.invalid_rows == "error" and not bool(routes.valid.all()):
                 seq, row, tok = locate(routes.offsets, routes.start_rows, int((~routes.valid).nonzero()[0]))
                 raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
@@ -221,8 +233,8 @@ class ReplayStep:
                 # over this rank's real tokens: packing padding never has a route
                 cov = nvalid / token_rows if token_rows else 1.0
                 if cov < rep.min_coverage:
-                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
-                                        f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                    raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
+                                        f"rank's {token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = bool(routes.valid.any())
             mb.routes = routes
