@@ -9,7 +9,7 @@ their tests or their fixtures is not done lightly. The asserts and thresholds ar
         @pytest.fixture
         def codec(self, rollout):
             return MyFwCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
-                             num_hidden_layers=rollout.num_layers)
+                             num_hidden_layers=rollout.num_layers, topk=rollout.topk)
 
         @pytest.fixture
         def native_batch(self, rollout):
