@@ -58,9 +58,9 @@ def _rows_view(arr: Any, layer_dim: int) -> Any:
 
 def check_dense_columns(routes: Any, cols: Sequence[int], *, layer_dim: int, field: str) -> None:
     """Refuse picking columns ``cols`` (the model's MoE layer ids) of an every-layer id array when,
-    on the sampled rows that hold any route, each picked column is all zero while another column
-    holds routes: those columns are dense layers (engines write them as zeros), so the ids are
-    not the engine's layer indices, typically 1-based ones. Only for integer ids with top-k > 1 (a
+    on the sampled rows that hold any route, picked columns are all zero while the columns that
+    hold routes are the picked ids shifted by one: those are dense layers (engines write them as
+    zeros) and the ids are off by one, typically 1-based. Only for integer ids with top-k > 1 (a
     real top-k row of distinct ids is never all zero); a bounded sample of rows, so the cost does
     not grow with the batch."""
     view = _rows_view(routes, layer_dim)
@@ -85,10 +85,14 @@ def check_dense_columns(routes: Any, cols: Sequence[int], *, layer_dim: int, fie
     if not empty:
         return
     with_routes = [int(c) for c in np.flatnonzero(holds)]
+    hint = shifted_layer_ids_hint(cols, with_routes)
+    if not hint:
+        # no shift explains it: not a layer-id mix-up (zero ids on some MoE layers only are
+        # degenerate routes, which validation reports as such)
+        return
     raise LayerMappingError(
         f"{field}: MoE layer ids {empty} pick layers whose rows are all zero in {int(routed.sum())} sampled routed "
-        f"rows (dense layers: engines report them as zeros), while layers {with_routes} hold routes"
-        f"{shifted_layer_ids_hint(cols, with_routes) or '; ' + CONVENTION}")
+        f"rows (dense layers: engines report them as zeros), while layers {with_routes} hold routes{hint}")
 
 
 def layers_from_mapping(per_layer: Mapping[int, Any], moe_layer_ids: Sequence[int], *,
