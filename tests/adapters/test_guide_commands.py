@@ -12,6 +12,7 @@ docs/use-with-areal.md, "What runs where"). verl's scripts run with ``python`` s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,24 +151,85 @@ def _pip_args(line: str) -> list[str]:
     return line.split("#", 1)[0].split()[2:]
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _torch_lines(framework: str) -> tuple[str, str, str]:
+    """The block's torch line, the version it installs, and the line after it (r3bridge's)."""
+    block = fresh_venv_block(framework)
+    pips = [line for line in block if line.startswith("pip install")]
+    return pips[0], pips[0].split()[2].split("==")[1], pips[1]
+
+
 @pytest.mark.parametrize("framework", FRESH)
 def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhere(framework):
     """The block scripts/guides_fresh_venv.sh follows (issue 32's done-criterion): a new virtualenv,
-    the README's install line for the framework (from the checkout, not editable), then the CPU step
-    from another folder than the checkout."""
+    torch's CPU build, the README's install line for the framework (from the checkout, not editable)
+    guarded against a CUDA torch, then the CPU step from another folder than the checkout."""
     block = fresh_venv_block(framework)
     assert block[0].startswith("R3BRIDGE=") and " VENV=" in block[0], block[0]
     assert block[1] == 'python3 -m venv "$VENV" && . "$VENV/bin/activate"', block[1]
-    pips = [_pip_args(line) for line in block if line.startswith("pip install")]
-    assert [f'"$R3BRIDGE[{framework}]"'] in pips, pips                  # README: pip install ".[framework]"
-    assert not [p for p in pips if "-e" in p or "--editable" in p], pips
+    torch_line, version, r3_line = _torch_lines(framework)
+    # the torch line: the CPU index, nothing else from it; one torch line per torch version, README included
+    assert torch_line.startswith(f"pip install torch=={version}") and torch_line.endswith(f" --index-url {TORCH_CPU_INDEX}")
     readme = (ROOT / "README.md").read_text()
+    assert torch_line in readme, torch_line
+    # r3bridge's line: the README's install line, and torch pinned as the CPU build, so a failed torch
+    # line stops it ("No matching distribution") instead of pulling the CUDA build
+    args = _pip_args(r3_line)
+    assert args[0] == f'"$R3BRIDGE[{framework}]"' and f"torch=={version}+cpu" in args, r3_line
     assert f'pip install ".[{framework}]"' in readme
+    pips = [_pip_args(line) for line in block if line.startswith("pip install")]
+    assert not [p for p in pips if "-e" in p or "--editable" in p], pips
+    torch_pins = [a for p in pips for a in p if a.startswith("torch==")]
+    assert torch_pins == [f"torch=={version}", f"torch=={version}+cpu"], torch_pins     # no other torch anywhere
     cd, _, run = block[-1].partition(" && ")
     assert cd.startswith("cd ") and "$R3BRIDGE" not in cd, block[-1]
     assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework}', run
     from testlab.cpu_step import FRAMEWORKS
     assert framework in FRAMEWORKS
+
+
+def test_the_torch_of_verl_and_skyrl_blocks_is_the_one_make_install_installs():
+    makefile = (ROOT / "Makefile").read_text()
+    constraints = (ROOT / "constraints.txt").read_text().splitlines()
+    for framework in ("verl", "skyrl"):
+        _, version, _ = _torch_lines(framework)
+        assert f'"torch=={version}+cpu"' in makefile and f"torch=={version}" in constraints, framework
+
+
+def _drivers(*, index_reachable: bool) -> dict[str, list[str]]:
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "guides_fresh_venv.sh"), "--print", *FRESH],
+                         env={**os.environ, "TORCH_INDEX_OK": "1" if index_reachable else "0"},
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    drivers: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("## "):
+            drivers[line[3:]] = []
+        else:
+            drivers[next(reversed(drivers))].append(line)
+    return drivers
+
+
+def test_the_fresh_venv_script_runs_each_block_as_written():
+    """scripts/guides_fresh_venv.sh (run by hand: minutes and GBs) reads each guide's block into the
+    commands it runs: every line after the first, verbatim and in order, R3BRIDGE the checkout and VENV
+    a new folder; when download.pytorch.org is unreachable, the torch line asks the configured index
+    for the CPU build only (torch==X+cpu), never for whatever torch it serves."""
+    for reachable in (True, False):
+        drivers = _drivers(index_reachable=reachable)
+        assert sorted(drivers) == sorted(FRESH)
+        for framework, driver in drivers.items():
+            block = fresh_venv_block(framework)
+            assert f"R3BRIDGE='{ROOT}'; VENV='" in driver[2] and f"/{framework}/venv'" in driver[2], driver[2]
+            torch_line, version, _ = _torch_lines(framework)
+            wanted = list(block[1:])
+            if not reachable:
+                i = wanted.index(torch_line)
+                wanted[i] = re.sub(rf"(^| )torch=={re.escape(version)}( |$)", rf"\1torch=={version}+cpu\2",
+                                   torch_line.replace(f" --index-url {TORCH_CPU_INDEX}", ""))
+            ran = [line for line in driver[4:] if not line.startswith(("__t0=", "__rc="))]
+            assert ran == wanted, (framework, reachable, ran, wanted)
 
 
 @pytest.mark.parametrize("framework", FRESH)
@@ -221,8 +283,31 @@ def test_areal_guide_says_its_megatron_engine_needs_python_312_as_areal_declares
     assert all(r.marker.evaluate({**env, "python_full_version": "3.12.3"}) for r in bridge)
     engine = dist.locate_file("areal/engine/megatron_engine.py").read_text()
     assert "\nfrom megatron.bridge import" in engine           # at module level, not inside a function
-    assert "a real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
-    assert "a real AReaL Megatron\njob needs Python 3.12" in (ROOT / "README.md").read_text()
+    assert "A real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
+    assert "AReaL 1.0.4: a real Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_skyrl_guide_says_a_megatron_job_needs_python_312_as_skyrl_declares():
+    """SkyRL 0.3.0 declares Python >= 3.11 but its megatron extra brings Megatron-Bridge (which its
+    Megatron worker imports at module level) only on Python >= 3.12; the guide, the README and the
+    launcher's refusal must say so while the installed release's metadata and code say so."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    dist = distribution("skyrl")
+    bridge = [Requirement(r) for r in dist.requires or [] if Requirement(r).name == "megatron-bridge"]
+    assert bridge, "skyrl no longer requires megatron-bridge: revisit the guide's Python note"
+    env = {"extra": "megatron", "sys_platform": "linux"}
+    assert not any(r.marker.evaluate({**env, "python_version": "3.11"}) for r in bridge)
+    assert all(r.marker.evaluate({**env, "python_version": "3.12"}) for r in bridge)
+    worker = dist.locate_file("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py").read_text()
+    assert "\nfrom megatron.bridge import AutoBridge" in worker        # at module level
+    assert "A SkyRL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-skyrl.md").read_text()
+    assert "SkyRL 0.3 / 0.4: a Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+
+
+
 
 
 @pytest.mark.slow
