@@ -55,15 +55,17 @@ def _refuse(lines: list[str]) -> None:
 def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any) -> list[str]:
     """What stops AReaL 1.0.4's local launcher with this config on this machine, one line each.
 
-    ``config``: the parsed experiment config (with the ``r3bridge`` section); ``raw``: AReaL's
-    unstructured config (what its launcher reads); ``gen_backend``: the allocation's inference backend;
+    ``raw``: AReaL's unstructured config (what its launcher reads); ``config``: the same parsed with
+    the ``r3bridge`` section (``None`` when the script's config class is not ``GRPOConfig``: the
+    section is then checked in the trainer); ``gen_backend``: the allocation's inference backend;
     ``platform``: AReaL's ``current_platform``."""
     out = []
-    section, _ = replay_config_with_source(section_of(config))
-    returns = bool(getattr(getattr(config, "rollout", None), "return_routed_experts", False))
-    if section.replay_mode is ReplayMode.R3 and not returns:
-        out.append("r3bridge.replay_mode=R3 replays SGLang's routes, but rollout.return_routed_experts is false: "
-                   "set it to true (the actor would find no routes in the first rollout)")
+    if config is not None:
+        section, _ = replay_config_with_source(section_of(config))
+        returns = bool(getattr(getattr(config, "rollout", None), "return_routed_experts", False))
+        if section.replay_mode is ReplayMode.R3 and not returns:
+            out.append("r3bridge.replay_mode=R3 replays SGLang's routes, but rollout.return_routed_experts is false: "
+                       "set it to true (the actor would find no routes in the first rollout)")
     if not platform.device_control_env_var:
         # LocalLauncher.submit_array: f"{device_control_env_var}={ids}" -> "=0 stdbuf -oL torchrun ..."
         out.append(f"AReaL's local launcher needs an accelerator; on this machine AReaL picked its "
@@ -80,11 +82,11 @@ def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any
     return out
 
 
-def _folders(config: Any) -> None:
-    """``cluster.fileroot`` and the NFS name-resolve root: AReaL's launcher requires them to exist."""
-    cluster = config.cluster
+def _folders(cluster: Any) -> None:
+    """``cluster.fileroot`` and the NFS name-resolve root (AReaL's ``ClusterSpecConfig``): AReaL's
+    launcher requires them to exist."""
     wanted = [("cluster.fileroot", cluster.fileroot)]
-    if getattr(cluster.name_resolve, "type", None) == "nfs":
+    if cluster.name_resolve.type == "nfs":
         wanted.append(("cluster.name_resolve.nfs_record_root", cluster.name_resolve.nfs_record_root))
     for key, path in wanted:
         if path and not os.path.isdir(path):
@@ -158,37 +160,45 @@ def _watch(wait: ServerWait, stop: threading.Event, interval: float = 2.0) -> No
             return
 
 
+def _parse(argv: list[str]) -> Any:
+    """The config as the guide's script reads it (``GRPOConfig`` + the ``r3bridge`` section); ``None``
+    when the script's own config class has keys ``GRPOConfig`` lacks (said in one line)."""
+    try:
+        return parse_cli(argv, grpo_config_class())
+    except ReplayError as e:
+        _refuse([f"{type(e).__name__}: r3bridge: {e}"])
+    except Exception as e:  # noqa: BLE001 - AReaL's parser (hydra, omegaconf): about r3bridge, or another class
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "r3bridge" in str(e) or "ReplayConfig" in str(e):
+            _refuse([f"r3bridge: {first}"])
+        logger.warning("r3bridge (%s): the config is not GRPOConfig + r3bridge (%s); its r3bridge section is "
+                       "checked and announced by the actor", WHERE, first)
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cli_args = import_areal("areal.api.cli_args")
-    try:
-        config = parse_cli(argv, grpo_config_class())
-    except ReplayError as e:
-        _refuse([f"{type(e).__name__}: r3bridge: {e}"])
-    except Exception as e:  # noqa: BLE001 - omegaconf's key errors: one line when they are about r3bridge
-        if "r3bridge" not in str(e) and "ReplayConfig" not in str(e):
-            raise
-        _refuse([f"r3bridge: {str(e).splitlines()[0]}"])
-    section = section_of(config)
-    if section is not None:
-        announce(section, SOURCE_CONFIG, WHERE)
-    else:
-        announce(*replay_config_with_source(None), WHERE)
-    raw, _ = cli_args.parse_cli_args(argv)
-    alloc = import_areal("areal.api.alloc_mode")._AllocationMode.from_str(config.allocation_mode)
+    config = _parse(argv)
+    if config is not None:
+        section = section_of(config)
+        announce(*((section, SOURCE_CONFIG) if section is not None else replay_config_with_source(None)), WHERE)
+    raw, _ = cli_args.parse_cli_args(argv)                # what AReaL's launcher reads
+    alloc = import_areal("areal.api.alloc_mode")._AllocationMode.from_str(raw.allocation_mode)
     platform = import_areal("areal.infra.platforms").current_platform
     found = problems(config, raw, alloc.gen_backend, platform=platform)
     if found:
         _refuse(found)
-    _folders(config)
+    cluster = cli_args.to_structured_cfg(raw.get("cluster", {}), cli_args.ClusterSpecConfig)
+    _folders(cluster)
 
     local = import_areal("areal.infra.launcher.local")
     stop = threading.Event()
     if alloc.gen_backend in SERVER_MODULES:
         name_resolve, names = import_areal("areal.utils.name_resolve"), import_areal("areal.utils.names")
-        key = names.gen_servers(config.experiment_name, config.trial_name)
-        log_path = os.path.join(config.cluster.fileroot, "logs", getpass.getuser(), config.experiment_name,
-                                config.trial_name, "llm_server.log")
+        key = names.gen_servers(raw.experiment_name, raw.trial_name)
+        log_path = os.path.join(cluster.fileroot, "logs", getpass.getuser(), raw.experiment_name, raw.trial_name,
+                                "llm_server.log")
         wait = ServerWait(alloc.gen_backend, alloc.gen.dp_size, lambda: len(name_resolve.get_subtree(key)),
                           _running, log_path)
         threading.Thread(target=_watch, args=(wait, stop), name="r3bridge-server-wait", daemon=True).start()

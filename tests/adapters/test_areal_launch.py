@@ -67,6 +67,14 @@ def test_a_missing_section_is_announced_at_launch_and_a_typo_refused_in_one_line
     off = [r for r in caplog.records if "r3bridge (AReaL launcher, pid" in r.getMessage()]
     assert off and off[0].levelno == logging.WARNING, caplog.text
     assert "replay_mode=off (from default); no r3bridge setting was found" in off[0].getMessage()
+    # a script whose own config class has more keys than GRPOConfig: its section is the actor's to check
+    (tmp_path / "own.yaml").write_text(text + "my_workflow_option: 3\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="r3bridge"), _keep_logging(), pytest.raises(SystemExit) as exit_:
+        launch.main(["--config", str(tmp_path / "own.yaml")])
+    assert exit_.value.code == 2
+    (note,) = [r.getMessage() for r in caplog.records if "r3bridge (AReaL launcher)" in r.getMessage()]
+    assert "the config is not GRPOConfig + r3bridge" in note and "my_workflow_option" in note, note
     capsys.readouterr()
     with _keep_logging(), pytest.raises(SystemExit) as exit_:
         launch.main(LINE + ["r3bridge.replay_mode=R4"])
