@@ -53,6 +53,12 @@ def test_what_areals_launcher_would_fail_on_is_named_one_line_each(launch, tmp_p
     assert "'=0 stdbuf -oL torchrun ...'" in found[1] and "CPU platform" in found[1]
     assert "no 'sglang:' section" in found[2] and "Key 'sglang' is not in struct" in found[2]
     assert all("\n" not in line for line in found)
+    # the folders AReaL's launcher requires, created when missing (as AReaL structures its cluster section)
+    _, raw = _config(launch, LINE + [f"cluster.fileroot={tmp_path}/root",
+                                     f"cluster.name_resolve.nfs_record_root={tmp_path}/nr"])
+    cli_args = import_areal("areal.api.cli_args")
+    launch._folders(cli_args.to_structured_cfg(raw.get("cluster", {}), cli_args.ClusterSpecConfig))
+    assert (tmp_path / "root").is_dir() and (tmp_path / "nr").is_dir()
 
 
 def test_a_missing_section_is_announced_at_launch_and_a_typo_refused_in_one_line(launch, tmp_path, caplog, capsys,
