@@ -164,13 +164,17 @@ class Finding:
 class _Imports(ast.NodeVisitor):
     """The imports a module runs when it is imported: (name, level, fromlist, line, optional)."""
 
-    def __init__(self) -> None:
+    def __init__(self, functions: bool = False) -> None:
+        self.functions = functions       # also the imports inside function bodies
         self.found: list[tuple[str, int, list[str], int, bool, str]] = []
         self.guard = 0
         self.conditions: list[str] = []
 
     def visit_FunctionDef(self, node: ast.AST) -> None:     # bodies run later, if ever
-        return None
+        if self.functions:
+            self.conditions.append("<in a function>")
+            self.generic_visit(node)
+            self.conditions.pop()
 
     visit_AsyncFunctionDef = visit_FunctionDef
     visit_Lambda = visit_FunctionDef
@@ -255,7 +259,7 @@ class Closure:
 
 
 def trace(index: Index, roots: Iterable[str], image: set[str], extra_ok: set[str] = frozenset(),
-          *, conditional: bool = True) -> Closure:
+          *, conditional: bool = True, functions: Iterable[str] = ()) -> Closure:
     """``conditional=False``: follow only imports outside every ``if`` (what importing the roots
     certainly runs); True: also those under an ``if`` (reported apart: check their conditions)."""
     res = Closure()
@@ -302,10 +306,12 @@ def trace(index: Index, roots: Iterable[str], image: set[str], extra_ok: set[str
         except SyntaxError as e:
             res.parse_errors.append(f"{mod}: {e}")
             continue
-        v = _Imports()
+        v = _Imports(functions=any(mod == f or mod.startswith(f + ".") for f in functions))
         v.visit(tree)
         for name, level, fromlist, line, optional, cond in v.found:
             target = _resolve(mod, src.is_package, name, level)
+            if cond == "<in a function>" and functions:
+                cond = ""      # a function the run calls (--functions): as good as module level
             if not target or (cond and not conditional):
                 continue
             if cond:
@@ -329,6 +335,8 @@ def main() -> int:
     ap.add_argument("--sets", nargs="+", required=True)
     ap.add_argument("--optional", action="store_true", help="also list optional (guarded) imports the device lacks")
     ap.add_argument("--ok", nargs="*", default=[], help="top-level names to accept (stood in for by the run)")
+    ap.add_argument("--functions", nargs="*", default=[],
+                    help="module prefixes whose function-level imports the run executes too (followed as module level)")
     ap.add_argument("roots", nargs="+")
     args = ap.parse_args()
     index = Index()
@@ -342,8 +350,8 @@ def main() -> int:
                 index.add_wheel(os.path.join(folder, f))
     index.add_repo()
     image = image_names()
-    res = trace(index, args.roots, image, set(args.ok), conditional=False)
-    full = trace(index, args.roots, image, set(args.ok), conditional=True)
+    res = trace(index, args.roots, image, set(args.ok), conditional=False, functions=args.functions)
+    full = trace(index, args.roots, image, set(args.ok), conditional=True, functions=args.functions)
     print(f"modules reached: {len(res.reached)}; distributions whose code was read: {len(res.dists_used)}")
     unused = sorted(set(index.wheel_sizes) - res.dists_used)
     if unused:
