@@ -240,13 +240,12 @@ def build_trainer(cfg: Any, state: dict, ctx: Any) -> list:
     return [c.to("cuda", dtype=torch.bfloat16) for c in chunks]
 
 
-def replay_case(case: Case, chunks: list, ctx: Any, out: dict[str, Any]) -> None:
+def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any], device: str = "cuda") -> None:
     """Native pass (agreement reported) and R3 forward-only pass (every router row checked)."""
     from replay_grid import _check_probe, _install_step
 
     from r3bridge.demo.hf_to_mcore import packed_from_tokens
     from r3bridge.errors import ReplayError
-    from r3bridge.megatron import Replayer
     from r3bridge.testing.data import batch_to
     from r3bridge.testing.probe import RoutingProbe
     from r3bridge.testing.schedule import make_forward_step, run_schedule
@@ -258,9 +257,8 @@ def replay_case(case: Case, chunks: list, ctx: Any, out: dict[str, Any]) -> None
         return
     out["rows"] = routes.total_rows
     cpu_batch = packed_from_tokens(case.tokens, align=1)
-    batch = batch_to(cpu_batch, "cuda")
+    batch = batch_to(cpu_batch, device)
     ids = {id(batch): list(range(len(case.tokens)))}
-    rep = Replayer(chunks)
     layers = list(rep.layer_ids)
     out["replayer_layers"] = layers
     fwd = make_forward_step(ctx, thd=True)
@@ -297,6 +295,7 @@ def summarize(cases: dict[str, dict[str, Any]]) -> bool:
 def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     from vllm_smoke import environment
 
+    from r3bridge.megatron import Replayer
     from testlab.vllm_payloads import save_payloads
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")    # not carried (vllm_smoke.set_environment)
@@ -316,9 +315,10 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     for name in ("A", "B"):
         cfg, state = models[name]
         chunks = build_trainer(cfg, state, ctx)
+        rep = Replayer(chunks)        # one per model: it attaches r3bridge's hook to every router
         for case in (c for c in cases if c.model.name == name):
-            replay_case(case, chunks, ctx, per[case.name])
-        del chunks
+            replay_case(case, chunks, rep, ctx, per[case.name])
+        del chunks, rep
         gc.collect()
     res["pass"] = summarize(per)
 
