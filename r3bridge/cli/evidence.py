@@ -74,6 +74,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="hard bound on the whole run in seconds: no step starts that would end after it")
     r.add_argument("--resume", action="store_true",
                    help="reuse OUT's warm start and continue each arm from its last checkpoint")
+    r.add_argument("--checkpoint-every", type=int, default=100, help="steps between an arm's checkpoints (0: none)")
     r.add_argument("--json", action="store_true", help="print each arm's status and steps as one JSON object")
     q = cmds.add_parser("plot", help="table and figure from a run's logs (.jsonl or .jsonl.gz)")
     q.add_argument("logs", help="run folder, its logs/, or a folder of <arm>.jsonl[.gz]")
@@ -107,7 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         grpo = GRPOOptions(steps=args.steps, prompts=args.prompts, group=args.group, mini_batches=args.mini_batches,
                            device=args.device, trainer_dtype=args.trainer_dtype or ("bf16" if cuda else "fp32"),
-                           layer_spec=args.spec, **({} if args.lr is None else {"lr": args.lr}))
+                           layer_spec=args.spec, checkpoint_every=args.checkpoint_every,
+                           **({} if args.lr is None else {"lr": args.lr}))
         cfg = RunConfig(
             shape=ModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
             task=AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit),

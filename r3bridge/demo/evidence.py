@@ -57,6 +57,9 @@ def _run_warm_start(root: Path, run: RunConfig, device: str, log: Callable[[str]
     from r3bridge.demo.warmstart import warm_start
 
     ws = root / "warmstart"
+    if device == "cpu":
+        # the arm processes share the CPU: more intra-op threads only spin (4x the CPU time, measured)
+        torch.set_num_threads(1)
     try:
         state, stats = warm_start(run.shape, run.task, run.warm, device=device, log=log)
     except BaseException as e:

@@ -73,9 +73,10 @@ def _after(arm: ArmLog, key: str, warmup: int) -> list[float]:
 
 
 def _ratio(a: float, b: float) -> float:
-    if math.isnan(a) or math.isnan(b):
+    """a / b; inf when only b is 0 (e.g. no token with |d| > ln 2 under R3), NaN when both are."""
+    if math.isnan(a) or math.isnan(b) or (a == 0 and b == 0):
         return math.nan
-    return max(a, MIN_POSITIVE) / max(b, MIN_POSITIVE)
+    return math.inf if b == 0 else a / b
 
 
 def _collapsed(arm: ArmLog) -> bool:
@@ -89,8 +90,15 @@ def _collapsed(arm: ArmLog) -> bool:
     return _mean(r[-max(1, len(r) // 10):]) < 0.5 * best
 
 
+ORDER = ("off", "R2", "R3", "floor")      # the table's and the legend's order; other groups after
+
+
+def _ordered(groups: set[str]) -> list[str]:
+    return sorted(groups, key=lambda g: (ORDER.index(g) if g in ORDER else len(ORDER), g))
+
+
 def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
-    groups = sorted({a.group for a in arms})
+    groups = _ordered({a.group for a in arms})
     by_group = {g: [a for a in arms if a.group == g] for g in groups}
     out: dict[str, Any] = {"warmup": warmup, "groups": {}, "ratios": {}, "off": {}}
     for g, members in by_group.items():
@@ -112,7 +120,8 @@ def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
                 if b is not None:
                     per_seed[a.seed] = _ratio(_mean(_after(a, key, warmup)), _mean(_after(b, key, warmup)))
             overall = _ratio(out["groups"]["off"]["metrics"][key]["mean"], out["groups"][other]["metrics"][key]["mean"])
-            better = None if lower is None else [(r > 1) if lower else (r < 1) for r in per_seed.values()]
+            better = None if lower is None else [(r > 1) if lower else (r < 1) for r in per_seed.values()
+                                                 if not math.isnan(r)]
             rows[key] = {"ratio": overall, "per_seed": per_seed,
                          "holds_across_seeds": None if better is None or not better else all(better)}
         out["ratios"][f"off/{other}"] = rows
@@ -133,6 +142,8 @@ def _fmt(x: Any) -> str:
     if isinstance(x, float):
         if math.isnan(x):
             return "-"
+        if math.isinf(x):
+            return "inf"
         return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
     return str(x)
 
@@ -178,7 +189,7 @@ def curves(arms: list[ArmLog], key: str, *, log: bool, window: int = 10) -> dict
     values): the mean over the group's arms at the steps all of them reached, as a ``window``-step
     running mean. On a log axis values are floored at MIN_POSITIVE (an exact 0 stays visible)."""
     out: dict[str, dict[str, Any]] = {}
-    for g in sorted({a.group for a in arms}):
+    for g in _ordered({a.group for a in arms}):
         members = [a for a in arms if a.group == g]
         seeds, per_step = {}, {}
         for a in members:
