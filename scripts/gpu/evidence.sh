@@ -18,7 +18,8 @@ set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
 EXTRA_PYTHONPATH=${EXTRA_PYTHONPATH-$(bash "$(dirname "$0")/bundle.sh" pythonpath vllm)}
 export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0
+# no network on the device: no usage report, no hub look-up (the model folder is local, tokenizer-free)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 versions() {
   python -c "import torch, vllm, transformers, megatron.core as m; print('torch', torch.__version__, 'vllm', \
 vllm.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__, \

@@ -69,3 +69,20 @@ def test_evidence_run_three_arms_and_floor_then_plot(tmp_path):
     plotted.pop("plot")
     assert json.loads(json.dumps(jsonable(again))) == plotted
     assert "off/R3 (every seed?)" in evidence_report.table(again)
+
+
+def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch, capsys):
+    from r3bridge.cli import evidence as evidence_cmd
+    from r3bridge.cli.main import main
+
+    monkeypatch.setattr(evidence_cmd, "installed", lambda module: module != "vllm")
+    cases = [(["--device", "cpu"], "--engine vllm needs vLLM importable"),
+             (["--engine", "hf", "--device", "cpu", "--spec", "te"], "--spec te needs --device cuda"),
+             (["--engine", "hf", "--device", "cpu", "--prompts", "3", "--group", "3"], "must split into 4 mini-batches")]
+    for args, message in cases:
+        assert main(["evidence", "run", "--out", str(tmp_path / "run"), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "run").exists()                 # refused before anything was written
+    assert main(["evidence", "plot", str(tmp_path)]) == 2
+    assert "no <arm>.jsonl" in capsys.readouterr().err
