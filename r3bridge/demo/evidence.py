@@ -81,8 +81,7 @@ def _launch(root: Path, names: list[str], index: int, gpu: Optional[int]) -> sub
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """Each arm process leads its own session (its spawned rank inside it): end the sessions this
-    run started, by their ids."""
+    """Each arm process leads its own session: end the sessions this run started, by their ids."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
@@ -115,12 +114,17 @@ def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_
     try:
         if not have_warm:
             _run_warm_start(root, run, device, log)
-        reported = time.time()
+        reported, failed = time.time(), set()
         while any(p.poll() is None for p in children) and time.time() < run.deadline + 60:
             time.sleep(1.0)
             if time.time() - reported >= 30:      # the pace shows early in a bounded run
                 reported = time.time()
                 _progress(root, names, log, t0)
+                for i, p in enumerate(children):
+                    if p.returncode and i not in failed:     # say it now, not only at the end
+                        failed.add(i)
+                        log(f"[evidence] arm process {i} ({', '.join(groups[i])}) exited with {p.returncode}: "
+                            f"see {root / 'procs' / f'{i}.log'}")
     finally:
         _stop(children)
     summary = {n: _arm_summary(root, n) for n in names}

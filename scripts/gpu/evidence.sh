@@ -43,6 +43,7 @@ start)
 status)
   tail -n 3 "$RUN/orchestrator.log"
   for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && echo "$(basename "$f" .jsonl): $(wc -l < "$f") steps"; done
+  for f in "$RUN"/run/procs/*.log; do grep -q Traceback "$f" && { echo "== $f"; tail -n 4 "$f"; }; done || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true ;;
 collect)
   dest=${OUT:-.}/evidence; mkdir -p "$dest"
