@@ -9,6 +9,7 @@
 #   bundle.sh stash .dev/b/qI     on the device, one call per part but the last (carry .dev/b/qI)
 #   bundle.sh install .dev/b/qN   on the device (carry .dev/b/qN): join, install, then run at once:
 #   verl_e2e.sh run MODE [last]   on the device: the job for MODE (R3 | R2 | off); `last` switches
+#                                 (R3E2E_CHECK_ONLY=1: check the records a finished job left, no rerun);
 #                                 first-seen stitching off (the control); writes $OUT/verl_e2e_TAG.json
 #                                 and .log, TAG = MODE_VARIANT, or vllm_MODE_VARIANT_pcN for vLLM (the job's
 #                                 own files stay under $R3E2E_WORK, /tmp/r3e2e)
@@ -46,12 +47,16 @@ root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, os.getcwd(), gpu=True)
 t0 = time.monotonic()
-with open(os.path.join(root, "job.log"), "w") as log:
-    try:  # a hung job still leaves its log in $OUT
-        rc = subprocess.run(E.job_command(paths, mode), env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=float(os.environ.get("R3E2E_TIMEOUT", "480"))).returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
+if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
+    rc = 0
+else:
+    with open(os.path.join(root, "job.log"), "w") as log:
+        try:  # a hung job still leaves its log in $OUT
+            rc = subprocess.run(E.job_command(paths, mode), env=env, cwd=root, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                timeout=float(os.environ.get("R3E2E_TIMEOUT", "480"))).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
 res = E.read_run(paths, rc)
 with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e2e_{tag}.log"), "w") as dst:
     text = src.read()
