@@ -246,7 +246,7 @@ class Trajectory:
         valid = np.zeros(len(self.tokens), dtype=bool)
         calls = self.calls if first_seen else self.calls[-1:]
         for c in calls:
-            if c.routes.ndim != 3:        # no routes returned (R2 / off: the rollout is asked for none)
+            if c.routes.size == 0:        # no routes returned (R2 / off: the rollout is asked for none)
                 continue
             n = min(len(c.routes), len(self.tokens))
             new = ~valid[:n]
