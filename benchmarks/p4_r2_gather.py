@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -62,6 +63,16 @@ def verl_model_chunk(tf, layer_ids, rru):
     chunk = torch.nn.Module()
     chunk.decoder = torch.nn.ModuleList(routers)
     return chunk, routers
+
+
+def random_routes(rows, layers, experts, k, g):
+    """``[rows, layers, k]`` int64 expert ids, distinct within each (row, layer): ``(r + j * s) % E``
+    for j < k with a random start r and a random step s coprime to E (cheap: P4 times the transport
+    of the ids, not their values; ``rand(...).topk`` would take seconds per stage at this size)."""
+    units = torch.tensor([u for u in range(1, experts) if math.gcd(u, experts) == 1])
+    start = torch.randint(0, experts, (rows, layers, 1), generator=g)
+    step = units[torch.randint(0, units.numel(), (rows, layers, 1), generator=g)]
+    return (start + step * torch.arange(k)) % experts
 
 
 def dynamic_micro_batches(lens, n):
@@ -103,7 +114,7 @@ def rank_fn(ctx, args):
     mbs = dynamic_micro_batches(lens, args.micro_batches)
     g.manual_seed(1 + ctx.pp_rank)                 # each stage's routes differ
     # per sample: [len, local layers, K] int64, what this stage's routers choose for its tokens
-    per_seq = [torch.rand((n, len(local), args.experts), generator=g).topk(k, -1).indices for n in lens]
+    per_seq = list(random_routes(sum(lens), len(local), args.experts, k, g).split(lens))
     # What a router leaves after a RECORD forward of micro-batch m: its own int64 top-k [T_m, K], on
     # its device (verl's RouterReplay.record_indices / r3bridge's hook both get this).
     router_idx = [[torch.cat([per_seq[i][:, j] for i in mb]).to(dev) for j in range(len(local))] for mb in mbs]

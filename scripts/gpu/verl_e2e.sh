@@ -12,6 +12,10 @@
 #                                 first-seen stitching off (the control); writes $OUT/verl_e2e_MODE_*.json
 #                                 and .log (the job's own files stay under $R3E2E_WORK, /tmp/r3e2e)
 #
+# Several GPUs (testlab/verl_e2e_parallel.py): R3E2E_GPUS=N and the trainer's layout R3E2E_TP, R3E2E_EP,
+# R3E2E_ETP, R3E2E_PP, R3E2E_VPP, R3E2E_SP (1/0); the files get the layout's name (e.g.
+# verl_e2e_R3_first_tp2_sp.json); CUDA_VISIBLE_DEVICES picks the GPUs (jobs can run side by side).
+#
 # The device keeps ~/stash and what was installed only while the machine stays warm (30 s idle):
 # issue the stash calls, the install and the runs back to back (field notes 12).
 #
@@ -33,8 +37,11 @@ run)
   python - "$mode" "$variant" "$out" <<'PY'
 import json, os, subprocess, sys, time
 from testlab import verl_e2e as E
+from testlab.verl_e2e_parallel import Parallel
 mode, variant, out = sys.argv[1], sys.argv[2], sys.argv[3]
-root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{mode}_{variant}")
+layout = Parallel.from_env().label      # R3E2E_GPUS / _TP / _EP / _PP / _SP ...: "tp1" on one GPU
+name = f"verl_e2e_{mode}_{variant}" + ("" if layout == "tp1" else f"_{layout}")
+root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), name)
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, os.getcwd(), gpu=True)
 t0 = time.monotonic()
@@ -45,17 +52,17 @@ with open(os.path.join(root, "job.log"), "w") as log:
     except subprocess.TimeoutExpired:
         rc = 124
 res = E.read_run(paths, rc)
-with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.log"), "w") as dst:
+with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"{name}.log"), "w") as dst:
     text = src.read()
     dst.write(text[-400000:])
 if rc:
     print("\n".join(text.splitlines()[-80:]))
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
-summary = {"mode": mode, "variant": variant, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
+summary = {"mode": mode, "variant": variant, "layout": layout, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res)}
-json.dump(summary, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.json"), "w"), indent=1, default=str)
-print(json.dumps({k: summary[k] for k in ("mode", "variant", "rc", "wall_s", "server_calls", "router_calls")}))
+json.dump(summary, open(os.path.join(out, f"{name}.json"), "w"), indent=1, default=str)
+print(json.dumps({k: summary[k] for k in ("mode", "variant", "layout", "rc", "wall_s", "server_calls", "router_calls")}))
 for c in checks:
     print(f"step {c.step}: compared {c.compared}, errors {len(c.errors)}, ref native {c.ref_native}, "
           f"re-prefill disagreeing {c.reprefill}")
@@ -64,7 +71,7 @@ if variant == "last" and rc == 0:
     # the control: verl's own last-call routes must FAIL the first-seen check (the re-prefilled rows)
     wrong = [e for c in E.check_run(res, mode, first_seen=True) for e in c.errors]
     summary["control_first_seen_errors"] = len(wrong)
-    json.dump(summary, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.json"), "w"), indent=1, default=str)
+    json.dump(summary, open(os.path.join(out, f"{name}.json"), "w"), indent=1, default=str)
     print(f"control: the last call's routes fail the first-seen check on {len(wrong)} router rows")
     control_ok = bool(wrong)
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok))
