@@ -10,7 +10,9 @@ Knobs (environment, read by :meth:`Parallel.from_env`; all default to one GPU, n
   ``actor_rollout_ref.actor.megatron.*_parallel_size`` (the reference model inherits them: verl's
   ``ref.megatron`` interpolates the actor's);
 * ``R3E2E_SP``: ``1`` / ``0``, ``sequence_parallel`` (verl's default: on; verl turns it off itself
-  at TP 1).
+  at TP 1);
+* ``R3E2E_OVERRIDES``: more verl overrides, space-separated, applied last (e.g. a smaller Ray
+  object store when several jobs share a machine).
 
 Router rows (what the checker needs, independent of r3bridge's own packing code): verl packs each
 micro-batch THD, every sequence padded to a multiple of ``tp * cp * (2 if cp > 1)``
@@ -31,7 +33,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-ENV = ("R3E2E_GPUS", "R3E2E_TP", "R3E2E_EP", "R3E2E_ETP", "R3E2E_PP", "R3E2E_VPP", "R3E2E_CP", "R3E2E_SP")
+ENV = ("R3E2E_GPUS", "R3E2E_TP", "R3E2E_EP", "R3E2E_ETP", "R3E2E_PP", "R3E2E_VPP", "R3E2E_CP", "R3E2E_SP",
+       "R3E2E_OVERRIDES")
 MEGATRON = "actor_rollout_ref.actor.megatron"
 
 
@@ -86,7 +89,7 @@ class Parallel:
             out.append(f"{MEGATRON}.virtual_pipeline_model_parallel_size={self.vpp}")
         if self.sp is not None:
             out.append(f"{MEGATRON}.sequence_parallel={self.sp}")
-        return out
+        return out + os.environ.get("R3E2E_OVERRIDES", "").split()
 
 
 def apply_overrides(cmd: list[str], overrides: Sequence[str]) -> list[str]:
