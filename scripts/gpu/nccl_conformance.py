@@ -4,9 +4,10 @@
                                            [--cell-timeout 300] [--json OUT] [--device cuda|cpu]
                                            [--spec local|te]
 
-Each cell (tests/megatron/replay_grid.py: default_cells, the CPU grid, and gpu_cells) runs its run_cell (R3 forward-only then training step checked
-router call by router call against an independent packing reference, R2 record + replay with
-bit-identical logits, no state left) on CUDA with NCCL, one process per GPU. The TP=PP=CP=1
+Each cell (tests/megatron/replay_grid.py: ``default_cells``, the CPU grid, and ``gpu_cells``) runs
+replay_grid's run_cell (R3 forward-only then training step checked router call by router call
+against an independent packing reference, R2 record + replay with bit-identical logits, no state
+left) on CUDA with NCCL, one process per GPU. The TP=PP=CP=1
 comparison of the CPU grid is skipped: bf16 kernels differ across layouts.
 Without Transformer Engine only ``moe_utils.te_general_gemm = None`` is set (the 0.16 router refers
 to that name unconditionally); nothing else of the CPU shim is used.
@@ -54,10 +55,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_recompute", "mtp",
          "pp2_uneven_dense_stage"]
 FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
-# Cells that must fail, on purpose: the grid cell named on the right with one rank raising in its first
-# micro-batch of the R3 training pass (FAULT_ENV kind raise_mid). They pass when the run reports that rank and its traceback and every
-# rank of the cell is gone well before the cell timeout (the others would otherwise wait in a
-# collective until the process-group timeout).
+# Cells that must fail, on purpose: the grid cell named on the right with one rank raising in its
+# first micro-batch of the R3 training pass (FAULT_ENV kind raise_mid). They pass when the run
+# reports that rank and its traceback and every rank of the cell is gone within FAILFAST_LIMIT_S of
+# the raise (the others would otherwise wait in a collective until the process-group timeout).
 FAILFAST = {"failfast_tp2_sp": ("tp2_sp", 1), "failfast_pp4": ("pp4_uneven_dense_stage", 3)}
 FAILFAST_LIMIT_S = 30.0
 # cells whose guard must refuse the config (ConfigError naming the option) instead of replaying
