@@ -77,7 +77,7 @@ def _areal(ctx, workdir, rollout, trace_dir):
 
     res = run_steps(ctx, "R3", rollout, f"{workdir}/rank{ctx.rank}", steps=1, n_mbs=1, ppo_n_minibatches=1,
                     trace_dir=trace_dir)
-    # AReaL's stats tracker exports them as ppo_actor/update/r3bridge/update/...
+    # AReaL's stats tracker exports them as r3bridge/update/... (docs/use-with-areal.md, "Metrics")
     logged = {k[k.index("r3bridge/"):]: float(v) for k, v in res["metrics"][0].items()}
     return {"dispatch": res["dispatch"], "errors": res["errors"], "logged": logged}
 
