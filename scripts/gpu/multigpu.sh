@@ -55,7 +55,7 @@ verl_job() {  # verl_job MODE LAYOUT DEVICES ENV...
   # several Ray clusters on one host: each ray.init() starts its own (no RAY_ADDRESS, no `ray start`);
   # a small object store each (Ray's default takes 30% of the host's memory per cluster), no dashboard
   local mode=$1 label=$2 dev=$3; shift 3
-  bg "$out/verl" "verl_${mode}_$label" 500 "$dev" env "$@" R3E2E_TIMEOUT=450 R3E2E_WORK=/tmp/r3e2e_${mode}_$label \
+  bg "$out/verl" "verl_${mode}_$label" $(( ${VERL_JOB_TIMEOUT:-450} + 50 )) "$dev" env "$@" R3E2E_TIMEOUT=${VERL_JOB_TIMEOUT:-450} R3E2E_WORK=/tmp/r3e2e_${mode}_$label \
     R3E2E_OVERRIDES="+ray_kwargs.ray_init.object_store_memory=4000000000 +ray_kwargs.ray_init.include_dashboard=False" \
     OUT="$out/verl" bash scripts/gpu/verl_e2e.sh run "$mode"
 }
