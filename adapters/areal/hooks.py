@@ -476,8 +476,8 @@ def trainer_class(config=None):
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             actor = actor_cls(config=actor_config)
             section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section
-            if section is not None:
-                actor.r3_config, actor.r3_source = section, SOURCE_CONFIG
+            if section is not None:     # merged with R3BRIDGE_CONFIG (a key set differently in both: refused)
+                actor.r3_config, actor.r3_source = replay_config_with_source(section)
             actor.create_process_group(parallel_strategy=alloc.parallel)
             return actor
 

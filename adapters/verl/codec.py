@@ -91,7 +91,7 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
     and verl's names of its samples."""
     n = len(td)
     return ProvenancePairing(_per_sample(td, ROUTE_PROVENANCE_KEY, n), _per_sample(td, LOGPROB_PROVENANCE_KEY, n),
-                             sample_names(td))
+                             sample_names(td), samples=n)
 
 
 def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,

@@ -8,15 +8,14 @@ The engine re-checks, at start, everything it can see itself (:func:`check_engin
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
-from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
+from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.errors import ConfigError
 
-__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
+__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "replay_config_from_env", "validate_verl_config",
            "check_engine_config", "prepare_verl_config"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
@@ -51,9 +50,19 @@ def _plain(x: Any) -> Any:
     return x
 
 
+SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in your YAML)"
+
+
+def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None) -> tuple[ReplayConfig, str]:
+    """The options in force for a verl job and where they came from: its ``r3bridge`` section
+    merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_source`)."""
+    return ReplayConfig.resolve_with_source(_plain(_select(verl_cfg, "r3bridge", None)), environ,
+                                            section_name=SECTION_NAME)
+
+
 def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
-    """The job config's ``r3bridge`` section as a :class:`ReplayConfig` (defaults when absent)."""
-    return ReplayConfig.from_mapping(_plain(_select(verl_cfg, "r3bridge", None)))
+    """:func:`resolve_verl_options` without the source."""
+    return resolve_verl_options(verl_cfg)[0]
 
 
 def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
@@ -112,11 +121,13 @@ def _raise(mode: ReplayMode, problems: list[str], where: str) -> None:
                           + "\n  - ".join(problems))
 
 
-def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
-    """Validate a whole verl job config (driver side). Returns the parsed ``r3bridge`` section;
-    raises :class:`ConfigError` listing every problem. ``hf_config``: the model's HF config
-    (dict or ``PretrainedConfig``) for the MoE check; skipped when None."""
-    cfg = replay_config_from_verl(verl_cfg)
+def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
+    """Validate a whole verl job config (driver side). Returns the options in force (``cfg``, else
+    :func:`replay_config_from_verl`); raises :class:`ConfigError` listing every problem.
+    ``hf_config``: the model's HF config (dict or ``PretrainedConfig``) for the MoE check; skipped
+    when None."""
+    if cfg is None:
+        cfg = replay_config_from_verl(verl_cfg)
     if cfg.replay_mode is ReplayMode.OFF:
         return cfg
     s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
@@ -178,11 +189,12 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     (:func:`r3bridge.announce.announce`) naming it."""
     from omegaconf import OmegaConf, open_dict
 
-    cfg = validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg))
+    cfg, source = resolve_verl_options(verl_cfg)
+    validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg), cfg)
     if announce_where is not None:
         from r3bridge.announce import announce
-        announce(cfg, "config" if _select(verl_cfg, "r3bridge", None) is not None else "default", announce_where)
-    payload = json.dumps(cfg.as_dict())
+        announce(cfg, source, announce_where)
+    forward = forward_env(cfg, announce_where or "verl launcher")
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
         if _select(verl_cfg, "ray_kwargs") is None:
@@ -193,7 +205,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
             with open_dict(rt):
                 env = rt.get("env_vars") or OmegaConf.create({})
                 with open_dict(env):
-                    env[ENV_VAR] = payload
+                    env.update(forward)
                 rt["env_vars"] = env
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init
@@ -205,7 +217,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
             libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
             if ADAPTER_MODULE not in libs:
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
-    os.environ[ENV_VAR] = payload
+    os.environ.update(forward)
     if cfg.replay_mode is not ReplayMode.OFF:
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)
