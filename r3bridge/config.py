@@ -152,6 +152,10 @@ class ReplayConfig:
     # (prime-rl #1406 / #1661, RSPO). Needs routing weights in the routes and pp == 1; the
     # router_log_ratio metrics are reported whenever the routes carry weights.
     router_log_ratio: bool = False
+    # A launcher that waits on stages it cannot see (workers starting with r3bridge's engine, the
+    # first replayed pass) says which one is stuck and what it waits for after this many seconds
+    # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
+    stall_warning_s: float = 300.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -166,6 +170,9 @@ class ReplayConfig:
         check_policy(self.replay_policy, self.threshold_ratio)
         if not isinstance(self.router_log_ratio, bool):
             raise ConfigError(f"router_log_ratio must be true or false, got {self.router_log_ratio!r}")
+        if isinstance(self.stall_warning_s, bool) or not isinstance(self.stall_warning_s, (int, float)) \
+                or self.stall_warning_s < 0:
+            raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

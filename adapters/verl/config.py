@@ -15,7 +15,7 @@ from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.errors import ConfigError
 
-__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "replay_config_from_env", "validate_verl_config",
+__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots", "replay_config_from_env", "validate_verl_config",
            "check_engine_config", "prepare_verl_config"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
@@ -168,6 +168,43 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
     _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "Megatron engine config")
 
 
+def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
+    """Refuse a job that would wait forever for Ray CPU slots before it trains (issue 39: a launch
+    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue in a
+    local Ray cluster: a controller and ``num_data_storage_units`` storage actors (8 by default)
+    holding one CPU slot each for the whole job, and Ray gives a local cluster as many slots as the
+    machine has cores unless ``ray_kwargs.ray_init.num_cpus`` says otherwise; with fewer slots the
+    remaining storage actors are never placed and nothing says so. Only a cluster the launcher
+    starts itself is checked (no ``address``, no ``RAY_ADDRESS``). ``cpus``: the machine's count
+    (default: Ray's own)."""
+    ray_init = _select(verl_cfg, "ray_kwargs.ray_init") or {}
+    if not _select(verl_cfg, "trainer.use_v1", True) or _select(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
+        return
+    units = _select(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
+    if _select(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
+        return
+    slots = _select(ray_init, "num_cpus")
+    given = slots is not None
+    if slots is None:
+        if cpus is None:
+            try:
+                from ray._private.utils import get_num_cpus
+                cpus = int(get_num_cpus())
+            except Exception:  # noqa: BLE001  (Ray's private helper moved: the machine's count)
+                cpus = os.cpu_count() or 1
+        slots = cpus
+    need = 1 + int(units)
+    if int(slots) < need:
+        where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
+        raise ConfigError(
+            f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
+            f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
+            f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
+            f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
+            f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
+            f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
+
+
 def _load_hf_config(verl_cfg: Any) -> Any:
     path = _select(verl_cfg, "actor_rollout_ref.model.path")
     if not path or not os.path.exists(os.path.expanduser(str(path))):
@@ -181,12 +218,15 @@ def _load_hf_config(verl_cfg: Any) -> Any:
         return None
 
 
-def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None) -> ReplayConfig:
-    """Driver side: validate, fill the ``r3bridge`` section with defaults, and forward it to every
-    Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's
-    environment); make the workers import the adapter even with verl plugins disabled, and (replay
-    on) register the engine in this process too. ``announce_where``: log the startup line
-    (:func:`r3bridge.announce.announce`) naming it."""
+def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
+                        worker_env: Mapping[str, str] | None = None) -> ReplayConfig:
+    """Driver side: resolve the options (the job's section merged with ``R3BRIDGE_CONFIG``),
+    validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
+    (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
+    make the workers import the adapter even with verl plugins disabled, and (replay on) register
+    the engine in this process too. ``announce_where``: log the startup line
+    (:func:`r3bridge.announce.announce`) naming it. ``worker_env``: more variables for the workers
+    only (the launcher's stall-watchdog id)."""
     from omegaconf import OmegaConf, open_dict
 
     cfg, source = resolve_verl_options(verl_cfg)
@@ -205,7 +245,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
             with open_dict(rt):
                 env = rt.get("env_vars") or OmegaConf.create({})
                 with open_dict(env):
-                    env.update(forward)
+                    env.update({**forward, **(worker_env or {})})
                 rt["env_vars"] = env
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init

@@ -132,6 +132,23 @@ def test_prepare_merges_the_users_environment_or_refuses_a_clash(base_cfg, monke
         vc.prepare_verl_config(job(base_cfg, "R3"), hf_config=MOE_HF)
 
 
+def test_a_job_that_would_wait_forever_for_ray_cpu_slots_is_refused(base_cfg, monkeypatch):
+    """verl's default TransferQueue (a controller + 8 storage actors, one Ray CPU slot each) on a
+    local cluster with the machine's 2 cores: the launch that printed its config and hung
+    silently (issue 39) is refused before Ray starts, naming both settings."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"needs 9 Ray CPU slots .* gets 2 from this machine's 2 cores .*"
+                                          r"ray_kwargs.ray_init.num_cpus .*num_data_storage_units=1"):
+        vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=2)
+    vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=16)
+    vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 8,
+                                                     "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1}),
+                             cpus=2)
+    with pytest.raises(ConfigError, match=r"gets 4 from ray_kwargs.ray_init.num_cpus"):
+        vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 4}), cpus=64)
+    vc.check_local_ray_slots(job(base_cfg, "R3", **{"ray_kwargs.ray_init.address": "auto"}), cpus=2)  # not ours
+
+
 def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
     # verl's HFModelConfig.external_lib takes a list; the adapter must still load with plugins off
     for var in (vc.ENV_VAR, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
