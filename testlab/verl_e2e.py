@@ -104,12 +104,21 @@ def write_data(path: str, multi_turn: bool) -> None:
 
 
 def write_job(root: str, *, multi_turn: bool = True, first_seen: bool = True) -> dict[str, str]:
+    """The job's files under ``root`` (model, data, reward, agent loop and tool configs) and
+    ``root/lab/testlab``, a link to this checkout's ``testlab``: the job's ``PYTHONPATH`` names that
+    folder, never the checkout, whose ``r3bridge/`` folder would hide the installed package (and
+    its ``r3bridge.adapters``, which only the installed mapping provides)."""
     from testlab import verl_e2e_agent
 
+    root = os.path.abspath(root)
     paths = {"root": root, "model": os.path.join(root, "model"), "train": os.path.join(root, "train.parquet"),
              "reward": os.path.join(root, "reward.py"), "agent": os.path.join(root, "agent_loops.yaml"),
              "tools": os.path.join(root, "tools.yaml"), "logs": os.path.join(root, "logs"),
-             "metrics": os.path.join(root, "metrics.jsonl")}
+             "metrics": os.path.join(root, "metrics.jsonl"), "lab": os.path.join(root, "lab")}
+    os.makedirs(paths["lab"], exist_ok=True)
+    link = os.path.join(paths["lab"], "testlab")
+    if not os.path.lexists(link):
+        os.symlink(os.path.dirname(os.path.abspath(__file__)), link)
     write_model(paths["model"], save_weights=os.environ.get("R3E2E_SAVE_WEIGHTS") == "1")
     write_data(paths["train"], multi_turn)
     with open(paths["reward"], "w") as f:
@@ -153,16 +162,26 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             f"r3bridge.replay_mode={mode}"]
 
 
-def job_env(paths: dict[str, str], repo_root: str, *, gpu: bool = False) -> dict[str, str]:
-    """The job's environment. CPU: verl's NVIDIA platform with gloo (:mod:`testlab.verl_e2e_platform`,
-    through verl's own ``VERL_USE_EXTERNAL_MODULES`` / ``VERL_PLATFORM``); ``gpu``: verl's own."""
-    env = dict(os.environ) if gpu else {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+def stand_in_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
+    """What the job's environment adds (the guide's ``cpu.env``, testlab/verl_cpu_job.py): ``testlab``
+    importable (``paths["lab"]`` only: r3bridge and verl come from the virtualenv), verl's file
+    logger's path; on CPU also verl's NVIDIA platform with gloo (:mod:`testlab.verl_e2e_platform`,
+    through verl's own ``VERL_USE_EXTERNAL_MODULES`` / ``VERL_PLATFORM``) and one thread per process."""
+    env = {"PYTHONPATH": paths["lab"], "VERL_FILE_LOGGER_PATH": paths["metrics"]}
     if not gpu:
-        env.update(VERL_USE_EXTERNAL_MODULES="testlab.verl_e2e_platform", VERL_PLATFORM="r3bridge_cpu")
-    env.update(PYTHONPATH=os.pathsep.join([repo_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               R3E2E_LOG_DIR=paths["logs"], VERL_FILE_LOGGER_PATH=paths["metrics"],
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1",
-               RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+        env.update(VERL_USE_EXTERNAL_MODULES="testlab.verl_e2e_platform", VERL_PLATFORM="r3bridge_cpu",
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+    return env
+
+
+def job_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
+    """The job's whole environment: this process's (CPU: without ``CUDA_VISIBLE_DEVICES``),
+    :func:`stand_in_env` (``PYTHONPATH`` in front of the one given), the probe's log folder."""
+    env = dict(os.environ) if gpu else {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    add = stand_in_env(paths, gpu=gpu)
+    add["PYTHONPATH"] = os.pathsep.join([add["PYTHONPATH"], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(add)
+    env.update(R3E2E_LOG_DIR=paths["logs"], RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1")
     return env
 
 

@@ -36,7 +36,7 @@ from testlab import verl_e2e as E
 mode, variant, out = sys.argv[1], sys.argv[2], sys.argv[3]
 root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{mode}_{variant}")
 paths = E.write_job(root, first_seen=variant != "last")
-env = E.job_env(paths, os.getcwd(), gpu=True)
+env = E.job_env(paths, gpu=True)
 t0 = time.monotonic()
 with open(os.path.join(root, "job.log"), "w") as log:
     try:  # a hung job still leaves its log in $OUT

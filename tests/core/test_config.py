@@ -179,6 +179,10 @@ def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog)
         line = announce(ReplayConfig(), "default", "test")
         assert "replay_mode=off (from default)" in line and "OFF" in line
         assert any(r.levelno == logging.WARNING and "replay_mode=off" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        line = announce(ReplayConfig(), "config", "test")   # asked for (cpu_step --mode off): still a WARNING
+        assert "replay_mode=off (from config); routing replay is OFF" in line
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
         line = announce(ReplayConfig(replay_mode="R3"), "config", "test")
         assert "replay_mode=R3 (from config)" in line
     assert replay_mode_metric(ReplayConfig()) == {"r3bridge/replay_mode": 0.0}
