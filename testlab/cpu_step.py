@@ -1,7 +1,7 @@
 """One replayed PPO step through verl's, SkyRL's or AReaL's own training path, on the CPU harness.
 
-This is the "Try it on CPU" command of the guides (docs/use-with-verl.md, use-with-skyrl.md,
-use-with-areal.md); scripts/guides_fresh_venv.sh runs it in a fresh virtualenv per framework:
+The quick check of the guides' "Try it on CPU" (docs/use-with-skyrl.md, use-with-areal.md; verl's
+guide rehearses verl's own launch line instead: examples/verl/run_cpu_rehearsal.sh):
 
     python /path/to/r3bridge/testlab/cpu_step.py verl|skyrl|areal [--mode R3|R2|off] [--steps N] [--trace-dir DIR]
 

@@ -140,7 +140,9 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             f"data.max_response_length={RESPONSE_LEN}", "data.shuffle=False", "data.dataloader_num_workers=0",
             f"{a}.model.path={paths['model']}", f"{a}.model.external_lib=testlab.verl_e2e_worker",
             f"{a}.model.use_remove_padding=True",
-            f"{meg}.vanilla_mbridge=True", f"{meg}.override_transformer_config.attention_backend=auto",
+            # R3E2E_BRIDGE=megatron-bridge: verl's default builder (GPU; docs/gpu.md, "verl on GPUs")
+            f"{meg}.vanilla_mbridge={os.environ.get('R3E2E_BRIDGE', 'mbridge') == 'mbridge'}",
+            f"{meg}.override_transformer_config.attention_backend=auto",
             f"{a}.actor.ppo_mini_batch_size={BATCH}", f"{a}.actor.use_dynamic_bsz=True",
             f"{a}.actor.ppo_max_token_len_per_gpu={tok}", f"{a}.actor.optim.lr=1e-3",
             f"{a}.actor.use_kl_loss=True", f"{a}.actor.kl_loss_coef=0.01",

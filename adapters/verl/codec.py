@@ -75,9 +75,16 @@ def sample_names(td: Any) -> list[str]:
 
 
 def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | None:
+    """``key`` of each sample: a field of its own (verl's DataProto path flattens the agent loop's
+    ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl 0.9.1's V1
+    trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``)."""
     value = td.get(key, None) if hasattr(td, "get") else None
     if value is None:
-        return None
+        nested = td.get("extra_fields", None) if hasattr(td, "get") else None
+        rows = None if nested is None else nested.tolist() if hasattr(nested, "tolist") else list(nested)
+        if not rows or not all(isinstance(r, dict) for r in rows) or not any(key in r for r in rows):
+            return None
+        value = [r.get(key) for r in rows]
     items = value.tolist() if hasattr(value, "tolist") else list(value)
     try:
         return list(checked_provenance(items, n))  # type: ignore[arg-type]

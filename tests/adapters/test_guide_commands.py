@@ -114,12 +114,17 @@ def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhe
     assert block[0].startswith("R3BRIDGE=") and " VENV=" in block[0], block[0]
     assert block[1] == 'python3 -m venv "$VENV" && . "$VENV/bin/activate"', block[1]
     pips = [_pip_args(line) for line in block if line.startswith("pip install")]
-    assert [f'"$R3BRIDGE[{framework}]"'] in pips, pips                  # README: pip install ".[framework]"
+    # README: pip install ".[framework]" (a torch==X+cpu next to it only guards against a CUDA torch)
+    assert [f'"$R3BRIDGE[{framework}]"'] in [[a for a in p if not a.startswith("torch==")] for p in pips], pips
     assert not [p for p in pips if "-e" in p or "--editable" in p], pips
     readme = (ROOT / "README.md").read_text()
     assert f'pip install ".[{framework}]"' in readme
     cd, _, run = block[-1].partition(" && ")
     assert cd.startswith("cd ") and "$R3BRIDGE" not in cd, block[-1]
+    if framework == "verl":      # verl's own launch line, rehearsed (tests/adapters/test_verl_e2e.py runs it)
+        assert run == 'bash "$R3BRIDGE/examples/verl/run_cpu_rehearsal.sh"', run
+        assert "python -m r3bridge.adapters.verl.main_ppo" in (ROOT / "examples/verl/run_cpu_rehearsal.sh").read_text()
+        return
     assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework}', run
     from testlab.cpu_step import FRAMEWORKS
     assert framework in FRAMEWORKS
