@@ -99,8 +99,13 @@ def describe_cluster() -> str:
         from ray._private import state
 
         for a in state.actors().values():
-            if a.get("State") == "PENDING_CREATION":
-                starting.append(f"actor {a.get('ActorClassName')} (resources unknown)")
+            if a.get("State") != "PENDING_CREATION":
+                continue
+            if free.get("CPU", 0) < 1:     # nothing can be placed that needs a CPU slot
+                waiting.append(f"actor {a.get('ActorClassName')} (no CPU slot free)")
+                short.add("CPU")
+            else:
+                starting.append(f"actor {a.get('ActorClassName')}")
     for pg in ray.util.placement_group_table().values():
         if pg.get("state") == "PENDING":
             bundles = list(pg.get("bundles", {}).values())

@@ -266,9 +266,12 @@ class MegatronEngineMixin:
     def r3_attach(self, model: ModelInfo, layout=None, role: Optional[str] = None) -> None:
         """``role``: what AReaL's trainer initialised this engine as (``initialize(role=...)``);
         the Replayer refuses anything but the actor, naming both roles."""
-        if self.r3_config is None:
-            self.r3_config, self.r3_source = replay_config_with_source(None)
-        self.r3_config = replay_config(self.r3_config)
+        # the section (None: not set) merged with R3BRIDGE_CONFIG; a section the trainer already
+        # merged keeps the trainer's account of where it came from
+        section = self.r3_config
+        self.r3_config, source = replay_config_with_source(section)
+        if section is None or source != SOURCE_CONFIG:
+            self.r3_source = source
         self.r3_model = model
         announce(self.r3_config, self.r3_source, "AReaL Megatron actor")
         if self.r3_config.replay_mode is ReplayMode.OFF:

@@ -10,8 +10,9 @@
 # Qwen3-MoE, 8 prompts, a reward function, cpu.env). What stands in for what a CPU cannot run is the
 # second block of overrides below and cpu.env: the rollout engine (r3bridge's HF transformers engine
 # as verl rollout backend `hf_r3`, reporting routes as vLLM does), verl's NVIDIA platform with gloo,
-# the CPU harness's TE-free model bridge (mbridge, hence vanilla_mbridge=True), one logical GPU and
-# 8 CPU slots for Ray, one TransferQueue storage unit. The first and last blocks are an ordinary
+# the CPU harness's TE-free model bridge (mbridge, hence vanilla_mbridge=True), one logical GPU,
+# 8 CPU slots and no dashboard for Ray (its ten processes slow a 2-core start), one TransferQueue
+# storage unit. The first and last blocks are an ordinary
 # verl 0.9 GRPO job and r3bridge's two settings.
 set -euo pipefail
 R3BRIDGE=${R3BRIDGE:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -39,7 +40,7 @@ python -m r3bridge.adapters.verl.main_ppo --config-name=ppo_megatron_trainer \
     actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
     actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=auto \
     trainer.n_gpus_per_node=1 +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=8 \
-    transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
+    +ray_kwargs.ray_init.include_dashboard=False transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
     \
     r3bridge.replay_mode=R3 actor_rollout_ref.rollout.enable_rollout_routing_replay=True \
     r3bridge.trace_dir="$JOB/routes" \
