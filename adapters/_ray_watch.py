@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import uuid
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["WATCH_ENV", "new_watch_id", "report", "progress", "describe_cluster"]
+__all__ = ["WATCH_ENV", "new_watch_id", "report", "progress", "describe_cluster", "ray_start_failure"]
 
 WATCH_ENV = "R3BRIDGE_WATCH"
 _NAMESPACE = "r3bridge"
@@ -129,3 +130,26 @@ def describe_cluster() -> str:
         hint.append("the job asks for more GPUs than the cluster has (verl: trainer.n_gpus_per_node x trainer.nnodes)")
     return (head + f" Cannot be placed until resources free: {'; '.join(waiting)}."
             + (f" To fix: {'; '.join(hint)}." if hint else ""))
+
+
+def ray_start_failure(error: BaseException) -> Optional[str]:
+    """Why a local Ray cluster did not start, from the raylet's own log, when ``error`` is Ray's
+    generic "The current node timed out during startup" (which names no cause; Ray #65983); None
+    otherwise. A raylet that waits more than its 15 s for the dashboard agent's port files (a
+    loaded machine: the agent's imports are slow) exits with a FATAL line only its log shows."""
+    if "timed out during startup" not in str(error):
+        return None
+    root = os.environ.get("RAY_TMPDIR") or os.path.join(tempfile.gettempdir(), "ray")
+    log = os.path.join(root, "session_latest", "logs", "raylet.out")
+    try:
+        with open(log, errors="replace") as f:
+            fatal = [line.strip() for line in f if " C " in line[:40] or "Check failed" in line]
+    except OSError:
+        return f"Ray's raylet did not register within Ray's 30 s; its log ({log}) is not readable"
+    if not fatal:
+        return f"Ray's raylet did not register within Ray's 30 s (nothing fatal in {log})"
+    cause = fatal[-1]
+    if "Timed out waiting for file" in cause or "WaitForDashboardAgentPorts" in cause or "3576" in cause:
+        cause += (" (the raylet gives its dashboard agent 15 s to start, Ray #65983: a machine this loaded does "
+                  "not; run when it is less busy)")
+    return f"Ray's raylet exited; its log ({log}) says: {cause}"

@@ -12,11 +12,12 @@ the first replayed pass (the workers report both; :mod:`r3bridge.adapters._ray_w
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Optional
 
-from r3bridge.adapters._ray_watch import WATCH_ENV, new_watch_id
+from r3bridge.adapters._ray_watch import WATCH_ENV, new_watch_id, ray_start_failure
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.watchdog import Stage, StallWatchdog
 
@@ -73,6 +74,11 @@ def main() -> None:
         watchdog = stall_watchdog(cfg, watch_id)
         try:
             verl_main.main.__wrapped__(config)     # verl's main body, on the already-composed config
+        except Exception as e:
+            why = ray_start_failure(e)             # Ray's own message names no cause
+            if why:
+                logging.getLogger("r3bridge").error("r3bridge (%s, pid %d): %s", WHERE, os.getpid(), why)
+            raise
         finally:
             if watchdog is not None:
                 watchdog.stop()

@@ -234,3 +234,20 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
     # verl's own replay alone (r3bridge off) is verl's business: nothing to refuse
     own = job(base_cfg, "off", **{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"})
     assert vc.validate_verl_config(own).replay_mode is ReplayMode.OFF
+
+
+def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeypatch):
+    """Ray says only "The current node timed out during startup"; the launcher adds the raylet's own
+    FATAL line (Ray #65983: a loaded machine starts the dashboard agent too slowly)."""
+    from r3bridge.adapters._ray_watch import ray_start_failure
+
+    logs = tmp_path / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-27 09:43:24,532 I 24050 24050] (raylet) grpc_server.cc:144: NodeManager server started\n"
+        "[2026-11-27 09:43:40,588 C 24050 24050] (raylet) node_manager.cc:3576:  An unexpected system state "
+        "has occurred. Check failed: statussetor3576.has_value() Timed out waiting for file /tmp/x/metrics_agent_port\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    why = ray_start_failure(Exception("The current node timed out during startup. This could happen because ..."))
+    assert "Timed out waiting for file /tmp/x/metrics_agent_port" in why and "Ray #65983" in why
+    assert ray_start_failure(ValueError("something else")) is None

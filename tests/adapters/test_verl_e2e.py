@@ -64,7 +64,10 @@ def _run(tmp_path_factory, name: str, extra: str = "", env_extra: dict | None = 
     probe = os.path.join(root, "probe")
     env = {k: v for k, v in os.environ.items() if not k.startswith("R3BRIDGE_") and k not in ("PYTHONPATH",
                                                                                              "CUDA_VISIBLE_DEVICES")}
-    env.update(R3BRIDGE=str(REPO), TMPDIR=root, R3E2E_LOG_DIR=probe, HYDRA_FULL_ERROR="1", RAY_DEDUP_LOGS="0",
+    # TMPDIR: the block's mktemp makes the job's folder here; Ray's own sockets stay in /tmp (a
+    # socket path may not exceed 107 bytes)
+    env.update(R3BRIDGE=str(REPO), TMPDIR=root, RAY_TMPDIR="/tmp", R3E2E_LOG_DIR=probe, HYDRA_FULL_ERROR="1",
+               RAY_DEDUP_LOGS="0",
                PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]), **(env_extra or {}))
     line = guide_run_line() + (f" {extra}" if extra else "")
     t0 = time.monotonic()
