@@ -20,6 +20,7 @@ every MoE layer cannot be told from "no route" and is routed natively too (count
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -74,6 +75,9 @@ def sample_names(td: Any) -> list[str]:
     return names
 
 
+_PROVENANCE_FIELDS = {f.name for f in dataclasses.fields(RouteProvenance)}
+
+
 def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | None:
     """``key`` of each sample: a field of its own (verl's DataProto path flattens the agent loop's
     ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl 0.9.1's V1
@@ -86,6 +90,8 @@ def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | 
             return None
         value = [r.get(key) for r in rows]
     items = value.tolist() if hasattr(value, "tolist") else list(value)
+    # TransferQueue stores the extra_fields with msgspec: a RouteProvenance comes back as its fields
+    items = [RouteProvenance(**x) if isinstance(x, dict) and set(x) <= _PROVENANCE_FIELDS else x for x in items]
     try:
         return list(checked_provenance(items, n))  # type: ignore[arg-type]
     except ProvenanceError as e:

@@ -172,9 +172,13 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
 
     same = RouteProvenance("hf_r3", "req-1", 3, 0)
     later = RouteProvenance("hf_r3", "req-2", 3, 1)
+    import dataclasses
+
+    # TransferQueue hands a RouteProvenance back as its fields (msgspec)
     extra = [{ROUTE_PROVENANCE_KEY: same, LOGPROB_PROVENANCE_KEY: same, "turns": 2},
              {"turns": 1},                                                      # single-turn loop: none
-             {ROUTE_PROVENANCE_KEY: later, LOGPROB_PROVENANCE_KEY: same, "turns": 2},
+             {ROUTE_PROVENANCE_KEY: dataclasses.asdict(later), LOGPROB_PROVENANCE_KEY: dataclasses.asdict(same),
+              "turns": 2},
              {"turns": 1}]
     td = TensorDict({"input_ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])
     tu.assign_non_tensor_stack(td, "extra_fields", extra)
