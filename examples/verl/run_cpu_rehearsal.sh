@@ -25,7 +25,7 @@ python -m r3bridge.adapters.verl.main_ppo --config-name=ppo_megatron_trainer \
     algorithm.adv_estimator=grpo trainer.total_training_steps=2 trainer.val_before_train=False \
     trainer.save_freq=-1 trainer.logger='[console,file]' reward.custom_reward_function.path="$JOB/reward.py" \
     data.train_files="$JOB/train.parquet" data.val_files="$JOB/train.parquet" data.train_batch_size=4 \
-    data.max_prompt_length=24 data.max_response_length=40 data.dataloader_num_workers=0 \
+    data.max_prompt_length=24 data.max_response_length=40 data.dataloader_num_workers=0 data.shuffle=False \
     actor_rollout_ref.model.path="$JOB/model" actor_rollout_ref.model.use_remove_padding=True \
     actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.use_kl_loss=True \
     actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160 \
