@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping, Optional
 
+from r3bridge.engine_settings import check_engine_version_setting
 from r3bridge.errors import ConfigError
 from r3bridge.layer_axis import check_layer_axis
 from r3bridge.provenance import CHECK_MODES
@@ -156,6 +157,11 @@ class ReplayConfig:
     # first replayed pass) says which one is stuck and what it waits for after this many seconds
     # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
     stall_warning_s: float = 300.0
+    # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
+    # (r3bridge/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
+    # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
+    # set it when the engine runs elsewhere (when neither tells, such settings are refused).
+    engine_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -173,6 +179,7 @@ class ReplayConfig:
         if isinstance(self.stall_warning_s, bool) or not isinstance(self.stall_warning_s, (int, float)) \
                 or self.stall_warning_s < 0:
             raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
+        check_engine_version_setting(self.engine_version)
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

@@ -66,7 +66,9 @@ def _run(tmp_path_factory, name: str, extra: str = "", env_extra: dict | None = 
                                                                                              "CUDA_VISIBLE_DEVICES")}
     # TMPDIR: the block's mktemp makes the job's folder here; Ray's own sockets stay in /tmp (a
     # socket path may not exceed 107 bytes)
-    env.update(R3BRIDGE=str(REPO), TMPDIR=root, RAY_TMPDIR="/tmp", R3E2E_LOG_DIR=probe, HYDRA_FULL_ERROR="1",
+    agent_calls = os.path.join(root, "agent_calls")       # the agent loops' log of the server's answers
+    env.update(R3BRIDGE=str(REPO), TMPDIR=root, RAY_TMPDIR="/tmp", R3E2E_LOG_DIR=probe,
+               R3E2E_AGENT_LOG_DIR=agent_calls, HYDRA_FULL_ERROR="1",
                RAY_DEDUP_LOGS="0",
                PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]), **(env_extra or {}))
     line = guide_run_line() + (f" {extra}" if extra else "")
@@ -81,7 +83,8 @@ def _run(tmp_path_factory, name: str, extra: str = "", env_extra: dict | None = 
     finally:
         _kill_leftovers(root)
     (job,) = glob.glob(os.path.join(root, "tmp.*"))           # the folder the block's mktemp made
-    res = E.read_run({"logs": probe, "metrics": os.path.join(job, "metrics.jsonl")}, proc.returncode, out)
+    res = E.read_run({"logs": probe, "agent_calls": agent_calls, "metrics": os.path.join(job, "metrics.jsonl")},
+                     proc.returncode, out)
     print(f"verl e2e {name}: rc {proc.returncode}, {time.monotonic() - t0:.0f} s, {len(res.calls)} server calls, "
           f"{len(res.dispatch)} router calls")
     assert proc.returncode == 0, out[-6000:]
@@ -133,6 +136,13 @@ def test_r3_dispatches_the_servers_first_seen_routes(r3):
         assert total > 0 and same < total / 2, c
     # the re-prefill of the second turn routed some first-turn tokens differently (bf16 engine)
     assert sum(c.reprefill[0] for c in checks) > 0, [c.reprefill for c in checks]
+    # trainer-native top-k vs the rollout's routes, per step (on a GPU with real weight sync: near 1.0)
+    assert all(c.native_vs_rollout[1] > 0 for c in checks), [c.native_vs_rollout for c in checks]
+    # what the agent loops recorded of the server's answers (the only log when verl's own vLLM server
+    # serves, R3E2E_ROLLOUT=vllm) is the HF server's own log, call for call, routes included
+    server = sorted((c.prompt, c.output, c.routes.tobytes()) for c in res.calls)
+    agent = sorted((c.prompt, c.output, c.routes.tobytes()) for c in res.agent_calls)
+    assert len(server) == len(agent) > 0 and server == agent
     mets = E.r3bridge_metrics(res)
     assert len(mets) == STEPS
     for m in mets:

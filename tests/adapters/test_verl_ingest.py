@@ -187,3 +187,16 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
     td2 = TensorDict({"input_ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])
     tu.assign_non_tensor_stack(td2, "extra_fields", [{"turns": 1}] * 4)
     assert provenance_pairing(td2).check("count").unchecked == 4
+
+
+def test_the_losss_router_log_ratio_field_when_the_chunk_replayed_nothing_with_weights():
+    """verl's loss wrapper: a chunk without MoE layers has no router log-ratio (``None``); the field
+    the loss reads is then zeros in verl's jagged layout (was a ``TypeError`` inside the loss)."""
+    from r3bridge.adapters.verl.hooks import log_ratio_field
+
+    ids = torch.nested.nested_tensor([torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.int64)],
+                                     layout=torch.jagged)
+    zeros = log_ratio_field(None, ids)
+    assert [t.tolist() for t in zeros.unbind()] == [[0.0, 0.0, 0.0], [0.0, 0.0]]
+    given = log_ratio_field([torch.tensor([0.5, 0.0, -0.5]), torch.tensor([1.0, 2.0])], ids)
+    assert [t.tolist() for t in given.unbind()] == [[0.5, 0.0, -0.5], [1.0, 2.0]]
