@@ -266,7 +266,8 @@ def plot_diff(s: dict[str, Any], out: str) -> None:
     for i in range(data.shape[0]):
         for j in range(data.shape[1]):
             if data.shape[0] * data.shape[1] <= 200:
-                ax.text(j, i, fmt_pct(float(data[i, j])), ha="center", va="center", fontsize=7)
+                ax.text(j, i, fmt_pct(float(data[i, j])), ha="center", va="center", fontsize=7,
+                        color="white" if data[i, j] < 0.5 else "black")      # readable on viridis's dark end
     ax.set_xticks(range(len(layers)), [str(x) for x in layers])
     ax.set_yticks(range(len(done)), [f"{c['step']}/{c['pass_a']}" for c in done], fontsize=8)
     ax.set_xlabel("layer id")
