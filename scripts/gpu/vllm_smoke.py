@@ -43,8 +43,9 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 def llm_kwargs(path: str, gpu_mem: float, **extra: Any) -> dict[str, Any]:
     """``vllm.LLM`` arguments: the saved checkpoint, routes returned, bf16, a small memory share."""
-    return dict(model=path, tokenizer=path, dtype="bfloat16", seed=0, gpu_memory_utilization=gpu_mem,
-                max_model_len=256, max_num_seqs=16, enable_return_routed_experts=True, **extra)
+    # the caller's settings win (a case may ask for other limits)
+    return {**dict(model=path, tokenizer=path, dtype="bfloat16", seed=0, gpu_memory_utilization=gpu_mem,
+                   max_model_len=256, max_num_seqs=16, enable_return_routed_experts=True), **extra}
 
 
 def model_facts(cfg: Any) -> dict[str, Any]:
