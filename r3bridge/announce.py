@@ -39,13 +39,17 @@ def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
 
 def announce(cfg: ReplayConfig, source: str, where: str) -> str:
     """Log which replay mode is in force in ``where`` (e.g. ``"SkyRL policy worker"``) and where it
-    came from (``config``, ``environment (...)``, ``default``). Off by default is a WARNING (visible
-    without any logging set-up); returns the line."""
+    came from (``config``, ``environment (...)``, ``default``). Replay off is a WARNING (visible
+    without any logging set-up), saying whether a setting asked for it or none was found; returns
+    the line."""
     mode = cfg.replay_mode
     line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {source})"
-    if mode is ReplayMode.OFF and source == SOURCE_DEFAULT:
-        line += ("; no r3bridge setting was found, so routing replay is OFF (set the framework's r3bridge "
-                 "section, or R3BRIDGE_REPLAY_MODE / R3BRIDGE_CONFIG)")
+    if mode is ReplayMode.OFF:
+        if source == SOURCE_DEFAULT:
+            line += ("; no r3bridge setting was found, so routing replay is OFF (set the framework's r3bridge "
+                     "section, or R3BRIDGE_REPLAY_MODE / R3BRIDGE_CONFIG)")
+        else:
+            line += "; routing replay is OFF: the trainer routes natively (the baseline R2 / R3 are compared with)"
         logger.warning(line)
     else:
         _ensure_visible()

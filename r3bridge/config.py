@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from r3bridge.engine_settings import check_engine_version_setting
 from r3bridge.errors import ConfigError
@@ -18,12 +18,17 @@ from r3bridge.layer_axis import check_layer_axis
 from r3bridge.provenance import CHECK_MODES
 from r3bridge.replay_policy import check_policy
 
-ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section
+ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section (all of it, or some keys)
 ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
+# Set next to R3BRIDGE_CONFIG by a launcher that forwards the section it resolved to its workers
+# (value: the launcher's name). Such an R3BRIDGE_CONFIG is r3bridge's own transport, already merged
+# from the job's section and the user's environment: a worker reads it, a later resolution in the
+# launcher's own process does not merge it a second time.
+ENV_FROM = "R3BRIDGE_CONFIG_FROM"
 SOURCE_CONFIG = "config"
 SOURCE_DEFAULT = "default"
 
-__all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan"]
+__all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan", "forward_env"]
 
 
 class ReplayMode(str, Enum):
@@ -148,6 +153,10 @@ class ReplayConfig:
     # (prime-rl #1406 / #1661, RSPO). Needs routing weights in the routes and pp == 1; the
     # router_log_ratio metrics are reported whenever the routes carry weights.
     router_log_ratio: bool = False
+    # A launcher that waits on stages it cannot see (workers starting with r3bridge's engine, the
+    # first replayed pass) says which one is stuck and what it waits for after this many seconds
+    # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
+    stall_warning_s: float = 300.0
     # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
     # (r3bridge/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
@@ -167,11 +176,19 @@ class ReplayConfig:
         check_policy(self.replay_policy, self.threshold_ratio)
         if not isinstance(self.router_log_ratio, bool):
             raise ConfigError(f"router_log_ratio must be true or false, got {self.router_log_ratio!r}")
+        if isinstance(self.stall_warning_s, bool) or not isinstance(self.stall_warning_s, (int, float)) \
+                or self.stall_warning_s < 0:
+            raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
         check_engine_version_setting(self.engine_version)
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
             raise ConfigError(f"trace_dir must be a folder path or null, got {self.trace_dir!r}")
+        if self.trace_dir is not None:
+            # absolute in the process that reads the job's setting (the launcher): a worker started
+            # in another folder (Ray, AReaL's launcher) writes where the user pointed; "~" too, which
+            # no shell expands inside `r3bridge.trace_dir=~/x`
+            object.__setattr__(self, "trace_dir", os.path.abspath(os.path.expanduser(self.trace_dir)))
         for name in ("trace_every", "trace_max_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -188,45 +205,67 @@ class ReplayConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
-        """``R3BRIDGE_CONFIG`` (JSON of the section) or ``R3BRIDGE_REPLAY_MODE``, else defaults.
+        """``R3BRIDGE_CONFIG`` (JSON of the section) and / or ``R3BRIDGE_REPLAY_MODE``, else defaults.
 
         How the section reaches framework workers that never see the job config (verl and SkyRL
         Ray workers inherit it through ``runtime_env``)."""
-        env = os.environ if environ is None else environ
-        raw = env.get(ENV_CONFIG)
-        if raw:
-            try:
-                d = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{ENV_CONFIG} is not valid JSON ({e}): {raw!r}") from None
-            if not isinstance(d, dict):
-                raise ConfigError(f"{ENV_CONFIG} must be a JSON object, got {raw!r}")
-            if env.get(ENV_MODE) and ReplayMode.parse(env[ENV_MODE]) != ReplayMode.parse(d.get("replay_mode", "off")):
-                raise ConfigError(f"{ENV_CONFIG} and {ENV_MODE} disagree on replay_mode")
-            return cls.from_mapping(d)
-        if env.get(ENV_MODE):
-            return cls(replay_mode=ReplayMode.parse(env[ENV_MODE]))
-        return cls()
+        keys, _ = _env_section(os.environ if environ is None else environ)
+        return cls.from_mapping(keys)
 
     @classmethod
-    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None
-                            ) -> "tuple[ReplayConfig, str]":
-        """:meth:`resolve` plus where the section came from: ``"config"`` (passed explicitly),
-        ``"environment (R3BRIDGE_CONFIG)"``, ``"environment (R3BRIDGE_REPLAY_MODE)"`` or ``"default"``."""
-        if cfg is not None:
-            return cls.resolve(cfg), SOURCE_CONFIG
-        source = (f"environment ({ENV_CONFIG})" if os.environ.get(ENV_CONFIG)
-                  else f"environment ({ENV_MODE})" if os.environ.get(ENV_MODE) else SOURCE_DEFAULT)
-        return cls.from_env(), source
+    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None,
+                            environ: Mapping[str, str] | None = None, *,
+                            section_name: str = "the job's r3bridge section",
+                            set_keys: "Iterable[str] | None" = None) -> "tuple[ReplayConfig, str]":
+        """The options in force and where they came from: the job's section ``cfg`` (a
+        ``ReplayConfig`` or a mapping of the keys the job sets) merged with the environment
+        (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``). Every adapter's launcher and worker
+        resolves through here, so the environment setting is never dropped:
+
+        * only one of them: that one (``"config"``, ``"environment (R3BRIDGE_CONFIG)"``, ...);
+        * both: the environment fills the keys the section does not set (source
+          ``"config + environment (R3BRIDGE_CONFIG): trace_dir"``); a key both set to different
+          values is refused (:class:`ConfigError` naming the key, both values and both places);
+        * neither: the defaults (``"default"``).
+
+        A key counts as set by the section when the mapping has it; for a ``ReplayConfig`` (a
+        framework's typed section, where an unset key holds its default) when it is in
+        ``set_keys`` (the keys the command line or YAML named, where the adapter knows them), else
+        when it differs from the default. An ``R3BRIDGE_CONFIG`` that a launcher forwarded (``R3BRIDGE_CONFIG_FROM``
+        set, :func:`forward_env`) is that launcher's resolution: read where there is no section,
+        not merged again where there is one."""
+        env = os.environ if environ is None else environ
+        env_keys, env_source = _env_section(env)
+        if cfg is None:
+            if env_keys is None:
+                return cls(), SOURCE_DEFAULT
+            return cls.from_mapping(env_keys), env_source
+        section = cfg if isinstance(cfg, cls) else cls.from_mapping(cfg)
+        if env_keys is None or env.get(ENV_FROM):
+            return section, SOURCE_CONFIG
+        default = cls().as_dict()
+        have = section.as_dict()
+        if not isinstance(cfg, cls):
+            set_here = set(cfg)
+        elif set_keys is not None:
+            set_here = set(set_keys)
+        else:
+            set_here = {k for k, v in have.items() if v != default[k]}
+        theirs = cls.from_mapping(env_keys).as_dict()
+        clash = [k for k in env_keys if k in set_here and theirs[k] != have[k]]
+        if clash:
+            raise ConfigError("r3bridge option(s) set twice with different values: " + "; ".join(
+                f"{k}={have[k]!r} in {section_name} and {k}={theirs[k]!r} in {env_source.split('(', 1)[1].rstrip(')')}"
+                for k in clash) + ". Set each option in one place (or the same value in both)")
+        added = [k for k in env_keys if k not in set_here]
+        if not added:
+            return section, SOURCE_CONFIG
+        return cls.from_mapping({**have, **{k: theirs[k] for k in added}}), f"{SOURCE_CONFIG} + {env_source}: {', '.join(added)}"
 
     @classmethod
     def resolve(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None) -> "ReplayConfig":
-        """An explicit config (object or mapping), else :meth:`from_env`."""
-        if isinstance(cfg, cls):
-            return cfg
-        if cfg is not None:
-            return cls.from_mapping(cfg)
-        return cls.from_env()
+        """:meth:`resolve_with_source` without the source."""
+        return cls.resolve_with_source(cfg)[0]
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -235,3 +274,30 @@ class ReplayConfig:
 
     def plan(self, phase: Phase | str) -> PhasePlan:
         return phase_plan(self.replay_mode, phase)
+
+
+def _env_section(env: Mapping[str, str]) -> tuple[Optional[dict[str, Any]], str]:
+    """The keys the environment sets (``None``: none) and the source's name."""
+    raw, mode = env.get(ENV_CONFIG), env.get(ENV_MODE)
+    keys: Optional[dict[str, Any]] = None
+    if raw:
+        try:
+            keys = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{ENV_CONFIG} is not valid JSON ({e}): {raw!r}") from None
+        if not isinstance(keys, dict):
+            raise ConfigError(f"{ENV_CONFIG} must be a JSON object, got {raw!r}")
+    if mode:
+        if keys is not None and "replay_mode" in keys and ReplayMode.parse(mode) != ReplayMode.parse(keys["replay_mode"]):
+            raise ConfigError(f"{ENV_CONFIG} and {ENV_MODE} disagree on replay_mode")
+        keys = {**(keys or {}), "replay_mode": mode}
+    if raw:
+        by = env.get(ENV_FROM)
+        return keys, f"environment ({ENV_CONFIG}{f' from the {by}' if by else ''})"
+    return keys, f"environment ({ENV_MODE})"
+
+
+def forward_env(cfg: ReplayConfig, where: str) -> dict[str, str]:
+    """The environment variables a launcher hands its workers (and sets in its own process): the
+    resolved section as ``R3BRIDGE_CONFIG`` and ``R3BRIDGE_CONFIG_FROM=where``."""
+    return {ENV_CONFIG: json.dumps(cfg.as_dict()), ENV_FROM: where}

@@ -182,9 +182,19 @@ class ProvenancePairing:
     routes: Optional[Sequence[Optional[RouteProvenance]]]
     logprobs: Optional[Sequence[Optional[RouteProvenance]]]
     names: Optional[Sequence[str]] = None
+    # the pass's sample count: every sample is counted, checked or unchecked, also when neither
+    # side is known at all (a stock agent loop: no provenance field in the batch); None: the
+    # length of whichever of routes / logprobs / names is known
+    samples: Optional[int] = None
 
     def check(self, mode: str) -> ProvenanceCount:
-        return check_pairing(self.routes, self.logprobs, mode, names=self.names)
+        return check_pairing(self.routes, self.logprobs, mode, names=self.names, samples=self.count())
+
+    def count(self) -> int:
+        if self.samples is not None:
+            return int(self.samples)
+        known = next((x for x in (self.routes, self.logprobs, self.names) if x is not None), ())
+        return len(known)
 
     def select(self, indices: Sequence[int]) -> "ProvenancePairing":
         """The samples ``indices`` (e.g. those of one mini-batch), in that order."""
@@ -193,7 +203,7 @@ class ProvenancePairing:
         def pick(xs):
             return None if xs is None else [xs[i] for i in idx]
 
-        return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names))
+        return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names), len(idx))
 
 
 # Frameworks whose batches carry per-sample data only as tensors (SkyRL, AReaL) carry provenance as
@@ -247,6 +257,7 @@ def check_pairing(
     mode: str,
     *,
     names: Optional[Sequence[str]] = None,
+    samples: Optional[int] = None,
 ) -> ProvenanceCount:
     """Compare each sample's route provenance with its log-probs' (same order, one per sample).
 
@@ -261,9 +272,11 @@ def check_pairing(
     count = ProvenanceCount()
     if mode == "off":
         return count
-    n = len(routes) if routes is not None else len(logprobs) if logprobs is not None else 0
-    if routes is not None and logprobs is not None and len(routes) != len(logprobs):
-        raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
+    n = samples if samples is not None else len(routes) if routes is not None else \
+        len(logprobs) if logprobs is not None else 0
+    for side, what in ((routes, "route"), (logprobs, "log-prob")):
+        if side is not None and len(side) != n:
+            raise ProvenanceError(f"{what} provenance for {len(side)} samples, the pass has {n}")
     first_bad = None
     for i in range(n):
         r = routes[i] if routes is not None else None

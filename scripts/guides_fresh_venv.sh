@@ -10,7 +10,8 @@
 # the ```bash fence after the line `<!-- fresh-venv: FRAMEWORK -->` in docs/use-with-FRAMEWORK.md. Its
 # first line names the checkout and the virtualenv (R3BRIDGE=..., VENV=...): here R3BRIDGE is this
 # checkout and VENV a new folder under a temporary directory; every other line runs as written, in
-# one bash, in order, each timed. Lines before the one running testlab/cpu_step.py count as install.
+# one bash, in order, each timed. Lines before the one running testlab/cpu_step.py (verl: its launch
+# line's rehearsal, examples/verl/run_cpu_rehearsal.sh) count as install.
 #
 # Nothing is reused but pip's download cache (as CI does). The machine's own pip configuration
 # applies (its index, find-links and constraints). If download.pytorch.org cannot be reached, a
@@ -20,7 +21,8 @@
 #
 # Replay counts as on when the run's output has the adapter's startup line with the mode and where
 # it came from (`replay_mode=R3 (from config)`), an `r3bridge/` metric the framework returned, and
-# cpu_step's `OK` (every router call dispatched the routes it had to).
+# cpu_step's `OK` (every router call dispatched the routes it had to) or, for verl's rehearsal, the
+# `r3bridge inspect` report of its route trace.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -97,8 +99,8 @@ for fw in "${FRAMEWORKS[@]}"; do
     echo "== $fw: $(( ${#LINES[@]} - 1 )) lines from docs/use-with-$fw.md, log $log"
     bash "$dir/driver.sh" > "$log" 2>&1
     rc=$?
-    install_s=$(awk '$1 == "TIMING" && $0 !~ /cpu_step.py/ { s += $3 } END { printf "%.0f", s }' "$log")
-    run_line=$(awk '$1 == "TIMING" && /cpu_step.py/' "$log" | tail -1)
+    install_s=$(awk '$1 == "TIMING" && $0 !~ /cpu_step.py|run_cpu_rehearsal.sh/ { s += $3 } END { printf "%.0f", s }' "$log")
+    run_line=$(awk '$1 == "TIMING" && /cpu_step.py|run_cpu_rehearsal.sh/' "$log" | tail -1)
     run_s=$(echo "$run_line" | awk '{ printf "%.0f", $3 }')
     size=$(du -sh "$dir/venv" 2>/dev/null | cut -f1)
     torch_v=$("$dir/venv/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null)
@@ -107,7 +109,7 @@ for fw in "${FRAMEWORKS[@]}"; do
     where=$(grep -m1 -oE "r3bridge [0-9.]+ from [^ ]+" "$log" | awk '{ print $4 }')
     case "$where" in "$dir/venv/"*site-packages*) note="${note:+$note; }r3bridge installed, not editable";;
                      "") ;; *) note="${note:+$note; }r3bridge imported from $where";; esac
-    cmd=$(printf '%s\n' "${LINES[@]}" | grep cpu_step.py | tail -1)
+    cmd=$(printf '%s\n' "${LINES[@]}" | grep -E 'cpu_step.py|run_cpu_rehearsal.sh' | tail -1)
     if [ $rc -ne 0 ]; then
         result="FAILED (exit $rc at: $(grep '^TIMING' "$log" | tail -1 | cut -d' ' -f4-))"
         [ -z "$run_line" ] && result="FAILED (exit $rc during install: $(grep '^+ ' "$log" | tail -1 | cut -c3-))"
@@ -116,10 +118,11 @@ for fw in "${FRAMEWORKS[@]}"; do
     else
         startup=$(grep -m1 -oE "r3bridge \([^)]*\): replay_mode=(R3|R2) \(from [^)]*\)+" "$log")
         # what the framework returned: the mode code (3 = R3, 2 = R2) and the update's coverage
-        metric=$(grep -m1 -oE "[a-z_/]*r3bridge/replay_mode=(\[[^]]*\]|[0-9.e+-]+)" "$log")
-        coverage=$(grep -m1 -oE "[a-z_/]*r3bridge/update/coverage=(\[[^]]*\]|[0-9.e+-]+)" "$log")
+        # cpu_step prints key=value, verl's console logger key:value
+        metric=$(grep -m1 -oE "[a-z_/]*r3bridge/replay_mode[=:](\[[^]]*\]|[0-9.e+-]+)" "$log")
+        coverage=$(grep -m1 -oE "[a-z_/]*r3bridge/update/coverage[=:](\[[^]]*\]|[0-9.e+-]+)" "$log")
         [ -n "$coverage" ] && metric="$metric, $coverage"
-        if [ -n "$startup" ] && [ -n "$metric" ] && grep -q "^cpu_step: OK" "$log"; then
+        if [ -n "$startup" ] && [ -n "$metric" ] && grep -qE "^cpu_step: OK|^r3bridge inspect: " "$log"; then
             result="replay on: '${startup#*: }', $metric, $(grep -m1 -oE '[0-9]+ \(token, layer\) pairs checked' "$log" | cut -d' ' -f1) pairs checked, 0 mismatching"
         else
             result="NOT SHOWN (startup line: ${startup:-none}; metric: ${metric:-none})"

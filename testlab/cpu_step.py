@@ -1,9 +1,9 @@
 """One replayed PPO step through verl's, SkyRL's or AReaL's own training path, on the CPU harness.
 
-This is the "Try it on CPU" command of the guides (docs/use-with-verl.md, use-with-skyrl.md,
-use-with-areal.md); scripts/guides_fresh_venv.sh runs it in a fresh virtualenv per framework:
+The quick check of the guides' "Try it on CPU" (docs/use-with-skyrl.md, use-with-areal.md; verl's
+guide rehearses verl's own launch line instead: examples/verl/run_cpu_rehearsal.sh):
 
-    python /path/to/r3bridge/testlab/cpu_step.py verl|skyrl|areal [--mode R3|R2|off] [--steps N]
+    python /path/to/r3bridge/testlab/cpu_step.py verl|skyrl|areal [--mode R3|R2|off] [--steps N] [--trace-dir DIR]
 
 It runs the same code as the suite's real-path tests, in one gloo rank (docs/testing-harness.md
 lists what stands in for what a CPU cannot run): verl's ``TrainingWorker`` (``infer_batch``,
@@ -13,7 +13,9 @@ lists what stands in for what a CPU cannot run): verl's ``TrainingWorker`` (``in
 with the routes it had to dispatch. Printed: the adapter's startup line (logger ``r3bridge``, from
 the rank process), the ``r3bridge/*`` metrics as the framework returned them, and one line per
 step, ``checked`` (token, layer) pairs and ``mismatching``. Exit status 1 when any call dispatched
-other routes than it should have.
+other routes than it should have. ``--mode off`` reports the same comparison as the baseline (how
+often native routing differs from the rollout's routes), exit 0; ``--trace-dir`` writes route traces
+(``r3bridge inspect DIR``).
 
 Runs from any folder, with r3bridge installed editable or not: testlab/ is r3bridge's test lab (not
 in the wheel), so the checkout is appended to ``sys.path``, after site-packages, and the installed
@@ -23,6 +25,7 @@ r3bridge is the one imported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -124,16 +127,51 @@ def _value(v: Any) -> str:
     return f"{float(v):.4g}"
 
 
+def report(res: dict, mode: str) -> tuple[list[str], int]:
+    """The lines cpu_step prints after the run, and its exit status. Under R2 / R3 every checked
+    (token, layer) pair must dispatch its target (exit 1 otherwise). Under ``off`` nothing replays:
+    the same comparison is the *baseline*, how often the trainer's own routing differs from the
+    routes the rollout sampled with (what R3 removes); it is reported as such, never as a failure."""
+    lines = [f"step {i} metrics: " + ", ".join(f"{k}={_value(v)}" for k, v in sorted(m.items()))
+             for i, m in enumerate(res["metrics"])]
+    bad = checked = 0
+    for s in res["steps"]:
+        bad += s["mismatching"]
+        checked += s["checked"]
+        if mode == "off":
+            lines.append(f"{s['what']}: {s['checked']} (token, layer) pairs compared with the rollout's routes, "
+                         f"{s['mismatching']} routed differently by the trainer's own router (baseline, replay off)")
+        else:
+            lines.append(f"{s['what']}: {s['checked']} (token, layer) pairs checked against the routes they had to "
+                         f"dispatch, {s['mismatching']} mismatching" + (f": {s['first']}" if s["first"] else ""))
+    if mode == "off":
+        share = f"{bad / checked:.0%}" if checked else "no pairs"
+        lines.append(f"cpu_step: BASELINE (replay off): {share} of the (token, layer) pairs routed differently from "
+                     f"the rollout; with --mode R3 every one of them dispatches the rollout's route")
+        return lines, 0
+    lines.append(f"cpu_step: {'FAILED' if bad else 'OK'}")
+    return lines, 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpu_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("framework", choices=FRAMEWORKS)
     p.add_argument("--mode", default="R3", choices=("R3", "R2", "off"))
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--trace-dir", default=None,
+                   help="write route traces there (the r3bridge option trace_dir; read them with r3bridge inspect)")
     args = p.parse_args(argv)
 
     import r3bridge
+    from r3bridge.config import ENV_CONFIG
     from r3bridge.testing.dist import spawn
 
+    if args.trace_dir:
+        # the option reaches the framework's worker as a user's would: R3BRIDGE_CONFIG, which every
+        # adapter merges with the section the runner sets (replay_mode)
+        env = json.loads(os.environ.get(ENV_CONFIG) or "{}")
+        env["trace_dir"] = os.path.abspath(args.trace_dir)
+        os.environ[ENV_CONFIG] = json.dumps(env)
     print(
         f"cpu_step: {args.framework}, replay_mode={args.mode}, {args.steps} step(s), 1 gloo rank; "
         f"r3bridge {r3bridge.__version__} from {os.path.dirname(r3bridge.__file__)}",
@@ -141,18 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix=f"r3bridge-cpu-step-{args.framework}-") as workdir:
         (res,) = spawn(_rank, world_size=1, args=(args.framework, workdir, args.mode, args.steps), timeout=900)
-    for i, m in enumerate(res["metrics"]):
-        print(f"step {i} metrics: " + ", ".join(f"{k}={_value(v)}" for k, v in sorted(m.items())))
-    bad = 0
-    for s in res["steps"]:
-        bad += s["mismatching"]
-        print(
-            f"{s['what']}: {s['checked']} (token, layer) "
-            f"pairs checked against the routes they had to dispatch, {s['mismatching']} mismatching"
-            + (f": {s['first']}" if s["first"] else "")
-        )
-    print(f"cpu_step: {'FAILED' if bad else 'OK'}", flush=True)
-    return 1 if bad else 0
+    lines, rc = report(res, args.mode)
+    if args.trace_dir and args.mode != "off":
+        lines.insert(-1, f"route traces: {os.path.abspath(args.trace_dir)} (r3bridge inspect {args.trace_dir})")
+    print("\n".join(lines), flush=True)
+    return rc
 
 
 if __name__ == "__main__":

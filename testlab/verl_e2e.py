@@ -113,12 +113,22 @@ def write_data(path: str, multi_turn: bool) -> None:
 
 
 def write_job(root: str, *, multi_turn: bool = True, first_seen: bool = True) -> dict[str, str]:
+    """The job's files under ``root`` (model, data, reward, agent loop and tool configs) and
+    ``root/lab/testlab``, a link to this checkout's ``testlab``: the job's ``PYTHONPATH`` names that
+    folder, never the checkout, whose ``r3bridge/`` folder would hide the installed package (and
+    its ``r3bridge.adapters``, which only the installed mapping provides)."""
     from testlab import verl_e2e_agent
 
+    root = os.path.abspath(root)
     paths = {"root": root, "model": os.path.join(root, "model"), "train": os.path.join(root, "train.parquet"),
              "reward": os.path.join(root, "reward.py"), "agent": os.path.join(root, "agent_loops.yaml"),
              "tools": os.path.join(root, "tools.yaml"), "logs": os.path.join(root, "logs"),
-             "agent_calls": os.path.join(root, "logs", "agent_calls"), "metrics": os.path.join(root, "metrics.jsonl")}
+             "agent_calls": os.path.join(root, "logs", "agent_calls"), "metrics": os.path.join(root, "metrics.jsonl"),
+             "lab": os.path.join(root, "lab")}
+    os.makedirs(paths["lab"], exist_ok=True)
+    link = os.path.join(paths["lab"], "testlab")
+    if not os.path.lexists(link):
+        os.symlink(os.path.dirname(os.path.abspath(__file__)), link)
     write_model(paths["model"], save_weights=os.environ.get("R3E2E_SAVE_WEIGHTS") == "1")
     write_data(paths["train"], multi_turn)
     with open(paths["reward"], "w") as f:
@@ -140,7 +150,9 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             f"data.max_response_length={RESPONSE_LEN}", "data.shuffle=False", "data.dataloader_num_workers=0",
             f"{a}.model.path={paths['model']}", f"{a}.model.external_lib=testlab.verl_e2e_worker",
             f"{a}.model.use_remove_padding=True",
-            f"{meg}.vanilla_mbridge=True", f"{meg}.override_transformer_config.attention_backend=auto",
+            # R3E2E_BRIDGE=megatron-bridge: verl's default builder (GPU; docs/gpu.md, "verl on GPUs")
+            f"{meg}.vanilla_mbridge={os.environ.get('R3E2E_BRIDGE', 'mbridge') == 'mbridge'}",
+            f"{meg}.override_transformer_config.attention_backend=auto",
             f"{a}.actor.ppo_mini_batch_size={BATCH}", f"{a}.actor.use_dynamic_bsz=True",
             f"{a}.actor.ppo_max_token_len_per_gpu={tok}", f"{a}.actor.optim.lr=1e-3",
             f"{a}.actor.use_kl_loss=True", f"{a}.actor.kl_loss_coef=0.01",
@@ -211,17 +223,27 @@ def run_tag(mode: str, variant: str) -> str:
     return f"vllm_{mode}_{variant}_pc{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
 
 
-def job_env(paths: dict[str, str], repo_root: str, *, gpu: bool = False) -> dict[str, str]:
-    """The job's environment. CPU: verl's NVIDIA platform with gloo (:mod:`testlab.verl_e2e_platform`,
-    through verl's own ``VERL_USE_EXTERNAL_MODULES`` / ``VERL_PLATFORM``); ``gpu``: verl's own."""
-    env = dict(os.environ) if gpu else {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+def stand_in_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
+    """What the job's environment adds (the guide's ``cpu.env``, testlab/verl_cpu_job.py): ``testlab``
+    importable (``paths["lab"]`` only: r3bridge and verl come from the virtualenv), verl's file
+    logger's path; on CPU also verl's NVIDIA platform with gloo (:mod:`testlab.verl_e2e_platform`,
+    through verl's own ``VERL_USE_EXTERNAL_MODULES`` / ``VERL_PLATFORM``) and one thread per process."""
+    env = {"PYTHONPATH": paths["lab"], "VERL_FILE_LOGGER_PATH": paths["metrics"]}
     if not gpu:
-        env.update(VERL_USE_EXTERNAL_MODULES="testlab.verl_e2e_platform", VERL_PLATFORM="r3bridge_cpu")
-    env.update(PYTHONPATH=os.pathsep.join([repo_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               R3E2E_LOG_DIR=paths["logs"], R3E2E_AGENT_LOG_DIR=paths["agent_calls"],
-               VERL_FILE_LOGGER_PATH=paths["metrics"],
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1",
-               RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+        env.update(VERL_USE_EXTERNAL_MODULES="testlab.verl_e2e_platform", VERL_PLATFORM="r3bridge_cpu",
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
+    return env
+
+
+def job_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
+    """The job's whole environment: this process's (CPU: without ``CUDA_VISIBLE_DEVICES``),
+    :func:`stand_in_env` (``PYTHONPATH`` in front of the one given), the probe's log folder."""
+    env = dict(os.environ) if gpu else {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    add = stand_in_env(paths, gpu=gpu)
+    add["PYTHONPATH"] = os.pathsep.join([add["PYTHONPATH"], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(add)
+    env.update(R3E2E_LOG_DIR=paths["logs"], R3E2E_AGENT_LOG_DIR=paths["agent_calls"], RAY_DEDUP_LOGS="0",
+               HYDRA_FULL_ERROR="1")
     return rollout_env(env)
 
 

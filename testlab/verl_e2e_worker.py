@@ -135,6 +135,34 @@ def _no_set_device(device: Any) -> None:
     return None
 
 
+def _probe_megatron_bridge() -> None:
+    """verl's default model builder (``vanilla_mbridge=False``): Megatron-Bridge (GPU, Python 3.12).
+    Its own registry (``MegatronModelBridge.register_bridge``, the last registration of an HF class
+    wins) gets a Qwen3-MoE bridge whose providers carry a pre-wrap hook: the model chunks it builds
+    are observed like mbridge's (:class:`ChunkProbe`); nothing else of the bridge changes."""
+    try:
+        from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+        from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from transformers import Qwen3MoeForCausalLM
+    except ImportError:
+        return
+
+    def observe(models: list) -> list:
+        out_dir = os.environ.get(LOG_DIR_ENV)
+        if out_dir:
+            for m in models:
+                ChunkProbe(m, os.path.join(out_dir, "dispatch"))
+        return models
+
+    @MegatronModelBridge.register_bridge(source=Qwen3MoeForCausalLM, target=GPTModel, model_type="qwen3_moe")
+    class ProbedQwen3MoEBridge(Qwen3MoEBridge):
+        def provider_bridge(self, hf_pretrained: Any) -> Any:
+            provider = super().provider_bridge(hf_pretrained)
+            provider.register_pre_wrap_hook(observe)
+            return provider
+
+
 def setup() -> None:
     if _STATE["done"]:
         return
@@ -143,8 +171,10 @@ def setup() -> None:
     from mbridge.core.llm_bridge import LLMBridge
 
     if torch.cuda.is_available():
-        # a GPU process: no shims, no substitution: mbridge's own (TE) bridges, observed
+        # a GPU process: no shims, no substitution: mbridge's own (TE) bridges, observed, and
+        # Megatron-Bridge's Qwen3-MoE bridge where it is installed (verl's default builder)
         bridges = {k: c for k, c in mb_bridge._MODEL_REGISTRY.items() if isinstance(c, type) and issubclass(c, LLMBridge)}
+        _probe_megatron_bridge()
     else:
         from r3bridge.testing import cpu_shim
         from testlab import verl_cpu

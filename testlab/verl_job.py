@@ -1,7 +1,7 @@
 """verl 0.9.1's own workers and Megatron engine with the r3bridge adapter, on CPU gloo ranks.
 
-Fixtures and rank functions for ``tests/adapters/test_verl_real_engine.py`` (docs/use-with-verl.md,
-"What is proven in verl's real engine"). Everything a verl job runs is verl's code: the job config
+Fixtures and rank functions for ``tests/adapters/test_verl_real_engine.py`` (docs/testing-harness.md,
+"verl 0.9.1: what the CPU tests prove"). Everything a verl job runs is verl's code: the job config
 is composed from verl's own ``ppo_megatron_trainer.yaml`` with hydra (the user's path), the
 ``r3bridge`` section is validated and forwarded by the adapter's ``prepare_verl_config``, the
 engine class comes out of ``EngineRegistry`` (the adapter is loaded by ``import verl`` through

@@ -172,4 +172,4 @@ def provenance_pairing(data: dict) -> ProvenancePairing:
             return None
         return from_versions_tensor(t, engine=ENGINE, what=f"AReaL batch field {key!r}", samples=n)
     return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY),
-                             [f"batch row {i}" for i in range(n)])
+                             [f"batch row {i}" for i in range(n)], samples=n)

@@ -8,8 +8,9 @@ line leave it out), so AReaL's parser type-checks ``r3bridge.replay_mode: R3`` i
 ``r3bridge.replay_mode=R3`` on the command line and refuses unknown keys. The trainer
 (:func:`r3bridge.adapters.areal.trainer_class`) reads it from the config it is given.
 
-Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are the fallback
-(:func:`replay_config_with_source`), else replay is off, and the adapter says so at startup.
+``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` fill the keys the section leaves unset
+(:func:`replay_config_with_source`; a key set differently in both is refused); with neither, replay
+is off, and the adapter says so at startup.
 
 Also here: :func:`check_routes_topk`, the top-k check at ingest (before any reshape), naming the
 sample, token, layer and both top-k values.
@@ -34,8 +35,9 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
 
 
 def replay_config_with_source(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> tuple[ReplayConfig, str]:
-    """:func:`replay_config` plus where it came from (``config``, ``environment (...)``, ``default``)."""
-    return ReplayConfig.resolve_with_source(cfg)
+    """:func:`replay_config` plus where it came from (``config``, ``config + environment (...): keys``,
+    ``environment (...)``, ``default``): the YAML's section merged with ``R3BRIDGE_CONFIG``."""
+    return ReplayConfig.resolve_with_source(cfg, section_name="the YAML's r3bridge: section")
 
 
 @functools.lru_cache(maxsize=None)

@@ -267,9 +267,12 @@ class MegatronEngineMixin:
     def r3_attach(self, model: ModelInfo, layout=None, role: Optional[str] = None) -> None:
         """``role``: what AReaL's trainer initialised this engine as (``initialize(role=...)``);
         the Replayer refuses anything but the actor, naming both roles."""
-        if self.r3_config is None:
-            self.r3_config, self.r3_source = replay_config_with_source(None)
-        self.r3_config = replay_config(self.r3_config)
+        # the section (None: not set) merged with R3BRIDGE_CONFIG; a section the trainer already
+        # merged keeps the trainer's account of where it came from
+        section = self.r3_config
+        self.r3_config, source = replay_config_with_source(section)
+        if section is None or source != SOURCE_CONFIG:
+            self.r3_source = source
         self.r3_model = model
         announce(self.r3_config, self.r3_source, "AReaL Megatron actor")
         if self.r3_config.replay_mode is ReplayMode.OFF:
@@ -483,8 +486,8 @@ def trainer_class(config=None):
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             actor = actor_cls(config=actor_config)
             section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section
-            if section is not None:
-                actor.r3_config, actor.r3_source = section, SOURCE_CONFIG
+            if section is not None:     # merged with R3BRIDGE_CONFIG (a key set differently in both: refused)
+                actor.r3_config, actor.r3_source = replay_config_with_source(section)
             actor.create_process_group(parallel_strategy=alloc.parallel)
             return actor
 

@@ -307,4 +307,4 @@ def provenance_pairing(batch: Any) -> ProvenancePairing:
     samples counted unchecked), samples named by their row and SkyRL uid."""
     n = int(_get(batch, "attention_mask").shape[0])
     return ProvenancePairing(_provenance_column(batch, ROUTE_PROVENANCE_KEY, n),
-                             _provenance_column(batch, LOGPROB_PROVENANCE_KEY, n), _row_names(batch, None))
+                             _provenance_column(batch, LOGPROB_PROVENANCE_KEY, n), _row_names(batch, None), samples=n)

@@ -9,8 +9,9 @@ strict parser accepts (and type-checks) ``trainer.r3bridge.<option>=...`` and re
 :func:`parse_cli` parses a SkyRL command line with it; :func:`prepare_skyrl_config` makes the parsed
 config pass SkyRL's own checks with r3bridge replaying (see there).
 
-Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are read as a fallback
-(:func:`replay_config`), else replay is off, and the adapter says so at startup.
+``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves unset
+(:meth:`r3bridge.ReplayConfig.resolve_with_source`; a key set differently in both is refused); with
+neither, replay is off, and the adapter says so at startup.
 """
 from __future__ import annotations
 
@@ -59,13 +60,18 @@ def parse_cli(argv: Sequence[str]) -> Any:
     return skyrl_config_class().from_cli_overrides([a for a in argv if not a.startswith(_ENTRYPOINT)])
 
 
-def replay_config_from_skyrl(cfg: Any) -> tuple[ReplayConfig, str]:
-    """The section of a parsed SkyRL config and where it came from: ``"config"`` when the command line
-    set any ``trainer.r3bridge.*`` key, else the environment fallback or the default."""
+def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> tuple[ReplayConfig, str]:
+    """The section of a parsed SkyRL config and where it came from: the command line's
+    ``trainer.r3bridge.*`` keys merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (a key set
+    differently in both is refused), else the environment, else the default. ``argv``: the command
+    line, which tells the keys it set (without it, a key left at its default counts as unset)."""
     section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
-    if isinstance(section, ReplayConfig):
-        return section, "config"
-    return ReplayConfig.resolve_with_source(None)
+    prefix = f"{SECTION}."
+    named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
+                                       if a.lstrip("+").startswith(prefix)]
+    # the environment (R3BRIDGE_CONFIG) merges with the command line's keys (r3bridge.config)
+    return ReplayConfig.resolve_with_source(section if isinstance(section, ReplayConfig) else None,
+                                            section_name=f"{SECTION} (command line)", set_keys=named)
 
 
 def prepare_skyrl_config(cfg: Any) -> ReplayConfig:

@@ -40,10 +40,10 @@ from r3bridge.adapters.skyrl.codec import (
     provenance_pairing,
     replay_batch_from_training_batch,
 )
-from r3bridge.adapters.skyrl.config import replay_config
+from r3bridge.adapters.skyrl.config import SECTION, replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
 from r3bridge.announce import announce, replay_mode_metric
-from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
@@ -243,10 +243,8 @@ class PolicyWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        if self.r3_config is None:
-            self.r3_config, source = ReplayConfig.resolve_with_source(None)
-        else:
-            self.r3_config, source = replay_config(self.r3_config), SOURCE_CONFIG
+        # the launcher's section (None: not set) merged with the worker's R3BRIDGE_CONFIG, if any
+        self.r3_config, source = ReplayConfig.resolve_with_source(self.r3_config, section_name=SECTION)
         announce(self.r3_config, source, "SkyRL policy worker")
         replay = replay_for(self.actor_module, self.r3_config, self.strategy.hf_config)
         w = self.model

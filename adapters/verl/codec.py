@@ -20,6 +20,7 @@ every MoE layer cannot be told from "no route" and is routed natively too (count
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -74,11 +75,23 @@ def sample_names(td: Any) -> list[str]:
     return names
 
 
+_PROVENANCE_FIELDS = {f.name for f in dataclasses.fields(RouteProvenance)}
+
+
 def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | None:
+    """``key`` of each sample: a field of its own (verl's DataProto path flattens the agent loop's
+    ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl 0.9.1's V1
+    trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``)."""
     value = td.get(key, None) if hasattr(td, "get") else None
     if value is None:
-        return None
+        nested = td.get("extra_fields", None) if hasattr(td, "get") else None
+        rows = None if nested is None else nested.tolist() if hasattr(nested, "tolist") else list(nested)
+        if not rows or not all(isinstance(r, dict) for r in rows) or not any(key in r for r in rows):
+            return None
+        value = [r.get(key) for r in rows]
     items = value.tolist() if hasattr(value, "tolist") else list(value)
+    # TransferQueue stores the extra_fields with msgspec: a RouteProvenance comes back as its fields
+    items = [RouteProvenance(**x) if isinstance(x, dict) and set(x) <= _PROVENANCE_FIELDS else x for x in items]
     try:
         return list(checked_provenance(items, n))  # type: ignore[arg-type]
     except ProvenanceError as e:
@@ -91,7 +104,7 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
     and verl's names of its samples."""
     n = len(td)
     return ProvenancePairing(_per_sample(td, ROUTE_PROVENANCE_KEY, n), _per_sample(td, LOGPROB_PROVENANCE_KEY, n),
-                             sample_names(td))
+                             sample_names(td), samples=n)
 
 
 def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,

@@ -8,17 +8,17 @@ The engine re-checks, at start, everything it can see itself (:func:`check_engin
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
-from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
+from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 
-__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
-           "check_engine_config", "prepare_verl_config", "speculative_settings"]
+__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
+           "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
+           "speculative_settings"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
@@ -62,9 +62,19 @@ def _plain(x: Any) -> Any:
     return x
 
 
+SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in your YAML)"
+
+
+def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None) -> tuple[ReplayConfig, str]:
+    """The options in force for a verl job and where they came from: its ``r3bridge`` section
+    merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_source`)."""
+    return ReplayConfig.resolve_with_source(_plain(_select(verl_cfg, "r3bridge", None)), environ,
+                                            section_name=SECTION_NAME)
+
+
 def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
-    """The job config's ``r3bridge`` section as a :class:`ReplayConfig` (defaults when absent)."""
-    return ReplayConfig.from_mapping(_plain(_select(verl_cfg, "r3bridge", None)))
+    """:func:`resolve_verl_options` without the source."""
+    return resolve_verl_options(verl_cfg)[0]
 
 
 def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
@@ -123,11 +133,13 @@ def _raise(mode: ReplayMode, problems: list[str], where: str) -> None:
                           + "\n  - ".join(problems))
 
 
-def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
-    """Validate a whole verl job config (driver side). Returns the parsed ``r3bridge`` section;
-    raises :class:`ConfigError` listing every problem. ``hf_config``: the model's HF config
-    (dict or ``PretrainedConfig``) for the MoE check; skipped when None."""
-    cfg = replay_config_from_verl(verl_cfg)
+def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
+    """Validate a whole verl job config (driver side). Returns the options in force (``cfg``, else
+    :func:`replay_config_from_verl`); raises :class:`ConfigError` listing every problem.
+    ``hf_config``: the model's HF config (dict or ``PretrainedConfig``) for the MoE check; skipped
+    when None."""
+    if cfg is None:
+        cfg = replay_config_from_verl(verl_cfg)
     if cfg.replay_mode is ReplayMode.OFF:
         return cfg
     s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
@@ -196,6 +208,43 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
     _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "Megatron engine config")
 
 
+def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
+    """Refuse a job that would wait forever for Ray CPU slots before it trains (issue 39: a launch
+    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue in a
+    local Ray cluster: a controller and ``num_data_storage_units`` storage actors (8 by default)
+    holding one CPU slot each for the whole job, and Ray gives a local cluster as many slots as the
+    machine has cores unless ``ray_kwargs.ray_init.num_cpus`` says otherwise; with fewer slots the
+    remaining storage actors are never placed and nothing says so. Only a cluster the launcher
+    starts itself is checked (no ``address``, no ``RAY_ADDRESS``). ``cpus``: the machine's count
+    (default: Ray's own)."""
+    ray_init = _select(verl_cfg, "ray_kwargs.ray_init") or {}
+    if not _select(verl_cfg, "trainer.use_v1", True) or _select(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
+        return
+    units = _select(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
+    if _select(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
+        return
+    slots = _select(ray_init, "num_cpus")
+    given = slots is not None
+    if slots is None:
+        if cpus is None:
+            try:
+                from ray._private.utils import get_num_cpus
+                cpus = int(get_num_cpus())
+            except Exception:  # noqa: BLE001  (Ray's private helper moved: the machine's count)
+                cpus = os.cpu_count() or 1
+        slots = cpus
+    need = 1 + int(units)
+    if int(slots) < need:
+        where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
+        raise ConfigError(
+            f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
+            f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
+            f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
+            f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
+            f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
+            f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
+
+
 def _load_hf_config(verl_cfg: Any) -> Any:
     path = _select(verl_cfg, "actor_rollout_ref.model.path")
     if not path or not os.path.exists(os.path.expanduser(str(path))):
@@ -209,19 +258,23 @@ def _load_hf_config(verl_cfg: Any) -> Any:
         return None
 
 
-def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None) -> ReplayConfig:
-    """Driver side: validate, fill the ``r3bridge`` section with defaults, and forward it to every
-    Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's
-    environment); make the workers import the adapter even with verl plugins disabled, and (replay
-    on) register the engine in this process too. ``announce_where``: log the startup line
-    (:func:`r3bridge.announce.announce`) naming it."""
+def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
+                        worker_env: Mapping[str, str] | None = None) -> ReplayConfig:
+    """Driver side: resolve the options (the job's section merged with ``R3BRIDGE_CONFIG``),
+    validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
+    (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
+    make the workers import the adapter even with verl plugins disabled, and (replay on) register
+    the engine in this process too. ``announce_where``: log the startup line
+    (:func:`r3bridge.announce.announce`) naming it. ``worker_env``: more variables for the workers
+    only (the launcher's stall-watchdog id)."""
     from omegaconf import OmegaConf, open_dict
 
-    cfg = validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg))
+    cfg, source = resolve_verl_options(verl_cfg)
+    validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg), cfg)
     if announce_where is not None:
         from r3bridge.announce import announce
-        announce(cfg, "config" if _select(verl_cfg, "r3bridge", None) is not None else "default", announce_where)
-    payload = json.dumps(cfg.as_dict())
+        announce(cfg, source, announce_where)
+    forward = forward_env(cfg, announce_where or "verl launcher")
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
         if _select(verl_cfg, "ray_kwargs") is None:
@@ -232,7 +285,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
             with open_dict(rt):
                 env = rt.get("env_vars") or OmegaConf.create({})
                 with open_dict(env):
-                    env[ENV_VAR] = payload
+                    env.update({**forward, **(worker_env or {})})
                 rt["env_vars"] = env
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init
@@ -244,7 +297,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
             libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
             if ADAPTER_MODULE not in libs:
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
-    os.environ[ENV_VAR] = payload
+    os.environ.update(forward)
     if cfg.replay_mode is not ReplayMode.OFF:
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)

@@ -32,6 +32,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from verl.workers.utils.padding import no_padding_2_padding
 
 from r3bridge.adapters._naming import check_topk
+from r3bridge.adapters._ray_watch import report
 from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
@@ -95,6 +96,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def initialize(self) -> None:
         super().initialize()
         self.r3_attach()
+        if self.r3_active:
+            report("engine_ready")      # the launcher's stall watchdog: this stage is done
 
     def r3_attach(self) -> None:
         """Check the built model against the HF config and attach the driver (actor only). The
@@ -156,6 +159,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         finally:
             self._r3_step = None
             data.pop(SAMPLE_KEY, None)
+        report("first_pass")
         if not output:                                  # not the last pipeline stage
             return output
         result = ps.result

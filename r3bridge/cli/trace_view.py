@@ -12,6 +12,38 @@ from typing import Any, Optional
 from r3bridge.cli._common import CliError, fmt_ids, fmt_num, fmt_pct, pyplot, save_figure, table
 from r3bridge.trace import MergedPass, Trace, TraceError, TracePass, compare, load_trace, pass_summary
 
+# ===================================================================================== reading agreement
+# Below this agreement of the trainer's own router with the rollout's routes, the two are not the
+# same model. A model served by the engine it trains agrees on most (token, layer) pairs (0.95-0.98
+# in the device runs of docs/gpu.md; a trained production model's near-ties lower it, but not to
+# chance); chance is about top-k / experts.
+DIFFERENT_MODELS_BELOW = 0.5
+
+
+def models_note(agreement: float, *, source: str = "rollout") -> Optional[str]:
+    """What a low agreement between the trainer's own router and the replayed routes means, or None."""
+    if not agreement == agreement or agreement >= DIFFERENT_MODELS_BELOW:    # nan: nothing compared
+        return None
+    if source == "recorded":
+        return (f"note: the update's router agrees with the routes it recorded in compute_log_prob on only "
+                f"{fmt_pct(agreement)} of (token, layer) pairs: the weights moved far between the two passes (or the "
+                f"router is untrained: nearly tied scores). Replay is unaffected: the update dispatched the recorded routes.")
+    return (f"note: the trainer's router agrees with the engine's routes on only {fmt_pct(agreement)} of (token, layer) "
+            f"pairs, so the engine and the trainer are different models: weights that were never synced (r3bridge's CPU "
+            f"harness: by design), another checkpoint or architecture, or an untrained router (random initialisation "
+            f"leaves the router scores nearly tied). Replay is unaffected (the routers dispatched the replayed routes; "
+            f"coverage says on how many rows); the log-prob mismatch will be large until the two are the same model.")
+
+
+def _overall(passes: list[dict[str, Any]], source: str) -> float:
+    """Agreement over every replay pass of ``source``, weighted by the pairs each compared."""
+    agree = compared = 0
+    for p in passes:
+        if p.get("source") == source and p.get("action") == "replay":
+            agree += sum(r.get("agree", 0) for r in p["per_layer"])
+            compared += sum(r.get("compared", 0) for r in p["per_layer"])
+    return agree / compared if compared else float("nan")
+
 
 # ===================================================================================== inspect
 def summarize_trace(path: str, *, lowest: int = 5, step: Optional[int] = None) -> dict[str, Any]:
@@ -29,6 +61,7 @@ def summarize_trace(path: str, *, lowest: int = 5, step: Optional[int] = None) -
         "stopped": [{k: s.get(k) for k in ("rank", "step", "pass", "pass_index", "bytes_written", "limit", "reason")}
                     for s in trace.stops],
         "passes": passes,
+        "notes": [n for n in (models_note(_overall(passes, src), source=src) for src in ("rollout", "recorded")) if n],
     }
 
 
@@ -78,6 +111,8 @@ def render_trace(s: dict[str, Any]) -> str:
                             f"{' (' + x['uid'] + ')' if x.get('uid') else ''}: {fmt_pct(x['agreement'])}"
                             for x in p["lowest_samples"])
             lines.append(f"  step {p['step']} {p['pass']}: {low}")
+    for note in s.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines)
 
 
@@ -167,10 +202,20 @@ def diff_traces(a: str, b: Optional[str], *, step: Optional[int], pass_a: Option
                               "view_b": vb, "missing": "B"})
                 continue
         c = compare(merged(ta, p), va, merged(tb, q), vb, lowest=lowest)
-        comps.append({"step": p.step, "pass_a": p.label, "pass_b": q.label, "view_a": va, "view_b": vb, **c})
+        comps.append({"step": p.step, "pass_a": p.label, "pass_b": q.label, "view_a": va, "view_b": vb,
+                      "source": p.first.get("source"), **c})
     if not comps:
         raise CliError(f"{a}: no replay pass to compare (a recording-only trace: use --vs-pass or a second trace)")
-    return {"a": a, "b": b if b is not None else a, "comparisons": comps}
+    notes = []
+    if b is None and pass_b is None:            # replayed vs native: the same reading as inspect's
+        for src in ("rollout", "recorded"):
+            done = [c for c in comps if not c.get("missing") and c.get("source") == src]
+            pairs = sum(c["rows_compared"] * len(c["per_layer"]) for c in done)
+            agree = sum(c["agreement"] * c["rows_compared"] * len(c["per_layer"]) for c in done)
+            note = models_note(agree / pairs if pairs else float("nan"), source=src)
+            if note:
+                notes.append(note)
+    return {"a": a, "b": b if b is not None else a, "comparisons": comps, "notes": notes}
 
 
 def render_diff(s: dict[str, Any]) -> str:
@@ -198,6 +243,8 @@ def render_diff(s: dict[str, Any]) -> str:
             if c["lowest_samples"]:
                 lines.append(f"  step {c['step']} {c['pass_a']}: " + ", ".join(
                     f"{x['sample']}: {fmt_pct(x['agreement'])}" for x in c["lowest_samples"]))
+    for note in s.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines)
 
 
@@ -212,15 +259,21 @@ def plot_diff(s: dict[str, Any], out: str) -> None:
     data = np.array([[r["agreement"] if r["agreement"] is not None else np.nan for r in c["per_layer"]]
                      for c in done], dtype=float)
     fig, ax = plt.subplots(figsize=(min(max(5.0, 0.5 * len(layers) + 3), 16), max(2.5, 0.35 * len(done) + 1.5)))
-    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="RdYlGn", vmin=0.0, vmax=1.0)
-    fig.colorbar(im, ax=ax, label="top-k set agreement")
+    # a sequential scale, not red-to-green: agreement is how far the two routings are apart (for
+    # rollout vs native: engine vs trainer), not whether replay worked, which it did on every row
+    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=1.0)
+    fig.colorbar(im, ax=ax, label="top-k set agreement (not a pass / fail)")
     for i in range(data.shape[0]):
         for j in range(data.shape[1]):
             if data.shape[0] * data.shape[1] <= 200:
-                ax.text(j, i, fmt_pct(float(data[i, j])), ha="center", va="center", fontsize=7)
+                ax.text(j, i, fmt_pct(float(data[i, j])), ha="center", va="center", fontsize=7,
+                        color="white" if data[i, j] < 0.5 else "black")      # readable on viridis's dark end
     ax.set_xticks(range(len(layers)), [str(x) for x in layers])
     ax.set_yticks(range(len(done)), [f"{c['step']}/{c['pass_a']}" for c in done], fontsize=8)
     ax.set_xlabel("layer id")
     c0 = done[0]
-    ax.set_title(f"{c0['view_a']} vs {c0['view_b']} per layer and pass", fontsize=10)
+    title = f"{c0['view_a']} vs {c0['view_b']} per layer and pass"
+    if s.get("notes"):
+        title += "\nlow everywhere: the engine and the trainer are different models (see the text output)"
+    ax.set_title(title, fontsize=10)
     save_figure(fig, out)

@@ -51,7 +51,7 @@ layout = Parallel.from_env().label      # R3E2E_GPUS / _TP / _EP / _PP / _SP ...
 tag = E.run_tag(mode, variant) + ("" if layout == "tp1" else f"_{layout}")
 root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}")
 paths = E.write_job(root, first_seen=variant != "last")
-env = E.job_env(paths, os.getcwd(), gpu=True)
+env = E.job_env(paths, gpu=True)
 t0 = time.monotonic()
 if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
     rc = 0

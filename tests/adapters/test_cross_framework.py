@@ -109,6 +109,7 @@ def test_same_replay_mode_key(monkeypatch):
     monkeypatch.delenv("R3BRIDGE_CONFIG")
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "r3")
     assert skyrl_cfg().replay_mode == areal_cfg().replay_mode
+    monkeypatch.delenv("R3BRIDGE_REPLAY_MODE")      # next to an explicit replay_mode it would clash
     for mode in ("off", "R2", "R3"):
         for phase in Phase:
             assert skyrl_cfg({"replay_mode": mode}).plan(phase) == areal_cfg({"replay_mode": mode}).plan(phase) \

@@ -185,6 +185,10 @@ def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhe
     assert torch_pins == [f"torch=={version}", f"torch=={version}+cpu"], torch_pins     # no other torch anywhere
     cd, _, run = block[-1].partition(" && ")
     assert cd.startswith("cd ") and "$R3BRIDGE" not in cd, block[-1]
+    if framework == "verl":      # verl's own launch line, rehearsed (tests/adapters/test_verl_e2e.py runs it)
+        assert run == 'bash "$R3BRIDGE/examples/verl/run_cpu_rehearsal.sh"', run
+        assert "python -m r3bridge.adapters.verl.main_ppo" in (ROOT / "examples/verl/run_cpu_rehearsal.sh").read_text()
+        return
     assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework}', run
     from testlab.cpu_step import FRAMEWORKS
     assert framework in FRAMEWORKS
@@ -318,11 +322,20 @@ def test_cpu_step_runs_from_another_folder_with_an_installed_r3bridge(tmp_path, 
     checked router row dispatching the rollout's route."""
     env = {k: v for k, v in os.environ.items() if k not in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE")}
     env["PYTHONPATH"] = installed                  # shadows the editable install, as a site-packages copy would
-    proc = subprocess.run([sys.executable, str(ROOT / "testlab" / "cpu_step.py"), "skyrl"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "testlab" / "cpu_step.py"), "skyrl", "--trace-dir", "routes"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"from {installed}/r3bridge" in out, out[:500]
-    assert "r3bridge (SkyRL policy worker, pid " in out and "): replay_mode=R3 (from config)" in out
+    # --trace-dir reaches the worker as R3BRIDGE_CONFIG, merged with the runner's section (issue 39)
+    assert "r3bridge (SkyRL policy worker, pid " in out and \
+        "): replay_mode=R3 (from config + environment (R3BRIDGE_CONFIG): trace_dir)" in out
     assert "r3bridge/replay_mode=3" in out and "r3bridge/update/coverage=" in out
     assert " 0 mismatching" in out and "cpu_step: OK" in out
+    read = subprocess.run([sys.executable, "-m", "r3bridge", "inspect", str(tmp_path / "routes"), "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr
+    import json
+    trace = json.loads(read.stdout)
+    assert trace["framework"] == "skyrl" and trace["mode"] == "R3" and \
+        {p["pass"].split(".")[0] for p in trace["passes"]} == {"compute_log_prob", "update"}

@@ -68,8 +68,14 @@ def test_environment_is_the_fallback(monkeypatch):
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R2")
     rc, source = replay_config_from_skyrl(cfg)
     assert rc.replay_mode is ReplayMode.R2 and source == "environment (R3BRIDGE_REPLAY_MODE)"
-    # an explicit command-line value wins over the environment, "off" included
-    assert replay_config_from_skyrl(parse_cli(["trainer.r3bridge.replay_mode=off"]))[0].replay_mode is ReplayMode.OFF
+    # the environment fills what the command line leaves unset; a key set differently in both (an
+    # explicit "off" included, which the command line tells) is refused, never dropped (issue 39)
+    argv = ["trainer.r3bridge.min_coverage=0.5"]
+    assert replay_config_from_skyrl(parse_cli(argv), argv) == \
+        (ReplayConfig(replay_mode="R2", min_coverage=0.5), "config + environment (R3BRIDGE_REPLAY_MODE): replay_mode")
+    argv = ["trainer.r3bridge.replay_mode=off"]
+    with pytest.raises(ConfigError, match=r"replay_mode='off' in trainer.r3bridge \(command line\) and replay_mode='R2'"):
+        replay_config_from_skyrl(parse_cli(argv), argv)
 
 
 def test_a_replaying_reference_is_refused_on_the_command_line():

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from r3bridge.adapters.verl import config as vc  # noqa: E402
 from r3bridge.adapters.verl.main_ppo import rewrite_overrides  # noqa: E402
-from r3bridge.config import ReplayConfig, ReplayMode  # noqa: E402
+from r3bridge.config import ENV_FROM, ReplayConfig, ReplayMode  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
 
 MOE_HF = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
@@ -95,23 +95,65 @@ def test_bad_section(base_cfg):
 
 
 def test_prepare_forwards_section_to_workers(base_cfg, monkeypatch):
-    monkeypatch.setenv(vc.ENV_VAR, "")     # recorded, so prepare()'s os.environ write is undone
-    monkeypatch.delenv(vc.ENV_VAR)
+    for var in (vc.ENV_VAR, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     cfg = job(base_cfg, "R3", **{"r3bridge.min_coverage": 0.5})
     got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
     assert got == ReplayConfig(replay_mode="R3", min_coverage=0.5)
     payload = cfg.ray_kwargs.ray_init.runtime_env.env_vars[vc.ENV_VAR]
     assert json.loads(payload) == got.as_dict() and os.environ[vc.ENV_VAR] == payload
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars[ENV_FROM] == os.environ[ENV_FROM] == "verl launcher"
     assert cfg.ray_kwargs.ray_init.runtime_env.py_executable is None          # verl's own keys kept
     assert cfg.actor_rollout_ref.model.external_lib == "r3bridge.adapters.verl"
     assert cfg.r3bridge.agreement is True                                      # defaults filled in
     assert vc.replay_config_from_env() == got                                  # what a worker reads
 
 
+def test_prepare_merges_the_users_environment_or_refuses_a_clash(base_cfg, monkeypatch, tmp_path):
+    """The documented trace recipe (R3BRIDGE_CONFIG in the environment) next to the guide's
+    ``r3bridge.replay_mode=R3``: merged, announced, forwarded; the same key set twice differently
+    is refused naming both places (issue 39: it was dropped silently)."""
+    for var in (vc.ENV_VAR, ENV_FROM):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv(vc.ENV_VAR, json.dumps({"trace_dir": str(tmp_path / "routes"), "trace_every": 2}))
+    cfg = job(base_cfg, "R3")
+    got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
+    assert (got.replay_mode, got.trace_dir, got.trace_every) == (ReplayMode.R3, str(tmp_path / "routes"), 2)
+    assert json.loads(cfg.ray_kwargs.ray_init.runtime_env.env_vars[vc.ENV_VAR]) == got.as_dict()
+    # the forwarded section is not merged a second time in this process
+    assert vc.prepare_verl_config(job(base_cfg, "R2", **{"actor_rollout_ref.rollout.enable_rollout_routing_replay":
+                                                         False}), hf_config=MOE_HF).trace_dir is None
+    monkeypatch.delenv(ENV_FROM)
+    monkeypatch.setenv(vc.ENV_VAR, '{"replay_mode": "R2"}')
+    with pytest.raises(ConfigError, match=r"replay_mode='R3' in the job's r3bridge section .* and "
+                                          r"replay_mode='R2' in R3BRIDGE_CONFIG"):
+        vc.prepare_verl_config(job(base_cfg, "R3"), hf_config=MOE_HF)
+
+
+def test_a_job_that_would_wait_forever_for_ray_cpu_slots_is_refused(base_cfg, monkeypatch):
+    """verl's default TransferQueue (a controller + 8 storage actors, one Ray CPU slot each) on a
+    local cluster with the machine's 2 cores: the launch that printed its config and hung
+    silently (issue 39) is refused before Ray starts, naming both settings."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"needs 9 Ray CPU slots .* gets 2 from this machine's 2 cores .*"
+                                          r"ray_kwargs.ray_init.num_cpus .*num_data_storage_units=1"):
+        vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=2)
+    vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=16)
+    vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 8,
+                                                     "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1}),
+                             cpus=2)
+    with pytest.raises(ConfigError, match=r"gets 4 from ray_kwargs.ray_init.num_cpus"):
+        vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 4}), cpus=64)
+    vc.check_local_ray_slots(job(base_cfg, "R3", **{"ray_kwargs.ray_init.address": "auto"}), cpus=2)  # not ours
+
+
 def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
     # verl's HFModelConfig.external_lib takes a list; the adapter must still load with plugins off
-    monkeypatch.setenv(vc.ENV_VAR, "")     # recorded, so prepare()'s os.environ write is undone
-    monkeypatch.delenv(vc.ENV_VAR)
+    for var in (vc.ENV_VAR, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     cfg = job(base_cfg, "R2", **{"actor_rollout_ref.model.external_lib": "my_models",
                                  "actor_rollout_ref.rollout.enable_rollout_routing_replay": False})
     vc.prepare_verl_config(cfg, hf_config=MOE_HF)
@@ -192,6 +234,23 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
     # verl's own replay alone (r3bridge off) is verl's business: nothing to refuse
     own = job(base_cfg, "off", **{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"})
     assert vc.validate_verl_config(own).replay_mode is ReplayMode.OFF
+
+
+def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeypatch):
+    """Ray says only "The current node timed out during startup"; the launcher adds the raylet's own
+    FATAL line (Ray #65983: a loaded machine starts the dashboard agent too slowly)."""
+    from r3bridge.adapters._ray_watch import ray_start_failure
+
+    logs = tmp_path / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-27 09:43:24,532 I 24050 24050] (raylet) grpc_server.cc:144: NodeManager server started\n"
+        "[2026-11-27 09:43:40,588 C 24050 24050] (raylet) node_manager.cc:3576:  An unexpected system state "
+        "has occurred. Check failed: statussetor3576.has_value() Timed out waiting for file /tmp/x/metrics_agent_port\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    why = ray_start_failure(Exception("The current node timed out during startup. This could happen because ..."))
+    assert "Timed out waiting for file /tmp/x/metrics_agent_port" in why and "Ray #65983" in why
+    assert ray_start_failure(ValueError("something else")) is None
 
 
 @pytest.mark.parametrize("engine, settings, version, needle", [

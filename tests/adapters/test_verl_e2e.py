@@ -1,23 +1,31 @@
-"""verl 0.9.1's whole job on CPU through r3bridge's launcher: Ray, agent loop, rollout server,
-reward, compute_log_prob, reference, GRPO update, 2 steps, for replay_mode R3, R2 and off.
+"""verl 0.9.1's whole job on CPU, launched as a user launches it: docs/use-with-verl.md's "Rehearse on
+CPU" block, its run line as written (``cd "$(mktemp -d)" && bash "$R3BRIDGE/examples/verl/run_cpu_rehearsal.sh"``,
+``python -m r3bridge.adapters.verl.main_ppo`` inside), from a folder outside the checkout, with the
+installed r3bridge (nothing of the checkout on ``PYTHONPATH``). Ray, TransferQueue, verl's V1 trainer,
+agent loop (two prompts of each step through the tool agent loop with r3bridge's first-seen stitching,
+two server calls each), reward, compute_log_prob, reference, GRPO update, 2 steps; the rollout backend
+is r3bridge's HF transformers engine (:mod:`testlab.verl_hf_rollout`). The R3 job is the block as
+written; R2, off and the control (first-seen off: verl's own last-call behaviour) append overrides to
+the same script, as a user would.
 
-``python -m r3bridge.adapters.verl.main_ppo`` runs as a user runs it (a subprocess with verl's
-overrides plus ``r3bridge.replay_mode``); the rollout backend is r3bridge's HF transformers engine
-registered in verl's rollout registries (:mod:`testlab.verl_hf_rollout`); two prompts of each step
-go through the tool agent loop (two server calls each) with r3bridge's first-seen stitching
-(:class:`r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop`). Every router call of the
-actor and the reference model is logged in the Ray workers (:mod:`testlab.verl_e2e_worker`) and
-checked per (sample, token, layer) (:func:`testlab.verl_e2e.check_run`): R3 dispatches the routes
-the server returned (first-seen) on every row it returned, R2's update dispatches what the same
-sample's compute_log_prob chose, off and the reference model route natively. The control run
-switches first-seen off (verl's own last-call behaviour): its R3 dispatch must then disagree with
-the first-seen routes. See docs/use-with-verl.md ("End to end").
+Every router call of the actor and the reference model is logged in the Ray workers
+(:mod:`testlab.verl_e2e_worker`, switched on by ``R3E2E_LOG_DIR``: observation only) and checked per
+(sample, token, layer) (:func:`testlab.verl_e2e.check_run`): R3 dispatches the routes the server
+returned (first-seen) on every row it returned, R2's update dispatches what the same sample's
+compute_log_prob chose, off and the reference model route natively. The R3 job also shows what the
+guide promises: the launcher's and the workers' startup lines, the trace ``r3bridge inspect`` read
+(saying the CPU harness's engine and trainer are different models), the provenance counters adding
+up to the pass's samples; the R2 job's stall watchdog names its stages. See docs/use-with-verl.md.
 """
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,21 +33,69 @@ from testlab import verl_e2e as E
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
+SAMPLES = E.BATCH * E.N          # per step, and per pass (one update mini-batch per step)
 
 
-def _run(tmp_path_factory, mode: str, *, first_seen: bool = True) -> E.RunResult:
-    root = str(tmp_path_factory.mktemp(f"verl_e2e_{mode}_{'first' if first_seen else 'last'}"))
-    paths = E.write_job(root, first_seen=first_seen)
+def guide_run_line() -> str:
+    """The run line of the guide's fresh-virtualenv block (the line after its install lines)."""
+    lines = (REPO / "docs" / "use-with-verl.md").read_text().splitlines()
+    start = lines.index("<!-- fresh-venv: verl -->")
+    assert lines[start + 1] == "```bash", lines[start + 1]
+    block = lines[start + 2:lines.index("```", start + 2)]
+    last_pip = max(i for i, line in enumerate(block) if line.startswith("pip install"))
+    (line,) = [ln for ln in block[last_pip + 1:] if ln.strip() and not ln.startswith("#")]
+    return line
+
+
+def _kill_leftovers(root: str) -> None:
+    """Ray's daemons a killed job may leave behind: those whose environment names this job's folder."""
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            if root.encode() in Path(d, "environ").read_bytes():
+                os.kill(int(d[6:]), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def _run(tmp_path_factory, name: str, extra: str = "", env_extra: dict | None = None) -> tuple[E.RunResult, str]:
+    root = str(tmp_path_factory.mktemp(f"verl_e2e_{name}"))
+    probe = os.path.join(root, "probe")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("R3BRIDGE_") and k not in ("PYTHONPATH",
+                                                                                             "CUDA_VISIBLE_DEVICES")}
+    # TMPDIR: the block's mktemp makes the job's folder here; Ray's own sockets stay in /tmp (a
+    # socket path may not exceed 107 bytes)
+    agent_calls = os.path.join(root, "agent_calls")       # the agent loops' log of the server's answers
+    env.update(R3BRIDGE=str(REPO), TMPDIR=root, RAY_TMPDIR="/tmp", R3E2E_LOG_DIR=probe,
+               R3E2E_AGENT_LOG_DIR=agent_calls, HYDRA_FULL_ERROR="1",
+               RAY_DEDUP_LOGS="0",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]), **(env_extra or {}))
+    # R3E2E_GPUS, R3E2E_TP, ... (manual multi-rank runs, testlab.verl_e2e_parallel): the layout's
+    # overrides appended, as a user appends them (a later key wins; ++ for the keys given with +)
+    from testlab.verl_e2e_parallel import Parallel
+
+    layout = [("+" + o) if o.startswith("+") else o for o in Parallel.from_env().overrides()] \
+        if os.environ.get("R3E2E_GPUS") else []
+    line = " ".join([guide_run_line(), extra, *layout]).rstrip()
     t0 = time.monotonic()
-    proc = subprocess.run(E.job_command(paths, mode, steps=STEPS), env=E.job_env(paths, REPO), cwd=root,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
-    res = E.read_run(paths, proc.returncode, proc.stdout[-6000:])
-    print(f"verl e2e {mode} first_seen={first_seen}: rc {proc.returncode}, {time.monotonic() - t0:.0f} s, "
-          f"{len(res.calls)} server calls, {len(res.dispatch)} router calls")
-    assert proc.returncode == 0, res.output
-    return res
+    proc = subprocess.Popen(["bash", "-c", line], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=1200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    finally:
+        _kill_leftovers(root)
+    (job,) = glob.glob(os.path.join(root, "tmp.*"))           # the folder the block's mktemp made
+    res = E.read_run({"logs": probe, "agent_calls": agent_calls, "metrics": os.path.join(job, "metrics.jsonl")},
+                     proc.returncode, out)
+    print(f"verl e2e {name}: rc {proc.returncode}, {time.monotonic() - t0:.0f} s, {len(res.calls)} server calls, "
+          f"{len(res.dispatch)} router calls")
+    assert proc.returncode == 0, out[-6000:]
+    assert "Traceback" not in out, out[-6000:]
+    return res, job
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +105,26 @@ def r3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def r3_last_call(tmp_path_factory):
-    return _run(tmp_path_factory, "R3", first_seen=False)
+    return _run(tmp_path_factory, "R3_last_call", env_extra={"R3E2E_FIRST_SEEN": "0"})[0]
 
 
 @pytest.fixture(scope="module")
 def r2(tmp_path_factory):
-    return _run(tmp_path_factory, "R2")
+    return _run(tmp_path_factory, "R2", "r3bridge.replay_mode=R2 actor_rollout_ref.rollout.enable_rollout_routing_replay"
+                "=False r3bridge.stall_warning_s=20")[0]
 
 
 @pytest.fixture(scope="module")
 def off(tmp_path_factory):
-    return _run(tmp_path_factory, "off")
+    return _run(tmp_path_factory, "off", "r3bridge.replay_mode=off actor_rollout_ref.rollout.enable_rollout_routing_replay"
+                "=False")[0]
 
 
 def _checked(res: E.RunResult, mode: str, **kw) -> list[E.StepCheck]:
     checks = E.check_run(res, mode, **kw)
     assert len(checks) == STEPS, [c.step for c in checks]
     for c in checks:
-        assert c.samples == E.BATCH * E.N, c
+        assert c.samples == SAMPLES, c
         assert c.compared["compute_log_prob"] > 0 and c.compared["update"] > 0, c
         # the reference model: no hook, its own top-k on every row
         assert c.ref_native[0] == c.ref_native[1] > 0, c
@@ -74,7 +132,8 @@ def _checked(res: E.RunResult, mode: str, **kw) -> list[E.StepCheck]:
 
 
 def test_r3_dispatches_the_servers_first_seen_routes(r3):
-    checks = _checked(r3, "R3")
+    res, _ = r3
+    checks = _checked(res, "R3")
     for c in checks:
         assert c.errors == [], c.errors
         assert c.multi_turn == 2 * E.N, c    # two tool-agent prompts per step, N samples each
@@ -87,14 +146,36 @@ def test_r3_dispatches_the_servers_first_seen_routes(r3):
     assert all(c.native_vs_rollout[1] > 0 for c in checks), [c.native_vs_rollout for c in checks]
     # what the agent loops recorded of the server's answers (the only log when verl's own vLLM server
     # serves, R3E2E_ROLLOUT=vllm) is the HF server's own log, call for call, routes included
-    server = sorted((c.prompt, c.output, c.routes.tobytes()) for c in r3.calls)
-    agent = sorted((c.prompt, c.output, c.routes.tobytes()) for c in r3.agent_calls)
+    server = sorted((c.prompt, c.output, c.routes.tobytes()) for c in res.calls)
+    agent = sorted((c.prompt, c.output, c.routes.tobytes()) for c in res.agent_calls)
     assert len(server) == len(agent) > 0 and server == agent
-    mets = E.r3bridge_metrics(r3)
+    mets = E.r3bridge_metrics(res)
     assert len(mets) == STEPS
     for m in mets:
         assert m["actor/r3bridge/update/coverage"] > 0.9, m
         assert "actor/r3bridge/old_log_prob/coverage" in m and "actor/r3bridge/update/agreement/mean" in m, m
+        # every sample of a pass is counted: the tool loop's samples checked, the single-turn loop's
+        # (verl's own, no provenance) unchecked
+        for tag in ("old_log_prob", "update"):
+            checked = m[f"actor/r3bridge/{tag}/provenance/checked_samples"]
+            unchecked = m[f"actor/r3bridge/{tag}/provenance/unchecked_samples"]
+            assert checked + unchecked == SAMPLES and checked == 2 * E.N, (tag, m)
+
+
+def test_r3_guide_block_says_what_the_guide_promises(r3):
+    """The startup lines, the forwarded options, the trace written and read by r3bridge inspect."""
+    from r3bridge.trace import load_trace
+
+    res, job = r3
+    out = res.output
+    assert "r3bridge (verl launcher, pid " in out and "replay_mode=R3 (from config)" in out
+    assert "r3bridge (verl engine, pid " in out and "(from environment (R3BRIDGE_CONFIG from the verl launcher))" in out
+    assert "r3bridge inspect: " + os.path.join(job, "routes") in out
+    assert "so the engine and the trainer are different models" in out        # the CPU harness, said so
+    trace = load_trace(os.path.join(job, "routes"))
+    assert trace.meta["framework"] == "verl" and trace.meta["mode"] == "R3"
+    assert {(p.step, p.name) for p in trace.passes} == {(s, n) for s in range(STEPS)
+                                                        for n in ("compute_log_prob", "update")}
 
 
 def test_r3_with_last_call_routes_fails_the_check(r3_last_call):
@@ -115,6 +196,10 @@ def test_r2_update_replays_what_compute_log_prob_chose(r2):
     for m in E.r3bridge_metrics(r2):
         assert m["actor/r3bridge/update/agreement/mean"] == pytest.approx(1.0), m
         assert m["actor/r3bridge/update/coverage"] == pytest.approx(1.0), m
+    # the launcher's stall watchdog (r3bridge.stall_warning_s=20): the workers take longer than that
+    # to start, so it names the stage and what it waits for, then sees the first replayed pass
+    assert "in stage 'worker start' (1 of 2): waiting for Ray to place verl's TaskRunner" in r2.output
+    assert "the first replayed pass ran" in r2.output
 
 
 def test_off_routes_natively_and_logs_nothing(off):
@@ -122,6 +207,7 @@ def test_off_routes_natively_and_logs_nothing(off):
     for c in checks:
         assert c.errors == [], c.errors
     assert all(m == {} for m in E.r3bridge_metrics(off)), E.r3bridge_metrics(off)
+    assert "replay_mode=off (from config); routing replay is OFF" in off.output
 
 
 def test_rank_rows_and_padded_lengths_of_several_ranks():

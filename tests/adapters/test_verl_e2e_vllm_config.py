@@ -34,7 +34,7 @@ def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
     monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
     monkeypatch.setenv("R3E2E_PREFIX_CACHE", "0")
     paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
-                                           "agent_calls", "metrics")}
+                                           "agent_calls", "metrics", "lab")}
     cfg = _compose(E.job_command(paths, "R3"))
     prepare_verl_config(cfg, announce_where="test")
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
@@ -51,7 +51,7 @@ def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
     assert rollout.load_format == "dummy" and rollout.enforce_eager is False
     assert 0 < rollout.gpu_memory_utilization <= 0.3
     assert cfg.r3bridge.replay_mode == "R3"
-    env = E.job_env(paths, "/repo", gpu=True)
+    env = E.job_env(paths, gpu=True)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == E.VLLM_SITE and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert env["R3E2E_AGENT_LOG_DIR"] == paths["agent_calls"]
     assert E.run_tag("R3", "first") == "vllm_R3_first_pc0"
@@ -60,10 +60,10 @@ def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
 def test_hf_job_keeps_its_backend(monkeypatch, tmp_path):
     monkeypatch.delenv("R3E2E_ROLLOUT", raising=False)
     paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
-                                           "agent_calls", "metrics")}
+                                           "agent_calls", "metrics", "lab")}
     cmd = E.job_command(paths, "R2")
     assert "actor_rollout_ref.rollout.name=hf_r3" in cmd and not any("gpu_memory_utilization" in a for a in cmd)
-    assert E.job_env(paths, "/repo").get("VLLM_USE_FLASHINFER_SAMPLER") is None and E.run_tag("R2", "first") == "R2_first"
+    assert E.job_env(paths).get("VLLM_USE_FLASHINFER_SAMPLER") is None and E.run_tag("R2", "first") == "R2_first"
     monkeypatch.setenv("R3E2E_ROLLOUT", "sglang")
     with pytest.raises(ValueError, match="hf or vllm"):
         E.rollout_backend()

@@ -163,6 +163,32 @@ def test_recorded_round_trip_survives_dynamic_micro_batching():
     assert seen != sorted(seen)                       # verl really re-ordered the samples
 
 
+def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is_counted():
+    """verl 0.9.1's V1 trainer (TransferQueue) keeps the agent loop's extra_fields nested per sample:
+    the tool loop's provenance is read from there; samples of verl's single-turn loop carry none and
+    are counted unchecked (checked + unchecked = the batch's samples; issue 39: both stayed 0)."""
+    from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, provenance_pairing
+    from r3bridge.provenance import RouteProvenance
+
+    same = RouteProvenance("hf_r3", "req-1", 3, 0)
+    later = RouteProvenance("hf_r3", "req-2", 3, 1)
+    import dataclasses
+
+    # TransferQueue hands a RouteProvenance back as its fields (msgspec)
+    extra = [{ROUTE_PROVENANCE_KEY: same, LOGPROB_PROVENANCE_KEY: same, "turns": 2},
+             {"turns": 1},                                                      # single-turn loop: none
+             {ROUTE_PROVENANCE_KEY: dataclasses.asdict(later), LOGPROB_PROVENANCE_KEY: dataclasses.asdict(same),
+              "turns": 2},
+             {"turns": 1}]
+    td = TensorDict({"input_ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])
+    tu.assign_non_tensor_stack(td, "extra_fields", extra)
+    c = provenance_pairing(td).check("count")
+    assert (c.checked, c.mismatched, c.unchecked) == (2, 1, 2)
+    td2 = TensorDict({"input_ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])
+    tu.assign_non_tensor_stack(td2, "extra_fields", [{"turns": 1}] * 4)
+    assert provenance_pairing(td2).check("count").unchecked == 4
+
+
 def test_the_losss_router_log_ratio_field_when_the_chunk_replayed_nothing_with_weights():
     """verl's loss wrapper: a chunk without MoE layers has no router log-ratio (``None``); the field
     the loss reads is then zeros in verl's jagged layout (was a ``TypeError`` inside the loss)."""

@@ -10,7 +10,7 @@ interleaved 1F1B) and its optimizer. Workers: ``TrainingWorker`` (``infer_batch`
 process: ``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``). Every router call
 is checked against the route it must dispatch (rollout routes in R3, the routes the same
 sample's compute_log_prob chose in R2), wherever verl put the sample.
-See docs/use-with-verl.md ("Proven in verl's real engine") and docs/testing-harness.md.
+See docs/testing-harness.md ("verl 0.9.1: what the CPU tests prove").
 """
 from __future__ import annotations
 

@@ -141,6 +141,35 @@ def test_resolve_with_source_names_where_the_section_came_from(monkeypatch):
     assert ReplayConfig.resolve_with_source(None)[1] == "environment (R3BRIDGE_CONFIG)"
 
 
+def test_the_environment_is_merged_with_the_section_or_refused(monkeypatch, tmp_path):
+    """R3BRIDGE_CONFIG / R3BRIDGE_REPLAY_MODE next to a job's section: the environment fills the
+    keys the section leaves unset, a key set differently in both is refused, a launcher's forward
+    is read by workers and not merged again (issue 39: the environment was dropped silently)."""
+    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE", "R3BRIDGE_CONFIG_FROM"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    env = {"R3BRIDGE_CONFIG": '{"trace_dir": "routes", "replay_mode": "R3"}'}
+    cfg, source = ReplayConfig.resolve_with_source({"replay_mode": "R3"}, env)
+    assert cfg.trace_dir == str(tmp_path / "routes") and cfg.replay_mode is ReplayMode.R3   # absolute here
+    assert source == "config + environment (R3BRIDGE_CONFIG): trace_dir"
+    # a typed section (SkyRL's trainer.r3bridge, AReaL's r3bridge:): an unset key holds its default
+    cfg, source = ReplayConfig.resolve_with_source(ReplayConfig(replay_mode="R3", min_coverage=0.5), env)
+    assert (cfg.min_coverage, cfg.trace_dir) == (0.5, str(tmp_path / "routes")) and source.endswith(": trace_dir")
+    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"}, {"R3BRIDGE_REPLAY_MODE": "R2"}) == \
+        (ReplayConfig(replay_mode="R2"), "config")
+    with pytest.raises(ConfigError, match=r"trace_dir='/a' in trainer.r3bridge and trace_dir='/b' in R3BRIDGE_CONFIG"):
+        ReplayConfig.resolve_with_source({"trace_dir": "/a"}, {"R3BRIDGE_CONFIG": '{"trace_dir": "/b"}'},
+                                         section_name="trainer.r3bridge")
+    with pytest.raises(ConfigError, match=r"replay_mode='off' in .* and replay_mode='R3' in R3BRIDGE_REPLAY_MODE"):
+        ReplayConfig.resolve_with_source({"replay_mode": "off"}, {"R3BRIDGE_REPLAY_MODE": "r3"})
+    with pytest.raises(ConfigError, match="unknown r3bridge option"):
+        ReplayConfig.resolve_with_source({"replay_mode": "R3"}, {"R3BRIDGE_CONFIG": '{"trace_dri": "/b"}'})
+    forwarded = {"R3BRIDGE_CONFIG": '{"replay_mode": "R3", "trace_dir": "/b"}', "R3BRIDGE_CONFIG_FROM": "verl launcher"}
+    assert ReplayConfig.resolve_with_source(None, forwarded) == \
+        (ReplayConfig(replay_mode="R3", trace_dir="/b"), "environment (R3BRIDGE_CONFIG from the verl launcher)")
+    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"}, forwarded) == (ReplayConfig(replay_mode="R2"), "config")
+
+
 def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog):
     import logging
 
@@ -150,6 +179,10 @@ def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog)
         line = announce(ReplayConfig(), "default", "test")
         assert "replay_mode=off (from default)" in line and "OFF" in line
         assert any(r.levelno == logging.WARNING and "replay_mode=off" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        line = announce(ReplayConfig(), "config", "test")   # asked for (cpu_step --mode off): still a WARNING
+        assert "replay_mode=off (from config); routing replay is OFF" in line
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
         line = announce(ReplayConfig(replay_mode="R3"), "config", "test")
         assert "replay_mode=R3 (from config)" in line
     assert replay_mode_metric(ReplayConfig()) == {"r3bridge/replay_mode": 0.0}

@@ -185,8 +185,23 @@ def test_check_pairing_counts_refuses_and_passes():
     assert check_pairing([RouteProvenance("vllm")], [RouteProvenance("vllm")], "count").unchecked == 1
     with pytest.raises(ProvenanceError, match="provenance_check must be"):
         check_pairing(routes, logp, "warn")
-    with pytest.raises(ProvenanceError, match="for 4 samples.*for 1"):
+    with pytest.raises(ProvenanceError, match="log-prob provenance for 1 samples, the pass has 4"):
         check_pairing(routes, logp[:1], "count")
+
+
+def test_every_sample_is_counted_also_when_no_side_is_known():
+    """checked + unchecked = the pass's samples, also for a batch without any provenance field
+    (verl's stock agent loops, SkyRL: both sides None): 8 unchecked, not 0 (issue 39)."""
+    from r3bridge.provenance import ProvenancePairing
+
+    for pairing in (ProvenancePairing(None, None, None, 8), ProvenancePairing(None, None, [f"s{i}" for i in range(8)])):
+        c = pairing.check("count")
+        assert (c.checked, c.mismatched, c.unchecked) == (0, 0, 8)
+        assert pairing.select([1, 5, 6]).check("count").unchecked == 3
+    half = ProvenancePairing([RouteProvenance("hf", "a", 1, 0)] * 2, None, samples=2)
+    assert half.check("count").unchecked == 2
+    with pytest.raises(ProvenanceError, match="route provenance for 2 samples, the pass has 3"):
+        ProvenancePairing([RouteProvenance("hf", "a", 1, 0)] * 2, None, samples=3).check("count")
 
 
 def test_recorded_and_trusted_batches_have_no_provenance():

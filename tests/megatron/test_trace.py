@@ -236,6 +236,12 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
             {k: b[k] for k in ("agreement", "coverage", "per_layer", "samples", "rows")}
     text = _cli("inspect", d)
     assert text.returncode == 0 and "per-layer agreement" in text.stdout and "lowest agreement" in text.stdout
+    # the routes replayed here are random, not the trainer's model's: inspect says the two are different
+    # models (not a replay failure); a model served by the engine it trains agrees far more
+    from r3bridge.cli.trace_view import models_note
+
+    assert len(s["notes"]) == 1 and "so the engine and the trainer are different models" in s["notes"][0]
+    assert s["notes"][0] in text.stdout and models_note(0.97) is None
     # diff: rollout vs native in each pass equals the agreement; compute_log_prob vs update (native)
     r = _cli("diff", d, "--json")
     assert r.returncode == 0, r.stderr
@@ -243,6 +249,7 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
     for c, p in zip(dd["comparisons"], s["passes"]):
         assert c["view_a"] == "replayed" and c["view_b"] == "native"
         assert c["agreement"] == pytest.approx(p["agreement"], abs=1e-12)
+    assert dd["notes"] == s["notes"]
     r = _cli("diff", d, "--pass", "compute_log_prob", "--vs-pass", "update.1", "--step", "0", "--json")
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["comparisons"]

@@ -1,0 +1,50 @@
+"""The stall watchdog (r3bridge.watchdog): which stage is stuck, what it waits for, again every
+bound while it stays stuck, quiet once the workers report progress (issue 39: a verl launch printed
+its config and hung with no message)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from r3bridge.watchdog import Stage, StallWatchdog
+
+STAGES = [Stage("worker start", "the workers to build the model", "engine_ready"),
+          Stage("first replayed pass", "the first rollout and compute_log_prob", "first_pass")]
+
+
+def test_names_the_stuck_stage_repeats_and_stops_when_done(caplog):
+    now, reached = [0.0], set()
+    dog = StallWatchdog("test launcher", STAGES, 60, progress=lambda: reached, describe=lambda: "Ray: 1 actor waiting.",
+                        clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="r3bridge"):
+        now[0] = 59
+        assert dog.check() is None
+        now[0] = 61
+        line = dog.check()
+        assert "no progress for 61 s in stage 'worker start' (1 of 2): waiting for the workers to build the model. " \
+               "Ray: 1 actor waiting." in line and "stall_warning_s" in line
+        now[0] = 100
+        assert dog.check() is None                       # once per bound, not every look
+        now[0] = 121
+        assert "no progress for 121 s" in dog.check()
+        reached.add("engine_ready")                      # a worker reported: the next stage starts now
+        now[0] = 150
+        assert dog.check() is None and dog.stages[dog.index].name == "first replayed pass"
+        now[0] = 211
+        assert "stage 'first replayed pass' (2 of 2)" in dog.check()
+        reached.add("first_pass")
+        assert dog.check() is None and dog.done
+    assert "the first replayed pass ran, 211 s after launch" in caplog.text
+
+
+def test_a_broken_progress_or_describe_never_takes_the_job_down():
+    def broken():
+        raise RuntimeError("GCS unreachable")
+
+    now = [0.0]
+    dog = StallWatchdog("x", STAGES, 1, progress=broken, describe=broken, clock=lambda: now[0])
+    now[0] = 2
+    assert "could not look at the cluster: RuntimeError: GCS unreachable" in dog.check()
+    with pytest.raises(ValueError):
+        StallWatchdog("x", STAGES, 0, progress=set)
