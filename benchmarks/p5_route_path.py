@@ -21,7 +21,7 @@ source does not dominate) goes through each arm in its own process (peak RSS is 
   would need, where its padded buffers cannot fit the host.
 * ``r3bridge_batch``: ``ReplayBatch.from_vllm`` (the whole-batch canonical build: MoE layers only,
   uint8) then, per micro-batch, ``shard`` of that micro-batch's sequences for the rank.
-* ``r3bridge_rank``: ``r3bridge.rank_ingest.rank_targets`` per micro-batch, straight from the
+* ``r3bridge_rank``: ``r3bridge.rank_targets`` per micro-batch, straight from the
   engine arrays (no whole-batch buffer).
 
 The rank: tp 0, cp 0 of pp stage ``--pp-rank`` (the stage with the most MoE layers) of TP4 x CP2 x
@@ -204,7 +204,7 @@ def arm_r3bridge_batch(items, lens, w, mbs, lay):
 
 
 def arm_r3bridge_rank(items, lens, w, mbs, lay):
-    from r3bridge.rank_ingest import rank_targets
+    from r3bridge import rank_targets
 
     moe = lay.moe_layer_ids
     t0 = time.perf_counter()

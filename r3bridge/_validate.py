@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import ReplayError, RouteValueError
+from r3bridge.errors import DegenerateRouteError, ReplayError, RouteValueError
 
 
 def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple[int, int, int]:
@@ -27,8 +27,12 @@ def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, va
         return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
                                f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
                                f"pre-EPLB: map physical replica slots back first)")
-    return RouteValueError(f"{where}duplicate expert ids {values} (a zero/padding row? mark rows without a route "
-                           f"invalid instead; {total} bad (row, layer) pairs in total)")
+    # a degenerate route: ids repeat inside the rows the engine returned (vLLM #54730's all-zero
+    # rows), or a padding row passed as a route
+    return DegenerateRouteError(f"{where}duplicate expert ids {values}: a degenerate route (a broken engine capture, "
+                                f"e.g. vLLM #54730's all-zero rows, or a zero/padding row that should be marked "
+                                f"invalid; {total} bad (row, layer) pairs in total). r3bridge.degenerate_routes=native "
+                                f"routes such rows natively, counted in metrics")
 
 
 def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],
