@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
-from r3bridge._validate import locate
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.layout import ParallelLayout
@@ -40,10 +40,9 @@ from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
-from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets, read_targets
 from r3bridge.replay_policy import threshold_select
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import ShardedTargets, shard
 
 
 class StepHost(Protocol):
@@ -65,6 +64,8 @@ class StepHost(Protocol):
     # the replay options
     agreement: bool
     min_coverage: float
+    coverage_floor: float
+    degenerate_routes: str
     invalid_rows: str
     metrics_prefix: str
     mask_unrouted_rows: bool
@@ -94,6 +95,35 @@ def fingerprint(scores: torch.Tensor) -> torch.Tensor:
     return scores.detach()[::step][:FINGERPRINT_ROWS].float().sum(-1)
 
 
+def as_handed(routes: ReplayBatch | HandedRoutes) -> HandedRoutes:
+    """What the reader reads: a framework's handed routes as they are, a ReplayBatch viewed."""
+    return routes if isinstance(routes, HandedRoutes) else HandedRoutes.from_batch(routes)
+
+
+def _as_key(x: Any) -> Any:
+    if x is None:
+        return None
+    return tuple(x.tolist()) if isinstance(x, torch.Tensor) else tuple(int(v) for v in x)
+
+
+def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: int) -> None:
+    """``invalid_rows='error'``: a row of this rank without a route inside the rows its sequence
+    was handed (the last token excepted: the last sampled token is never fed forward)."""
+    if not rows.num_rows:
+        return
+    starts = np.asarray(routes.starts, dtype=np.int64)
+    ends = starts + np.asarray(routes.rows, dtype=np.int64)
+    lens = rows.plan.seq_lens.numpy()
+    seq, pos = rows.seq, rows.pos
+    inside = (pos >= starts[seq]) & (pos < np.minimum(ends, lens - 1)[seq])
+    bad = np.flatnonzero(inside & ~rows.covered)
+    if bad.size:
+        r = int(bad[0])
+        i = int(seq[r])
+        raise CoverageError(f"chunk {chunk}, micro-batch {index}: {routes.name(i)}, row {int(pos[r] - starts[i])} "
+                            f"(token {int(pos[r])}) has no route and invalid_rows='error'")
+
+
 class ReplayStep:
     """Created by :meth:`Replayer.step`; use as a context manager."""
 
@@ -116,6 +146,10 @@ class ReplayStep:
         self._pairings: list[tuple[int, int, int]] = []
         self._pair_mismatch: list[torch.Tensor] = []
         self._done_records: list[InstalledMicroBatch] = []
+        # micro-batch index -> (its key, this rank's row map): one per micro-batch, every chunk's
+        self._reads: dict[int, list] = {}
+        # per install: (sample ids, per-sequence counts of the read) -> the per-sample metrics
+        self._sample_rows: list[tuple[list[int], Any]] = []
         self._handles: list[Any] = []
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
@@ -167,6 +201,8 @@ class ReplayStep:
             q.clear()
         self._pairings.clear()
         self._pair_mismatch.clear()
+        self._reads.clear()
+        self._sample_rows = []
         self.policy.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
@@ -174,10 +210,12 @@ class ReplayStep:
             self.replayer.active_step = None
 
     # ---------------------------------------------------------------------------- install
-    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | None, seq_lens: Sequence[int], *,
+    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | HandedRoutes | None, seq_lens: Sequence[int], *,
                 cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None, format: str = "thd",
                 seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
+        ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
+        (:class:`r3bridge.reader.HandedRoutes`), read by the one reader (:mod:`r3bridge.reader`).
 
         In a NATIVE step (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
@@ -202,30 +240,31 @@ class ReplayStep:
         if len(ids) != len(lens):
             raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
         layers = rep.chunks[c].layer_ids
-        plan = PackPlan.build(rep.layout, lens, **pack)
-        seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
-        token_rows = int((pos < plan.seq_lens[seq]).sum()) if seq.numel() else 0
-        mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
+        index = self._next_index[c]
+        handed = None if routes is None or self.action is not Action.REPLAY else as_handed(routes)
+        rows, handed = self._rank_rows(index, lens, pack, handed)
+        mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids)
         if self.action is Action.REPLAY:
-            if routes is None:
+            if handed is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
-            self._check_source(routes)
-            if rep.invalid_rows == "error" and not bool(routes.valid.all()):
-                seq, row, tok = locate(routes.offsets, routes.start_rows, int((~routes.valid).nonzero()[0]))
-                raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
-                                    f"has no route and invalid_rows='error'")
-            mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
-                               pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=self.device, **pack)
+            self._check_source(handed)
+            if rep.invalid_rows == "error":
+                _refuse_unrouted(rows, handed, c, mb.index)
+            counts: list = []
+            mb.targets = read_targets(handed, rows, layers, device=self.device, degenerate=rep.degenerate_routes,
+                                      counts=counts, where=f"rank (pp={rep.pp_rank}, vp={c})")
+            self._sample_rows.append((ids, counts[0]))
             nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
                 # over this rank's real tokens: packing padding never has a route
-                cov = nvalid / token_rows if token_rows else 1.0
+                cov = nvalid / rows.token_rows if rows.token_rows else 1.0
                 if cov < rep.min_coverage:
                     raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
-                                        f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                                        f"{rows.token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
-            mb.batch_has_route = bool(routes.valid.any())
-            mb.routes = routes
+            mb.batch_has_route = handed.any_route()
+            mb.routes = handed
+            mb.rank_rows = rows
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
         mb.fwd_left = set(layers)
@@ -234,7 +273,27 @@ class ReplayStep:
         self._last[c] = mb
         self._live[(c, mb.index)] = mb
 
-    def _check_source(self, routes: ReplayBatch) -> None:
+    def _rank_rows(self, index: int, lens: list[int], pack: dict, handed: Optional[HandedRoutes]
+                   ) -> tuple[RankRows, Optional[HandedRoutes]]:
+        """The pack plan and this rank's row map of micro-batch ``index`` (covered by its routes),
+        built by its first chunk's install and shared by every chunk's (VPP: the routes are read
+        from the first chunk's handed routes, never decoded again) and by late recomputes."""
+        key = (tuple(lens), pack.get("format"), _as_key(pack.get("cu_seqlens_padded")), pack.get("seq_length"),
+               handed is not None)
+        rep = self.replayer
+        hit = self._reads.get(index)
+        if hit is None or hit[0] != key:
+            rows = RankRows.build(rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank, **pack)
+            if handed is not None:
+                rows = rows.cover(handed)
+            hit = [key, rows, handed, len(rep.chunks)]
+            self._reads[index] = hit
+        hit[3] -= 1
+        if hit[3] <= 0:                 # every chunk installed it: the step keeps no copy
+            self._reads.pop(index, None)
+        return hit[1], hit[2]
+
+    def _check_source(self, routes: ReplayBatch | HandedRoutes) -> None:
         want = self.expect_source
         if want == "recorded" and routes.source != "recorded":
             raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
@@ -341,12 +400,12 @@ class ReplayStep:
 
     def _late_target(self, mb: InstalledMicroBatch, layer: int) -> ShardedTargets:
         """The target of ``layer`` for a recompute whose first pass ran with grad enabled (a
-        non-reentrant checkpoint): that first pass freed it, so shard it again, this layer only."""
+        non-reentrant checkpoint): that first pass freed it, so read it again, this layer only,
+        by the micro-batch's row map."""
         rep = self.replayer
-        if mb.routes is None:
+        if mb.routes is None or mb.rank_rows is None:
             raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: recompute without routes")
-        return shard(mb.routes, rep.layout, mb.seq_lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
-                     pp_rank=rep.pp_rank, vp_stage=mb.chunk, layer_ids=[layer], device=self.device, **mb.pack)
+        return read_targets(mb.routes, mb.rank_rows, [layer], device=self.device, degenerate=rep.degenerate_routes)
 
     def _replay(self, mb: InstalledMicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,
                 group_topk, native_fn, *, count: bool):
@@ -425,6 +484,53 @@ class ReplayStep:
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
         out.update(self.policy.metrics(self.replayer.metrics_groups, threshold=self.replayer.replay_policy == "threshold"))
+        out.update(self._sample_metrics())
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
+        self._check_floor(out)
         return out
+
+    def _sample_metrics(self) -> dict[str, float]:
+        """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
+        ``samples/native`` (no route at all: routed natively), ``samples/refused`` (some route
+        degenerate, routed natively under ``degenerate_routes: native``), and ``degenerate_rows``
+        ((row, layer) pairs routed natively for it). Each rank counts what it read; one SUM
+        over the model-parallel and CP groups gives every sample's whole count. Padding sequences
+        (negative ids) are no sample."""
+        per: dict[int, list[int]] = {}
+        for ids, counts in self._sample_rows:
+            for sid, rep_rows, deg in zip(ids, counts.replayed.tolist(), counts.degenerate.tolist()):
+                if sid >= 0:
+                    acc = per.setdefault(int(sid), [0, 0])
+                    acc[0] += rep_rows
+                    acc[1] += deg
+        order = sorted(per)
+        t = torch.tensor([per[s] for s in order], dtype=torch.int64, device=self.device).reshape(-1, 2)
+        for group in self.replayer.metrics_groups:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        replayed, degenerate = (x.cpu().numpy() for x in t.unbind(1))
+        refused = degenerate > 0
+        prefix = self.replayer.metrics_prefix
+        return {f"{prefix}samples/replayed": float((~refused & (replayed > 0)).sum()),
+                f"{prefix}samples/native": float((~refused & (replayed == 0)).sum()),
+                f"{prefix}samples/refused": float(refused.sum()),
+                f"{prefix}degenerate_rows": float(degenerate.sum())}
+
+    def _check_floor(self, metrics: dict[str, float]) -> None:
+        """R3: a pass whose routes cover less than ``coverage_floor`` of its real tokens (every
+        rank, every MoE layer) fails here, after its schedule and before its result is used: an
+        engine that returned no usable routes (vLLM #54730's all-zero rows read as "no route")
+        never trains silently on native routing."""
+        floor = self.replayer.coverage_floor
+        prefix = self.replayer.metrics_prefix
+        cov = metrics.get(f"{prefix}coverage", float("nan"))
+        if floor <= 0 or self.expect_source != "rollout" or not cov == cov or cov >= floor:
+            return
+        raise CoverageError(
+            f"R3 pass: the rollout routes cover {cov:.3f} of its routed (token, MoE layer) pairs, below "
+            f"r3bridge.coverage_floor={floor} ({int(metrics[f'{prefix}samples/replayed'])} samples replayed, "
+            f"{int(metrics[f'{prefix}samples/native'])} with no route, {int(metrics[f'{prefix}samples/refused'])} "
+            f"refused): did the engine return routes (vLLM enable_return_routed_experts, SGLang "
+            f"--enable-return-routed-experts), and are they the model's?")
