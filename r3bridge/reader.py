@@ -392,6 +392,65 @@ class HandedRoutes:
         self._captured = end
         return end
 
+    # ------------------------------------------------------------------ the whole batch
+    def to_batch(self, *, degenerate: str = "refuse", drop_final_invalid: bool = True) -> Any:
+        """Every handed row as a canonical :class:`r3bridge.ReplayBatch` (where a framework needs
+        the whole batch: R2 write-backs, the conformance checks), by the reader's rules: ids
+        checked once, "no route" from the transport (explicit mask, captured range, sentinel),
+        degenerate rows refused or (``"native"``) marked without a route; a sequence's final row
+        without a route dropped (the last sampled token is never fed forward)."""
+        from r3bridge.schema import ReplayBatch, route_dtype
+
+        if self.arrays is not None and self.no_route == "none" and self.weights_arrays is None:
+            return ReplayBatch._from_host(self.arrays, self.columns, num_experts=self.num_experts,
+                                          layer_ids=self.layer_ids, start_rows=self.starts, source=self.source)
+        n, rows = self.num_seqs, np.asarray(self.rows, dtype=np.int64)
+        offs = np.zeros(n + 1, dtype=np.int64)
+        offs[1:] = np.cumsum(rows)
+        seq = np.repeat(np.arange(n, dtype=np.int64), rows)
+        j = np.arange(int(offs[-1]), dtype=np.int64) - np.repeat(offs[:-1], rows)
+        covered = j < self.captured_rows()[seq]
+        if self.no_route == "mask" and covered.any():
+            b = torch.from_numpy(self.seq_b[seq]).to(self.mask.device)
+            covered &= self.mask[b, torch.from_numpy(self.seq_s0[seq] + j).to(self.mask.device)].cpu().numpy()
+        starts = np.asarray(self.starts, dtype=np.int64)
+        rr = RankRows(None, seq, starts[seq] + j, j, covered, int(j.size))      # type: ignore[arg-type]
+        cols = list(range(len(self.layer_ids)))
+        compact = _gather(self, rr, covered, cols)                             # [nl, N, K]
+        covered &= ~_unrouted_rows(compact, self, covered)
+        if not self.trusted and covered.any():
+            covered, _ = _check(compact, covered, self, rr, list(self.layer_ids), cols, degenerate)
+        routes = compact.permute(1, 0, 2).to(route_dtype(self.num_experts))     # exact: checked in range
+        weights = None
+        if self.has_weights:
+            weights = torch.stack(list(_read_weights(self, rr, covered, cols, list(self.layer_ids),
+                                                     compact.device).values()), 1).to(torch.float16)
+        keep = None
+        if drop_final_invalid and n:
+            last = offs[1:] - 1
+            has = rows > 0
+            drop = np.zeros(n, dtype=bool)
+            drop[has] = ~covered[last[has]]
+            if drop.any():
+                keep = np.ones(int(offs[-1]), dtype=bool)
+                keep[last[drop]] = False
+                rows = rows - drop
+        if keep is not None:
+            k_t = torch.from_numpy(keep).to(routes.device)
+            routes, covered = routes[k_t], covered[keep]
+            weights = None if weights is None else weights[k_t]
+        else:
+            routes = routes.contiguous()
+        valid = torch.from_numpy(np.ascontiguousarray(covered)).to(routes.device)
+        if not bool(covered.all()):
+            routes = routes.clone() if routes.data_ptr() == compact.data_ptr() else routes
+            routes[~valid] = torch.arange(self.topk, dtype=routes.dtype, device=routes.device)
+        batch = ReplayBatch(routes, valid, rows.tolist(), list(self.starts), tuple(self.layer_ids), self.num_experts,
+                            self.topk, self.source)
+        return batch if weights is None else ReplayBatch(
+            batch.routes, batch.valid, batch.rows_per_seq, batch.start_rows, batch.layer_ids, batch.num_experts,
+            batch.topk, batch.source, weights=weights)
+
     # ------------------------------------------------------------------ gathers
     def _gather_rows(self, seq: np.ndarray, j: np.ndarray, cols: Optional[list[int]]) -> torch.Tensor:
         """``[T, nl, K]`` rows ``j`` of sequences ``seq`` (row-major; small reads)."""
@@ -579,9 +638,7 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     cols = [pos_of[x] for x in want]
     compact = _gather(routes, rank_rows, covered, cols)                      # [nl, T, K], source dtype
     compact = compact.to(dev, non_blocking=True)
-    if routes.no_route == "sentinel" and covered.any():
-        unrouted = (compact == routes.sentinel).all(-1).all(0).cpu().numpy()
-        covered &= ~unrouted
+    covered &= ~_unrouted_rows(compact, routes, covered)
     if not routes.trusted and covered.any():
         covered, degenerate_rows = _check(compact, covered, routes, rank_rows, want, cols, degenerate)
     valid_t = torch.from_numpy(covered)
@@ -620,6 +677,19 @@ def _gather(routes: HandedRoutes, rr: RankRows, covered: np.ndarray, cols: list[
     g = grid if src_cols is None else grid[:, :, src_cols]
     picked = g[torch.from_numpy(b).to(grid.device), torch.from_numpy(s).to(grid.device)]       # [T, nl, K]
     return picked.permute(1, 0, 2).contiguous()
+
+
+def _unrouted_rows(compact: torch.Tensor, routes: HandedRoutes, covered: np.ndarray) -> np.ndarray:
+    """Rows the transport writes as "no route" in-band, read from the ids gathered: a sentinel
+    in every id, or (a zero-row transport at top-1, where expert 0 and "no route" look alike) a
+    zero in every layer read."""
+    if not covered.any():
+        return np.zeros_like(covered)
+    if routes.no_route == "sentinel":
+        return (compact == routes.sentinel).all(-1).all(0).cpu().numpy()
+    if routes.no_route == "zero" and routes.topk == 1:
+        return (compact == 0).all(-1).all(0).cpu().numpy()
+    return np.zeros_like(covered)
 
 
 def _flat_rows(grid: torch.Tensor) -> Optional[torch.Tensor]:

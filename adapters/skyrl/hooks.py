@@ -37,8 +37,8 @@ from r3bridge.adapters.skyrl.codec import (
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
+    handed_routes,
     provenance_pairing,
-    replay_batch_from_training_batch,
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
@@ -157,9 +157,9 @@ class SkyRLReplay:
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
             m = self.model
-            routes = replay_batch_from_training_batch(
-                fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
+            # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
+            routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                                   num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)

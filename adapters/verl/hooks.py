@@ -36,8 +36,8 @@ from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
+    handed_routes,
     provenance_pairing,
-    replay_batch_from_tensordict,
     routes_to_nested,
 )
 from r3bridge.adapters.verl.config import check_engine_config
@@ -218,11 +218,12 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         # errors name samples by it
         sample_ids = batch[SAMPLE_KEY].tolist()
         if self._r3_step.action is Action.REPLAY:
+            # verl's nested values viewed (nothing copied or checked here): the driver's reader
+            # reads this rank's rows once per micro-batch, whichever chunk installs first
             m = self.r3_model
-            routes = replay_batch_from_tensordict(
-                batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
-                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk,
-                layer_axis=self.r3_config.layer_axis)
+            routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
+                                   source=self._r3_step.plan.source, num_hidden_layers=m.num_layers, topk=m.topk,
+                                   layer_axis=self.r3_config.layer_axis)
         return self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                        cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
 
