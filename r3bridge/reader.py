@@ -55,7 +55,7 @@ from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 from r3bridge.route_scan import block_rows, row_faults, run_blocks
 
-__all__ = ["HandedRoutes", "RankRows", "ShardedTargets", "ReadCounts", "read_targets", "rank_targets",
+__all__ = ["HandedRoutes", "RankRows", "ShardedTargets", "ReadCounts", "ReadStats", "read_targets", "rank_targets",
            "checked_rank_args", "engine_row_report", "EngineRowReport", "DEGENERATE_CHOICES", "NO_ROUTE_KINDS"]
 
 DEGENERATE_CHOICES = ("refuse", "native")
@@ -97,6 +97,28 @@ class ShardedTargets:
     def nbytes(self) -> int:
         return (sum(t.numel() * t.element_size() for t in self.indices.values()) + self.valid.numel()
                 + sum(t.numel() * t.element_size() for t in (self.weights or {}).values()))
+
+
+@dataclass
+class ReadStats:
+    """How a driver read its routes, over its life (a trace of the path, cheap enough to keep on):
+    ``reads`` (:func:`read_targets` calls: one per chunk and micro-batch, plus late recomputes),
+    ``row_maps`` (:class:`RankRows` built: one per micro-batch, whatever its chunks), ``routes``
+    (micro-batches' handed routes read: one per micro-batch) and ``forms`` (how many of those
+    came in each (storage form, "no route" kind, source): what the adapters handed over)."""
+
+    reads: int = 0
+    row_maps: int = 0
+    routes: int = 0
+    forms: dict = field(default_factory=dict)
+
+    def saw(self, routes: "HandedRoutes") -> None:
+        self.routes += 1
+        key = f"{routes.form}/{routes.no_route}/{routes.source}"
+        self.forms[key] = self.forms.get(key, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {"reads": self.reads, "row_maps": self.row_maps, "routes": self.routes, "forms": dict(self.forms)}
 
 
 @dataclass
@@ -156,6 +178,7 @@ class HandedRoutes:
     no_route: str = "none"
     source: str = "rollout"
     trusted: bool = False              # ids in range and distinct by construction: not re-checked
+    form: str = "batch"                # the constructor: batch, engine, packed, padded, sequence_last
     grid: Optional[torch.Tensor] = None
     seq_b: Optional[np.ndarray] = None
     seq_s0: Optional[np.ndarray] = None
@@ -175,7 +198,7 @@ class HandedRoutes:
         valid = batch.valid
         all_valid = bool(valid.all()) if valid.numel() else True
         return cls(list(batch.rows_per_seq), list(batch.start_rows), tuple(batch.layer_ids), None,
-                   batch.num_experts, batch.topk, "none" if all_valid else "mask", batch.source, True,
+                   batch.num_experts, batch.topk, "none" if all_valid else "mask", batch.source, True, "batch",
                    grid=batch.routes[None], seq_b=np.zeros(batch.num_seqs, dtype=np.int64),
                    seq_s0=batch.offsets[:-1].numpy().astype(np.int64),
                    mask=None if all_valid else valid[None],
@@ -217,7 +240,7 @@ class HandedRoutes:
                     raise RouteWeightsError(f"sequence {i}: weights have shape {tuple(wi.shape)}, its routes "
                                             f"{tuple(arrays[i].shape)}")
                 w.append(wi)
-        return cls(rows, starts, layer_ids, cols, num_experts, k, "none", source, False, arrays=arrays,
+        return cls(rows, starts, layer_ids, cols, num_experts, k, "none", source, False, "engine", arrays=arrays,
                    names=None if names is None else list(names), weights_arrays=w)
 
     @classmethod
@@ -240,8 +263,8 @@ class HandedRoutes:
                 raise CoverageError(f"valid has shape {tuple(m.shape)}, routes have {v.shape[0]} rows")
             m = m[None]
         w = None if weights is None else _weights_tensor(weights, v)[None]
-        return cls._checked(v[None], np.zeros(len(rows), dtype=np.int64), offs[:-1], rows, None, num_experts,
-                            layer_ids, columns, no_route, m, sentinel, source, names, w)
+        return cls._checked("packed", v[None], np.zeros(len(rows), dtype=np.int64), offs[:-1], rows, None,
+                            num_experts, layer_ids, columns, no_route, m, sentinel, source, names, w)
 
     @classmethod
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
@@ -264,8 +287,8 @@ class HandedRoutes:
             if tuple(m.shape) != tuple(attn.shape):
                 raise RouteShapeError(f"valid mask shape {tuple(m.shape)} does not match attention_mask "
                                       f"{tuple(attn.shape)}")
-        return cls._checked(r, np.arange(len(lens), dtype=np.int64), first, lens, None, num_experts, layer_ids,
-                            columns, no_route, m, sentinel, source, names, None)
+        return cls._checked("padded", r, np.arange(len(lens), dtype=np.int64), first, lens, None, num_experts,
+                            layer_ids, columns, no_route, m, sentinel, source, names, None)
 
     @classmethod
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
@@ -285,11 +308,11 @@ class HandedRoutes:
         bad = [x for x in n if x > t.shape[3]]
         if bad:
             raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
-        return cls._checked(t.permute(0, 3, 1, 2), b, np.zeros(len(n), dtype=np.int64), n, None, num_experts,
-                            layer_ids, None, "sentinel", None, sentinel, source, names, None)
+        return cls._checked("sequence_last", t.permute(0, 3, 1, 2), b, np.zeros(len(n), dtype=np.int64), n, None,
+                            num_experts, layer_ids, None, "sentinel", None, sentinel, source, names, None)
 
     @classmethod
-    def _checked(cls, grid, seq_b, seq_s0, rows, starts, num_experts, layer_ids, columns, no_route, mask,
+    def _checked(cls, form, grid, seq_b, seq_s0, rows, starts, num_experts, layer_ids, columns, no_route, mask,
                  sentinel, source, names, weights_grid) -> "HandedRoutes":
         if no_route not in NO_ROUTE_KINDS:
             raise RouteShapeError(f"no_route must be one of {NO_ROUTE_KINDS}, got {no_route!r}")
@@ -304,7 +327,7 @@ class HandedRoutes:
         nl = len(ids) if cols is not None else int(grid.shape[2])
         rows, layer_ids, k, num_experts, starts, _ = checked_meta(
             (sum(int(r) for r in rows), nl, int(grid.shape[3])), list(rows), num_experts, ids, starts, None)
-        return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, source, False, grid=grid,
+        return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, source, False, form, grid=grid,
                    seq_b=np.asarray(seq_b, dtype=np.int64), seq_s0=np.asarray(seq_s0, dtype=np.int64), mask=mask,
                    sentinel=sentinel, names=None if names is None else list(names), weights_grid=weights_grid)
 

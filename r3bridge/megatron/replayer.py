@@ -15,7 +15,7 @@ from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
 from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
 from r3bridge.megatron.step import ReplayStep
-from r3bridge.reader import DEGENERATE_CHOICES
+from r3bridge.reader import DEGENERATE_CHOICES, ReadStats
 from r3bridge.replay_policy import check_policy
 
 
@@ -104,6 +104,7 @@ class Replayer:
         check_against_layout(self.chunks, self.layout, self.pp_rank)
         self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}
         self.active_step: Optional[ReplayStep] = None
+        self.read_stats = ReadStats()      # every route read by the one reader (r3bridge.reader)
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
         # MTP (draft) routers are never in layer_chunk: find_routers keeps them apart, by object,

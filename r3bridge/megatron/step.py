@@ -40,7 +40,7 @@ from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
-from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets, read_targets
+from r3bridge.reader import HandedRoutes, RankRows, ReadStats, ShardedTargets, read_targets
 from r3bridge.replay_policy import threshold_select
 from r3bridge.schema import ReplayBatch, route_dtype
 
@@ -76,6 +76,7 @@ class StepHost(Protocol):
     topk_scaling_factor: Optional[float]
     # at most one step runs at a time; the router hooks forward to it
     active_step: Optional[ReplayStep]
+    read_stats: ReadStats                       # how routes reached the routers (r3bridge.reader)
 
     @property
     def device(self) -> torch.device: ...
@@ -251,6 +252,7 @@ class ReplayStep:
             if rep.invalid_rows == "error":
                 _refuse_unrouted(rows, handed, c, mb.index)
             counts: list = []
+            rep.read_stats.reads += 1
             mb.targets = read_targets(handed, rows, layers, device=self.device, degenerate=rep.degenerate_routes,
                                       counts=counts, where=f"rank (pp={rep.pp_rank}, vp={c})")
             self._sample_rows.append((ids, counts[0]))
@@ -284,8 +286,10 @@ class ReplayStep:
         hit = self._reads.get(index)
         if hit is None or hit[0] != key:
             rows = RankRows.build(rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank, **pack)
+            rep.read_stats.row_maps += 1
             if handed is not None:
                 rows = rows.cover(handed)
+                rep.read_stats.saw(handed)
             hit = [key, rows, handed, len(rep.chunks)]
             self._reads[index] = hit
         hit[3] -= 1
@@ -405,6 +409,7 @@ class ReplayStep:
         rep = self.replayer
         if mb.routes is None or mb.rank_rows is None:
             raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: recompute without routes")
+        rep.read_stats.reads += 1
         return read_targets(mb.routes, mb.rank_rows, [layer], device=self.device, degenerate=rep.degenerate_routes)
 
     def _replay(self, mb: InstalledMicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ParallelLayout, ReplayBatch, shard
+from r3bridge import ParallelLayout, ReplayBatch, rank_targets, shard
 from r3bridge.engine_pack import allocate
 from r3bridge.errors import CoverageError, LayerMappingError, ReplayError, ReplayMemoryError, RouteValueError
-from r3bridge import rank_targets
 from r3bridge.route_scan import duplicate_rows, row_faults, sorting_network
 
 
