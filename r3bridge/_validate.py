@@ -174,17 +174,23 @@ def as_index_list(xs: Any, *, what: str, error: _Err) -> list[int]:
     return [as_index(v, what=f"{what}[{i}]", error=error) for i, v in enumerate(out)]
 
 
+def as_number_tensor(x: Any, *, what: str, error: _Err, kinds: str, expected: str) -> torch.Tensor:
+    """A tensor (readable, detached) or an array-like of numpy kinds ``kinds`` (any byte order) ->
+    a tensor, without copying a native contiguous array; anything else raises ``error`` saying
+    ``expected``. The one conversion of masks and routing weights."""
+    if isinstance(x, torch.Tensor):
+        check_readable(x, what=what, error=error)
+        return x.detach()
+    a = np.asarray(x)
+    if a.dtype.kind not in kinds:
+        raise error(f"{what}: expected {expected}, got dtype {a.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(native_order(a)))
+
+
 def as_mask(x: Any, *, what: str, error: _Err) -> torch.Tensor:
     """A 0/1 mask (bool, integer or float dtype, any byte order) -> CPU bool tensor; any other
     value (0.5, NaN, 2) raises instead of being read as True."""
-    if isinstance(x, torch.Tensor):
-        check_readable(x, what=what, error=error)
-        t = x.detach()
-    else:
-        a = np.asarray(x)
-        if a.dtype.kind not in "biuf":
-            raise error(f"{what}: expected a 0/1 mask, got dtype {a.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(native_order(a)))
+    t = as_number_tensor(x, what=what, error=error, kinds="biuf", expected="a 0/1 mask")
     if t.dtype == torch.bool:
         return t.cpu()
     bad = (t != 0) & (t != 1)
