@@ -792,6 +792,8 @@ def _check(compact: torch.Tensor, covered: np.ndarray, routes: HandedRoutes, rr:
     """Range and distinct-within-row of every covered (row, layer) read, one pass where the ids
     are (the device: a sort of the K ids; the host: a sorting network). Raises on an id out of
     range; a row whose ids repeat is degenerate: refused (raises) or routed natively (returned)."""
+    if compact.device.type != "cpu" and not _any_fault(compact, covered, routes.num_experts):
+        return covered, np.zeros(0, dtype=np.int64)       # the usual case: one scalar back from the device
     rng, dup = _faults(compact, routes.num_experts)                   # bool [T, nl] on the host
     rng &= covered[:, None]
     dup &= covered[:, None]
@@ -822,6 +824,29 @@ def _named(err: Exception, routes: HandedRoutes, i: int) -> Exception:
     return err
 
 
+def _faults_torch(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_faults` where the ids are (the router's device): min / max and a sort of the K ids."""
+    lo, hi = compact.amin(-1), compact.amax(-1)
+    rng = (lo < 0) | (hi >= num_experts)
+    if compact.shape[-1] > 1:
+        s = compact.sort(-1).values
+        dup = (s[..., 1:] == s[..., :-1]).any(-1)
+    else:
+        dup = torch.zeros_like(rng)
+    both = torch.stack([rng, dup]).transpose(1, 2).cpu().numpy()
+    return both[0], both[1]
+
+
+def _any_fault(compact: torch.Tensor, covered: np.ndarray, num_experts: int) -> bool:
+    """Whether any covered (row, layer) of a device tensor ``[nl, T, K]`` is out of range or repeats
+    an id: min / max and a sort of the K ids on the device, one host sync."""
+    bad = (compact.amin(-1) < 0) | (compact.amax(-1) >= num_experts)
+    if compact.shape[-1] > 1:
+        s = compact.sort(-1).values
+        bad |= (s[..., 1:] == s[..., :-1]).any(-1)
+    return bool((bad & torch.from_numpy(covered).to(compact.device)[None]).any())
+
+
 def _faults(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """(out of range, repeats an id) per (row, layer) of ``compact`` ``[nl, T, K]``, as host
     ``[T, nl]`` bools. On a device: min / max and a sort of the K ids (one kernel each, the
@@ -829,15 +854,7 @@ def _faults(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.nda
     in cache-sized blocks on a thread pool."""
     nl, t, k = compact.shape
     if compact.device.type != "cpu":
-        lo, hi = compact.amin(-1), compact.amax(-1)
-        rng = (lo < 0) | (hi >= num_experts)
-        if k > 1:
-            s = compact.sort(-1).values
-            dup = (s[..., 1:] == s[..., :-1]).any(-1)
-        else:
-            dup = torch.zeros_like(rng)
-        both = torch.stack([rng, dup]).transpose(1, 2).cpu().numpy()
-        return both[0], both[1]
+        return _faults_torch(compact, num_experts)
     arr = compact.numpy().transpose(1, 0, 2)              # [T, nl, K] view
     rng, dup = np.zeros((t, nl), dtype=bool), np.zeros((t, nl), dtype=bool)
     step = block_rows(nl * k)

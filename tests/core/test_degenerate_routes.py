@@ -84,3 +84,23 @@ def test_engine_row_report_counts_and_refuses_the_54730_signature():
         engine_row_report([good, bad], num_experts=E, moe_layer_ids=MOE, refuse=True)
     # the payload transports vLLM uses read the same (JSON nested lists)
     assert engine_row_report([bad.tolist()], num_experts=E, moe_layer_ids=MOE).degenerate_rows == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_device_check_equals_the_host_network(dtype):
+    """The check the reader runs where the targets go (a sort on the router's device) finds what
+    the host's sorting network finds, (row, layer) by (row, layer); run here on CPU tensors."""
+    from r3bridge.reader import _any_fault, _faults, _faults_torch
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K + 1] for _ in range(3 * 50)]).view(3, 50, K + 1).to(dtype)
+    ids[0, 4, 1] = ids[0, 4, 0]                                   # a repeat
+    ids[2, 9] = 0                                                 # the #54730 row
+    ids[1, 20, 2] = E + 1 if dtype == torch.int16 else E          # out of range
+    host, dev = _faults(ids, E), _faults_torch(ids, E)
+    assert np.array_equal(host[0], dev[0]) and np.array_equal(host[1], dev[1])
+    assert host[1][4, 0] and host[1][9, 2] and host[0][20, 1] and host[1].sum() == 2 and host[0].sum() == 1
+    covered = np.ones(50, dtype=bool)
+    assert _any_fault(ids, covered, E)
+    covered[[4, 9, 20]] = False
+    assert not _any_fault(ids, covered, E)
