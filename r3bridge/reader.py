@@ -360,7 +360,8 @@ class HandedRoutes:
         out.starts = self.starts + lens
         if self.arrays is not None:
             shape = tuple(self.arrays[0].shape[1:]) if self.arrays else (len(self.layer_ids), self.topk)
-            out.arrays = self.arrays + [np.zeros((0,) + shape, np.uint8)] * count
+            dtype = self.arrays[0].dtype if self.arrays else np.dtype(np.uint8)
+            out.arrays = self.arrays + [np.zeros((0,) + shape, dtype)] * count
             if self.weights_arrays is not None:
                 out.weights_arrays = self.weights_arrays + [np.zeros((0,) + shape, np.float32)] * count
         else:
