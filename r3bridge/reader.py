@@ -480,10 +480,7 @@ class HandedRoutes:
         """``[T, nl, K]`` rows ``j`` of sequences ``seq`` (row-major; small reads)."""
         cols = self._source_cols(cols)
         if self.grid is not None:
-            b = torch.from_numpy(self.seq_b[seq]).to(self.grid.device)
-            s = torch.from_numpy(self.seq_s0[seq] + j).to(self.grid.device)
-            g = self.grid if cols is None else self.grid[:, :, cols]
-            return g[b, s]
+            return _pick(self.grid, self.seq_b[seq], self.seq_s0[seq] + j, cols)
         out = [self.arrays[int(i)][int(r)] for i, r in zip(seq, j)]
         a = np.stack(out) if out else np.zeros((0,) + self.arrays[0].shape[1:], dtype=self.arrays[0].dtype)
         return torch.from_numpy(native_order(a if cols is None else a[:, cols]))
@@ -698,9 +695,7 @@ def _gather(routes: HandedRoutes, rr: RankRows, covered: np.ndarray, cols: list[
     if flat is not None:
         row = torch.from_numpy(b * grid.shape[1] + s).to(grid.device)
         return _gather_layer_major(flat, row, src_cols if src_cols is not None else list(range(grid.shape[2])))
-    g = grid if src_cols is None else grid[:, :, src_cols]
-    picked = g[torch.from_numpy(b).to(grid.device), torch.from_numpy(s).to(grid.device)]       # [T, nl, K]
-    return picked.permute(1, 0, 2).contiguous()
+    return _pick(grid, b, s, src_cols).permute(1, 0, 2).contiguous()       # [T, nl, K] -> [nl, T, K]
 
 
 def _unrouted_rows(compact: torch.Tensor, routes: HandedRoutes, covered: np.ndarray) -> np.ndarray:
@@ -714,6 +709,19 @@ def _unrouted_rows(compact: torch.Tensor, routes: HandedRoutes, covered: np.ndar
     if routes.no_route == "zero" and routes.topk == 1:
         return (compact == 0).all(-1).all(0).cpu().numpy()
     return np.zeros_like(covered)
+
+
+def _pick(grid: torch.Tensor, b: np.ndarray, s: np.ndarray, cols: Optional[list[int]]) -> torch.Tensor:
+    """``grid[b, s]`` of the source columns ``cols`` (``[T, nl, K]``), without copying the grid:
+    consecutive columns are sliced (a view), others indexed together with the rows (indexing a
+    list of columns first would copy every row of the grid)."""
+    b_t = torch.from_numpy(np.ascontiguousarray(b)).to(grid.device)
+    s_t = torch.from_numpy(np.ascontiguousarray(s)).to(grid.device)
+    sel = layer_columns(cols)
+    if isinstance(sel, list):
+        c = torch.tensor(sel, dtype=torch.int64, device=grid.device)
+        return grid[b_t[:, None], s_t[:, None], c[None, :]]
+    return (grid if sel is None else grid[:, :, sel])[b_t, s_t]
 
 
 def _flat_rows(grid: torch.Tensor) -> Optional[torch.Tensor]:
@@ -895,8 +903,7 @@ def _read_weights(routes: HandedRoutes, rr: RankRows, covered: np.ndarray, cols:
         if g.shape[0] * g.shape[1] == 0 or t == 0:
             w_t = torch.zeros((len(cols), t, k), dtype=torch.float32)
         else:
-            sel = g if src_cols is None else g[:, :, src_cols]
-            w_t = sel[torch.from_numpy(b).to(g.device), torch.from_numpy(s).to(g.device)].permute(1, 0, 2)
+            w_t = _pick(g, b, s, src_cols).permute(1, 0, 2)
     w_t = w_t.to(dev)
     if not routes.trusted:
         w32 = w_t.float()
