@@ -494,16 +494,16 @@ class HandedRoutes:
 
 def padded_spans(attn: torch.Tensor) -> tuple[np.ndarray, list[int]]:
     """(first unmasked column, unmasked count) of each row of a ``[B, S]`` mask; holes refused."""
-    m = attn.bool().cpu()
+    m = attn.bool().cpu().numpy()          # host arrays: small torch ops on CPU stall on thread barriers
     lens = m.sum(1)
-    first = torch.where(lens > 0, m.to(torch.uint8).argmax(1), torch.zeros_like(lens))
-    pos = torch.arange(m.shape[1])
+    first = np.where(lens > 0, m.argmax(1), 0).astype(np.int64)
+    pos = np.arange(m.shape[1])
     expect = (pos[None, :] >= first[:, None]) & (pos[None, :] < (first + lens)[:, None])
-    bad = (expect != m).any(1).nonzero()
-    if bad.numel():
+    bad = np.flatnonzero((expect != m).any(1))
+    if bad.size:
         raise CoverageError(f"sequence {int(bad[0])}: attention_mask has holes; only left or right padding "
                             f"is supported")
-    return first.numpy().astype(np.int64), lens.tolist()
+    return first, lens.tolist()
 
 
 def _host(a: Any) -> np.ndarray:

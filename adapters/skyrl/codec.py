@@ -107,8 +107,9 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
         if mask is None:
             raise ConfigError(f"SkyRL 0.4 {routes_key} comes with {MASK_KEY!r} (True = no captured route); the "
                               f"batch has none")
-        attn_b = torch.as_tensor(attn).bool()
-        mask_b = torch.as_tensor(mask).bool().to(attn_b.device)
+        # [B, S] masks: host arrays (small torch ops on CPU stall on the thread pool's barriers)
+        attn_b = torch.as_tensor(attn).bool().cpu().numpy()
+        mask_b = torch.as_tensor(mask).bool().cpu().numpy()
         if mask_b.shape != attn_b.shape:
             raise RouteShapeError(f"{MASK_KEY} is {tuple(mask_b.shape)}, attention_mask {tuple(attn_b.shape)}")
         lens = attn_b.sum(1).tolist()
@@ -117,7 +118,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
             raise RouteShapeError(f"{routes_key} segments {seg} do not match the real-token counts {lens} "
                                   f"(SkyRL 0.4 packs one route row per real token)")
         cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
-        valid = ~mask_b[attn_b]                 # real tokens in row order == packed row order
+        valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
         return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
                                         no_route="mask", valid=valid.to(values.device), source=source, names=names)
     routes = torch.as_tensor(routes)
