@@ -28,11 +28,14 @@ def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, va
                                f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
                                f"pre-EPLB: map physical replica slots back first)")
     # a degenerate route: ids repeat inside the rows the engine returned (vLLM #54730's all-zero
-    # rows), or a padding row passed as a route
-    return DegenerateRouteError(f"{where}duplicate expert ids {values}: a degenerate route (a broken engine capture, "
-                                f"e.g. vLLM #54730's all-zero rows, or a zero/padding row that should be marked "
-                                f"invalid; {total} bad (row, layer) pairs in total). r3bridge.degenerate_routes=native "
-                                f"routes such rows natively, counted in metrics")
+    # rows), a row without a route read as one, or (all zeros) a dense layer's zero column picked
+    # by an id off by one (engines report dense layers as zero rows)
+    dense = (f"; or layer {layer} is a dense layer: layer ids are 0-based global, 1-based ids point one layer "
+             f"further" if values and not any(values) else "")
+    return DegenerateRouteError(f"{where}duplicate expert ids {values} (a degenerate route: a broken engine capture "
+                                f"such as vLLM #54730's all-zero rows, or a zero/padding row that should be marked "
+                                f"invalid{dense}; {total} bad (row, layer) pairs in total). "
+                                f"r3bridge.degenerate_routes=native routes such rows natively, counted in metrics")
 
 
 def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],

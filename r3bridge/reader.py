@@ -51,6 +51,7 @@ from r3bridge.errors import (
     RouteWeightsError,
 )
 from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
+from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 from r3bridge.route_scan import block_rows, row_faults, run_blocks
@@ -636,7 +637,8 @@ def _positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: in
 # ------------------------------------------------------------------------------------ the read
 def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[int], *,
                  device: Optional[torch.device] = None, degenerate: str = "refuse",
-                 counts: Optional[list] = None, where: str = "this rank") -> ShardedTargets:
+                 counts: Optional[list] = None, where: str = "this rank",
+                 model_layers: Optional[Sequence[int]] = None) -> ShardedTargets:
     """This rank's targets of ``layer_ids`` for the micro-batch ``routes`` (``rank_rows`` already
     :meth:`RankRows.cover`-ed with them). ``counts`` (a list) receives a :class:`ReadCounts`."""
     if degenerate not in DEGENERATE_CHOICES:
@@ -645,8 +647,9 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     pos_of = {lid: j for j, lid in enumerate(routes.layer_ids)}
     missing = [x for x in want if x not in pos_of]
     if missing:
+        hint = "" if model_layers is None else shifted_layer_ids_hint(routes.layer_ids, model_layers)
         raise LayerMappingError(f"{where} needs MoE layers {missing}, but the batch only has "
-                                f"layers {list(routes.layer_ids)}")
+                                f"layers {list(routes.layer_ids)}{hint}")
     dev = device if device is not None else routes.device
     k, n = routes.topk, routes.num_seqs
     covered = rank_rows.covered.copy()
@@ -943,7 +946,7 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
                           cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length).cover(routes)
     want = list(layout.moe_layers(pp_rank, vp_stage) if layer_ids is None else layer_ids)
     return read_targets(routes, rows, want, device=dev or torch.device("cpu"), degenerate=degenerate,
-                        where=f"rank (pp={pp_rank}, vp={vp_stage})")
+                        where=f"rank (pp={pp_rank}, vp={vp_stage})", model_layers=layout.moe_layer_ids)
 
 
 # ------------------------------------------------------------------------------------ engine payload report

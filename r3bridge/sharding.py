@@ -40,4 +40,4 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
                           cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length).cover(routes)
     want = list(layout.moe_layers(pp_rank, vp_stage) if layer_ids is None else layer_ids)
     return read_targets(routes, rows, want, device=dev or batch.routes.device,
-                        where=f"rank (pp={pp_rank}, vp={vp_stage})")
+                        where=f"rank (pp={pp_rank}, vp={vp_stage})", model_layers=layout.moe_layer_ids)

@@ -6,6 +6,16 @@ right or both), ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
 ``RECORDED_KEY`` ``[B, S, L_moe, K]``. Routes must travel *per sample*, in fields the framework
 moves with its samples through every split (check which of its utilities move which fields).
 
+**Layer ids are 0-based global** (HF config index, Megatron ``layer_number - 1``): the layer axis
+of ``ROUTES_KEY`` is the engine's, every decoder layer, and ``moe_layer_ids`` picks the MoE ones
+by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.layer_ids.layers_from_mapping`,
+which says so when its keys are 1-based.
+
+**Aborted samples.** An engine call that was aborted returns no routes (vLLM: ``routed_experts``
+is ``None``); its sample still trains, every row invalid (routed natively, counted in coverage).
+Top-k comes from the model (``topk``, the HF config's ``num_experts_per_tok``), never from the
+samples: a micro-batch whose samples were all aborted has no route to read it from.
+
 **"No route" is said explicitly.** One rule, the same in docs/porting.md and the reader
 (:mod:`r3bridge.reader`): a row the engine did not route is marked by a validity field
 (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
@@ -23,7 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.dense import NO_ROUTE, padded_routes
-from r3bridge.errors import CoverageError
+from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.layer_axis import axis_columns
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
@@ -39,10 +49,13 @@ SAMPLE_KEY = "r3bridge_sample"               # [B] batch-level sample index (R2 
 class TemplateCodec:
     """The :class:`r3bridge.protocols.BatchCodec`; the conformance suite calls exactly these four."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int, topk: int) -> None:
+        """The model's shape (``r3bridge.hf.ModelInfo.from_hf_config``): expert count, MoE layers
+        (0-based global ids), decoder layer count, top-k."""
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
+        self.topk = int(topk)
 
     def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
         """The routes the batch carries, as the one reader reads them (:mod:`r3bridge.reader`): the
@@ -58,6 +71,9 @@ class TemplateCodec:
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
+        if int(routes.shape[-1]) != self.topk:      # the model's top-k, whatever the samples hold
+            raise RouteShapeError(f"{ROUTES_KEY} carries {int(routes.shape[-1])} expert ids per token and layer, "
+                                  f"the model routes top-{self.topk}")
         # the engine reports every decoder layer: the MoE ones are picked by id (never by offset)
         cols = axis_columns(int(torch.as_tensor(routes).shape[2]), layer_axis=None, moe_layer_ids=self.moe_layer_ids,
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)

@@ -16,6 +16,9 @@ Files (the same in every adapter):
   :class:`PPOActorMixin` (phases, R2 write-back) and :class:`MegatronEngineMixin` (one
   :class:`r3bridge.megatron.MicroBatch` per micro-batch, per-(chunk, micro-batch) install: VPP
   works), and the class factories;
+* ``launch.py`` - the launch line (``python3 -m r3bridge.adapters.areal.launch SCRIPT --config YAML``):
+  AReaL's local launcher after r3bridge's checks (mode announced at launch, one line per thing the
+  launcher would fail on late or wait for silently, the wait for inference servers watched);
 * ``_compat.py`` - importing AReaL's modules without its agent stack.
 
 See docs/use-with-areal.md.

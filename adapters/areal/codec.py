@@ -30,7 +30,7 @@ __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
-# per trajectory [1, 2] int64 (batched [B, 2]): (weight version, re-prefill epoch), -1 unknown
+# per trajectory [1, 3] int64 (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown
 # (r3bridge.provenance.versions_tensor); AReaL's R3 engine is SGLang, no request id travels
 ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
 LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
@@ -155,7 +155,7 @@ class ArealCodec:
 
 
 def provenance_fields(routes: RouteProvenance | None, logprobs: RouteProvenance | None) -> dict[str, torch.Tensor]:
-    """One trajectory's route and log-prob provenance -> its two ``[1, 2]`` fields."""
+    """One trajectory's route and log-prob provenance -> its two ``[1, 3]`` fields."""
     return {ROUTE_PROVENANCE_KEY: versions_tensor([routes]), LOGPROB_PROVENANCE_KEY: versions_tensor([logprobs])}
 
 

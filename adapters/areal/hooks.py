@@ -66,6 +66,7 @@ from r3bridge.ingest import first_seen_rows
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.megatron.roles import Role, check_declared, declare_role
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
+from r3bridge.trace import token_uid
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
@@ -327,13 +328,19 @@ class MegatronEngineMixin:
                 routes = handed_routes(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
                                        moe_layer_ids=self.r3_model.moe_layer_ids,
                                        source="recorded" if key == RECORDED_KEY else "rollout")
+            uids = None
+            if self.r3_runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
+                cu = mb["cu_seqlens"].tolist()
+                uids = [token_uid(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]]) for j in range(n)]
             if int(pmb["cu_seqlens"].numel()) - 1 > n:
                 # AReaL's trailing page-padding "sequence": all packing padding, declared as a
                 # 1-token sequence without routes (no sample), so coverage counts no missing route
                 # for it; the plan still takes its padded length from cu_seqlens, which is what
                 # the CP zigzag and the SP split use.
                 lens, gids = lens + [1], gids + [None]
-            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu())
+                uids = None if uids is None else uids + [None]
+            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu(),
+                                     uids=uids)
         if self.r3_provenance is not None:      # this pass's samples: a mini-batch of the actor's batch
             self.r3_pass_provenance = self.r3_provenance.select([gid_of_row[r] for r in fwd])
         return mb_list

@@ -33,8 +33,8 @@ __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOG
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance as SkyRL batches carry per-sample data, int64 tensors [B, 2]:
-# (weight version, re-prefill epoch), -1 = unknown; a row of -1s = no provenance. SkyRL's weight
+# Per-sample provenance as SkyRL batches carry per-sample data, int64 tensors [B, 3]:
+# (weight version, re-prefill epoch, attempt), -1 = unknown; a row of -1s = no provenance. SkyRL's weight
 # version is its inference client's ``weight_version`` (one step per weight sync); the batch holds
 # no engine name or request id, so provenance names the engine ENGINE and no request.
 ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
@@ -293,7 +293,7 @@ class SkyRLCodec:
 
 def provenance_fields(routes: Sequence[Optional[RouteProvenance]],
                       logprobs: Sequence[Optional[RouteProvenance]]) -> dict[str, torch.Tensor]:
-    """Per-sample route and log-prob provenance -> the two ``[B, 2]`` int64 fields a
+    """Per-sample route and log-prob provenance -> the two ``[B, 3]`` int64 fields a
     ``TrainingInputBatch`` carries (:data:`ROUTE_PROVENANCE_KEY`, :data:`LOGPROB_PROVENANCE_KEY`)."""
     if len(routes) != len(logprobs):
         raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")

@@ -19,10 +19,11 @@ import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.engine_settings import check_speculative_decoding
 from r3bridge.errors import ConfigError, RoleError
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
-           "SECTION"]
+           "speculative_settings", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="
@@ -89,6 +90,8 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
                         "replay the actor's rollout routes through megatron's global RouterReplay; only the actor "
                         f"replays ({SECTION}.replay_mode={rc.replay_mode.value}): leave the reference's flag false")
     returns = bool(getattr(ie, "enable_return_routed_experts", False))
+    check_speculative_decoding(rc.replay_mode.value, "vllm", speculative_settings(cfg),
+                               configured_version=rc.engine_version)
     if rc.replay_mode is ReplayMode.R3:
         if not returns:
             raise ConfigError(f"{SECTION}.replay_mode=R3 replays vLLM's routes: set "
@@ -103,6 +106,40 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
             raise ConfigError(f"{SECTION}.replay_mode=R2 and trainer.policy.megatron_config.moe_enable_routing_replay"
                               "=true ask for two replays at once: leave SkyRL's flag false")
     return rc
+
+
+def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on (SkyRL rolls out with
+    vLLM only): ``generator.inference_engine.speculative_config``, ``trainer.mtp.enabled`` (SkyRL's
+    ``validate_cfg`` then writes an MTP ``speculative_config``, unless ``SKYRL_DISABLE_SPEC=1``), and a
+    ``speculative_config`` passed through ``engine_init_kwargs`` / ``prefill_init_kwargs`` /
+    ``decode_init_kwargs`` (applied last, over SkyRL's own engine args)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    ie = cfg.generator.inference_engine
+    base = "generator.inference_engine"
+    out: dict[str, Any] = {}
+    if getattr(ie, "speculative_config", None):
+        out[f"{base}.speculative_config"] = _as_dict(ie.speculative_config)
+    mtp = getattr(cfg.trainer, "mtp", None)
+    if mtp is not None and bool(getattr(mtp, "enabled", False)) and env.get("SKYRL_DISABLE_SPEC") != "1":
+        out["trainer.mtp.enabled"] = True
+    for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
+        passed = _as_dict(getattr(ie, kw, None) or {})
+        if passed.get("speculative_config"):
+            out[f"{base}.{kw}.speculative_config"] = passed["speculative_config"]
+    return out
+
+
+def _as_dict(x: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(x):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(x) if isinstance(x, Mapping) else x
 
 
 def section_of(cfg: Any) -> Optional[ReplayConfig]:

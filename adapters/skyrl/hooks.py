@@ -50,6 +50,7 @@ from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
 from r3bridge.megatron.roles import Role, check_declared, declare_role
 from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
+from r3bridge.trace import token_uid
 
 __all__ = ["record_ids_field", "recorded_from_payloads", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
@@ -150,6 +151,10 @@ class SkyRLReplay:
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
+        if self.runner.tracer is not None:       # traced: samples named by their tokens (`r3bridge diff` pairs them)
+            targets = [dataclasses.replace(mb, uids=[token_uid(s[a.bool()]) for s, a in
+                                                     zip(m["sequences"], m["attention_mask"])])
+                       for mb, m in zip(targets, mbs)]
 
         def install(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatch:
             mb = targets[k]

@@ -14,10 +14,11 @@ from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
+from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
-           "check_engine_config", "prepare_verl_config"]
+           "check_engine_config", "prepare_verl_config", "speculative_settings"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
@@ -39,6 +40,16 @@ def _select(cfg: Any, path: str, default: Any = None) -> Any:
         else:
             cur = getattr(cur, part, None)
     return default if cur is None else cur
+
+
+def _interpolated(cfg: Any, parent: str, key: str) -> bool:
+    """Whether ``parent.key`` of an OmegaConf config is an interpolation (``${...}``)."""
+    try:
+        from omegaconf import OmegaConf
+        node = _select(cfg, parent)
+        return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
+    except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
+        return False
 
 
 def _plain(x: Any) -> Any:
@@ -134,8 +145,36 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
     if hf_config is not None:
         from r3bridge.hf import moe_layer_ids_from_hf_config
         facts["moe_layer_ids"] = moe_layer_ids_from_hf_config(hf_config)
-    _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "verl config")
+    problems = _problems(cfg.replay_mode, facts)
+    engine, speculative = speculative_settings(verl_cfg)
+    spec = speculative_decoding_problem(cfg.replay_mode.value, engine, speculative,
+                                        configured_version=cfg.engine_version)
+    _raise(cfg.replay_mode, problems + ([spec] if spec else []), "verl config")
     return cfg
+
+
+def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
+    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it): the
+    MTP draft (``actor_rollout_ref.rollout.mtp``, by default ``actor_rollout_ref.model.mtp``:
+    ``enable`` and ``enable_rollout``), vLLM's ``engine_kwargs.vllm.speculative_config``, SGLang's
+    ``engine_kwargs.sglang.speculative_algorithm`` (verl's servers pass both on to the engine)."""
+    s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
+    engine = s("actor_rollout_ref.rollout.name")
+    engine = None if engine is None else str(engine).lower()
+    out: dict[str, Any] = {}
+    # verl's servers read rollout.mtp; by default it is ${actor_rollout_ref.model.mtp}: name the key
+    # the user wrote
+    own = s("actor_rollout_ref.rollout.mtp") is not None and not _interpolated(verl_cfg, "actor_rollout_ref.rollout",
+                                                                                "mtp")
+    mtp = "actor_rollout_ref.rollout.mtp" if own else "actor_rollout_ref.model.mtp"
+    if bool(s(f"{mtp}.enable", False)) and bool(s(f"{mtp}.enable_rollout", False)):
+        out[f"{mtp}.enable"] = out[f"{mtp}.enable_rollout"] = True
+    kwargs = "actor_rollout_ref.rollout.engine_kwargs"
+    if engine == "vllm" and s(f"{kwargs}.vllm.speculative_config"):
+        out[f"{kwargs}.vllm.speculative_config"] = _plain(s(f"{kwargs}.vllm.speculative_config"))
+    if engine == "sglang" and s(f"{kwargs}.sglang.speculative_algorithm"):
+        out[f"{kwargs}.sglang.speculative_algorithm"] = s(f"{kwargs}.sglang.speculative_algorithm")
+    return engine, out
 
 
 def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = None,

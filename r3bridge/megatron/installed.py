@@ -36,6 +36,7 @@ class InstalledMicroBatch:
     forwarded: bool = False
     routes: Optional[HandedRoutes] = None       # REPLAY: re-reads a target for a late recompute
     rank_rows: Optional[RankRows] = None        # REPLAY: the micro-batch's row map on this rank
+    plan: Any = None                            # the PackPlan built at install (the loss's log-ratio reuses it)
 
 
 @dataclass

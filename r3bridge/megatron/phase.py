@@ -131,8 +131,8 @@ class PhaseStep:
         routes = mb.routes
         if self.action is Action.REPLAY:
             if routes is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {k}: a {self.runner.config.replay_mode.value} "
-                                       f"replay without routes")
+                raise ReplayStateError(f"chunk {c}, micro-batch {k} (samples {ids}): a "
+                                       f"{self.runner.config.replay_mode.value} replay without routes")
             routes = as_handed(routes)          # a ReplayBatch is viewed, never copied
             extra = len(lens) - routes.num_seqs
             if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):

@@ -125,6 +125,17 @@ def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: in
                             f"(token {int(pos[r])}) has no route and invalid_rows='error'")
 
 
+def _check_topk(routes: HandedRoutes, topk: int, where: str) -> None:
+    """Routes of another top-k than the model's routers, refused at install (not at the first
+    router call), naming the micro-batch and its samples; routes without one route got their
+    top-k from their shape, not from the model (aborted samples only: build them with the model's)."""
+    if routes.topk == topk:
+        return
+    why = (" and not one valid row: its samples have no routes (aborted?), so that top-k came from the "
+           "batch's shape; build their ReplayBatch with the model's top-k" if not routes.any_route() else "")
+    raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
+
+
 class ReplayStep:
     """Created by :meth:`Replayer.step`; use as a context manager."""
 
@@ -244,25 +255,27 @@ class ReplayStep:
         index = self._next_index[c]
         handed = None if routes is None or self.action is not Action.REPLAY else as_handed(routes)
         rows, handed = self._rank_rows(index, lens, pack, handed)
-        mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids)
+        mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids, plan=rows.plan)
         if self.action is Action.REPLAY:
             if handed is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay step without routes")
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay step without routes")
             self._check_source(handed)
+            _check_topk(handed, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
             if rep.invalid_rows == "error":
                 _refuse_unrouted(rows, handed, c, mb.index)
             counts: list = []
             rep.read_stats.reads += 1
             mb.targets = read_targets(handed, rows, layers, device=self.device, degenerate=rep.degenerate_routes,
-                                      counts=counts, where=f"rank (pp={rep.pp_rank}, vp={c})")
+                                      counts=counts, where=f"rank (pp={rep.pp_rank}, vp={c})",
+                                      model_layers=rep.layout.moe_layer_ids)
             self._sample_rows.append((ids, counts[0]))
             nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
                 # over this rank's real tokens: packing padding never has a route
                 cov = nvalid / rows.token_rows if rows.token_rows else 1.0
                 if cov < rep.min_coverage:
-                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
-                                        f"{rows.token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                    raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
+                                        f"rank's {rows.token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = handed.any_route()
             mb.routes = handed
@@ -449,6 +462,24 @@ class ReplayStep:
                 self.policy.expect(mb, layer, idx, t.weights[layer], t.valid, kept)
         return scores.gather(1, idx), idx
 
+    def _sum_counts(self, groups: Sequence[Any]) -> None:
+        """Sum the agreement counts, the replay policy's counts and the per-sample read counts over
+        the metrics groups in one all_reduce per group (the step's only collectives): the int64
+        counts travel as float64, exact below 2**53, next to the policy's float64 sums."""
+        import torch.distributed as dist
+
+        if not groups or not (dist.is_available() and dist.is_initialized()):
+            return
+        counts, per_sample = self._counter.counts, self._per_sample
+        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts,
+                          per_sample.flatten().to(device=counts.device, dtype=torch.float64)])
+        for group in groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        n, m = counts.numel(), self.policy.counts.numel()
+        counts.copy_(flat[:n].round().view_as(counts).to(counts.dtype))
+        self.policy.counts.copy_(flat[n:n + m])
+        per_sample.copy_(flat[n + m:].round().view_as(per_sample).to(per_sample.dtype))
+
     def router_log_ratio(self, chunk: int, index: int) -> Optional[torch.Tensor]:
         """The router log-ratio of micro-batch ``index`` of ``chunk`` on this rank: float32
         ``[rows]`` in router row order, summed over the chunk's MoE layers (``None``: its routes
@@ -483,25 +514,22 @@ class ReplayStep:
     def _finish_metrics(self) -> dict[str, float]:
         if self.action is not Action.REPLAY:
             return {}
-        for group in self.replayer.metrics_groups:
-            self._counter.all_reduce(group)
+        self._per_sample = self._sample_counts()
+        self._sum_counts(self.replayer.metrics_groups)
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
-        out.update(self.policy.metrics(self.replayer.metrics_groups, threshold=self.replayer.replay_policy == "threshold"))
+        out.update(self.policy.metrics(threshold=self.replayer.replay_policy == "threshold"))
         out.update(self._sample_metrics())
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
         self._check_floor(out)
         return out
 
-    def _sample_metrics(self) -> dict[str, float]:
-        """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
-        ``samples/native`` (no route at all: routed natively), ``samples/refused`` (some route
-        degenerate, routed natively under ``degenerate_routes: native``), and ``degenerate_rows``
-        ((row, layer) pairs routed natively for it). Each rank counts what it read; one SUM
-        over the model-parallel and CP groups gives every sample's whole count. Padding sequences
-        (negative ids) are no sample."""
+    def _sample_counts(self) -> torch.Tensor:
+        """int64 ``[samples, 2]`` (rows replayed, degenerate rows) per sample of the pass, in
+        sample-id order, as this rank read them; padding sequences (negative ids) are no sample.
+        Summed over the ranks by :meth:`_sum_counts`."""
         per: dict[int, list[int]] = {}
         for ids, counts in self._sample_rows:
             for sid, rep_rows, deg in zip(ids, counts.replayed.tolist(), counts.degenerate.tolist()):
@@ -509,13 +537,14 @@ class ReplayStep:
                     acc = per.setdefault(int(sid), [0, 0])
                     acc[0] += rep_rows
                     acc[1] += deg
-        order = sorted(per)
-        t = torch.tensor([per[s] for s in order], dtype=torch.int64, device=self.device).reshape(-1, 2)
-        for group in self.replayer.metrics_groups:
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        replayed, degenerate = (x.cpu().numpy() for x in t.unbind(1))
+        return torch.tensor([per[s] for s in sorted(per)], dtype=torch.int64, device=self.device).reshape(-1, 2)
+
+    def _sample_metrics(self) -> dict[str, float]:
+        """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
+        ``samples/native`` (no route at all: routed natively), ``samples/refused`` (some route
+        degenerate, routed natively under ``degenerate_routes: native``), and ``degenerate_rows``
+        ((row, layer) pairs routed natively for it), from every rank's counts summed."""
+        replayed, degenerate = (x.cpu().numpy() for x in self._per_sample.unbind(1))
         refused = degenerate > 0
         prefix = self.replayer.metrics_prefix
         return {f"{prefix}samples/replayed": float((~refused & (replayed > 0)).sum()),
