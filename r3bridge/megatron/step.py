@@ -125,14 +125,14 @@ def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: in
                             f"(token {int(pos[r])}) has no route and invalid_rows='error'")
 
 
-def _check_topk(routes: HandedRoutes, topk: int, where: str) -> None:
+def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> None:
     """Routes of another top-k than the model's routers, refused at install (not at the first
     router call), naming the micro-batch and its samples; routes without one route got their
     top-k from their shape, not from the model (aborted samples only: build them with the model's)."""
     if routes.topk == topk:
         return
     why = (" and not one valid row: its samples have no routes (aborted?), so that top-k came from the "
-           "batch's shape; build their ReplayBatch with the model's top-k" if not routes.any_route() else "")
+           "batch's shape; build their ReplayBatch with the model's top-k" if not as_handed(routes).any_route() else "")
     raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
 
 
