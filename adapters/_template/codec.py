@@ -74,7 +74,7 @@ class TemplateCodec:
         if int(routes.shape[-1]) != self.topk:      # the model's top-k, whatever the samples hold
             raise RouteShapeError(f"{ROUTES_KEY} carries {int(routes.shape[-1])} expert ids per token and layer, "
                                   f"the model routes top-{self.topk}")
-        # the engine reports every decoder layer: the MoE ones are picked by id (never by offset)
+        # the engine reports every decoder layer: keep the MoE ones, by id
         cols = axis_columns(int(torch.as_tensor(routes).shape[2]), layer_axis=None, moe_layer_ids=self.moe_layer_ids,
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
         if VALID_KEY is None:       # "no route" written as zero rows: the reader's captured-range rule
