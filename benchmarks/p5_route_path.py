@@ -321,10 +321,9 @@ def input_r3bridge_areal(items, lens, w):
     from r3bridge.schema import sentinel_dtype
 
     dtype, none = sentinel_dtype(w["experts"])
-    lay_moe = list(range(w["dense"], w["layers"]))
-    t = torch.full((len(lens), len(lay_moe), w["topk"], int(lens.max())), none, dtype=dtype)
-    for i, a in enumerate(items):
-        t[i, :, :, :a.shape[0]] = torch.from_numpy(a[:, lay_moe]).permute(1, 2, 0)
+    t = torch.full((len(lens), w["layers"] - w["dense"], w["topk"], int(lens.max())), none, dtype=dtype)
+    for i, a in enumerate(items):       # the MoE layers are the last ones: a view, no copy
+        t[i, :, :, :a.shape[0]] = torch.from_numpy(a[:, w["dense"]:]).permute(1, 2, 0)
     return {"routes": t}
 
 
