@@ -25,7 +25,7 @@ from r3bridge.ingest import StitchReport, stitch
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.provenance import RouteProvenance
-from r3bridge.rank_ingest import rank_targets
+from r3bridge.reader import HandedRoutes, rank_targets
 from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import ShardedTargets, shard
 from r3bridge.unsharding import unshard
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ReplayBatch", "RouteProvenance", "ParallelLayout", "PackPlan", "ShardedTargets", "shard", "unshard",
-    "rank_positions", "rank_targets", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
+    "rank_positions", "rank_targets", "HandedRoutes", "stitch", "StitchReport", "route_dtype", "dense_routes", "padded_routes", "NO_ROUTE",
     "ReplayError", "RouteValueError", "RouteShapeError", "CoverageError", "LayerMappingError",
     "LayoutError", "PayloadError", "StitchError", "ConfigError", "ReplayStateError", "ReplayMemoryError",
     "RoleError", "RouteWeightsError", "ProvenanceError",

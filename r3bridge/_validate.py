@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from r3bridge.errors import ReplayError, RouteValueError
+from r3bridge.errors import DegenerateRouteError, ReplayError, RouteValueError
 
 
 def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple[int, int, int]:
@@ -27,12 +27,15 @@ def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, va
         return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
                                f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
                                f"pre-EPLB: map physical replica slots back first)")
-    # all zeros: a row without a route read as one, or a dense layer's zero column picked by an id
-    # off by one (engines report dense layers as zero rows)
+    # a degenerate route: ids repeat inside the rows the engine returned (vLLM #54730's all-zero
+    # rows), a row without a route read as one, or (all zeros) a dense layer's zero column picked
+    # by an id off by one (engines report dense layers as zero rows)
     dense = (f"; or layer {layer} is a dense layer: layer ids are 0-based global, 1-based ids point one layer "
              f"further" if values and not any(values) else "")
-    return RouteValueError(f"{where}duplicate expert ids {values} (a zero/padding row? mark rows without a route "
-                           f"invalid instead{dense}; {total} bad (row, layer) pairs in total)")
+    return DegenerateRouteError(f"{where}duplicate expert ids {values} (a degenerate route: a broken engine capture "
+                                f"such as vLLM #54730's all-zero rows, or a zero/padding row that should be marked "
+                                f"invalid{dense}; {total} bad (row, layer) pairs in total). "
+                                f"r3bridge.degenerate_routes=native routes such rows natively, counted in metrics")
 
 
 def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],
@@ -174,17 +177,23 @@ def as_index_list(xs: Any, *, what: str, error: _Err) -> list[int]:
     return [as_index(v, what=f"{what}[{i}]", error=error) for i, v in enumerate(out)]
 
 
+def as_number_tensor(x: Any, *, what: str, error: _Err, kinds: str, expected: str) -> torch.Tensor:
+    """A tensor (readable, detached) or an array-like of numpy kinds ``kinds`` (any byte order) ->
+    a tensor, without copying a native contiguous array; anything else raises ``error`` saying
+    ``expected``. The one conversion of masks and routing weights."""
+    if isinstance(x, torch.Tensor):
+        check_readable(x, what=what, error=error)
+        return x.detach()
+    a = np.asarray(x)
+    if a.dtype.kind not in kinds:
+        raise error(f"{what}: expected {expected}, got dtype {a.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(native_order(a)))
+
+
 def as_mask(x: Any, *, what: str, error: _Err) -> torch.Tensor:
     """A 0/1 mask (bool, integer or float dtype, any byte order) -> CPU bool tensor; any other
     value (0.5, NaN, 2) raises instead of being read as True."""
-    if isinstance(x, torch.Tensor):
-        check_readable(x, what=what, error=error)
-        t = x.detach()
-    else:
-        a = np.asarray(x)
-        if a.dtype.kind not in "biuf":
-            raise error(f"{what}: expected a 0/1 mask, got dtype {a.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(native_order(a)))
+    t = as_number_tensor(x, what=what, error=error, kinds="biuf", expected="a 0/1 mask")
     if t.dtype == torch.bool:
         return t.cpu()
     bad = (t != 0) & (t != 1)

@@ -116,8 +116,19 @@ class ReplayConfig:
     # Compute, inside the router hook, whether the native top-k equals the replayed one
     # (per-layer route agreement). Costs one extra top-k per router call, no extra forward.
     agreement: bool = True
-    # Fail when fewer than this fraction of routed rows have a real route (0 disables).
+    # Fail when fewer than this fraction of routed rows have a real route (0 disables): per
+    # micro-batch, over each rank's real tokens.
     min_coverage: float = 0.0
+    # R3: fail a pass whose rollout routes cover less than this fraction of its routed (token,
+    # MoE layer) pairs, every rank and layer summed (0 disables). The default catches an engine
+    # that returned no usable routes (vLLM #54730: all-zero rows that zero-row transports read as
+    # "no route") instead of training on native routing in silence.
+    coverage_floor: float = 0.1
+    # Inside the rows an engine returned for a sample, a row whose expert ids repeat is a
+    # degenerate route (a broken capture, vLLM #54730), never "no route": "refuse" fails the step
+    # naming sample, row and layer; "native" routes such rows natively and counts them
+    # (degenerate_rows, samples/refused metrics).
+    degenerate_routes: str = "refuse"
     # Rows without a route (invalid): "native" routes them with the router's own top-k (counted
     # in metrics); "error" refuses any invalid row inside a sequence's covered range.
     invalid_rows: str = "native"
@@ -167,6 +178,10 @@ class ReplayConfig:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
         if not 0.0 <= float(self.min_coverage) <= 1.0:
             raise ConfigError(f"min_coverage must be in [0, 1], got {self.min_coverage}")
+        if not 0.0 <= float(self.coverage_floor) <= 1.0:
+            raise ConfigError(f"coverage_floor must be in [0, 1], got {self.coverage_floor}")
+        if self.degenerate_routes not in ("refuse", "native"):
+            raise ConfigError(f"degenerate_routes must be 'refuse' or 'native', got {self.degenerate_routes!r}")
         if self.invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {self.invalid_rows!r}")
         check_layer_axis(self.layer_axis, where="r3bridge.layer_axis")

@@ -56,7 +56,7 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, *, what: str) -> torch.
         raise ReplayMemoryError(
             f"{what}: {list(shape)} {str(dtype).replace('torch.', '')} needs {nbytes / 2**30:.1f} GiB and this "
             f"host refused it ({e}). Build only one rank's targets straight from the engine arrays "
-            f"(r3bridge.rank_ingest.rank_targets), or ingest the batch in parts.") from None
+            f"(r3bridge.rank_targets), or ingest the batch in parts.") from None
 
 
 def pack_sequences(arrays: Sequence[np.ndarray], cols: slice | list[int] | None, out: np.ndarray,

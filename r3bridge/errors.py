@@ -53,7 +53,7 @@ class ReplayStateError(ReplayError):
 class ReplayMemoryError(ReplayError, MemoryError):
     """A batch does not fit in this host's memory; the message names the sizes (rows, layers,
     top-k, bytes) and the way around it (build only one rank's targets:
-    :func:`r3bridge.rank_ingest.rank_targets`)."""
+    :func:`r3bridge.rank_targets`)."""
 
 
 class RoleError(ReplayError):
@@ -65,3 +65,9 @@ class RoleError(ReplayError):
 class ProvenanceError(ReplayError):
     """Route provenance is malformed (wrong length, wrong type), or the routes of a sample came
     from another engine pass than the log-probs they are paired with (``provenance_check="refuse"``)."""
+
+
+class DegenerateRouteError(RouteValueError):
+    """Inside the rows an engine returned for a sample, a row whose expert ids repeat (vLLM #54730:
+    every id 0): a broken capture, not a missing route. Refused by default
+    (``ReplayConfig.degenerate_routes``); the message names sample, row, token and layer."""

@@ -68,47 +68,20 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
     seq_routes, seq_valid, seq_start, seq_weights, seq_prov = [], [], [], [], []
     for i in range(a.num_seqs):
         prov = None if a.provenance is None else a.provenance[i]
-        start = end = None
-        routes = valid = weights = None
-        over = dis = fill = 0
+        seen = None
         for t, p in enumerate(pieces):
             r, v = p.sequence(i)
-            w = _piece_weights(p, i) if with_weights else None
-            s = p.start_rows[i]
             if r.shape[0] == 0:
                 continue
-            e = s + r.shape[0]
-            if start is None:
-                start, end, routes, valid = s, e, r.clone(), v.clone()
-                weights = None if w is None else w.clone()
+            w = _piece_weights(p, i) if with_weights else None
+            if seen is None:
                 prov = None if p.provenance is None else p.provenance[i]
-                continue
-            _check_same_attempt(i, t, prov, None if p.provenance is None else p.provenance[i])
-            if s > end or e < start:
-                raise StitchError(f"sequence {i}, piece {t}: rows [{s}, {e}) leave a gap after the rows "
-                                  f"[{start}, {end}) seen so far: cannot stitch unambiguously")
-            lo, hi = max(s, start), min(e, end)
-            old_r, old_v = routes[lo - start:hi - start], valid[lo - start:hi - start]
-            new_r, new_v = r[lo - s:hi - s], v[lo - s:hi - s]
-            both = old_v & new_v
-            over += hi - lo
-            dis += int(((old_r != new_r).flatten(1).any(1) & both).sum())
-            take = ~old_v & new_v
-            fill += int(take.sum())
-            old_r[take] = new_r[take]
-            if weights is not None:     # a row's weights travel with its route: first seen wins too
-                weights[lo - start:hi - start][take] = w[lo - s:hi - s][take]
-            old_v |= new_v
-            if s < start:      # rows before anything seen so far
-                routes, valid = torch.cat([r[:start - s], routes]), torch.cat([v[:start - s], valid])
-                if weights is not None:
-                    weights = torch.cat([w[:start - s], weights])
-                start = s
-            if e > end:        # rows after
-                routes, valid = torch.cat([routes, r[end - s:]]), torch.cat([valid, v[end - s:]])
-                if weights is not None:
-                    weights = torch.cat([weights, w[end - s:]])
-                end = e
+            else:
+                _check_same_attempt(i, t, prov, None if p.provenance is None else p.provenance[i])
+            seen = _first_seen(seen, r, v, p.start_rows[i], w, where=f"sequence {i}, piece {t}")
+        start, routes, valid, weights = (None,) * 4 if seen is None else (seen.start, seen.routes, seen.valid,
+                                                                          seen.weights)
+        over, dis, fill = (0, 0, 0) if seen is None else (seen.overlap, seen.disagreeing, seen.filled)
         if start is None:
             start, routes = 0, a.routes[:0]
             valid = a.valid[:0]
@@ -157,30 +130,79 @@ def _piece_weights(piece: ReplayBatch, i: int) -> torch.Tensor:
     return piece.weights[a:b]  # type: ignore[index]
 
 
+@dataclass
+class _Seen:
+    """One sequence's rows so far: first-seen wins."""
+
+    start: int
+    routes: torch.Tensor
+    valid: torch.Tensor
+    weights: torch.Tensor | None
+    overlap: int = 0
+    disagreeing: int = 0
+    filled: int = 0
+
+
+def _first_seen(seen: _Seen | None, r: torch.Tensor, v: torch.Tensor, s: int, w: torch.Tensor | None, *,
+                where: str) -> _Seen:
+    """The one first-seen rule: ``r`` (rows from token ``s``, validity ``v``, weights ``w``) merged
+    into ``seen``: rows seen valid before are kept (those valid in both that differ are counted),
+    rows an earlier piece lacked are filled, rows before or after are added; a gap raises."""
+    e = s + r.shape[0]
+    if seen is None:
+        return _Seen(s, r.clone(), v.clone(), None if w is None else w.clone())
+    start, end = seen.start, seen.start + seen.routes.shape[0]
+    if s > end or e < start:
+        raise StitchError(f"{where}: rows [{s}, {e}) leave a gap after the rows [{start}, {end}) seen so far: "
+                          f"cannot stitch unambiguously")
+    lo, hi = max(s, start), min(e, end)
+    old_r, old_v = seen.routes[lo - start:hi - start], seen.valid[lo - start:hi - start]
+    new_r, new_v = r[lo - s:hi - s], v[lo - s:hi - s]
+    both = old_v & new_v
+    seen.overlap += hi - lo
+    if hi > lo:
+        seen.disagreeing += int(((old_r != new_r).reshape(hi - lo, -1).any(1) & both).sum())
+    take = ~old_v & new_v
+    seen.filled += int(take.sum())
+    old_r[take] = new_r[take]
+    if seen.weights is not None:        # a row's weights travel with its route: first seen wins too
+        seen.weights[lo - start:hi - start][take] = w[lo - s:hi - s][take]
+    old_v |= new_v
+    if s < start:      # rows before anything seen so far
+        seen.routes, seen.valid = torch.cat([r[:start - s], seen.routes]), torch.cat([v[:start - s], seen.valid])
+        if seen.weights is not None:
+            seen.weights = torch.cat([w[:start - s], seen.weights])
+        seen.start = s
+    if e > end:        # rows after
+        seen.routes, seen.valid = torch.cat([seen.routes, r[end - s:]]), torch.cat([seen.valid, v[end - s:]])
+        if seen.weights is not None:
+            seen.weights = torch.cat([seen.weights, w[end - s:]])
+    return seen
+
+
 def first_seen_rows(calls: Sequence[Any]) -> tuple[np.ndarray, StitchReport]:
     """Calls of one request that all start at row 0, as raw ``[rows, ...]`` arrays (any trailing
     shape, nested lists too) -> (first-seen rows, report). :func:`stitch`'s rule where no schema is
     known yet: every row counts as valid, so overlapping rows that differ are disagreements."""
     if not calls:
         raise PayloadError("no engine call returned routes")
-    out = np.asarray(calls[0])
-    over = dis = 0
-    for t, c in enumerate(calls[1:], 1):
-        a = np.asarray(c)
+    first = np.asarray(calls[0])
+    seen, shape = None, first.shape[1:]
+    for t, c in enumerate(calls):
+        a = first if t == 0 else np.asarray(c)
         if len(a) == 0:
             continue
-        if len(out) == 0:
-            out = a
-            continue
-        if a.shape[1:] != out.shape[1:]:
+        if seen is not None and a.shape[1:] != shape:
             raise RouteShapeError(f"call {t} returned routes of shape [*, {', '.join(map(str, a.shape[1:]))}], "
-                                  f"earlier calls [*, {', '.join(map(str, out.shape[1:]))}]")
-        n = min(len(a), len(out))
-        over += n
-        dis += int((a[:n].reshape(n, -1) != out[:n].reshape(n, -1)).any(1).sum())
-        if len(a) > len(out):
-            out = np.concatenate([out, a[len(out):].astype(out.dtype, copy=False)])
-    return out, StitchReport([over], [dis], [0])
+                                  f"earlier calls [*, {', '.join(map(str, shape))}]")
+        shape = a.shape[1:]
+        r = torch.from_numpy(np.ascontiguousarray(a))
+        if seen is not None:
+            r = r.to(seen.routes.dtype)
+        seen = _first_seen(seen, r, torch.ones(len(a), dtype=torch.bool), 0, None, where=f"call {t}")
+    if seen is None:
+        return first, StitchReport([0], [0], [0])
+    return seen.routes.numpy(), StitchReport([seen.overlap], [seen.disagreeing], [0])
 
 
 def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_layer_ids: Sequence[int],

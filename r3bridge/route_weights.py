@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
-from r3bridge._validate import check_readable, locate, native_order
+from r3bridge._validate import as_number_tensor, locate
 from r3bridge.errors import RouteWeightsError
 
 __all__ = ["WEIGHTS_DTYPE", "as_weights_tensor", "check_weights", "canonical_weights"]
@@ -31,14 +30,7 @@ WEIGHTS_DTYPE = torch.float16
 
 def as_weights_tensor(x: Any, *, what: str) -> torch.Tensor:
     """numpy array / tensor / nested lists of real numbers -> a float tensor (not yet narrowed)."""
-    if isinstance(x, torch.Tensor):
-        check_readable(x, what=what, error=RouteWeightsError)
-        t = x.detach()
-    else:
-        a = np.asarray(x)
-        if a.dtype.kind not in "fiu":
-            raise RouteWeightsError(f"{what}: weights must be real numbers, got dtype {a.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(native_order(a)))
+    t = as_number_tensor(x, what=what, error=RouteWeightsError, kinds="fiu", expected="real numbers (weights)")
     if t.dtype == torch.bool or t.is_complex():
         raise RouteWeightsError(f"{what}: weights must be real numbers, got {t.dtype}")
     return t if t.is_floating_point() else t.to(torch.float32)

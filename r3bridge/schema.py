@@ -146,15 +146,7 @@ class ReplayBatch:
                        provenance: Sequence[RouteProvenance | None] | None) -> "ReplayBatch":
         host = _host_arrays(routes)
         if host is not None:
-            masks = None
-            if valid is not None:
-                if len(valid) != len(host):
-                    raise CoverageError(f"valid has {len(valid)} entries for {len(host)} sequences")
-                masks = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
-                for i, x in enumerate(masks):
-                    if x.shape != (host[i].shape[0],):
-                        raise CoverageError(
-                            f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {host[i].shape[0]} rows")
+            masks = _sequence_masks(valid, [int(a.shape[0]) for a in host])
             return cls._from_host(host, None, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
                                   valid=masks, source=source, policy_versions=policy_versions,
                                   provenance=provenance)
@@ -181,16 +173,8 @@ class ReplayBatch:
             flat = torch.cat([t.to(common) for t in tensors], 0) if len(tensors) > 1 else tensors[0]
         else:
             flat = torch.zeros((0, len(layer_ids), 1), dtype=torch.int32)
-        v = None
-        if valid is not None:
-            if len(valid) != len(tensors):
-                raise CoverageError(f"valid has {len(valid)} entries for {len(tensors)} sequences")
-            vt = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
-            for i, x in enumerate(vt):
-                if x.shape != (rows[i],):
-                    raise CoverageError(
-                        f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {rows[i]} rows")
-            v = torch.cat(vt) if vt else torch.zeros(0, dtype=torch.bool)
+        vt = _sequence_masks(valid, rows)
+        v = None if vt is None else torch.cat(vt) if vt else torch.zeros(0, dtype=torch.bool)
         return cls.from_packed(flat, rows, num_experts=num_experts, layer_ids=layer_ids,
                                start_rows=start_rows, valid=v, source=source,
                                policy_versions=policy_versions, provenance=provenance)
@@ -561,6 +545,19 @@ class ReplayBatch:
 
 
 # --------------------------------------------------------------------------------- helpers
+def _sequence_masks(valid: Sequence | None, rows: Sequence[int]) -> list[torch.Tensor] | None:
+    """One 0/1 validity mask per sequence, each of its sequence's row count (None: none given)."""
+    if valid is None:
+        return None
+    if len(valid) != len(rows):
+        raise CoverageError(f"valid has {len(valid)} entries for {len(rows)} sequences")
+    masks = [as_mask(x, what=f"sequence {i}: valid", error=CoverageError) for i, x in enumerate(valid)]
+    for i, x in enumerate(masks):
+        if x.shape != (rows[i],):
+            raise CoverageError(f"sequence {i}: valid mask has shape {tuple(x.shape)}, routes have {rows[i]} rows")
+    return masks
+
+
 def _opt_ids(xs, what: str, error) -> list[int] | None:
     return None if xs is None else as_index_list(xs, what=what, error=error)
 

@@ -16,13 +16,13 @@ is ``None``); its sample still trains, every row invalid (routed natively, count
 Top-k comes from the model (``topk``, the HF config's ``num_experts_per_tok``), never from the
 samples: a micro-batch whose samples were all aborted has no route to read it from.
 
-**"No route" is said explicitly.** One rule, the same in docs/porting.md and
-:func:`r3bridge.canonical.nonzero_rows`: a row the engine did not route is marked by a validity
-field (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
+**"No route" is said explicitly.** One rule, the same in docs/porting.md and the reader
+(:mod:`r3bridge.reader`): a row the engine did not route is marked by a validity field
+(``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
 :data:`r3bridge.NO_ROUTE` there: :func:`r3bridge.padded_routes` writes it); never inferred from
 lengths. Only a transport with neither (it writes "no route" as an all-zero row: verl's,
-SkyRL 0.3's) is read with ``nonzero_rows``, the one function that makes that inference: set
-``VALID_KEY = None``. Never write ``ReplayBatch.sequence(i)`` into a field as it is: its
+SkyRL 0.3's) is read with ``no_route="zero"``: rows past a sample's last non-zero row have no
+route, a zero row before it is a degenerate route (vLLM #54730), refused: set ``VALID_KEY = None``. Never write ``ReplayBatch.sequence(i)`` into a field as it is: its
 invalid rows hold filler ids ``0..K-1`` that look like routes (``padded_routes`` /
 :func:`r3bridge.dense_routes` write ``no_route`` there instead).
 """
@@ -32,9 +32,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.dense import NO_ROUTE, padded_routes
 from r3bridge.errors import CoverageError, RouteShapeError
+from r3bridge.layer_axis import axis_columns
+from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
@@ -56,16 +57,17 @@ class TemplateCodec:
         self.num_hidden_layers = int(num_hidden_layers)
         self.topk = int(topk)
 
-    def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
-        """The routes the batch carries, one sequence per sample, in batch order."""
+    def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
+        """The routes the batch carries, as the one reader reads them (:mod:`r3bridge.reader`): the
+        framework's own tensors viewed, nothing copied or checked here. The hook installs these."""
         attn = native["attention_mask"]
         if source == "recorded":
             recorded = native.get(RECORDED_KEY)
             if recorded is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
-            valid = (recorded != NO_ROUTE).flatten(-2).any(-1)
-            return ReplayBatch.from_padded(recorded, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                           valid=valid, source="recorded")
+            valid = (torch.as_tensor(recorded) != NO_ROUTE).flatten(-2).any(-1)
+            return HandedRoutes.from_padded(recorded, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+                                            no_route="mask", valid=valid, source="recorded")
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
@@ -73,12 +75,18 @@ class TemplateCodec:
             raise RouteShapeError(f"{ROUTES_KEY} carries {int(routes.shape[-1])} expert ids per token and layer, "
                                   f"the model routes top-{self.topk}")
         # the engine reports every decoder layer: keep the MoE ones, by id
-        moe = moe_layers_of(torch.as_tensor(routes), self.moe_layer_ids, layer_dim=2,
+        cols = axis_columns(int(torch.as_tensor(routes).shape[2]), layer_axis=None, moe_layer_ids=self.moe_layer_ids,
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
-        valid = nonzero_rows(moe) if VALID_KEY is None else native[VALID_KEY]
-        batch = ReplayBatch.from_padded(moe, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                        valid=valid, source="rollout")
-        return drop_final_invalid_rows(batch)
+        if VALID_KEY is None:       # "no route" written as zero rows: the reader's captured-range rule
+            return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+                                            columns=cols, no_route="zero", source="rollout")
+        return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
+                                        columns=cols, no_route="mask", valid=native[VALID_KEY], source="rollout")
+
+    def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
+        """The routes the batch carries, one sequence per sample, in batch order (the reader's
+        whole-batch form of :meth:`handed_routes`)."""
+        return self.handed_routes(native, source=source).to_batch(drop_final_invalid=source != "recorded")
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:
         """R2: the recorded routes (batch order, start 0) placed on each sample's tokens,

@@ -148,6 +148,11 @@ class TemplateFixtures(AdapterFixtures):
     def megatron_layouts(cls):
         return CPU_LAYOUTS          # 1 rank, TP2 + SP, CP2, PP2 x VPP2 (GPU_LAYOUTS on a GPU machine)
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reader_form(cls):
+        return "padded/mask"        # your codec's handed_routes: what the one reader reads per micro-batch
+
 
 class TestTemplateIngest(BaseIngestTests, TemplateFixtures):
     """Checks 1-3, and the rollout side: the engine calls of each sample, stitched first-seen."""

@@ -23,7 +23,7 @@ import torch
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
-from r3bridge.schema import ReplayBatch
+from r3bridge.reader import HandedRoutes
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 from .config import replay_config
@@ -80,7 +80,8 @@ class TemplateEngineMixin:
         if plan.action is Action.REPLAY:
             key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
             self.r3_runner.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}", provide=_PROVIDE)
-            routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, source=plan.source)
+            # the micro-batch's own tensors viewed: the driver's reader reads this rank's rows once
+            routes: Optional[HandedRoutes] = self.r3_codec.handed_routes(mb, source=plan.source)
             return MicroBatch(seq_lens, routes)
         if SAMPLE_KEY not in mb:
             raise ConfigError(f"R2 recording needs {SAMPLE_KEY!r} (the batch-level sample index) in every "

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.canonical import drop_final_invalid_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
+from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch, sentinel_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "ArealCodec", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor", "batch_tensor",
+           "ArealCodec", "trajectory_tensor", "handed_routes", "replay_batch_from_batch", "replay_batch_from_tensor", "batch_tensor",
            "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
@@ -54,39 +54,37 @@ def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[
     return out
 
 
-def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                             moe_layer_ids: Sequence[int], source: str = "rollout",
-                             topk: Optional[int] = None) -> ReplayBatch:
+def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
+                  moe_layer_ids: Sequence[int], source: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
     """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), -> canonical ReplayBatch in that order. Route errors name the
-    sample by its row of ``t`` (AReaL's trajectory in the batch) and its token; ``topk`` (the
-    model's) refuses routes of another width here, naming both."""
-    # host data from here on, as every other adapter's routes: AReaL hands its trajectories to the
-    # actor on the GPU (areal/infra/dist_rollout.py:200), and the driver moves each rank's shard to
-    # its routers' device itself
-    t = torch.as_tensor(t).cpu()
+    batches are right-padded), as the one reader reads them (:mod:`r3bridge.reader`): AReaL's own
+    tensor viewed where it lies (the trainer's GPU in a GPU job), nothing copied or checked yet;
+    the sentinel marks tokens without a route. Samples are named by their row of ``t``."""
+    t = torch.as_tensor(t)
     if t.dim() != 4:
         raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
     check_topk("routes", int(t.shape[2]), topk)
     if t.shape[1] != len(moe_layer_ids):
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
-    rows, lens = [int(r) for r in rows], [int(n) for n in lens]
-    if len(rows) != len(lens):
-        raise CoverageError(f"{len(rows)} rows for {len(lens)} lengths")
-    bad = [n for n in lens if n > t.shape[3]]
-    if bad:
-        raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
     _, none = sentinel_dtype(num_experts)
-    per, valid = [], []
-    for r, n in zip(rows, lens):
-        x = t[r, :, :, :n].permute(2, 0, 1)                     # [tokens, L, K]
-        v = ~(x == none).flatten(1).all(1)
-        per.append(torch.where(v[:, None, None], x, torch.zeros_like(x)))
-        valid.append(v)
-    with naming_samples("AReaL", [f"batch row {r}" for r in rows]):
-        rb = ReplayBatch.from_ragged(per, num_experts=num_experts, layer_ids=list(moe_layer_ids), valid=valid,
-                                     source=source)
-    return drop_final_invalid_rows(rb) if source != "recorded" else rb
+    return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
+                                           sentinel=none, source=source,
+                                           names=[f"AReaL sample batch row {int(r)}" for r in rows])
+
+
+def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
+                             moe_layer_ids: Sequence[int], source: str = "rollout",
+                             topk: Optional[int] = None) -> ReplayBatch:
+    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
+    batches are right-padded), -> canonical ReplayBatch in that order: the reader's whole-batch
+    form of :func:`handed_routes`, on the host. Route errors name the sample by its row of ``t``
+    (AReaL's trajectory in the batch) and its token; ``topk`` (the model's) refuses routes of
+    another width here, naming both."""
+    handed = handed_routes(torch.as_tensor(t).cpu(), rows, lens, num_experts=num_experts,
+                           moe_layer_ids=moe_layer_ids, source=source, topk=topk)
+    handed.names = None                 # the core names "sequence i"; naming_samples names AReaL's row
+    with naming_samples("AReaL", [f"batch row {int(r)}" for r in rows]):
+        return handed.to_batch(drop_final_invalid=source != "recorded")
 
 
 def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:

@@ -45,9 +45,9 @@ from r3bridge.adapters.areal.codec import (
     ROUTES_KEY,
     SAMPLE_KEY,
     batch_tensor,
+    handed_routes,
     provenance_fields,
     provenance_pairing,
-    replay_batch_from_tensor,
     trajectory_tensor,
 )
 from r3bridge.adapters.areal.config import (
@@ -327,10 +327,10 @@ class MegatronEngineMixin:
             off += n
             lens = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
             routes = None
-            if plan.action is Action.REPLAY:     # explicit slice of this micro-batch's samples
-                routes = replay_batch_from_tensor(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
-                                                  moe_layer_ids=self.r3_model.moe_layer_ids,
-                                                  source="recorded" if key == RECORDED_KEY else "rollout")
+            if plan.action is Action.REPLAY:     # this micro-batch's samples of AReaL's tensor, viewed
+                routes = handed_routes(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
+                                       moe_layer_ids=self.r3_model.moe_layer_ids,
+                                       source="recorded" if key == RECORDED_KEY else "rollout")
             uids = None
             if self.r3_runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
                 cu = mb["cu_seqlens"].tolist()

@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from r3bridge.canonical import canonical_form
 from r3bridge.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError, StitchError
 from r3bridge.ingest import first_seen_rows, stitch
@@ -73,19 +72,30 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
                           num_layers: int, topk: int, moe_layer_ids: Sequence[int]) -> ReplayBatch:
     """One trajectory from its ``ModelResponse``s (one per turn, root first: parent-concat) and
     its final token list. Each response's ``routed_experts`` (``[rows, L_all*K]``, already deduped
-    across resubmits) covers its own ``input_tokens + output_tokens``; only rows whose whole token
-    prefix agrees with ``tokens`` are kept. Canonical form for ``len(tokens)`` tokens."""
+    across resubmits) covers its own ``input_tokens + output_tokens`` from row 0; only rows whose
+    whole token prefix agrees with ``tokens`` are kept. The turns are stitched in one first-seen
+    pass on the arrays (:func:`r3bridge.ingest.first_seen_rows`, the core's one rule) and the
+    trajectory is built and checked once, in canonical form for ``len(tokens)`` tokens."""
     tokens = list(tokens)
-    pieces = []
+    calls = []
     for t, r in enumerate(responses):
         arr = getattr(r, "routed_experts", None)
         if arr is None:
             raise PayloadError(f"turn {t}: the response has no routed_experts (return_routed_experts off?)")
         arr = np.asarray(arr).reshape(len(arr), num_layers, topk)
         own = list(r.input_tokens) + list(r.output_tokens)
-        keep = min(len(arr), _lcp(own, tokens))
-        pieces.append(_piece(arr, num_experts=num_experts, moe_layer_ids=moe_layer_ids, rows=keep))
-    rb, _ = stitch(pieces)
-    if rb.rows_per_seq[0] > len(tokens):
-        raise StitchError(f"{rb.rows_per_seq[0]} route rows for {len(tokens)} tokens")
-    return canonical_form(rb, [len(tokens)])
+        calls.append(arr[:min(len(arr), _lcp(own, tokens))])
+    if not calls:
+        raise PayloadError("no turn returned routes")
+    rows, _ = first_seen_rows(calls)
+    moe = list(moe_layer_ids)
+    rows = select_layers(rows, moe, 0, "SGLang")
+    n, got = len(tokens), int(rows.shape[0])
+    if got > n:
+        raise StitchError(f"{got} route rows for {n} tokens")
+    # canonical form: one row per token, the final one dropped when it has no route
+    keep = n if got == n else max(n - 1, 0)
+    full = np.zeros((keep,) + tuple(rows.shape[1:]), dtype=rows.dtype)
+    full[:got] = rows
+    valid = np.arange(keep) < got
+    return ReplayBatch.from_ragged([full], num_experts=num_experts, layer_ids=moe, valid=[valid], source="rollout")

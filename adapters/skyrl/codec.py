@@ -20,13 +20,14 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import ConfigError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
+from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "SkyRLCodec", "replay_batch_from_training_batch", "training_batch_fields", "packed_training_batch_fields",
+           "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields", "packed_training_batch_fields",
            "make_router_padding_mask", "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
@@ -56,15 +57,17 @@ def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_
                                      sample_ids: Optional[Sequence[int]] = None) -> ReplayBatch:
     """A ``TrainingInputBatch`` (or worker micro-batch dict) -> ReplayBatch of its samples in batch
     order, canonical form (r3bridge.protocols): one row per real token, start 0, uncaptured rows
-    invalid, a final row without a route dropped (``source="rollout"`` only).
+    invalid, a final row without a route dropped (``source="rollout"`` only): the reader's
+    whole-batch form of :func:`handed_routes`.
 
     Route errors name the sample by its row of ``batch`` (``sample_ids[i]`` when given: e.g. the
     mini-batch row of a micro-batch's row ``i``) and its token; ``topk`` (the model's) refuses
     routes of another width here, naming both."""
+    handed = handed_routes(batch, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                           num_hidden_layers=num_hidden_layers, source=source, routes_key=routes_key, topk=topk)
+    handed.names = None                 # the core names "sequence i"; naming_samples names SkyRL's row
     with naming_samples("SkyRL", _row_names(batch, sample_ids)):
-        return _replay_batch_from_training_batch(batch, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
-                                                 num_hidden_layers=num_hidden_layers, source=source,
-                                                 routes_key=routes_key, topk=topk)
+        return handed.to_batch(drop_final_invalid=source != "recorded")
 
 
 def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
@@ -75,9 +78,14 @@ def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
     return [f"batch row {i}" for i in range(n)]
 
 
-def _replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
-                                      num_hidden_layers: Optional[int], source: str, routes_key: str,
-                                      topk: Optional[int]) -> ReplayBatch:
+def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
+                  num_hidden_layers: Optional[int] = None, source: str = "rollout", routes_key: str = ROUTES_KEY,
+                  topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
+    """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict) as the one reader reads
+    them (:mod:`r3bridge.reader`): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
+    padded field), nothing copied or checked yet. "No route": ``router_padding_mask`` where the
+    batch has it, else (SkyRL 0.3.0) zero rows past a sample's last non-zero row; a zero row
+    before it is a degenerate route (vLLM #54730)."""
     routes = _get(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
@@ -88,60 +96,57 @@ def _replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer
     if _get(batch, "sub_seq_lengths") is not None:
         raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
                           "r3bridge needs one sample per row")
+    names = [f"SkyRL sample {n}" for n in _row_names(batch, sample_ids)]
+    moe = [int(i) for i in moe_layer_ids]
+    mask = _get(batch, MASK_KEY)
     if _is_packed(routes):
-        check_topk(routes_key, int(torch.as_tensor(routes.values).shape[-1]), topk)
-        rb = _from_packed_field(routes, _get(batch, MASK_KEY), attn, num_experts=num_experts,
-                                moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers, source=source,
-                                routes_key=routes_key)
-        return rb if source == "recorded" else drop_final_invalid_rows(rb)
+        values, cu = torch.as_tensor(routes.values), torch.as_tensor(routes.cu_seqlens).long()
+        check_topk(routes_key, int(values.shape[-1]), topk)
+        if values.dim() != 3:
+            raise RouteShapeError(f"{routes_key} values must be [tokens, layers, topk], got {tuple(values.shape)}")
+        if mask is None:
+            raise ConfigError(f"SkyRL 0.4 {routes_key} comes with {MASK_KEY!r} (True = no captured route); the "
+                              f"batch has none")
+        # [B, S] masks: host arrays (small torch ops on CPU stall on the thread pool's barriers)
+        attn_b = torch.as_tensor(attn).bool().cpu().numpy()
+        mask_b = torch.as_tensor(mask).bool().cpu().numpy()
+        if mask_b.shape != attn_b.shape:
+            raise RouteShapeError(f"{MASK_KEY} is {tuple(mask_b.shape)}, attention_mask {tuple(attn_b.shape)}")
+        lens = attn_b.sum(1).tolist()
+        seg = (cu[1:] - cu[:-1]).tolist()
+        if seg != lens:
+            raise RouteShapeError(f"{routes_key} segments {seg} do not match the real-token counts {lens} "
+                                  f"(SkyRL 0.4 packs one route row per real token)")
+        cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
+        valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
+        return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
+                                        no_route="mask", valid=valid.to(values.device), source=source, names=names)
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
     check_topk(routes_key, int(routes.shape[-1]), topk)
-    moe = [int(i) for i in moe_layer_ids]
-    sel = moe_layers_of(routes, moe, layer_dim=2, num_hidden_layers=num_hidden_layers, field=routes_key)
-    attn = torch.as_tensor(attn).bool()
-    mask = _get(batch, MASK_KEY)
+    cols = _columns(int(routes.shape[2]), moe, num_hidden_layers, routes_key)
+    attn_b = torch.as_tensor(attn).bool()
     if mask is not None:
-        valid = attn & ~torch.as_tensor(mask).bool().to(attn.device)
-    else:
-        # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
-        # micro-batching too, whose first token is "real"), and its worker does not carry
-        # router_padding_mask into micro-batches
-        valid = attn & nonzero_rows(sel, recorded=source == "recorded").to(attn.device)
-    rb = ReplayBatch.from_padded(sel, attn, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
-    if source != "recorded":
-        rb = drop_final_invalid_rows(rb)
-    return rb
+        valid = attn_b & ~torch.as_tensor(mask).bool().to(attn_b.device)
+        return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
+                                        no_route="mask", valid=valid, source=source, names=names)
+    # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
+    # micro-batching too, whose first token is "real"), and its worker does not carry
+    # router_padding_mask into micro-batches; recorded routes hold a route on every token (at
+    # top-1 an expert-0 row is one)
+    no_route = "none" if source == "recorded" and int(routes.shape[-1]) == 1 else "zero"
+    return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
+                                    no_route=no_route, source=source, names=names)
+
+
+def _columns(reported: int, moe: list[int], num_hidden_layers: Optional[int], field: str) -> Optional[list[int]]:
+    return axis_columns(reported, layer_axis=None, moe_layer_ids=moe, num_hidden_layers=num_hidden_layers, field=field)
 
 
 def _is_packed(field: Any) -> bool:
     """SkyRL 0.4's ``PackedTensor`` (duck-typed: reading needs no skyrl import)."""
     return hasattr(field, "values") and hasattr(field, "cu_seqlens") and not isinstance(field, torch.Tensor)
-
-
-def _from_packed_field(routes: Any, mask: Any, attn: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
-                       num_hidden_layers: Optional[int], source: str, routes_key: str) -> ReplayBatch:
-    """SkyRL 0.4's packed routes + ``router_padding_mask`` -> ReplayBatch (one row per real token)."""
-    values, cu = torch.as_tensor(routes.values), torch.as_tensor(routes.cu_seqlens).long()
-    if values.dim() != 3:
-        raise RouteShapeError(f"{routes_key} values must be [tokens, layers, topk], got {tuple(values.shape)}")
-    if mask is None:
-        raise ConfigError(f"SkyRL 0.4 {routes_key} comes with {MASK_KEY!r} (True = no captured route); the batch "
-                          f"has none")
-    attn = torch.as_tensor(attn).bool().cpu()
-    mask = torch.as_tensor(mask).bool().cpu()
-    if mask.shape != attn.shape:
-        raise RouteShapeError(f"{MASK_KEY} is {tuple(mask.shape)}, attention_mask {tuple(attn.shape)}")
-    lens = attn.sum(1).tolist()
-    seg = (cu[1:] - cu[:-1]).tolist()
-    if seg != lens:
-        raise RouteShapeError(f"{routes_key} segments {seg} do not match the real-token counts {lens} "
-                              f"(SkyRL 0.4 packs one route row per real token)")
-    moe = [int(i) for i in moe_layer_ids]
-    sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=routes_key).cpu()
-    valid = ~mask[attn]                   # real tokens in row order == packed row order
-    return ReplayBatch.from_packed(sel, lens, num_experts=num_experts, layer_ids=moe, valid=valid, source=source)
 
 
 def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,

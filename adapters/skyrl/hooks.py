@@ -37,8 +37,8 @@ from r3bridge.adapters.skyrl.codec import (
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
+    handed_routes,
     provenance_pairing,
-    replay_batch_from_training_batch,
 )
 from r3bridge.adapters.skyrl.config import SECTION, replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
@@ -52,7 +52,7 @@ from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
 from r3bridge.trace import token_uid
 
-__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+__all__ = ["record_ids_field", "recorded_from_payloads", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
@@ -61,6 +61,28 @@ _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
 _ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
+
+
+def recorded_from_payloads(payloads: Sequence[bytes]) -> ReplayBatch:
+    """The workers' per-sample R2 payloads (batch order) -> one recorded batch, built once. The
+    ids are the routers' own top-k (distinct, in range by construction) and each payload's CRCs
+    guard the transport, so they are not validated here: the update's read (the one reader)
+    checks every id it reads, once."""
+    from r3bridge import wire
+
+    parts = [wire.decode(bytes(p)) for p in payloads]
+    if not parts:
+        raise ReplayStateError("R2: the policy forward returned no recorded routes")
+    first = parts[0]
+    for j, d in enumerate(parts[1:], 1):
+        if (d.layer_ids, d.num_experts, tuple(d.routes.shape[1:])) != (first.layer_ids, first.num_experts,
+                                                                       tuple(first.routes.shape[1:])):
+            raise ReplayStateError(f"R2 payload of sample {j} has another schema than sample 0's")
+    routes = torch.cat([d.routes for d in parts]) if len(parts) > 1 else first.routes
+    valid = torch.cat([d.valid for d in parts]) if len(parts) > 1 else first.valid
+    return ReplayBatch.from_trusted(routes, [r for d in parts for r in d.rows_per_seq],
+                                    [s for d in parts for s in d.start_rows], valid, tuple(first.layer_ids),
+                                    first.num_experts, "recorded")
 
 
 def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
@@ -162,9 +184,9 @@ class SkyRLReplay:
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
             m = self.model
-            routes = replay_batch_from_training_batch(
-                fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
+            # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
+            routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                                   num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
@@ -290,8 +312,8 @@ class PolicyWorkerMixin:
         if res is None:
             raise ReplayStateError("replay_mode=R2 but the compute_log_prob pass ran without replay")
         rec = res.recorded_for(len(out.loss_fn_outputs))
-        for i, o in enumerate(out.loss_fn_outputs):
-            o[RECORDED_KEY] = rec.select([i]).to_bytes()
+        for i, o in enumerate(out.loss_fn_outputs):     # per sample, as SkyRL carries outputs: views, no copy
+            o[RECORDED_KEY] = rec.select_range(i, i + 1).to_bytes()
         return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
@@ -320,7 +342,7 @@ class TrainerMixin:
                 outputs.extend(self.dispatch.forward_from_staged(model, refs).loss_fn_outputs)
         else:
             outputs = list(self.dispatch.forward(model, data_fwd_pass).loss_fn_outputs)
-        self._r3_recorded = ReplayBatch.concat([ReplayBatch.from_bytes(o.pop(RECORDED_KEY)) for o in outputs])
+        self._r3_recorded = recorded_from_payloads([o.pop(RECORDED_KEY) for o in outputs])
         return to_tensor(outputs, key=key)
 
     def fwd_logprobs_values_reward(self, training_input):

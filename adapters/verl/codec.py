@@ -14,9 +14,11 @@ Routing weights (optional, :data:`WEIGHTS_KEY`): the same nested layout as the r
 float, ``[batch, (tokens_i), num_hidden_layers, K]``, the engine's gate weight of each id (SGLang
 #23999); they follow their rows into ``ReplayBatch.weights``.
 
-A zero row is never a route (top-k ids are distinct), so zero rows become ``valid = False`` and are
-routed natively: nothing is inferred from a length. With ``K == 1`` a rollout row of expert 0 in
-every MoE layer cannot be told from "no route" and is routed natively too (counted in coverage).
+A zero row is never a route (top-k ids are distinct): rows past a sample's last non-zero row (the
+final token, multi-turn tails, padding samples) are ``valid = False`` and routed natively, while a
+zero row *before* it, inside the rows the engine returned, is a degenerate route (vLLM #54730),
+refused by default (``degenerate_routes``). With ``K == 1`` a rollout row of expert 0 in every
+MoE layer cannot be told from "no route" and is routed natively (counted in coverage).
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, checked_provenance
+from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
-           "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
+           "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
@@ -107,19 +110,19 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
                              sample_names(td), samples=n)
 
 
-def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
-                                 source: str, num_hidden_layers: int | None = None,
-                                 invalid_rows: str = "native", topk: int | None = None,
-                                 layer_axis: str | None = None) -> ReplayBatch:
-    """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order.
+def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,
+                  num_hidden_layers: int | None = None, topk: int | None = None,
+                  layer_axis: str | None = None) -> HandedRoutes:
+    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (:mod:`r3bridge.reader`):
+    verl's nested values viewed, nothing copied or checked yet.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
     ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.layer_axis`): every decoder
     layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
-    layers only (TensorRT-LLM).
-    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
-    ``topk``: the model's top-k; routes of another width are refused here, naming both.
-    Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
+    layers only (TensorRT-LLM). "No route" is a zero row (verl's transport): rows past a sample's
+    last non-zero row (the final token, multi-turn tails, padding samples); a zero row before it
+    is a degenerate route (vLLM #54730), refused or counted (``degenerate_routes``).
+    ``topk``: the model's top-k; routes of another width are refused here, naming both."""
     routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
     if routes is None:
         raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
@@ -134,14 +137,13 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
         if nl != len(moe):
             raise LayerMappingError(f"recorded {ROUTES_KEY} have {nl} layers, the model has {len(moe)} MoE "
                                     f"layers {moe}")
-        sel = values
+        cols = None
     else:
         if num_hidden_layers is None and layer_axis != "moe_only":
             raise LayerMappingError("rollout routes need num_hidden_layers (their layer axis is every "
                                     "decoder layer)")
-        sel = moe_layers_of(values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers,
-                            field=f"rollout {ROUTES_KEY}", layer_axis=layer_axis)
-    valid = nonzero_rows(sel, recorded=source == "recorded")
+        cols = axis_columns(nl, layer_axis=layer_axis, moe_layer_ids=moe, num_hidden_layers=num_hidden_layers,
+                            field=f"rollout {ROUTES_KEY}")
     weights = None
     raw_weights = td.get(WEIGHTS_KEY, None) if hasattr(td, "get") and source != "recorded" else None
     if raw_weights is not None:
@@ -149,12 +151,31 @@ def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_expert
         if w_rows != rows or tuple(w_values.shape[1:]) != tuple(values.shape[1:]):
             raise RouteShapeError(f"{WEIGHTS_KEY} {tuple(w_values.shape)} rows {w_rows} do not match {ROUTES_KEY} "
                                   f"{tuple(values.shape)} rows {rows}")
-        weights = moe_layers_of(w_values, moe, layer_dim=1, num_hidden_layers=num_hidden_layers, field=WEIGHTS_KEY)
+        weights = w_values
+    # recorded routes hold a real route on every token: at top-1 an expert-0 row is a route
+    no_route = "none" if source == "recorded" and int(values.shape[-1]) == 1 else "zero"
+    return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=moe, columns=cols,
+                                    no_route=no_route, source=source, names=[f"verl sample {n}" for n in names],
+                                    weights=weights)
+
+
+def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
+                                 source: str, num_hidden_layers: int | None = None,
+                                 invalid_rows: str = "native", topk: int | None = None,
+                                 layer_axis: str | None = None, degenerate: str = "refuse") -> ReplayBatch:
+    """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order: the
+    reader's whole-batch form of :func:`handed_routes` (see there for the layer axis and "no route").
+    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
+    Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
+    handed = handed_routes(td, moe_layer_ids=moe_layer_ids, num_experts=num_experts, source=source,
+                           num_hidden_layers=num_hidden_layers, topk=topk, layer_axis=layer_axis)
+    names = [n[len("verl sample "):] for n in handed.names]
+    handed.names = None                  # the core names "sequence i"; naming_samples names it verl's way
+    # invalid_rows="error" refuses every row without a usable route, a degenerate one included, as
+    # "no route" naming the sample and token
     with naming_samples("verl", names):
-        rb = ReplayBatch.from_packed(sel, rows, num_experts=num_experts, layer_ids=moe, valid=valid, source=source,
-                                     weights=weights)
-    if source != "recorded":
-        rb = drop_final_invalid_rows(rb)     # the final token never fed the engine
+        rb = handed.to_batch(degenerate="native" if invalid_rows == "error" else degenerate,
+                             drop_final_invalid=source != "recorded")
     if invalid_rows == "error" and not bool(rb.valid.all()):
         bad = int((~rb.valid).nonzero()[0])
         seq = int((rb.offsets[1:] <= bad).sum())

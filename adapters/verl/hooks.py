@@ -37,8 +37,8 @@ from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
     SAMPLE_KEY,
+    handed_routes,
     provenance_pairing,
-    replay_batch_from_tensordict,
     routes_to_nested,
 )
 from r3bridge.adapters.verl.config import check_engine_config
@@ -221,11 +221,12 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         # errors name samples by it
         sample_ids = batch[SAMPLE_KEY].tolist()
         if self._r3_step.action is Action.REPLAY:
+            # verl's nested values viewed (nothing copied or checked here): the driver's reader
+            # reads this rank's rows once per micro-batch, whichever chunk installs first
             m = self.r3_model
-            routes = replay_batch_from_tensordict(
-                batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_step.plan.source,
-                num_hidden_layers=m.num_layers, invalid_rows=self.r3_config.invalid_rows, topk=m.topk,
-                layer_axis=self.r3_config.layer_axis)
+            routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
+                                   source=self._r3_step.plan.source, num_hidden_layers=m.num_layers, topk=m.topk,
+                                   layer_axis=self.r3_config.layer_axis)
         # traced: each sample named by its tokens, so `r3bridge diff` pairs it across passes (verl
         # numbers the samples of each pass anew, an update's mini-batch shuffled)
         uids = [token_uid(t) for t in input_ids.unbind()] if self.r3_runner.tracer is not None else None

@@ -13,8 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import ShardedTargets
+from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets
 
 
 @dataclass
@@ -35,7 +34,8 @@ class InstalledMicroBatch:
     recompute_left: set[int] = field(default_factory=set)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
     forwarded: bool = False
-    routes: Optional[ReplayBatch] = None        # REPLAY: re-derives a target for a late recompute
+    routes: Optional[HandedRoutes] = None       # REPLAY: re-reads a target for a late recompute
+    rank_rows: Optional[RankRows] = None        # REPLAY: the micro-batch's row map on this rank
     plan: Any = None                            # the PackPlan built at install (the loss's log-ratio reuses it)
 
 

@@ -29,12 +29,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from r3bridge.canonical import with_empty_sequences
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.megatron.step import as_handed
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
 from r3bridge.provenance import ProvenanceCount, ProvenancePairing
+from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_before_forward", "phase_tag"]
@@ -44,7 +45,9 @@ __all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_bef
 class MicroBatch:
     """What one micro-batch installs: its sequences as the trainer packs them.
 
-    ``routes`` covers the leading sequences (REPLAY; ``None`` when recording); trailing sequences
+    ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
+    :class:`r3bridge.reader.HandedRoutes`: what the one reader reads) covers the leading
+    sequences (REPLAY; ``None`` when recording); trailing sequences
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
     out, sequences are numbered in install order. The packing fields are
@@ -52,7 +55,7 @@ class MicroBatch:
     sequence's sample (``None`` for padding), written to route traces only."""
 
     seq_lens: Sequence[int]
-    routes: Optional[ReplayBatch] = None
+    routes: Optional[Union[ReplayBatch, HandedRoutes]] = None
     sample_ids: Optional[Sequence[Optional[int]]] = None
     format: str = "thd"
     cu_seqlens_padded: Any = None
@@ -130,13 +133,14 @@ class PhaseStep:
             if routes is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {k} (samples {ids}): a "
                                        f"{self.runner.config.replay_mode.value} replay without routes")
+            routes = as_handed(routes)          # a ReplayBatch is viewed, never copied
             extra = len(lens) - routes.num_seqs
             if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):
                 raise CoverageError(f"chunk {c}, micro-batch {k}: routes for {routes.num_seqs} sequences, "
                                     f"{len(lens)} packed of which {sum(s is None for s in ids)} padding")
             if extra:
-                routes = with_empty_sequences(routes, lens[routes.num_seqs:])
-        if self.runner.config.router_log_ratio and self.action is Action.REPLAY and routes.weights is None:
+                routes = routes.with_empty_sequences(lens[routes.num_seqs:])
+        if self.runner.config.router_log_ratio and self.action is Action.REPLAY and not routes.has_weights:
             raise ConfigError(f"chunk {c}, micro-batch {k}: router_log_ratio=true needs the rollout's routing "
                               f"weights, and these routes carry none (SGLang: --enable-return-routed-expert-weights)")
         self.step.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,

@@ -16,6 +16,7 @@ from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
 from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
 from r3bridge.megatron.step import ReplayStep
+from r3bridge.reader import DEGENERATE_CHOICES, ReadStats
 from r3bridge.replay_policy import check_policy
 
 
@@ -44,7 +45,8 @@ class Replayer:
                  tp_rank: Optional[int] = None, cp_rank: Optional[int] = None,
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None,
                  expect_moe_layer_ids: Optional[Sequence[int]] = None, replay_policy: str = "hard",
-                 threshold_ratio: float = 0.5, role: Role | str = Role.ACTOR) -> None:
+                 threshold_ratio: float = 0.5, role: Role | str = Role.ACTOR, coverage_floor: float = 0.0,
+                 degenerate_routes: str = "refuse") -> None:
         """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
         :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
         land on the wrong layers (verl #5037's dense-layer shift). ``role``: the role the framework
@@ -55,6 +57,9 @@ class Replayer:
                             f"(the {Role.of(role).value} must route natively)")
         if invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
+        if degenerate_routes not in DEGENERATE_CHOICES:
+            raise ConfigError(f"degenerate_routes must be one of {', '.join(DEGENERATE_CHOICES)}, got "
+                              f"{degenerate_routes!r}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if not chunks:
             raise ConfigError("Replayer needs at least one model chunk")
@@ -76,6 +81,9 @@ class Replayer:
         self.topk = int(config.moe_router_topk)
         self.agreement = agreement
         self.min_coverage = float(min_coverage)
+        # R3: a pass covering less of its tokens fails (ReplayConfig.coverage_floor; 0: never)
+        self.coverage_floor = float(coverage_floor)
+        self.degenerate_routes = degenerate_routes
         self.invalid_rows = invalid_rows
         self.metrics_prefix = metrics_prefix
         check_policy(replay_policy, threshold_ratio)
@@ -98,6 +106,7 @@ class Replayer:
         check_against_layout(self.chunks, self.layout, self.pp_rank)
         self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}
         self.active_step: Optional[ReplayStep] = None
+        self.read_stats = ReadStats()      # every route read by the one reader (r3bridge.reader)
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
         # MTP (draft) routers are never in layer_chunk: find_routers keeps them apart, by object,
@@ -133,7 +142,8 @@ class Replayer:
         """Every option of the job's ``r3bridge`` section, so adapters cannot forget one."""
         return cls(model_chunks, layout, agreement=config.agreement, min_coverage=config.min_coverage,
                    invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix,
-                   replay_policy=config.replay_policy, threshold_ratio=config.threshold_ratio, **kwargs)
+                   replay_policy=config.replay_policy, threshold_ratio=config.threshold_ratio,
+                   coverage_floor=config.coverage_floor, degenerate_routes=config.degenerate_routes, **kwargs)
 
     # -------------------------------------------------------------------------------- public
     def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:

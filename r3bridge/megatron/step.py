@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
-from r3bridge._validate import locate
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.layout import ParallelLayout
@@ -40,10 +40,9 @@ from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
-from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.reader import HandedRoutes, RankRows, ReadStats, ShardedTargets, read_targets
 from r3bridge.replay_policy import threshold_select
 from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import ShardedTargets, shard
 
 
 class StepHost(Protocol):
@@ -65,6 +64,8 @@ class StepHost(Protocol):
     # the replay options
     agreement: bool
     min_coverage: float
+    coverage_floor: float
+    degenerate_routes: str
     invalid_rows: str
     metrics_prefix: str
     mask_unrouted_rows: bool
@@ -75,6 +76,7 @@ class StepHost(Protocol):
     topk_scaling_factor: Optional[float]
     # at most one step runs at a time; the router hooks forward to it
     active_step: Optional[ReplayStep]
+    read_stats: ReadStats                       # how routes reached the routers (r3bridge.reader)
 
     @property
     def device(self) -> torch.device: ...
@@ -94,14 +96,43 @@ def fingerprint(scores: torch.Tensor) -> torch.Tensor:
     return scores.detach()[::step][:FINGERPRINT_ROWS].float().sum(-1)
 
 
-def _check_topk(routes: ReplayBatch, topk: int, where: str) -> None:
+def as_handed(routes: ReplayBatch | HandedRoutes) -> HandedRoutes:
+    """What the reader reads: a framework's handed routes as they are, a ReplayBatch viewed."""
+    return routes if isinstance(routes, HandedRoutes) else HandedRoutes.from_batch(routes)
+
+
+def _as_key(x: Any) -> Any:
+    if x is None:
+        return None
+    return tuple(x.tolist()) if isinstance(x, torch.Tensor) else tuple(int(v) for v in x)
+
+
+def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: int) -> None:
+    """``invalid_rows='error'``: a row of this rank without a route inside the rows its sequence
+    was handed (the last token excepted: the last sampled token is never fed forward)."""
+    if not rows.num_rows:
+        return
+    starts = np.asarray(routes.starts, dtype=np.int64)
+    ends = starts + np.asarray(routes.rows, dtype=np.int64)
+    lens = rows.plan.seq_lens.numpy()
+    seq, pos = rows.seq, rows.pos
+    inside = (pos >= starts[seq]) & (pos < np.minimum(ends, lens - 1)[seq])
+    bad = np.flatnonzero(inside & ~rows.covered)
+    if bad.size:
+        r = int(bad[0])
+        i = int(seq[r])
+        raise CoverageError(f"chunk {chunk}, micro-batch {index}: {routes.name(i)}, row {int(pos[r] - starts[i])} "
+                            f"(token {int(pos[r])}) has no route and invalid_rows='error'")
+
+
+def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> None:
     """Routes of another top-k than the model's routers, refused at install (not at the first
-    router call), naming the micro-batch and its samples; a batch without one valid row got its
-    top-k from its shape, not from the model (aborted samples only: build it with the model's)."""
+    router call), naming the micro-batch and its samples; routes without one route got their
+    top-k from their shape, not from the model (aborted samples only: build them with the model's)."""
     if routes.topk == topk:
         return
     why = (" and not one valid row: its samples have no routes (aborted?), so that top-k came from the "
-           "batch's shape; build their ReplayBatch with the model's top-k" if not bool(routes.valid.any()) else "")
+           "batch's shape; build their ReplayBatch with the model's top-k" if not as_handed(routes).any_route() else "")
     raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
 
 
@@ -127,6 +158,10 @@ class ReplayStep:
         self._pairings: list[tuple[int, int, int]] = []
         self._pair_mismatch: list[torch.Tensor] = []
         self._done_records: list[InstalledMicroBatch] = []
+        # micro-batch index -> (its key, this rank's row map): one per micro-batch, every chunk's
+        self._reads: dict[int, list] = {}
+        # per install: (sample ids, per-sequence counts of the read) -> the per-sample metrics
+        self._sample_rows: list[tuple[list[int], Any]] = []
         self._handles: list[Any] = []
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
@@ -178,6 +213,8 @@ class ReplayStep:
             q.clear()
         self._pairings.clear()
         self._pair_mismatch.clear()
+        self._reads.clear()
+        self._sample_rows = []
         self.policy.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
@@ -185,10 +222,12 @@ class ReplayStep:
             self.replayer.active_step = None
 
     # ---------------------------------------------------------------------------- install
-    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | None, seq_lens: Sequence[int], *,
+    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | HandedRoutes | None, seq_lens: Sequence[int], *,
                 cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None, format: str = "thd",
                 seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
+        ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
+        (:class:`r3bridge.reader.HandedRoutes`), read by the one reader (:mod:`r3bridge.reader`).
 
         In a NATIVE step (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
@@ -213,31 +252,34 @@ class ReplayStep:
         if len(ids) != len(lens):
             raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
         layers = rep.chunks[c].layer_ids
-        plan = PackPlan.build(rep.layout, lens, **pack)
-        seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
-        token_rows = int((pos < plan.seq_lens[seq]).sum()) if seq.numel() else 0
-        mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids, plan=plan)
+        index = self._next_index[c]
+        handed = None if routes is None or self.action is not Action.REPLAY else as_handed(routes)
+        rows, handed = self._rank_rows(index, lens, pack, handed)
+        mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids, plan=rows.plan)
         if self.action is Action.REPLAY:
-            if routes is None:
+            if handed is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay step without routes")
-            self._check_source(routes)
-            _check_topk(routes, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
-            if rep.invalid_rows == "error" and not bool(routes.valid.all()):
-                seq, row, tok = locate(routes.offsets, routes.start_rows, int((~routes.valid).nonzero()[0]))
-                raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
-                                    f"has no route and invalid_rows='error'")
-            mb.targets = shard(routes, rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
-                               pp_rank=rep.pp_rank, vp_stage=c, layer_ids=layers, device=self.device, **pack)
+            self._check_source(handed)
+            _check_topk(handed, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
+            if rep.invalid_rows == "error":
+                _refuse_unrouted(rows, handed, c, mb.index)
+            counts: list = []
+            rep.read_stats.reads += 1
+            mb.targets = read_targets(handed, rows, layers, device=self.device, degenerate=rep.degenerate_routes,
+                                      counts=counts, where=f"rank (pp={rep.pp_rank}, vp={c})",
+                                      model_layers=rep.layout.moe_layer_ids)
+            self._sample_rows.append((ids, counts[0]))
             nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
                 # over this rank's real tokens: packing padding never has a route
-                cov = nvalid / token_rows if token_rows else 1.0
+                cov = nvalid / rows.token_rows if rows.token_rows else 1.0
                 if cov < rep.min_coverage:
                     raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
-                                        f"rank's {token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                                        f"rank's {rows.token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
-            mb.batch_has_route = bool(routes.valid.any())
-            mb.routes = routes
+            mb.batch_has_route = handed.any_route()
+            mb.routes = handed
+            mb.rank_rows = rows
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
         mb.fwd_left = set(layers)
@@ -246,7 +288,29 @@ class ReplayStep:
         self._last[c] = mb
         self._live[(c, mb.index)] = mb
 
-    def _check_source(self, routes: ReplayBatch) -> None:
+    def _rank_rows(self, index: int, lens: list[int], pack: dict, handed: Optional[HandedRoutes]
+                   ) -> tuple[RankRows, Optional[HandedRoutes]]:
+        """The pack plan and this rank's row map of micro-batch ``index`` (covered by its routes),
+        built by its first chunk's install and shared by every chunk's (VPP: the routes are read
+        from the first chunk's handed routes, never decoded again) and by late recomputes."""
+        key = (tuple(lens), pack.get("format"), _as_key(pack.get("cu_seqlens_padded")), pack.get("seq_length"),
+               handed is not None)
+        rep = self.replayer
+        hit = self._reads.get(index)
+        if hit is None or hit[0] != key:
+            rows = RankRows.build(rep.layout, lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank, **pack)
+            rep.read_stats.row_maps += 1
+            if handed is not None:
+                rows = rows.cover(handed)
+                rep.read_stats.saw(handed)
+            hit = [key, rows, handed, len(rep.chunks)]
+            self._reads[index] = hit
+        hit[3] -= 1
+        if hit[3] <= 0:                 # every chunk installed it: the step keeps no copy
+            self._reads.pop(index, None)
+        return hit[1], hit[2]
+
+    def _check_source(self, routes: ReplayBatch | HandedRoutes) -> None:
         want = self.expect_source
         if want == "recorded" and routes.source != "recorded":
             raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
@@ -353,12 +417,13 @@ class ReplayStep:
 
     def _late_target(self, mb: InstalledMicroBatch, layer: int) -> ShardedTargets:
         """The target of ``layer`` for a recompute whose first pass ran with grad enabled (a
-        non-reentrant checkpoint): that first pass freed it, so shard it again, this layer only."""
+        non-reentrant checkpoint): that first pass freed it, so read it again, this layer only,
+        by the micro-batch's row map."""
         rep = self.replayer
-        if mb.routes is None:
+        if mb.routes is None or mb.rank_rows is None:
             raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: recompute without routes")
-        return shard(mb.routes, rep.layout, mb.seq_lens, tp_rank=rep.tp_rank, cp_rank=rep.cp_rank,
-                     pp_rank=rep.pp_rank, vp_stage=mb.chunk, layer_ids=[layer], device=self.device, **mb.pack)
+        rep.read_stats.reads += 1
+        return read_targets(mb.routes, mb.rank_rows, [layer], device=self.device, degenerate=rep.degenerate_routes)
 
     def _replay(self, mb: InstalledMicroBatch, t: Optional[ShardedTargets], layer: int, scores, topk, num_groups,
                 group_topk, native_fn, *, count: bool):
@@ -398,19 +463,22 @@ class ReplayStep:
         return scores.gather(1, idx), idx
 
     def _sum_counts(self, groups: Sequence[Any]) -> None:
-        """Sum the agreement counts and the replay policy's counts over the metrics groups in one
-        all_reduce per group (the step's only collectives): the int64 counts travel as float64,
-        exact below 2**53, next to the policy's float64 sums."""
+        """Sum the agreement counts, the replay policy's counts and the per-sample read counts over
+        the metrics groups in one all_reduce per group (the step's only collectives): the int64
+        counts travel as float64, exact below 2**53, next to the policy's float64 sums."""
         import torch.distributed as dist
 
         if not groups or not (dist.is_available() and dist.is_initialized()):
             return
-        counts = self._counter.counts
-        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts])
+        counts, per_sample = self._counter.counts, self._per_sample
+        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts,
+                          per_sample.flatten().to(device=counts.device, dtype=torch.float64)])
         for group in groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        counts.copy_(flat[:counts.numel()].round().view_as(counts).to(counts.dtype))
-        self.policy.counts.copy_(flat[counts.numel():])
+        n, m = counts.numel(), self.policy.counts.numel()
+        counts.copy_(flat[:n].round().view_as(counts).to(counts.dtype))
+        self.policy.counts.copy_(flat[n:n + m])
+        per_sample.copy_(flat[n + m:].round().view_as(per_sample).to(per_sample.dtype))
 
     def router_log_ratio(self, chunk: int, index: int) -> Optional[torch.Tensor]:
         """The router log-ratio of micro-batch ``index`` of ``chunk`` on this rank: float32
@@ -446,11 +514,57 @@ class ReplayStep:
     def _finish_metrics(self) -> dict[str, float]:
         if self.action is not Action.REPLAY:
             return {}
+        self._per_sample = self._sample_counts()
         self._sum_counts(self.replayer.metrics_groups)
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
         out.update(self.policy.metrics(threshold=self.replayer.replay_policy == "threshold"))
+        out.update(self._sample_metrics())
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
+        self._check_floor(out)
         return out
+
+    def _sample_counts(self) -> torch.Tensor:
+        """int64 ``[samples, 2]`` (rows replayed, degenerate rows) per sample of the pass, in
+        sample-id order, as this rank read them; padding sequences (negative ids) are no sample.
+        Summed over the ranks by :meth:`_sum_counts`."""
+        per: dict[int, list[int]] = {}
+        for ids, counts in self._sample_rows:
+            for sid, rep_rows, deg in zip(ids, counts.replayed.tolist(), counts.degenerate.tolist()):
+                if sid >= 0:
+                    acc = per.setdefault(int(sid), [0, 0])
+                    acc[0] += rep_rows
+                    acc[1] += deg
+        return torch.tensor([per[s] for s in sorted(per)], dtype=torch.int64, device=self.device).reshape(-1, 2)
+
+    def _sample_metrics(self) -> dict[str, float]:
+        """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
+        ``samples/native`` (no route at all: routed natively), ``samples/refused`` (some route
+        degenerate, routed natively under ``degenerate_routes: native``), and ``degenerate_rows``
+        ((row, layer) pairs routed natively for it), from every rank's counts summed."""
+        replayed, degenerate = (x.cpu().numpy() for x in self._per_sample.unbind(1))
+        refused = degenerate > 0
+        prefix = self.replayer.metrics_prefix
+        return {f"{prefix}samples/replayed": float((~refused & (replayed > 0)).sum()),
+                f"{prefix}samples/native": float((~refused & (replayed == 0)).sum()),
+                f"{prefix}samples/refused": float(refused.sum()),
+                f"{prefix}degenerate_rows": float(degenerate.sum())}
+
+    def _check_floor(self, metrics: dict[str, float]) -> None:
+        """R3: a pass whose routes cover less than ``coverage_floor`` of its real tokens (every
+        rank, every MoE layer) fails here, after its schedule and before its result is used: an
+        engine that returned no usable routes (vLLM #54730's all-zero rows read as "no route")
+        never trains silently on native routing."""
+        floor = self.replayer.coverage_floor
+        prefix = self.replayer.metrics_prefix
+        cov = metrics.get(f"{prefix}coverage", float("nan"))
+        if floor <= 0 or self.expect_source != "rollout" or not cov == cov or cov >= floor:
+            return
+        raise CoverageError(
+            f"R3 pass: the rollout routes cover {cov:.3f} of its routed (token, MoE layer) pairs, below "
+            f"r3bridge.coverage_floor={floor} ({int(metrics[f'{prefix}samples/replayed'])} samples replayed, "
+            f"{int(metrics[f'{prefix}samples/native'])} with no route, {int(metrics[f'{prefix}samples/refused'])} "
+            f"refused): did the engine return routes (vLLM enable_return_routed_experts, SGLang "
+            f"--enable-return-routed-experts), and are they the model's?")

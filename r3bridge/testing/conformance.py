@@ -69,7 +69,8 @@ __all__ = ["CanonicalRollout", "ModelShape", "make_rollout", "MegatronRunner",
            "assert_same_batch", "check_ingest", "random_recorded", "check_recorded_survives_split",
            "default_layouts", "check_same_targets", "fit_layouts", "LayoutNote",
            "megatron_r3_check", "megatron_r2_check", "MegatronCase", "LayoutResult", "megatron_rank",
-           "run_megatron_checks", "assert_r3_passes", "assert_r2_passes", "assert_megatron_checks", "layout_name",
+           "run_megatron_checks", "assert_r3_passes", "assert_read_once_per_micro_batch", "assert_r2_passes",
+           "assert_megatron_checks", "layout_name",
            "ONE_RANK", "TWO_RANK", "CPU_LAYOUTS", "GPU_LAYOUTS", "GROUPS", "REGROUPED", "BATCH_SIZE",
            "MIN_COVERAGE", "MAX_LOGPROB_DIFF"]
 
@@ -421,7 +422,20 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
     # have no route, so an adapter cannot replay them (None: this rank holds no MoE layer)
     expected_coverage = checked / token_rows if token_rows else None
     return {"errors": errors, "checked_rows": checked, "metrics": res["metrics"],
-            "expected_coverage": expected_coverage}
+            "expected_coverage": expected_coverage, "reads": _read_stats(chunks),
+            "micro_batches": len(res["packing"])}
+
+
+def _read_stats(chunks: list) -> Optional[dict]:
+    """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.reader.ReadStats`),
+    found through the hook megatron-core calls on their routers (``None``: no replaying driver)."""
+    from r3bridge.testing.probe import find_routers
+
+    for ref in find_routers(chunks):
+        rep = getattr(getattr(ref.module, "router_replay", None), "replayer", None)
+        if rep is not None and hasattr(rep, "read_stats"):
+            return rep.read_stats.as_dict()
+    return None
 
 
 # ---------------------------------------------------------------------------------- check 5
@@ -543,6 +557,24 @@ def assert_r3_passes(result: LayoutResult, *, min_coverage: float = MIN_COVERAGE
     if checked == 0:
         raise AssertionError(f"check 4 on {result.name}: no router row was checked")
     return checked
+
+
+def assert_read_once_per_micro_batch(result: LayoutResult, *, form: Optional[str] = None) -> None:
+    """Check 4's route path: on every rank the R3 pass's routes reached the routers through the
+    one reader (:mod:`r3bridge.reader`), each micro-batch's routes read from one handed object and
+    its row map built once, whatever its chunks (VPP); ``form`` (e.g. ``"packed/zero"``): what the
+    adapter hands over, its buffer's storage form and "no route" kind (``ReadStats.forms`` keys
+    start with it)."""
+    for rank, r in enumerate(result.ranks):
+        reads, n = r["r3"].get("reads"), r["r3"].get("micro_batches")
+        where = f"check 4 on {result.name}, rank {rank}"
+        if reads is None:
+            raise AssertionError(f"{where}: no replaying r3bridge driver on the routers")
+        if reads["routes"] != n or reads["row_maps"] != n or reads["reads"] < n:
+            raise AssertionError(f"{where}: {n} micro-batches, but the driver read {reads['routes']} handed routes, "
+                                 f"built {reads['row_maps']} row maps and made {reads['reads']} reads: {reads}")
+        if form is not None and any(not k.startswith(form) for k in reads["forms"]):
+            raise AssertionError(f"{where}: routes handed as {sorted(reads['forms'])}, expected {form}/...")
 
 
 def assert_r2_passes(result: LayoutResult, *, batch_size: int = BATCH_SIZE,

@@ -141,6 +141,13 @@ class AdapterFixtures:
     def min_coverage(cls) -> float:
         return kit.MIN_COVERAGE
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reader_form(cls) -> Optional[str]:
+        """What the adapter hands the driver per micro-batch, as ``"<form>/<no route>"`` of
+        :class:`r3bridge.reader.HandedRoutes` (e.g. ``"packed/zero"``; None: any)."""
+        return None
+
 
 class BaseIngestTests:
     """Checks 1-3 (no Megatron): combine with an :class:`AdapterFixtures` subclass."""
@@ -177,6 +184,10 @@ class BaseMegatronTests:
     def test_check4_r3_dispatches_canonical_routes(self, megatron_results: list, min_coverage: float) -> None:
         for result in megatron_results:
             kit.assert_r3_passes(result, min_coverage=min_coverage)
+
+    def test_check4_routes_read_once_per_micro_batch(self, megatron_results: list, reader_form: Any) -> None:
+        for result in megatron_results:
+            kit.assert_read_once_per_micro_batch(result, form=reader_form)
 
     def test_check5_r2_replay_reproduces_recording(self, megatron_results: list) -> None:
         for result in megatron_results:

@@ -27,6 +27,11 @@ from _areal_fixture import ArealFixtures  # noqa: E402
 
 @pytest.mark.slow
 class TestArealMegatron(BaseMegatronTests, ArealFixtures):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reader_form(cls):
+        return "sequence_last/sentinel/rollout"      # the one reader reads this adapter's own buffer, per micro-batch
+
     def test_metrics_reach_areal_stats_tracker(self, megatron_results):
         for result in megatron_results:
             for r in result.ranks:

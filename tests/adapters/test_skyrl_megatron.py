@@ -22,6 +22,13 @@ from r3bridge.testing.suite import BaseMegatronTests
 class SkyRLMetricsTests:
     """What SkyRL's runs add to checks 4-5, on the same results."""
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reader_form(cls):
+        # the one reader reads SkyRL's own micro-batch field: 0.3's padded one, 0.4's PackedTensor
+        from r3bridge.adapters.skyrl import SKYRL_RELEASE
+        return "packed/mask" if SKYRL_RELEASE == "0.4" else "padded/"
+
     def test_metrics_reach_skyrl(self, megatron_results):
         for result in megatron_results:
             for r in result.ranks:

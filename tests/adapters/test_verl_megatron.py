@@ -29,6 +29,11 @@ def r3_update_after_checks(ctx, runners) -> dict:
 class TestVerlMegatron(BaseMegatronTests, VerlFixtures):
     @pytest.fixture(scope="class")
     @classmethod
+    def reader_form(cls):
+        return "packed/zero/rollout"      # the one reader reads this adapter's own buffer, per micro-batch
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def megatron_extras(cls):
         return r3_update_after_checks
 

@@ -1,4 +1,4 @@
-"""The rank-direct ingest (`r3bridge.rank_ingest.rank_targets`) equals
+"""The rank-direct ingest (`r3bridge.rank_targets`) equals
 ``shard(ReplayBatch.from_vllm(...))`` on random shapes and layouts (CP, SP, PP, VPP, dense-first
 layers, BSHD, partial coverage), and raises the same ReplayErrors for what the rank reads; the
 one-pass whole-batch ingest still names sequence / row / layer of bad ids; a batch too large for
@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ParallelLayout, ReplayBatch, shard
+from r3bridge import ParallelLayout, ReplayBatch, rank_targets, shard
 from r3bridge.engine_pack import allocate
 from r3bridge.errors import CoverageError, LayerMappingError, ReplayError, ReplayMemoryError, RouteValueError
-from r3bridge.rank_ingest import rank_targets
 from r3bridge.route_scan import duplicate_rows, row_faults, sorting_network
 
 

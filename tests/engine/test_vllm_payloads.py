@@ -156,3 +156,32 @@ def test_routes_script_ingests_each_case_as_the_gpu_run_does():
     assert routes.summarize({"a": {"result": "exact"}, "b": {"result": "refused", "refusal": "CoverageError: ..."}})
     assert not routes.summarize({"a": {"result": "exact"}, "b": {"result": "mismatch"}})
     assert not routes.summarize({"a": {"result": "exact", "format_problems": ["dtype uint8"]}})
+
+
+@pytest.mark.parametrize("case", ["smoke", "routes_e320_dense_first"])
+def test_54730_rows_in_a_payload_are_degenerate_never_no_route(case):
+    """Issue 36 item 5 / issue 38 item 1 on vLLM's own payload format: the payload reads clean;
+    one sample's MoE ids zeroed inside the rows vLLM returned (vLLM #54730's signature) are counted
+    as degenerate by :func:`r3bridge.reader.engine_row_report` and refused by the reader, naming the
+    sample, row, token and layer."""
+    from r3bridge import rank_targets
+    from r3bridge.errors import DegenerateRouteError
+    from r3bridge.reader import engine_row_report
+
+    pay = load(case)
+    m = pay.meta
+    moe = list(m["moe_layer_ids"])
+    arrays = [r.copy() for r in pay.routes if r is not None]
+    clean = engine_row_report(arrays, num_experts=m["num_experts"], moe_layer_ids=moe)
+    assert clean.total_degenerate == 0 and clean.rows == [len(a) for a in arrays]
+    arrays[1][3:6, moe] = 0
+    report = engine_row_report(arrays, num_experts=m["num_experts"], moe_layer_ids=moe)
+    assert report.degenerate_rows[1] == 3 and report.total_degenerate == 3 and report.first == (1, 3, moe[0])
+    with pytest.raises(DegenerateRouteError, match=rf"sequence 1, row 3 \(token 3\), layer {moe[0]}: duplicate"):
+        engine_row_report(arrays, num_experts=m["num_experts"], moe_layer_ids=moe, refuse=True)
+    lens = [len(a) + 1 for a in arrays]
+    layout = ParallelLayout(m["num_hidden_layers"], [1 if i in moe else 0 for i in range(m["num_hidden_layers"])])
+    with pytest.raises(DegenerateRouteError, match=r"sequence 1, row 3 \(token 3\)"):
+        rank_targets(arrays, layout, lens, num_experts=m["num_experts"], moe_layer_ids=moe)
+    t = rank_targets(arrays, layout, lens, num_experts=m["num_experts"], moe_layer_ids=moe, degenerate="native")
+    assert int((~t.valid).sum()) == 3 + len(arrays)       # the 3 degenerate rows + each sample's last token

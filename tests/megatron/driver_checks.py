@@ -184,6 +184,38 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     out["min_coverage_low"] = _outcome(lambda: coverage_install(0.3))
     out["min_coverage_high"] = _outcome(lambda: coverage_install(0.9))
 
+    # --- degenerate routes and the coverage floor (issue 38 item 1) through the one reader: a
+    # zero-row transport (verl's) whose sample 1 has an all-zero row inside its captured rows,
+    # and one where the engine returned nothing usable at all (vLLM #54730)
+    import torch
+
+    from r3bridge.reader import HandedRoutes
+    clean = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
+
+    def zero_transport(values):
+        return HandedRoutes.from_packed(values, clean.rows_per_seq, num_experts=clean.num_experts,
+                                        layer_ids=clean.layer_ids, no_route="zero",
+                                        names=[f"sample {i}" for i in range(clean.num_seqs)])
+    broken = clean.routes.to(torch.int16).clone()
+    broken[int(clean.offsets[1]) + 3] = 0
+
+    def degenerate_pass(choice: str, values) -> dict:
+        rep_d = Replayer.from_config(chunks, ReplayConfig(degenerate_routes=choice))
+        try:
+            with rep_d.step("replay", forward_only=True, source="rollout") as st:
+                def step_fn(it, model):
+                    batch = next(it)
+                    st.install(model, zero_transport(values), batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded,
+                               sample_ids=ids[id(batch)])
+                    return fs(iter([batch]), model)
+                run_schedule(chunks, [b0], step_fn, forward_only=True)
+            return {**st.metrics, "read_stats": rep_d.read_stats.as_dict()}
+        finally:
+            rep_d.detach()
+    out["degenerate_refused"] = _outcome(lambda: degenerate_pass("refuse", broken))
+    out["degenerate_native"] = _outcome(lambda: degenerate_pass("native", broken))
+    out["coverage_floor"] = _outcome(lambda: degenerate_pass("refuse", torch.zeros_like(broken)))
+
     # --- install() on a step that was never entered: an error, not a silently native forward
     late_rep = Replayer(chunks)
     out["install_not_entered"] = _outcome(

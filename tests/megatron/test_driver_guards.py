@@ -171,3 +171,20 @@ def test_replayed_experts_outside_the_native_topk_keep_score_and_gradient(checks
         assert p > 0.0, f"layer {layer}: a replayed expert's routing prob is {p}"
     for layer, rows in r["grad_rows"].items():
         assert rows and all(g > 0 for g in rows.values()), f"layer {layer}: router grad rows {rows}"
+
+
+def test_degenerate_routes_are_refused_or_counted_never_read_as_no_route(checks):
+    """vLLM #54730 in a zero-row transport: an all-zero row inside a sample's captured rows."""
+    _raised(checks["degenerate_refused"], "DegenerateRouteError", "sample 1, row 3 (token 3)", "duplicate expert ids")
+    assert checks["degenerate_native"]["ok"], checks["degenerate_native"].get("trace")
+    m = checks["degenerate_native"]["value"]
+    assert (m["r3bridge/samples/replayed"], m["r3bridge/samples/refused"], m["r3bridge/samples/native"]) == (2, 1, 0)
+    assert m["r3bridge/degenerate_rows"] > 0 and m["r3bridge/native_rows"] >= m["r3bridge/degenerate_rows"]
+    # the micro-batch was read through the one reader: one handed object, one row map
+    assert m["read_stats"]["routes"] == m["read_stats"]["row_maps"] == 1
+    assert m["read_stats"]["forms"] == {"packed/zero/rollout": 1}
+
+
+def test_r3_coverage_floor_fails_a_pass_without_usable_routes(checks):
+    """Every row zero: each sample reads as having no route at all; the default floor fails the pass."""
+    _raised(checks["coverage_floor"], "CoverageError", "coverage_floor=0.1", "0 samples replayed, 3 with no route")
