@@ -167,7 +167,7 @@ def main() -> None:
     routes = []
     rec_rep = Replayer([model], agreement=False)
     for inp in sets:
-        with torch.no_grad(), rec_rep.step("record", forward_only=True) as rs:
+        with torch.no_grad(), rec_rep.open_pass("record", forward_only=True) as rs:
             inp.install(rs, model, None)
             inp.forward(model, labels=False)
         recorded = rs.recorded
@@ -187,7 +187,7 @@ def main() -> None:
     def replay(k, agreement):
         rep = state["rep"]
         rep.agreement = agreement
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             sets[k].install(st, model, routes[k])
             fwd_bwd(sets[k])
 

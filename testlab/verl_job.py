@@ -471,8 +471,8 @@ def _engine_state(engine: Any) -> list[str]:
     if getattr(engine, "_r3_step", None) is not None:
         left.append("engine._r3_step")
     rep = getattr(engine, "r3_replayer", None)
-    if rep is not None and rep.active_step is not None:
-        left.append("replayer.active_step")
+    if rep is not None and rep.active_pass is not None:
+        left.append("replayer.active_pass")
     return left
 
 
@@ -699,7 +699,7 @@ def _role_scenarios(actor: Any, ref: Any, ref_w: Any, chunks: list, ref_chunks: 
 
     def install_on_reference():
         # the actor's replay step handed a reference chunk (routes reaching another role)
-        with actor.r3_replayer.step("replay", forward_only=True, source="rollout") as st:
+        with actor.r3_replayer.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             st.install(ref.module[0], None, [len(t) for t in roll.tokens])
 
     out = {"actor": sorted({str(getattr(role_of(r), "value", None)) for c in chunks for _, r in model_routers(c)}),

@@ -278,7 +278,7 @@ def _reference(ctx) -> dict:
         with eng.disable_adapter():
             out, probe = _run(eng, data, forward_only=True)
         res[mode] = dict(native=same_as_native(probe), results=len(eng.r3_runner.results),
-                         active=eng.r3_replayer.active_step is not None, keys=sorted(out["model_output"]),
+                         active=eng.r3_replayer.active_pass is not None, keys=sorted(out["model_output"]),
                          metrics=sorted(out["metrics"]), sample_key=SAMPLE_KEY in data.keys(),
                          unmanaged=eng.r3_replayer.unmanaged_calls, calls=len(probe.calls))
         # outside disable_adapter the same engine replays again (R3) or records (R2)
@@ -304,7 +304,7 @@ def _config_errors(ctx) -> dict:
             err = None
         except ConfigError as e:
             err = str(e)
-        res[name] = dict(error=err, fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
+        res[name] = dict(error=err, fed=len(eng.fed), active=eng.r3_replayer.active_pass is not None,
                          step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
     return res
 
@@ -335,7 +335,7 @@ def _schedule_failure(ctx) -> dict:
             err = str(e)
         eng.inner = inner
         hooks = _hook_count(eng) - hooks_before
-        r = dict(error=err, steps_run=len(calls), hooks=hooks, active=eng.r3_replayer.active_step is not None,
+        r = dict(error=err, steps_run=len(calls), hooks=hooks, active=eng.r3_replayer.active_pass is not None,
                  step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys(), results=len(eng.r3_runner.results))
         out, probe = _run(eng, td, forward_only=True)
         r["after"] = eng.r3_runner.results[-1].action.value
@@ -429,7 +429,7 @@ def _provenance(ctx) -> dict:
                 r[phase] = dict(error=None, metrics=dict(eng.r3_runner.results[-1].metrics),
                                 logged=sorted((out or {}).get("metrics", {})))
             except ProvenanceError as e:
-                r[phase] = dict(error=str(e), fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
+                r[phase] = dict(error=str(e), fed=len(eng.fed), active=eng.r3_replayer.active_pass is not None,
                                 step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
         res[name] = r
     return res
