@@ -23,9 +23,9 @@ from r3bridge.errors import ConfigError
 __all__ = ["JobCheck", "setting", "with_replay_section"]
 
 
-def setting(cfg: Any, path: str, default: Any = None) -> Any:
-    """``a.b.c`` of a DictConfig / dict / dataclass (OmegaConf containers as plain Python);
-    ``default`` when any part is missing."""
+def setting(cfg: Any, path: str, default: Any = None, *, plain: bool = False) -> Any:
+    """``a.b.c`` of a DictConfig / dict / dataclass; ``default`` when any part is missing.
+    ``plain``: an OmegaConf node as plain Python (resolved), else the node itself (writable)."""
     cur = cfg
     for part in path.split("."):
         if cur is None:
@@ -39,6 +39,8 @@ def setting(cfg: Any, path: str, default: Any = None) -> Any:
             cur = getattr(cur, part, None)
     if cur is None:
         return default
+    if not plain:
+        return cur
     try:
         from omegaconf import OmegaConf
         if OmegaConf.is_config(cur):

@@ -16,13 +16,13 @@ sample, token, layer and both top-k values.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
+from r3bridge.job_check import with_replay_section
 
 __all__ = ["replay_config", "replay_config_with_source", "grpo_config_class", "parse_cli", "section_of",
            "check_routes_topk", "ModelInfo"]
@@ -44,11 +44,7 @@ def grpo_config_class(base: Optional[type] = None) -> type:
     if base is None:
         from r3bridge.adapters.areal._compat import import_areal
         base = import_areal("areal.api.cli_args").GRPOConfig
-    return dataclasses.dataclass(type(f"R3Bridge{base.__name__}", (base,), {
-        "__annotations__": {"r3bridge": Optional[ReplayConfig]},
-        "r3bridge": None,
-        "__module__": __name__,
-    }))
+    return with_replay_section(base, module=__name__)
 
 
 def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> Any:

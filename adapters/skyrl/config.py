@@ -14,12 +14,12 @@ Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are r
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError, RoleError
+from r3bridge.errors import RoleError
+from r3bridge.job_check import JobCheck, with_replay_section
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "SECTION"]
@@ -36,19 +36,13 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
     """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (SkyRL's
-    ``make_config(trainer_cls=...)``)."""
+    ``make_config(trainer_cls=...)``; ``None``: not on the command line, the environment applies)."""
     from r3bridge.adapters.skyrl._compat import import_skyrl
 
     sk = import_skyrl("skyrl.train.config.config")
     # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
     import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")
-    trainer_cls = dataclasses.dataclass(type("R3BridgeTrainerConfig", (sk.TrainerConfig,), {
-        # None: not on the command line (the environment fallback applies)
-        "__annotations__": {"r3bridge": Optional[ReplayConfig]},
-        "r3bridge": None,
-        "__module__": __name__,
-    }))
-    return sk.make_config(trainer_cls=trainer_cls)
+    return sk.make_config(trainer_cls=with_replay_section(sk.TrainerConfig, "R3BridgeTrainerConfig", __name__))
 
 
 def parse_cli(argv: Sequence[str]) -> Any:
@@ -79,29 +73,20 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
-    if rc.layer_axis == "moe_only":
-        raise ConfigError(f"{SECTION}.layer_axis=moe_only: SkyRL's Megatron path rolls out with vLLM only "
-                          f"(its validate_cfg), which reports every hidden layer: leave it null or all_hidden")
     ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
-    if rc.replay_mode is not ReplayMode.OFF and getattr(ref_mc, "moe_enable_routing_replay", False):
-        # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
-        raise RoleError("trainer.ref.megatron_config.moe_enable_routing_replay=true: SkyRL's reference worker would "
-                        "replay the actor's rollout routes through megatron's global RouterReplay; only the actor "
-                        f"replays ({SECTION}.replay_mode={rc.replay_mode.value}): leave the reference's flag false")
-    returns = bool(getattr(ie, "enable_return_routed_experts", False))
+    # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
+    JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").reference_replay(
+        "trainer.ref.megatron_config.moe_enable_routing_replay", getattr(ref_mc, "moe_enable_routing_replay", False),
+        off=False).raise_if_any(RoleError)
+    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").all_hidden_layers("vLLM")
+    check.rollout_routes("generator.inference_engine.enable_return_routed_experts",
+                         bool(getattr(ie, "enable_return_routed_experts", False)), engine="vLLM")
+    if rc.replay_mode is ReplayMode.R2:
+        check.framework_replay("trainer.policy.megatron_config.moe_enable_routing_replay",
+                               bool(mc.moe_enable_routing_replay), off=False)
+    check.raise_if_any()
     if rc.replay_mode is ReplayMode.R3:
-        if not returns:
-            raise ConfigError(f"{SECTION}.replay_mode=R3 replays vLLM's routes: set "
-                              "generator.inference_engine.enable_return_routed_experts=true")
         mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
-    elif rc.replay_mode is ReplayMode.R2:
-        if returns:
-            raise ConfigError(f"{SECTION}.replay_mode=R2 records the trainer's own routes, but "
-                              "generator.inference_engine.enable_return_routed_experts=true asks vLLM for rollout "
-                              "routes: set it to false (or use replay_mode=R3)")
-        if mc.moe_enable_routing_replay:
-            raise ConfigError(f"{SECTION}.replay_mode=R2 and trainer.policy.megatron_config.moe_enable_routing_replay"
-                              "=true ask for two replays at once: leave SkyRL's flag false")
     return rc
 
 

@@ -38,14 +38,10 @@ from r3bridge.adapters.verl.config import (
     validate_verl_config,
 )
 from r3bridge.adapters.verl.rollout import VerlRollout
+from r3bridge.announce import ensure_visible
 
 logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
-if not logging.getLogger().handlers and not logger.handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    logger.addHandler(_h)
-    logger.propagate = False
+ensure_visible()        # the INFO lines below reach a handler (verl's root logger sits at WARNING)
 
 ENGINE_KEY = ("language_model", "megatron", "cuda", "nvidia")
 LOADED = False          # True once the engine is registered and the registry resolves to it

@@ -26,8 +26,8 @@ import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
-from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, checked_provenance
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
@@ -37,10 +37,8 @@ ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# per-sample RouteProvenance (or None), written by the agent loop into extra_fields, which verl
-# carries as non-tensor batch fields (adapters/verl/agent_loop.py)
-ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
-LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per-sample RouteProvenance
+# (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
 
 
 def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -74,24 +72,12 @@ def sample_names(td: Any) -> list[str]:
     return names
 
 
-def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | None:
-    value = td.get(key, None) if hasattr(td, "get") else None
-    if value is None:
-        return None
-    items = value.tolist() if hasattr(value, "tolist") else list(value)
-    try:
-        return list(checked_provenance(items, n))  # type: ignore[arg-type]
-    except ProvenanceError as e:
-        raise ProvenanceError(f"verl batch field {key!r}: {e}") from None
-
-
 def provenance_pairing(td: Any) -> ProvenancePairing:
     """The batch's route and log-prob provenance (:data:`ROUTE_PROVENANCE_KEY`,
-    :data:`LOGPROB_PROVENANCE_KEY`; a missing field is unknown: its samples are counted unchecked)
-    and verl's names of its samples."""
-    n = len(td)
-    return ProvenancePairing(_per_sample(td, ROUTE_PROVENANCE_KEY, n), _per_sample(td, LOGPROB_PROVENANCE_KEY, n),
-                             sample_names(td))
+    :data:`LOGPROB_PROVENANCE_KEY`, per-sample ``RouteProvenance`` in verl's non-tensor fields; a
+    missing field is unknown: its samples are counted unchecked) and verl's names of its samples."""
+    return pairing_from_fields(lambda key: td.get(key, None), samples=len(td), names=sample_names(td),
+                               engine="verl", framework="verl")
 
 
 def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError
+from r3bridge.hf import moe_layer_ids_from_hf_config
+from r3bridge.job_check import JobCheck, setting
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
            "check_engine_config", "prepare_verl_config"]
@@ -25,91 +26,38 @@ _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = "actor_rollout_ref.actor.megatron"
 
 
-def _select(cfg: Any, path: str, default: Any = None) -> Any:
-    """``a.b.c`` lookup in a DictConfig / dict / dataclass; ``default`` when any part is missing."""
-    cur = cfg
-    for part in path.split("."):
-        if cur is None:
-            return default
-        if isinstance(cur, Mapping) or hasattr(cur, "keys"):
-            try:
-                cur = cur.get(part, None)
-            except Exception:  # noqa: BLE001  (omegaconf struct / interpolation errors)
-                return default
-        else:
-            cur = getattr(cur, part, None)
-    return default if cur is None else cur
-
-
-def _plain(x: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-        if OmegaConf.is_config(x):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return x
-
-
 def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
     """The job config's ``r3bridge`` section as a :class:`ReplayConfig` (defaults when absent)."""
-    return ReplayConfig.from_mapping(_plain(_select(verl_cfg, "r3bridge", None)))
+    return ReplayConfig.from_mapping(setting(verl_cfg, "r3bridge", plain=True))
 
 
 def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
     return ReplayConfig.from_env(environ)
 
 
-def _problems(mode: ReplayMode, f: Mapping[str, Any]) -> list[str]:
+def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
     """Everything that makes exact replay impossible, given the facts ``f`` (None: unknown)."""
-    p: list[str] = []
-    m = mode.value
-
-    def known(k: str) -> bool:
-        return f.get(k) is not None
-
-    if known("strategy") and f["strategy"] != "megatron":
-        p.append(f"{_ACTOR}.strategy={f['strategy']!r}: the r3bridge verl adapter drives Megatron only "
-                 f"(set it to 'megatron')")
-    if known("verl_router_replay") and f["verl_router_replay"] != "disabled":
-        p.append(f"r3bridge.replay_mode={m} and {_MEGATRON}.router_replay.mode={f['verl_router_replay']!r} ask for "
-                 f"two replays at once: r3bridge.replay_mode is the one switch; leave verl's router_replay.mode "
-                 f"'disabled' (its default)")
-    if known("ref_router_replay") and f["ref_router_replay"] != "disabled":
-        p.append(f"actor_rollout_ref.ref.megatron.router_replay.mode={f['ref_router_replay']!r}: must be "
-                 f"'disabled' (the reference model never replays)")
-    if mode is ReplayMode.R3 and known("rollout_routes") and not f["rollout_routes"]:
-        p.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=False: R3 replays the rollout "
-                 "engine's routes; set it to True so vLLM / SGLang return them")
-    if mode is ReplayMode.R2 and known("rollout_routes") and f["rollout_routes"]:
-        p.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=True: R2 records the trainer's "
-                 "own routes; rollout routes would collide with them (use replay_mode=R3 to replay them)")
-    if mode is ReplayMode.R2 and known("bypass_mode") and f["bypass_mode"]:
-        p.append("algorithm.rollout_correction.bypass_mode=True: R2 records routes in the old-log-prob "
-                 "forward (compute_log_prob), which bypass mode skips; set bypass_mode=False")
-    if known("use_remove_padding") and not f["use_remove_padding"]:
-        p.append("actor_rollout_ref.model.use_remove_padding=False: replay needs the packed (THD) "
-                 "layout; set use_remove_padding=True")
-    if known("pad_to_length") and f["pad_to_length"]:
-        p.append(f"{_MEGATRON}.pad_to_length=True: bucket padding of the packed micro-batch is not "
-                 f"supported with routing replay; set it to False")
-    if known("router_fusion") and f["router_fusion"]:
-        p.append(f"{_MEGATRON}.override_transformer_config.moe_router_fusion=True: the fused router "
-                 f"bypasses the replay hook; set it to False")
-    if known("dynamic_cp") and f["dynamic_cp"]:
-        p.append(f"{_MEGATRON}.dynamic_context_parallel=True: dynamic CP re-packs micro-batches "
-                 f"outside the engine; not supported with r3bridge replay")
-    if known("cp_layout") and f["cp_layout"] != "zigzag":
-        p.append(f"context-parallel layout {f['cp_layout']!r}: only verl's zigzag CP layout is supported")
-    if known("moe_layer_ids") and not f["moe_layer_ids"]:
-        p.append(f"the model is not MoE (no MoE layer in its HF config): replay_mode={m} needs an MoE model")
-    return p
-
-
-def _raise(mode: ReplayMode, problems: list[str], where: str) -> None:
-    if problems:
-        raise ConfigError(f"r3bridge replay_mode={mode.value} cannot run with this {where}:\n  - "
-                          + "\n  - ".join(problems))
+    check = JobCheck(cfg, "r3bridge", where)
+    check.refuse(f.get("strategy") not in (None, "megatron"), f"{_ACTOR}.strategy={f.get('strategy')!r}: the r3bridge "
+                 f"verl adapter drives Megatron only (set it to 'megatron')")
+    check.framework_replay(f"{_MEGATRON}.router_replay.mode", f.get("verl_router_replay"), off="disabled")
+    check.reference_replay("actor_rollout_ref.ref.megatron.router_replay.mode", f.get("ref_router_replay"),
+                           off="disabled")
+    check.rollout_routes("actor_rollout_ref.rollout.enable_rollout_routing_replay", f.get("rollout_routes"))
+    check.refuse(cfg.replay_mode is ReplayMode.R2 and f.get("bypass_mode"), "algorithm.rollout_correction."
+                 "bypass_mode=True: R2 records routes in the old-log-prob forward (compute_log_prob), which bypass "
+                 "mode skips; set bypass_mode=False")
+    check.refuse(f.get("use_remove_padding") is False, "actor_rollout_ref.model.use_remove_padding=False: replay "
+                 "needs the packed (THD) layout; set use_remove_padding=True")
+    check.refuse(f.get("pad_to_length"), f"{_MEGATRON}.pad_to_length=True: bucket padding of the packed "
+                 f"micro-batch is not supported with routing replay; set it to False")
+    check.refuse(f.get("router_fusion"), f"{_MEGATRON}.override_transformer_config.moe_router_fusion=True: the "
+                 f"fused router bypasses the replay hook; set it to False")
+    check.refuse(f.get("dynamic_cp"), f"{_MEGATRON}.dynamic_context_parallel=True: dynamic CP re-packs "
+                 f"micro-batches outside the engine; not supported with r3bridge replay")
+    check.refuse(f.get("cp_layout") not in (None, "zigzag"), f"context-parallel layout {f.get('cp_layout')!r}: "
+                 f"only verl's zigzag CP layout is supported")
+    check.moe_model(f.get("moe_layer_ids")).raise_if_any()
 
 
 def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
@@ -117,10 +65,8 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
     raises :class:`ConfigError` listing every problem. ``hf_config``: the model's HF config
     (dict or ``PretrainedConfig``) for the MoE check; skipped when None."""
     cfg = replay_config_from_verl(verl_cfg)
-    if cfg.replay_mode is ReplayMode.OFF:
-        return cfg
-    s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
-    facts = {
+    s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
+    _check(cfg, {
         "strategy": s(f"{_ACTOR}.strategy"),
         "verl_router_replay": s(f"{_MEGATRON}.router_replay.mode"),
         "ref_router_replay": s("actor_rollout_ref.ref.megatron.router_replay.mode"),
@@ -130,42 +76,34 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
         "pad_to_length": s(f"{_MEGATRON}.pad_to_length"),
         "router_fusion": s(f"{_MEGATRON}.override_transformer_config.moe_router_fusion"),
         "dynamic_cp": s(f"{_MEGATRON}.dynamic_context_parallel"),
-    }
-    if hf_config is not None:
-        from r3bridge.hf import moe_layer_ids_from_hf_config
-        facts["moe_layer_ids"] = moe_layer_ids_from_hf_config(hf_config)
-    _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "verl config")
+        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
+    }, "verl config")
     return cfg
 
 
 def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = None,
                         tf_config: Any = None, cp_layout: str | None = None) -> None:
     """What a worker's engine can check itself (its engine config, HF and Transformer configs)."""
-    if cfg.replay_mode is ReplayMode.OFF:
-        return
-    facts = {
-        "verl_router_replay": _select(engine_config, "router_replay.mode"),
-        "use_remove_padding": _select(engine_config, "use_remove_padding"),
-        "pad_to_length": _select(engine_config, "pad_to_length"),
-        "dynamic_cp": _select(engine_config, "dynamic_context_parallel"),
+    _check(cfg, {
+        "verl_router_replay": setting(engine_config, "router_replay.mode"),
+        "use_remove_padding": setting(engine_config, "use_remove_padding"),
+        "pad_to_length": setting(engine_config, "pad_to_length"),
+        "dynamic_cp": setting(engine_config, "dynamic_context_parallel"),
         "router_fusion": getattr(tf_config, "moe_router_fusion", None) if tf_config is not None else None,
         "cp_layout": cp_layout,
-    }
-    if hf_config is not None:
-        from r3bridge.hf import moe_layer_ids_from_hf_config
-        facts["moe_layer_ids"] = moe_layer_ids_from_hf_config(hf_config)
-    _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "Megatron engine config")
+        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
+    }, "Megatron engine config")
 
 
 def _load_hf_config(verl_cfg: Any) -> Any:
-    path = _select(verl_cfg, "actor_rollout_ref.model.path")
+    path = setting(verl_cfg, "actor_rollout_ref.model.path")
     if not path or not os.path.exists(os.path.expanduser(str(path))):
         return None          # remote path: the engine checks the model in the workers
     try:
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(
             os.path.expanduser(str(path)),
-            trust_remote_code=bool(_select(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
+            trust_remote_code=bool(setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
     except Exception:  # noqa: BLE001
         return None
 
@@ -181,11 +119,11 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     cfg = validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg))
     if announce_where is not None:
         from r3bridge.announce import announce
-        announce(cfg, "config" if _select(verl_cfg, "r3bridge", None) is not None else "default", announce_where)
+        announce(cfg, "config" if setting(verl_cfg, "r3bridge", None) is not None else "default", announce_where)
     payload = json.dumps(cfg.as_dict())
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
-        if _select(verl_cfg, "ray_kwargs") is None:
+        if setting(verl_cfg, "ray_kwargs") is None:
             verl_cfg["ray_kwargs"] = {}
         ray_init = verl_cfg.ray_kwargs.get("ray_init") or OmegaConf.create({})
         with open_dict(ray_init):
@@ -197,7 +135,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
                 rt["env_vars"] = env
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init
-        model = _select(verl_cfg, "actor_rollout_ref.model")
+        model = setting(verl_cfg, "actor_rollout_ref.model")
         if cfg.replay_mode is not ReplayMode.OFF and model is not None:
             # verl imports external_lib in every worker and, unlike its plugin loader, lets an
             # import error fail the worker; it takes a list, so a user's own module stays

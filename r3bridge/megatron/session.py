@@ -148,10 +148,15 @@ class AdapterSession:
         reference pass, a model that never replays: that one is re-checked first, so nothing
         gave it a replay object since it was declared)."""
         if self.role is not Role.ACTOR:
-            if self.chunks:
-                check_declared(self.chunks, self.role)
+            self.check_role()
             return None
         return self.runner.plan(Phase(phase))
+
+    def check_role(self) -> None:
+        """A model that never replays, before each of its passes: nothing (another role's build,
+        a framework's global replay set-up) gave it a replay object since it was declared."""
+        if self.role is not Role.ACTOR and self.chunks:
+            check_declared(self.chunks, self.role)
 
     def check_routes(self, plan: PhasePlan, present: bool, *, field: str, where: str = "the batch") -> None:
         """``ConfigError`` unless the batch carries routes exactly when the plan replays (an R2

@@ -130,7 +130,7 @@ def _areal(ctx, rollout) -> dict:
             actor,
             lambda runner=runner: runner.micro_batches(rollout, GROUPS, key="rollout"),
             forwards,
-            lambda eng=eng: dict(active=eng.r3_replay.active_pass is not None, left=eng.r3_provenance is not None),
+            lambda eng=eng: dict(active=eng.r3.replayer.active_pass is not None, left=eng.r3_provenance is not None),
         )
         hook.remove()
     return res
