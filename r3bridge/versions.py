@@ -28,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 from r3bridge.errors import ConfigError
 
 __all__ = ["supported_range", "installed_version", "check_release", "release_series", "check_internals",
-           "import_skipping_inits"]
+           "checked_subclass", "import_skipping_inits"]
 
 PACKAGE = "r3bridge"
 
@@ -96,6 +96,14 @@ def check_internals(distribution: str, requirements: Iterable[tuple[str, Any, st
         version = installed_version(distribution) or "(not installed)"
         raise ConfigError(f"{distribution} {version}: r3bridge's adapter relies on {', '.join(missing)}, which this "
                           f"install lacks; r3bridge supports {distribution}{supported_range(distribution)}")
+
+
+def checked_subclass(distribution: str, name: str, mixin: type, base: type, methods: Sequence[str],
+                     attrs: Optional[dict[str, Any]] = None) -> type:
+    """``class name(mixin, base)`` (with ``attrs``), after :func:`check_internals` found every one
+    of ``methods`` (those ``mixin`` overrides) on the framework's ``base``."""
+    check_internals(distribution, [(f"{base.__name__}.{m}", base, m) for m in methods])
+    return type(name, (mixin, base), dict(attrs or {}))
 
 
 def import_skipping_inits(name: str, packages: Sequence[str], *,

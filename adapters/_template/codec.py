@@ -25,6 +25,7 @@ import torch
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.dense import NO_ROUTE, padded_routes
 from r3bridge.errors import CoverageError
+from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
@@ -42,6 +43,11 @@ class TemplateCodec:
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
+
+    def model_info(self) -> ModelInfo:
+        """The model the routes are read for (your adapter: ``ModelInfo.from_hf_config(hf_config)``)."""
+        return ModelInfo(num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                         num_layers=self.num_hidden_layers)
 
     def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order."""

@@ -9,7 +9,8 @@ line leave it out), so AReaL's parser type-checks ``r3bridge.replay_mode: R3`` i
 (:func:`r3bridge.adapters.areal.trainer_class`) reads it from the config it is given.
 
 Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are the fallback
-(:func:`replay_config_with_source`), else replay is off, and the adapter says so at startup.
+(the engine's :class:`r3bridge.megatron.AdapterSession`), else replay is off, and the adapter says so at
+startup.
 
 Also here: :func:`check_routes_topk`, the top-k check at ingest (before any reshape), naming the
 sample, token, layer and both top-k values.
@@ -24,18 +25,13 @@ from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
 from r3bridge.job_check import with_replay_section
 
-__all__ = ["replay_config", "replay_config_with_source", "grpo_config_class", "parse_cli", "section_of",
+__all__ = ["replay_config", "grpo_config_class", "parse_cli", "section_of",
            "check_routes_topk", "ModelInfo"]
 
 
 def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
     """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
     return ReplayConfig.resolve(cfg)
-
-
-def replay_config_with_source(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> tuple[ReplayConfig, str]:
-    """:func:`replay_config` plus where it came from (``config``, ``environment (...)``, ``default``)."""
-    return ReplayConfig.resolve_with_source(cfg)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,33 +1,14 @@
-"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch).
+"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch); the driver owns the set-up
+(:class:`r3bridge.megatron.AdapterSession`).
 
-Rollout:
-
-* :class:`SGLangEngineMixin` - ``class E(SGLangEngineMixin, RemoteSGLangEngine)``. Wraps the
-  engine's ``SGLangBackend`` (composition) so every ``parse_generation_response`` of one
-  ``agenerate`` call is seen, and replaces AReaL's blind ``np.concatenate`` of resubmitted
-  attempts with first-seen rows (``ModelResponse.routed_experts`` keeps AReaL's own format).
-* :class:`WorkflowMixin` - ``class W(WorkflowMixin, RLVRWorkflow)`` (or ``MultiTurnWorkflow``):
-  records the episode's ``ModelResponse``s through a per-episode engine proxy and adds
-  ``r3bridge_routes`` (one ``[1, L_moe, K, S]`` tensor) to the trajectory dict, turns stitched
-  parent-concat first-seen.
-
-Trainer:
-
-* :class:`PPOActorMixin` - ``class A(PPOActorMixin, PPOActor)``: sets the phase around
-  ``compute_logp`` (compute_log_prob) and ``ppo_update`` (update), adds the batch-level sample id
-  that lets the engine slice routes per micro-batch, and under R2 writes the recorded routes back
-  into each trajectory dict (``r3bridge_recorded``), where ``compute_advantages`` /
-  ``ppo_update`` carry them with their samples.
-* :class:`RoleEngineMixin` - AReaL's reference / teacher engines (:func:`trainer_class` builds
-  them): the model is declared its role after ``initialize(role=...)``; a replay object on any of
-  its routers raises a ``RoleError`` naming both roles. Only the actor replays.
-* :class:`MegatronEngineMixin` - ``class M(MegatronEngineMixin, MegatronEngine)``: attaches the
-  driver after ``initialize``; ``_prepare_mb_list`` attaches to every padded micro-batch its own
-  :class:`r3bridge.megatron.MicroBatch` (explicit, in the micro-batch: no engine-level side
-  channel); ``forward_backward_batch`` runs AReaL's schedule inside
-  :meth:`r3bridge.megatron.PhaseRunner.run`, which installs each (chunk, micro-batch) right before
-  the chunk's forward (every VPP chunk has its own hook).
-  An engine whose actor never set a phase (the reference model) routes natively.
+Rollout: :class:`SGLangEngineMixin` (``RemoteSGLangEngine``) and :class:`WorkflowMixin` (any
+workflow whose ``arun_episode`` calls ``engine.agenerate``): every attempt's SGLang response seen,
+resubmits and parent-concat turns stitched first-seen, ``r3bridge_routes`` (one ``[1, L_moe, K, S]``
+tensor) added to the trajectory. Trainer: :class:`PPOActorMixin` (``PPOActor``: phases, the
+batch-level sample id, R2 write-back), :class:`MegatronEngineMixin` (``MegatronEngine``: attach,
+one ``MicroBatch`` in each padded micro-batch, AReaL's schedule inside the session's pass),
+:class:`RoleEngineMixin` (reference / teacher engines: declared their role, never replay).
+docs/use-with-areal.md ("What happens where") says what each override does and why.
 """
 from __future__ import annotations
 
@@ -60,6 +41,7 @@ from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
+from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
@@ -389,53 +371,35 @@ def log_areal_metrics(tracker: Any, values: dict, device: Any = None) -> None:
                          **{key: torch.tensor([float(value)], dtype=torch.float32, device=device)})
 
 
-def check_areal(me: Any = None, ppo: Any = None, rl: Any = None) -> None:
-    """The installed AReaL is in r3bridge's ``areal`` range and has the methods the mixins override
-    (``ConfigError`` naming what is missing, the installed version and the supported range)."""
-    from r3bridge.versions import check_internals, check_release
-
-    check_release("areal", what="'s AReaL adapter")
-    need = []
-    if me is not None:
-        need += [(f"MegatronEngine.{m}", me.MegatronEngine, m) for m in
-                 ("initialize", "_prepare_mb_list", "forward_backward_batch")]
-    if ppo is not None:
-        need += [(f"PPOActor.{m}", ppo.PPOActor, m) for m in ("compute_logp", "_compute_logp", "_ppo_update")]
-    if rl is not None:
-        need += [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")]
-    check_internals("areal", need)
-
-
 def megatron_ppo_actor_class(config=None):
     """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
-    me = import_areal("areal.engine.megatron_engine")
-    ppo = import_areal("areal.trainer.ppo.actor")
-    check_areal(me=me, ppo=ppo)
+    check_release("areal", what="'s AReaL adapter")
+    ppo = import_areal("areal.trainer.ppo.actor").PPOActor
+    actor_cls = checked_subclass("areal", "R3BridgePPOActor", PPOActorMixin, ppo,
+                                 ("compute_logp", "_compute_logp", "_ppo_update"))
 
-    class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
-        pass
-
-    class R3BridgeMegatronPPOActor(MegatronEngineMixin, me.MegatronPPOActor):
-        r3_config = None if config is None else replay_config(config)
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.actor = R3BridgePPOActor(config, self)
-
-    return R3BridgeMegatronPPOActor
+    def __init__(self, config):
+        super(engine_cls, self).__init__(config)
+        self.actor = actor_cls(config, self)
+    engine_cls = checked_subclass("areal", "R3BridgeMegatronPPOActor", MegatronEngineMixin,
+                                  import_areal("areal.engine.megatron_engine").MegatronPPOActor,
+                                  ("initialize", "_prepare_mb_list", "forward_backward_batch"),
+                                  {"r3_config": None if config is None else replay_config(config), "__init__": __init__})
+    return engine_cls
 
 
 def megatron_role_engine_class():
     """AReaL's ``MegatronPPOActor`` for a reference / teacher engine, its role declared."""
     me = import_areal("areal.engine.megatron_engine")
-    return type("R3BridgeMegatronRoleEngine", (RoleEngineMixin, me.MegatronPPOActor), {})
+    return checked_subclass("areal", "R3BridgeMegatronRoleEngine", RoleEngineMixin, me.MegatronPPOActor,
+                            ("initialize", "forward_backward_batch"))
 
 
 def trainer_class(config=None):
     """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
     SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
     rl = import_areal("areal.trainer.rl_trainer")
-    check_areal(rl=rl)
+    check_internals("areal", [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")])
     actor_cls = megatron_ppo_actor_class(config)
 
     class R3BridgePPOTrainer(rl.PPOTrainer):

@@ -34,7 +34,7 @@ from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "SkyRLCodec", "replay_batch_from_training_batch", "training_batch_fields", "packed_training_batch_fields",
-           "make_router_padding_mask", "provenance_fields", "provenance_pairing"]
+           "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
@@ -171,20 +171,6 @@ def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Te
     if rb.num_seqs != attn.shape[0]:
         raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {attn.shape[0]}")
     return attn, attn.sum(1).tolist()
-
-
-def make_router_padding_mask(attention_mask: torch.Tensor, captured: Sequence[int]) -> torch.Tensor:
-    """SkyRL main's ``router_padding_mask`` for left-padded rows: True except the first
-    ``captured[i]`` real tokens of row ``i`` (what ``skyrl.train.dataset.preprocess.
-    make_router_padding_mask`` computes; provided here because SkyRL 0.3.0 lacks it)."""
-    attn = torch.as_tensor(attention_mask).bool()
-    lens = attn.sum(1)
-    cap = torch.as_tensor(list(captured), dtype=torch.long)
-    if cap.shape != lens.shape or bool((cap < 0).any()) or bool((cap > lens).any()):
-        raise RouteShapeError(f"captured route lengths {cap.tolist()} do not fit sequence lengths {lens.tolist()}")
-    start = attn.shape[1] - lens
-    pos = torch.arange(attn.shape[1])[None, :]
-    return ~((pos >= start[:, None]) & (pos < (start + cap)[:, None]))
 
 
 def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,

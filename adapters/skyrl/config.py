@@ -15,7 +15,7 @@ Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are r
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RoleError
@@ -88,9 +88,3 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     if rc.replay_mode is ReplayMode.R3:
         mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
     return rc
-
-
-def section_of(cfg: Any) -> Optional[ReplayConfig]:
-    """The already prepared ``trainer.r3bridge`` of a parsed config (``None`` for SkyRL's plain config)."""
-    section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
-    return section if isinstance(section, ReplayConfig) else None

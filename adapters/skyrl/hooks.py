@@ -1,32 +1,22 @@
-"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched).
+"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched); the driver
+owns the set-up (:class:`SkyRLReplay` wraps an :class:`r3bridge.megatron.AdapterSession`).
 
-* :class:`FirstSeenRoutesMixin` - for ``SkyRLGymGenerator``: multi-turn routes kept first-seen;
+* :func:`model_wrapper_class` (``MegatronModelWrapper``): its compute_log_prob ``forward`` and
+  ``forward_backward_mini_batch`` run SkyRL's schedule inside the session's pass; each (chunk,
+  micro-batch) is installed from a forward pre-hook (SkyRL's ``forward_step`` is a closure), with
+  SkyRL's real packing;
+* :class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (``MegatronPolicyWorkerBase`` /
+  ``MegatronRefWorkerBase``): flags, the wrapper swap, R2 sample ids and recorded routes; the
+  reference model declared the reference;
+* :class:`TrainerMixin` (``RayPPOTrainer``): R2's recorded routes written back into the batch;
+* :class:`FirstSeenRoutesMixin` (``SkyRLGymGenerator``, 0.3): multi-turn routes kept first-seen.
 
-* :func:`model_wrapper_class` - ``MegatronModelWrapper`` subclass. Its ``forward`` (the old-log-prob
-  pass, ``compute_log_prob``) and ``forward_backward_mini_batch`` (one mini-batch update) open one
-  driver step around SkyRL's own schedule and install every (chunk, micro-batch)'s targets right
-  before the chunk's forward (SkyRL's ``forward_step`` is a closure inside those methods, so the
-  install runs from a prepended forward pre-hook of :class:`r3bridge.megatron.PhaseRunner`, which
-  also passes SkyRL's real ``packed_seq_params``). VPP works because every chunk has its own
-  hook and micro-batch counter (SkyRL pops the routes in the first chunk's forward_step: VPP broke).
-* :class:`PolicyWorkerMixin` - put before ``MegatronPolicyWorkerBase``: keeps megatron's own
-  ``moe_enable_routing_replay`` off (SkyRL's config validation wants it on with routed experts; the
-  r3bridge guard refuses it), lets route tensors travel in SkyRL's micro-batches, swaps in the
-  wrapper, and for R2 returns the recorded routes per sample with the log-probs.
-* :class:`TrainerMixin` - put before ``RayPPOTrainer``: R2 writes the recorded routes back into the
-  ``TrainingInputBatch`` (``rollout_expert_indices`` + ``router_padding_mask``), so mini-batch /
-  DP re-partitioning carries them with their samples.
-
-* :class:`RefWorkerMixin` - put before ``MegatronRefWorkerBase``: the reference worker keeps
-  SkyRL's plain wrapper and never replays; its model is declared the reference, so a replay
-  object on any of its routers (megatron's RouterReplay, built with the ref's
-  ``moe_enable_routing_replay``) is refused, naming both roles.
+docs/use-with-skyrl.md ("Hook points") says what each override does and why.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -50,6 +40,7 @@ from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
+from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
@@ -126,17 +117,9 @@ class SkyRLReplay:
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
-
-        def install(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatch:
-            mb = targets[k]
-            psp = kwargs.get("packed_seq_params")
-            if psp is not None:                  # remove_microbatch_padding: SkyRL's THD packing
-                return dataclasses.replace(mb, format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
-            pos = args[1] if len(args) > 1 else kwargs.get("position_ids")   # left padding removed: BSHD
-            return dataclasses.replace(mb, format="bshd", seq_length=int(pos.shape[1]))
-
-        with session.run(phase, forward_only=forward_only, targets=install, num_micro_batches=len(mbs),
-                         provenance=pairing):
+        # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
+        with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
+                         packing_from_forward=True):
             out = call(mbs)
         logged = session.metrics_to_log(session.result)     # compute_log_prob's are held for the update
         if phase is Phase.UPDATE:
@@ -170,11 +153,10 @@ class SkyRLReplay:
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
-    """``MegatronModelWrapper`` (or ``base``) subclass that drives r3bridge. Construct it like
-    SkyRL's, plus ``r3_replay=SkyRLReplay(...)``, or use :func:`wrap_model`."""
-    if base is None:
-        base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
-    from r3bridge.versions import check_internals
+    """``MegatronModelWrapper`` (or ``base``) subclass whose compute_log_prob ``forward`` and
+    ``forward_backward_mini_batch`` run inside the replay's pass. Construct it like SkyRL's, plus
+    ``r3_replay=SkyRLReplay(...)``."""
+    base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
     check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
@@ -366,12 +348,10 @@ def policy_worker_class(config=None, num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
-    from r3bridge.versions import check_internals
-    check_internals("skyrl", [(f"MegatronPolicyWorkerBase.{m}", base, m) for m in
-                              ("init_configs", "init_model", "forward", "forward_backward")])
-    cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
-               {"r3_config": None if config is None else replay_config(config)})
-    return ray.remote(num_gpus=num_gpus)(cls)
+    return ray.remote(num_gpus=num_gpus)(checked_subclass(
+        "skyrl", "R3BridgeMegatronPolicyWorker", PolicyWorkerMixin, base,
+        ("init_configs", "init_model", "forward", "forward_backward"),
+        {"r3_config": None if config is None else replay_config(config)}))
 
 
 def ref_worker_class(num_gpus: int = 1):
@@ -380,6 +360,5 @@ def ref_worker_class(num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase
-    from r3bridge.versions import check_internals
-    check_internals("skyrl", [(f"MegatronRefWorkerBase.{m}", base, m) for m in ("init_model", "forward")])
-    return ray.remote(num_gpus=num_gpus)(type("R3BridgeMegatronRefWorker", (RefWorkerMixin, base), {}))
+    return ray.remote(num_gpus=num_gpus)(checked_subclass("skyrl", "R3BridgeMegatronRefWorker", RefWorkerMixin, base,
+                                                          ("init_model", "forward")))

@@ -1,25 +1,17 @@
-"""The engine r3bridge registers (``r3bridge.adapters.verl.register``, only when the job asks for
-replay): verl's ``MegatronEngineWithLMHead`` plus r3bridge's replay driver.
+"""The engine r3bridge registers (only when the job asks for replay): verl's
+``MegatronEngineWithLMHead`` plus the driver (:class:`r3bridge.megatron.AdapterSession`).
 
-Overrides (everything else is verl's; the set-up is :class:`r3bridge.megatron.AdapterSession`'s):
-
-* ``initialize``: after verl builds the model, checks the engine config and attaches the driver
-  to the actor's model chunks (the reference engine's model is declared the reference);
-* ``forward_backward_batch`` (one mini-batch, or one log-prob pass): picks the phase and runs verl's
-  own schedule inside the session's pass; afterwards returns R2's recorded
-  routes in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``
-  (compute_log_prob's with the next update: verl's trainer drops that pass's metrics);
-* ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets
-  (:class:`r3bridge.megatron.MicroBatch`), then runs verl's own ``forward_step`` on it; with
-  ``router_log_ratio`` on, the loss callable verl returns is wrapped so that the micro-batch's
-  TensorDict carries ``router_log_ratio`` (nested ``[batch, (tokens)]`` float32, position ``j``
-  aligned with ``log_probs[j]``) when verl's loss function reads ``data`` (nothing of verl is
-  patched: a custom policy loss reads the key);
-* ``disable_adapter``: a LoRA "reference in actor" pass never replays.
+Overrides (everything else is verl's): ``initialize`` (attach to the actor's chunks; the
+reference engine's model is declared the reference), ``forward_backward_batch`` (one pass:
+verl's own schedule inside the session's pass; R2's recorded routes returned in
+``model_output["routed_experts"]``, r3bridge's metrics in ``output["metrics"]``, compute_log_prob's
+with the next update), ``forward_step`` (installs the (chunk, micro-batch)'s targets; with
+``router_log_ratio`` the micro-batch's TensorDict carries ``router_log_ratio`` for verl's loss) and
+``disable_adapter`` (a LoRA "reference in actor" pass never replays).
 
 Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
-disabled are ``ref_log_prob``; other forward-only passes are ``compute_log_prob``; passes with a
-backward are ``update``. What each does is :func:`r3bridge.config.phase_plan`'s call.
+disabled are ``ref_log_prob``; other forward-only passes ``compute_log_prob``; passes with a
+backward ``update``. docs/use-with-verl.md has the details.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ runner owns the rest, in this order:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -37,7 +38,8 @@ from r3bridge.metrics import summarize_layers, tag_phase
 from r3bridge.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "phase_tag"]
+__all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
+           "phase_tag"]
 
 
 @dataclass
@@ -249,13 +251,15 @@ class PhaseRunner:
     def run(self, phase: Phase, *, forward_only: bool, targets: Optional[Targets] = None,
             chunks: Optional[Sequence[torch.nn.Module]] = None,
             num_micro_batches: Optional[int] = None,
-            provenance: Optional[ProvenancePairing] = None) -> Iterator[Optional[PhasePass]]:
+            provenance: Optional[ProvenancePairing] = None,
+            packing_from_forward: bool = False) -> Iterator[Optional[PhasePass]]:
         """Context around the framework's schedule call. Yields ``None`` for a native phase,
         else the :class:`PhasePass`, whose ``result`` is set on a clean exit.
 
         ``targets`` (a list indexed by micro-batch, or ``(chunk, k, args, kwargs) -> MicroBatch``)
         installs from forward pre-hooks on ``chunks`` (default: the replayer's); without it the
-        adapter calls :meth:`PhasePass.install` itself.
+        adapter calls :meth:`PhasePass.install` itself. ``packing_from_forward``: each target's
+        packing is the one the chunk's forward gets (:func:`forward_packing`).
 
         ``provenance``: the pass's samples' route and log-prob provenance; under R3 they are
         compared per ``provenance_check`` before anything is installed (``"refuse"`` raises
@@ -279,6 +283,8 @@ class PhaseRunner:
 
                 def hook(c: int, k: int, args: tuple, kwargs: dict) -> Callable[[torch.nn.Module], None]:
                     mb = get(c, k, args, kwargs)
+                    if packing_from_forward:
+                        mb = forward_packing(mb, args, kwargs)
                     return lambda module: ps.install(module, mb, index=k)
                 with install_before_forward(mods, hook, n):
                     yield ps
@@ -309,6 +315,21 @@ class PhaseRunner:
         for k, v in now.items():
             out.setdefault(k, []).append(v)
         return out
+
+
+def forward_packing(mb: MicroBatch, args: tuple, kwargs: dict) -> MicroBatch:
+    """``mb`` with the packing a chunk's forward really gets, read from its arguments as
+    megatron-core's ``GPTModel.forward(input_ids, position_ids, attention_mask, ...,
+    packed_seq_params=)`` takes them: THD with ``packed_seq_params.cu_seqlens_q_padded`` (the
+    trainer's own alignment and CP padding), else BSHD ``[B, S]`` with ``S`` from ``position_ids``."""
+    psp = kwargs.get("packed_seq_params")
+    if psp is not None:
+        return dataclasses.replace(mb, format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
+    positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    if positions is None:
+        raise ReplayStateError("a chunk's forward got neither packed_seq_params (THD) nor position_ids (BSHD): "
+                               "its packing cannot be read")
+    return dataclasses.replace(mb, format="bshd", seq_length=int(positions.shape[1]))
 
 
 @contextlib.contextmanager

@@ -116,13 +116,13 @@ class AdapterSession:
         model the framework built for another role). Returns the Replayer, ``None`` when this
         model does not replay (replay off, or not the actor: then it is declared its role)."""
         self.chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        if model is not None:
-            self.model = model if isinstance(model, ModelInfo) else ModelInfo.from_hf_config(model)
         if self.role is not Role.ACTOR:
             declare_role(self.chunks, self.role)
             return None
         if self.mode is ReplayMode.OFF:
             return None
+        if model is not None:       # read only when replaying (a dense model's config has no experts)
+            self.model = model if isinstance(model, ModelInfo) else ModelInfo.from_hf_config(model)
         from r3bridge.megatron.replayer import Replayer
 
         moe = None if self.model is None else self.model.moe_layer_ids
@@ -172,15 +172,17 @@ class AdapterSession:
 
     @contextlib.contextmanager
     def run(self, phase: Phase | str, *, forward_only: bool, targets: Optional[Targets] = None,
-            num_micro_batches: Optional[int] = None,
-            provenance: Optional[ProvenancePairing] = None) -> Iterator[Optional[PhasePass]]:
+            num_micro_batches: Optional[int] = None, provenance: Optional[ProvenancePairing] = None,
+            packing_from_forward: bool = False) -> Iterator[Optional[PhasePass]]:
         """:meth:`PhaseRunner.run` around the framework's schedule call (``targets`` install from
-        forward pre-hooks on the attached chunks; without them the adapter calls
+        forward pre-hooks on the attached chunks, with ``packing_from_forward`` each one's packing
+        read from the chunk's forward arguments; without them the adapter calls
         ``PhasePass.install`` from its ``forward_step``). :attr:`result` is the pass's on a clean
         exit (``None``: routed natively)."""
         self.result = None
         with self.runner.run(Phase(phase), forward_only=forward_only, targets=targets, chunks=self.chunks or None,
-                             num_micro_batches=num_micro_batches, provenance=provenance) as phase_pass:
+                             num_micro_batches=num_micro_batches, provenance=provenance,
+                             packing_from_forward=packing_from_forward) as phase_pass:
             yield phase_pass
         self.result = None if phase_pass is None else phase_pass.result
 
