@@ -8,9 +8,11 @@
 #
 # What is installed (versions: constraints.txt, the pip freeze of a fresh test environment):
 #   1. pip itself, upgraded in the virtualenv (>= 25.1 reads [dependency-groups]);
-#   2. torch 2.13.0 first, alone: an unpinned torch (a dependency of megatron-core, peft, ...)
-#      would pull a CUDA build and gigabytes of nvidia wheels. Where the index serves the CUDA
-#      build (PyPI on Linux), TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU one;
+#   2. torch 2.13.0's CPU build first, alone, pinned as 2.13.0+cpu: an unpinned torch (a dependency
+#      of megatron-core, peft, ...) would pull a CUDA build and gigabytes of nvidia wheels, and so
+#      would a plain torch==2.13.0 from an index that serves only that (PyPI on Linux). An index
+#      without the CPU build stops make here, with a message; TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#      (or a local wheel: TORCH_INDEX= and pip's --find-links) gets it;
 #   3. r3bridge (editable) with the demo, plot, megatron and verl extras, the test / lint groups
 #      and the `frameworks` group (what the real SkyRL / AReaL tests import of those frameworks'
 #      dependencies), all with their dependencies, in one resolver run;
@@ -44,7 +46,11 @@ venv:
 install: venv
 	@echo "make install: into $$($(PY) -c 'import sys; print(sys.prefix)')"
 	$(PIP) "pip>=25.1"
-	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@$(PIP) "torch==2.13.0+cpu" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) || { \
+		echo "make install: no torch 2.13.0+cpu from $(or $(TORCH_INDEX),the configured package index) (see the"\
+		     "pip error above). Stopped before anything could pull torch's CUDA build. Get the CPU build:"\
+		     "make $(MAKECMDGOALS) TORCH_INDEX=https://download.pytorch.org/whl/cpu, or a mirror of it, or"\
+		     "'$(PY) -m pip install ./torch-2.13.0+cpu-*.whl' first"; exit 1; }
 	$(PIP) -e ".[megatron,demo,plot,verl]" --group dev
 	@echo "make install: skyrl 0.3 / areal 1.0 go in without their dependencies (see README"\
 	      "\"Install\"); pip check lists their unmet pins, which this environment does not need."

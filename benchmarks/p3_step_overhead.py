@@ -19,6 +19,10 @@ so native routing and replay see the same tokens and the same expert loads:
 * r3: r3bridge.megatron.Replayer step replaying batch ``i % N``'s recorded routes, targets
   installed per step (shard + H2D copy included in the timing), agreement metric off;
 * r3+agreement: the same with the per-layer native-vs-replayed agreement computed in the hook;
+* r3+trace: r3+agreement through :class:`r3bridge.megatron.PhaseRunner` with ``trace_dir`` set
+  (the ``trace_dir`` option as a job sets it: the native top-k and the target kept on the device
+  per router call, then each pass written: two CRC-checked payloads and an index line); its cost
+  is read against r3+agreement, which computes the same native top-k;
 * r3_one_set: replaying batch 0's routes on batch 0 every step, what P3 measured before
   2026-11-25: with one fixed route set the grouped GEMMs and the dispatcher see the same expert
   loads every step, a cache effect that made "R3" look 4-65% faster than native routing
@@ -113,6 +117,14 @@ class Inputs:
         else:
             step.install(model, routes, self.seq_lens, format="bshd", seq_length=self.seq_lens[0])
 
+    def micro_batch(self, routes):
+        """The same install as an adapter hands it to ``PhasePass.install``."""
+        from r3bridge.megatron import MicroBatch
+
+        if self.te:
+            return MicroBatch(self.seq_lens, routes, format="thd", cu_seqlens_padded=self.cu.cpu())
+        return MicroBatch(self.seq_lens, routes, format="bshd", seq_length=self.seq_lens[0])
+
     def forward(self, model, labels: bool = True):
         kw = {"labels": self.tokens} if labels else {}
         return model(self.tokens, self.pos, self.mask, packed_seq_params=self.psp, **kw)
@@ -157,8 +169,12 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
+    import shutil
+    import tempfile
+
     import r3bridge
-    from r3bridge.megatron import Replayer
+    from r3bridge.config import Phase, ReplayConfig
+    from r3bridge.megatron import PhaseRunner, Replayer
 
     cfg, model = build(args)
     b = args.seqs
@@ -191,10 +207,24 @@ def main() -> None:
             sets[k].install(st, model, routes[k])
             fwd_bwd(sets[k])
 
+    trace_dir = tempfile.mkdtemp(prefix="r3b_p3_trace_")
+    traced = PhaseRunner(None, ReplayConfig(replay_mode="R3", trace_dir=trace_dir), framework="p3")
+    written = []
+
+    def replay_traced(k):
+        rep = state["rep"]
+        rep.agreement = True
+        traced.replayer = rep                  # the arm's runner follows the (re-attached) replayer
+        with traced.run(Phase.UPDATE, forward_only=False) as ps:
+            ps.install(model, sets[k].micro_batch(routes[k]))
+            fwd_bwd(sets[k])
+        written.append(ps.result.metrics.get("r3bridge/trace/bytes", 0.0))
+
     variants = {
         "native": native,
         "r3": lambda k: replay(k, False),
         "r3+agreement": lambda k: replay(k, True),
+        "r3+trace": replay_traced,
         "r3_one_set": lambda k: replay(0, False),
     }
 
@@ -245,10 +275,17 @@ def main() -> None:
         "transformer_engine": _te_version(), "shape": vars(args), "median_s": med, "min_s": mins,
         "overhead_r3": med["r3"] / med["native"] - 1, "overhead_r3_agreement": med["r3+agreement"] / med["native"] - 1,
         "overhead_r3_min": mins["r3"] / mins["native"] - 1,
+        # the trace's cost on top of the agreement metric (which computes the same native top-k)
+        "overhead_trace_vs_agreement": med["r3+trace"] / med["r3+agreement"] - 1,
+        "overhead_trace_vs_agreement_min": mins["r3+trace"] / mins["r3+agreement"] - 1,
+        "overhead_r3_trace": med["r3+trace"] / med["native"] - 1,
+        # trace/bytes is the run's running total: per pass, the last total over the passes written
+        "trace_bytes_per_pass": written[-1] / len(written) if written else 0.0,
         "one_route_set_artifact": med["r3_one_set"] / med["native"] - 1,
         "replay_bytes_per_microbatch": held, "valid_mask_bytes": t.valid.numel(), "budget_bytes": budget,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
     }
+    shutil.rmtree(trace_dir, ignore_errors=True)
     if profile:
         res["top_kernels_ms"] = profile
         res["gpu_time_ms_one_step"] = gpu_ms

@@ -17,7 +17,8 @@ interleaved per iteration so load changes on the machine hit all alike:
 
 Reported: median and minimum seconds per pass and their ratios to ``r3``, the median time of the
 end-of-pass write alone (payloads, index line, the budget all-reduce), bytes written per pass. The GPU cost is
-not measured here (P3 on the GPU: ``benchmarks/p3_step_overhead.py``).
+measured side by side in P3 (``benchmarks/p3_step_overhead.py``, arm ``r3+trace`` against
+``r3+agreement``: docs/benchmarks.md, "P3t").
 """
 from __future__ import annotations
 

@@ -27,8 +27,12 @@ def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, va
         return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
                                f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
                                f"pre-EPLB: map physical replica slots back first)")
+    # all zeros: a row without a route read as one, or a dense layer's zero column picked by an id
+    # off by one (engines report dense layers as zero rows)
+    dense = (f"; or layer {layer} is a dense layer: layer ids are 0-based global, 1-based ids point one layer "
+             f"further" if values and not any(values) else "")
     return RouteValueError(f"{where}duplicate expert ids {values} (a zero/padding row? mark rows without a route "
-                           f"invalid instead; {total} bad (row, layer) pairs in total)")
+                           f"invalid instead{dense}; {total} bad (row, layer) pairs in total)")
 
 
 def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Mapping, Optional
 
+from r3bridge.engine_settings import check_engine_version_setting
 from r3bridge.errors import ConfigError
 from r3bridge.layer_axis import check_layer_axis
 from r3bridge.provenance import CHECK_MODES
@@ -147,6 +148,11 @@ class ReplayConfig:
     # (prime-rl #1406 / #1661, RSPO). Needs routing weights in the routes and pp == 1; the
     # router_log_ratio metrics are reported whenever the routes carry weights.
     router_log_ratio: bool = False
+    # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
+    # (r3bridge/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
+    # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
+    # set it when the engine runs elsewhere (when neither tells, such settings are refused).
+    engine_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -161,6 +167,7 @@ class ReplayConfig:
         check_policy(self.replay_policy, self.threshold_ratio)
         if not isinstance(self.router_log_ratio, bool):
             raise ConfigError(f"router_log_ratio must be true or false, got {self.router_log_ratio!r}")
+        check_engine_version_setting(self.engine_version)
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

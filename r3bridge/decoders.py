@@ -39,6 +39,7 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
+from r3bridge.layer_ids import check_dense_columns
 from r3bridge.provenance import RouteProvenance, reported_int
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
@@ -64,6 +65,8 @@ def moe_layers_of(routes: Any, moe_layer_ids: Sequence[int], *, layer_dim: int,
                          num_hidden_layers=num_hidden_layers, field=field)
     if cols is None:
         return routes
+    # ids that pick dense layers' zero rows are off by one (1-based?): say so, not "duplicate [0, 0]"
+    check_dense_columns(routes, cols, layer_dim=layer_dim, field=field)
     # list indexing copies (numpy and torch): read-only engine buffers are never aliased
     return routes[(slice(None),) * layer_dim + (cols,)]
 

@@ -51,7 +51,9 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
     rows engine call ``t`` returned (possibly none). First-seen valid rows win (they sampled the
     tokens); repeated rows are deduplicated; disagreements are counted; gaps raise. A sequence's
     provenance is that of the first piece that returned rows for it (the pass that sampled its
-    earliest tokens; later pieces' provenance is not merged in)."""
+    earliest tokens; later pieces' provenance is not merged in). Pieces of one sequence from
+    different attempts (:attr:`RouteProvenance.attempt`, both known) raise: a retry regenerated
+    the tokens, so its rows never fill or follow another attempt's (NeMo RL #4057)."""
     if not pieces:
         raise StitchError("stitch of no pieces")
     a = pieces[0]
@@ -81,6 +83,7 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
                 weights = None if w is None else w.clone()
                 prov = None if p.provenance is None else p.provenance[i]
                 continue
+            _check_same_attempt(i, t, prov, None if p.provenance is None else p.provenance[i])
             if s > end or e < start:
                 raise StitchError(f"sequence {i}, piece {t}: rows [{s}, {e}) leave a gap after the rows "
                                   f"[{start}, {end}) seen so far: cannot stitch unambiguously")
@@ -127,6 +130,15 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
                                   provenance=None if all(x is None for x in seq_prov) else seq_prov,
                                   weights=torch.cat(seq_weights) if with_weights else None)
     return out, report
+
+
+def _check_same_attempt(seq: int, piece: int, first: RouteProvenance | None, this: RouteProvenance | None) -> None:
+    a = None if first is None else first.attempt
+    b = None if this is None else this.attempt
+    if a is not None and b is not None and a != b:
+        raise StitchError(f"sequence {seq}, piece {piece}: routes of attempt {b} after rows of attempt {a}: a retry "
+                          f"regenerates the tokens, so its routes never fill or follow another attempt's; stitch "
+                          f"only the pieces of the attempt whose tokens the sample keeps")
 
 
 def _stitch_weights_present(pieces: Sequence[ReplayBatch]) -> bool:

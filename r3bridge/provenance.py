@@ -5,9 +5,17 @@ matches: SGLang retracts a request during an async weight update, re-prefills it
 re-prefill's routes with the first pass's log-probs (miles #3277); vLLM drops a preempted request's
 routes without a word (vLLM #39917). Nothing in the routes themselves shows it, so each sequence of
 a :class:`r3bridge.ReplayBatch` may carry a :class:`RouteProvenance` (engine, request id, weight
-version, re-prefill / retraction epoch), filled by the adapter from what its framework reports, and
-the driver compares it with the provenance of the log-probs the routes are paired with
+version, re-prefill / retraction epoch, attempt), filled by the adapter from what its framework
+reports, and the driver compares it with the provenance of the log-probs the routes are paired with
 (:func:`check_pairing`, ``ReplayConfig.provenance_check``).
+
+Attempts (NeMo RL #4057: routes keyed by weight version, task, rollout, attempt and request id, so
+a retry never overwrites an earlier attempt): a framework that generates a sample again from
+scratch (a retried turn, a re-run episode) numbers its attempts. A retry's routes never stand in
+for another attempt's: stitching refuses pieces of one sequence from different attempts
+(:func:`r3bridge.ingest.stitch`), and routes of one attempt paired with log-probs of another
+differ in ``attempt``, counted or refused per ``provenance_check``. An epoch is different: the
+engine re-prefilled the *same* request (its tokens stay); an attempt regenerates them.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ __all__ = [
     "versions_tensor",
     "from_versions_tensor",
     "reported_int",
+    "VERSION_COLUMNS",
     "ROUTE_PROVENANCE_KEY",
     "LOGPROB_PROVENANCE_KEY",
     "provenance_fields",
@@ -39,7 +48,9 @@ __all__ = [
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
-EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch as i32
+EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch (and the attempt) as i32
+ATTEMPT_MAX = EPOCH_MAX
+_PASS_FIELDS = ("request_id", "weight_version", "epoch", "attempt")
 VERSION_MAX = 2**63 - 1  # and the weight version as i64
 
 
@@ -73,12 +84,15 @@ class RouteProvenance:
     weight version the engine held (verl ``global_steps``, SkyRL / AReaL weight version; ``None``:
     unknown). ``epoch``: how many times the engine re-prefilled the request (retraction,
     preemption, abort and resume) before this pass (``None``: the engine does not report it).
+    ``attempt``: which of the framework's tries at generating the sample from scratch this is (0:
+    the first; a retried turn or re-run episode counts up; ``None``: the framework does not say).
     Fields a side does not know are not compared (:meth:`differences`)."""
 
     engine: str
     request_id: str = ""
     weight_version: Optional[int] = None
     epoch: Optional[int] = None
+    attempt: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -89,11 +103,12 @@ class RouteProvenance:
             self, "weight_version", _int_field(self.weight_version, "RouteProvenance.weight_version", VERSION_MAX)
         )
         object.__setattr__(self, "epoch", _int_field(self.epoch, "RouteProvenance.epoch", EPOCH_MAX))
+        object.__setattr__(self, "attempt", _int_field(self.attempt, "RouteProvenance.attempt", ATTEMPT_MAX))
 
     def differences(self, other: "RouteProvenance") -> tuple[str, ...]:
         """Names of the fields both sides know (non-empty / not None) whose values differ."""
         out = []
-        for name in ("engine", "request_id", "weight_version", "epoch"):
+        for name in ("engine",) + _PASS_FIELDS:
             a, b = getattr(self, name), getattr(other, name)
             if a not in (None, "") and b not in (None, "") and a != b:
                 out.append(name)
@@ -103,7 +118,7 @@ class RouteProvenance:
         return (
             f"engine={self.engine} request_id={self.request_id or '?'} weight_version="
             f"{'?' if self.weight_version is None else self.weight_version} epoch="
-            f"{'?' if self.epoch is None else self.epoch}"
+            f"{'?' if self.epoch is None else self.epoch} attempt={'?' if self.attempt is None else self.attempt}"
         )
 
 
@@ -186,37 +201,45 @@ class ProvenancePairing:
 
 
 # Frameworks whose batches carry per-sample data only as tensors (SkyRL, AReaL) carry provenance as
-# an int64 [n, 2] tensor: (weight version, epoch), -1 = unknown, a row of -1s = no provenance. The
-# engine name is the adapter's and no request id travels.
+# an int64 [n, 3] tensor: (weight version, epoch, attempt), -1 = unknown, a row of -1s = no
+# provenance. The engine name is the adapter's and no request id travels. [n, 2] tensors (written
+# before attempts: weight version, epoch) are still read, their attempt unknown.
+VERSION_COLUMNS = ("weight_version", "epoch", "attempt")
+
+
 def versions_tensor(items: Sequence[Optional[RouteProvenance]]) -> torch.Tensor:
-    def row(p: Optional[RouteProvenance]) -> tuple[int, int]:
+    def row(p: Optional[RouteProvenance]) -> tuple[int, ...]:
         if p is None:
-            return (-1, -1)
-        return (-1 if p.weight_version is None else p.weight_version, -1 if p.epoch is None else p.epoch)
+            return (-1,) * len(VERSION_COLUMNS)
+        return tuple(-1 if getattr(p, name) is None else getattr(p, name) for name in VERSION_COLUMNS)
 
     # one tensor built from the rows (not one element assignment per field and sample)
-    return torch.tensor([row(p) for p in items], dtype=torch.int64).reshape(len(items), 2)
+    return torch.tensor([row(p) for p in items], dtype=torch.int64).reshape(len(items), len(VERSION_COLUMNS))
 
 
 def from_versions_tensor(
     t, *, engine: str, what: str, samples: Optional[int] = None
 ) -> list[Optional[RouteProvenance]]:
-    """:func:`versions_tensor`'s inverse; ``what`` names the field in errors; ``samples``: the row
-    count the batch needs (one per sample), checked when given."""
+    """:func:`versions_tensor`'s inverse (also of the older ``[n, 2]`` form, attempt unknown);
+    ``what`` names the field in errors; ``samples``: the row count the batch needs (one per
+    sample), checked when given."""
     t = torch.as_tensor(t)
-    if t.dim() != 2 or t.shape[1] != 2 or t.dtype.is_floating_point:
+    if t.dim() != 2 or t.shape[1] not in (2, 3) or t.dtype.is_floating_point:
         raise ProvenanceError(
-            f"{what} must be an integer [samples, 2] tensor (weight version, epoch), got {t.dtype} {list(t.shape)}"
+            f"{what} must be an integer [samples, 3] tensor (weight version, epoch, attempt; [samples, 2] without "
+            f"the attempt), got {t.dtype} {list(t.shape)}"
         )
     if samples is not None and t.shape[0] != samples:
         raise ProvenanceError(f"{what} has {t.shape[0]} rows for {samples} samples")
     out: list[Optional[RouteProvenance]] = []
-    for i, (version, epoch) in enumerate(t.tolist()):
-        if version == -1 and epoch == -1:
+    for i, values in enumerate(t.tolist()):
+        if all(v == -1 for v in values):
             out.append(None)
             continue
+        version, epoch, attempt = (list(values) + [-1])[:3]
         try:
-            out.append(RouteProvenance(engine, "", None if version == -1 else version, None if epoch == -1 else epoch))
+            out.append(RouteProvenance(engine, "", None if version == -1 else version, None if epoch == -1 else epoch,
+                                       None if attempt == -1 else attempt))
         except ProvenanceError as e:
             raise ProvenanceError(f"{what}, sample {i}: {e}") from None
     return out
@@ -235,7 +258,7 @@ def check_pairing(
     first mismatched sample (``names[i]``, else its position) and both provenances, before anything
     is installed; ``"off"`` compares nothing (returns an empty count). A sample is *checked* when
     both sides have a provenance and either their engines differ or a field that names the pass
-    (request id, weight version, epoch) is known on both; a field unknown on either side is not
+    (request id, weight version, epoch, attempt) is known on both; a field unknown on either side is not
     compared."""
     if mode not in CHECK_MODES:
         raise ProvenanceError(f"provenance_check must be one of {', '.join(CHECK_MODES)}, got {mode!r}")
@@ -273,8 +296,7 @@ def _comparable(a: RouteProvenance, b: RouteProvenance) -> bool:
     # the engine is always known: two engines differ outright; the same engine needs a field
     # that says which pass (request id, weight version or epoch) known on both sides
     return a.engine != b.engine or any(
-        getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "")
-        for f in ("request_id", "weight_version", "epoch")
+        getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "") for f in _PASS_FIELDS
     )
 
 
@@ -287,8 +309,8 @@ LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
 
 def provenance_fields(routes: Sequence[Optional[RouteProvenance]],
                       logprobs: Sequence[Optional[RouteProvenance]]) -> dict[str, torch.Tensor]:
-    """Per-sample route and log-prob provenance -> the two ``[B, 2]`` int64 fields a batch that
-    carries per-sample data only as tensors holds (:func:`versions_tensor`)."""
+    """Per-sample route and log-prob provenance -> the two ``[B, len(VERSION_COLUMNS)]`` int64 fields a
+    batch that carries per-sample data only as tensors holds (:func:`versions_tensor`)."""
     if len(routes) != len(logprobs):
         raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
     return {ROUTE_PROVENANCE_KEY: versions_tensor(routes), LOGPROB_PROVENANCE_KEY: versions_tensor(logprobs)}

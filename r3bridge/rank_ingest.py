@@ -26,6 +26,7 @@ from r3bridge.batch_meta import check_coverage, checked_meta
 from r3bridge.decoders import decode_vllm_routes, decode_vllm_weights, select_layers
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError, RouteWeightsError
+from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.route_scan import block_rows, run_blocks, scan_block
@@ -81,7 +82,7 @@ def rank_targets(items: Sequence[Any], layout: ParallelLayout, seq_lens: Sequenc
     if missing:
         raise LayerMappingError(
             f"rank (pp={pp_rank}, vp={vp_stage}) needs MoE layers {missing}, but the batch only has "
-            f"layers {list(batch_layers)}")
+            f"layers {list(batch_layers)}{shifted_layer_ids_hint(batch_layers, layout.moe_layer_ids)}")
     seq_t, pos_t = rank_positions(plan, layout, tp_rank, cp_rank)
     seq, pos = seq_t.numpy(), pos_t.numpy()
     t_rows = int(seq.shape[0])

@@ -13,6 +13,7 @@ import torch
 
 from r3bridge._validate import as_index, as_index_list, check_readable
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, RouteShapeError
+from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, checked_ranks, int64_tensor, rank_positions, sp_bounds
 from r3bridge.schema import ReplayBatch
@@ -180,7 +181,7 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     if missing:
         raise LayerMappingError(
             f"rank (pp={pp_rank}, vp={vp_stage}) needs MoE layers {missing}, but the batch only has "
-            f"layers {list(batch.layer_ids)}")
+            f"layers {list(batch.layer_ids)}{shifted_layer_ids_hint(batch.layer_ids, layout.moe_layer_ids)}")
     if plan.format == "thd":
         row, valid = _thd_rows(batch, plan, layout, tp_rank, cp_rank)
     else:

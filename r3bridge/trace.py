@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from r3bridge.errors import PayloadError, ReplayError
@@ -39,7 +41,8 @@ from r3bridge.sharding import ShardedTargets
 from r3bridge.unsharding import unshard
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",
-           "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare"]
+           "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare",
+           "token_uid"]
 
 FORMAT_VERSION = 1
 VIEWS = ("replayed", "native", "dispatched")
@@ -403,18 +406,45 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
     return out
 
 
+def token_uid(tokens: Any) -> str:
+    """A sample's name from its tokens (``"<length>:<crc32>"``): the same in every pass of a step
+    and in every run that trains the same trajectory, whatever a framework numbers, shuffles or
+    re-partitions. Adapters pass it as :attr:`r3bridge.megatron.MicroBatch.uids` when tracing, so
+    ``r3bridge diff`` pairs samples by it."""
+    arr = np.ascontiguousarray(torch.as_tensor(tokens).detach().cpu().to(torch.int64).numpy(), dtype="<i8")
+    return f"{arr.size}:{zlib.crc32(arr.tobytes()):08x}"
+
+
+def _pairs(a: MergedPass, b: MergedPass) -> tuple[list[int], list[int], int, int, str]:
+    """Positions of the samples both sides hold, in A and in B, the counts only in A / only in B,
+    and what paired them: the uids when every sample of both sides has one and none repeats
+    (stable across passes and runs), else ``(dp rank, sample id)`` (meaningful where the framework
+    keeps its numbering)."""
+    ua, ub = a.uids, b.uids
+    unique = all(len(u) == len(k) and None not in u and len(set(u)) == len(u) for u, k in ((ua, a.keys), (ub, b.keys)))
+    if unique:
+        keys_a, keys_b, by = list(ua), list(ub), "uid"
+    else:
+        keys_a, keys_b, by = list(a.keys), list(b.keys), "dp rank, sample id"
+    common = sorted(set(keys_a) & set(keys_b), key=keys_a.index)
+    if not common:
+        raise TraceError(f"the two sides share no sample ({by})")
+    pos_a = {k: i for i, k in enumerate(keys_a)}
+    pos_b = {k: i for i, k in enumerate(keys_b)}
+    return ([pos_a[k] for k in common], [pos_b[k] for k in common], len(set(keys_a) - set(keys_b)),
+            len(set(keys_b) - set(keys_a)), by)
+
+
 def compare(a: MergedPass, view_a: str, b: MergedPass, view_b: str, *, lowest: int = 5) -> dict[str, Any]:
-    """Top-k set agreement of two views over the samples both hold, per layer and per sample
-    (rows matched by token position, compared where valid in both)."""
+    """Top-k set agreement of two views over the samples both hold (paired by uid where both sides
+    name every sample, else by ``(dp rank, sample id)``), per layer and per sample (rows matched by
+    token position, compared where valid in both)."""
 
     ba, bb = a.view(view_a), b.view(view_b)
-    common = sorted(set(a.keys) & set(b.keys))
-    if not common:
-        raise TraceError("the two sides share no sample (dp rank, sample id)")
-    pos_a = {k: i for i, k in enumerate(a.keys)}
-    pos_b = {k: i for i, k in enumerate(b.keys)}
-    sa = ba.select([pos_a[k] for k in common])
-    sb = bb.select([pos_b[k] for k in common])
+    ia, ib, only_a, only_b, paired_by = _pairs(a, b)
+    common = [a.keys[i] for i in ia]
+    sa = ba.select(ia)
+    sb = bb.select(ib)
     rep = route_agreement(sa, sb)
     layers = list(rep.layer_ids)
     xa, xb = sa.with_layers(layers), sb.with_layers(layers)
@@ -423,11 +453,11 @@ def compare(a: MergedPass, view_a: str, b: MergedPass, view_b: str, *, lowest: i
         eq = topk_sets_equal(xa.routes[:n], xb.routes[:n])
         ok = xa.valid & xb.valid
         ag, cp = _per_sample(eq, ok, xa.offsets)
-        low = _lowest(common, ag, cp, lowest, [dict(zip(a.keys, a.uids)).get(k) for k in common] if a.uids else None)
+        low = _lowest(common, ag, cp, lowest, [a.uids[i] for i in ia] if a.uids else None)
     else:                                       # other token coverage: per-sample figures are skipped
         low = []
-    return {"samples": len(common), "samples_only_a": len(set(a.keys) - set(b.keys)),
-            "samples_only_b": len(set(b.keys) - set(a.keys)), "rows_compared": rep.rows_compared,
+    return {"samples": len(common), "paired_by": paired_by, "samples_only_a": only_a,
+            "samples_only_b": only_b, "rows_compared": rep.rows_compared,
             "agreement": rep.mean, "tokens_differing_any_layer": rep.tokens_differing_any_layer,
             "per_layer": [{"layer": lid, "agreement": frac, "agree": ag_,
                            "differing_rows": rep.rows_compared - ag_}

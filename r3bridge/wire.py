@@ -14,11 +14,13 @@ then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_row
       | [weights f16[rows, L, K], little endian]  (bit2; the last section, after the routes)
 and last: body crc32 u32 (over the body).
 
-Provenance (version 3, flags bit1; :mod:`r3bridge.provenance`), one entry per sequence, columns:
-  weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | engine length u16[n]
-  | request id length u32[n] | the engines' utf-8 bytes | the request ids' utf-8 bytes
+Provenance (flags bit1; :mod:`r3bridge.provenance`), one entry per sequence, columns:
+  weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | attempt i32[n] (-1: unknown;
+  version 4 on) | engine length u16[n] | request id length u32[n] | the engines' utf-8 bytes
+  | the request ids' utf-8 bytes
 An engine length of 0 marks a sequence without provenance (a provenance always names its engine).
-Version 2 payloads (no provenance, no weights: only bit0) are read as they were written.
+Older payloads are read as they were written: version 3 has no attempt column (attempts unknown),
+version 2 no provenance and no weights (only bit0).
 
 The two CRC32s exist because re-validation alone cannot see most damage: a flipped byte in
 num_experts, a layer id, a start row, an expert id or the validity bits still decodes into a
@@ -42,8 +44,9 @@ from r3bridge.provenance import RouteProvenance
 __all__ = ["encode", "decode", "encoded_size", "DecodedBatch", "VERSION"]
 
 MAGIC = b"R3RB"
-VERSION = 3
-READABLE_VERSIONS = (2, 3)      # 2: before provenance and weights (flags bit1 and bit2 never set)
+VERSION = 4
+# 2: before provenance and weights (flags bit1 and bit2 never set); 3: provenance without attempts
+READABLE_VERSIONS = (2, 3, 4)
 FLAG_POLICY_VERSIONS = 1
 FLAG_PROVENANCE = 2
 FLAG_WEIGHTS = 4
@@ -157,7 +160,8 @@ def decode(data: bytes) -> DecodedBatch:
     dtype = _CODE_DTYPES[code]
     sizes = [src_len, 4 * nl, 8 * n, 8 * n, 8 * n if flags & FLAG_POLICY_VERSIONS else 0]
     # the provenance section's size is in its own length columns (covered by the body CRC below)
-    sizes.append(_provenance_section_size(data, _HEADER.size + sum(sizes), n) if flags & FLAG_PROVENANCE else 0)
+    sizes.append(_provenance_section_size(data, _HEADER.size + sum(sizes), n, version)
+                 if flags & FLAG_PROVENANCE else 0)
     sizes += [(rows + 7) // 8, rows * nl * k * torch.empty((), dtype=dtype).element_size(),
               _weights_size(flags, rows, nl, k)]
     need = _HEADER.size + sum(sizes) + _CRC.size
@@ -187,27 +191,32 @@ def decode(data: bytes) -> DecodedBatch:
         layer_ids=np.frombuffer(chunks[1], dtype="<i4").tolist(),
         num_experts=e, source=source,
         policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & FLAG_POLICY_VERSIONS else None,
-        provenance=_decode_provenance(chunks[5], n) if flags & FLAG_PROVENANCE else None,
+        provenance=_decode_provenance(chunks[5], n, version) if flags & FLAG_PROVENANCE else None,
         weights=_decode_weights(chunks[8], flags, rows, nl, k))
 
 
 # ------------------------------------------------------------------------------- provenance section
-_ABSENT = -1                      # weight version / epoch unknown
-_PROV_FIXED = 8 + 4 + 2 + 4       # bytes per sequence before the strings
+_ABSENT = -1                      # weight version / epoch / attempt unknown
+
+
+def _prov_fixed(version: int) -> int:
+    """Bytes per sequence before the strings: version, epoch, (attempt,) two lengths."""
+    return 8 + 4 + (4 if version >= 4 else 0) + 2 + 4
 
 
 def _provenance_size(provenance) -> int:
     if provenance is None:
         return 0
-    return _PROV_FIXED * len(provenance) + sum(
+    return _prov_fixed(VERSION) * len(provenance) + sum(
         len(p.engine.encode()) + len(p.request_id.encode()) for p in provenance if p is not None)
 
 
 def _encode_provenance(provenance) -> bytes:
-    """The section's bytes: four columns, then the engines' and the request ids' utf-8 bytes."""
+    """The section's bytes: five columns, then the engines' and the request ids' utf-8 bytes."""
     n = len(provenance)
     versions = np.full(n, _ABSENT, dtype="<i8")
     epochs = np.full(n, _ABSENT, dtype="<i4")
+    attempts = np.full(n, _ABSENT, dtype="<i4")
     engine_lens = np.zeros(n, dtype="<u2")
     request_lens = np.zeros(n, dtype="<u4")
     engines, requests = [], []
@@ -220,30 +229,35 @@ def _encode_provenance(provenance) -> bytes:
                                f"wire format (at most 65535)")
         versions[i] = _ABSENT if p.weight_version is None else p.weight_version
         epochs[i] = _ABSENT if p.epoch is None else p.epoch
+        attempts[i] = _ABSENT if p.attempt is None else p.attempt
         engine_lens[i], request_lens[i] = len(engine), len(request)
         engines.append(engine)
         requests.append(request)
-    return b"".join([versions.tobytes(), epochs.tobytes(), engine_lens.tobytes(), request_lens.tobytes(),
-                     *engines, *requests])
+    return b"".join([versions.tobytes(), epochs.tobytes(), attempts.tobytes(), engine_lens.tobytes(),
+                     request_lens.tobytes(), *engines, *requests])
 
 
-def _provenance_section_size(data: bytes, start: int, n: int) -> int:
+def _provenance_section_size(data: bytes, start: int, n: int, version: int) -> int:
     """Size of the section at ``start`` of ``data``, read from its length columns."""
-    fixed_end = start + _PROV_FIXED * n
-    if len(data) < fixed_end:
+    fixed = _prov_fixed(version)
+    if len(data) < start + fixed * n:
         raise PayloadError(f"ReplayBatch payload truncated inside its provenance section ({len(data)} bytes)")
-    lens_at = start + 12 * n
+    lens_at = start + (fixed - 6) * n
     engine_lens = np.frombuffer(data, dtype="<u2", count=n, offset=lens_at)
     request_lens = np.frombuffer(data, dtype="<u4", count=n, offset=lens_at + 2 * n)
-    return _PROV_FIXED * n + int(engine_lens.sum(dtype=np.int64)) + int(request_lens.sum(dtype=np.int64))
+    return fixed * n + int(engine_lens.sum(dtype=np.int64)) + int(request_lens.sum(dtype=np.int64))
 
 
-def _decode_provenance(section: memoryview, n: int) -> tuple[RouteProvenance | None, ...]:
+def _decode_provenance(section: memoryview, n: int, version: int) -> tuple[RouteProvenance | None, ...]:
+    fixed = _prov_fixed(version)
     versions = np.frombuffer(section, dtype="<i8", count=n).tolist()
     epochs = np.frombuffer(section, dtype="<i4", count=n, offset=8 * n).tolist()
-    engine_lens = np.frombuffer(section, dtype="<u2", count=n, offset=12 * n).tolist()
-    request_lens = np.frombuffer(section, dtype="<u4", count=n, offset=14 * n).tolist()
-    pos = _PROV_FIXED * n
+    # version 3 has no attempt column: every attempt unknown
+    attempts = (np.frombuffer(section, dtype="<i4", count=n, offset=12 * n).tolist() if version >= 4
+                else [_ABSENT] * n)
+    engine_lens = np.frombuffer(section, dtype="<u2", count=n, offset=(fixed - 6) * n).tolist()
+    request_lens = np.frombuffer(section, dtype="<u4", count=n, offset=(fixed - 4) * n).tolist()
+    pos = fixed * n
     engines = []
     for length in engine_lens:
         engines.append(bytes(section[pos:pos + length]))
@@ -258,7 +272,8 @@ def _decode_provenance(section: memoryview, n: int) -> tuple[RouteProvenance | N
         try:
             out.append(RouteProvenance(engines[i].decode(), request.decode(),
                                        None if versions[i] == _ABSENT else versions[i],
-                                       None if epochs[i] == _ABSENT else epochs[i]))
+                                       None if epochs[i] == _ABSENT else epochs[i],
+                                       None if attempts[i] == _ABSENT else attempts[i]))
         except (UnicodeDecodeError, ProvenanceError) as e:
             raise PayloadError(f"ReplayBatch payload: sequence {i}'s provenance is malformed ({e})") from None
     return tuple(out)

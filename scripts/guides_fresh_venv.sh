@@ -3,6 +3,7 @@
 # and prints a table: framework | install seconds | venv size | command | seconds | result.
 #
 #   bash scripts/guides_fresh_venv.sh [verl] [skyrl] [areal]     # default: all three, one after another
+#   bash scripts/guides_fresh_venv.sh --print [FRAMEWORK...]      # only print the driver each would run
 #
 # Not part of `make test` (each framework takes minutes to install); tests/adapters/test_guide_commands.py
 # checks that every guide has its block and that the block says what this script runs. The block is
@@ -13,8 +14,9 @@
 #
 # Nothing is reused but pip's download cache (as CI does). The machine's own pip configuration
 # applies (its index, find-links and constraints). If download.pytorch.org cannot be reached, a
-# torch line's `--index-url https://download.pytorch.org/whl/cpu` is dropped and the table says so:
-# pip then takes torch from the configured index (which may serve the CUDA build).
+# torch line runs without its `--index-url https://download.pytorch.org/whl/cpu` and with torch
+# pinned as `torch==X+cpu` (the table says so): pip takes the CPU build from the configured index
+# and find-links if they have it, and stops otherwise, as the block's guard would for a user.
 #
 # Replay counts as on when the run's output has the adapter's startup line with the mode and where
 # it came from (`replay_mode=R3 (from config)`), an `r3bridge/` metric the framework returned, and
@@ -22,14 +24,11 @@
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PRINT=0
+[ "${1:-}" = "--print" ] && { PRINT=1; shift; }
 FRAMEWORKS=("$@")
 [ ${#FRAMEWORKS[@]} -eq 0 ] && FRAMEWORKS=(verl skyrl areal)
-WORK="$(mktemp -d /tmp/r3bridge-guides-XXXXXX)"
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
-if curl -s -o /dev/null --max-time 10 "$TORCH_CPU_INDEX/"; then TORCH_INDEX_OK=1; else TORCH_INDEX_OK=0; fi
-PYV="$(python3 -V 2>&1)"
-echo "guides_fresh_venv: checkout $ROOT, work folder $WORK, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs," \
-     "load $(cut -d' ' -f1-3 /proc/loadavg), $PYV, download.pytorch.org reachable: $TORCH_INDEX_OK"
 
 # the block after the marker, from its ```bash fence to the closing fence
 block() {
@@ -40,34 +39,60 @@ block() {
         found == 2 { print }' "$ROOT/docs/use-with-$1.md"
 }
 
+# the driver for one block: its lines after the first, in one bash, in order, each followed by its
+# timing record; R3BRIDGE is this checkout and VENV the folder's venv (the block's first line names them)
+driver() {
+    local dir="$1"; shift
+    echo "set -u"
+    echo "unset PYTHONPATH VIRTUAL_ENV R3BRIDGE_CONFIG R3BRIDGE_REPLAY_MODE"
+    echo "R3BRIDGE='$ROOT'; VENV='$dir/venv'; export HOME='$HOME'"
+    echo "cd '$dir/elsewhere'"
+    local line run q
+    for line in "$@"; do
+        run="$line"
+        if [ "$TORCH_INDEX_OK" = 0 ] && [[ "$line" == *"pip install torch"*"--index-url $TORCH_CPU_INDEX"* ]]; then
+            # the configured index instead, for the CPU build only (torch==X+cpu): never the CUDA one
+            run=$(sed -E "s# --index-url $TORCH_CPU_INDEX##; s#(^| )torch==([0-9.]+)( |\$)#\\1torch==\\2+cpu\\3#" <<<"$line")
+        fi
+        q=$(printf '%q' "$line")
+        echo "__t0=\$(date +%s%N); echo \"+ \"$q"
+        echo "$run"
+        echo "__rc=\$?; __ms=\$(( (\$(date +%s%N) - __t0) / 1000000 )); echo \"TIMING \$__rc \$((__ms / 1000)).\$(printf %03d \$((__ms % 1000))) \"$q; [ \$__rc -eq 0 ] || exit \$__rc"
+    done
+}
+
+lines_of() {
+    mapfile -t LINES < <(block "$1")
+    if [ ${#LINES[@]} -eq 0 ]; then echo "no fresh-venv block for $1 in docs/use-with-$1.md"; exit 2; fi
+    case "${LINES[0]}" in R3BRIDGE=*VENV=*) ;; *) echo "$1: first line must set R3BRIDGE and VENV: ${LINES[0]}"; exit 2;; esac
+}
+
+if [ "$PRINT" = 1 ]; then      # what each block becomes, as written
+    TORCH_INDEX_OK=${TORCH_INDEX_OK:-1}       # TORCH_INDEX_OK=0: as when download.pytorch.org is unreachable
+    for fw in "${FRAMEWORKS[@]}"; do
+        lines_of "$fw"
+        echo "## $fw"
+        driver "/tmp/r3bridge-guides-XXXXXX/$fw" "${LINES[@]:1}"
+    done
+    exit 0
+fi
+
+WORK="$(mktemp -d /tmp/r3bridge-guides-XXXXXX)"
+if curl -s -o /dev/null --max-time 10 "$TORCH_CPU_INDEX/"; then TORCH_INDEX_OK=1; else TORCH_INDEX_OK=0; fi
+PYV="$(python3 -V 2>&1)"
+echo "guides_fresh_venv: checkout $ROOT, work folder $WORK, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs," \
+     "load $(cut -d' ' -f1-3 /proc/loadavg), $PYV, download.pytorch.org reachable: $TORCH_INDEX_OK"
+
 ROWS=()
 for fw in "${FRAMEWORKS[@]}"; do
-    mapfile -t LINES < <(block "$fw")
-    if [ ${#LINES[@]} -eq 0 ]; then echo "no fresh-venv block for $fw in docs/use-with-$fw.md"; exit 2; fi
-    case "${LINES[0]}" in R3BRIDGE=*VENV=*) ;; *) echo "$fw: first line must set R3BRIDGE and VENV: ${LINES[0]}"; exit 2;; esac
+    lines_of "$fw"
     dir="$WORK/$fw"
     mkdir -p "$dir/elsewhere"
     log="$dir/log"
     note=""
-    # the driver: the block's lines in one bash, each followed by its timing record
-    {
-        echo "set -u"
-        echo "unset PYTHONPATH VIRTUAL_ENV R3BRIDGE_CONFIG R3BRIDGE_REPLAY_MODE"
-        echo "R3BRIDGE='$ROOT'; VENV='$dir/venv'; export HOME='$HOME'"
-        echo "cd '$dir/elsewhere'"
-        for line in "${LINES[@]:1}"; do
-            run="$line"
-            if [ "$TORCH_INDEX_OK" = 0 ] && [[ "$line" == *"pip install torch"*"--index-url $TORCH_CPU_INDEX"* ]]; then
-                run="${line/--index-url $TORCH_CPU_INDEX/}"
-            fi
-            q=$(printf '%q' "$line")
-            echo "__t0=\$(date +%s%N); echo \"+ \"$q"
-            echo "$run"
-            echo "__rc=\$?; __ms=\$(( (\$(date +%s%N) - __t0) / 1000000 )); echo \"TIMING \$__rc \$((__ms / 1000)).\$(printf %03d \$((__ms % 1000))) \"$q; [ \$__rc -eq 0 ] || exit \$__rc"
-        done
-    } > "$dir/driver.sh"
+    driver "$dir" "${LINES[@]:1}" > "$dir/driver.sh"
     if [ "$TORCH_INDEX_OK" = 0 ] && printf '%s\n' "${LINES[@]}" | grep -q -- "--index-url $TORCH_CPU_INDEX"; then
-        note="download.pytorch.org unreachable: torch from the configured index"
+        note="download.pytorch.org unreachable: torch==X+cpu from the configured index"
     fi
     echo "== $fw: $(( ${#LINES[@]} - 1 )) lines from docs/use-with-$fw.md, log $log"
     bash "$dir/driver.sh" > "$log" 2>&1
@@ -86,6 +111,8 @@ for fw in "${FRAMEWORKS[@]}"; do
     if [ $rc -ne 0 ]; then
         result="FAILED (exit $rc at: $(grep '^TIMING' "$log" | tail -1 | cut -d' ' -f4-))"
         [ -z "$run_line" ] && result="FAILED (exit $rc during install: $(grep '^+ ' "$log" | tail -1 | cut -c3-))"
+        pip_error=$(grep -m1 '^ERROR: ' "$log")
+        [ -n "$pip_error" ] && result="$result: $pip_error"
     else
         startup=$(grep -m1 -oE "r3bridge \([^)]*\): replay_mode=(R3|R2) \(from [^)]*\)+" "$log")
         # what the framework returned: the mode code (3 = R3, 2 = R2) and the update's coverage

@@ -1,30 +1,22 @@
 """Stands in for ``python`` / ``python3`` when tests run a guide's shell command lines.
 
-Each guide ends in a launch that needs GPUs and a cluster (Ray, SGLang, vLLM). This runs the same
-command line up to that point, with r3bridge's and the framework's own code: the entry point is
-imported as the command names it (from whatever folder the shell is in), the command line is parsed
-by the framework's own parser, r3bridge's section is resolved and validated, and the framework's own
-config checks run. Then it prints ``GUIDE-OK <what>`` and exits instead of starting the cluster.
+verl's guide ends in a launch that needs GPUs and a cluster. This runs the same command line up to
+that point, with r3bridge's and verl's own code: the entry point is run as the command names it (from
+whatever folder the shell is in), the command line is composed by verl's hydra config, r3bridge's
+section is resolved and validated. Then it prints ``GUIDE-OK <what>`` and exits instead of starting
+the cluster. (SkyRL's and AReaL's guide commands run as written, with the real interpreter: r3bridge's
+launchers for them stop by themselves, in one line, where this machine cannot go on.)
 
-    python testlab/guide_dry_run.py -m r3bridge.adapters.skyrl.main <SkyRL overrides>
     python testlab/guide_dry_run.py -m r3bridge.adapters.verl.main_ppo <verl overrides>
-    python testlab/guide_dry_run.py -m areal.infra.launcher.local SCRIPT --config YAML <overrides>
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 MOE_HF = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
           "mlp_only_layers": []}
-
-
-def skyrl(argv: list[str]) -> str:
-    from r3bridge.adapters.skyrl.main import config_from_argv  # everything main() does before Ray
-    cfg = config_from_argv(argv)
-    return f"skyrl replay_mode={cfg.trainer.r3bridge.replay_mode.value}"
 
 
 def verl(argv: list[str]) -> str:
@@ -48,25 +40,12 @@ def verl(argv: list[str]) -> str:
     return f"verl replay_mode={rc.replay_mode.value}"
 
 
-def areal(argv: list[str]) -> str:
-    from r3bridge.adapters.areal.config import parse_cli, section_of
-
-    script = argv[0]
-    spec = importlib.util.spec_from_file_location("guide_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)                          # the example imports as AReaL's launcher runs it
-    cfg = parse_cli(argv)                                    # AReaL's own parser, as load_expr_config
-    section = section_of(cfg)
-    return f"areal replay_mode={section.replay_mode.value if section else 'unset'}"
-
-
 def main() -> None:
     args = sys.argv[1:]
     if args[:1] != ["-m"]:
         raise SystemExit(f"guide_dry_run: expected -m MODULE, got {args}")
     module, rest = args[1], args[2:]
-    run = {"r3bridge.adapters.skyrl.main": skyrl, "r3bridge.adapters.verl.main_ppo": verl,
-           "areal.infra.launcher.local": areal}.get(module)
+    run = {"r3bridge.adapters.verl.main_ppo": verl}.get(module)
     if run is None:
         raise SystemExit(f"guide_dry_run: no dry run for {module}")
     print(f"GUIDE-OK {run(rest)}", flush=True)

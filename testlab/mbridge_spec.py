@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Any, Iterator, Literal, Optional
 
 import torch
@@ -222,13 +223,16 @@ __all__ = ["TE_ONLY_OFF", "TEFreeBridgeMixin", "hf_moe_layer_freq", "rank_contex
 
 
 def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int = 4, topk: int = 2,
-                   vocab: int = 128, max_positions: int = 512) -> Any:
+                   vocab: int = 128, max_positions: int = 512, head_dim: int | None = None) -> Any:
     """The HF config of a tiny first-k-dense Qwen3-MoE, as the verl and AReaL runners hand it to mbridge (what a checkpoint's ``config.json`` holds;
-    no weights: the harness bridge seeds them)."""
+    no weights: the harness bridge seeds them). ``head_dim``: 8 unless given or set by ``R3E2E_HEAD_DIM``
+    (a GPU run can widen the heads without a code change, should an engine's attention kernels refuse 8)."""
     from transformers import Qwen3MoeConfig
 
+    head_dim = head_dim if head_dim is not None else int(os.environ.get("R3E2E_HEAD_DIM", "8"))
+
     cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                          num_experts=num_experts, num_experts_per_tok=topk, mlp_only_layers=list(dense),
                          decoder_sparse_step=1, max_position_embeddings=max_positions, tie_word_embeddings=False,
                          pad_token_id=0, eos_token_id=1, bos_token_id=1,

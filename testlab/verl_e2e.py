@@ -11,6 +11,11 @@ rollout server's calls, the router calls of the actor and reference models, and 
 metrics; :func:`check_dispatch` compares them per (sample, token, layer) through
 :mod:`testlab.dispatch_records`.
 
+The rollout backend is chosen by ``R3E2E_ROLLOUT`` (:func:`rollout_backend`): ``hf`` (default,
+:mod:`testlab.verl_hf_rollout`, which logs its own calls) or ``vllm`` (verl's own vLLM server and
+weight sync; :func:`rollout_overrides`, :func:`rollout_env`), whose returned routes are logged by
+the agent loops (:class:`testlab.verl_e2e_agent.CallRecorder`) and checked the same way.
+
 Samples are told apart by their tokens: each rollout call is logged with its prompt and output,
 a trajectory's calls are the ones whose tokens it continues, and a packed trainer sequence is the
 trajectory whose tokens it holds. A sample id is the index of its trajectory in the run's sorted
@@ -93,10 +98,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 def write_data(path: str, multi_turn: bool) -> None:
     import pandas as pd
 
+    from testlab.verl_e2e_agent import SINGLE_TURN, TOOL_AGENT
+
     rows = []
     for i in range(PROMPTS):
         words = " ".join(f"w{(7 * i + 3 * j) % 50}" for j in range(3 + i % 3))
-        agent = "r3e2e_tool_agent" if (multi_turn and i in MULTI_TURN) else "single_turn_agent"
+        agent = TOOL_AGENT if (multi_turn and i in MULTI_TURN) else SINGLE_TURN
         rows.append({"data_source": "r3e2e", "prompt": [{"role": "user", "content": words}], "ability": "echo",
                      "reward_model": {"style": "rule", "ground_truth": f"w{i}"}, "agent_name": agent,
                      "extra_info": {"index": i, "split": "train"}})
@@ -109,7 +116,7 @@ def write_job(root: str, *, multi_turn: bool = True, first_seen: bool = True) ->
     paths = {"root": root, "model": os.path.join(root, "model"), "train": os.path.join(root, "train.parquet"),
              "reward": os.path.join(root, "reward.py"), "agent": os.path.join(root, "agent_loops.yaml"),
              "tools": os.path.join(root, "tools.yaml"), "logs": os.path.join(root, "logs"),
-             "metrics": os.path.join(root, "metrics.jsonl")}
+             "agent_calls": os.path.join(root, "logs", "agent_calls"), "metrics": os.path.join(root, "metrics.jsonl")}
     write_model(paths["model"], save_weights=os.environ.get("R3E2E_SAVE_WEIGHTS") == "1")
     write_data(paths["train"], multi_turn)
     with open(paths["reward"], "w") as f:
@@ -137,9 +144,7 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             f"{a}.actor.use_kl_loss=True", f"{a}.actor.kl_loss_coef=0.01",
             f"{a}.rollout.log_prob_use_dynamic_bsz=True", f"{a}.rollout.log_prob_max_token_len_per_gpu={tok}",
             f"{a}.ref.log_prob_use_dynamic_bsz=True", f"{a}.ref.log_prob_max_token_len_per_gpu={tok}",
-            f"{a}.rollout.name=hf_r3", f"{a}.rollout.mode=async", f"{a}.rollout.n={N}",
-            f"{a}.rollout.tensor_model_parallel_size=1", f"{a}.rollout.calculate_log_probs=True",
-            f"{a}.rollout.enable_rollout_routing_replay={mode == 'R3'}",
+            *rollout_overrides(mode),
             f"{a}.rollout.agent.num_workers=1", f"{a}.rollout.agent.agent_loop_config_path={paths['agent']}",
             f"{a}.rollout.multi_turn.format=r3e2e", f"{a}.rollout.multi_turn.tool_config_path={paths['tools']}",
             f"{a}.rollout.multi_turn.max_assistant_turns=2",
@@ -153,6 +158,55 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             f"r3bridge.replay_mode={mode}"]
 
 
+# ------------------------------------------------------------------------------------ rollout backend
+VLLM_SITE = "/tmp/site-vllm"      # scripts/gpu/bundle.sh installs the vLLM wheel set there
+
+
+def rollout_backend() -> str:
+    """``R3E2E_ROLLOUT``: ``hf`` (default) or ``vllm`` (verl's own server; the device only)."""
+    name = os.environ.get("R3E2E_ROLLOUT", "hf")
+    if name not in ("hf", "vllm"):
+        raise ValueError(f"R3E2E_ROLLOUT={name!r}: hf or vllm")
+    return name
+
+
+def rollout_overrides(mode: str) -> list[str]:
+    """verl's rollout overrides for the chosen backend. vLLM: verl's own async server and weight
+    sync (``load_format=dummy``: the engine serves only what the trainer synced), sleep mode and
+    ``free_cache_engine`` as verl sets them, a memory share that leaves room for the trainer on
+    the same GPU (``R3E2E_VLLM_GPU_MEM``, default 0.3), prefix caching per ``R3E2E_PREFIX_CACHE``
+    (default 1), chunked prefill on with a 32-token budget so the prompts (up to 24 tokens, 60 with
+    a second turn) are prefilled in chunks, CUDA graphs at vLLM's default (``enforce_eager=False``)."""
+    a = "actor_rollout_ref.rollout"
+    common = [f"{a}.mode=async", f"{a}.n={N}", f"{a}.tensor_model_parallel_size=1", f"{a}.calculate_log_probs=True",
+              f"{a}.enable_rollout_routing_replay={mode == 'R3'}"]
+    if rollout_backend() == "hf":
+        return [f"{a}.name=hf_r3", *common]
+    prefix = os.environ.get("R3E2E_PREFIX_CACHE", "1") == "1"
+    return [f"{a}.name=vllm", *common, f"{a}.gpu_memory_utilization={os.environ.get('R3E2E_VLLM_GPU_MEM', '0.3')}",
+            f"{a}.enable_prefix_caching={prefix}", f"{a}.enable_chunked_prefill=True",
+            f"{a}.max_num_batched_tokens=32", f"{a}.max_num_seqs=16", f"{a}.free_cache_engine=True",
+            f"{a}.enforce_eager=False", f"{a}.load_format=dummy"]
+
+
+def rollout_env(env: dict[str, str]) -> dict[str, str]:
+    """The backend's environment. vLLM: its wheel set's site first on ``PYTHONPATH`` (fastapi
+    0.136 over verl's 0.165: vLLM 0.24.0 pins < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0``
+    (the set carries no flashinfer; vLLM's sampler imports it unguarded at the default)."""
+    if rollout_backend() != "vllm":
+        return env
+    site = os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    return {**env, "PYTHONPATH": os.pathsep.join([site, *parts]), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def run_tag(mode: str, variant: str) -> str:
+    """The output name of one job: the HF runs keep their names; vLLM runs carry the prefix-cache arm."""
+    if rollout_backend() == "hf":
+        return f"{mode}_{variant}"
+    return f"vllm_{mode}_{variant}_pc{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
+
+
 def job_env(paths: dict[str, str], repo_root: str, *, gpu: bool = False) -> dict[str, str]:
     """The job's environment. CPU: verl's NVIDIA platform with gloo (:mod:`testlab.verl_e2e_platform`,
     through verl's own ``VERL_USE_EXTERNAL_MODULES`` / ``VERL_PLATFORM``); ``gpu``: verl's own."""
@@ -160,10 +214,11 @@ def job_env(paths: dict[str, str], repo_root: str, *, gpu: bool = False) -> dict
     if not gpu:
         env.update(VERL_USE_EXTERNAL_MODULES="testlab.verl_e2e_platform", VERL_PLATFORM="r3bridge_cpu")
     env.update(PYTHONPATH=os.pathsep.join([repo_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               R3E2E_LOG_DIR=paths["logs"], VERL_FILE_LOGGER_PATH=paths["metrics"],
+               R3E2E_LOG_DIR=paths["logs"], R3E2E_AGENT_LOG_DIR=paths["agent_calls"],
+               VERL_FILE_LOGGER_PATH=paths["metrics"],
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1",
                RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
-    return env
+    return rollout_env(env)
 
 
 # ------------------------------------------------------------------------------------ after the run
@@ -199,6 +254,8 @@ class Trajectory:
 
 
 def read_calls(log_dir: str) -> list[Call]:
+    """The calls logged in ``log_dir`` (the HF server's own log, or the agent loops'
+    ``agent_calls``), in time order."""
     calls = []
     for i, f in enumerate(sorted(glob.glob(os.path.join(log_dir, "call_*.pt")), key=lambda p: int(p.split("_")[-2]))):
         d = torch.load(f)
@@ -281,16 +338,20 @@ class RunResult:
     dispatch: list[dict]
     metrics: list[dict]
     output: str = ""
+    agent_calls: list[Call] = field(default_factory=list)    # the agent loops' log of the same calls
 
     def sample_of(self) -> dict[tuple, int]:
         return {tuple(t.tokens): i for i, t in enumerate(self.trajs)}
 
 
 def read_run(paths: dict[str, str], rc: int, output: str = "") -> RunResult:
-    calls = read_calls(paths["logs"])
+    """The run's logs. The routes to check are the ones the rollout server handed back: the HF
+    server logs its own calls; verl's vLLM server does not, and the agent loops' log is read."""
+    agent = read_calls(paths["agent_calls"])
+    calls = agent if rollout_backend() == "vllm" else read_calls(paths["logs"])
     recs = read_dispatch(paths["logs"])
     seqs = [s for r in recs for s in r["batch"]["seqs"]]
-    return RunResult(rc, calls, trajectories(seqs, calls), recs, read_metrics(paths["metrics"]), output)
+    return RunResult(rc, calls, trajectories(seqs, calls), recs, read_metrics(paths["metrics"]), output, agent)
 
 
 def expected_batch(trajs: list[Trajectory], *, first_seen: bool = True, sample_ids: Optional[list[int]] = None) -> Any:
@@ -315,6 +376,8 @@ class StepCheck:
     compared: dict[str, int] = field(default_factory=dict)   # pass -> (sample, token, layer) rows compared
     ref_native: tuple[int, int] = (0, 0)    # (rows where the reference dispatched its own top-k, rows)
     ref_equal_rollout: tuple[int, int] = (0, 0)   # R3: (ref rows equal to the rollout route, valid rows)
+    # R3: (compute_log_prob rows whose trainer-native top-k equals the engine's route, rows compared)
+    native_vs_rollout: tuple[int, int] = (0, 0)
     reprefill: tuple[int, int] = (0, 0)     # (re-prefilled rows whose route differs from first-seen, re-prefilled rows)
 
 
@@ -380,16 +443,10 @@ def check_run(res: RunResult, mode: str, *, first_seen: bool = True) -> list[Ste
         if hooks != {None}:
             chk.errors.append(f"step {step}: reference routers carry a replay hook {sorted(map(str, hooks))}")
         if mode == "R3":
-            ref_rec = dispatch_log(ref, sample_of, framework="ref", step_of=step_of).records()
             roll = expected_batch(trajs, first_seen=True)
-            same = total = 0
-            for key, ids in ref_rec.table().items():
-                s, t, layer = key[3:]
-                r_routes, r_valid = roll.sequence(s)
-                if t < r_valid.numel() and bool(r_valid[t]):
-                    total += 1
-                    same += bool(torch.equal(ids, r_routes[t, MOE_LAYERS.index(layer)].to(torch.int64).sort().values))
-            chk.ref_equal_rollout = (same, total)
+            chk.ref_equal_rollout = _equal_rows(dispatch_log(ref, sample_of, framework="ref", step_of=step_of).records(),
+                                                roll)
+            chk.native_vs_rollout = _equal_rows(_native_records(old, "verl", step, sample_of), roll)
         dis = ov = 0
         for t in trajs:
             if len(t.calls) > 1:
@@ -404,6 +461,18 @@ def check_run(res: RunResult, mode: str, *, first_seen: bool = True) -> list[Ste
         chk.reprefill = (dis, ov)
         out.append(chk)
     return out
+
+
+def _equal_rows(records: Any, roll: Any) -> tuple[int, int]:
+    """(rows of ``records`` whose ids equal the rollout's route, rows with a rollout route)."""
+    same = total = 0
+    for key, ids in records.table().items():
+        s, t, layer = key[3:]
+        r_routes, r_valid = roll.sequence(s)
+        if t < r_valid.numel() and bool(r_valid[t]):
+            total += 1
+            same += bool(torch.equal(ids, r_routes[t, MOE_LAYERS.index(layer)].to(torch.int64).sort().values))
+    return same, total
 
 
 def _recorded_batch(rec: Any, lens: list[int]) -> Any:

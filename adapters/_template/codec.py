@@ -6,6 +6,16 @@ right or both), ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
 ``RECORDED_KEY`` ``[B, S, L_moe, K]``. Routes must travel *per sample*, in fields the framework
 moves with its samples through every split (check which of its utilities move which fields).
 
+**Layer ids are 0-based global** (HF config index, Megatron ``layer_number - 1``): the layer axis
+of ``ROUTES_KEY`` is the engine's, every decoder layer, and ``moe_layer_ids`` picks the MoE ones
+by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.layer_ids.layers_from_mapping`,
+which says so when its keys are 1-based.
+
+**Aborted samples.** An engine call that was aborted returns no routes (vLLM: ``routed_experts``
+is ``None``); its sample still trains, every row invalid (routed natively, counted in coverage).
+Top-k comes from the model (``topk``, the HF config's ``num_experts_per_tok``), never from the
+samples: a micro-batch whose samples were all aborted has no route to read it from.
+
 **"No route" is said explicitly.** One rule, the same in docs/porting.md and
 :func:`r3bridge.canonical.nonzero_rows`: a row the engine did not route is marked by a validity
 field (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
@@ -24,7 +34,7 @@ import torch
 
 from r3bridge.canonical import drop_final_invalid_rows, moe_layers_of, nonzero_rows
 from r3bridge.dense import NO_ROUTE, padded_routes
-from r3bridge.errors import CoverageError
+from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch
 
@@ -39,15 +49,18 @@ SAMPLE_KEY = "r3bridge_sample"               # [B] batch-level sample index (R2 
 class TemplateCodec:
     """The :class:`r3bridge.protocols.BatchCodec`; the conformance suite calls exactly these four."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int, topk: int) -> None:
+        """The model's shape (``r3bridge.hf.ModelInfo.from_hf_config``): expert count, MoE layers
+        (0-based global ids), decoder layer count, top-k."""
         self.num_experts = int(num_experts)
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
+        self.topk = int(topk)
 
     def model_info(self) -> ModelInfo:
         """The model the routes are read for (your adapter: ``ModelInfo.from_hf_config(hf_config)``)."""
         return ModelInfo(num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-                         num_layers=self.num_hidden_layers)
+                         num_layers=self.num_hidden_layers, topk=self.topk)
 
     def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order."""
@@ -62,6 +75,9 @@ class TemplateCodec:
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
+        if int(routes.shape[-1]) != self.topk:      # the model's top-k, whatever the samples hold
+            raise RouteShapeError(f"{ROUTES_KEY} carries {int(routes.shape[-1])} expert ids per token and layer, "
+                                  f"the model routes top-{self.topk}")
         # the engine reports every decoder layer: keep the MoE ones, by id
         moe = moe_layers_of(torch.as_tensor(routes), self.moe_layer_ids, layer_dim=2,
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)

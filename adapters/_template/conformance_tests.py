@@ -41,15 +41,19 @@ from r3bridge.testing.suite import AdapterFixtures, BaseIngestTests, BaseMegatro
 # ---------------------------------------------------------------------------------- your framework
 def framework_batch(rollout: CanonicalRollout) -> dict:
     """The toy framework's batch: each sample's engine calls stitched first-seen (every call
-    starts at row 0 here), right-padded; ``VALID_KEY`` marks the tokens an engine call routed."""
+    starts at row 0 here), right-padded; ``VALID_KEY`` marks the tokens an engine call routed (none
+    of an aborted sample, whose calls returned ``None``). The routes field has the model's top-k."""
     b, s = rollout.batch_size, max(len(t) for t in rollout.tokens)
     batch = {"input_ids": torch.zeros(b, s, dtype=torch.int64), "attention_mask": torch.zeros(b, s, dtype=torch.bool),
              ROUTES_KEY: torch.zeros(b, s, rollout.num_layers, rollout.topk, dtype=torch.int32)}
     valid = torch.zeros(b, s, dtype=torch.bool)
     for i, tokens in enumerate(rollout.tokens):
-        rows = torch.from_numpy(first_seen_rows(rollout.calls[i])[0].astype("int32"))
         batch["input_ids"][i, :len(tokens)] = torch.tensor(tokens)
         batch["attention_mask"][i, :len(tokens)] = True
+        calls = [c for c in rollout.calls[i] if c is not None]      # aborted calls returned no routes
+        if not calls:
+            continue
+        rows = torch.from_numpy(first_seen_rows(calls)[0].astype("int32"))
         batch[ROUTES_KEY][i, :len(rows)] = rows
         valid[i, :len(rows)] = True
     if VALID_KEY is not None:
@@ -84,7 +88,7 @@ class TemplateRunner:
 
     def __init__(self, rollout: CanonicalRollout) -> None:
         self.codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
-                                   num_hidden_layers=rollout.num_layers)
+                                   num_hidden_layers=rollout.num_layers, topk=rollout.topk)
         self.batch = framework_batch(rollout)
 
     def attach(self, ctx, chunks, mode):
@@ -123,11 +127,16 @@ class TemplateFixtures(AdapterFixtures):
     @pytest.fixture
     def codec(self, rollout):
         return TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
-                             num_hidden_layers=rollout.num_layers)
+                             num_hidden_layers=rollout.num_layers, topk=rollout.topk)
 
     @pytest.fixture
     def native_batch(self, rollout):
         return framework_batch(rollout)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def aborted_samples(cls):
+        return (4, 5)               # aborted engine calls; checks 4-5: micro-batch 2 holds only these two
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -144,7 +153,8 @@ class TestTemplateIngest(BaseIngestTests, TemplateFixtures):
     """Checks 1-3, and the rollout side: the engine calls of each sample, stitched first-seen."""
 
     def test_rollout_ingest(self, rollout):
-        ingest = TemplateRollout(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids)
+        ingest = TemplateRollout(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                                 topk=rollout.topk)
         read = canonical_form(ingest.routes_from_rollout(rollout.calls), [len(t) for t in rollout.tokens])
         assert_same_batch(read, rollout.expected(), "TemplateRollout")
 

@@ -3,7 +3,8 @@
 Files as in every adapter (docs/porting.md): ``config.py`` (the ``r3bridge:`` section in AReaL's
 YAML, :func:`grpo_config_class`), ``rollout.py`` (SGLang responses -> ReplayBatch, stitched
 first-seen), ``codec.py`` (the per-trajectory routes tensor <-> ReplayBatch), ``hooks.py`` (the
-mixins and class factories), ``_compat.py`` (importing AReaL without its agent stack). See
+mixins and class factories), ``_compat.py`` (importing AReaL without its agent stack), plus
+``launch.py`` (the launch line: AReaL's local launcher after r3bridge's checks). See
 docs/use-with-areal.md.
 """
 from __future__ import annotations

@@ -37,9 +37,9 @@ __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per trajectory [1, 2] int64
-# (batched [B, 2]): (weight version, re-prefill epoch), -1 unknown; AReaL's R3 engine is SGLang, no
-# request id travels
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per trajectory [1, 3] int64
+# (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown; AReaL's R3 engine is
+# SGLang, no request id travels
 ENGINE = "sglang"
 PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 

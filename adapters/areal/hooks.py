@@ -41,6 +41,7 @@ from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
+from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
@@ -157,7 +158,7 @@ class WorkflowMixin:
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
         # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
-        out.update(provenance_fields([routes], [logprobs]))     # [1, 2] each: one trajectory
+        out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
         return out
 
 
@@ -287,13 +288,19 @@ class MegatronEngineMixin:
                 routes = replay_batch_from_tensor(carried[key], gids, lens, num_experts=self.r3.model.num_experts,
                                                   moe_layer_ids=self.r3.model.moe_layer_ids,
                                                   source="recorded" if key == RECORDED_KEY else "rollout")
+            uids = None
+            if self.r3.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
+                cu = mb["cu_seqlens"].tolist()
+                uids = [token_uid(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]]) for j in range(n)]
             if int(pmb["cu_seqlens"].numel()) - 1 > n:
                 # AReaL's trailing page-padding "sequence": all packing padding, declared as a
                 # 1-token sequence without routes (no sample), so coverage counts no missing route
                 # for it; the plan still takes its padded length from cu_seqlens, which is what
                 # the CP zigzag and the SP split use.
                 lens, gids = lens + [1], gids + [None]
-            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu())
+                uids = None if uids is None else uids + [None]
+            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu(),
+                                     uids=uids)
         if self.r3_provenance is not None:      # this pass's samples: a mini-batch of the actor's batch
             self.r3_pass_provenance = self.r3_provenance.select([gid_of_row[r] for r in fwd])
         return mb_list

@@ -40,9 +40,9 @@ ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
 # Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.provenance's
-# provenance_fields): int64 [B, 2] (weight version, re-prefill epoch), -1 = unknown. SkyRL's weight
-# version is its inference client's ``weight_version`` (one per weight sync); the batch holds no
-# engine name or request id, so provenance names the engine ENGINE and no request.
+# provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
+# weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
+# no engine name or request id, so provenance names the engine ENGINE and no request.
 ENGINE = "skyrl"
 
 

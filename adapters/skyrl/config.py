@@ -15,14 +15,15 @@ Without the section, ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` are r
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
-from r3bridge.job_check import JobCheck, with_replay_section
+from r3bridge.job_check import JobCheck, setting, with_replay_section
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
-           "SECTION"]
+           "speculative_settings", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="
@@ -79,6 +80,9 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
         "trainer.ref.megatron_config.moe_enable_routing_replay", getattr(ref_mc, "moe_enable_routing_replay", False),
         off=False).raise_if_any(RoleError)
     check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").all_hidden_layers("vLLM")
+    spec = speculative_decoding_problem(rc.replay_mode.value, "vllm", speculative_settings(cfg),
+                                        configured_version=rc.engine_version)
+    check.refuse(spec, spec)
     check.rollout_routes("generator.inference_engine.enable_return_routed_experts",
                          bool(getattr(ie, "enable_return_routed_experts", False)), engine="vLLM")
     if rc.replay_mode is ReplayMode.R2:
@@ -88,3 +92,27 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     if rc.replay_mode is ReplayMode.R3:
         mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
     return rc
+
+
+def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on (SkyRL rolls out with
+    vLLM only): ``generator.inference_engine.speculative_config``, ``trainer.mtp.enabled`` (SkyRL's
+    ``validate_cfg`` then writes an MTP ``speculative_config``, unless ``SKYRL_DISABLE_SPEC=1``), and a
+    ``speculative_config`` passed through ``engine_init_kwargs`` / ``prefill_init_kwargs`` /
+    ``decode_init_kwargs`` (applied last, over SkyRL's own engine args)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    ie = cfg.generator.inference_engine
+    base = "generator.inference_engine"
+    out: dict[str, Any] = {}
+    if getattr(ie, "speculative_config", None):
+        out[f"{base}.speculative_config"] = setting(ie, "speculative_config", plain=True)
+    mtp = getattr(cfg.trainer, "mtp", None)
+    if mtp is not None and bool(getattr(mtp, "enabled", False)) and env.get("SKYRL_DISABLE_SPEC") != "1":
+        out["trainer.mtp.enabled"] = True
+    for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
+        passed = setting(ie, kw, {}, plain=True)
+        if passed.get("speculative_config"):
+            out[f"{base}.{kw}.speculative_config"] = passed["speculative_config"]
+    return out

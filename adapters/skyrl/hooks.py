@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
+from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
@@ -117,6 +119,10 @@ class SkyRLReplay:
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
+        if session.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
+            targets = [dataclasses.replace(mb, uids=[token_uid(s[a.bool()]) for s, a in
+                                                     zip(m["sequences"], m["attention_mask"])])
+                       for mb, m in zip(targets, mbs)]
         # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
         with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
                          packing_from_forward=True):

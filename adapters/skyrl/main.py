@@ -9,17 +9,24 @@ The command line is parsed by SkyRL's parser into :func:`~r3bridge.adapters.skyr
 (``trainer.r3bridge.*`` is a typed field); :func:`~r3bridge.adapters.skyrl.config.prepare_skyrl_config`
 fills it (environment fallback) and makes SkyRL's own checks pass. The section reaches the Ray workers
 inside the policy worker class (:func:`policy_worker_class`), not through the environment.
+
+Before Ray starts, the launcher refuses in one line (exit status 2): a bad ``trainer.r3bridge`` value or
+key, and an environment where SkyRL's Megatron workers cannot start (:func:`cannot_start`: Python < 3.12,
+no Megatron-Bridge), which would otherwise surface as a traceback in every Ray worker.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
+from typing import Any, Optional
 
 import ray
 
 from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class, ref_worker_class
 from r3bridge.adapters.skyrl._compat import import_skyrl
-from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config_from_skyrl
+from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
+from r3bridge.errors import ReplayError
 
 # the generator first: on Python 3.11 import_skyrl must skip skyrl.train.generators' __init__ (its
 # VLM generator's pydantic chain), which main_base imports from
@@ -70,8 +77,46 @@ def config_from_argv(argv: list[str]):
     return cfg
 
 
+def cannot_start(cfg: Any) -> Optional[str]:
+    """Why SkyRL's Megatron workers cannot start in this environment (``None``: they can), said in the
+    launcher before Ray starts them: otherwise each Ray worker dies on its first SkyRL import."""
+    if cfg.trainer.strategy != "megatron":
+        return None
+    reasons = []
+    if sys.version_info < (3, 12):
+        # skyrl.backends' __init__ -> skyrl.tinker.types: pydantic models over typing.TypedDict, which
+        # pydantic refuses before 3.12; every Ray worker imports SkyRL's classes the normal way
+        reasons.append(f"SkyRL's package does not import on Python {sys.version.split()[0]} (pydantic: \"Please use "
+                       "typing_extensions.TypedDict instead of typing.TypedDict on Python < 3.12\", from "
+                       "skyrl.tinker.types), and its Ray workers import it")
+    if importlib.util.find_spec("megatron.bridge") is None:
+        # megatron_worker.py imports AutoBridge at module level; SkyRL 0.3/0.4's megatron extra declares
+        # megatron-bridge for Python >= 3.12 only
+        reasons.append("SkyRL's Megatron worker imports megatron.bridge (Megatron-Bridge), which is not installed; "
+                       "SkyRL's `megatron` extra installs it on Python >= 3.12 only")
+    if not reasons:
+        return None
+    return ("SkyRL's Megatron job cannot start here: " + "; ".join(reasons) + ". Run it on Python 3.12 in SkyRL's "
+            "training environment (pip install \"skyrl[megatron]\"); docs/use-with-skyrl.md, \"Install\"")
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def main() -> None:
-    cfg = config_from_argv(sys.argv[1:])
+    try:
+        cfg = config_from_argv(sys.argv[1:])
+    except ReplayError as e:            # a bad value in trainer.r3bridge, a contradiction: one line, before Ray
+        _refuse(f"{type(e).__name__}: {e}" if SECTION in str(e) else f"{type(e).__name__}: {SECTION}: {e}")
+    except ValueError as e:
+        if "ReplayConfig" not in str(e):    # SkyRL's own keys: SkyRL's message as it raises it
+            raise
+        _refuse(f"{SECTION}: {e}")          # SkyRL's parser, on a mistyped key of the section
+    problem = cannot_start(cfg)
+    if problem:
+        _refuse(problem)
     main_base.initialize_ray(cfg)
     ray.get(entrypoint.remote(cfg))
 

@@ -25,7 +25,9 @@ carries in the batch's non-tensor fields; :func:`stitch_metrics` turns a batch's
 metrics. It also gains the sample's route and log-prob provenance
 (:data:`r3bridge.adapters.verl.codec.ROUTE_PROVENANCE_KEY` / ``LOGPROB_PROVENANCE_KEY``,
 :func:`r3bridge.adapters.verl.rollout.call_provenance`), which the engine compares per
-``provenance_check``.
+``provenance_check``; a turn generated again (a retry: the call does not continue the context)
+starts the next attempt, so a sample whose first-seen rows come from an attempt its tokens do
+not is counted or refused, never replayed in silence.
 """
 from __future__ import annotations
 
@@ -47,18 +49,30 @@ DISAGREE_KEY = "r3bridge_reprefill_disagreeing_rows"
 
 
 class _RouteCapture:
-    """The agent loop's server client, forwarding every call and keeping each call's routes."""
+    """The agent loop's server client, forwarding every call and keeping each call's routes, and
+    numbering attempts: a call whose prompt does not continue what the calls before it produced
+    (prompt + output) throws that output away and generates again, a retry, so it starts the next
+    attempt. (verl 0.9.1's own loops never retry a turn, and its resuming client continues an
+    aborted request inside one call; a custom loop that regenerates a turn is what this sees.)"""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.calls: list[Any] = []
         self.outputs: list[Any] = []     # the TokenOutputs of those calls (their provenance)
+        self.attempts: list[int] = []    # the attempt of each of those calls
+        self._attempt = 0
+        self._context: list[int] | None = None
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
         out = await self._inner.generate(*args, **kwargs)
+        prompt = [int(x) for x in kwargs.get("prompt_ids") or []]
+        if self._context is not None and prompt[:len(self._context)] != self._context:
+            self._attempt += 1
+        self._context = prompt + [int(x) for x in (getattr(out, "token_ids", None) or [])]
         if out.routed_experts is not None:
             self.calls.append(out.routed_experts)
             self.outputs.append(out)
+            self.attempts.append(self._attempt)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -96,7 +110,8 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
             agent_data.extra_fields[DISAGREE_KEY] = int(report.total_disagreeing)
             routes_from, logprobs_from = call_provenance(self.server_manager.outputs,
                                                          engine=str(self.config.actor_rollout_ref.rollout.name or "verl"),
-                                                         request_id=str(agent_data.request_id))
+                                                         request_id=str(agent_data.request_id),
+                                                         attempts=self.server_manager.attempts)
             agent_data.extra_fields[ROUTE_PROVENANCE_KEY] = routes_from
             agent_data.extra_fields[LOGPROB_PROVENANCE_KEY] = logprobs_from
         return state

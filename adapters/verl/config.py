@@ -14,16 +14,27 @@ from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
+from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, setting
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "replay_config_from_env", "validate_verl_config",
-           "check_engine_config", "prepare_verl_config"]
+           "check_engine_config", "prepare_verl_config", "speculative_settings"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
 _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+def _interpolated(cfg: Any, parent: str, key: str) -> bool:
+    """Whether ``parent.key`` of an OmegaConf config is an interpolation (``${...}``)."""
+    try:
+        from omegaconf import OmegaConf
+        node = setting(cfg, parent)
+        return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
+    except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
+        return False
 
 
 def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
@@ -57,6 +68,7 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
                  f"micro-batches outside the engine; not supported with r3bridge replay")
     check.refuse(f.get("cp_layout") not in (None, "zigzag"), f"context-parallel layout {f.get('cp_layout')!r}: "
                  f"only verl's zigzag CP layout is supported")
+    check.refuse(f.get("speculative"), f.get("speculative"))
     check.moe_model(f.get("moe_layer_ids")).raise_if_any()
 
 
@@ -77,8 +89,35 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None) -> ReplayConfig:
         "router_fusion": s(f"{_MEGATRON}.override_transformer_config.moe_router_fusion"),
         "dynamic_cp": s(f"{_MEGATRON}.dynamic_context_parallel"),
         "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
+        # R3 + a speculative draft on an engine release that lets it overwrite the routes (engine_settings)
+        "speculative": speculative_decoding_problem(cfg.replay_mode.value, *speculative_settings(verl_cfg),
+                                                    configured_version=cfg.engine_version),
     }, "verl config")
     return cfg
+
+
+def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
+    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it): the
+    MTP draft (``actor_rollout_ref.rollout.mtp``, by default ``actor_rollout_ref.model.mtp``:
+    ``enable`` and ``enable_rollout``), vLLM's ``engine_kwargs.vllm.speculative_config``, SGLang's
+    ``engine_kwargs.sglang.speculative_algorithm`` (verl's servers pass both on to the engine)."""
+    s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
+    engine = s("actor_rollout_ref.rollout.name")
+    engine = None if engine is None else str(engine).lower()
+    out: dict[str, Any] = {}
+    # verl's servers read rollout.mtp; by default it is ${actor_rollout_ref.model.mtp}: name the key
+    # the user wrote
+    own = s("actor_rollout_ref.rollout.mtp") is not None and not _interpolated(verl_cfg, "actor_rollout_ref.rollout",
+                                                                                "mtp")
+    mtp = "actor_rollout_ref.rollout.mtp" if own else "actor_rollout_ref.model.mtp"
+    if bool(s(f"{mtp}.enable", False)) and bool(s(f"{mtp}.enable_rollout", False)):
+        out[f"{mtp}.enable"] = out[f"{mtp}.enable_rollout"] = True
+    kwargs = "actor_rollout_ref.rollout.engine_kwargs"
+    if engine == "vllm" and s(f"{kwargs}.vllm.speculative_config"):
+        out[f"{kwargs}.vllm.speculative_config"] = setting(verl_cfg, f"{kwargs}.vllm.speculative_config", plain=True)
+    if engine == "sglang" and s(f"{kwargs}.sglang.speculative_algorithm"):
+        out[f"{kwargs}.sglang.speculative_algorithm"] = s(f"{kwargs}.sglang.speculative_algorithm")
+    return engine, out
 
 
 def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = None,

@@ -16,7 +16,7 @@ backward ``update``. docs/use-with-verl.md has the details.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -36,6 +36,7 @@ from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 from r3bridge.metrics import logprob_mismatch
+from r3bridge.trace import token_uid
 
 __all__ = ["R3BridgeMegatronEngine"]
 
@@ -152,9 +153,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
         def loss_with_log_ratio(*args: Any, **kwargs: Any) -> Any:
             # the loss runs after this chunk's forward: every router of the micro-batch has run
-            per_seq = phase_pass.router_log_ratio_tokens(model, index)
-            device = batch["input_ids"].values().device
-            batch[LOG_RATIO_KEY] = torch.nested.as_nested_tensor([t.to(device) for t in per_seq], layout=torch.jagged)
+            batch[LOG_RATIO_KEY] = log_ratio_field(phase_pass.router_log_ratio_tokens(model, index), batch["input_ids"])
             return loss(*args, **kwargs)
         return output, loss_with_log_ratio
 
@@ -172,8 +171,12 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                 batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts, source=self._r3_pass.plan.source,
                 num_hidden_layers=m.num_layers, invalid_rows=self.r3.config.invalid_rows, topk=m.topk,
                 layer_axis=self.r3.config.layer_axis)
+        # traced: each sample named by its tokens, so `r3bridge diff` pairs it across passes (verl
+        # numbers the samples of each pass anew, an update's mini-batch shuffled)
+        uids = [token_uid(t) for t in input_ids.unbind()] if self.r3.runner.tracer is not None else None
         return self._r3_pass.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
-                                                       cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model)))
+                                                       cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
+                                                       uids=uids))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""
@@ -185,6 +188,16 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                                              use_fp8_padding=fp8 in ("e4m3", "hybrid"),
                                              cp_layout=self._get_context_parallel_layout(unwrapped))
         return params.cu_seqlens_q_padded.cpu()
+
+
+def log_ratio_field(per_seq: Optional[list[torch.Tensor]], input_ids: torch.Tensor) -> torch.Tensor:
+    """The loss's ``router_log_ratio``: nested ``[batch, (tokens)]`` float32 like verl's jagged
+    ``input_ids``. ``per_seq`` ``None`` (the chunk has no MoE layer, so no router replayed anything
+    with weights): zeros, no router correction, rather than a ``TypeError`` inside the loss."""
+    device = input_ids.values().device
+    if per_seq is None:
+        per_seq = [torch.zeros(int(n), dtype=torch.float32) for n in input_ids.offsets().diff().tolist()]
+    return torch.nested.as_nested_tensor([t.to(device) for t in per_seq], layout=torch.jagged)
 
 
 def _padded(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,8 @@ class VerlRollout:
         return first_seen_rows(calls)
 
 
-def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = "") -> tuple[RouteProvenance,
-                                                                                             RouteProvenance]:
+def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = "",
+                    attempts: Sequence[int] | None = None) -> tuple[RouteProvenance, RouteProvenance]:
     """One sample's server calls (verl ``TokenOutput``s, in call order) -> (where its routes came
     from, where its log-probs came from).
 
@@ -76,14 +76,19 @@ def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = ""
     preemption re-prefills the request and returns the re-prefill's routes; vLLM #39917; ``None``
     or -1: not reported). The first tokens' log-probs were sampled in the first pass: epoch 0,
     weight version ``min_global_steps`` (verl's resuming client: the first attempt's), else the
-    call's ``global_steps``."""
+    call's ``global_steps``. ``attempts`` (one per call, the capture's numbering): the routes are
+    the first call's attempt, the log-probs (and tokens) the last call's; ``None``: unknown."""
     if not outputs:
         raise ProvenanceError(f"sample {request_id or '?'}: no server call to take provenance from")
+    if attempts is not None and len(attempts) != len(outputs):
+        raise ProvenanceError(f"sample {request_id or '?'}: {len(attempts)} attempts for {len(outputs)} server calls")
     first = outputs[0]
     extra = getattr(first, "extra_fields", None) or {}
     version = reported_int(extra.get("global_steps"))
     sampled = reported_int(extra.get("min_global_steps"))
-    routes = RouteProvenance(engine, str(request_id), version, reported_int(getattr(first, "num_preempted", None)))
-    logprobs = RouteProvenance(engine, str(request_id), version if sampled is None else sampled, 0)
+    routes = RouteProvenance(engine, str(request_id), version, reported_int(getattr(first, "num_preempted", None)),
+                             None if attempts is None else attempts[0])
+    logprobs = RouteProvenance(engine, str(request_id), version if sampled is None else sampled, 0,
+                               None if attempts is None else attempts[-1])
     return routes, logprobs
 

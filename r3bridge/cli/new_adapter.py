@@ -66,6 +66,7 @@ def render_module(text: str, package: str) -> str:
     text = re.sub(r"\bTestTemplate", f"Test{camel}", text)
     text = re.sub(r"\bTemplate(?=[A-Z])", camel, text)
     text = text.replace('"""Template: r3bridge for <YourFramework>,', f'"""r3bridge for {package},')
+    text = text.replace('framework="template"', f'framework="{package}"')     # the name route traces record
     return text.replace("<YourFramework>", package)
 
 

@@ -181,9 +181,9 @@ def render_diff(s: dict[str, Any]) -> str:
         if c.get("missing"):
             rows.append([c["step"], what, "-", "-", "-", f"not in {c['missing']}"])
             continue
-        rows.append([c["step"], what, c["samples"], c["rows_compared"], fmt_pct(c["agreement"]),
-                     fmt_pct(c["tokens_differing_any_layer"])])
-    lines.append(table(["step", "compared", "samples", "rows", "agreement", "tokens differing"], rows))
+        rows.append([c["step"], what, f"{c['samples']} (by {c.get('paired_by', 'sample id')})", c["rows_compared"],
+                     fmt_pct(c["agreement"]), fmt_pct(c["tokens_differing_any_layer"])])
+    lines.append(table(["step", "compared", "samples (paired)", "rows", "agreement", "tokens differing"], rows))
     done = [c for c in s["comparisons"] if not c.get("missing")]
     if done:
         layers = [r["layer"] for r in done[0]["per_layer"]]

@@ -36,6 +36,7 @@ class InstalledMicroBatch:
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
     forwarded: bool = False
     routes: Optional[ReplayBatch] = None        # REPLAY: re-derives a target for a late recompute
+    plan: Any = None                            # the PackPlan built at install (the loss's log-ratio reuses it)
 
 
 @dataclass

@@ -130,8 +130,8 @@ class PhasePass:
         routes = mb.routes
         if self.action is Action.REPLAY:
             if routes is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {k}: a {self.runner.config.replay_mode.value} "
-                                       f"replay without routes")
+                raise ReplayStateError(f"chunk {c}, micro-batch {k} (samples {ids}): a "
+                                       f"{self.runner.config.replay_mode.value} replay without routes")
             extra = len(lens) - routes.num_seqs
             if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):
                 raise CoverageError(f"chunk {c}, micro-batch {k}: routes for {routes.num_seqs} sequences, "

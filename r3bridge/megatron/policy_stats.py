@@ -10,7 +10,8 @@ the hook of that router, which runs right after, consumes the announcement. Reco
 nothing: the forward already counted.
 
 Counts accumulate on the device (no host sync per router call) and are summed over the
-metrics groups at the end of the pass, like the agreement counter.
+metrics groups at the end of the pass in the agreement counter's all_reduce (one collective per
+group for both: ``ReplayPass._sum_counts``).
 """
 
 from __future__ import annotations
@@ -105,14 +106,9 @@ class PolicyStats:
         return post
 
     # ------------------------------------------------------------------------- end of pass
-    def metrics(self, groups: Sequence[Any], *, threshold: bool) -> dict[str, float]:
-        counts = self.counts
-        import torch.distributed as dist
-
-        if groups and dist.is_available() and dist.is_initialized():
-            for group in groups:
-                dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        replaced, slots, lr_sum, lr_abs, pairs = counts.tolist()
+    def metrics(self, *, threshold: bool) -> dict[str, float]:
+        """The pass's policy metrics from ``counts`` (already summed over the metrics groups)."""
+        replaced, slots, lr_sum, lr_abs, pairs = self.counts.tolist()
         out: dict[str, float] = {}
         if threshold:
             out[f"{self.prefix}replay/threshold_replaced_fraction"] = replaced / slots if slots else 0.0
@@ -147,7 +143,9 @@ def per_token(
             f"the per-token router log-ratio needs pp == 1 (each of the {layout.pp} pipeline "
             f"stages holds only its own MoE layers' share); use the router_log_ratio metrics"
         )
-    plan = PackPlan.build(layout, mb.seq_lens, **mb.pack)
+    # the plan install built (not rebuilt per micro-batch inside the loss); built here only for a
+    # record made without one
+    plan = mb.plan if mb.plan is not None else PackPlan.build(layout, mb.seq_lens, **mb.pack)
     tp_parts = layout.tp if layout.sequence_parallel else 1
     rows = int(ratio.numel())
     flat = _all_gather(ratio.float(), groups.get("tp"), tp_parts)

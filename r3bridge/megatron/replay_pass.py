@@ -94,6 +94,17 @@ def fingerprint(scores: torch.Tensor) -> torch.Tensor:
     return scores.detach()[::stride][:FINGERPRINT_ROWS].float().sum(-1)
 
 
+def _check_topk(routes: ReplayBatch, topk: int, where: str) -> None:
+    """Routes of another top-k than the model's routers, refused at install (not at the first
+    router call), naming the micro-batch and its samples; a batch without one valid row got its
+    top-k from its shape, not from the model (aborted samples only: build it with the model's)."""
+    if routes.topk == topk:
+        return
+    why = (" and not one valid row: its samples have no routes (aborted?), so that top-k came from the "
+           "batch's shape; build their ReplayBatch with the model's top-k" if not bool(routes.valid.any()) else "")
+    raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
+
+
 class ReplayPass:
     """Created by :meth:`Replayer.open_pass`; use as a context manager."""
 
@@ -205,11 +216,12 @@ class ReplayPass:
         plan = PackPlan.build(rep.layout, lens, **pack)
         seq, pos = rank_positions(plan, rep.layout, rep.tp_rank, rep.cp_rank)
         token_rows = int((pos < plan.seq_lens[seq]).sum()) if seq.numel() else 0
-        mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids)
+        mb = InstalledMicroBatch(c, self._next_index[c], int(seq.numel()), token_rows, lens, pack, ids, plan=plan)
         if self.action is Action.REPLAY:
             if routes is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index}: replay pass without routes")
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay pass without routes")
             self._check_route_kind(routes)
+            _check_topk(routes, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
             if rep.invalid_rows == "error" and not bool(routes.valid.all()):
                 seq, row, tok = locate(routes.offsets, routes.start_rows, int((~routes.valid).nonzero()[0]))
                 raise CoverageError(f"chunk {c}, micro-batch {mb.index}: sequence {seq}, row {row} (token {tok}) "
@@ -221,8 +233,8 @@ class ReplayPass:
                 # over this rank's real tokens: packing padding never has a route
                 cov = nvalid / token_rows if token_rows else 1.0
                 if cov < rep.min_coverage:
-                    raise CoverageError(f"chunk {c}, micro-batch {mb.index}: only {cov:.3f} of this rank's "
-                                        f"{token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                    raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
+                                        f"rank's {token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = bool(routes.valid.any())
             mb.routes = routes
@@ -386,6 +398,21 @@ class ReplayPass:
                 self.policy.expect(mb, layer, idx, t.weights[layer], t.valid, kept)
         return scores.gather(1, idx), idx
 
+    def _sum_counts(self, groups: Sequence[Any]) -> None:
+        """Sum the agreement counts and the replay policy's counts over the metrics groups in one
+        all_reduce per group (the pass's only collectives): the int64 counts travel as float64,
+        exact below 2**53, next to the policy's float64 sums."""
+        import torch.distributed as dist
+
+        if not groups or not (dist.is_available() and dist.is_initialized()):
+            return
+        counts = self._counter.counts
+        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts])
+        for group in groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        counts.copy_(flat[:counts.numel()].round().view_as(counts).to(counts.dtype))
+        self.policy.counts.copy_(flat[counts.numel():])
+
     def router_log_ratio(self, chunk: int, index: int) -> Optional[torch.Tensor]:
         """The router log-ratio of micro-batch ``index`` of ``chunk`` on this rank: float32
         ``[rows]`` in router row order, summed over the chunk's MoE layers (``None``: its routes
@@ -420,12 +447,11 @@ class ReplayPass:
     def _finish_metrics(self) -> dict[str, float]:
         if self.action is not Action.REPLAY:
             return {}
-        for group in self.replayer.metrics_groups:
-            self._counter.all_reduce(group)
+        self._sum_counts(self.replayer.metrics_groups)
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
-        out.update(self.policy.metrics(self.replayer.metrics_groups, threshold=self.replayer.replay_policy == "threshold"))
+        out.update(self.policy.metrics(threshold=self.replayer.replay_policy == "threshold"))
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
         return out

@@ -9,6 +9,7 @@ import torch
 
 from r3bridge.config import Action, ReplayConfig
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
+from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
@@ -70,7 +71,8 @@ class Replayer:
         if expect_moe_layer_ids is not None and [int(i) for i in expect_moe_layer_ids] != list(self.layout.moe_layer_ids):
             raise LayerMappingError(f"the HF config's MoE layers {[int(i) for i in expect_moe_layer_ids]} differ from "
                                     f"the Megatron model's {list(self.layout.moe_layer_ids)} (moe_layer_freq): routes "
-                                    f"would land on the wrong layers")
+                                    f"would land on the wrong layers"
+                                    f"{shifted_layer_ids_hint(expect_moe_layer_ids, self.layout.moe_layer_ids)}")
         self.num_experts = int(config.num_moe_experts)
         self.topk = int(config.moe_router_topk)
         self.agreement = agreement

@@ -9,7 +9,7 @@ their tests or their fixtures is not done lightly. The asserts and thresholds ar
         @pytest.fixture
         def codec(self, rollout):
             return MyFwCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
-                             num_hidden_layers=rollout.num_layers)
+                             num_hidden_layers=rollout.num_layers, topk=rollout.topk)
 
         @pytest.fixture
         def native_batch(self, rollout):
@@ -76,17 +76,27 @@ class AdapterFixtures:
     @pytest.fixture(scope="class")
     @classmethod
     def model_shape(cls) -> ModelShape:
-        """Experts, top-k, layers and leading dense layers of the model every check uses."""
+        """Experts, top-k, layers and which layers are MoE (0-based global ids: ``moe_layers``, or
+        every layer from ``first_dense`` on) of the model every check uses."""
         return ModelShape()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def aborted_samples(cls) -> tuple[int, ...]:
+        """Rollout samples whose engine call was aborted (``routes=None``: their tokens train,
+        routed natively), in the ingest checks' six samples and the Megatron checks' eight
+        (:data:`~r3bridge.testing.conformance.GROUPS`: ``(4, 5)`` makes micro-batch 2 one whose
+        samples were all aborted). Default none."""
+        return ()
 
     @pytest.fixture(params=[0, 1, 2], ids=lambda s: f"seed{s}")
     def rollout_seed(self, request: Any) -> int:
         return request.param
 
     @pytest.fixture
-    def rollout(self, rollout_seed: int, model_shape: ModelShape) -> CanonicalRollout:
-        """Six samples: single- and multi-turn, a resubmit, untracked tails."""
-        return model_shape.rollout(rollout_seed, batch_size=6)
+    def rollout(self, rollout_seed: int, model_shape: ModelShape, aborted_samples: Sequence[int]) -> CanonicalRollout:
+        """Six samples: single- and multi-turn, a resubmit, untracked tails, ``aborted_samples``."""
+        return model_shape.rollout(rollout_seed, batch_size=6, aborted=tuple(aborted_samples))
 
     @pytest.fixture
     def recorded(self, rollout: CanonicalRollout) -> ReplayBatch:
@@ -114,7 +124,9 @@ class AdapterFixtures:
     @classmethod
     def megatron_layouts(cls) -> Sequence[tuple[int, Any]]:
         """``(world_size, Layout)`` pairs of checks 4-5: 1 rank, then TP2 + SP, CP2 and PP2 x VPP2
-        (:data:`r3bridge.testing.conformance.CPU_LAYOUTS`; ``GPU_LAYOUTS`` on GPU machines)."""
+        (:data:`r3bridge.testing.conformance.CPU_LAYOUTS`; ``GPU_LAYOUTS`` on GPU machines),
+        fitted to ``model_shape`` before anything runs (:func:`~r3bridge.testing.conformance.fit_layouts`:
+        a VPP split the layer count does not allow is replaced, a :class:`LayoutNote` says so)."""
         return kit.CPU_LAYOUTS
 
     @pytest.fixture(scope="class")
@@ -156,9 +168,10 @@ class BaseMegatronTests:
     @pytest.fixture(scope="class")
     @classmethod
     def megatron_results(cls, megatron_runner: Any, model_shape: ModelShape, megatron_model_spec: Any,
-                         megatron_layouts: Sequence, megatron_extras: Any) -> list[kit.LayoutResult]:
+                         megatron_layouts: Sequence, megatron_extras: Any,
+                         aborted_samples: Sequence[int]) -> list[kit.LayoutResult]:
         case = kit.MegatronCase(megatron_runner, shape=model_shape, spec=megatron_model_spec,
-                                extras=megatron_extras)
+                                extras=megatron_extras, aborted=tuple(aborted_samples))
         return kit.run_megatron_checks(case, megatron_layouts)
 
     def test_check4_r3_dispatches_canonical_routes(self, megatron_results: list, min_coverage: float) -> None:

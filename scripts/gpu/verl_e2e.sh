@@ -9,8 +9,14 @@
 #   bundle.sh stash .dev/b/qI     on the device, one call per part but the last (carry .dev/b/qI)
 #   bundle.sh install .dev/b/qN   on the device (carry .dev/b/qN): join, install, then run at once:
 #   verl_e2e.sh run MODE [last]   on the device: the job for MODE (R3 | R2 | off); `last` switches
-#                                 first-seen stitching off (the control); writes $OUT/verl_e2e_MODE_*.json
-#                                 and .log (the job's own files stay under $R3E2E_WORK, /tmp/r3e2e)
+#                                 first-seen stitching off (the control); writes $OUT/verl_e2e_TAG.json
+#                                 and .log, TAG = MODE_VARIANT, or vllm_MODE_VARIANT_pcN for vLLM (the job's
+#                                 own files stay under $R3E2E_WORK, /tmp/r3e2e)
+#
+# Rollout backend: R3E2E_ROLLOUT=hf (default: testlab/verl_hf_rollout.py) or vllm (verl's own vLLM
+# async server, agent loop and weight sync; needs the bundle's vllm set in /tmp/site-vllm, which
+# testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH); R3E2E_PREFIX_CACHE=0|1 (vLLM prefix
+# caching, default 1); R3E2E_VLLM_GPU_MEM (vLLM's share of the GPU, default 0.3, beside the trainer).
 #
 # The device keeps ~/stash and what was installed only while the machine stays warm (30 s idle):
 # issue the stash calls, the install and the runs back to back (field notes 12).
@@ -20,7 +26,8 @@
 # layer spec and weights. mbridge 0.15.1 cannot build dense-first Qwen3-MoE layers
 # (mbridge/models/qwen2moe.py:104), so the GPU model is all-MoE (R3E2E_DENSE=none) and its HF
 # weights are saved for mbridge to load (R3E2E_SAVE_WEIGHTS=1). Weight sync trainer -> HF engine is
-# still the documented lag of testlab/verl_hf_rollout.py (not loaded).
+# still the documented lag of testlab/verl_hf_rollout.py (not loaded); trainer -> vLLM is verl's own
+# (the engine starts with dummy weights and serves only what the trainer synced).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -34,7 +41,8 @@ run)
 import json, os, subprocess, sys, time
 from testlab import verl_e2e as E
 mode, variant, out = sys.argv[1], sys.argv[2], sys.argv[3]
-root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{mode}_{variant}")
+tag = E.run_tag(mode, variant)
+root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}")
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, os.getcwd(), gpu=True)
 t0 = time.monotonic()
@@ -45,30 +53,33 @@ with open(os.path.join(root, "job.log"), "w") as log:
     except subprocess.TimeoutExpired:
         rc = 124
 res = E.read_run(paths, rc)
-with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.log"), "w") as dst:
+with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e2e_{tag}.log"), "w") as dst:
     text = src.read()
     dst.write(text[-400000:])
 if rc:
     print("\n".join(text.splitlines()[-80:]))
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
-summary = {"mode": mode, "variant": variant, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
+summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "rc": rc,
+           "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res)}
-json.dump(summary, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.json"), "w"), indent=1, default=str)
-print(json.dumps({k: summary[k] for k in ("mode", "variant", "rc", "wall_s", "server_calls", "router_calls")}))
+json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
+print(json.dumps({k: summary[k] for k in ("tag", "rc", "wall_s", "server_calls", "router_calls")}))
 for c in checks:
+    agree, rows = c.native_vs_rollout
     print(f"step {c.step}: compared {c.compared}, errors {len(c.errors)}, ref native {c.ref_native}, "
-          f"re-prefill disagreeing {c.reprefill}")
+          f"re-prefill disagreeing {c.reprefill}, native vs rollout {agree}/{rows}"
+          + (f" = {agree / rows:.3f}" if rows else ""))
 control_ok = True
 if variant == "last" and rc == 0:
     # the control: verl's own last-call routes must FAIL the first-seen check (the re-prefilled rows)
     wrong = [e for c in E.check_run(res, mode, first_seen=True) for e in c.errors]
     summary["control_first_seen_errors"] = len(wrong)
-    json.dump(summary, open(os.path.join(out, f"verl_e2e_{mode}_{variant}.json"), "w"), indent=1, default=str)
+    json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
     print(f"control: the last call's routes fail the first-seen check on {len(wrong)} router rows")
     control_ok = bool(wrong)
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok))
 PY
   ;;
-*) sed -n 2,25p "$0"; exit 2 ;;
+*) sed -n 2,32p "$0"; exit 2 ;;
 esac

@@ -267,3 +267,82 @@ def test_gpu_layouts_are_layouts_of_the_default_shape():
         ParallelLayout(shape.num_layers, flags, tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp)
     assert [layout_name(w, lay) for w, lay in CPU_LAYOUTS] == ["1 rank", "2 ranks tp=2", "2 ranks cp=2",
                                                                "2 ranks pp=2 vpp=2"]
+
+
+# ---------------------------------------------------------------------------------- models of any shape
+def test_a_model_with_dense_layers_in_the_middle_fits_every_check():
+    """Layers 1 and 4 of 6 dense: the shape builds the harness model and the rollouts alike, check 3
+    derives its layouts from it, and checks 4-5's PP2 x VPP2 (6 layers do not split in 4) is
+    replaced by PP2 x VPP3 and said before anything runs; a layout with no legal split is left out."""
+    from r3bridge.testing.conformance import TWO_RANK, LayoutNote, default_layouts, fit_layouts
+    from r3bridge.testing.dist import Layout
+    from r3bridge.testing.rollouts import ModelShape
+
+    shape = ModelShape(num_layers=6, moe_layers=(0, 2, 3, 5))
+    assert shape.moe_layer_freq == [1, 0, 1, 1, 0, 1] and shape.model_spec().moe_layer_freq == [1, 0, 1, 1, 0, 1]
+    r = shape.rollout(0, batch_size=3, aborted=(1,))
+    assert r.moe_layer_ids == [0, 2, 3, 5] and r.aborted == [1]
+    assert all(not c[:, [1, 4]].any() for c in r.calls[0])              # dense layers: zero rows
+    want = r.expected()
+    assert want.topk == 2 and not bool(want.sequence(1)[1].any())        # the aborted sample: no valid row
+    layouts = default_layouts(shape)
+    assert any(lay.vpp == 3 for lay, _ in layouts)
+    assert all(set(lay.moe_layer_ids) == {0, 2, 3, 5} for lay, _ in layouts)
+    fitted, notes = fit_layouts(shape, TWO_RANK)
+    assert fitted == [(2, Layout(tp=2)), (2, Layout(cp=2)), (2, Layout(pp=2, vpp=3))]
+    assert len(notes) == 1 and "2 ranks pp=2 vpp=2" in notes[0] and "ran 2 ranks pp=2 vpp=3 instead" in notes[0]
+    odd = ModelShape(num_layers=5, moe_layers=(0, 2, 3))
+    fitted, notes = fit_layouts(odd, TWO_RANK)
+    assert [lay for _, lay in fitted] == [Layout(tp=2), Layout(cp=2)] and "left out" in notes[0]
+    with pytest.warns(LayoutNote, match="left out"):
+        default_layouts(odd)
+    with pytest.raises(ValueError, match="not both"):
+        ModelShape(num_layers=6, moe_layers=(0, 2), first_dense=2)
+    with pytest.raises(ValueError, match="ascending, distinct 0-based ids"):
+        ModelShape(num_layers=6, moe_layers=(1, 6))
+
+
+def test_check4_coverage_is_measured_against_what_the_rollout_routes():
+    """Aborted samples have no route to replay: the floor is a share of the rollout's own coverage;
+    a rank holding no MoE layer has nothing to check."""
+    from r3bridge.testing.conformance import LayoutResult, assert_r3_passes
+    from r3bridge.testing.dist import Layout
+
+    def rank(coverage, expected, rows=10):
+        return {"r3": {"errors": [], "checked_rows": rows, "metrics": {"r3bridge/coverage": coverage},
+                       "expected_coverage": expected}}
+    assert assert_r3_passes(LayoutResult(1, Layout(), [rank(0.6, 0.62)])) == 10
+    with pytest.raises(AssertionError, match="coverage 0.3 is not above 0.8 of the 0.62 the rollout routes"):
+        assert_r3_passes(LayoutResult(1, Layout(), [rank(0.3, 0.62)]))
+    no_moe = {"r3": {"errors": [], "checked_rows": 0, "metrics": {}, "expected_coverage": None}}
+    assert assert_r3_passes(LayoutResult(2, Layout(pp=2), [rank(0.9, 0.9), no_moe])) == 10
+
+
+def test_check1_names_left_padding_and_one_based_layer_ids():
+    """A left-padded batch read as right-padded shifts every sample by its own padding (most of a
+    short sample: deeper than the old 4-row search): named as padding. Layer ids one more than the
+    model's: named as 1-based."""
+    r = make_rollout(4, batch_size=6)
+    lens = [len(t) for t in r.tokens]
+    longest = max(lens)
+    want = r.expected()
+    per = []
+    for i, n in enumerate(lens):            # each sample's routes placed after its own left padding
+        pad = longest - n
+        rv, vv = want.sequence(i)
+        rows = torch.cat([rv[:1].expand(pad, -1, -1), rv])[: rv.shape[0]]
+        valid = torch.cat([torch.zeros(pad, dtype=torch.bool), vv])[: vv.shape[0]]
+        per.append(ReplayBatch.from_ragged([rows], num_experts=want.num_experts, layer_ids=want.layer_ids,
+                                           valid=[valid], source="rollout"))
+    assert max(longest - n for n in lens) > 4
+    native = {"routes": ReplayBatch.concat(per), "lens": lens}
+    with pytest.raises(AssertionError, match=r"sample 0: no routed row but at most its last, and its padding \(20 token") as e:
+        check_ingest(_Dict(), native, r, "toy")
+    msg = str(e.value)
+    assert "5 of 6 samples ([0, 1, 2, 3, 4]) shifted each by exactly its own padding" in msg, msg
+    assert "exactly the sample's padding (6 token(s) to the batch's longest sample)" not in msg   # only the first
+    one_based = ReplayBatch.from_packed(want.routes, want.rows_per_seq, num_experts=want.num_experts,
+                                        layer_ids=[i + 1 for i in want.layer_ids], valid=want.valid, source="rollout")
+    with pytest.raises(AssertionError, match=r"layer_ids: got \(2, 3, 4\), want \(1, 2, 3\); the ids are one more "
+                                             r"than the model's MoE layers \[1, 2, 3\] \(1-based ids\?\)"):
+        assert_same_batch(one_based, want, "x")

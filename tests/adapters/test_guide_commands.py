@@ -1,14 +1,18 @@
 """The guides' command lines work as written, from any folder, with an editable or an installed
-(not editable) r3bridge (issue 32 item 2).
+(not editable) r3bridge (issue 32 item 2, issue 39 item 1).
 
-Each example script the guides tell users to run is executed by bash from a folder outside the
-checkout, with ``python`` / ``python3`` standing for ``testlab/guide_dry_run.py``: the script's
-own command line runs through the entry point it names and the framework's own parser and checks,
-and stops where the cluster would start (GPUs, Ray, SGLang, vLLM).
+SkyRL's and AReaL's example scripts run as written, with the real ``python`` / ``python3``: r3bridge's
+launcher, the framework's own parser and checks, and r3bridge's check of what the framework's launcher
+needs. On this CPU machine (Python 3.11, no accelerator) both stop there, each in one line per reason
+and before anything starts, which is what is asserted: SkyRL's Megatron workers need Python 3.12 and
+Megatron-Bridge, AReaL's local launcher needs an accelerator and SGLang (docs/use-with-skyrl.md,
+docs/use-with-areal.md, "What runs where"). verl's scripts run with ``python`` standing for
+``testlab/guide_dry_run.py``, up to where the cluster would start.
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 DRY_RUN = ROOT / "testlab" / "guide_dry_run.py"
 
 SCRIPTS = [
-    ("examples/skyrl/run_r3.sh", ["trainer.logger=console"], "skyrl replay_mode=R3"),
-    ("examples/skyrl/run_r2.sh", ["trainer.logger=console"], "skyrl replay_mode=R2"),
-    ("examples/areal/run_r3.sh", [], "areal replay_mode=R3"),
-    ("examples/areal/run_r3.sh", ["r3bridge.replay_mode=R2", "rollout.return_routed_experts=false"],
-     "areal replay_mode=R2"),
     ("examples/verl/run_qwen3_30b_a3b_r3.sh", [], "verl replay_mode=R3"),
     ("examples/verl/run_qwen3_30b_a3b_r2.sh", [], "verl replay_mode=R2"),
 ]
+
+
+def _env(pythonpath: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE")}
+    env.update(HF_MODEL_PATH="/models/Qwen3-30B-A3B", TRAIN_DATA_PATH="/data/gsm8k/train.parquet")
+    # `python` / `python3` in the scripts: this test run's interpreter (make test does not activate the venv)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
 
 
 def _shims(folder: Path, pythonpath: str | None) -> dict[str, str]:
@@ -36,9 +47,8 @@ def _shims(folder: Path, pythonpath: str | None) -> dict[str, str]:
         shim = bindir / name
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{DRY_RUN}" "$@"\n')
         shim.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("R3BRIDGE_CONFIG", "R3BRIDGE_REPLAY_MODE")}
+    env = _env(None)
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
-    env.update(HF_MODEL_PATH="/models/Qwen3-30B-A3B", TRAIN_DATA_PATH="/data/gsm8k/train.parquet")
     # the dry run imports testlab from the checkout; r3bridge comes from `pythonpath` when given
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(ROOT / "testlab")) if p)
     return env
@@ -56,35 +66,71 @@ def installed(tmp_path_factory) -> str:
     return str(target)
 
 
-def _run(script: str, extra: list[str], env: dict[str, str], cwd: Path) -> str:
+def _run(script: str, extra: list[str], env: dict[str, str], cwd: Path, *, rc: int = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run(["bash", str(ROOT / script), *extra], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
-    assert proc.returncode == 0, f"{script} failed from {cwd}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout + proc.stderr
+    assert proc.returncode == rc, f"{script} from {cwd}: exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, extra, want", SCRIPTS, ids=[f"{s}{'+' if e else ''}" for s, e, _ in SCRIPTS])
+@pytest.mark.parametrize("script, extra, want", SCRIPTS, ids=[s for s, _, _ in SCRIPTS])
 def test_guide_command_from_another_folder(tmp_path, script, extra, want):
-    out = _run(script, extra, _shims(tmp_path, None), cwd=tmp_path)
-    assert f"GUIDE-OK {want}" in out, out[-3000:]
+    proc = _run(script, extra, _shims(tmp_path, None), cwd=tmp_path)
+    assert f"GUIDE-OK {want}" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, extra, want", [SCRIPTS[0], SCRIPTS[2], SCRIPTS[4]],
-                         ids=["skyrl", "areal", "verl"])
-def test_guide_command_with_an_installed_r3bridge(tmp_path, installed, script, extra, want):
-    probe = subprocess.run([sys.executable, "-c", "import r3bridge.adapters.skyrl.config as m; print(m.__file__)"],
+def test_verl_guide_command_with_an_installed_r3bridge(tmp_path, installed):
+    probe = subprocess.run([sys.executable, "-c", "import r3bridge.adapters.verl.config as m; print(m.__file__)"],
                            env=_shims(tmp_path, installed), cwd=tmp_path, capture_output=True, text=True)
     assert probe.stdout.startswith(installed), probe.stdout + probe.stderr       # not the checkout's
-    out = _run(script, extra, _shims(tmp_path, installed), cwd=tmp_path)
-    assert f"GUIDE-OK {want}" in out, out[-3000:]
+    proc = _run(SCRIPTS[0][0], [], _shims(tmp_path, installed), cwd=tmp_path)
+    assert "GUIDE-OK verl replay_mode=R3" in proc.stdout + proc.stderr
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-4000:]
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
 
 
 @pytest.mark.slow
-def test_guide_command_from_the_checkout_root(tmp_path):
-    out = _run("examples/skyrl/run_r3.sh", ["trainer.logger=console"], _shims(tmp_path, None), cwd=ROOT)
-    assert "GUIDE-OK skyrl replay_mode=R3" in out
+def test_skyrl_guide_command_as_written_refuses_in_one_line_before_ray(tmp_path, installed):
+    """examples/skyrl/run_r3.sh from another folder, r3bridge installed (not editable): SkyRL's parser,
+    r3bridge's section announced, SkyRL's validate_cfg, then one line saying why SkyRL's Megatron workers
+    cannot start on this Python (they would each die in Ray on SkyRL's import)."""
+    proc = _run("examples/skyrl/run_r3.sh", ["trainer.logger=console"], _env(installed), cwd=tmp_path, rc=2)
+    assert "r3bridge (SkyRL launcher, pid " in proc.stderr and "): replay_mode=R3 (from config)" in proc.stderr
+    (line,) = _errors(proc)
+    assert line.startswith("error: SkyRL's Megatron job cannot start here: "), line
+    assert "Python 3.11" in line and "megatron.bridge" in line and "Run it on Python 3.12" in line
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr    # Ray never started
+
+
+@pytest.mark.slow
+def test_skyrl_guide_command_with_a_typo_refuses_in_one_line(tmp_path):
+    """examples/skyrl/run_r2.sh from the checkout root (editable r3bridge), a mistyped mode appended."""
+    proc = _run("examples/skyrl/run_r2.sh", ["trainer.r3bridge.replay_mode=R4"], _env(None), cwd=ROOT, rc=2)
+    (line,) = _errors(proc)
+    assert line == ("error: ConfigError: trainer.r3bridge: replay_mode must be one of off, R2, R3 (off also spelled "
+                    "disabled or false); got 'R4'"), line
+
+
+@pytest.mark.slow
+def test_areal_guide_command_as_written_announces_and_refuses_before_launch(tmp_path, installed):
+    """examples/areal/run_r3.sh from another folder, r3bridge installed: AReaL's parser reads the guide's
+    YAML, r3bridge's section is announced at launch, then one line per thing AReaL's local launcher
+    would fail on here (no accelerator) or wait for silently (no SGLang), before it starts anything."""
+    proc = _run("examples/areal/run_r3.sh", [], _env(installed), cwd=tmp_path, rc=2)
+    assert "r3bridge (AReaL launcher, pid " in proc.stderr and "): replay_mode=R3 (from config)" in proc.stderr
+    errors = _errors(proc)
+    assert [e.split(";")[0] for e in errors] == [
+        "error: AReaL's local launcher needs an accelerator",
+        "error: allocation_mode starts sglang servers (areal.experimental.inference_service.sglang.launch_server), "
+        "but the 'sglang' package is not installed here: AReaL's launcher would wait 1200 s for servers that never "
+        "start"], errors
+    assert "LocalLauncher INFO" not in proc.stdout + proc.stderr               # AReaL's launcher never started
 
 
 # ------------------------------------------------------------------ "Try it on CPU" (fresh virtualenv)
@@ -105,24 +151,85 @@ def _pip_args(line: str) -> list[str]:
     return line.split("#", 1)[0].split()[2:]
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _torch_lines(framework: str) -> tuple[str, str, str]:
+    """The block's torch line, the version it installs, and the line after it (r3bridge's)."""
+    block = fresh_venv_block(framework)
+    pips = [line for line in block if line.startswith("pip install")]
+    return pips[0], pips[0].split()[2].split("==")[1], pips[1]
+
+
 @pytest.mark.parametrize("framework", FRESH)
 def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhere(framework):
     """The block scripts/guides_fresh_venv.sh follows (issue 32's done-criterion): a new virtualenv,
-    the README's install line for the framework (from the checkout, not editable), then the CPU step
-    from another folder than the checkout."""
+    torch's CPU build, the README's install line for the framework (from the checkout, not editable)
+    guarded against a CUDA torch, then the CPU step from another folder than the checkout."""
     block = fresh_venv_block(framework)
     assert block[0].startswith("R3BRIDGE=") and " VENV=" in block[0], block[0]
     assert block[1] == 'python3 -m venv "$VENV" && . "$VENV/bin/activate"', block[1]
-    pips = [_pip_args(line) for line in block if line.startswith("pip install")]
-    assert [f'"$R3BRIDGE[{framework}]"'] in pips, pips                  # README: pip install ".[framework]"
-    assert not [p for p in pips if "-e" in p or "--editable" in p], pips
+    torch_line, version, r3_line = _torch_lines(framework)
+    # the torch line: the CPU index, nothing else from it; one torch line per torch version, README included
+    assert torch_line.startswith(f"pip install torch=={version}") and torch_line.endswith(f" --index-url {TORCH_CPU_INDEX}")
     readme = (ROOT / "README.md").read_text()
+    assert torch_line in readme, torch_line
+    # r3bridge's line: the README's install line, and torch pinned as the CPU build, so a failed torch
+    # line stops it ("No matching distribution") instead of pulling the CUDA build
+    args = _pip_args(r3_line)
+    assert args[0] == f'"$R3BRIDGE[{framework}]"' and f"torch=={version}+cpu" in args, r3_line
     assert f'pip install ".[{framework}]"' in readme
+    pips = [_pip_args(line) for line in block if line.startswith("pip install")]
+    assert not [p for p in pips if "-e" in p or "--editable" in p], pips
+    torch_pins = [a for p in pips for a in p if a.startswith("torch==")]
+    assert torch_pins == [f"torch=={version}", f"torch=={version}+cpu"], torch_pins     # no other torch anywhere
     cd, _, run = block[-1].partition(" && ")
     assert cd.startswith("cd ") and "$R3BRIDGE" not in cd, block[-1]
     assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework}', run
     from testlab.cpu_step import FRAMEWORKS
     assert framework in FRAMEWORKS
+
+
+def test_the_torch_of_verl_and_skyrl_blocks_is_the_one_make_install_installs():
+    makefile = (ROOT / "Makefile").read_text()
+    constraints = (ROOT / "constraints.txt").read_text().splitlines()
+    for framework in ("verl", "skyrl"):
+        _, version, _ = _torch_lines(framework)
+        assert f'"torch=={version}+cpu"' in makefile and f"torch=={version}" in constraints, framework
+
+
+def _drivers(*, index_reachable: bool) -> dict[str, list[str]]:
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "guides_fresh_venv.sh"), "--print", *FRESH],
+                         env={**os.environ, "TORCH_INDEX_OK": "1" if index_reachable else "0"},
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    drivers: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("## "):
+            drivers[line[3:]] = []
+        else:
+            drivers[next(reversed(drivers))].append(line)
+    return drivers
+
+
+def test_the_fresh_venv_script_runs_each_block_as_written():
+    """scripts/guides_fresh_venv.sh (run by hand: minutes and GBs) reads each guide's block into the
+    commands it runs: every line after the first, verbatim and in order, R3BRIDGE the checkout and VENV
+    a new folder; when download.pytorch.org is unreachable, the torch line asks the configured index
+    for the CPU build only (torch==X+cpu), never for whatever torch it serves."""
+    for reachable in (True, False):
+        drivers = _drivers(index_reachable=reachable)
+        assert sorted(drivers) == sorted(FRESH)
+        for framework, driver in drivers.items():
+            block = fresh_venv_block(framework)
+            assert f"R3BRIDGE='{ROOT}'; VENV='" in driver[2] and f"/{framework}/venv'" in driver[2], driver[2]
+            torch_line, version, _ = _torch_lines(framework)
+            wanted = list(block[1:])
+            if not reachable:
+                i = wanted.index(torch_line)
+                wanted[i] = re.sub(rf"(^| )torch=={re.escape(version)}( |$)", rf"\1torch=={version}+cpu\2",
+                                   torch_line.replace(f" --index-url {TORCH_CPU_INDEX}", ""))
+            ran = [line for line in driver[4:] if not line.startswith(("__t0=", "__rc="))]
+            assert ran == wanted, (framework, reachable, ran, wanted)
 
 
 @pytest.mark.parametrize("framework", FRESH)
@@ -176,8 +283,31 @@ def test_areal_guide_says_its_megatron_engine_needs_python_312_as_areal_declares
     assert all(r.marker.evaluate({**env, "python_full_version": "3.12.3"}) for r in bridge)
     engine = dist.locate_file("areal/engine/megatron_engine.py").read_text()
     assert "\nfrom megatron.bridge import" in engine           # at module level, not inside a function
-    assert "a real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
-    assert "a real AReaL Megatron\njob needs Python 3.12" in (ROOT / "README.md").read_text()
+    assert "A real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
+    assert "AReaL 1.0.4: a real Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_skyrl_guide_says_a_megatron_job_needs_python_312_as_skyrl_declares():
+    """SkyRL 0.3.0 declares Python >= 3.11 but its megatron extra brings Megatron-Bridge (which its
+    Megatron worker imports at module level) only on Python >= 3.12; the guide, the README and the
+    launcher's refusal must say so while the installed release's metadata and code say so."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    dist = distribution("skyrl")
+    bridge = [Requirement(r) for r in dist.requires or [] if Requirement(r).name == "megatron-bridge"]
+    assert bridge, "skyrl no longer requires megatron-bridge: revisit the guide's Python note"
+    env = {"extra": "megatron", "sys_platform": "linux"}
+    assert not any(r.marker.evaluate({**env, "python_version": "3.11"}) for r in bridge)
+    assert all(r.marker.evaluate({**env, "python_version": "3.12"}) for r in bridge)
+    worker = dist.locate_file("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py").read_text()
+    assert "\nfrom megatron.bridge import AutoBridge" in worker        # at module level
+    assert "A SkyRL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-skyrl.md").read_text()
+    assert "SkyRL 0.3 / 0.4: a Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+
+
+
 
 
 @pytest.mark.slow

@@ -170,8 +170,8 @@ def test_skyrl_reprefilled_routes_are_counted_refused_or_pass(results):
     res = results["skyrl"]
     _check(
         res,
-        "engine=skyrl request_id=? weight_version=4 epoch=?",
-        "engine=skyrl request_id=? weight_version=3 epoch=?",
+        "engine=skyrl request_id=? weight_version=4 epoch=? attempt=?",
+        "engine=skyrl request_id=? weight_version=3 epoch=? attempt=?",
         "weight_version",
     )
     logged = res["count"]["update"]["logged"]  # SkyRL logs compute_log_prob's keys with the update's
@@ -183,8 +183,8 @@ def test_areal_retracted_routes_are_counted_refused_or_pass(results):
     res = results["areal"]
     _check(
         res,
-        "engine=sglang request_id=? weight_version=3 epoch=1",
-        "engine=sglang request_id=? weight_version=? epoch=0",
+        "engine=sglang request_id=? weight_version=3 epoch=1 attempt=?",
+        "engine=sglang request_id=? weight_version=? epoch=0 attempt=?",
         "epoch",
     )
     logged = res["count"]["update"]["logged"]  # AReaL's stats tracker, exported as AReaL does

@@ -87,3 +87,17 @@ def test_a_moe_only_layer_axis_is_refused():
     never ignored."""
     with pytest.raises(ConfigError, match="layer_axis=moe_only"):
         prepare_skyrl_config(parse_cli(R3_LINE + ["trainer.r3bridge.layer_axis=moe_only"]))
+
+
+@pytest.mark.parametrize("setting", ["generator.inference_engine.speculative_config={method:mtp,num_speculative_tokens:1}",
+                                     "trainer.mtp.enabled=true"])
+def test_r3_with_speculative_decoding_needs_a_fixed_vllm(setting, monkeypatch):
+    """vLLM #48622: before vLLM 0.26.0 the draft's layer 0 overwrote the target's layer-0 routes."""
+    monkeypatch.delenv("SKYRL_DISABLE_SPEC", raising=False)
+    key = setting.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.* on vLLM 0.25.1 \(r3bridge.engine_version\): before vLLM 0.26.0"):
+        prepare_skyrl_config(parse_cli(R3_LINE + [setting, "trainer.r3bridge.engine_version='0.25.1'"]))
+    with pytest.raises(ConfigError, match="vLLM is not installed in the trainer's environment"):
+        prepare_skyrl_config(parse_cli(R3_LINE + [setting]))
+    assert prepare_skyrl_config(parse_cli(R3_LINE + [setting, "trainer.r3bridge.engine_version='0.26.0'"])
+                                ).engine_version == "0.26.0"

@@ -23,6 +23,34 @@ def test_last_seen_batch_fails_check_ingest():
                             rollout.call_prompt_lens, rollout.num_experts, rollout.num_layers, rollout.moe_layer_ids,
                             rollout.topk)
     codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
-                          num_hidden_layers=rollout.num_layers)
+                          num_hidden_layers=rollout.num_layers, topk=rollout.topk)
     with pytest.raises(AssertionError, match="differ"):
         check_ingest(codec, framework_batch(last), rollout)
+
+
+def test_a_micro_batch_of_aborted_samples_keeps_the_models_topk_or_is_named():
+    """Aborted samples (routes=None) give a micro-batch without one valid row: the template codec
+    reads it with the model's top-k; routes of another top-k are refused at install naming the
+    micro-batch, its samples and the cause (was: "layer 1: target top-k 1 != router top-k 2" at
+    the first router call)."""
+    import numpy as np
+
+    from r3bridge.errors import ReplayStateError, RouteShapeError
+    from r3bridge.megatron.replay_pass import _check_topk
+    from r3bridge.schema import ReplayBatch
+
+    rollout = make_rollout(2, batch_size=6, aborted=(4, 5))
+    codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                          num_hidden_layers=rollout.num_layers, topk=rollout.topk)
+    batch = framework_batch(rollout)
+    part = {k: v[[4, 5]] for k, v in batch.items()}
+    read = codec.to_replay_batch(part)
+    assert read.topk == rollout.topk and not bool(read.valid.any())
+    _check_topk(read, rollout.topk, "chunk 0, micro-batch 2 (samples [4, 5])")
+    with pytest.raises(RouteShapeError, match="carries 1 expert ids per token and layer, the model routes top-2"):
+        codec.to_replay_batch({**part, "routed_experts": part["routed_experts"][..., :1]})
+    shapeless = ReplayBatch.from_ragged([np.zeros((3, 3, 1), dtype=np.uint8)] * 2, num_experts=4, layer_ids=[1, 2, 3],
+                                        valid=[[False] * 3] * 2)
+    with pytest.raises(ReplayStateError, match=r"chunk 0, micro-batch 2 \(samples \[4, 5\]\): routes of top-1, the "
+                                               r"model's routers choose top-2 and not one valid row: .*aborted"):
+        _check_topk(shapeless, 2, "chunk 0, micro-batch 2 (samples [4, 5])")

@@ -75,3 +75,37 @@ def test_call_provenance_from_verl_token_outputs():
     assert (routes.weight_version, routes.epoch, logprobs.weight_version) == (None, None, None)
     with pytest.raises(ProvenanceError, match="no server call"):
         call_provenance([], engine="vllm", request_id="r2")
+
+
+def test_a_regenerated_turn_starts_the_next_attempt():
+    """The agent loop's capture numbers attempts (NeMo RL #4057): a call that continues the context
+    stays in the attempt, a call that regenerates a turn (its prompt drops the previous output) is
+    a retry. First-seen keeps attempt 0's rows for the retried turn while the sample keeps attempt
+    1's tokens: the provenance pair differs in ``attempt``, so provenance_check counts or refuses it."""
+    import asyncio
+
+    from verl.workers.rollout.replica import TokenOutput
+
+    from r3bridge.adapters.verl.agent_loop import _RouteCapture
+    from r3bridge.adapters.verl.rollout import call_provenance
+
+    class Server:
+        def __init__(self):
+            self.n = 0
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            self.n += 1
+            return TokenOutput(token_ids=[100 + self.n, 200 + self.n], routed_experts=_call(len(prompt_ids) + 1, self.n),
+                               extra_fields={"global_steps": 3})
+
+    capture = _RouteCapture(Server())
+
+    async def loop():
+        first = await capture.generate("r", prompt_ids=[1, 2, 3], sampling_params={})
+        turn2 = [1, 2, 3, *first.token_ids, 9]                       # the context continues: same attempt
+        await capture.generate("r", prompt_ids=turn2, sampling_params={})
+        await capture.generate("r", prompt_ids=turn2, sampling_params={})    # turn 2 generated again: a retry
+    asyncio.run(loop())
+    assert capture.attempts == [0, 0, 1]
+    routes, logprobs = call_provenance(capture.outputs, engine="vllm", request_id="r", attempts=capture.attempts)
+    assert (routes.attempt, logprobs.attempt) == (0, 1) and routes.differences(logprobs) == ("attempt",)

@@ -192,3 +192,29 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
     # verl's own replay alone (r3bridge off) is verl's business: nothing to refuse
     own = job(base_cfg, "off", **{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"})
     assert vc.validate_verl_config(own).replay_mode is ReplayMode.OFF
+
+
+@pytest.mark.parametrize("engine, settings, version, needle", [
+    # verl's MTP draft on vLLM: refused before vLLM 0.26.0 (vLLM #48622), naming both settings and the version
+    ("vllm", {"actor_rollout_ref.model.mtp.enable": True, "actor_rollout_ref.model.mtp.enable_rollout": True},
+     "0.25.1", r"mtp.enable=True, actor_rollout_ref.model.mtp.enable_rollout=True\) on vLLM 0.25.1 "
+               r"\(r3bridge.engine_version\): before vLLM 0.26.0"),
+    ("vllm", {"actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config": {"method": "eagle3"}}, "0.24.0",
+     r"engine_kwargs.vllm.speculative_config=\{'method': 'eagle3'\}\) on vLLM 0.24.0"),
+    ("sglang", {"actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_algorithm": "EAGLE"}, "0.5.12",
+     r"on SGLang 0.5.12 .*before SGLang 0.5.15 .*SGLang #26980"),
+    # vLLM not installed here and no engine_version: said, never assumed fixed
+    ("vllm", {"actor_rollout_ref.model.mtp.enable": True, "actor_rollout_ref.model.mtp.enable_rollout": True},
+     None, r"vLLM is not installed in the trainer's environment and r3bridge.engine_version is not set"),
+])
+def test_r3_with_speculative_decoding_on_an_engine_without_the_fix_is_refused(base_cfg, engine, settings, version,
+                                                                             needle):
+    cfg = job(base_cfg, "R3", **{"actor_rollout_ref.rollout.name": engine}, **settings)
+    with open_dict(cfg):
+        cfg.r3bridge.engine_version = version
+    with pytest.raises(ConfigError, match=needle):
+        vc.validate_verl_config(cfg, hf_config=MOE_HF)
+    cfg.r3bridge.engine_version = {"vllm": "0.26.0", "sglang": "0.5.15"}[engine]      # fixed releases pass
+    assert vc.validate_verl_config(cfg, hf_config=MOE_HF).replay_mode is ReplayMode.R3
+    r2 = job(base_cfg, "R2", **{"actor_rollout_ref.rollout.name": engine}, **settings)
+    vc.validate_verl_config(r2, hf_config=MOE_HF)           # R2 replays the trainer's own routes: no engine routes

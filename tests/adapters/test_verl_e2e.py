@@ -83,6 +83,13 @@ def test_r3_dispatches_the_servers_first_seen_routes(r3):
         assert total > 0 and same < total / 2, c
     # the re-prefill of the second turn routed some first-turn tokens differently (bf16 engine)
     assert sum(c.reprefill[0] for c in checks) > 0, [c.reprefill for c in checks]
+    # trainer-native top-k vs the rollout's routes, per step (on a GPU with real weight sync: near 1.0)
+    assert all(c.native_vs_rollout[1] > 0 for c in checks), [c.native_vs_rollout for c in checks]
+    # what the agent loops recorded of the server's answers (the only log when verl's own vLLM server
+    # serves, R3E2E_ROLLOUT=vllm) is the HF server's own log, call for call, routes included
+    server = sorted((c.prompt, c.output, c.routes.tobytes()) for c in r3.calls)
+    agent = sorted((c.prompt, c.output, c.routes.tobytes()) for c in r3.agent_calls)
+    assert len(server) == len(agent) > 0 and server == agent
     mets = E.r3bridge_metrics(r3)
     assert len(mets) == STEPS
     for m in mets:

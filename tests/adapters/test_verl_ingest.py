@@ -161,3 +161,16 @@ def test_recorded_round_trip_survives_dynamic_micro_batching():
             assert torch.equal(r, r0) and torch.equal(v, v0)
     assert sorted(seen) == list(range(len(seq_lens)))
     assert seen != sorted(seen)                       # verl really re-ordered the samples
+
+
+def test_the_losss_router_log_ratio_field_when_the_chunk_replayed_nothing_with_weights():
+    """verl's loss wrapper: a chunk without MoE layers has no router log-ratio (``None``); the field
+    the loss reads is then zeros in verl's jagged layout (was a ``TypeError`` inside the loss)."""
+    from r3bridge.adapters.verl.hooks import log_ratio_field
+
+    ids = torch.nested.nested_tensor([torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.int64)],
+                                     layout=torch.jagged)
+    zeros = log_ratio_field(None, ids)
+    assert [t.tolist() for t in zeros.unbind()] == [[0.0, 0.0, 0.0], [0.0, 0.0]]
+    given = log_ratio_field([torch.tensor([0.5, 0.0, -0.5]), torch.tensor([1.0, 2.0])], ids)
+    assert [t.tolist() for t in given.unbind()] == [[0.5, 0.0, -0.5], [1.0, 2.0]]

@@ -26,11 +26,13 @@ TOYFW_BATCH = '''def framework_batch(rollout: CanonicalRollout) -> dict:
     batch = {"input_ids": torch.zeros(b, s, dtype=torch.int64), "attention_mask": torch.zeros(b, s, dtype=torch.bool),
              ROUTES_KEY: torch.zeros(b, s, rollout.num_layers, rollout.topk, dtype=torch.int16)}
     for i, tokens in enumerate(rollout.tokens):
-        rows = torch.from_numpy(first_seen_rows(rollout.calls[i])[0].astype("int16"))
         start = s - len(tokens)
         batch["input_ids"][i, start:] = torch.tensor(tokens)
         batch["attention_mask"][i, start:] = True
-        batch[ROUTES_KEY][i, start:start + len(rows)] = rows
+        calls = [c for c in rollout.calls[i] if c is not None]     # aborted calls returned no routes
+        if calls:
+            rows = torch.from_numpy(first_seen_rows(calls)[0].astype("int16"))
+            batch[ROUTES_KEY][i, start:start + len(rows)] = rows
     return batch
 
 
@@ -63,19 +65,17 @@ def test_new_adapter_outside_the_repo_passes_checks_1_to_5(tmp_path):
     assert '"r3bridge.adapters"' in (root / "pyproject.toml").read_text() and (root / "README.md").is_file()
     assert "r3bridge.adapters" not in package.joinpath("hooks.py").read_text()    # relative imports only
 
-    # fill it in for toyfw: its field names, no validity field, its batch; checks 4-5 on 1 rank + PP2 x VPP2
+    # fill it in for toyfw: its field names, no validity field, its batch; checks 1-3 here (checks
+    # 4-5 of a scaffolded adapter: test_madeup_adapter.py)
     _edit(package / "codec.py", 'ROUTES_KEY = "routed_experts"', 'ROUTES_KEY = "experts"')
     _edit(package / "codec.py", 'VALID_KEY: Optional[str] = "routed_valid"', "VALID_KEY: Optional[str] = None")
     text = test.read_text()
     start, end = text.index("def framework_batch("), text.index("class ToyEngine")
     test.write_text(text[:start] + TOYFW_BATCH + text[end:])
-    _edit(test, "from r3bridge.testing.conformance import CPU_LAYOUTS, assert_same_batch",
-          "from r3bridge.testing.conformance import ONE_RANK, TWO_RANK, assert_same_batch")
-    _edit(test, "        return CPU_LAYOUTS ", "        return ONE_RANK + TWO_RANK[2:]  ")
 
-    run = _pytest(root, timeout=1200)
+    run = _pytest(root, "-k", "Ingest", timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert re.search(r"\b14 passed\b", run.stdout), run.stdout[-2000:]     # 3 seeds x 4 ingest tests + checks 4, 5
+    assert re.search(r"\b12 passed\b", run.stdout), run.stdout[-2000:]     # 3 seeds x 4 ingest tests
 
     # a broken codec: the routes placed one token late
     _edit(package / "codec.py", "        # the engine reports every decoder layer: keep the MoE ones, by id\n",

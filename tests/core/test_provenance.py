@@ -199,14 +199,44 @@ def test_recorded_and_trusted_batches_have_no_provenance():
 def test_versions_tensor_roundtrip_and_errors():
     from r3bridge.provenance import ProvenancePairing, from_versions_tensor, versions_tensor
 
-    items = [RouteProvenance("sglang", "", 3, 1), None, RouteProvenance("sglang", "", None, 0)]
+    items = [RouteProvenance("sglang", "", 3, 1, 2), None, RouteProvenance("sglang", "", None, 0)]
     t = versions_tensor(items)
-    assert t.tolist() == [[3, 1], [-1, -1], [-1, 0]] and t.dtype == torch.int64
+    assert t.tolist() == [[3, 1, 2], [-1, -1, -1], [-1, 0, -1]] and t.dtype == torch.int64
     assert from_versions_tensor(t, engine="sglang", what="f") == items
-    with pytest.raises(ProvenanceError, match=r"field x must be an integer \[samples, 2\]"):
+    # fields written before attempts ([samples, 2]) still read, attempt unknown
+    assert from_versions_tensor(t[:, :2], engine="sglang", what="f")[0] == RouteProvenance("sglang", "", 3, 1)
+    with pytest.raises(ProvenanceError, match=r"field x must be an integer \[samples, 3\]"):
         from_versions_tensor(torch.zeros(3, 3), engine="sglang", what="field x")
     with pytest.raises(ProvenanceError, match="field x, sample 1: .*weight_version"):
         from_versions_tensor(torch.tensor([[1, 0], [-5, 0]]), engine="sglang", what="field x")
     pairing = ProvenancePairing(items, [None, None, items[2]], ["a", "b", "c"])
     sub = pairing.select([2, 0])
     assert sub.routes == [items[2], items[0]] and sub.logprobs == [items[2], None] and sub.names == ["c", "a"]
+
+
+def test_a_retry_never_stands_in_for_another_attempt():
+    """NeMo RL #4057: attempts of one sample are told apart. Routes of attempt 1 paired with log-probs
+    of attempt 0 differ in ``attempt``: counted or refused per provenance_check; stitching refuses
+    to let a retry's rows fill or follow another attempt's; the attempt survives the wire."""
+    from r3bridge.errors import StitchError
+    from r3bridge.ingest import stitch
+    from r3bridge.provenance import check_pairing
+
+    first, retry = RouteProvenance("vllm", "r1", 4, 0, 0), RouteProvenance("vllm", "r1", 4, 0, 1)
+    assert retry.differences(first) == ("attempt",) and "attempt=1" in str(retry)
+    assert RouteProvenance("vllm", "r1", 4, 0).differences(retry) == ()        # unknown: not compared
+    count = check_pairing([retry, first], [first, first], "count", names=["s0", "s1"])
+    assert (count.checked, count.mismatched) == (2, 1)
+    with pytest.raises(ProvenanceError, match=r"s0: its routes came from another engine pass .*\(attempt differ\).*"
+                                              r"attempt=1.*attempt=0"):
+        check_pairing([retry, first], [first, first], "refuse", names=["s0", "s1"])
+
+    def piece(rows, prov, start=0):
+        return ReplayBatch.from_ragged([torch.tensor([[[0, 1]]] * rows)], num_experts=4, layer_ids=[1],
+                                       start_rows=[start], provenance=[prov])
+    same, _ = stitch([piece(3, first), piece(5, RouteProvenance("vllm", "r1", 4, 1, 0))])   # a re-prefill: one attempt
+    assert same.rows_per_seq == [5] and same.provenance == (first,)
+    with pytest.raises(StitchError, match=r"sequence 0, piece 1: routes of attempt 1 .* rows of attempt 0"):
+        stitch([piece(3, first), piece(5, retry)])
+    rb = piece(2, retry)
+    assert ReplayBatch.from_bytes(rb.to_bytes()).provenance == (retry,)

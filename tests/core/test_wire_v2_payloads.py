@@ -1,6 +1,6 @@
-"""Wire-format version 2 payloads (written by r3bridge at 96e9d2f, before provenance) still decode,
-field for field: a stored route file or a payload in flight from an older worker must stay readable
-after the version bump."""
+"""Older wire-format payloads still decode, field for field: version 2 (written by r3bridge at
+96e9d2f, before provenance) and version 3 (at 6ceaa8d, provenance without attempts). A stored route
+file or a payload in flight from an older worker must stay readable after a version bump."""
 
 from __future__ import annotations
 
@@ -35,3 +35,24 @@ def test_v2_empty_int16_payload_decodes():
     rb = ReplayBatch.from_bytes(V2_EMPTY)
     assert rb.num_seqs == 0 and rb.total_rows == 0 and rb.routes.dtype == torch.int16
     assert rb.num_experts == 300 and rb.layer_ids == (0,) and rb.source == "ragged" and rb.policy_versions is None
+
+
+# ReplayBatch.from_ragged([[[[0,1],[2,3]],[[4,5],[6,7]]], [[[7,6],[5,4]]]], num_experts=8, layer_ids=[1, 3],
+# valid=[[True, False], [True]], source="vllm", provenance=[RouteProvenance("vllm", "req-7", 5, 1), None]).to_bytes()
+V3_PROVENANCE = bytes.fromhex(
+    "52335242030001020200000003000000000000000200000002000000080000000400826894ca766c6c6d010000000300000002000000"
+    "000000000100000000000000000000000000000000000000000000000500000000000000ffffffffffffffff01000000ffffffff0400"
+    "00000500000000000000766c6c6d7265712d3705000102030001000107060504352a3c7c"
+)
+
+
+def test_v3_payload_decodes_with_attempts_unknown():
+    from r3bridge.provenance import RouteProvenance
+    from r3bridge.wire import VERSION
+
+    rb = ReplayBatch.from_bytes(V3_PROVENANCE)
+    assert rb.rows_per_seq == [2, 1] and rb.layer_ids == (1, 3) and rb.source == "vllm"
+    assert rb.valid.tolist() == [True, False, True]
+    assert rb.provenance == (RouteProvenance("vllm", "req-7", 5, 1), None) and rb.provenance[0].attempt is None
+    assert rb.routes.tolist() == [[[0, 1], [2, 3]], [[0, 1], [0, 1]], [[7, 6], [5, 4]]]
+    assert VERSION == 4 and ReplayBatch.from_bytes(rb.to_bytes()).provenance == rb.provenance

@@ -52,17 +52,26 @@ def run_policy_checks(ctx: RankContext) -> dict[str, Any]:
     routes = plain.with_weights(torch.rand(plain.routes.shape, generator=g) * 0.9 + 0.05)
     out: dict[str, Any] = {}
 
+    import torch.distributed as dist
+
     def run(name: str, action: str, **policy: Any) -> None:
         rep = Replayer(chunks, **policy)
         by, ids = {id(batch): routes if action == "replay" else None}, {id(batch): [0, 1, 2]}
         seen, handles = _router_inputs(chunks)
+        reduces, real_all_reduce = [], dist.all_reduce
+
+        def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:     # the step's collectives, counted
+            reduces.append(1)
+            return real_all_reduce(*args, **kwargs)
         try:
             with RoutingProbe(chunks) as probe:
                 with rep.open_pass(action, forward_only=True, route_kind="rollout" if action == "replay" else None) as st:
                     run_schedule(chunks, [batch], _install_step(st, fs, by, ids), forward_only=True)
                     ratio = st.router_log_ratio(0, 0)
                     ratio = None if ratio is None else ratio.clone()
+                    dist.all_reduce = counting_all_reduce               # the step ends (metrics) with this block
         finally:
+            dist.all_reduce = real_all_reduce
             for h in handles:
                 h.remove()
             rep.detach()
@@ -70,6 +79,8 @@ def run_policy_checks(ctx: RankContext) -> dict[str, Any]:
             "maps": {c.layer_id: c.routing_map for c in probe.calls},
             "metrics": dict(st.metrics),
             "log_ratio": ratio,
+            "all_reduces": len(reduces),
+            "metrics_groups": len(rep.metrics_groups),
         }
         if name == "hard":
             # the direct computation: the router's own logits (its gating linear) of each row,

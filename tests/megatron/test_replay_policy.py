@@ -58,3 +58,28 @@ def test_router_log_ratio_equals_a_direct_computation_from_the_router_logits(run
     pairs = int(hard["valid"].sum()) * len(hard["targets"])
     assert hard["metrics"][f"{PREFIX}router_log_ratio_mean"] == pytest.approx(float(want.sum()) / pairs, rel=1e-5)
     assert runs["native"]["log_ratio"] is None
+
+
+def test_a_replay_step_sums_its_counts_in_one_all_reduce_per_metrics_group(runs):
+    """The agreement counts and the policy's counts (threshold, router log-ratio) travel together:
+    one collective per metrics group at the end of a REPLAY step, whatever the policy (was two:
+    PolicyStats reduced its own, even under the hard policy with no weights)."""
+    for name in ("hard", "ratio_mid"):
+        assert runs[name]["metrics_groups"] >= 1
+        assert runs[name]["all_reduces"] == runs[name]["metrics_groups"], (name, runs[name]["all_reduces"])
+    assert runs["native"]["all_reduces"] == 0
+
+
+def test_the_losss_per_token_log_ratio_reuses_the_plan_built_at_install():
+    """``per_token`` runs inside the loss of every micro-batch: it reads the pack plan install built
+    (a record whose packing fields could not even build one passes), never rebuilds it."""
+    from r3bridge.layout import ParallelLayout
+    from r3bridge.megatron.installed import InstalledMicroBatch
+    from r3bridge.megatron.policy_stats import per_token
+    from r3bridge.packing import PackPlan
+
+    layout = ParallelLayout(2, 1)
+    mb = InstalledMicroBatch(0, 0, 5, 5, [3, 2], {"format": "not a format"}, [0, 1],
+                             plan=PackPlan.build(layout, [3, 2]))
+    got = per_token(torch.arange(5.0), mb, layout, tp_rank=0, cp_rank=0, groups={})
+    assert [t.tolist() for t in got] == [[0.0, 1.0, 2.0], [3.0, 4.0]]

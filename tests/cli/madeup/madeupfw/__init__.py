@@ -1,0 +1,36 @@
+"""r3bridge for madeupfw, an adapter package of its own, anywhere (``r3bridge
+new-adapter NAME`` writes a copy with a pyproject announcing it in the ``r3bridge.adapters``
+entry-point group, its conformance tests and a README).
+
+The adapter of ``madeup_framework`` (a made-up framework: MoE layers keyed 1-based, left-padded
+batches, aborted calls with ``routes=None``), written from the template by ``r3bridge new-adapter``
+to prove the kit; its conformance test module runs it through checks 1-5 with pytest.
+The files import each other relatively, so the package works under any name. Rules:
+
+* import ``r3bridge`` only, never another adapter, and import the framework lazily;
+* subclass or wrap the framework's classes; never monkey-patch a class or module attribute;
+* "no route" is said explicitly (a validity field, or an in-band value no expert id takes:
+  :func:`r3bridge.padded_routes`); never infer it from lengths, and from zeros only through
+  :func:`r3bridge.canonical.nonzero_rows` for a transport that has no other way (``codec.py``);
+* every problem raises a ``r3bridge.ReplayError`` subclass (ConfigError for set-up problems);
+* the reference model never replays; R2 updates replay only routes with ``source="recorded"``.
+
+Files, in the order data flows (the same in every adapter):
+
+* ``config.py`` - the ``r3bridge`` section (:func:`replay_config`);
+* ``rollout.py`` - :class:`MadeupfwRollout`, the :class:`r3bridge.protocols.RolloutIngest`:
+  engine calls of each sample -> ReplayBatch, stitched first-seen;
+* ``codec.py`` - :class:`MadeupfwCodec`, the :class:`r3bridge.protocols.BatchCodec`: the
+  training batch <-> ReplayBatch;
+* ``hooks.py`` - :class:`MadeupfwEngineMixin`: the framework method that runs Megatron's
+  schedule, wrapped in :class:`r3bridge.megatron.PhaseRunner`.
+"""
+from __future__ import annotations
+
+from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, MadeupfwCodec
+from .config import replay_config
+from .hooks import MadeupfwEngineMixin
+from .rollout import MadeupfwRollout
+
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "MadeupfwCodec", "MadeupfwRollout",
+           "MadeupfwEngineMixin", "replay_config"]
