@@ -33,6 +33,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from testlab.verl_e2e_parallel import Parallel, apply_overrides, by_process, rank_rows, resolve_lengths
+
 # the first layer dense (mlp_only_layers); R3E2E_DENSE=none: every layer MoE (the GPU recipe: mbridge
 # 0.15.1 cannot build dense-first Qwen3-MoE layers with its own TE spec)
 NUM_LAYERS, NUM_EXPERTS, TOPK = 4, 32, 4
@@ -131,7 +133,7 @@ def write_job(root: str, *, multi_turn: bool = True, first_seen: bool = True) ->
 def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str]:
     """The command line a user runs (verl's overrides plus the r3bridge section)."""
     a, meg, tok = "actor_rollout_ref", "actor_rollout_ref.actor.megatron", 160
-    return [sys.executable, "-m", "r3bridge.adapters.verl.main_ppo", "--config-name=ppo_megatron_trainer",
+    cmd = [sys.executable, "-m", "r3bridge.adapters.verl.main_ppo", "--config-name=ppo_megatron_trainer",
             "algorithm.adv_estimator=grpo",
             f"data.train_files={paths['train']}", f"data.val_files={paths['train']}",
             f"data.train_batch_size={BATCH}", f"data.max_prompt_length={PROMPT_LEN}",
@@ -156,6 +158,8 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
             "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8",
             "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
             f"r3bridge.replay_mode={mode}"]
+    # the trainer's parallel layout and GPU count (R3E2E_GPUS, R3E2E_TP, ...: testlab.verl_e2e_parallel)
+    return apply_overrides(cmd, Parallel.from_env().overrides())
 
 
 # ------------------------------------------------------------------------------------ rollout backend
@@ -246,6 +250,8 @@ class Trajectory:
         valid = np.zeros(len(self.tokens), dtype=bool)
         calls = self.calls if first_seen else self.calls[-1:]
         for c in calls:
+            if c.routes.size == 0:        # no routes returned (R2 / off: the rollout is asked for none)
+                continue
             n = min(len(c.routes), len(self.tokens))
             new = ~valid[:n]
             out[:n][new] = c.routes[:n][new]
@@ -290,13 +296,10 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def router_rows(batch: dict) -> tuple[list[int], list[int]]:
-    """(sequence index, token position) of every router row of a micro-batch (1 rank, THD,
-    each sequence padded to its packed length), -1 on padding rows."""
-    seq, pos = [], []
-    for i, (n, pad) in enumerate(zip(batch["lens"], batch["padded"])):
-        seq += [i] * n + [-1] * (pad - n)
-        pos += list(range(n)) + [-1] * (pad - n)
-    return seq, pos
+    """(sequence index, token position) of every router row of a micro-batch on the record's rank
+    (THD, each sequence padded to its packed length; the rank's sequence-parallel slice), -1 on
+    padding rows (:func:`testlab.verl_e2e_parallel.rank_rows`)."""
+    return rank_rows(batch)
 
 
 def group_passes(recs: list[dict]) -> list[tuple[str, bool, list[dict]]]:
@@ -314,20 +317,27 @@ def group_passes(recs: list[dict]) -> list[tuple[str, bool, list[dict]]]:
 
 def dispatch_log(recs: list[dict], sample_of: dict[tuple, int], *, framework: str, step_of: dict[int, int],
                  which: str = "dispatched") -> Any:
-    """The router calls ``recs`` as a :class:`testlab.dispatch_records.DispatchLog`, keyed
-    (step, phase, grad, sample, token, layer); ``which``: ``dispatched`` or ``native`` ids."""
-    from testlab.dispatch_records import DispatchLog
+    """The router calls ``recs`` as :class:`testlab.dispatch_records.DispatchRecords`, keyed
+    (step, phase, grad, sample, token, layer); ``which``: ``dispatched`` or ``native`` ids. One log
+    per rank (process), merged: a key several ranks routed (TP without sequence parallelism) must
+    carry the same ids on each."""
+    from testlab.dispatch_records import DispatchLog, DispatchRecords
 
-    log = DispatchLog(framework)
-    for r in recs:
-        seqs = [tuple(s) for s in r["batch"]["seqs"]]
-        seq_idx, pos = router_rows(r["batch"])
-        samples = torch.tensor([sample_of[seqs[i]] if i >= 0 else -1 for i in seq_idx], dtype=torch.int64)
-        tokens = torch.tensor(pos, dtype=torch.int64)
-        step = step_of[int(samples[samples >= 0][0])]
-        log.add(step=step, phase="update" if r["grad"] else "compute_log_prob", grad=bool(r["grad"]),
-                layer=int(r["layer"]), topk=r[which], sample=samples, token=tokens)
-    return log
+    logs = []
+    for pid_recs in by_process(recs).values():
+        log = DispatchLog(framework)
+        for r in pid_recs:
+            seqs = [tuple(s) for s in r["batch"]["seqs"]]
+            seq_idx, pos = router_rows(r["batch"])
+            samples = torch.tensor([sample_of[seqs[i]] if i >= 0 else -1 for i in seq_idx], dtype=torch.int64)
+            tokens = torch.tensor(pos, dtype=torch.int64)
+            if not bool((samples >= 0).any()):     # this rank's slice of the call holds padding only
+                continue
+            step = step_of[int(samples[samples >= 0][0])]
+            log.add(step=step, phase="update" if r["grad"] else "compute_log_prob", grad=bool(r["grad"]),
+                    layer=int(r["layer"]), topk=r[which], sample=samples, token=tokens)
+        logs.append(log.records())
+    return DispatchRecords.merge(logs) if logs else DispatchRecords(framework)
 
 
 @dataclass
@@ -350,6 +360,9 @@ def read_run(paths: dict[str, str], rc: int, output: str = "") -> RunResult:
     agent = read_calls(paths["agent_calls"])
     calls = agent if rollout_backend() == "vllm" else read_calls(paths["logs"])
     recs = read_dispatch(paths["logs"])
+    tokens = [c.tokens for c in calls]
+    for r in recs:    # padded-only sequences of a first pipeline stage at TP > 1 (verl_e2e_parallel)
+        resolve_lengths(r["batch"], tokens)
     seqs = [s for r in recs for s in r["batch"]["seqs"]]
     return RunResult(rc, calls, trajectories(seqs, calls), recs, read_metrics(paths["metrics"]), output, agent)
 
@@ -382,17 +395,28 @@ class StepCheck:
 
 
 def _per_step(res: RunResult) -> list[tuple[int, list[dict], list[dict], list[dict]]]:
-    """(step, compute_log_prob records, reference records, update records) in run order."""
-    passes = group_passes(res.dispatch)
+    """(step, compute_log_prob records, reference records, update records) in run order, over all
+    ranks: each rank's (process's) calls are split into steps on their own, then step ``i`` of every
+    rank is merged."""
+    merged: dict[int, tuple[list[dict], list[dict], list[dict]]] = {}
+    for recs in by_process(res.dispatch).values():
+        for step, *kinds in _per_step_of(recs):
+            for into, part in zip(merged.setdefault(step, ([], [], [])), kinds):
+                into.extend(part)
+    return [(step, *merged[step]) for step in sorted(merged)]
+
+
+def _per_step_of(recs: list[dict]) -> list[tuple[int, list[dict], list[dict], list[dict]]]:
+    """One rank's records (call order) as (step, compute_log_prob, reference, update) records."""
     out, step = [], -1
     cur: dict[str, list[dict]] = {}
-    for role, grad, recs in passes:
+    for role, grad, calls in group_passes(recs):
         kind = "update" if grad else "ref" if role == "ref" else "old"
         if kind == "old":
             if cur:
                 out.append((step, cur.get("old", []), cur.get("ref", []), cur.get("update", [])))
             step, cur = step + 1, {}
-        cur.setdefault(kind, []).extend(recs)
+        cur.setdefault(kind, []).extend(calls)
     if cur:
         out.append((step, cur.get("old", []), cur.get("ref", []), cur.get("update", [])))
     return out
@@ -400,7 +424,7 @@ def _per_step(res: RunResult) -> list[tuple[int, list[dict], list[dict], list[di
 
 def _native_records(recs: list[dict], framework: str, step: int, sample_of: dict[tuple, int]) -> Any:
     return dispatch_log(recs, sample_of, framework=framework, step_of={s: step for s in sample_of.values()},
-                        which="native").records()
+                        which="native")
 
 
 def check_run(res: RunResult, mode: str, *, first_seen: bool = True) -> list[StepCheck]:
@@ -417,8 +441,8 @@ def check_run(res: RunResult, mode: str, *, first_seen: bool = True) -> list[Ste
         lens = [len(s) for s in seqs]
         chk = StepCheck(step, len(seqs), sum(len(t.calls) > 1 for t in trajs))
         step_of = {i: step for i in range(len(seqs))}
-        old_rec = dispatch_log(old, sample_of, framework="verl", step_of=step_of).records()
-        upd_rec = dispatch_log(upd, sample_of, framework="verl", step_of=step_of).records()
+        old_rec = dispatch_log(old, sample_of, framework="verl", step_of=step_of)
+        upd_rec = dispatch_log(upd, sample_of, framework="verl", step_of=step_of)
         if mode == "R3":
             expected = expected_batch(trajs, first_seen=first_seen)
         elif mode == "R2":    # the update replays what compute_log_prob's routers chose
@@ -444,8 +468,7 @@ def check_run(res: RunResult, mode: str, *, first_seen: bool = True) -> list[Ste
             chk.errors.append(f"step {step}: reference routers carry a replay hook {sorted(map(str, hooks))}")
         if mode == "R3":
             roll = expected_batch(trajs, first_seen=True)
-            chk.ref_equal_rollout = _equal_rows(dispatch_log(ref, sample_of, framework="ref", step_of=step_of).records(),
-                                                roll)
+            chk.ref_equal_rollout = _equal_rows(dispatch_log(ref, sample_of, framework="ref", step_of=step_of), roll)
             chk.native_vs_rollout = _equal_rows(_native_records(old, "verl", step, sample_of), roll)
         dis = ov = 0
         for t in trajs:

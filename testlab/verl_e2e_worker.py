@@ -56,15 +56,35 @@ class ChunkProbe:
                 ref.module.register_forward_hook(self._router_hook(ref.layer_id))
 
     def _pre(self, _module: Any, _args: Any, kwargs: dict) -> None:
+        from testlab.verl_e2e_parallel import rank_info
+
         ids, psp = kwargs.get("input_ids"), kwargs.get("packed_seq_params")
         if ids is None or psp is None:
             raise AssertionError(f"verl's forward passed no input_ids / packed_seq_params (kwargs {sorted(kwargs)})")
         cu = psp.cu_seqlens_q.cpu().tolist()
         cu_pad = (psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q).cpu().tolist()
-        flat = ids.reshape(-1).cpu()
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        self.batch = {"seqs": [flat[a:a + n].tolist() for a, n in zip(cu_pad[:-1], lens)], "lens": lens,
-                      "padded": [b - a for a, b in zip(cu_pad[:-1], cu_pad[1:])]}
+        padded = [b - a for a, b in zip(cu_pad[:-1], cu_pad[1:])]
+        if ids.is_nested:
+            # a later pipeline stage: verl hands over its nested, unpadded ids
+            # (preprocess_thd_engine(pre_process=False) returns them unchanged)
+            seqs = [t.tolist() for t in ids.unbind()]
+            lens, exact = [len(t) for t in seqs], True
+        else:
+            flat = ids.reshape(-1).cpu()
+            lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+            seqs = [flat[a:a + n].tolist() for a, n in zip(cu_pad[:-1], lens)]
+            # verl 0.9.1 sets cu_seqlens_q to the padded offsets too: real lengths unknown here
+            # when the packing pads (testlab.verl_e2e_parallel.resolve_lengths)
+            exact = cu != cu_pad or self.config_alignment() == 1
+        par = rank_info()
+        par["sp"] = bool(getattr(self.chunk.config, "sequence_parallel", False))
+        self.batch = {"seqs": seqs, "lens": lens, "padded": padded, "lens_exact": exact, "parallel": par}
+
+    def config_alignment(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        cp = ps.get_context_parallel_world_size()
+        return ps.get_tensor_model_parallel_world_size() * cp * (2 if cp > 1 else 1)
 
     def _router_hook(self, layer_id: int) -> Any:
         def hook(module: torch.nn.Module, inp: Any, out: Any) -> None:

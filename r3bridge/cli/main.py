@@ -5,6 +5,7 @@ Subcommands live in their own modules, each with ``add_parser(subparsers)`` and 
 * ``inspect``  r3bridge/cli/inspect_cmd.py
 * ``diff``     r3bridge/cli/diff_cmd.py
 * ``demo``     r3bridge/cli/demo.py (optional, see the DEMO HOOK below)
+* ``evidence`` r3bridge/cli/evidence.py (optional, like ``demo``)
 
 Exit codes: 0 success, 2 bad input (``error: ...`` on one line on stderr; argparse usage errors
 exit 2 as well).
@@ -32,7 +33,7 @@ _CORE_COMMANDS = {inspect_cmd.NAME: inspect_cmd, diff_cmd.NAME: diff_cmd, new_ad
 # and registered only if it imports: a missing or broken demo.py (or a missing megatron-core)
 # never takes `inspect` / `diff` down. Keep heavy imports (megatron-core, torch.distributed set-up)
 # inside demo.run() so `r3bridge --help` stays fast.
-_OPTIONAL_COMMANDS = ("demo",)
+_OPTIONAL_COMMANDS = ("demo", "evidence")
 
 
 def _load_optional(name: str):

@@ -210,7 +210,9 @@ class HFEngine:
             rec.remove()
         gen = out.sequences[:, width:].cpu()
         steps = gen.shape[1]
-        logits = [x.float().cpu() for x in out.logits]
+        # every sampled token's log-prob in one pass: [steps, n] (one host copy, not one per token)
+        logp = torch.log_softmax(torch.stack(list(out.logits)).float() / temperature, -1)
+        sampled_lp = logp.gather(-1, out.sequences[:, width:].T[..., None]).squeeze(-1).cpu()
         results = []
         for b in range(n):
             g = min(limits[b], steps)
@@ -222,7 +224,7 @@ class HFEngine:
             routes = np.zeros((plens[b] + g - 1, self.num_layers, self.topk), dtype=np.uint8)
             for lid, calls in rec.calls.items():
                 routes[:, lid] = self._rows(calls, b, n, width, plens[b], g).numpy().astype(np.uint8)
-            lp = [float(torch.log_softmax(logits[t][b] / temperature, -1)[toks[t]]) for t in range(g)]
+            lp = sampled_lp[:g, b].tolist()
             results.append(Completion(list(map(int, prompts[b])), toks, routes, lp, reason))
         return results
 

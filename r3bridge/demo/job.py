@@ -250,7 +250,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
                 if plan.source:
                     pm["agreement_mean"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
-                _count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
+                count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
                     for j, b in enumerate(mini):
                         train_lp = _logprobs(res[j].logits, b.labels)
@@ -292,13 +292,16 @@ def _sync_grads(chunks, ctx: RankContext) -> None:
     sync_grads(chunks, ctx)
 
 
-def _count_agreement(probe: RoutingProbe, batches: list, ref_of: dict, layout, ctx: RankContext, pm) -> None:
-    """Trainer's dispatched top-k vs the reference routes on rows that have a reference route.
-    Per layer, the router calls of one schedule run come in micro-batch order (the forward; a
-    recompute, identical by construction, would come later)."""
+def count_agreement(probe: RoutingProbe, batches: list, ref_of: dict, layout, ctx: RankContext, pm, *,
+                    grad_enabled: bool = True) -> None:
+    """Trainer's dispatched top-k vs the reference routes on rows that have a reference route,
+    added to ``pm["agree"]`` / ``pm["total"]`` per layer. Per layer, the router calls of one
+    schedule run come in micro-batch order (the forward; a recompute, identical by construction,
+    would come later). ``grad_enabled``: count the calls of a training (True) or a forward-only
+    (False) schedule run."""
     by_layer: dict[int, list] = {}
     for call in probe.calls:
-        if call.grad_enabled:
+        if call.grad_enabled == grad_enabled:
             by_layer.setdefault(call.layer_id, []).append(call)
     for lid, calls in by_layer.items():
         for b, call in zip(batches, calls):

@@ -132,6 +132,35 @@ def _init_layout(layout: Layout, rank: int, world_size: int, seed: int) -> RankC
     )
 
 
+def _start_rank(rank: int, world_size: int, port: int, timeout: float, backend: str) -> None:
+    """This process becomes ``rank`` of the process group: CPU shims (gloo) or its GPU (nccl)."""
+    # Two CI cores shared by several ranks: one intra-op thread per rank avoids thrashing.
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
+    # torch warns that megatron's all_gather_into_tensor / reduce_scatter_tensor are deprecated.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "nccl":
+        # one GPU per rank, no CPU shim; only the TE-less router name megatron 0.16.1 needs
+        from megatron.core.transformer.moe import moe_utils
+
+        torch.cuda.set_device(rank)
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    else:
+        from r3bridge.testing import cpu_shim
+
+        cpu_shim.apply()
+    torch.distributed.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -144,33 +173,9 @@ def _worker(
     seed: int,
     backend: str = "gloo",
 ) -> None:
-    # Two CI cores shared by several ranks: one intra-op thread per rank avoids thrashing.
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
-    # torch warns that megatron's all_gather_into_tensor / reduce_scatter_tensor are deprecated.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    from r3bridge.testing import cpu_shim
-
     idx = -1
     try:
-        if backend == "nccl":
-            # one GPU per rank, no CPU shim; only the TE-less router name megatron 0.16.1 needs
-            from megatron.core.transformer.moe import moe_utils
-
-            torch.cuda.set_device(rank)
-            if not hasattr(moe_utils, "te_general_gemm"):
-                moe_utils.te_general_gemm = None
-        else:
-            cpu_shim.apply()
-        torch.distributed.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        _start_rank(rank, world_size, port, timeout, backend)
         from megatron.core import parallel_state as ps
 
         for idx, layout in enumerate(layouts):
@@ -339,4 +344,25 @@ def spawn(
     )[0]
 
 
-__all__ = ["Layout", "RankContext", "RankError", "free_port", "spawn", "spawn_layouts"]
+def run_as_only_rank(fn: Callable[..., Any], *, args: tuple[Any, ...] = (), backend: str = "gloo",
+                     seed: int = 1234) -> Any:
+    """``fn(ctx, *args)`` as the one rank of a one-rank world, in *this* process (megatron
+    parallel state set up and torn down around it); returns what ``fn`` returns.
+
+    Only for a process started to be that rank (a script's or a job's own process): with gloo the
+    CPU shims patch process-global state for the rest of the process's life, and it keeps one
+    intra-op thread. :func:`spawn` is the same in a fresh child process, for everyone else."""
+    from megatron.core import parallel_state as ps
+
+    _start_rank(0, 1, free_port(), 24 * 3600.0, backend)
+    try:
+        ctx = _init_layout(Layout(), 0, 1, seed)
+        try:
+            return fn(ctx, *args)
+        finally:
+            ps.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+__all__ = ["Layout", "RankContext", "RankError", "free_port", "run_as_only_rank", "spawn", "spawn_layouts"]

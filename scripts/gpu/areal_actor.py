@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""AReaL 1.0.4's real ``MegatronPPOActor`` with r3bridge on one GPU, R3 and R2 (issue 23, item 3).
+"""AReaL 1.0.4's real ``MegatronPPOActor`` with r3bridge on one or two GPUs, R3 and R2 (issue 23, item 3).
 
 AReaL's own actor (with r3bridge's ``MegatronEngineMixin`` / ``PPOActorMixin``) runs 2 PPO steps
 per mode: ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss,
@@ -12,7 +12,9 @@ padded ``cu_seqlens``, and logged as dispatch records keyed by (sample, token), 
 same routes independently. The code is ``testlab.areal_runner`` (the CPU runner of
 tests/adapters/test_areal_real.py); this file only spawns it on a device.
 
-  --device cuda (default): NCCL, one GPU, TP1, the model on the GPU (mbridge's ``.cuda()``),
+  --layout tp1 (default), tp2_sp or pp2_vpp2 (two ranks, each with its own LOCAL_RANK: AReaL pins its
+    GPU from it, testlab/areal_engine.py); every rank's router calls checked, dispatch records merged.
+  --device cuda (default): NCCL, one GPU per rank, the model on the GPU (mbridge's ``.cuda()``),
     megatron's optimizer without the CPU proxy. Layer spec: megatron's local spec with MoE-only
     layers (``testlab.mbridge_spec``'s TE-free bridge: AReaL packs THD, which local attention
     refuses), fp32 (AReaL's harness dtype).
@@ -36,7 +38,13 @@ from typing import Any
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 
-def _cell(ctx: Any, workdir: str, device: str, steps: int) -> dict:
+# --layout: the layouts of the CPU test (tests/adapters/test_areal_real.py) with its micro-batch
+# counts: at TP2 one micro-batch per pass (AReaL pads each to a 256-token page: with two, the second
+# sequence-parallel half would hold padding only); under PP AReaL raises every pass to >= 2 * pp.
+LAYOUTS = {"tp1": ({}, 2), "tp2_sp": ({"tp": 2}, 1), "pp2_vpp2": ({"pp": 2, "vpp": 2}, 2)}
+
+
+def _cell(ctx: Any, workdir: str, device: str, steps: int, n_mbs: int = 2) -> dict:
     from testlab.areal_runner import run_steps
     from testlab.device_runs import areal_rollout
 
@@ -49,8 +57,8 @@ def _cell(ctx: Any, workdir: str, device: str, steps: int) -> dict:
             areal_rollout(),
             f"{workdir}/{mode}/rank{ctx.rank}",
             steps=steps,
-            n_mbs=2,
-            ppo_n_minibatches=2,
+            n_mbs=n_mbs,
+            ppo_n_minibatches=n_mbs,
             device=device,
         )
         res["mismatched"] = sum(r["mismatched"] for r in res.pop("records"))
@@ -59,7 +67,9 @@ def _cell(ctx: Any, workdir: str, device: str, steps: int) -> dict:
     return out
 
 
-def summarize(res: dict, steps: int) -> dict:
+def summarize(per_rank: list, steps: int) -> dict:
+    """Per mode, over every rank: the runner's router-call checks summed, the dispatch records merged
+    over the ranks and compared with the routes that had to be replayed."""
     from r3bridge.schema import ReplayBatch
     from testlab.device_runs import areal_rollout, dispatch_disagreements
     from testlab.dispatch_records import DispatchRecords
@@ -67,18 +77,24 @@ def summarize(res: dict, steps: int) -> dict:
     rollout = areal_rollout()
     lens = [len(t) for t in rollout.tokens]
     modes, ok = {}, True
-    for mode, r in res.items():
-        recs = DispatchRecords.merge([r["dispatch"]])
+    for mode in ("R3", "R2"):
+        ranks = [res[mode] for res in per_rank]
+        recs = DispatchRecords.merge([x["dispatch"] for x in ranks])
+        calls: dict[str, int] = {}
+        for x in ranks:
+            for k, v in x["calls"].items():
+                calls[k] = calls.get(k, 0) + v
+        r = ranks[0]
         m: dict[str, Any] = {
-            "router_rows_mismatched": r["mismatched"],
-            "router_rows_checked": r["checked_rows"],
-            "errors": r["errors"][:5],
-            "calls": r["calls"],
+            "router_rows_mismatched": sum(x["mismatched"] for x in ranks),
+            "router_rows_checked": sum(x["checked_rows"] for x in ranks),
+            "errors": [f"rank {i}: {e}" for i, x in enumerate(ranks) for e in x["errors"]][:5],
+            "calls": calls,
             "grad_norms": r["grad_norms"],
             "dispatch_errors": [],
             "dispatch_compared": 0,
-            "seconds": r["seconds"],
-            "metrics_last_step": r["metrics"][-1] if r["metrics"] else {},
+            "seconds": max(x["seconds"] for x in ranks),
+            "metrics_last_step": ranks[-1]["metrics"][-1] if ranks[-1]["metrics"] else {},
         }
         for step in range(steps):
             want = rollout.expected() if mode == "R3" else ReplayBatch.from_bytes(r["recorded"][step])
@@ -86,12 +102,12 @@ def summarize(res: dict, steps: int) -> dict:
             m["dispatch_errors"] += errs[:5]
             m["dispatch_compared"] += n
         m["ok"] = (
-            not r["errors"]
+            not m["errors"]
             and m["router_rows_mismatched"] == 0
             and m["router_rows_checked"] > 0
             and not m["dispatch_errors"]
             and m["dispatch_compared"] > 0
-            and r["calls"].get("update/recompute", 0) > 0
+            and all(x["calls"].get("update/recompute", 0) > 0 for x in ranks)
         )
         ok = ok and m["ok"]
         modes[mode] = m
@@ -102,6 +118,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS), help="tp1 (1 GPU), tp2_sp or pp2_vpp2 (2 ranks)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
@@ -118,7 +135,7 @@ def main() -> int:
         "megatron_core": md.version("megatron-core"),
         "device": a.device,
         "layer_spec": "local (MoE-only)",
-        "layout": "tp1",
+        "layout": a.layout,
     }
     if a.device == "cuda":
         import torch
@@ -127,15 +144,17 @@ def main() -> int:
     t0 = time.time()
     try:
         with tempfile.TemporaryDirectory(prefix="areal-actor-") as workdir:
+            kw, n_mbs = LAYOUTS[a.layout]
+            layout = Layout(**kw)
             (per_rank,) = spawn_layouts(
                 _cell,
-                world_size=1,
-                layouts=[Layout()],
-                args=(workdir, a.device, a.steps),
+                world_size=layout.tp * layout.pp,
+                layouts=[layout],
+                args=(workdir, a.device, a.steps, n_mbs),
                 backend=backend_of(a.device),
                 timeout=a.timeout,
             )
-        summary = {**head, **summarize(per_rank[0], a.steps)}
+        summary = {**head, **summarize(per_rank, a.steps)}
     except Exception as e:  # a failed rank: its traceback is the result
         summary = {**head, "ok": False, "error": error_text(e)}
     summary["seconds"] = round(time.time() - t0, 1)

@@ -4,9 +4,10 @@
                                            [--cell-timeout 300] [--json OUT] [--device cuda|cpu]
                                            [--spec local|te]
 
-Each cell runs tests/megatron/replay_grid.py's run_cell (R3 forward-only then training step checked
-router call by router call against an independent packing reference, R2 record + replay with
-bit-identical logits, no state left) on CUDA with NCCL, one process per GPU. The TP=PP=CP=1
+Each cell (tests/megatron/replay_grid.py: ``default_cells``, the CPU grid, and ``gpu_cells``) runs
+replay_grid's run_cell (R3 forward-only then training step checked router call by router call
+against an independent packing reference, R2 record + replay with bit-identical logits, no state
+left) on CUDA with NCCL, one process per GPU. The TP=PP=CP=1
 comparison of the CPU grid is skipped: bf16 kernels differ across layouts.
 Without Transformer Engine only ``moe_utils.te_general_gemm = None`` is set (the 0.16 router refers
 to that name unconditionally); nothing else of the CPU shim is used.
@@ -27,8 +28,13 @@ targets; the summary gives the calls and rows checked and the rows that differ.
 
 ``--device cpu`` runs the same cells on gloo with the CPU shim (the CPU grid's specs, no bf16):
 how the fail-fast path is tested without GPUs (tests/megatron/test_gpu_script.py).
-``R3BRIDGE_CONFORMANCE_FAULT=<cell>:<rank>:raise|hang[,...]`` makes one rank of a cell raise or
-hang; only that test sets it.
+``R3BRIDGE_CONFORMANCE_FAULT=<cell>:<rank>:raise|raise_mid|hang[,...]`` makes one rank of a cell
+raise (at its start, or in its first training micro-batch) or hang; only that test and the FAILFAST
+cells (``failfast_tp2_sp``, ``failfast_pp4``: a failure shown on purpose, passing when the failed rank
+is reported and every rank is gone within FAILFAST_LIMIT_S of the raise) set it.
+
+scripts/gpu/nccl_grid.py runs the whole grid for one or more megatron-core releases at 2 and 4 GPUs
+in parallel lanes of this script.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -48,6 +55,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_recompute", "mtp",
          "pp2_uneven_dense_stage"]
 FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
+# Cells that must fail, on purpose: the grid cell named on the right with one rank raising in its
+# first micro-batch of the R3 training pass (FAULT_ENV kind raise_mid). They pass when the run
+# reports that rank and its traceback and every rank of the cell is gone within FAILFAST_LIMIT_S of
+# the raise (the others would otherwise wait in a collective until the process-group timeout).
+FAILFAST = {"failfast_tp2_sp": ("tp2_sp", 1), "failfast_pp4": ("pp4_uneven_dense_stage", 3)}
+FAILFAST_LIMIT_S = 30.0
 # cells whose guard must refuse the config (ConfigError naming the option) instead of replaying
 # megatron-core 0.16.1's unpermute (moe_utils.unpermute) sums each token's top-k expert outputs with
 # scatter_add_ (CUDA atomics, in no fixed order) unless torch's deterministic algorithms are on
@@ -56,7 +69,8 @@ FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
 # cell runs both ways: natively (logits may differ, routes are still checked row by row) and with
 # deterministic algorithms (logits must be bit-equal).
 LOGITS_MAY_DIFFER = {"te_int16_ids"}
-DETERMINISTIC = {"te_int16_ids_deterministic"}
+# the grid's top-6 cell runs on GPUs with deterministic algorithms for the same reason
+DETERMINISTIC = {"te_int16_ids_deterministic", "tp2_pp2_int16_ids"}
 REFUSED = {"te_router_fusion": "moe_router_fusion", "te_cuda_graphs_te": "CUDA graphs capture the router",
            "te_cuda_graphs_local": "CUDA graphs capture the router"}
 
@@ -102,9 +116,10 @@ def te_cells() -> list[Any]:
 
 
 def select_cells(names: list[str], device: str, layer_spec: str = "local") -> list[Any]:
-    from replay_grid import default_cells
+    from replay_grid import default_cells, gpu_cells
 
-    known = {c.name: c for c in default_cells()}
+    known = {c.name: c for c in default_cells() + gpu_cells()}
+    known.update({name: dataclasses.replace(known[base], name=name) for name, (base, _) in FAILFAST.items()})
     if layer_spec == "te":
         known.update({c.name: c for c in te_cells()})
     unknown = [n for n in names if n not in known]
@@ -116,8 +131,9 @@ def select_cells(names: list[str], device: str, layer_spec: str = "local") -> li
         if device == "cuda":
             # the local spec has no THD attention and no CP: identity attention; TE has both
             attention = "real" if layer_spec == "te" else "identity"
+            dispatcher = c.spec.moe_token_dispatcher_type if c.pinned_dispatcher else "alltoall"
             spec = dataclasses.replace(
-                c.spec, moe_token_dispatcher_type="alltoall", attention=attention, layer_spec=layer_spec,
+                c.spec, moe_token_dispatcher_type=dispatcher, attention=attention, layer_spec=layer_spec,
                 extra_config={**c.spec.extra_config, "bf16": True, "params_dtype": torch.bfloat16,
                               "pipeline_dtype": torch.bfloat16})
             c = dataclasses.replace(c, spec=spec)
@@ -138,7 +154,33 @@ def _injected_fault(cell: str, rank: int) -> None:
         if kind == "hang":
             while True:
                 time.sleep(1)
-        raise ValueError(f"{FAULT_ENV}: kind must be 'raise' or 'hang', got {kind!r}")
+        if kind == "raise_mid":
+            _raise_in_training_step(cell, rank)
+            continue
+        raise ValueError(f"{FAULT_ENV}: kind must be 'raise', 'raise_mid' or 'hang', got {kind!r}")
+
+
+def _raise_in_training_step(cell: str, rank: int) -> None:
+    """This rank raises in its first micro-batch of the R3 training pass, after the forward-only pass
+    ran on every rank: the other ranks are then inside the training schedule's collectives (TP
+    all-gathers, pipeline p2p), where they would wait for this rank until the process-group timeout.
+    The grid's forward steps come from ``replay_grid.make_forward_step``: this process's copy of that
+    name is wrapped (test-only fault injection, nothing else changes)."""
+    import replay_grid
+
+    inner_factory = replay_grid.make_forward_step
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        inner = inner_factory(*args, **kwargs)
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"injected fault: cell {cell} rank {rank} (in the training step, {FAULT_ENV}) "
+                                   f"at t={time.time():.3f}")
+            return inner(data_iterator, model)
+        return forward_step
+
+    replay_grid.make_forward_step = factory
 
 
 def cell_rank(ctx: Any, cell: Any, device: str) -> dict[str, Any]:
@@ -220,10 +262,16 @@ def run_one(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any
     """One cell in its own processes; a failure or timeout is a result, never a hang."""
     from replay_grid import cell_world_size
 
-    from r3bridge.testing.dist import RankError, spawn_layouts
-
     if cell_world_size(cell) > world:
         return {"pass": None, "skipped": f"needs {cell_world_size(cell)} ranks, {world} available"}
+    if cell.name in FAILFAST:
+        return run_failfast(cell, world, device, timeout)
+    return _spawn_result(cell, world, device, timeout)
+
+
+def _spawn_result(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any]:
+    from r3bridge.testing.dist import RankError, spawn_layouts
+
     t0 = time.time()
     try:
         per_rank = spawn_layouts(cell_rank, world_size=world, layouts=[cell.layout], args=(cell, device),
@@ -238,6 +286,31 @@ def run_one(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any
         return {"pass": False, "failed_rank": None, "error": str(e)[-1500:],
                 "aborted_after_s": round(time.time() - t0, 1)}
     return summarize(per_rank, cell.name)
+
+
+def run_failfast(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any]:
+    """A cell that must fail: one rank raises (FAILFAST), the others would block in a collective.
+    Passes when the run names that rank and the injected error and every rank of the cell has been
+    ended (``spawn_layouts`` kills and joins them) within FAILFAST_LIMIT_S of the raise (the fault's
+    message carries its time)."""
+    _, rank = FAILFAST[cell.name]
+    before = os.environ.get(FAULT_ENV)
+    os.environ[FAULT_ENV] = ",".join(filter(None, [before, f"{cell.name}:{rank}:raise_mid"]))
+    try:                             # the spawned ranks read the variable at start
+        res = _spawn_result(cell, world, device, timeout)
+    finally:
+        if before is None:
+            os.environ.pop(FAULT_ENV, None)
+        else:
+            os.environ[FAULT_ENV] = before
+    ended = time.time()              # _spawn_result returns once every rank is killed and joined
+    found = re.search(rf"injected fault: cell {re.escape(cell.name)} rank {rank} .* at t=([0-9.]+)", res.get("error", ""))
+    after_fault = round(ended - float(found.group(1)), 2) if found else None
+    caught = res.get("failed_rank") == rank and after_fault is not None and after_fault < FAILFAST_LIMIT_S
+    return {"pass": bool(caught), "expected_failure": f"rank {rank} raises in its first training micro-batch",
+            "failed_rank": res.get("failed_rank"), "all_ranks_ended_s_after_fault": after_fault,
+            "aborted_after_s": res.get("aborted_after_s"), "cell_timeout_s": timeout,
+            "error": res.get("error", "")[-600:]}
 
 
 def _te_version() -> str | None:
@@ -258,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", choices=["local", "te"], default="local",
                    help="layer spec: megatron-core's local modules, or Transformer Engine's")
     p.add_argument("--cells", dest="cells", default=None,
-                   help="comma-separated cell names, or 'all' (the whole CPU grid, plus TE_CELLS with --spec te); "
-                        "default: CELLS, plus TE_CELLS with --spec te")
+                   help="comma-separated cell names, or 'all' (the CPU grid and gpu_cells, plus TE_CELLS with "
+                        "--spec te; not the FAILFAST cells); default: CELLS, plus TE_CELLS with --spec te")
     a = p.parse_args(argv)
     world = a.gpus if a.gpus is not None else (torch.cuda.device_count() if a.device == "cuda" else 2)
     if a.spec == "te":
@@ -268,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.cells is None:
         a.cells = ",".join(CELLS + ([c.name for c in te_cells()] if a.spec == "te" else []))
     elif a.cells == "all":
-        from replay_grid import default_cells
-        a.cells = ",".join([c.name for c in default_cells()] + ([c.name for c in te_cells()] if a.spec == "te" else []))
+        from replay_grid import default_cells, gpu_cells
+        a.cells = ",".join([c.name for c in default_cells() + gpu_cells()]
+                           + ([c.name for c in te_cells()] if a.spec == "te" else []))
     if a.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         # cuBLAS needs a fixed workspace for deterministic algorithms (the _deterministic cells)
@@ -280,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run_one(cell, world, a.device, a.cell_timeout)
         summary[cell.name] = res
         ok &= res["pass"] is not False
-        brief = {k: res[k] for k in ("pass", "failed_rank", "skipped", "seconds", "aborted_after_s", "r3_rows_checked",
-                                     "r3_mismatching_rows", "r2_rows_checked", "r2_mismatching_rows") if k in res}
+        brief = {k: res[k] for k in ("pass", "failed_rank", "skipped", "seconds", "aborted_after_s",
+                                     "all_ranks_ended_s_after_fault", "r3_rows_checked", "r3_mismatching_rows",
+                                     "r2_rows_checked", "r2_mismatching_rows") if k in res}
         if "refused_by_guard" in res:
             brief["refused_by_guard"] = res["refused_by_guard"][:160]
         print(f"{cell.name}: {brief}", file=sys.stderr, flush=True)

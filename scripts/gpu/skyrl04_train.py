@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SkyRL's real Megatron training path with r3bridge on one GPU, R3 and R2 (issue 23, item 1).
+"""SkyRL's real Megatron training path with r3bridge on one or two GPUs, R3 and R2 (issue 23, item 1).
 
 SkyRL's own ``MegatronModelWrapper.forward`` (compute_log_prob) and
 ``forward_backward_mini_batch`` (one update: SkyRL's policy loss + KL, megatron's DDP, SkyRL's
@@ -16,8 +16,10 @@ full recompute) is checked against the routes that had to be replayed, sharded w
 (sample, token), which are compared with the same routes independently. Under R2 the update's
 log-probs must equal compute_log_prob's (same weights, same routes).
 
-  --device cuda (default): NCCL, one GPU, TP1; --layer-spec te (default; TE attention on SkyRL's
-    packed THD input, bf16) or local (MoE-only layers, fp32).
+  --device cuda (default): NCCL, one GPU per rank; --layout tp1 (default), tp2_sp or pp2_vpp2 (two
+    ranks; every rank's router calls checked, the dispatch records merged over the ranks);
+    --layer-spec te (default; TE attention on SkyRL's packed THD input, bf16) or local (MoE-only
+    layers, fp32).
   --device cpu: gloo with the CPU shim, local spec, whatever SkyRL comes first on the path: 0.3 as
     installed on the CPU machines, or 0.4.0 (PYTHONPATH=build/skyrl04 and megatron-core >= 0.17 first;
     SkyRL 0.4's wrapper then imports on Python 3.11), with testlab.skyrl04_env's stand-in for
@@ -38,6 +40,10 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+# --layout: the two-rank layouts of the CPU test (tests/adapters/test_skyrl_real.py: etp = tp) and
+# of cross_framework.py
+LAYOUTS = {"tp1": {}, "tp2_sp": {"tp": 2, "etp": 2}, "pp2_vpp2": {"pp": 2, "vpp": 2}}
 
 
 def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
@@ -62,18 +68,18 @@ def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
     return out
 
 
-def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
-    """Per mode: the runner's router-call check and the dispatch records against the replayed routes."""
+def summarize(per_rank: list, steps: int, logprob_tol: float) -> dict:
+    """Per mode, over every rank: the runner's router-call check and the dispatch records (merged
+    over the ranks: each rank logs the rows and layers it routed) against the replayed routes."""
     from r3bridge.schema import ReplayBatch
     from testlab.device_runs import dispatch_disagreements, skyrl_rollouts
     from testlab.dispatch_records import DispatchRecords
 
     rollouts = skyrl_rollouts(steps)
     modes, ok = {}, True
-    for mode, r in res.items():
-        if mode not in ("R3", "R2"):
-            continue
-        recs = DispatchRecords.merge([r["dispatch"]])
+    for mode in ("R3", "R2"):
+        ranks = [res[mode] for res in per_rank]
+        recs = DispatchRecords.merge([r["dispatch"] for r in ranks])
         m: dict[str, Any] = {
             "router_rows_mismatched": 0,
             "router_rows_checked": 0,
@@ -82,14 +88,18 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
             "dispatch_compared": 0,
             "max_logprob_diff": [],
             "grad_norms": [],
-            "seconds": r["seconds"],
+            "seconds": max(r["seconds"] for r in ranks),
         }
-        for s in r["steps"]:
+        for rank, r in enumerate(ranks):
+            for s in r["steps"]:
+                m["router_rows_mismatched"] += s["fwd_mismatched"] + s["upd_mismatched"]
+                m["router_rows_checked"] += s["fwd_checked"] + s["upd_checked"]
+                m["errors"] += [f"rank {rank} step {s['step']}: {e}" for e in s["fwd_errors"] + s["upd_errors"]][:5]
+        for s in ranks[0]["steps"]:
             i = s["step"]
-            m["router_rows_mismatched"] += s["fwd_mismatched"] + s["upd_mismatched"]
-            m["router_rows_checked"] += s["fwd_checked"] + s["upd_checked"]
-            m["errors"] += [f"step {i}: {e}" for e in s["fwd_errors"] + s["upd_errors"]][:5]
-            m["max_logprob_diff"].append(s.get("max_logprob_diff"))
+            # the update's log-probs exist on the last pipeline stage only
+            m["max_logprob_diff"].append(max((x["steps"][i].get("max_logprob_diff") for x in ranks
+                                              if "max_logprob_diff" in x["steps"][i]), default=None))
             m["grad_norms"].append(s["grad_norm"])
             want = rollouts[i].expected() if mode == "R3" else ReplayBatch.from_bytes(s["recorded"])
             errs, n = dispatch_disagreements(
@@ -97,8 +107,8 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
             )
             m["dispatch_errors"] += errs[:5]
             m["dispatch_compared"] += n
-        m["coverage_update"] = res[mode]["steps"][-1]["upd_metrics"].get("r3bridge/coverage")
-        m["agreement_update"] = res[mode]["steps"][-1]["upd_metrics"].get("r3bridge/agreement/mean")
+        m["coverage_update"] = ranks[-1]["steps"][-1]["upd_metrics"].get("r3bridge/coverage")
+        m["agreement_update"] = ranks[-1]["steps"][-1]["upd_metrics"].get("r3bridge/agreement/mean")
         mode_ok = (
             m["router_rows_mismatched"] == 0
             and m["router_rows_checked"] > 0
@@ -113,7 +123,7 @@ def summarize(res: dict, steps: int, logprob_tol: float) -> dict:
         m["ok"] = mode_ok
         ok = ok and mode_ok
         modes[mode] = m
-    return {"ok": ok, "modes": modes, "megatron_bridge_stand_in": res["megatron_bridge_stand_in"]}
+    return {"ok": ok, "modes": modes, "megatron_bridge_stand_in": per_rank[0]["megatron_bridge_stand_in"]}
 
 
 def main() -> int:
@@ -124,6 +134,8 @@ def main() -> int:
     ap.add_argument(
         "--logprob-tol", type=float, default=1e-5, help="R2: max |update log-prob - compute_log_prob log-prob|"
     )
+    ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS),
+                    help="tp1 (1 GPU), tp2_sp or pp2_vpp2 (2 ranks: TP2 + SP, or PP2 x VPP2 with SkyRL's p2p settings)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
@@ -142,7 +154,7 @@ def main() -> int:
         "megatron_core": md.version("megatron-core"),
         "device": a.device,
         "layer_spec": layer_spec,
-        "layout": "tp1",
+        "layout": a.layout,
     }
     if a.device == "cuda":
         import torch
@@ -150,15 +162,16 @@ def main() -> int:
         head["gpu"] = torch.cuda.get_device_name(0)
     t0 = time.time()
     try:
+        layout = Layout(**LAYOUTS[a.layout])
         (per_rank,) = spawn_layouts(
             _cell,
-            world_size=1,
-            layouts=[Layout()],
+            world_size=layout.tp * layout.pp,
+            layouts=[layout],
             args=(layer_spec, a.steps, a.device),
             backend=backend_of(a.device),
             timeout=a.timeout,
         )
-        summary = {**head, **summarize(per_rank[0], a.steps, a.logprob_tol)}
+        summary = {**head, **summarize(per_rank, a.steps, a.logprob_tol)}
     except Exception as e:  # a failed rank: its traceback is the result
         summary = {**head, "ok": False, "error": error_text(e)}
     summary["seconds"] = round(time.time() - t0, 1)

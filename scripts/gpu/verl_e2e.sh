@@ -9,6 +9,7 @@
 #   bundle.sh stash .dev/b/qI     on the device, one call per part but the last (carry .dev/b/qI)
 #   bundle.sh install .dev/b/qN   on the device (carry .dev/b/qN): join, install, then run at once:
 #   verl_e2e.sh run MODE [last]   on the device: the job for MODE (R3 | R2 | off); `last` switches
+#                                 (R3E2E_CHECK_ONLY=1: check the records a finished job left, no rerun);
 #                                 first-seen stitching off (the control); writes $OUT/verl_e2e_TAG.json
 #                                 and .log, TAG = MODE_VARIANT, or vllm_MODE_VARIANT_pcN for vLLM (the job's
 #                                 own files stay under $R3E2E_WORK, /tmp/r3e2e)
@@ -17,6 +18,10 @@
 # async server, agent loop and weight sync; needs the bundle's vllm set in /tmp/site-vllm, which
 # testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH); R3E2E_PREFIX_CACHE=0|1 (vLLM prefix
 # caching, default 1); R3E2E_VLLM_GPU_MEM (vLLM's share of the GPU, default 0.3, beside the trainer).
+#
+# Several GPUs (testlab/verl_e2e_parallel.py): R3E2E_GPUS=N and the trainer's layout R3E2E_TP, R3E2E_EP,
+# R3E2E_ETP, R3E2E_PP, R3E2E_VPP, R3E2E_SP (1/0); the files get the layout's name (e.g.
+# verl_e2e_R3_first_tp2_sp.json); CUDA_VISIBLE_DEVICES picks the GPUs (jobs can run side by side).
 #
 # The device keeps ~/stash and what was installed only while the machine stays warm (30 s idle):
 # issue the stash calls, the install and the runs back to back (field notes 12).
@@ -40,18 +45,24 @@ run)
   python - "$mode" "$variant" "$out" <<'PY'
 import json, os, subprocess, sys, time
 from testlab import verl_e2e as E
+from testlab.verl_e2e_parallel import Parallel
 mode, variant, out = sys.argv[1], sys.argv[2], sys.argv[3]
-tag = E.run_tag(mode, variant)
+layout = Parallel.from_env().label      # R3E2E_GPUS / _TP / _EP / _PP / _SP ...: "tp1" on one GPU
+tag = E.run_tag(mode, variant) + ("" if layout == "tp1" else f"_{layout}")
 root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}")
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, os.getcwd(), gpu=True)
 t0 = time.monotonic()
-with open(os.path.join(root, "job.log"), "w") as log:
-    try:  # a hung job still leaves its log in $OUT
-        rc = subprocess.run(E.job_command(paths, mode), env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=float(os.environ.get("R3E2E_TIMEOUT", "480"))).returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
+if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
+    rc = 0
+else:
+    with open(os.path.join(root, "job.log"), "w") as log:
+        try:  # a hung job still leaves its log in $OUT
+            rc = subprocess.run(E.job_command(paths, mode), env=env, cwd=root, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                timeout=float(os.environ.get("R3E2E_TIMEOUT", "480"))).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
 res = E.read_run(paths, rc)
 with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e2e_{tag}.log"), "w") as dst:
     text = src.read()
@@ -59,8 +70,8 @@ with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e
 if rc:
     print("\n".join(text.splitlines()[-80:]))
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
-summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "rc": rc,
-           "wall_s": round(time.monotonic() - t0, 1),
+summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "layout": layout,
+           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res)}
 json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)

@@ -122,3 +122,29 @@ def test_off_routes_natively_and_logs_nothing(off):
     for c in checks:
         assert c.errors == [], c.errors
     assert all(m == {} for m in E.r3bridge_metrics(off)), E.r3bridge_metrics(off)
+
+
+def test_rank_rows_and_padded_lengths_of_several_ranks():
+    """The multi-rank checker's row map (testlab.verl_e2e_parallel; the device runs at TP2 + SP):
+    a TP rank's sequence-parallel slice of verl's packed stream, every sequence padded to a multiple
+    of TP; the first stage's padded sequences resolved to the rollout's real ones; the layout knobs."""
+    from testlab.verl_e2e_parallel import Parallel, apply_overrides, rank_rows, resolve_lengths
+
+    par = {"tp": 2, "sp": True, "cp": 1}
+    # verl 0.9.1's first stage: cu_seqlens_q == the padded offsets, so lens are the padded lengths
+    batch = {"seqs": [[5, 6, 7, 0], [8, 9], [4, 0]], "lens": [4, 2, 2], "padded": [4, 2, 2], "lens_exact": False,
+             "parallel": {**par, "tp_rank": 0}}
+    resolve_lengths(batch, [[5, 6, 7], [8, 9], [4, 0]])      # sample 2 really ends in the pad id
+    assert batch["lens"] == [3, 2, 2] and batch["seqs"][0] == [5, 6, 7]
+    assert rank_rows(batch) == ([0, 0, 0, -1], [0, 1, 2, -1])
+    assert rank_rows({**batch, "parallel": {**par, "tp_rank": 1}}) == ([1, 1, 2, 2], [0, 1, 0, 1])
+    # without sequence parallelism every TP rank routes every row
+    assert rank_rows({**batch, "parallel": {**par, "sp": False, "tp_rank": 1}})[0] == [0, 0, 0, -1, 1, 1, 2, 2]
+
+    p = Parallel.from_env({"R3E2E_GPUS": "4", "R3E2E_TP": "2", "R3E2E_EP": "2"})
+    assert p.label == "tp2_sp_ep2" and p.sequence_parallel
+    cmd = apply_overrides(["trainer.n_gpus_per_node=1", "+ray_kwargs.ray_init.num_gpus=1", "x=1"], p.overrides())
+    assert cmd[:3] == ["trainer.n_gpus_per_node=4", "+ray_kwargs.ray_init.num_gpus=4", "x=1"]
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2" in cmd
+    with pytest.raises(ValueError, match="does not fit 2 rank"):
+        Parallel.from_env({"R3E2E_GPUS": "2", "R3E2E_TP": "2", "R3E2E_EP": "2"})

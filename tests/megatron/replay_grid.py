@@ -47,9 +47,14 @@ class Cell:
     # "layout": it does not, and r3bridge derives the packing from the layout alone
     packing: str = "explicit"
     seq_lens: tuple[tuple[int, ...], ...] | None = None   # None: SEQ_LENS
+    # the spec's token dispatcher on every device; False: the device's default (allgather on the
+    # CPU harness, alltoall on GPUs: scripts/gpu/nccl_conformance.py)
+    pinned_dispatcher: bool = False
 
 
 def default_cells() -> list[Cell]:
+    """The CPU grid (tests/megatron/test_replay_conformance.py); on GPUs it runs with
+    :func:`gpu_cells` (scripts/gpu/nccl_conformance.py)."""
     S = ModelSpec
     ident = dict(attention="identity")
     return [
@@ -62,9 +67,6 @@ def default_cells() -> list[Cell]:
         Cell("pp2_vpp2", Layout(pp=2, vpp=2), S(num_layers=4)),
         Cell("ep2", Layout(ep=2), S()),
         Cell("tp2_ep2", Layout(tp=2, ep=2, etp=2), S()),
-        Cell("pp2_uneven_dense_stage", Layout(pp=2),
-             S(num_layers=6, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4,
-               moe_layer_freq=[0, 0, 1, 1, 1, 1])),
         Cell("first_k_dense", Layout(pp=2), S(num_layers=4, moe_layer_freq=[0, 1, 1, 1])),
         Cell("int_freq_2", Layout(tp=2, etp=2), S(num_layers=4, moe_layer_freq=2)),
         Cell("mtp", Layout(pp=2), S(num_layers=4, mtp_num_layers=1)),
@@ -73,6 +75,29 @@ def default_cells() -> list[Cell]:
         Cell("cp2_tp2", Layout(tp=2, cp=2, etp=2), S(**ident)),
         # > 256 experts: ids travel as int16 (6 per row: 12-byte rows, payload views mid-word)
         Cell("tp2_pp2_int16_ids", Layout(tp=2, pp=2, etp=2), S(num_moe_experts=320, moe_router_topk=6)),
+        # four stages: the first has no MoE layer (no router at all on that rank), the last is
+        # uneven (3 layers, the middle ones 2). Replaces pp2_uneven_dense_stage in the CPU grid
+        # (which runs on GPUs only now, gpu_cells): the same two properties, over four stages.
+        Cell("pp4_uneven_dense_stage", Layout(pp=4),
+             S(num_layers=9, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=3,
+               moe_layer_freq=[0, 0] + [1] * 7)),
+    ]
+
+
+def gpu_cells() -> list[Cell]:
+    """Cells the NCCL grid adds to :func:`default_cells` (scripts/gpu/nccl_conformance.py): kept
+    out of the CPU grid because they add nothing there (the allgather dispatcher is the CPU
+    harness's default) or because a cell of the CPU grid covers the same property at less cost."""
+    S = ModelSpec
+    return [
+        Cell("pp2_uneven_dense_stage", Layout(pp=2),
+             S(num_layers=6, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4,
+               moe_layer_freq=[0, 0, 1, 1, 1, 1])),
+        # the other dispatcher at TP2 x EP2 (alltoall is the GPU default)
+        Cell("tp2_ep2_allgather", Layout(tp=2, ep=2, etp=2), S(moe_token_dispatcher_type="allgather"),
+             pinned_dispatcher=True),
+        # interleaved pipeline with TP2 + SP (two virtual stages of 2 layers per rank)
+        Cell("tp2_pp2_vpp2", Layout(tp=2, pp=2, vpp=2, etp=2), S(num_layers=8)),
     ]
 
 

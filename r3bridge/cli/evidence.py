@@ -1,0 +1,167 @@
+"""``r3bridge evidence``: what routing replay does to a GRPO run, off vs R2 vs R3, and its figure.
+
+``evidence run`` trains a tiny Qwen3-MoE on generated additions (a supervised warm start, then
+GRPO with 4 mini-batches per rollout batch and the engine's weights synced every step), one arm
+per replay mode and seed plus a noise floor, side by side, within a wall-clock bound
+(r3bridge/demo/evidence.py). ``evidence plot`` reads the arms' logs back: the table of ratios
+after warm-up and the per-step figure. docs/evidence.md has the method and the published numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from r3bridge.cli._common import CliError, installed, print_json, pyplot, require, save_figure
+
+NAME = "evidence"
+COLORS = {"off": "tab:red", "R2": "tab:orange", "R3": "tab:blue", "floor": "tab:gray"}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _modes(text: str) -> list[str]:
+    modes = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [m for m in modes if m not in ("off", "R2", "R3")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"modes are off, R2, R3 (comma-separated), got {text!r}")
+    return modes
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(NAME, help="GRPO run off / R2 / R3 side by side, and its figure",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = p.add_subparsers(dest="evidence_command", metavar="{run,plot}")
+    cmds.required = True
+    r = cmds.add_parser("run", help="the whole run: warm start, then every arm, within --wall-s")
+    r.add_argument("--out", required=True, help="run folder (created); logs in OUT/logs")
+    r.add_argument("--engine", choices=["vllm", "hf"], default="vllm",
+                   help="rollout engine: vllm (in-process vLLM, bf16; GPU) or hf (HF transformers)")
+    r.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    r.add_argument("--modes", type=_modes, default=["off", "R2", "R3"])
+    r.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    r.add_argument("--no-floor", action="store_true", help="leave out the noise-floor arm (engine = the trainer)")
+    r.add_argument("--steps", type=int, default=300, help="GRPO steps per arm")
+    r.add_argument("--prompts", type=int, default=32, help="problems per step")
+    r.add_argument("--group", type=int, default=8, help="samples per problem (GRPO group)")
+    r.add_argument("--mini-batches", type=int, default=4, help="updates per rollout batch")
+    r.add_argument("--lr", type=float, default=None, help="Adam learning rate of GRPO (default 1e-4)")
+    r.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default=None,
+                   help="megatron trainer: bf16 params + fp32 main weights (default on cuda) or fp32 (cpu)")
+    r.add_argument("--spec", choices=["local", "te"], default="local", help="trainer layer spec (te: cuda)")
+    r.add_argument("--sft-steps", type=int, default=None,
+                   help="warm-start steps at most (default 3000; it stops at 60%% greedy accuracy or after 150 s)")
+    r.add_argument("--sft-batch", type=int, default=None, help="warm-start batch (default 256)")
+    r.add_argument("--sft-seconds", type=float, default=None, help="warm-start time bound (default 150)")
+    r.add_argument("--sft-target", type=float, default=None,
+                   help="warm-start greedy accuracy at which it stops (default 0.6)")
+    r.add_argument("--max-digits", type=int, default=3, help="operand digits of the addition task")
+    r.add_argument("--partial-credit", type=float, default=0.0,
+                   help="reward of a wrong answer per digit in place, as a fraction of the whole (default 0)")
+    r.add_argument("--layers", type=int, default=4)
+    r.add_argument("--experts", type=int, default=8)
+    r.add_argument("--dense-first", action="store_true", help="layer 0 dense, the others MoE")
+    r.add_argument("--procs", type=int, default=None,
+                   help="arm processes (default: one per arm on cuda, one on cpu); arms share a process in turn")
+    r.add_argument("--gpus", type=int, default=1, help="spread the arm processes over this many GPUs")
+    r.add_argument("--wall-s", type=float, default=660.0,
+                   help="hard bound on the whole run in seconds: no step starts that would end after it")
+    r.add_argument("--resume", action="store_true",
+                   help="reuse OUT's warm start and continue each arm from its last checkpoint")
+    r.add_argument("--checkpoint-every", type=int, default=100, help="steps between an arm's checkpoints (0: none)")
+    r.add_argument("--json", action="store_true", help="print each arm's status and steps as one JSON object")
+    q = cmds.add_parser("plot", help="table and figure from a run's logs (.jsonl or .jsonl.gz)")
+    q.add_argument("logs", help="run folder, its logs/, or a folder of <arm>.jsonl[.gz]")
+    q.add_argument("--out", default="evidence.png", help="figure path ('' to skip)")
+    q.add_argument("--warmup", type=int, default=50, help="steps left out of the table's means")
+    q.add_argument("--window", type=int, default=10, help="running mean of the thick lines, in steps")
+    q.add_argument("--title", default="")
+    q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return _run(args) if args.evidence_command == "run" else _plot(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    require("r3bridge evidence run", "demo", {"megatron.core": "megatron-core", "transformers": "transformers"})
+    if args.engine == "vllm" and not installed("vllm"):
+        raise CliError("--engine vllm needs vLLM importable (verl 0.9.1's pin: vllm==0.24.0); on a machine "
+                       "without it use --engine hf")
+    if args.spec == "te" and args.device != "cuda":
+        raise CliError("--spec te needs --device cuda")
+    if args.steps < 1 or args.wall_s <= 0:
+        raise CliError("--steps and --wall-s must be positive")
+    from r3bridge.demo import evidence
+    from r3bridge.demo.evidence_config import GRPOOptions, RunConfig, make_arms
+    from r3bridge.demo.task import AdditionTask
+    from r3bridge.demo.warmstart import ModelShape, WarmStartOptions
+
+    cuda = args.device == "cuda"
+    try:
+        grpo = GRPOOptions(steps=args.steps, prompts=args.prompts, group=args.group, mini_batches=args.mini_batches,
+                           device=args.device, trainer_dtype=args.trainer_dtype or ("bf16" if cuda else "fp32"),
+                           layer_spec=args.spec, checkpoint_every=args.checkpoint_every,
+                           **({} if args.lr is None else {"lr": args.lr}))
+        cfg = RunConfig(
+            shape=ModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
+            task=AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit),
+            warm=WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
+                                                       ("max_seconds", args.sft_seconds),
+                                                       ("target_accuracy", args.sft_target)) if v is not None}),
+            grpo=grpo, arms=make_arms(args.modes, args.seeds, args.engine, not args.no_floor),
+            resume=args.resume)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    procs = args.procs or (len(cfg.arms) if cuda else 1)
+    summary = evidence.run(Path(args.out), cfg, device=args.device, procs=procs, gpus=args.gpus, wall_s=args.wall_s)
+    if args.json:
+        print_json(summary)
+    return 0 if all(s["steps"] for s in summary.values()) else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from r3bridge.demo.evidence_report import METRICS, curves, load_logs, summarize, table
+
+    try:
+        arms = load_logs(args.logs)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
+        raise CliError(f"{args.logs}: {e}") from None
+    summary = summarize(arms, args.warmup)
+    if args.out:
+        plt = pyplot()
+        cols = 3
+        fig, axes = plt.subplots(-(-len(METRICS) // cols), cols, figsize=(5.2 * cols, 3.3 * -(-len(METRICS) // cols)))
+        for ax, (key, label, _, log) in zip(axes.flat, METRICS):
+            for group, c in curves(arms, key, log=log, window=args.window).items():
+                color = COLORS.get(group)
+                for xs, ys in c["seeds"].values():
+                    ax.plot(xs, ys, color=color, lw=0.5, alpha=0.35)
+                ax.plot(*c["mean"], color=color, lw=2, label=f"{group} ({c['members']} seed(s))")
+            ax.set_title(label, fontsize=9)
+            ax.set_xlabel("GRPO step")
+            ax.set_yscale("log" if log else "linear")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(METRICS):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        if args.title:
+            fig.suptitle(args.title)
+        fig.tight_layout()
+        save_figure(fig, args.out)
+    if args.json:
+        if args.out:
+            summary["plot"] = args.out
+        print_json(summary)
+    else:
+        print(table(summary))
+        if args.out:
+            print(f"wrote {args.out}", file=sys.stderr)
+    return 0

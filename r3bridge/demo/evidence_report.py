@@ -1,0 +1,208 @@
+"""Reading an evidence run's logs back: the table (ratios after warm-up, drift, collapse, seeds)
+and the figure (per-step curves per metric, arms coloured, seeds thin, their mean thick).
+
+Reads ``<arm>.jsonl`` or ``<arm>.jsonl.gz`` (verl's file-logger lines ``{"step", "data"}``) from a
+run folder, its ``logs/`` or any folder of such files; an arm's group is its name before ``-s<seed>``
+(``off-s1`` -> ``off``). Plain Python; ``r3bridge evidence plot`` (r3bridge/cli/evidence.py) draws.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+# (key, label, lower_is_better, log_scale): the figure's panels and the table's rows, in order
+METRICS: list[tuple[str, str, Optional[bool], bool]] = [
+    ("actor/r3bridge/old_log_prob/mismatch/k3_kl", "k3 KL, train vs rollout (compute_log_prob)", True, True),
+    ("actor/r3bridge/old_log_prob/mismatch/F2", "F(2), train vs rollout (compute_log_prob)", True, True),
+    ("actor/r3bridge/update/mismatch/k3_kl", "k3 KL, update forwards vs rollout", True, True),
+    ("route/native_vs_engine", "route agreement: trainer's own top-k vs engine's", False, False),
+    ("actor/first_update/abs_log_ratio", "|log ratio| of the first update (theta_old)", True, True),
+    ("actor/grad_norm/p50", "gradient norm p50 (4 updates)", None, True),
+    ("actor/grad_norm/p99", "gradient norm p99 (4 updates)", None, True),
+    ("critic/score/mean", "reward (exact match)", False, False),
+    ("actor/entropy", "entropy (nats / token)", None, False),
+]
+MIN_POSITIVE = 1e-12      # floor for log axes and ratios: a metric that is exactly 0
+
+
+@dataclass
+class ArmLog:
+    name: str
+    group: str
+    seed: Optional[int]
+    steps: list[int]
+    data: list[dict[str, float]]
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(s, d[key]) for s, d in zip(self.steps, self.data) if key in d]
+
+
+_ARM = re.compile(r"^(?P<group>.+?)-s(?P<seed>\d+)$")
+
+
+def load_logs(path: str | Path) -> list[ArmLog]:
+    root = Path(path)
+    if (root / "logs").is_dir():
+        root = root / "logs"
+    files = sorted(set(root.glob("*.jsonl")) | set(root.glob("*.jsonl.gz")))
+    if not files:
+        raise FileNotFoundError(f"no <arm>.jsonl or <arm>.jsonl.gz in {root}")
+    arms = []
+    for f in files:
+        name = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.stem
+        opener = gzip.open if f.name.endswith(".gz") else open
+        with opener(f, "rt") as fp:
+            rows = [json.loads(line) for line in fp if line.strip()]
+        m = _ARM.match(name)
+        arms.append(ArmLog(name, m.group("group") if m else name, int(m.group("seed")) if m else None,
+                           [int(r["step"]) for r in rows], [r["data"] for r in rows]))
+    return arms
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _after(arm: ArmLog, key: str, warmup: int) -> list[float]:
+    return [v for s, v in arm.series(key) if s >= warmup]
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; inf when only b is 0 (e.g. no token with |d| > ln 2 under R3), NaN when both are."""
+    if math.isnan(a) or math.isnan(b) or (a == 0 and b == 0):
+        return math.nan
+    return math.inf if b == 0 else a / b
+
+
+def _collapsed(arm: ArmLog) -> bool:
+    """Reward of the last tenth below half its best 20-step mean, or any value not finite."""
+    if any(not math.isfinite(v) for d in arm.data for v in d.values()):
+        return True
+    r = [v for _, v in arm.series("critic/score/mean")]
+    if len(r) < 40:
+        return False
+    best = max(_mean(r[i:i + 20]) for i in range(len(r) - 19))
+    return _mean(r[-max(1, len(r) // 10):]) < 0.5 * best
+
+
+ORDER = ("off", "R2", "R3", "floor")      # the table's and the legend's order; other groups after
+
+
+def _ordered(groups: set[str]) -> list[str]:
+    return sorted(groups, key=lambda g: (ORDER.index(g) if g in ORDER else len(ORDER), g))
+
+
+def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
+    groups = _ordered({a.group for a in arms})
+    by_group = {g: [a for a in arms if a.group == g] for g in groups}
+    out: dict[str, Any] = {"warmup": warmup, "groups": {}, "ratios": {}, "off": {}}
+    for g, members in by_group.items():
+        out["groups"][g] = {"seeds": [a.seed for a in members], "steps": [len(a.steps) for a in members],
+                            "collapsed": [a.name for a in members if _collapsed(a)],
+                            "metrics": {key: {"per_seed": {a.name: _mean(_after(a, key, warmup)) for a in members}}
+                                        for key, *_ in METRICS}}
+        for key, *_ in METRICS:
+            cell = out["groups"][g]["metrics"][key]
+            cell["mean"] = _mean([v for v in cell["per_seed"].values() if not math.isnan(v)])
+    for other in ("R3", "R2"):
+        if "off" not in by_group or other not in by_group:
+            continue
+        rows = {}
+        for key, _, lower, _ in METRICS:
+            per_seed = {}
+            for a in by_group["off"]:
+                b = next((x for x in by_group[other] if x.seed == a.seed), None)
+                if b is not None:
+                    per_seed[a.seed] = _ratio(_mean(_after(a, key, warmup)), _mean(_after(b, key, warmup)))
+            overall = _ratio(out["groups"]["off"]["metrics"][key]["mean"], out["groups"][other]["metrics"][key]["mean"])
+            better = None if lower is None else [(r > 1) if lower else (r < 1) for r in per_seed.values()
+                                                 if not math.isnan(r)]
+            rows[key] = {"ratio": overall, "per_seed": per_seed,
+                         "holds_across_seeds": None if better is None or not better else all(better)}
+        out["ratios"][f"off/{other}"] = rows
+    if "off" in by_group:
+        for key in ("actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/grad_norm/p99", "critic/score/mean"):
+            drift = []
+            for a in by_group["off"]:
+                v = _after(a, key, warmup)
+                q = max(1, len(v) // 4)
+                drift.append(_ratio(_mean(v[-q:]), _mean(v[:q])) if v else math.nan)
+            out["off"][key] = {"last_quarter_over_first": drift}
+    return out
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, bool) or x is None:
+        return {True: "yes", False: "no", None: "-"}[x]
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "-"
+        if math.isinf(x):
+            return "inf"
+        return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
+    return str(x)
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Markdown: per metric the mean after warm-up of each group, then off/R3 and off/R2 with
+    whether every seed points the same way; then off's drift and the collapse check."""
+    groups = list(summary["groups"])
+    pairs = list(summary["ratios"])
+    head = ["metric (mean after step %d)" % summary["warmup"], *groups,
+            *[f"{p} (every seed?)" for p in pairs]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, label, *_ in METRICS:
+        row = [label] + [_fmt(summary["groups"][g]["metrics"][key]["mean"]) for g in groups]
+        for p in pairs:
+            r = summary["ratios"][p][key]
+            row.append(f"{_fmt(r['ratio'])} ({_fmt(r['holds_across_seeds'])})")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    steps = ", ".join(f"{g}: {summary['groups'][g]['steps']}" for g in groups)
+    lines.append(f"Steps per arm: {steps}.")
+    for key, d in summary["off"].items():
+        lines.append(f"off, {key}: last quarter / first quarter after warm-up = "
+                     + ", ".join(_fmt(x) for x in d["last_quarter_over_first"]) + " (per seed).")
+    collapsed = [n for g in groups for n in summary["groups"][g]["collapsed"]]
+    lines.append("Collapsed (reward of the last tenth < half its best 20-step mean, or a value not finite): "
+                 + (", ".join(collapsed) if collapsed else "none") + ".")
+    return "\n".join(lines)
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def curves(arms: list[ArmLog], key: str, *, log: bool, window: int = 10) -> dict[str, dict[str, Any]]:
+    """What a panel draws, per group: ``seeds`` {arm: (steps, values)} raw, and ``mean`` (steps,
+    values): the mean over the group's arms at the steps all of them reached, as a ``window``-step
+    running mean. On a log axis values are floored at MIN_POSITIVE (an exact 0 stays visible)."""
+    out: dict[str, dict[str, Any]] = {}
+    for g in _ordered({a.group for a in arms}):
+        members = [a for a in arms if a.group == g]
+        seeds, per_step = {}, {}
+        for a in members:
+            pts = [(x, max(y, MIN_POSITIVE) if log else y) for x, y in a.series(key)]
+            if not pts:
+                continue
+            seeds[a.name] = tuple(zip(*pts))
+            for x, y in pts:
+                per_step.setdefault(x, []).append(y)
+        if not per_step:
+            continue
+        full = max(len(v) for v in per_step.values())
+        xs = sorted(x for x, v in per_step.items() if len(v) == full)
+        out[g] = {"seeds": seeds, "mean": (xs, _smooth([_mean(per_step[x]) for x in xs], window)),
+                  "members": len(members)}
+    return out
