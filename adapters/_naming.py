@@ -5,8 +5,8 @@ the batch it was given), row, token and layer. An adapter ingests a framework's 
 micro-batch, where that position means nothing to the user: verl's micro-batches are re-ordered
 samples of the engine's batch, AReaL's carry global trajectory ids, SkyRL's are rows of its
 ``TrainingInputBatch``. :func:`naming_samples` re-raises the core's error (same class) with the
-sequence replaced by the framework's name for the sample; :func:`check_topk` refuses routes of
-another top-k at ingest, naming the field and both values.
+sequence replaced by the framework's name for the sample; :func:`check_topk`
+(:func:`r3bridge.hf.check_topk`) refuses routes of another top-k at ingest, naming the field and both values.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import contextlib
 import re
 from typing import Iterator, Sequence
 
-from r3bridge.errors import ReplayError, RouteShapeError
+from r3bridge.errors import ReplayError
+from r3bridge.hf import check_topk  # noqa: F401  (the one top-k check, re-exported for the codecs)
 
 __all__ = ["naming_samples", "check_topk"]
 
@@ -34,12 +35,3 @@ def naming_samples(framework: str, names: Sequence[str]) -> Iterator[None]:
             raise
         i = int(hit.group(1))
         raise type(e)(f"{framework} sample {names[i]}: " + _SEQUENCE.sub("", msg, count=1).lstrip(", :")) from e
-
-
-def check_topk(field: str, width: int, topk: int | None, *, where: str = "") -> None:
-    """Refuse routes carrying ``width`` expert ids per (token, layer) for a top-``topk`` model."""
-    if topk is not None and int(width) != int(topk):
-        at = f"{where}: " if where else ""
-        raise RouteShapeError(f"{at}{field} carries {int(width)} expert ids per token and layer, the model routes "
-                              f"top-{int(topk)} (num_experts_per_tok / moe_router_topk): routes from another model "
-                              f"or engine setting")

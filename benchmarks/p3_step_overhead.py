@@ -118,7 +118,7 @@ class Inputs:
             step.install(model, routes, self.seq_lens, format="bshd", seq_length=self.seq_lens[0])
 
     def micro_batch(self, routes):
-        """The same install as an adapter hands it to ``PhaseStep.install``."""
+        """The same install as an adapter hands it to ``PhasePass.install``."""
         from r3bridge.megatron import MicroBatch
 
         if self.te:
@@ -183,7 +183,7 @@ def main() -> None:
     routes = []
     rec_rep = Replayer([model], agreement=False)
     for inp in sets:
-        with torch.no_grad(), rec_rep.step("record", forward_only=True) as rs:
+        with torch.no_grad(), rec_rep.open_pass("record", forward_only=True) as rs:
             inp.install(rs, model, None)
             inp.forward(model, labels=False)
         recorded = rs.recorded
@@ -203,7 +203,7 @@ def main() -> None:
     def replay(k, agreement):
         rep = state["rep"]
         rep.agreement = agreement
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             sets[k].install(st, model, routes[k])
             fwd_bwd(sets[k])
 

@@ -11,14 +11,14 @@ import os
 
 from r3bridge.config import SOURCE_DEFAULT, ReplayConfig, ReplayMode
 
-__all__ = ["announce", "replay_mode_metric", "REPLAY_MODE_CODES", "logger"]
+__all__ = ["announce", "replay_mode_metric", "ensure_visible", "REPLAY_MODE_CODES", "logger"]
 
 REPLAY_MODE_CODES = {ReplayMode.OFF: 0.0, ReplayMode.R2: 2.0, ReplayMode.R3: 3.0}
 
 logger = logging.getLogger("r3bridge")
 
 
-def _ensure_visible() -> None:
+def ensure_visible() -> None:
     """The INFO line reaches a handler: unless someone set the ``r3bridge`` logger's level, it is
     INFO (``R3BRIDGE_LOGGING_LEVEL`` overrides), since a framework that configured only the root
     logger (verl: a root handler, root at WARNING) would drop it; a process that configured no
@@ -52,6 +52,6 @@ def announce(cfg: ReplayConfig, source: str, where: str) -> str:
             line += "; routing replay is OFF: the trainer routes natively (the baseline R2 / R3 are compared with)"
         logger.warning(line)
     else:
-        _ensure_visible()
+        ensure_visible()
         logger.info(line)
     return line

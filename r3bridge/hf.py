@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from r3bridge.errors import LayerMappingError
+from r3bridge.errors import LayerMappingError, RouteShapeError
 
 __all__ = ["moe_layer_ids_from_hf_config", "num_experts_from_hf_config", "topk_from_hf_config",
-           "num_hidden_layers_from_hf_config", "text_config", "ModelInfo"]
+           "num_hidden_layers_from_hf_config", "text_config", "ModelInfo", "check_topk"]
 
 _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
@@ -145,3 +145,13 @@ class ModelInfo:
         return cls(num_experts=num_experts_from_hf_config(hf_config),
                    moe_layer_ids=moe_layer_ids_from_hf_config(hf_config),
                    num_layers=num_hidden_layers_from_hf_config(hf_config), topk=topk_from_hf_config(hf_config))
+
+
+def check_topk(field: str, width: int, topk: int | None, *, where: str = "") -> None:
+    """Refuse routes carrying ``width`` expert ids per (token, layer) for a top-``topk`` model
+    (``None``: unknown, nothing to check), naming the field and both values."""
+    if topk is not None and int(width) != int(topk):
+        at = f"{where}: " if where else ""
+        raise RouteShapeError(f"{at}{field} carries {int(width)} expert ids per token and layer, the model routes "
+                              f"top-{int(topk)} (num_experts_per_tok / moe_router_topk): routes from another model "
+                              f"or engine setting")

@@ -17,13 +17,13 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
    routes with it. ``split`` is the framework's *own* partitioning, reporting
    which samples each part holds: the conformance suite checks that routes survive it.
 3. the per-(chunk, micro-batch) install, right before the chunk's forward: the adapter hands
-   each micro-batch's targets (:class:`r3bridge.megatron.MicroBatch`) to
-   :class:`r3bridge.megatron.PhaseRunner`, which owns the phase (plan, driver step, install,
-   padding sequences, metrics, recorded routes). Frameworks that expose ``forward_step`` as a
-   method (verl) override it and call ``PhaseStep.install``; frameworks whose ``forward_step`` is a
-   closure inside a bigger method (SkyRL, AReaL) pass the targets to ``PhaseRunner.run``, which
-   installs from a forward pre-hook on each chunk and sees the trainer's real packing metadata
-   (``packed_seq_params``).
+   each micro-batch's targets (:class:`r3bridge.megatron.MicroBatch`) to its
+   :class:`r3bridge.megatron.AdapterSession`, which owns the set-up (config, announce, replayer,
+   roles) and the pass (plan, driver pass, install, padding sequences, metrics, recorded routes).
+   Frameworks that expose ``forward_step`` as a method (verl) override it and call
+   ``PhasePass.install``; frameworks whose ``forward_step`` is a closure inside a bigger method
+   (SkyRL, AReaL) pass the targets to ``AdapterSession.run``, which installs from a forward
+   pre-hook on each chunk and sees the trainer's real packing metadata (``packed_seq_params``).
 
 The canonical trainer-side form every codec produces is :mod:`r3bridge.canonical`'s.
 

@@ -21,7 +21,7 @@ engine re-prefilled the *same* request (its tokens stay); an attempt regenerates
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,10 @@ __all__ = [
     "from_versions_tensor",
     "reported_int",
     "VERSION_COLUMNS",
+    "ROUTE_PROVENANCE_KEY",
+    "LOGPROB_PROVENANCE_KEY",
+    "provenance_fields",
+    "pairing_from_fields",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -307,3 +311,47 @@ def _comparable(a: RouteProvenance, b: RouteProvenance) -> bool:
     return a.engine != b.engine or any(
         getattr(a, f) not in (None, "") and getattr(b, f) not in (None, "") for f in _PASS_FIELDS
     )
+
+
+# ---------------------------------------------------------------------------------- batch fields
+# The two per-sample fields every adapter's batch carries (the same names in every framework):
+# the provenance of each sample's routes and that of the log-probs they are paired with.
+ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
+LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+
+
+def provenance_fields(routes: Sequence[Optional[RouteProvenance]],
+                      logprobs: Sequence[Optional[RouteProvenance]]) -> dict[str, torch.Tensor]:
+    """Per-sample route and log-prob provenance -> the two ``[B, len(VERSION_COLUMNS)]`` int64 fields a
+    batch that carries per-sample data only as tensors holds (:func:`versions_tensor`)."""
+    if len(routes) != len(logprobs):
+        raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
+    return {ROUTE_PROVENANCE_KEY: versions_tensor(routes), LOGPROB_PROVENANCE_KEY: versions_tensor(logprobs)}
+
+
+def pairing_from_fields(get: Callable[[str], Any], *, samples: int, names: Sequence[str], engine: str,
+                        framework: str) -> ProvenancePairing:
+    """A batch's two provenance fields (``get(key)``; ``None``: the batch has no such field, its
+    samples are counted unchecked) -> the pass's :class:`ProvenancePairing`. A field is a
+    :func:`versions_tensor` (its samples name ``engine``) or a per-sample sequence of
+    ``RouteProvenance`` / ``None`` (verl's non-tensor fields). Errors name ``framework``'s field."""
+
+    def column(key: str) -> Optional[list[Optional[RouteProvenance]]]:
+        value = get(key)
+        what = f"{framework} batch field {key!r}"
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            return from_versions_tensor(value, engine=engine, what=what, samples=samples)
+        items = value.tolist() if hasattr(value, "tolist") else list(value)
+        # a store that serialises the fields (verl's TransferQueue, msgspec) hands a RouteProvenance
+        # back as its fields
+        fields = set(RouteProvenance.__dataclass_fields__)
+        items = [RouteProvenance(**x) if isinstance(x, dict) and set(x) <= fields else x for x in items]
+        try:
+            return list(checked_provenance(items, samples))  # type: ignore[arg-type]
+        except ProvenanceError as e:
+            raise ProvenanceError(f"{what}: {e}") from None
+
+    return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY), list(names),
+                             samples=samples)

@@ -1,5 +1,5 @@
 """Replay policies and the router log-ratio: pure tensor rules the Megatron driver applies at
-the router hook (``r3bridge/megatron/step.py``); no megatron import, so both are tested on CPU.
+the router hook (``r3bridge/megatron/replay_pass.py``); no megatron import, so both are tested on CPU.
 
 Policies (``ReplayConfig.replay_policy``):
 

@@ -6,12 +6,19 @@ The supported ranges are the extras' requirements in ``pyproject.toml`` (``verl>
 Versions are compared with :mod:`packaging` (pre-releases and local versions included), never by
 splitting strings by hand. :func:`check_release` and :func:`check_internals` turn what is
 installed into a :class:`~r3bridge.errors.ConfigError` naming the installed version and the
-supported range.
+supported range; :func:`import_skipping_inits` imports a framework's module when one of its
+package ``__init__`` chains cannot import here.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import importlib.metadata
-from typing import Any, Iterable, Optional
+import importlib.util
+import os
+import sys
+import types
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -20,7 +27,8 @@ from packaging.version import InvalidVersion, Version
 
 from r3bridge.errors import ConfigError
 
-__all__ = ["supported_range", "installed_version", "check_release", "release_series", "check_internals"]
+__all__ = ["supported_range", "installed_version", "check_release", "release_series", "check_internals",
+           "checked_subclass", "import_skipping_inits"]
 
 PACKAGE = "r3bridge"
 
@@ -88,3 +96,64 @@ def check_internals(distribution: str, requirements: Iterable[tuple[str, Any, st
         version = installed_version(distribution) or "(not installed)"
         raise ConfigError(f"{distribution} {version}: r3bridge's adapter relies on {', '.join(missing)}, which this "
                           f"install lacks; r3bridge supports {distribution}{supported_range(distribution)}")
+
+
+def checked_subclass(distribution: str, name: str, mixin: type, base: type, methods: Sequence[str],
+                     attrs: Optional[dict[str, Any]] = None) -> type:
+    """``class name(mixin, base)`` (with ``attrs``), after :func:`check_internals` found every one
+    of ``methods`` (those ``mixin`` overrides) on the framework's ``base``."""
+    check_internals(distribution, [(f"{base.__name__}.{m}", base, m) for m in methods])
+    return type(name, (mixin, base), dict(attrs or {}))
+
+
+def import_skipping_inits(name: str, packages: Sequence[str], *,
+                          when: Callable[[BaseException], bool] = lambda e: isinstance(e, ImportError),
+                          skipped: Optional[Callable[[], None]] = None) -> types.ModuleType:
+    """``importlib.import_module(name)``; if that fails with an error ``when`` accepts (a package
+    ``__init__`` that imports what the adapter never uses and this environment cannot import),
+    each of ``packages`` whose own import fails is registered as a bare package pointing at its
+    real directory (its ``__init__`` skipped, every submodule the framework's own file), and the
+    import is retried (after ``skipped()``: what a skipped ``__init__`` would have set up). Anything
+    else is raised; a failed retry is raised from the first error (the cause a user can act on)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as first:  # noqa: BLE001 - ``when`` decides
+        if not when(first):
+            raise
+        root = packages[0].split(".")[0]
+        for package in packages:
+            _drop_failed(root)
+            try:
+                importlib.import_module(package)
+            except Exception:  # noqa: BLE001 - this package's __init__ is in the failing chain
+                _drop_failed(root)
+                _bare_package(package)
+        if skipped is not None:
+            skipped()
+        try:
+            return importlib.import_module(name)
+        except ImportError as again:
+            raise again from first
+
+
+def _drop_failed(root: str) -> None:
+    """Forget the ``None`` entries a failed import leaves under ``root`` in ``sys.modules``."""
+    for mod in [m for m in list(sys.modules) if m == root or m.startswith(root + ".")]:
+        if sys.modules.get(mod) is None:
+            del sys.modules[mod]
+
+
+def _bare_package(name: str) -> None:
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__file__", None) is not None and not hasattr(mod, "__r3bridge_shim__"):
+        return                                   # the real package imported fine earlier
+    spec = importlib.util.find_spec(name.split(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name.split('.')[0]} is not installed")
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(list(spec.submodule_search_locations)[0], *name.split(".")[1:])]
+    package.__package__ = name
+    package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    package.__spec__.submodule_search_locations = list(package.__path__)
+    package.__r3bridge_shim__ = True            # type: ignore[attr-defined]
+    sys.modules[name] = package

@@ -127,7 +127,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
                      recompute=recompute, trace_dir=trace_dir, device=device)
     chunks = chunks_of(eng)
-    layout = eng.r3_replay.layout
+    layout = eng.r3.replayer.layout
     canonical = rollout.expected()
     errors: list = []
     records: list = []
@@ -149,7 +149,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
                 logp = eng.compute_logp(trajs)
                 for t, lp in zip(trajs, logp):
                     t["prox_logp"] = lp
-                recorded = None if eng.r3_result is None else eng.r3_result.recorded
+                recorded = None if eng.r3.result is None else eng.r3.result.recorded
                 recorded_per_step.append(None if recorded is None else recorded.to_bytes())
                 trajs = eng.compute_advantages(trajs)
                 eng.ppo_update(trajs)

@@ -253,7 +253,7 @@ def r3_rank(ctx: RankContext, attention: str = "auto") -> dict[str, Any]:
             c.train()
             c.zero_grad(set_to_none=True)
         with RoutingProbe(chunks, include_mtp=False) as probe:
-            with rep.step(action, forward_only=False, source="rollout" if action == "replay" else None) as st:
+            with rep.open_pass(action, forward_only=False, route_kind="rollout" if action == "replay" else None) as st:
                 res = run_schedule(chunks, batches, fwd, forward_only=False)
         same = total = mismatched_rows = 0
         calls = [c for c in probe.calls if c.grad_enabled]

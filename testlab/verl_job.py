@@ -468,11 +468,11 @@ def nested_routes_to_samples(nested: Any) -> list[np.ndarray]:
 def _engine_state(engine: Any) -> list[str]:
     """Replay state left in the engine after a call (must be none)."""
     left = []
-    if getattr(engine, "_r3_step", None) is not None:
-        left.append("engine._r3_step")
-    rep = getattr(engine, "r3_replayer", None)
-    if rep is not None and rep.active_step is not None:
-        left.append("replayer.active_step")
+    if getattr(engine, "_r3_pass", None) is not None:
+        left.append("engine._r3_pass")
+    rep = getattr(getattr(engine, "r3", None), "replayer", None)
+    if rep is not None and rep.active_pass is not None:
+        left.append("replayer.active_pass")
     return left
 
 
@@ -641,7 +641,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
         "ref_engine_class": f"{type(ref).__module__}.{type(ref).__qualname__}",
         "from_registry": type(actor) is _registered_engine() and type(ref) is _registered_engine(),
         "ref_hooks": sum(isinstance(r.module.router_replay, RouterHook) for r in find_routers(ref_chunks)),
-        "ref_replayer": getattr(ref, "r3_replayer", "missing") is not None,
+        "ref_replayer": ref.r3.replayer is not None,
         "passes": [], "state_left": [], "metrics": [], "r2_transport": [], "ref": []}
     mini = 4
     result["roles"] = _role_scenarios(actor, ref, ref_w, chunks, ref_chunks, make_rollout(seed=199, with_routes=True))
@@ -699,7 +699,7 @@ def _role_scenarios(actor: Any, ref: Any, ref_w: Any, chunks: list, ref_chunks: 
 
     def install_on_reference():
         # the actor's replay step handed a reference chunk (routes reaching another role)
-        with actor.r3_replayer.step("replay", forward_only=True, source="rollout") as st:
+        with actor.r3.replayer.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             st.install(ref.module[0], None, [len(t) for t in roll.tokens])
 
     out = {"actor": sorted({str(getattr(role_of(r), "value", None)) for c in chunks for _, r in model_routers(c)}),

@@ -34,6 +34,7 @@ import torch
 
 from r3bridge.dense import NO_ROUTE, padded_routes
 from r3bridge.errors import CoverageError, RouteShapeError
+from r3bridge.hf import ModelInfo
 from r3bridge.layer_axis import axis_columns
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
@@ -56,6 +57,11 @@ class TemplateCodec:
         self.moe_layer_ids = [int(i) for i in moe_layer_ids]
         self.num_hidden_layers = int(num_hidden_layers)
         self.topk = int(topk)
+
+    def model_info(self) -> ModelInfo:
+        """The model the routes are read for (your adapter: ``ModelInfo.from_hf_config(hf_config)``)."""
+        return ModelInfo(num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                         num_layers=self.num_hidden_layers, topk=self.topk)
 
     def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
         """The routes the batch carries, as the one reader reads them (:mod:`r3bridge.reader`): the

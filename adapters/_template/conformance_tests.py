@@ -95,7 +95,7 @@ class TemplateRunner:
         engine = R3ToyEngine(chunks, ctx)
         engine.r3_config = ReplayConfig(replay_mode=mode)
         engine.r3_attach(chunks, self.codec)
-        engine.replayer = engine.r3_runner.replayer
+        engine.replayer = engine.r3.replayer
         return engine
 
     def micro_batches(self, rollout, groups, *, key):
@@ -115,8 +115,8 @@ class TemplateRunner:
             outputs = engine.forward_backward(micro_batches, forward_only=True)
         per_sample = [rows for out, packed in zip(outputs, engine.packed)     # last pipeline stage only
                       for rows in unpack_rows(out.logits, packed)]
-        return {"logprobs": per_sample, "metrics": dict(engine.r3_result.metrics),
-                "recorded": engine.r3_result.recorded, "packing": packing}
+        return {"logprobs": per_sample, "metrics": dict(engine.r3.result.metrics),
+                "recorded": engine.r3.result.recorded, "packing": packing}
 
     def write_recorded(self, rollout, recorded):
         self.batch = self.codec.write_recorded(self.batch, recorded)

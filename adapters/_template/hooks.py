@@ -1,36 +1,35 @@
 """The per-micro-batch hook: your framework's engine, subclassed (never patched).
 
-Where to hook: the framework method that calls Megatron's ``forward_backward_func`` once per
-mini-batch (or log-prob pass); here ``forward_backward(micro_batches, forward_only)``. Run it
-inside :meth:`r3bridge.megatron.PhaseRunner.run`, which owns the phase: plan (replay off and the
-reference model run untouched), the driver step, the install of every (chunk, micro-batch) right
-before the chunk's forward, padding sequences, metrics and R2's recorded routes. The adapter
-supplies one :class:`r3bridge.megatron.MicroBatch` per micro-batch:
+The driver owns the set-up (:class:`r3bridge.megatron.AdapterSession`: config resolved and
+announced, the Replayer, the role guard, the phase's plan, the driver pass, the per-(chunk,
+micro-batch) install, padding sequences, metrics with ``r3bridge/replay_mode``, R2's recorded
+routes). The adapter only translates: one :class:`r3bridge.megatron.MicroBatch` per micro-batch.
 
+Where to hook: the framework method that calls Megatron's ``forward_backward_func`` once per
+mini-batch (or log-prob pass); here ``forward_backward(micro_batches, forward_only)``.
+
+* ``forward_step`` is a closure (SkyRL, AReaL, this toy): pass ``targets`` to ``session.run``
+  with ``packing_from_forward=True``: each micro-batch's packing is read from the chunk's forward
+  arguments (``packed_seq_params``), never re-derived;
 * ``forward_step`` is an overridable method (verl): override it and call
-  ``PhaseStep.install(model, MicroBatch(...))`` before the original;
-* ``forward_step`` is a closure (SkyRL, AReaL, this toy): pass ``targets`` to ``run``; a callable
-  ``(chunk, k, args, kwargs) -> MicroBatch`` reads the trainer's real packing from
-  ``kwargs["packed_seq_params"]`` (never re-derive it).
+  ``phase_pass.install(model, MicroBatch(...))`` on the pass ``session.run`` yields.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.megatron import AdapterSession, MicroBatch
 from r3bridge.reader import HandedRoutes
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
-from .config import replay_config
 
 __all__ = ["TemplateEngineMixin"]
 
-# your framework's setting that supplies the routes of each source (named in the error)
+# your framework's setting that supplies the routes of each kind (named in the error)
 _PROVIDE = {"rollout": "<your framework's option that makes the engine return routes>",
             "recorded": "R2 routes are written back after compute_log_prob (TemplateCodec.write_recorded)"}
 
@@ -40,46 +39,32 @@ class TemplateEngineMixin:
     provides ``forward_backward(micro_batches, forward_only)``; its micro-batches are dicts in the
     codec's format. Your actor sets ``r3_phase`` around compute_log_prob / update."""
 
-    r3_config: Optional[ReplayConfig] = None
+    r3_config: Optional[ReplayConfig] = None    # the r3bridge section (None: R3BRIDGE_CONFIG, else off)
+    r3: Optional[AdapterSession] = None
     r3_phase: Optional[Phase] = None
-    r3_runner: Optional[PhaseRunner] = None
-    r3_result: Optional[PhaseResult] = None     # the last phase's metrics and recorded routes
 
     def r3_attach(self, chunks: Sequence[torch.nn.Module], codec: TemplateCodec, layout: Any = None) -> None:
         """After the framework built its model chunks: find the routers, run the guards, attach."""
-        from r3bridge.megatron import Replayer
-
-        self.r3_config = replay_config(self.r3_config)
+        self.r3 = AdapterSession("template", self.r3_config, where="<YourFramework> engine", provide=_PROVIDE)
         self.r3_codec = codec
-        self.r3_chunks = list(chunks)
-        # expect_moe_layer_ids: routes indexed by the HF config's MoE layers must be the model's
-        replayer = None if self.r3_config.plan(Phase.UPDATE).action is Action.NATIVE else \
-            Replayer.from_config(self.r3_chunks, self.r3_config, layout, expect_moe_layer_ids=codec.moe_layer_ids)
-        self.r3_runner = PhaseRunner(replayer, self.r3_config, framework="template")
+        # routes indexed by the HF config's MoE layers (yours: the model's HF config) must be the model's
+        self.r3.attach(chunks, codec.model_info(), layout=layout)
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False) -> Any:
-        plan = None if self.r3_runner is None or self.r3_phase is None else self.r3_runner.plan(self.r3_phase)
+        plan = None if self.r3 is None or self.r3_phase is None else self.r3.plan(self.r3_phase)
         if plan is None:
             return super().forward_backward(micro_batches, forward_only)
-        mbs = [self._r3_micro_batch(k, mb, plan) for k, mb in enumerate(micro_batches)]
-
-        def targets(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatch:
-            psp = kwargs.get("packed_seq_params")
-            if psp is None:
-                raise ConfigError("r3bridge + <YourFramework>: only packed (THD) micro-batches are wired")
-            return dataclasses.replace(mbs[k], cu_seqlens_padded=psp.cu_seqlens_q_padded)
-
-        with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=targets, chunks=self.r3_chunks,
-                                num_micro_batches=len(mbs)) as ps:
+        targets = [self._r3_micro_batch(k, mb, plan) for k, mb in enumerate(micro_batches)]
+        with self.r3.run(self.r3_phase, forward_only=forward_only, targets=targets, packing_from_forward=True):
             out = super().forward_backward(micro_batches, forward_only)
-        self.r3_result = ps.result      # metrics -> your framework's logger (ps.result.tagged)
+        # your framework's logger: self.r3.metrics_to_log(self.r3.result); R2: self.r3.recorded_for(n)
         return out
 
     def _r3_micro_batch(self, k: int, mb: dict, plan) -> MicroBatch:
         seq_lens = self.r3_codec.seq_lens(mb)
         if plan.action is Action.REPLAY:
             key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
-            self.r3_runner.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}", provide=_PROVIDE)
+            self.r3.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}")
             # the micro-batch's own tensors viewed: the driver's reader reads this rank's rows once
             routes: Optional[HandedRoutes] = self.r3_codec.handed_routes(mb, source=plan.source)
             return MicroBatch(seq_lens, routes)

@@ -1,27 +1,11 @@
 """r3bridge for AReaL 1.0.x: ``replay_mode: R2 | R3 | off`` on AReaL's Megatron engine.
 
-Files (the same in every adapter):
-
-* ``config.py`` - the ``r3bridge:`` section in AReaL's own YAML (:func:`grpo_config_class`: AReaL's
-  ``GRPOConfig`` plus the section, parsed by AReaL's ``load_expr_config``), :func:`replay_config`
-  (explicit, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``), the top-k check at ingest and
-  :class:`ModelInfo`;
-* ``rollout.py`` - rollout side (:class:`ArealRollout`): SGLang ``meta_info["routed_experts"]``
-  (base64 int32) -> :class:`r3bridge.ReplayBatch`, resubmits deduplicated and parent-concat turns
-  stitched first-seen;
-* ``codec.py`` - trainer side (:class:`ArealCodec`): the per-trajectory routes tensor of AReaL's
-  batched dicts <-> ReplayBatch;
-* ``hooks.py`` - mixins for AReaL's classes: :class:`SGLangEngineMixin` (AReaL 1.0.4
-  concatenates every resubmitted attempt's routes, duplicating the prefix), :class:`WorkflowMixin`,
-  :class:`PPOActorMixin` (phases, R2 write-back) and :class:`MegatronEngineMixin` (one
-  :class:`r3bridge.megatron.MicroBatch` per micro-batch, per-(chunk, micro-batch) install: VPP
-  works), and the class factories;
-* ``launch.py`` - the launch line (``python3 -m r3bridge.adapters.areal.launch SCRIPT --config YAML``):
-  AReaL's local launcher after r3bridge's checks (mode announced at launch, one line per thing the
-  launcher would fail on late or wait for silently, the wait for inference servers watched);
-* ``_compat.py`` - importing AReaL's modules without its agent stack.
-
-See docs/use-with-areal.md.
+Files as in every adapter (docs/porting.md): ``config.py`` (the ``r3bridge:`` section in AReaL's
+YAML, :func:`grpo_config_class`), ``rollout.py`` (SGLang responses -> ReplayBatch, stitched
+first-seen), ``codec.py`` (the per-trajectory routes tensor <-> ReplayBatch), ``hooks.py`` (the
+mixins and class factories), ``_compat.py`` (importing AReaL without its agent stack), plus
+``launch.py`` (the launch line: AReaL's local launcher after r3bridge's checks). See
+docs/use-with-areal.md.
 """
 from __future__ import annotations
 

@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
+from r3bridge.dense import token_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
+from r3bridge.provenance import (
+    LOGPROB_PROVENANCE_KEY,
+    ROUTE_PROVENANCE_KEY,
+    ProvenancePairing,
+    pairing_from_fields,
+    provenance_fields,
+)
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch, sentinel_dtype
 
@@ -30,27 +37,22 @@ __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
-# per trajectory [1, 3] int64 (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown
-# (r3bridge.provenance.versions_tensor); AReaL's R3 engine is SGLang, no request id travels
-ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
-LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per trajectory [1, 3] int64
+# (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown; AReaL's R3 engine is
+# SGLang, no request id travels
 ENGINE = "sglang"
 PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 
 
 def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
-    """ReplayBatch (start 0) -> ``[n, L_moe, K, width]`` with the sentinel where there is no route."""
+    """ReplayBatch -> ``[n, L_moe, K, width]`` (sequence last), the sentinel where there is no route."""
     dtype, none = sentinel_dtype(rb.num_experts)
     lens = [int(x) for x in seq_lens]
-    s = max(lens) if width is None else int(width)
-    out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, s), none, dtype=dtype)
-    for i in range(rb.num_seqs):
-        r, v = rb.sequence(i)
-        if r.shape[0] > lens[i] or rb.start_rows[i] != 0:
-            raise CoverageError(f"sequence {i}: rows [{rb.start_rows[i]}, +{r.shape[0]}) do not fit {lens[i]} tokens")
-        vals = r.to(dtype).permute(1, 2, 0).clone()                 # [L, K, rows]
-        vals[..., ~v] = none
-        out[i, :, :, : r.shape[0]] = vals
+    rows, _ = token_rows(rb, lens, fill=none, dtype=dtype)
+    out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, max(lens) if width is None else int(width)), none,
+                     dtype=dtype, device=rows.device)
+    tokens = torch.arange(out.shape[-1], device=rows.device)[None, :] < torch.tensor(lens, device=rows.device)[:, None]
+    out.permute(0, 3, 1, 2)[tokens] = rows          # [n, S, L, K] view: each sequence's tokens in order
     return out
 
 
@@ -154,20 +156,9 @@ class ArealCodec:
         return out
 
 
-def provenance_fields(routes: RouteProvenance | None, logprobs: RouteProvenance | None) -> dict[str, torch.Tensor]:
-    """One trajectory's route and log-prob provenance -> its two ``[1, 3]`` fields."""
-    return {ROUTE_PROVENANCE_KEY: versions_tensor([routes]), LOGPROB_PROVENANCE_KEY: versions_tensor([logprobs])}
-
-
 def provenance_pairing(data: dict) -> ProvenancePairing:
     """A batched AReaL dict's route and log-prob provenance, one per trajectory (a missing field:
     unknown, its samples counted unchecked), named by batch row."""
     n = int(data["attention_mask"].shape[0])
-
-    def column(key: str):
-        t = data.get(key)
-        if t is None:
-            return None
-        return from_versions_tensor(t, engine=ENGINE, what=f"AReaL batch field {key!r}", samples=n)
-    return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY),
-                             [f"batch row {i}" for i in range(n)], samples=n)
+    return pairing_from_fields(data.get, samples=n, names=[f"batch row {i}" for i in range(n)], engine=ENGINE,
+                               framework="AReaL")

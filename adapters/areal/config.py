@@ -9,7 +9,8 @@ line leave it out), so AReaL's parser type-checks ``r3bridge.replay_mode: R3`` i
 (:func:`r3bridge.adapters.areal.trainer_class`) reads it from the config it is given.
 
 ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` fill the keys the section leaves unset
-(:func:`replay_config_with_source`; a key set differently in both is refused); with neither, replay
+(the actor's :class:`r3bridge.megatron.AdapterSession` merges them; a key set differently in
+both is refused); with neither, replay
 is off, and the adapter says so at startup.
 
 Also here: :func:`check_routes_topk`, the top-k check at ingest (before any reshape), naming the
@@ -17,15 +18,15 @@ sample, token, layer and both top-k values.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
+from r3bridge.job_check import with_replay_section
 
-__all__ = ["replay_config", "replay_config_with_source", "grpo_config_class", "parse_cli", "section_of",
+__all__ = ["replay_config", "grpo_config_class", "parse_cli", "section_of",
            "check_routes_topk", "ModelInfo"]
 
 
@@ -34,23 +35,13 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
     return ReplayConfig.resolve(cfg)
 
 
-def replay_config_with_source(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> tuple[ReplayConfig, str]:
-    """:func:`replay_config` plus where it came from (``config``, ``config + environment (...): keys``,
-    ``environment (...)``, ``default``): the YAML's section merged with ``R3BRIDGE_CONFIG``."""
-    return ReplayConfig.resolve_with_source(cfg, section_name="the YAML's r3bridge: section")
-
-
 @functools.lru_cache(maxsize=None)
 def grpo_config_class(base: Optional[type] = None) -> type:
     """``base`` (default AReaL's ``GRPOConfig``) plus ``r3bridge: Optional[ReplayConfig] = None``."""
     if base is None:
         from r3bridge.adapters.areal._compat import import_areal
         base = import_areal("areal.api.cli_args").GRPOConfig
-    return dataclasses.dataclass(type(f"R3Bridge{base.__name__}", (base,), {
-        "__annotations__": {"r3bridge": Optional[ReplayConfig]},
-        "r3bridge": None,
-        "__module__": __name__,
-    }))
+    return with_replay_section(base, module=__name__)
 
 
 def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> Any:

@@ -1,33 +1,14 @@
-"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch).
+"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch); the driver owns the set-up
+(:class:`r3bridge.megatron.AdapterSession`).
 
-Rollout:
-
-* :class:`SGLangEngineMixin` - ``class E(SGLangEngineMixin, RemoteSGLangEngine)``. Wraps the
-  engine's ``SGLangBackend`` (composition) so every ``parse_generation_response`` of one
-  ``agenerate`` call is seen, and replaces AReaL's blind ``np.concatenate`` of resubmitted
-  attempts with first-seen rows (``ModelResponse.routed_experts`` keeps AReaL's own format).
-* :class:`WorkflowMixin` - ``class W(WorkflowMixin, RLVRWorkflow)`` (or ``MultiTurnWorkflow``):
-  records the episode's ``ModelResponse``s through a per-episode engine proxy and adds
-  ``r3bridge_routes`` (one ``[1, L_moe, K, S]`` tensor) to the trajectory dict, turns stitched
-  parent-concat first-seen.
-
-Trainer:
-
-* :class:`PPOActorMixin` - ``class A(PPOActorMixin, PPOActor)``: sets the phase around
-  ``compute_logp`` (compute_log_prob) and ``ppo_update`` (update), adds the batch-level sample id
-  that lets the engine slice routes per micro-batch, and under R2 writes the recorded routes back
-  into each trajectory dict (``r3bridge_recorded``), where ``compute_advantages`` /
-  ``ppo_update`` carry them with their samples.
-* :class:`RoleEngineMixin` - AReaL's reference / teacher engines (:func:`trainer_class` builds
-  them): the model is declared its role after ``initialize(role=...)``; a replay object on any of
-  its routers raises a ``RoleError`` naming both roles. Only the actor replays.
-* :class:`MegatronEngineMixin` - ``class M(MegatronEngineMixin, MegatronEngine)``: attaches the
-  driver after ``initialize``; ``_prepare_mb_list`` attaches to every padded micro-batch its own
-  :class:`r3bridge.megatron.MicroBatch` (explicit, in the micro-batch: no engine-level side
-  channel); ``forward_backward_batch`` runs AReaL's schedule inside
-  :meth:`r3bridge.megatron.PhaseRunner.run`, which installs each (chunk, micro-batch) right before
-  the chunk's forward (every VPP chunk has its own hook).
-  An engine whose actor never set a phase (the reference model) routes natively.
+Rollout: :class:`SGLangEngineMixin` (``RemoteSGLangEngine``) and :class:`WorkflowMixin` (any
+workflow whose ``arun_episode`` calls ``engine.agenerate``): every attempt's SGLang response seen,
+resubmits and parent-concat turns stitched first-seen, ``r3bridge_routes`` (one ``[1, L_moe, K, S]``
+tensor) added to the trajectory. Trainer: :class:`PPOActorMixin` (``PPOActor``: phases, the
+batch-level sample id, R2 write-back), :class:`MegatronEngineMixin` (``MegatronEngine``: attach,
+one ``MicroBatch`` in each padded micro-batch, AReaL's schedule inside the session's pass),
+:class:`RoleEngineMixin` (reference / teacher engines: declared their role, never replay).
+docs/use-with-areal.md ("What happens where") says what each override does and why.
 """
 from __future__ import annotations
 
@@ -36,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.codec import (
     ENGINE,
@@ -50,23 +30,19 @@ from r3bridge.adapters.areal.codec import (
     provenance_pairing,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal.config import (
-    ModelInfo,
-    check_routes_topk,
-    replay_config,
-    replay_config_with_source,
-    section_of,
-)
+from r3bridge.adapters.areal.config import ModelInfo, check_routes_topk, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.announce import announce, replay_mode_metric
-from r3bridge.config import SOURCE_CONFIG, Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.ingest import first_seen_rows
-from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
-from r3bridge.megatron.roles import Role, check_declared, declare_role
+from r3bridge.job_check import JobCheck
+from r3bridge.megatron.phase import MicroBatch, PhaseResult
+from r3bridge.megatron.roles import Role
+from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
 from r3bridge.trace import token_uid
+from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
            "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
@@ -181,8 +157,8 @@ class WorkflowMixin:
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
         # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
-        first = getattr(responses[0], "r3bridge_provenance", None) if responses else None
-        out.update(provenance_fields(*(first if first is not None else (None, None))))
+        routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
+        out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
         return out
 
 
@@ -200,15 +176,13 @@ class PPOActorMixin:
     """Phases and R2 write-back for AReaL's ``PPOActor``."""
 
     def compute_logp(self, data: list) -> Any:
-        mode = replay_config(getattr(self.engine, "r3_config", None)).replay_mode
-        self.engine.r3_result = None                    # never a previous step's recording
+        session = getattr(self.engine, "r3", None)
+        if session is not None:
+            session.result = None                       # never a previous step's recording
         out = super().compute_logp(data)
-        if mode is ReplayMode.R2 and getattr(self.engine, "r3_replay", None) is not None:
-            res = self.engine.r3_result
-            if res is None:
-                raise ReplayStateError("replay_mode=R2 but compute_logp ran without replay")
+        if session is not None and session.mode is ReplayMode.R2 and session.replayer is not None:
             sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            rec = res.recorded_for(sum(sizes))
+            rec = session.recorded_for(sum(sizes))
             off = 0
             for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
                 d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
@@ -230,9 +204,8 @@ class PPOActorMixin:
                 # [B, 1, 1, S] has B*S elements: AReaL's splitter would cut it like a per-token field
                 raise ConfigError("r3bridge + AReaL: one MoE layer with top-1 is not supported (routes tensor "
                                   "would be split as a per-token field)")
-            model = getattr(eng, "r3_model", None)
-            if t is not None and model is not None:
-                check_topk(repr(key), int(t.shape[2]), model.topk, where="AReaL batch (every sample)")
+            if t is not None and getattr(eng, "r3", None) is not None:
+                eng.r3.check_topk(repr(key), int(t.shape[2]), where="AReaL batch (every sample)")
         # on the batch's device, like every field AReaL's splitter and engine move with it
         data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64,
                                         device=attn.device)[:, None].expand(attn.shape).contiguous()
@@ -248,14 +221,11 @@ class PPOActorMixin:
 
 
 class MegatronEngineMixin:
-    """Per-micro-batch replay for AReaL's ``MegatronEngine``."""
+    """Per-micro-batch replay for AReaL's ``MegatronEngine`` (set-up: :class:`r3bridge.megatron.AdapterSession`)."""
 
-    r3_config: Optional[ReplayConfig] = None
-    r3_source: str = SOURCE_CONFIG          # where r3_config came from, when it is set before r3_attach
+    r3_config: Optional[ReplayConfig] = None    # the section, when the trainer sets it before r3_attach
+    r3: Optional[AdapterSession] = None
     r3_phase: Optional[Phase] = None
-    r3_replay = None            # the Replayer (None: replay off or not attached)
-    r3_runner: Optional[PhaseRunner] = None
-    r3_result: Optional[PhaseResult] = None     # the last replaying forward_backward_batch's
     r3_provenance: Optional[ProvenancePairing] = None       # the actor's batch, per batch row
     r3_pass_provenance: Optional[ProvenancePairing] = None  # the next pass's samples (_prepare_mb_list)
 
@@ -266,43 +236,30 @@ class MegatronEngineMixin:
 
     def r3_attach(self, model: ModelInfo, layout=None, role: Optional[str] = None) -> None:
         """``role``: what AReaL's trainer initialised this engine as (``initialize(role=...)``);
-        the Replayer refuses anything but the actor, naming both roles."""
-        # the section (None: not set) merged with R3BRIDGE_CONFIG; a section the trainer already
-        # merged keeps the trainer's account of where it came from
-        section = self.r3_config
-        self.r3_config, source = replay_config_with_source(section)
-        if section is None or source != SOURCE_CONFIG:
-            self.r3_source = source
-        self.r3_model = model
-        announce(self.r3_config, self.r3_source, "AReaL Megatron actor")
-        if self.r3_config.replay_mode is ReplayMode.OFF:
-            return
-        if self.r3_config.layer_axis == "moe_only":
-            raise ConfigError("r3bridge.layer_axis=moe_only: AReaL's routes come from SGLang, which reports every "
-                              "hidden layer (r3bridge's WorkflowMixin keeps the MoE ones): leave it null or all_hidden")
+        the Replayer refuses anything but the actor, naming both roles. AReaL's stats tracker
+        exports compute_logp's stats with the step: nothing to carry."""
+        self.r3 = AdapterSession("areal", self.r3_config, where="AReaL Megatron actor", provide=_PROVIDE)
+        self.r3_config = self.r3.config
+        check = JobCheck(self.r3.config, "r3bridge", "AReaL engine").all_hidden_layers("SGLang")
         for flag, why in (("enable_tree_training", "tree training packs shared prefixes"),
                           ("is_vision_model", "vision models run on padded [B, S] input"),
                           ("use_padded_seq", "padded (BSHD) models are not wired")):
-            if getattr(self, flag, False):
-                raise ConfigError(f"r3bridge + AReaL: {flag} is not supported ({why})")
-        from r3bridge.megatron import Replayer
-        self.r3_replay = Replayer.from_config(list(self.model), self.r3_config, layout, role=areal_role(role))
-        # AReaL's stats tracker exports compute_logp's stats with the step: nothing to carry
-        self.r3_runner = PhaseRunner(self.r3_replay, self.r3_config, framework="areal")
+            check.refuse(getattr(self, flag, False), f"r3bridge + AReaL: {flag} is not supported ({why})")
+        check.raise_if_any()
+        self.r3.attach(list(self.model), model, layout=layout, role=areal_role(role))
 
-    def _r3_log(self, tagged: dict) -> None:
+    def _r3_log(self, result: Optional[PhaseResult]) -> None:
         """Into AReaL's own stats tracker, exported and logged with the actor's stats of the step, under
         the documented names (``r3bridge/update/coverage``): outside the actor's scope
         (``ppo_actor/update/``), whose phase the tag already carries. Scalars: AReaL averages them over
         the step's passes and ranks, as verl and SkyRL do (docs/metrics.md, "Aggregation")."""
         tracker = import_areal("areal.utils.stats_tracker")
-        values = {**replay_mode_metric(self.r3_config), **tagged} if self.r3_config is not None else dict(tagged)
-        log_areal_metrics(tracker, values, device=getattr(self, "device", None))
+        log_areal_metrics(tracker, averaged(self.r3.metrics_to_log(result)), device=getattr(self, "device", None))
 
     def _r3_plan(self):
-        if self.r3_runner is None or self.r3_phase is None:
+        if self.r3 is None or self.r3_phase is None:
             return None
-        return self.r3_runner.plan(self.r3_phase)
+        return self.r3.plan(self.r3_phase)
 
     def _prepare_mb_list(self, input_: dict) -> Any:
         input_ = dict(input_)
@@ -317,7 +274,7 @@ class MegatronEngineMixin:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
         key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
         if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
-            self.r3_runner.check_routes(plan, key in carried, field=key, provide=_PROVIDE)
+            self.r3.check_routes(plan, key in carried, field=key)
         gid_of_row = sample[:, 0].tolist()
         fwd = mb_list.forward_indices or list(range(len(gid_of_row)))
         off = 0
@@ -328,11 +285,11 @@ class MegatronEngineMixin:
             lens = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
             routes = None
             if plan.action is Action.REPLAY:     # this micro-batch's samples of AReaL's tensor, viewed
-                routes = handed_routes(carried[key], gids, lens, num_experts=self.r3_model.num_experts,
-                                       moe_layer_ids=self.r3_model.moe_layer_ids,
+                routes = handed_routes(carried[key], gids, lens, num_experts=self.r3.model.num_experts,
+                                       moe_layer_ids=self.r3.model.moe_layer_ids,
                                        source="recorded" if key == RECORDED_KEY else "rollout")
             uids = None
-            if self.r3_runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
+            if self.r3.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
                 cu = mb["cu_seqlens"].tolist()
                 uids = [token_uid(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]]) for j in range(n)]
             if int(pmb["cu_seqlens"].numel()) - 1 > n:
@@ -351,18 +308,16 @@ class MegatronEngineMixin:
     def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
         plan = self._r3_plan()
         if plan is None:
-            if self.r3_phase is not None and self.r3_config is not None:
-                self._r3_log({})                 # replay off is logged too: r3bridge/replay_mode = 0
+            if self.r3_phase is not None and self.r3 is not None:
+                self._r3_log(None)               # replay off is logged too: r3bridge/replay_mode = 0
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         items = [pmb.get(MB_KEY) for pmb in mb_list.padded_mbs]
         if any(x is None for x in items):
             raise ReplayStateError("micro-batches without r3bridge targets (built outside _prepare_mb_list?)")
         pairing, self.r3_pass_provenance = self.r3_pass_provenance, None
-        with self.r3_runner.run(self.r3_phase, forward_only=forward_only, targets=items, chunks=list(self.model),
-                                provenance=pairing) as ps:
+        with self.r3.run(self.r3_phase, forward_only=forward_only, targets=items, provenance=pairing):
             out = super().forward_backward_batch(mb_list, process_output_fn, forward_only)
-        self.r3_result = ps.result
-        self._r3_log(ps.result.tagged)
+        self._r3_log(self.r3.result)
         return out
 
 
@@ -384,7 +339,7 @@ class RoleEngineMixin:
     declared that role (:mod:`r3bridge.megatron.roles`), and re-checked before every pass, so a
     replay object on any of its routers raises a ``RoleError`` naming both roles."""
 
-    r3_role: Optional[Role] = None
+    r3: Optional[AdapterSession] = None
 
     def initialize(self, *args: Any, **kwargs: Any) -> Any:
         out = super().initialize(*args, **kwargs)
@@ -392,15 +347,16 @@ class RoleEngineMixin:
         return out
 
     def r3_declare_role(self, role: Optional[str]) -> None:
-        self.r3_role = areal_role(role if role is not None else "ref")
-        if self.r3_role is Role.ACTOR:
+        declared = areal_role(role if role is not None else "ref")
+        if declared is Role.ACTOR:
             raise RoleError("RoleEngineMixin is for AReaL's other engines (ref, teacher); the actor replays "
                             "through r3bridge's MegatronEngineMixin")
-        declare_role(list(self.model), self.r3_role)
+        self.r3 = AdapterSession("areal", where=None, role=declared)
+        self.r3.attach(list(self.model))
 
     def forward_backward_batch(self, *args: Any, **kwargs: Any) -> Any:
-        if self.r3_role is not None:
-            check_declared(list(self.model), self.r3_role)
+        if self.r3 is not None:
+            self.r3.check_role()
         return super().forward_backward_batch(*args, **kwargs)
 
 
@@ -422,53 +378,35 @@ def log_areal_metrics(tracker: Any, values: dict, device: Any = None) -> None:
                          **{key: torch.tensor([float(value)], dtype=torch.float32, device=device)})
 
 
-def check_areal(me: Any = None, ppo: Any = None, rl: Any = None) -> None:
-    """The installed AReaL is in r3bridge's ``areal`` range and has the methods the mixins override
-    (``ConfigError`` naming what is missing, the installed version and the supported range)."""
-    from r3bridge.versions import check_internals, check_release
-
-    check_release("areal", what="'s AReaL adapter")
-    need = []
-    if me is not None:
-        need += [(f"MegatronEngine.{m}", me.MegatronEngine, m) for m in
-                 ("initialize", "_prepare_mb_list", "forward_backward_batch")]
-    if ppo is not None:
-        need += [(f"PPOActor.{m}", ppo.PPOActor, m) for m in ("compute_logp", "_compute_logp", "_ppo_update")]
-    if rl is not None:
-        need += [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")]
-    check_internals("areal", need)
-
-
 def megatron_ppo_actor_class(config=None):
     """``MegatronPPOActor`` subclass with r3bridge: engine mixin + a ``PPOActorMixin`` actor."""
-    me = import_areal("areal.engine.megatron_engine")
-    ppo = import_areal("areal.trainer.ppo.actor")
-    check_areal(me=me, ppo=ppo)
+    check_release("areal", what="'s AReaL adapter")
+    ppo = import_areal("areal.trainer.ppo.actor").PPOActor
+    actor_cls = checked_subclass("areal", "R3BridgePPOActor", PPOActorMixin, ppo,
+                                 ("compute_logp", "_compute_logp", "_ppo_update"))
 
-    class R3BridgePPOActor(PPOActorMixin, ppo.PPOActor):
-        pass
-
-    class R3BridgeMegatronPPOActor(MegatronEngineMixin, me.MegatronPPOActor):
-        r3_config = None if config is None else replay_config(config)
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.actor = R3BridgePPOActor(config, self)
-
-    return R3BridgeMegatronPPOActor
+    def __init__(self, config):
+        super(engine_cls, self).__init__(config)
+        self.actor = actor_cls(config, self)
+    engine_cls = checked_subclass("areal", "R3BridgeMegatronPPOActor", MegatronEngineMixin,
+                                  import_areal("areal.engine.megatron_engine").MegatronPPOActor,
+                                  ("initialize", "_prepare_mb_list", "forward_backward_batch"),
+                                  {"r3_config": None if config is None else replay_config(config), "__init__": __init__})
+    return engine_cls
 
 
 def megatron_role_engine_class():
     """AReaL's ``MegatronPPOActor`` for a reference / teacher engine, its role declared."""
     me = import_areal("areal.engine.megatron_engine")
-    return type("R3BridgeMegatronRoleEngine", (RoleEngineMixin, me.MegatronPPOActor), {})
+    return checked_subclass("areal", "R3BridgeMegatronRoleEngine", RoleEngineMixin, me.MegatronPPOActor,
+                            ("initialize", "forward_backward_batch"))
 
 
 def trainer_class(config=None):
     """``PPOTrainer`` subclass whose actor (never the reference / teacher) is the r3bridge actor.
     SPMD mode only: the single-controller mode builds its workers from AReaL's own class paths."""
     rl = import_areal("areal.trainer.rl_trainer")
-    check_areal(rl=rl)
+    check_internals("areal", [("PPOTrainer._create_train_engine", rl.PPOTrainer, "_create_train_engine")])
     actor_cls = megatron_ppo_actor_class(config)
 
     class R3BridgePPOTrainer(rl.PPOTrainer):
@@ -486,8 +424,8 @@ def trainer_class(config=None):
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             actor = actor_cls(config=actor_config)
             section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section
-            if section is not None:     # merged with R3BRIDGE_CONFIG (a key set differently in both: refused)
-                actor.r3_config, actor.r3_source = replay_config_with_source(section)
+            if section is not None:     # the actor's session merges it with R3BRIDGE_CONFIG
+                actor.r3_config = section
             actor.create_process_group(parallel_strategy=alloc.parallel)
             return actor
 

@@ -20,25 +20,30 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.errors import ConfigError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.dense import token_rows
+from r3bridge.errors import ConfigError, RouteShapeError
 from r3bridge.layer_axis import axis_columns
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, from_versions_tensor, versions_tensor
+from r3bridge.provenance import (
+    LOGPROB_PROVENANCE_KEY,
+    ROUTE_PROVENANCE_KEY,
+    ProvenancePairing,
+    pairing_from_fields,
+    provenance_fields,
+)
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields", "packed_training_batch_fields",
-           "make_router_padding_mask", "provenance_fields", "provenance_pairing"]
+           "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
+           "packed_training_batch_fields", "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance as SkyRL batches carry per-sample data, int64 tensors [B, 3]:
-# (weight version, re-prefill epoch, attempt), -1 = unknown; a row of -1s = no provenance. SkyRL's weight
-# version is its inference client's ``weight_version`` (one step per weight sync); the batch holds
+# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.provenance's
+# provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
+# weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
 # no engine name or request id, so provenance names the engine ENGINE and no request.
-ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
-LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
 ENGINE = "skyrl"
 
 
@@ -151,90 +156,42 @@ def _is_packed(field: Any) -> bool:
 
 def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                                  packed_tensor: type, padding_row: Any) -> dict[str, Any]:
-    """ReplayBatch (one sequence per row of ``attention_mask``, start 0) -> SkyRL 0.4's fields:
+    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL 0.4's fields:
     ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` class (one row per real token,
     ``num_hidden_layers`` wide, rows without a route and dense layers filled with SkyRL's
     ``padding_row(topk, dtype=...)``) and ``router_padding_mask``."""
-    attn = torch.as_tensor(attention_mask).bool().cpu()
-    b = attn.shape[0]
-    if rb.num_seqs != b:
-        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {b}")
-    if any(x != 0 for x in rb.start_rows):
-        raise RouteShapeError("packed_training_batch_fields needs routes starting at token 0 of every sample")
-    lens = attn.sum(1).tolist()
-    if any(r > n for r, n in zip(rb.rows_per_seq, lens)):
-        i = next(i for i, (r, n) in enumerate(zip(rb.rows_per_seq, lens)) if r > n)
-        raise RouteShapeError(f"sample {i}: {rb.rows_per_seq[i]} route rows for {lens[i]} tokens")
-    if max(rb.layer_ids, default=-1) >= num_hidden_layers:
-        raise LayerMappingError(f"layer ids {list(rb.layer_ids)} out of range for {num_hidden_layers} layers")
+    attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts)
-    total = int(sum(lens))
-    row = torch.as_tensor(padding_row(rb.topk, dtype=dtype))
-    values = row.expand(total, num_hidden_layers, rb.topk).clone()
-    cu = torch.zeros(b + 1, dtype=torch.int32)
+    values, routed = token_rows(rb, lens, fill=torch.as_tensor(padding_row(rb.topk, dtype=dtype)), dtype=dtype,
+                                num_hidden_layers=num_hidden_layers)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    starts = cu[:-1].long()
-    rows = torch.tensor(rb.rows_per_seq, dtype=torch.long)
-    seq = torch.arange(b).repeat_interleave(rows)
-    dest = starts[seq] + (torch.arange(rb.total_rows) - rb.offsets[:-1].repeat_interleave(rows))
-    valid = rb.valid.cpu()
-    lid = torch.tensor(rb.layer_ids, dtype=torch.long)
-    values[dest[valid][:, None], lid[None, :]] = rb.routes.cpu().to(dtype)[valid]
-    captured = torch.zeros(total, dtype=torch.bool)
-    captured[dest[valid]] = True
     mask = torch.ones_like(attn)
-    mask[attn] = ~captured
+    mask[attn] = ~routed
     return {ROUTES_KEY: packed_tensor(values, cu), MASK_KEY: mask}
 
 
-def make_router_padding_mask(attention_mask: torch.Tensor, captured: Sequence[int]) -> torch.Tensor:
-    """SkyRL main's ``router_padding_mask`` for left-padded rows: True except the first
-    ``captured[i]`` real tokens of row ``i`` (what ``skyrl.train.dataset.preprocess.
-    make_router_padding_mask`` computes; provided here because SkyRL 0.3.0 lacks it)."""
-    attn = torch.as_tensor(attention_mask).bool()
-    lens = attn.sum(1)
-    cap = torch.as_tensor(list(captured), dtype=torch.long)
-    if cap.shape != lens.shape or bool((cap < 0).any()) or bool((cap > lens).any()):
-        raise RouteShapeError(f"captured route lengths {cap.tolist()} do not fit sequence lengths {lens.tolist()}")
-    start = attn.shape[1] - lens
-    pos = torch.arange(attn.shape[1])[None, :]
-    return ~((pos >= start[:, None]) & (pos < (start + cap)[:, None]))
+def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    attn = torch.as_tensor(attention_mask).bool().cpu()
+    if rb.num_seqs != attn.shape[0]:
+        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {attn.shape[0]}")
+    return attn, attn.sum(1).tolist()
 
 
 def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """ReplayBatch (one sequence per row of ``attention_mask``, start 0) -> SkyRL's fields:
+    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL's fields:
     ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` placed on the real (left- or
     right-padded) tokens, dummy rows ``0..K-1`` everywhere else (dense layers included), and
     ``router_padding_mask``. Used to return R2's recorded routes into the batch."""
-    attn = torch.as_tensor(attention_mask).bool().cpu()
-    b, s = attn.shape
-    if rb.num_seqs != b:
-        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {b}")
-    if any(x != 0 for x in rb.start_rows):
-        raise RouteShapeError("training_batch_fields needs routes starting at token 0 of every sample")
-    lens = attn.sum(1)
-    rows = torch.tensor(rb.rows_per_seq, dtype=torch.long)
-    if bool((rows > lens).any()):
-        i = int((rows > lens).nonzero()[0])
-        raise RouteShapeError(f"sample {i}: {int(rows[i])} route rows for {int(lens[i])} tokens")
-    k = rb.topk
-    if dtype is None:
-        dtype = route_dtype(rb.num_experts)
-    if max(rb.layer_ids, default=-1) >= num_hidden_layers:
-        raise LayerMappingError(f"layer ids {list(rb.layer_ids)} out of range for {num_hidden_layers} layers")
-    out = torch.arange(k, dtype=dtype).expand(b, s, num_hidden_layers, k).clone()
-    first = torch.where(lens > 0, attn.float().argmax(1), torch.zeros_like(lens))
-    # position of every packed row: sample i, token j -> column first[i] + j
-    seq = torch.arange(b).repeat_interleave(rows)
-    j = torch.arange(rb.total_rows) - rb.offsets[:-1].repeat_interleave(rows)
-    col = first[seq] + j
-    valid = rb.valid.cpu()
-    lid = torch.tensor(rb.layer_ids, dtype=torch.long)
-    vals = rb.routes.cpu().to(dtype)
-    out[seq[valid][:, None], col[valid][:, None], lid[None, :]] = vals[valid]
-    mask = torch.ones(b, s, dtype=torch.bool)
-    mask[seq[valid], col[valid]] = False
+    attn, lens = _token_mask(rb, attention_mask)
+    dtype = route_dtype(rb.num_experts) if dtype is None else dtype
+    dummy = torch.arange(rb.topk, dtype=dtype)
+    values, routed = token_rows(rb, lens, fill=dummy, dtype=dtype, num_hidden_layers=num_hidden_layers)
+    out = dummy.expand(*attn.shape, num_hidden_layers, rb.topk).clone()
+    out[attn] = values
+    mask = torch.ones_like(attn)
+    mask[attn] = ~routed
     return {ROUTES_KEY: out, MASK_KEY: mask}
 
 
@@ -291,25 +248,9 @@ class SkyRLCodec:
         return [(p, idx[i * size:(i + 1) * size]) for i, p in enumerate(parts)]
 
 
-def provenance_fields(routes: Sequence[Optional[RouteProvenance]],
-                      logprobs: Sequence[Optional[RouteProvenance]]) -> dict[str, torch.Tensor]:
-    """Per-sample route and log-prob provenance -> the two ``[B, 3]`` int64 fields a
-    ``TrainingInputBatch`` carries (:data:`ROUTE_PROVENANCE_KEY`, :data:`LOGPROB_PROVENANCE_KEY`)."""
-    if len(routes) != len(logprobs):
-        raise ProvenanceError(f"route provenance for {len(routes)} samples, log-prob provenance for {len(logprobs)}")
-    return {ROUTE_PROVENANCE_KEY: versions_tensor(routes), LOGPROB_PROVENANCE_KEY: versions_tensor(logprobs)}
-
-
-def _provenance_column(batch: Any, key: str, n: int) -> Optional[list[Optional[RouteProvenance]]]:
-    t = _get(batch, key)
-    if t is None:
-        return None
-    return from_versions_tensor(t, engine=ENGINE, what=f"SkyRL batch field {key!r}", samples=n)
-
-
 def provenance_pairing(batch: Any) -> ProvenancePairing:
     """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: unknown, its
-    samples counted unchecked), samples named by their row and SkyRL uid."""
+    samples counted unchecked), samples named by their row."""
     n = int(_get(batch, "attention_mask").shape[0])
-    return ProvenancePairing(_provenance_column(batch, ROUTE_PROVENANCE_KEY, n),
-                             _provenance_column(batch, LOGPROB_PROVENANCE_KEY, n), _row_names(batch, None), samples=n)
+    return pairing_from_fields(lambda key: _get(batch, key), samples=n, names=_row_names(batch, None), engine=ENGINE,
+                               framework="SkyRL")

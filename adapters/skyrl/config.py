@@ -15,13 +15,13 @@ neither, replay is off, and the adapter says so at startup.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.engine_settings import check_speculative_decoding
-from r3bridge.errors import ConfigError, RoleError
+from r3bridge.engine_settings import speculative_decoding_problem
+from r3bridge.errors import RoleError
+from r3bridge.job_check import JobCheck, setting, with_replay_section
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "SECTION"]
@@ -38,19 +38,13 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
     """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (SkyRL's
-    ``make_config(trainer_cls=...)``)."""
+    ``make_config(trainer_cls=...)``; ``None``: not on the command line, the environment applies)."""
     from r3bridge.adapters.skyrl._compat import import_skyrl
 
     sk = import_skyrl("skyrl.train.config.config")
     # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
     import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")
-    trainer_cls = dataclasses.dataclass(type("R3BridgeTrainerConfig", (sk.TrainerConfig,), {
-        # None: not on the command line (the environment fallback applies)
-        "__annotations__": {"r3bridge": Optional[ReplayConfig]},
-        "r3bridge": None,
-        "__module__": __name__,
-    }))
-    return sk.make_config(trainer_cls=trainer_cls)
+    return sk.make_config(trainer_cls=with_replay_section(sk.TrainerConfig, "R3BridgeTrainerConfig", __name__))
 
 
 def parse_cli(argv: Sequence[str]) -> Any:
@@ -86,31 +80,23 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
-    if rc.layer_axis == "moe_only":
-        raise ConfigError(f"{SECTION}.layer_axis=moe_only: SkyRL's Megatron path rolls out with vLLM only "
-                          f"(its validate_cfg), which reports every hidden layer: leave it null or all_hidden")
     ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
-    if rc.replay_mode is not ReplayMode.OFF and getattr(ref_mc, "moe_enable_routing_replay", False):
-        # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
-        raise RoleError("trainer.ref.megatron_config.moe_enable_routing_replay=true: SkyRL's reference worker would "
-                        "replay the actor's rollout routes through megatron's global RouterReplay; only the actor "
-                        f"replays ({SECTION}.replay_mode={rc.replay_mode.value}): leave the reference's flag false")
-    returns = bool(getattr(ie, "enable_return_routed_experts", False))
-    check_speculative_decoding(rc.replay_mode.value, "vllm", speculative_settings(cfg),
-                               configured_version=rc.engine_version)
+    # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
+    JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").reference_replay(
+        "trainer.ref.megatron_config.moe_enable_routing_replay", getattr(ref_mc, "moe_enable_routing_replay", False),
+        off=False).raise_if_any(RoleError)
+    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").all_hidden_layers("vLLM")
+    spec = speculative_decoding_problem(rc.replay_mode.value, "vllm", speculative_settings(cfg),
+                                        configured_version=rc.engine_version)
+    check.refuse(spec, spec)
+    check.rollout_routes("generator.inference_engine.enable_return_routed_experts",
+                         bool(getattr(ie, "enable_return_routed_experts", False)), engine="vLLM")
+    if rc.replay_mode is ReplayMode.R2:
+        check.framework_replay("trainer.policy.megatron_config.moe_enable_routing_replay",
+                               bool(mc.moe_enable_routing_replay), off=False)
+    check.raise_if_any()
     if rc.replay_mode is ReplayMode.R3:
-        if not returns:
-            raise ConfigError(f"{SECTION}.replay_mode=R3 replays vLLM's routes: set "
-                              "generator.inference_engine.enable_return_routed_experts=true")
         mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
-    elif rc.replay_mode is ReplayMode.R2:
-        if returns:
-            raise ConfigError(f"{SECTION}.replay_mode=R2 records the trainer's own routes, but "
-                              "generator.inference_engine.enable_return_routed_experts=true asks vLLM for rollout "
-                              "routes: set it to false (or use replay_mode=R3)")
-        if mc.moe_enable_routing_replay:
-            raise ConfigError(f"{SECTION}.replay_mode=R2 and trainer.policy.megatron_config.moe_enable_routing_replay"
-                              "=true ask for two replays at once: leave SkyRL's flag false")
     return rc
 
 
@@ -127,28 +113,12 @@ def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) 
     base = "generator.inference_engine"
     out: dict[str, Any] = {}
     if getattr(ie, "speculative_config", None):
-        out[f"{base}.speculative_config"] = _as_dict(ie.speculative_config)
+        out[f"{base}.speculative_config"] = setting(ie, "speculative_config", plain=True)
     mtp = getattr(cfg.trainer, "mtp", None)
     if mtp is not None and bool(getattr(mtp, "enabled", False)) and env.get("SKYRL_DISABLE_SPEC") != "1":
         out["trainer.mtp.enabled"] = True
     for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
-        passed = _as_dict(getattr(ie, kw, None) or {})
+        passed = setting(ie, kw, {}, plain=True)
         if passed.get("speculative_config"):
             out[f"{base}.{kw}.speculative_config"] = passed["speculative_config"]
     return out
-
-
-def _as_dict(x: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-        if OmegaConf.is_config(x):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(x) if isinstance(x, Mapping) else x
-
-
-def section_of(cfg: Any) -> Optional[ReplayConfig]:
-    """The already prepared ``trainer.r3bridge`` of a parsed config (``None`` for SkyRL's plain config)."""
-    section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
-    return section if isinstance(section, ReplayConfig) else None

@@ -1,26 +1,17 @@
-"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched).
+"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched); the driver
+owns the set-up (:class:`SkyRLReplay` wraps an :class:`r3bridge.megatron.AdapterSession`).
 
-* :class:`FirstSeenRoutesMixin` - for ``SkyRLGymGenerator``: multi-turn routes kept first-seen;
+* :func:`model_wrapper_class` (``MegatronModelWrapper``): its compute_log_prob ``forward`` and
+  ``forward_backward_mini_batch`` run SkyRL's schedule inside the session's pass; each (chunk,
+  micro-batch) is installed from a forward pre-hook (SkyRL's ``forward_step`` is a closure), with
+  SkyRL's real packing;
+* :class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (``MegatronPolicyWorkerBase`` /
+  ``MegatronRefWorkerBase``): flags, the wrapper swap, R2 sample ids and recorded routes; the
+  reference model declared the reference;
+* :class:`TrainerMixin` (``RayPPOTrainer``): R2's recorded routes written back into the batch;
+* :class:`FirstSeenRoutesMixin` (``SkyRLGymGenerator``, 0.3): multi-turn routes kept first-seen.
 
-* :func:`model_wrapper_class` - ``MegatronModelWrapper`` subclass. Its ``forward`` (the old-log-prob
-  pass, ``compute_log_prob``) and ``forward_backward_mini_batch`` (one mini-batch update) open one
-  driver step around SkyRL's own schedule and install every (chunk, micro-batch)'s targets right
-  before the chunk's forward (SkyRL's ``forward_step`` is a closure inside those methods, so the
-  install runs from a prepended forward pre-hook of :class:`r3bridge.megatron.PhaseRunner`, which
-  also passes SkyRL's real ``packed_seq_params``). VPP works because every chunk has its own
-  hook and micro-batch counter (SkyRL pops the routes in the first chunk's forward_step: VPP broke).
-* :class:`PolicyWorkerMixin` - put before ``MegatronPolicyWorkerBase``: keeps megatron's own
-  ``moe_enable_routing_replay`` off (SkyRL's config validation wants it on with routed experts; the
-  r3bridge guard refuses it), lets route tensors travel in SkyRL's micro-batches, swaps in the
-  wrapper, and for R2 returns the recorded routes per sample with the log-probs.
-* :class:`TrainerMixin` - put before ``RayPPOTrainer``: R2 writes the recorded routes back into the
-  ``TrainingInputBatch`` (``rollout_expert_indices`` + ``router_padding_mask``), so mini-batch /
-  DP re-partitioning carries them with their samples.
-
-* :class:`RefWorkerMixin` - put before ``MegatronRefWorkerBase``: the reference worker keeps
-  SkyRL's plain wrapper and never replays; its model is declared the reference, so a replay
-  object on any of its routers (megatron's RouterReplay, built with the ref's
-  ``moe_enable_routing_replay``) is refused, naming both roles.
+docs/use-with-skyrl.md ("Hook points") says what each override does and why.
 """
 from __future__ import annotations
 
@@ -40,23 +31,24 @@ from r3bridge.adapters.skyrl.codec import (
     handed_routes,
     provenance_pairing,
 )
-from r3bridge.adapters.skyrl.config import SECTION, replay_config
+from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
-from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
-from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
-from r3bridge.megatron.roles import Role, check_declared, declare_role
+from r3bridge.megatron.phase import MicroBatch
+from r3bridge.megatron.roles import Role
+from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing
 from r3bridge.schema import ReplayBatch
 from r3bridge.trace import token_uid
+from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "recorded_from_payloads", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
-# the SkyRL setting that supplies the routes of each source, and the one that keeps rollout routes out
+# the SkyRL setting that supplies the routes of each kind, and the one that keeps rollout routes out
 _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
@@ -94,36 +86,33 @@ def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
 
 
 class SkyRLReplay:
-    """Replay state of one policy model: the phase runner plus SkyRL's micro-batch conventions."""
+    """One policy model's :class:`r3bridge.megatron.AdapterSession` plus SkyRL's micro-batch conventions."""
 
-    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig, model: ModelInfo,
-                 layout=None) -> None:
-        self.cfg = cfg
-        self.chunks = list(actor_module)
-        self.model = model
-        self.replayer = None
-        if cfg.replay_mode is not ReplayMode.OFF:
-            from r3bridge.megatron import Replayer
-            self.replayer = Replayer.from_config(self.chunks, cfg, layout, expect_moe_layer_ids=model.moe_layer_ids)
-        # SkyRL logs no compute_log_prob metrics: the runner reports them with the update
-        self.runner = PhaseRunner(self.replayer, cfg, carry_log_prob_metrics=True, framework="skyrl")
-        self.expect_source: Optional[str] = None   # set by the worker from the batch's metadata
+    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
+                 layout=None, *, where: Optional[str] = None) -> None:
+        # SkyRL logs no compute_log_prob metrics: the session reports them with the update
+        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True)
+        self.session.attach(actor_module, model, layout=layout)
+        self.route_kind: Optional[str] = None   # which routes the batch carries (set by the worker from its metadata)
         # the next pass's route / log-prob provenance (set by the worker from the whole batch,
         # before SkyRL cuts it into micro-batches, which carry only routes); used once
         self.provenance: Optional[ProvenancePairing] = None
-        self.result: Optional[PhaseResult] = None   # the last schedule run's (None: routed natively)
         # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
-        self.log_metrics: dict[str, float] = replay_mode_metric(cfg)
+        self.log_metrics: dict[str, float] = self.session.replay_mode_metric
+
+    @property
+    def replayer(self) -> Any:
+        return self.session.replayer
 
     @property
     def metrics(self) -> dict[str, float]:
         """The last schedule run's metrics, as the driver names them."""
-        return {} if self.result is None else dict(self.result.metrics)
+        return {} if self.session.result is None else dict(self.session.result.metrics)
 
     @property
     def recorded(self) -> Optional[ReplayBatch]:
         """The last schedule run's R2 recording (real samples, sample-id order)."""
-        return None if self.result is None else self.result.recorded
+        return None if self.session.result is None else self.session.result.recorded
 
     def add_metrics(self, metrics_list: Any) -> Any:
         """Put the tagged metrics (``r3bridge/update/coverage``, ...) into each micro-batch's metrics
@@ -137,7 +126,8 @@ class SkyRLReplay:
 
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
-        plan = self.runner.plan(phase)
+        session = self.session
+        plan = session.plan(phase)
         pairing, self.provenance = self.provenance, None
         mbs = [dict(m) for m in micro_batches]
         carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
@@ -147,43 +137,35 @@ class SkyRLReplay:
             for key in (ROUTES_KEY, MASK_KEY):
                 if key in m:
                     m[key] = None
-        self.result = None
+        session.result = None
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
-        if self.runner.tracer is not None:       # traced: samples named by their tokens (`r3bridge diff` pairs them)
+        if session.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
             targets = [dataclasses.replace(mb, uids=[token_uid(s[a.bool()]) for s, a in
                                                      zip(m["sequences"], m["attention_mask"])])
                        for mb, m in zip(targets, mbs)]
-
-        def install(c: int, k: int, args: tuple, kwargs: dict) -> MicroBatch:
-            mb = targets[k]
-            psp = kwargs.get("packed_seq_params")
-            if psp is not None:                  # remove_microbatch_padding: SkyRL's THD packing
-                return dataclasses.replace(mb, format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
-            pos = args[1] if len(args) > 1 else kwargs.get("position_ids")   # left padding removed: BSHD
-            return dataclasses.replace(mb, format="bshd", seq_length=int(pos.shape[1]))
-
-        with self.runner.run(phase, forward_only=forward_only, targets=install, chunks=self.chunks,
-                             num_micro_batches=len(mbs), provenance=pairing) as ps:
+        # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
+        with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
+                         packing_from_forward=True):
             out = call(mbs)
-        self.result = ps.result
-        logged = self.runner.metrics_to_log(ps.result)     # compute_log_prob's are held for the update
+        logged = session.metrics_to_log(session.result)     # compute_log_prob's are held for the update
         if phase is Phase.UPDATE:
-            self.log_metrics = {**replay_mode_metric(self.cfg), **{k: sum(v) / len(v) for k, v in logged.items()}}
+            self.log_metrics = averaged(logged)
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
+        session = self.session
         if plan.action is Action.REPLAY:
             source = plan.source
-            if self.expect_source is not None and self.expect_source != source:
-                raise ConfigError(f"replay_mode={self.cfg.replay_mode.value} replays {source} routes, the batch "
-                                  f"carries {self.expect_source} routes")
-            self.runner.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}", provide=_PROVIDE)
+            if self.route_kind is not None and self.route_kind != source:
+                raise ConfigError(f"replay_mode={session.mode.value} replays {source} routes, the batch "
+                                  f"carries {self.route_kind} routes")
+            session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
-            m = self.model
+            m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
                                    num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
@@ -192,19 +174,17 @@ class SkyRLReplay:
             return MicroBatch(seq_lens)
         r = torch.as_tensor(r)
         # PolicyWorkerMixin's sample ids are [n, S, 1, 1]; anything else is rollout routes
-        self.runner.check_routes(plan, tuple(r.shape[2:]) != (1, 1), field=ROUTES_KEY, where=f"micro-batch {k}",
-                                 provide=_PROVIDE)
+        session.check_routes(plan, tuple(r.shape[2:]) != (1, 1), field=ROUTES_KEY, where=f"micro-batch {k}")
         # the sample ids PolicyWorkerMixin put in ROUTES_KEY; SkyRL's padding samples are zeros
         raw = r.reshape(len(seq_lens), -1).max(1).values.long() - _ID_BIAS
         return MicroBatch(seq_lens, sample_ids=[int(x) if x >= 0 else None for x in raw.tolist()])
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
-    """``MegatronModelWrapper`` (or ``base``) subclass that drives r3bridge. Construct it like
-    SkyRL's, plus ``r3_replay=SkyRLReplay(...)``, or use :func:`wrap_model`."""
-    if base is None:
-        base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
-    from r3bridge.versions import check_internals
+    """``MegatronModelWrapper`` (or ``base``) subclass whose compute_log_prob ``forward`` and
+    ``forward_backward_mini_batch`` run inside the replay's pass. Construct it like SkyRL's, plus
+    ``r3_replay=SkyRLReplay(...)``."""
+    base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
     check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
@@ -230,10 +210,6 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
     return R3BridgeMegatronModelWrapper
 
 
-def replay_for(actor_module, cfg: ReplayConfig, hf_config: Any) -> SkyRLReplay:
-    return SkyRLReplay(actor_module, cfg, ModelInfo.from_hf_config(hf_config))
-
-
 class RefWorkerMixin:
     """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: the reference model never
     replays. SkyRL's reference worker builds its model with ``trainer.ref.megatron_config.
@@ -245,11 +221,12 @@ class RefWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        declare_role(self.actor_module, Role.REFERENCE)
+        self.r3 = AdapterSession("skyrl", where=None, role=Role.REFERENCE)
+        self.r3.attach(self.actor_module)
         return out
 
     def forward(self, data, *args, **kwargs):
-        check_declared(self.actor_module, Role.REFERENCE)
+        self.r3.check_role()
         return super().forward(data, *args, **kwargs)
 
 
@@ -265,10 +242,9 @@ class PolicyWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        # the launcher's section (None: not set) merged with the worker's R3BRIDGE_CONFIG, if any
-        self.r3_config, source = ReplayConfig.resolve_with_source(self.r3_config, section_name=SECTION)
-        announce(self.r3_config, source, "SkyRL policy worker")
-        replay = replay_for(self.actor_module, self.r3_config, self.strategy.hf_config)
+        replay = SkyRLReplay(self.actor_module, self.r3_config, ModelInfo.from_hf_config(self.strategy.hf_config),
+                             where="SkyRL policy worker")
+        self.r3_config = replay.session.config
         w = self.model
         self.model = model_wrapper_class(type(w))(config=w.cfg, actor_module=w.actor_module,
                                                   actor_optimizer=w.actor_optimizer, policy_loss_fn=w.policy_loss_fn,
@@ -296,9 +272,8 @@ class PolicyWorkerMixin:
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        runner = self.model.r3.runner
-        runner.check_routes(runner.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY,
-                            provide=_PROVIDE)
+        session = self.model.r3.session
+        session.check_routes(session.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
         try:
@@ -308,11 +283,8 @@ class PolicyWorkerMixin:
         from megatron.core import parallel_state as mpu
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
-        res = self.model.r3.result
-        if res is None:
-            raise ReplayStateError("replay_mode=R2 but the compute_log_prob pass ran without replay")
-        rec = res.recorded_for(len(out.loss_fn_outputs))
-        for i, o in enumerate(out.loss_fn_outputs):     # per sample, as SkyRL carries outputs: views, no copy
+        rec = session.recorded_for(len(out.loss_fn_outputs))
+        for i, o in enumerate(out.loss_fn_outputs):     # per sample, as SkyRL carries outputs: views
             o[RECORDED_KEY] = rec.select_range(i, i + 1).to_bytes()
         return out
 
@@ -322,7 +294,7 @@ class PolicyWorkerMixin:
         if mode is ReplayMode.R2 and mark != "recorded":
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
-        self.model.r3.expect_source = "recorded" if mark == "recorded" else "rollout"
+        self.model.r3.route_kind = "recorded" if mark == "recorded" else "rollout"
         with self._r3_provenance(data):
             return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
 
@@ -404,12 +376,10 @@ def policy_worker_class(config=None, num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
-    from r3bridge.versions import check_internals
-    check_internals("skyrl", [(f"MegatronPolicyWorkerBase.{m}", base, m) for m in
-                              ("init_configs", "init_model", "forward", "forward_backward")])
-    cls = type("R3BridgeMegatronPolicyWorker", (PolicyWorkerMixin, base),
-               {"r3_config": None if config is None else replay_config(config)})
-    return ray.remote(num_gpus=num_gpus)(cls)
+    return ray.remote(num_gpus=num_gpus)(checked_subclass(
+        "skyrl", "R3BridgeMegatronPolicyWorker", PolicyWorkerMixin, base,
+        ("init_configs", "init_model", "forward", "forward_backward"),
+        {"r3_config": None if config is None else replay_config(config)}))
 
 
 def ref_worker_class(num_gpus: int = 1):
@@ -418,6 +388,5 @@ def ref_worker_class(num_gpus: int = 1):
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase
-    from r3bridge.versions import check_internals
-    check_internals("skyrl", [(f"MegatronRefWorkerBase.{m}", base, m) for m in ("init_model", "forward")])
-    return ray.remote(num_gpus=num_gpus)(type("R3BridgeMegatronRefWorker", (RefWorkerMixin, base), {}))
+    return ray.remote(num_gpus=num_gpus)(checked_subclass("skyrl", "R3BridgeMegatronRefWorker", RefWorkerMixin, base,
+                                                          ("init_model", "forward")))

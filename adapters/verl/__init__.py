@@ -1,27 +1,16 @@
 """r3bridge for verl 0.9: ``replay_mode: R2 | R3 | off`` in an existing Megatron job.
 
-Loaded in the driver and in every Ray worker, either through verl's plugin entry points (group
-``verl.plugins``: ``import verl`` imports this module) or through
-``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``.
+Loaded in the driver and every Ray worker, through verl's plugin entry points (``verl.plugins``)
+or ``actor_rollout_ref.model.external_lib=r3bridge.adapters.verl``. Opt-in: only when the mode
+the launcher (``python -m r3bridge.adapters.verl.main_ppo``) hands every worker
+(``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``) is R2 or R3 does this import verl's Megatron
+engine and register :class:`~r3bridge.adapters.verl.hooks.R3BridgeMegatronEngine` for
+``(language_model, megatron, cuda, nvidia)``; replay off leaves verl untouched. verl swallows
+plugin import errors, so :func:`register` checks the registration took effect and logs the outcome
+(ERROR on failure); a job that asked for replay fails instead of training without it.
 
-Opt-in: importing this module costs nothing and swaps nothing unless the job asked for replay.
-It reads the replay mode from the environment the launcher
-(``python -m r3bridge.adapters.verl.main_ppo``) gives every worker (``R3BRIDGE_CONFIG`` /
-``R3BRIDGE_REPLAY_MODE``); only when that mode is R2 or R3 does it import megatron-core and
-verl's Megatron engine and register :class:`~r3bridge.adapters.verl.hooks.R3BridgeMegatronEngine`
-for ``(language_model, megatron, cuda, nvidia)``, which verl's ``EngineRegistry`` prefers over its
-stock Megatron engine (:func:`register`; the launcher also calls it for a driver-local worker).
-With replay off, verl's own engine runs untouched and no ``r3bridge/*`` metric is logged (the
-launcher's startup line says replay is off).
-
-verl swallows plugin import errors (it logs them at DEBUG), so :func:`register` checks that the
-registration really took effect and logs the outcome itself, at INFO on success and ERROR on
-failure (logger ``r3bridge.adapters.verl``; level from ``R3BRIDGE_LOGGING_LEVEL``); a job that
-asked for replay fails instead of training without it.
-
-Files (the same in every adapter): ``config.py`` (the ``r3bridge`` section), ``rollout.py``
-(:class:`VerlRollout`, the engine calls of a sample), ``codec.py`` (:class:`VerlCodec`, verl's
-batch <-> ReplayBatch), ``hooks.py`` (the engine), plus ``main_ppo.py`` (the launcher).
+Files as in every adapter (docs/porting.md), plus ``main_ppo.py`` (the launcher) and
+``agent_loop.py`` (the first-seen tool agent loop). See docs/use-with-verl.md.
 """
 from __future__ import annotations
 
@@ -38,14 +27,10 @@ from r3bridge.adapters.verl.config import (
     validate_verl_config,
 )
 from r3bridge.adapters.verl.rollout import VerlRollout
+from r3bridge.announce import ensure_visible
 
 logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
-if not logging.getLogger().handlers and not logger.handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    logger.addHandler(_h)
-    logger.propagate = False
+ensure_visible()        # the INFO lines below reach a handler (verl's root logger sits at WARNING)
 
 ENGINE_KEY = ("language_model", "megatron", "cuda", "nvidia")
 LOADED = False          # True once the engine is registered and the registry resolves to it

@@ -22,15 +22,14 @@ MoE layer cannot be told from "no route" and is routed natively (counted in cove
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.errors import CoverageError, LayerMappingError, ProvenanceError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.layer_axis import axis_columns
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, checked_provenance
+from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
@@ -41,10 +40,8 @@ ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# per-sample RouteProvenance (or None), written by the agent loop into extra_fields, which verl
-# carries as non-tensor batch fields (adapters/verl/agent_loop.py)
-ROUTE_PROVENANCE_KEY = "r3bridge_route_provenance"
-LOGPROB_PROVENANCE_KEY = "r3bridge_logprob_provenance"
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per-sample RouteProvenance
+# (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
 
 
 def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -78,36 +75,26 @@ def sample_names(td: Any) -> list[str]:
     return names
 
 
-_PROVENANCE_FIELDS = {f.name for f in dataclasses.fields(RouteProvenance)}
-
-
-def _per_sample(td: Any, key: str, n: int) -> list[Optional[RouteProvenance]] | None:
-    """``key`` of each sample: a field of its own (verl's DataProto path flattens the agent loop's
-    ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl 0.9.1's V1
-    trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``)."""
+def _field(td: Any, key: str) -> Any:
+    """``key`` of each sample: a batch field of its own (verl's DataProto path flattens the agent
+    loop's ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl
+    0.9.1's V1 trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``); None: absent."""
     value = td.get(key, None) if hasattr(td, "get") else None
-    if value is None:
-        nested = td.get("extra_fields", None) if hasattr(td, "get") else None
-        rows = None if nested is None else nested.tolist() if hasattr(nested, "tolist") else list(nested)
-        if not rows or not all(isinstance(r, dict) for r in rows) or not any(key in r for r in rows):
-            return None
-        value = [r.get(key) for r in rows]
-    items = value.tolist() if hasattr(value, "tolist") else list(value)
-    # TransferQueue stores the extra_fields with msgspec: a RouteProvenance comes back as its fields
-    items = [RouteProvenance(**x) if isinstance(x, dict) and set(x) <= _PROVENANCE_FIELDS else x for x in items]
-    try:
-        return list(checked_provenance(items, n))  # type: ignore[arg-type]
-    except ProvenanceError as e:
-        raise ProvenanceError(f"verl batch field {key!r}: {e}") from None
+    if value is not None:
+        return value
+    nested = td.get("extra_fields", None) if hasattr(td, "get") else None
+    rows = None if nested is None else nested.tolist() if hasattr(nested, "tolist") else list(nested)
+    if not rows or not all(isinstance(r, dict) for r in rows) or not any(key in r for r in rows):
+        return None
+    return [r.get(key) for r in rows]
 
 
 def provenance_pairing(td: Any) -> ProvenancePairing:
     """The batch's route and log-prob provenance (:data:`ROUTE_PROVENANCE_KEY`,
     :data:`LOGPROB_PROVENANCE_KEY`; a missing field is unknown: its samples are counted unchecked)
     and verl's names of its samples."""
-    n = len(td)
-    return ProvenancePairing(_per_sample(td, ROUTE_PROVENANCE_KEY, n), _per_sample(td, LOGPROB_PROVENANCE_KEY, n),
-                             sample_names(td), samples=n)
+    return pairing_from_fields(lambda key: _field(td, key), samples=len(td), names=sample_names(td),
+                               engine="verl", framework="verl")
 
 
 def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,

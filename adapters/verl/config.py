@@ -15,6 +15,8 @@ from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
+from r3bridge.hf import moe_layer_ids_from_hf_config
+from r3bridge.job_check import JobCheck, setting
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
            "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
@@ -26,40 +28,14 @@ _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = "actor_rollout_ref.actor.megatron"
 
 
-def _select(cfg: Any, path: str, default: Any = None) -> Any:
-    """``a.b.c`` lookup in a DictConfig / dict / dataclass; ``default`` when any part is missing."""
-    cur = cfg
-    for part in path.split("."):
-        if cur is None:
-            return default
-        if isinstance(cur, Mapping) or hasattr(cur, "keys"):
-            try:
-                cur = cur.get(part, None)
-            except Exception:  # noqa: BLE001  (omegaconf struct / interpolation errors)
-                return default
-        else:
-            cur = getattr(cur, part, None)
-    return default if cur is None else cur
-
-
 def _interpolated(cfg: Any, parent: str, key: str) -> bool:
     """Whether ``parent.key`` of an OmegaConf config is an interpolation (``${...}``)."""
     try:
         from omegaconf import OmegaConf
-        node = _select(cfg, parent)
+        node = setting(cfg, parent)
         return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
     except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
         return False
-
-
-def _plain(x: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-        if OmegaConf.is_config(x):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return x
 
 
 SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in your YAML)"
@@ -68,7 +44,7 @@ SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in
 def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None) -> tuple[ReplayConfig, str]:
     """The options in force for a verl job and where they came from: its ``r3bridge`` section
     merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_source`)."""
-    return ReplayConfig.resolve_with_source(_plain(_select(verl_cfg, "r3bridge", None)), environ,
+    return ReplayConfig.resolve_with_source(setting(verl_cfg, "r3bridge", None, plain=True), environ,
                                             section_name=SECTION_NAME)
 
 
@@ -81,56 +57,30 @@ def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayCo
     return ReplayConfig.from_env(environ)
 
 
-def _problems(mode: ReplayMode, f: Mapping[str, Any]) -> list[str]:
+def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
     """Everything that makes exact replay impossible, given the facts ``f`` (None: unknown)."""
-    p: list[str] = []
-    m = mode.value
-
-    def known(k: str) -> bool:
-        return f.get(k) is not None
-
-    if known("strategy") and f["strategy"] != "megatron":
-        p.append(f"{_ACTOR}.strategy={f['strategy']!r}: the r3bridge verl adapter drives Megatron only "
-                 f"(set it to 'megatron')")
-    if known("verl_router_replay") and f["verl_router_replay"] != "disabled":
-        p.append(f"r3bridge.replay_mode={m} and {_MEGATRON}.router_replay.mode={f['verl_router_replay']!r} ask for "
-                 f"two replays at once: r3bridge.replay_mode is the one switch; leave verl's router_replay.mode "
-                 f"'disabled' (its default)")
-    if known("ref_router_replay") and f["ref_router_replay"] != "disabled":
-        p.append(f"actor_rollout_ref.ref.megatron.router_replay.mode={f['ref_router_replay']!r}: must be "
-                 f"'disabled' (the reference model never replays)")
-    if mode is ReplayMode.R3 and known("rollout_routes") and not f["rollout_routes"]:
-        p.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=False: R3 replays the rollout "
-                 "engine's routes; set it to True so vLLM / SGLang return them")
-    if mode is ReplayMode.R2 and known("rollout_routes") and f["rollout_routes"]:
-        p.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=True: R2 records the trainer's "
-                 "own routes; rollout routes would collide with them (use replay_mode=R3 to replay them)")
-    if mode is ReplayMode.R2 and known("bypass_mode") and f["bypass_mode"]:
-        p.append("algorithm.rollout_correction.bypass_mode=True: R2 records routes in the old-log-prob "
-                 "forward (compute_log_prob), which bypass mode skips; set bypass_mode=False")
-    if known("use_remove_padding") and not f["use_remove_padding"]:
-        p.append("actor_rollout_ref.model.use_remove_padding=False: replay needs the packed (THD) "
-                 "layout; set use_remove_padding=True")
-    if known("pad_to_length") and f["pad_to_length"]:
-        p.append(f"{_MEGATRON}.pad_to_length=True: bucket padding of the packed micro-batch is not "
-                 f"supported with routing replay; set it to False")
-    if known("router_fusion") and f["router_fusion"]:
-        p.append(f"{_MEGATRON}.override_transformer_config.moe_router_fusion=True: the fused router "
-                 f"bypasses the replay hook; set it to False")
-    if known("dynamic_cp") and f["dynamic_cp"]:
-        p.append(f"{_MEGATRON}.dynamic_context_parallel=True: dynamic CP re-packs micro-batches "
-                 f"outside the engine; not supported with r3bridge replay")
-    if known("cp_layout") and f["cp_layout"] != "zigzag":
-        p.append(f"context-parallel layout {f['cp_layout']!r}: only verl's zigzag CP layout is supported")
-    if known("moe_layer_ids") and not f["moe_layer_ids"]:
-        p.append(f"the model is not MoE (no MoE layer in its HF config): replay_mode={m} needs an MoE model")
-    return p
-
-
-def _raise(mode: ReplayMode, problems: list[str], where: str) -> None:
-    if problems:
-        raise ConfigError(f"r3bridge replay_mode={mode.value} cannot run with this {where}:\n  - "
-                          + "\n  - ".join(problems))
+    check = JobCheck(cfg, "r3bridge", where)
+    check.refuse(f.get("strategy") not in (None, "megatron"), f"{_ACTOR}.strategy={f.get('strategy')!r}: the r3bridge "
+                 f"verl adapter drives Megatron only (set it to 'megatron')")
+    check.framework_replay(f"{_MEGATRON}.router_replay.mode", f.get("verl_router_replay"), off="disabled")
+    check.reference_replay("actor_rollout_ref.ref.megatron.router_replay.mode", f.get("ref_router_replay"),
+                           off="disabled")
+    check.rollout_routes("actor_rollout_ref.rollout.enable_rollout_routing_replay", f.get("rollout_routes"))
+    check.refuse(cfg.replay_mode is ReplayMode.R2 and f.get("bypass_mode"), "algorithm.rollout_correction."
+                 "bypass_mode=True: R2 records routes in the old-log-prob forward (compute_log_prob), which bypass "
+                 "mode skips; set bypass_mode=False")
+    check.refuse(f.get("use_remove_padding") is False, "actor_rollout_ref.model.use_remove_padding=False: replay "
+                 "needs the packed (THD) layout; set use_remove_padding=True")
+    check.refuse(f.get("pad_to_length"), f"{_MEGATRON}.pad_to_length=True: bucket padding of the packed "
+                 f"micro-batch is not supported with routing replay; set it to False")
+    check.refuse(f.get("router_fusion"), f"{_MEGATRON}.override_transformer_config.moe_router_fusion=True: the "
+                 f"fused router bypasses the replay hook; set it to False")
+    check.refuse(f.get("dynamic_cp"), f"{_MEGATRON}.dynamic_context_parallel=True: dynamic CP re-packs "
+                 f"micro-batches outside the engine; not supported with r3bridge replay")
+    check.refuse(f.get("cp_layout") not in (None, "zigzag"), f"context-parallel layout {f.get('cp_layout')!r}: "
+                 f"only verl's zigzag CP layout is supported")
+    check.refuse(f.get("speculative"), f.get("speculative"))
+    check.moe_model(f.get("moe_layer_ids")).raise_if_any()
 
 
 def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
@@ -140,10 +90,8 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
     when None."""
     if cfg is None:
         cfg = replay_config_from_verl(verl_cfg)
-    if cfg.replay_mode is ReplayMode.OFF:
-        return cfg
-    s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
-    facts = {
+    s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
+    _check(cfg, {
         "strategy": s(f"{_ACTOR}.strategy"),
         "verl_router_replay": s(f"{_MEGATRON}.router_replay.mode"),
         "ref_router_replay": s("actor_rollout_ref.ref.megatron.router_replay.mode"),
@@ -153,15 +101,11 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
         "pad_to_length": s(f"{_MEGATRON}.pad_to_length"),
         "router_fusion": s(f"{_MEGATRON}.override_transformer_config.moe_router_fusion"),
         "dynamic_cp": s(f"{_MEGATRON}.dynamic_context_parallel"),
-    }
-    if hf_config is not None:
-        from r3bridge.hf import moe_layer_ids_from_hf_config
-        facts["moe_layer_ids"] = moe_layer_ids_from_hf_config(hf_config)
-    problems = _problems(cfg.replay_mode, facts)
-    engine, speculative = speculative_settings(verl_cfg)
-    spec = speculative_decoding_problem(cfg.replay_mode.value, engine, speculative,
-                                        configured_version=cfg.engine_version)
-    _raise(cfg.replay_mode, problems + ([spec] if spec else []), "verl config")
+        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
+        # R3 + a speculative draft on an engine release that lets it overwrite the routes (engine_settings)
+        "speculative": speculative_decoding_problem(cfg.replay_mode.value, *speculative_settings(verl_cfg),
+                                                    configured_version=cfg.engine_version),
+    }, "verl config")
     return cfg
 
 
@@ -170,7 +114,7 @@ def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
     MTP draft (``actor_rollout_ref.rollout.mtp``, by default ``actor_rollout_ref.model.mtp``:
     ``enable`` and ``enable_rollout``), vLLM's ``engine_kwargs.vllm.speculative_config``, SGLang's
     ``engine_kwargs.sglang.speculative_algorithm`` (verl's servers pass both on to the engine)."""
-    s = lambda path, d=None: _select(verl_cfg, path, d)  # noqa: E731
+    s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
     engine = s("actor_rollout_ref.rollout.name")
     engine = None if engine is None else str(engine).lower()
     out: dict[str, Any] = {}
@@ -183,7 +127,7 @@ def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
         out[f"{mtp}.enable"] = out[f"{mtp}.enable_rollout"] = True
     kwargs = "actor_rollout_ref.rollout.engine_kwargs"
     if engine == "vllm" and s(f"{kwargs}.vllm.speculative_config"):
-        out[f"{kwargs}.vllm.speculative_config"] = _plain(s(f"{kwargs}.vllm.speculative_config"))
+        out[f"{kwargs}.vllm.speculative_config"] = setting(verl_cfg, f"{kwargs}.vllm.speculative_config", plain=True)
     if engine == "sglang" and s(f"{kwargs}.sglang.speculative_algorithm"):
         out[f"{kwargs}.sglang.speculative_algorithm"] = s(f"{kwargs}.sglang.speculative_algorithm")
     return engine, out
@@ -192,20 +136,15 @@ def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
 def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = None,
                         tf_config: Any = None, cp_layout: str | None = None) -> None:
     """What a worker's engine can check itself (its engine config, HF and Transformer configs)."""
-    if cfg.replay_mode is ReplayMode.OFF:
-        return
-    facts = {
-        "verl_router_replay": _select(engine_config, "router_replay.mode"),
-        "use_remove_padding": _select(engine_config, "use_remove_padding"),
-        "pad_to_length": _select(engine_config, "pad_to_length"),
-        "dynamic_cp": _select(engine_config, "dynamic_context_parallel"),
+    _check(cfg, {
+        "verl_router_replay": setting(engine_config, "router_replay.mode"),
+        "use_remove_padding": setting(engine_config, "use_remove_padding"),
+        "pad_to_length": setting(engine_config, "pad_to_length"),
+        "dynamic_cp": setting(engine_config, "dynamic_context_parallel"),
         "router_fusion": getattr(tf_config, "moe_router_fusion", None) if tf_config is not None else None,
         "cp_layout": cp_layout,
-    }
-    if hf_config is not None:
-        from r3bridge.hf import moe_layer_ids_from_hf_config
-        facts["moe_layer_ids"] = moe_layer_ids_from_hf_config(hf_config)
-    _raise(cfg.replay_mode, _problems(cfg.replay_mode, facts), "Megatron engine config")
+        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
+    }, "Megatron engine config")
 
 
 def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
@@ -217,13 +156,13 @@ def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
     remaining storage actors are never placed and nothing says so. Only a cluster the launcher
     starts itself is checked (no ``address``, no ``RAY_ADDRESS``). ``cpus``: the machine's count
     (default: Ray's own)."""
-    ray_init = _select(verl_cfg, "ray_kwargs.ray_init") or {}
-    if not _select(verl_cfg, "trainer.use_v1", True) or _select(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
+    ray_init = setting(verl_cfg, "ray_kwargs.ray_init") or {}
+    if not setting(verl_cfg, "trainer.use_v1", True) or setting(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
         return
-    units = _select(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
-    if _select(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
+    units = setting(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
+    if setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
         return
-    slots = _select(ray_init, "num_cpus")
+    slots = setting(ray_init, "num_cpus")
     given = slots is not None
     if slots is None:
         if cpus is None:
@@ -246,14 +185,14 @@ def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
 
 
 def _load_hf_config(verl_cfg: Any) -> Any:
-    path = _select(verl_cfg, "actor_rollout_ref.model.path")
+    path = setting(verl_cfg, "actor_rollout_ref.model.path")
     if not path or not os.path.exists(os.path.expanduser(str(path))):
         return None          # remote path: the engine checks the model in the workers
     try:
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(
             os.path.expanduser(str(path)),
-            trust_remote_code=bool(_select(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
+            trust_remote_code=bool(setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
     except Exception:  # noqa: BLE001
         return None
 
@@ -277,7 +216,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     forward = forward_env(cfg, announce_where or "verl launcher")
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
-        if _select(verl_cfg, "ray_kwargs") is None:
+        if setting(verl_cfg, "ray_kwargs") is None:
             verl_cfg["ray_kwargs"] = {}
         ray_init = verl_cfg.ray_kwargs.get("ray_init") or OmegaConf.create({})
         with open_dict(ray_init):
@@ -289,7 +228,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
                 rt["env_vars"] = env
             ray_init["runtime_env"] = rt
         verl_cfg.ray_kwargs["ray_init"] = ray_init
-        model = _select(verl_cfg, "actor_rollout_ref.model")
+        model = setting(verl_cfg, "actor_rollout_ref.model")
         if cfg.replay_mode is not ReplayMode.OFF and model is not None:
             # verl imports external_lib in every worker and, unlike its plugin loader, lets an
             # import error fail the worker; it takes a list, so a user's own module stays

@@ -1,37 +1,27 @@
-"""The engine r3bridge registers (``r3bridge.adapters.verl.register``, only when the job asks for
-replay): verl's ``MegatronEngineWithLMHead`` plus r3bridge's replay driver.
+"""The engine r3bridge registers (only when the job asks for replay): verl's
+``MegatronEngineWithLMHead`` plus the driver (:class:`r3bridge.megatron.AdapterSession`).
 
-Overrides (everything else is verl's):
-
-* ``initialize``: after verl builds the model, checks the engine config and attaches
-  :class:`r3bridge.megatron.Replayer` to the actor's model chunks (never the reference model's);
-* ``forward_backward_batch`` (one mini-batch, or one log-prob pass): picks the phase and runs verl's
-  own schedule inside :meth:`r3bridge.megatron.PhaseRunner.run`; afterwards returns R2's recorded
-  routes in ``model_output["routed_experts"]`` and r3bridge's metrics in ``output["metrics"]``
-  (compute_log_prob's with the next update: verl's trainer drops that pass's metrics);
-* ``forward_step`` (one (chunk, micro-batch)): installs that micro-batch's targets
-  (:class:`r3bridge.megatron.MicroBatch`), then runs verl's own ``forward_step`` on it; with
-  ``router_log_ratio`` on, the loss callable verl returns is wrapped so that the micro-batch's
-  TensorDict carries ``router_log_ratio`` (nested ``[batch, (tokens)]`` float32, position ``j``
-  aligned with ``log_probs[j]``) when verl's loss function reads ``data`` (nothing of verl is
-  patched: a custom policy loss reads the key);
-* ``disable_adapter``: a LoRA "reference in actor" pass never replays.
+Overrides (everything else is verl's): ``initialize`` (attach to the actor's chunks; the
+reference engine's model is declared the reference), ``forward_backward_batch`` (one pass:
+verl's own schedule inside the session's pass; R2's recorded routes returned in
+``model_output["routed_experts"]``, r3bridge's metrics in ``output["metrics"]``, compute_log_prob's
+with the next update), ``forward_step`` (installs the (chunk, micro-batch)'s targets; with
+``router_log_ratio`` the micro-batch's TensorDict carries ``router_log_ratio`` for verl's loss) and
+``disable_adapter`` (a LoRA "reference in actor" pass never replays).
 
 Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
-disabled are ``ref_log_prob``; other forward-only passes are ``compute_log_prob``; passes with a
-backward are ``update``. What each does is :func:`r3bridge.config.phase_plan`'s call.
+disabled are ``ref_log_prob``; other forward-only passes ``compute_log_prob``; passes with a
+backward ``update``. docs/use-with-verl.md has the details.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters._ray_watch import report
 from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
@@ -42,20 +32,16 @@ from r3bridge.adapters.verl.codec import (
     routes_to_nested,
 )
 from r3bridge.adapters.verl.config import check_engine_config
-from r3bridge.announce import announce, replay_mode_metric
-from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError
-from r3bridge.hf import ModelInfo
-from r3bridge.megatron.phase import MicroBatch, PhaseRunner, phase_tag
-from r3bridge.megatron.roles import Role, check_declared, declare_role
+from r3bridge.config import Action, Phase
+from r3bridge.megatron.phase import MicroBatch, phase_tag
+from r3bridge.megatron.roles import Role
+from r3bridge.megatron.session import AdapterSession
 from r3bridge.metrics import logprob_mismatch
 from r3bridge.trace import token_uid
 
-logger = logging.getLogger("r3bridge.adapters.verl")
-
 __all__ = ["R3BridgeMegatronEngine"]
 
-# the verl setting that supplies the routes of each source, and the one that keeps rollout routes out
+# the verl setting that supplies the routes of each kind, and the one that keeps rollout routes out
 _PROVIDE = {"rollout": "enable actor_rollout_ref.rollout.enable_rollout_routing_replay",
             "recorded": "R2 records them in compute_log_prob: keep algorithm.rollout_correction.bypass_mode=False",
             "off": "set actor_rollout_ref.rollout.enable_rollout_routing_replay=False"}
@@ -64,86 +50,54 @@ _PROVIDE = {"rollout": "enable actor_rollout_ref.rollout.enable_rollout_routing_
 class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg, source = ReplayConfig.resolve_with_source(None)     # the launcher's R3BRIDGE_CONFIG
-        self.r3_init_state(cfg)
-        announce(cfg, source, "verl reference engine" if self.r3_is_ref else "verl engine")
-        if self.r3_active:
-            check_engine_config(self.r3_config, self.engine_config, hf_config=self.model_config.hf_config)
+        self.r3_init_state(None)        # the launcher's R3BRIDGE_CONFIG
+        if self.r3.replays:
+            check_engine_config(self.r3.config, self.engine_config, hf_config=self.model_config.hf_config)
 
     def r3_init_state(self, cfg) -> None:
-        self.r3_config = cfg
-        # the driver (r3bridge.megatron.Replayer, actor engines only) is the runner's; verl's
-        # trainer drops compute_log_prob metrics, so the runner reports them with the update
-        self.r3_runner = PhaseRunner(None, cfg, carry_log_prob_metrics=True, framework="verl")
-        self._r3_step = None              # the open PhaseStep while verl's schedule runs
+        """The session (r3bridge.megatron.AdapterSession): the reference engine's model is
+        declared the reference and never replays; verl's trainer drops compute_log_prob metrics,
+        so they are logged with the update."""
+        ref = bool(getattr(self.engine_config, "forward_only", False))
+        self.r3 = AdapterSession("verl", cfg, where="verl reference engine" if ref else "verl engine",
+                                 role=Role.REFERENCE if ref else Role.ACTOR, provide=_PROVIDE,
+                                 carry_log_prob_metrics=True)
+        self._r3_pass = None              # the open PhasePass while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
-        # The reference model never replays: no hook is attached to it at all.
-        self.r3_is_ref = bool(getattr(self.engine_config, "forward_only", False))
-
-    @property
-    def r3_replayer(self):
-        return self.r3_runner.replayer
-
-    @r3_replayer.setter
-    def r3_replayer(self, replayer) -> None:
-        self.r3_runner.replayer = replayer
-
-    @property
-    def r3_active(self) -> bool:
-        return self.r3_config.replay_mode is not ReplayMode.OFF and not self.r3_is_ref
 
     # ------------------------------------------------------------------------------ set-up
     def initialize(self) -> None:
         super().initialize()
         self.r3_attach()
-        if self.r3_active:
+        if self.r3.replays:
             report("engine_ready")      # the launcher's stall watchdog: this stage is done
 
     def r3_attach(self) -> None:
-        """Check the built model against the HF config and attach the driver (actor only). The
-        reference engine declares its model the reference (r3bridge.megatron.roles): a replay
-        object on any of its routers is refused, naming both roles."""
-        if self.r3_is_ref and self.r3_config.replay_mode is not ReplayMode.OFF:
-            declare_role(self.module, Role.REFERENCE)
-        if not self.r3_active:
-            return
-        from r3bridge.megatron import Replayer
-
+        """Check the built model against the HF config and attach the driver (actor only; the
+        reference engine's model is declared the reference: a replay object on any of its
+        routers is refused, naming both roles)."""
         hf = self.model_config.hf_config
-        self.r3_model = ModelInfo.from_hf_config(hf)
-        check_engine_config(self.r3_config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
-                            cp_layout=self._get_context_parallel_layout(_unwrap(self.module[0])))
-        self.r3_replayer = Replayer.from_config(self.module, self.r3_config,
-                                                expect_moe_layer_ids=self.r3_model.moe_layer_ids)
-        pp = self.r3_replayer.layout.pp
-        if self.r3_config.router_log_ratio and pp > 1:
-            self.r3_replayer.detach()
-            self.r3_replayer = None
-            raise ConfigError(f"r3bridge.router_log_ratio=true needs pipeline_model_parallel_size=1 (got {pp}): "
-                              f"the loss runs while other stages compute other micro-batches, so their layers' "
-                              f"share cannot be summed in")
-        logger.info("r3bridge: replay_mode=%s attached to %d model chunk(s), MoE layers %s",
-                    self.r3_config.replay_mode.value, len(self.module), self.r3_model.moe_layer_ids)
+        if self.r3.replays:
+            check_engine_config(self.r3.config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
+                                cp_layout=self._get_context_parallel_layout(_unwrap(self.module[0])))
+        self.r3.attach(self.module, hf)
 
     def disable_adapter(self):
         return _counting(self, super().disable_adapter())
 
     # ------------------------------------------------------------------------------ phases
     def r3_phase(self, forward_only: bool) -> Phase:
-        if self.r3_is_ref or self._r3_adapter_off:
+        if self._r3_adapter_off or self.r3.role is not Role.ACTOR:
             return Phase.REF_LOG_PROB
         return Phase.OLD_LOG_PROB if forward_only else Phase.UPDATE
 
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
-        if self.r3_is_ref and self.r3_config.replay_mode is not ReplayMode.OFF:
-            # nothing gave the reference a replay object since its build (another role's set-up)
-            check_declared(self.module, Role.REFERENCE)
         phase = self.r3_phase(forward_only)
-        plan = self.r3_runner.plan(phase)
+        plan = self.r3.plan(phase)
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        self.r3_runner.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
-                                    where=f"the {phase.value} batch", provide=_PROVIDE)
+        self.r3.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
+                             where=f"the {phase.value} batch")
         if plan.action is Action.REPLAY:
             self._r3_check_topk(data, phase)
         # the batch-level sample index travels with each sample through verl's micro-batching:
@@ -153,36 +107,31 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             # R3: routes whose engine pass differs from their log-probs' are counted or refused
             # (provenance_check) before the schedule starts
             pairing = provenance_pairing(data) if plan.action is Action.REPLAY else None
-            with self.r3_runner.run(phase, forward_only=forward_only, provenance=pairing) as ps:
-                self._r3_step = ps
+            with self.r3.run(phase, forward_only=forward_only, provenance=pairing) as phase_pass:
+                self._r3_pass = phase_pass
                 output = super().forward_backward_batch(data, loss_function, forward_only)
         finally:
-            self._r3_step = None
+            self._r3_pass = None
             data.pop(SAMPLE_KEY, None)
         report("first_pass")
         if not output:                                  # not the last pipeline stage
             return output
-        result = ps.result
-        if result.action is Action.RECORD:
-            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(result.recorded_for(len(data)))
-        extra = {**replay_mode_metric(self.r3_config), **self._r3_logprob_metrics(output, data, phase_tag(phase))}
-        for k, v in self.r3_runner.metrics_to_log(result, extra).items():
+        if plan.action is Action.RECORD:
+            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(self.r3.recorded_for(len(data)))
+        extra = self._r3_logprob_metrics(output, data, phase_tag(phase))
+        for k, v in self.r3.metrics_to_log(self.r3.result, extra).items():
             output.setdefault("metrics", {}).setdefault(k, []).extend(v)
         return output
 
     def _r3_check_topk(self, data, phase: Phase) -> None:
-        """Refuse routes of another top-k than the model's before the schedule starts (not at
-        the first router, mid-forward), naming the field and both values."""
         routes = data.get(ROUTES_KEY, None)
-        k = self.r3_model.topk
-        if routes is None or k is None:
-            return
-        width = int(routes.values().shape[-1] if getattr(routes, "is_nested", False) else routes.shape[-1])
-        check_topk(ROUTES_KEY, width, k, where=f"the {phase.value} batch")
+        if routes is not None:
+            width = int(routes.values().shape[-1] if getattr(routes, "is_nested", False) else routes.shape[-1])
+            self.r3.check_topk(ROUTES_KEY, width, where=f"the {phase.value} batch")
 
     def _r3_logprob_metrics(self, output: dict, data, tag: str) -> dict[str, float]:
         """Trainer-vs-rollout log-prob mismatch of this pass, in verl's padded response layout."""
-        prefix = self.r3_config.metrics_prefix
+        prefix = self.r3.config.metrics_prefix
         out: dict[str, float] = {}
         logp = (output.get("model_output") or {}).get("log_probs")
         if logp is not None and data.get("rollout_log_probs", None) is not None:
@@ -197,18 +146,18 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     # ------------------------------------------------------------------------------ per micro-batch
     def forward_step(self, batch_iter: Iterator, model, logits_processor_func, postprocess_micro_batch_func):
-        if self._r3_step is None:
+        if self._r3_pass is None:
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
         index = self.r3_install(batch, model)
         output, loss = super().forward_step(iter((batch,)), model, logits_processor_func, postprocess_micro_batch_func)
-        if not (self.r3_config.router_log_ratio and self._r3_step.action is Action.REPLAY):
+        if not (self.r3.config.router_log_ratio and self._r3_pass.action is Action.REPLAY):
             return output, loss
-        step = self._r3_step
+        phase_pass = self._r3_pass
 
         def loss_with_log_ratio(*args: Any, **kwargs: Any) -> Any:
             # the loss runs after this chunk's forward: every router of the micro-batch has run
-            batch[LOG_RATIO_KEY] = log_ratio_field(step.router_log_ratio_tokens(model, index), batch["input_ids"])
+            batch[LOG_RATIO_KEY] = log_ratio_field(phase_pass.router_log_ratio_tokens(model, index), batch["input_ids"])
             return loss(*args, **kwargs)
         return output, loss_with_log_ratio
 
@@ -220,17 +169,17 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         # every pass carries the batch-level sample index: R2 records by it, traces and route
         # errors name samples by it
         sample_ids = batch[SAMPLE_KEY].tolist()
-        if self._r3_step.action is Action.REPLAY:
+        if self._r3_pass.action is Action.REPLAY:
             # verl's nested values viewed (nothing copied or checked here): the driver's reader
             # reads this rank's rows once per micro-batch, whichever chunk installs first
-            m = self.r3_model
+            m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
-                                   source=self._r3_step.plan.source, num_hidden_layers=m.num_layers, topk=m.topk,
-                                   layer_axis=self.r3_config.layer_axis)
+                                   source=self._r3_pass.plan.source, num_hidden_layers=m.num_layers, topk=m.topk,
+                                   layer_axis=self.r3.config.layer_axis)
         # traced: each sample named by its tokens, so `r3bridge diff` pairs it across passes (verl
         # numbers the samples of each pass anew, an update's mini-batch shuffled)
-        uids = [token_uid(t) for t in input_ids.unbind()] if self.r3_runner.tracer is not None else None
-        return self._r3_step.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
+        uids = [token_uid(t) for t in input_ids.unbind()] if self.r3.runner.tracer is not None else None
+        return self._r3_pass.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                        cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
                                                        uids=uids))
 

@@ -323,7 +323,7 @@ class ArmRunner:
             c.eval()
         try:
             with prb if prb is not None else contextlib.nullcontext():
-                with self.rep.step(action, forward_only=True, source=source) as st:
+                with self.rep.open_pass(action, forward_only=True, route_kind=source) as st:
                     res = run_schedule(self.trainer, batches, _install(st, self.fwd_logits, routes_of, ids_of),
                                        forward_only=True)
         finally:
@@ -483,7 +483,7 @@ class ArmRunner:
                 ref = {id(b): s.routes.select(ids)}
             out: list[dict] = []
             self.optim.zero_grad()
-            with self.rep.step(plan.action, forward_only=False, source=plan.source) as us:
+            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.source) as us:
                 run_schedule(self.trainer, [b], _install(us, _ppo_forward_step(self.te, per, o.clip, out), ref,
                                                          {id(b): ids}), forward_only=False)
             norms.append(self.optim.step())

@@ -226,7 +226,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
             plan = phase_plan(mode, Phase.OLD_LOG_PROB)
             for c in trainer:
                 c.eval()
-            with rep.step(plan.action, forward_only=True, source=plan.source) as ls:
+            with rep.open_pass(plan.action, forward_only=True, route_kind=plan.source) as ls:
                 run_schedule(trainer, batches, _install(ls, fwd, roll_of if plan.source else {}, ids_of),
                              forward_only=True)
             recorded = ls.recorded
@@ -242,7 +242,7 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 mini = batches[u:u + per_update]
                 opt.zero_grad(set_to_none=True)
                 with RoutingProbe(trainer, include_mtp=False) as probe:
-                    with rep.step(plan.action, forward_only=False, source=plan.source) as us:
+                    with rep.open_pass(plan.action, forward_only=False, route_kind=plan.source) as us:
                         res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.source else {}, ids_of),
                                            forward_only=False)
                 _sync_grads(trainer, ctx)

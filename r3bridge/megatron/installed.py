@@ -1,10 +1,10 @@
 """The driver's record of one installed (chunk, micro-batch), and of a forward router call that a
 recompute may pair with.
 
-:class:`r3bridge.megatron.step.ReplayStep` creates them at ``install`` and in the forward; the
+:class:`r3bridge.megatron.replay_pass.ReplayPass` creates them at ``install`` and in the forward; the
 unrouted-row mask (``stats_mask.py``) reads which rows have a route, the R2 recorder
 (``recorder.py``) reads the recorded ids. Plain records, so those modules depend on them and not
-on the step. Not the adapter's :class:`r3bridge.megatron.MicroBatch` (what an adapter installs).
+on the pass. Not the adapter's :class:`r3bridge.megatron.MicroBatch` (what an adapter installs).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets
 
 @dataclass
 class InstalledMicroBatch:
-    """One installed (chunk, micro-batch) of a replay step."""
+    """One installed (chunk, micro-batch) of a replay pass."""
 
     chunk: int
     index: int
@@ -41,8 +41,8 @@ class InstalledMicroBatch:
 
 @dataclass
 class PendingRecompute:
-    """A forward router call of a training step that a recompute may pair with."""
+    """A forward router call of a training pass that a recompute may pair with."""
 
     micro_batch: InstalledMicroBatch
-    fingerprint: torch.Tensor                   # float32 [m] on the step's device
+    fingerprint: torch.Tensor                   # float32 [m] on the pass's device
     kept_target: bool                           # reentrant first pass: micro_batch.targets keeps the layer

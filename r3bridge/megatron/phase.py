@@ -7,14 +7,14 @@ runner owns the rest, in this order:
 
 1. the plan of the phase (:meth:`r3bridge.ReplayConfig.plan`); replay off, the reference model
    and NATIVE phases run the framework's call untouched;
-2. one driver step (:meth:`r3bridge.megatron.Replayer.step`) around the call;
+2. one driver pass (:meth:`r3bridge.megatron.Replayer.open_pass`) around the call;
 3. the install of every (chunk, micro-batch) right before the chunk's forward, either from a
    prepended forward pre-hook (:func:`install_before_forward`: frameworks whose ``forward_step``
-   is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhaseStep.install`);
+   is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhasePass.install`);
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
 4b. R3: each sample's route provenance compared with its log-probs' (``ReplayConfig.provenance_check``,
-   :mod:`r3bridge.provenance`) *before* the step opens, so a refusal installs nothing;
+   :mod:`r3bridge.provenance`) *before* the driver pass opens, so a refusal installs nothing;
 5. the driver's metrics summarised (:func:`r3bridge.metrics.summarize_layers`: per-layer keys only
    with ``per_layer_metrics``) and tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
    metrics carried to the next update for frameworks that log only the update's
@@ -24,6 +24,7 @@ runner owns the rest, in this order:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -31,14 +32,15 @@ import torch
 
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.megatron.step import as_handed
+from r3bridge.megatron.replay_pass import as_handed
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
 from r3bridge.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["MicroBatch", "PhaseResult", "PhaseStep", "PhaseRunner", "install_before_forward", "phase_tag"]
+__all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
+           "phase_tag"]
 
 
 @dataclass
@@ -51,7 +53,7 @@ class MicroBatch:
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
     out, sequences are numbered in install order. The packing fields are
-    :meth:`r3bridge.megatron.ReplayStep.install`'s. ``uids``: the framework's own name of each
+    :meth:`r3bridge.megatron.ReplayPass.install`'s. ``uids``: the framework's own name of each
     sequence's sample (``None`` for padding), written to route traces only."""
 
     seq_lens: Sequence[int]
@@ -91,11 +93,11 @@ class PhaseResult:
         return rec
 
 
-class PhaseStep:
-    """The open phase: :meth:`install` for adapters that override ``forward_step``."""
+class PhasePass:
+    """One pass of a phase, open: :meth:`install` for adapters that override ``forward_step``."""
 
-    def __init__(self, runner: "PhaseRunner", phase: Phase, plan: PhasePlan, step: Any) -> None:
-        self.runner, self.phase, self.plan, self.step = runner, phase, plan, step
+    def __init__(self, runner: "PhaseRunner", phase: Phase, plan: PhasePlan, driver_pass: Any) -> None:
+        self.runner, self.phase, self.plan, self.driver_pass = runner, phase, plan, driver_pass
         self.result: Optional[PhaseResult] = None
         self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
         self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
@@ -143,7 +145,7 @@ class PhaseStep:
         if self.runner.config.router_log_ratio and self.action is Action.REPLAY and not routes.has_weights:
             raise ConfigError(f"chunk {c}, micro-batch {k}: router_log_ratio=true needs the rollout's routing "
                               f"weights, and these routes carry none (SGLang: --enable-return-routed-expert-weights)")
-        self.step.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
+        self.driver_pass.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
                           seq_length=mb.seq_length, sample_ids=driver_ids)
         return k
 
@@ -152,7 +154,7 @@ class PhaseStep:
         one ``[seq_len]`` tensor per packed sequence, position ``j`` the routes at position ``j``
         (:mod:`r3bridge.replay_policy`). ``None`` when its routes carry no weights. Call after the
         chunk's forward of that micro-batch (from the loss)."""
-        return self.step.router_log_ratio_tokens(self.runner.replayer.chunk_index(model), index)
+        return self.driver_pass.router_log_ratio_tokens(self.runner.replayer.chunk_index(model), index)
 
     @property
     def replayer(self) -> Any:
@@ -185,16 +187,16 @@ class PhaseStep:
         return ids, driver
 
     def _finish(self) -> PhaseResult:
-        step = self.step
+        driver_pass = self.driver_pass
         cfg = self.runner.config
         # per-layer agreement keys opt-in (ReplayConfig.per_layer_metrics), a compact summary by default
-        metrics = summarize_layers(step.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
+        metrics = summarize_layers(driver_pass.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
         if self.provenance is not None:
             metrics.update(self.provenance.as_metrics(cfg.metrics_prefix))
         res = PhaseResult(self.phase, self.action, metrics,
                           tag_phase(metrics, self.runner.config.metrics_prefix, phase_tag(self.phase)))
         if self.action is Action.RECORD:
-            res.recorded = self._select_recorded(step.recorded)
+            res.recorded = self._select_recorded(driver_pass.recorded)
         return res
 
     def _select_recorded(self, rec: Optional[ReplayBatch]) -> ReplayBatch:
@@ -239,7 +241,7 @@ class PhaseRunner:
                      provide: Mapping[str, str]) -> None:
         """``ConfigError`` when ``field`` does not match the plan: a replay without routes, or an
         R2 recording pass whose batch already carries routes (rollout routes would collide with
-        the recording). ``provide``: the framework setting that supplies routes of each source
+        the recording). ``provide``: the framework setting that supplies routes of each kind
         (``"rollout"``, ``"recorded"``) and the one that turns rollout routes off (``"off"``)."""
         mode = self.config.replay_mode.value
         if plan.action is Action.REPLAY and not present:
@@ -253,13 +255,15 @@ class PhaseRunner:
     def run(self, phase: Phase, *, forward_only: bool, targets: Optional[Targets] = None,
             chunks: Optional[Sequence[torch.nn.Module]] = None,
             num_micro_batches: Optional[int] = None,
-            provenance: Optional[ProvenancePairing] = None) -> Iterator[Optional[PhaseStep]]:
+            provenance: Optional[ProvenancePairing] = None,
+            packing_from_forward: bool = False) -> Iterator[Optional[PhasePass]]:
         """Context around the framework's schedule call. Yields ``None`` for a native phase,
-        else the :class:`PhaseStep`, whose ``result`` is set on a clean exit.
+        else the :class:`PhasePass`, whose ``result`` is set on a clean exit.
 
         ``targets`` (a list indexed by micro-batch, or ``(chunk, k, args, kwargs) -> MicroBatch``)
         installs from forward pre-hooks on ``chunks`` (default: the replayer's); without it the
-        adapter calls :meth:`PhaseStep.install` itself.
+        adapter calls :meth:`PhasePass.install` itself. ``packing_from_forward``: each target's
+        packing is the one the chunk's forward gets (:func:`forward_packing`).
 
         ``provenance``: the pass's samples' route and log-prob provenance; under R3 they are
         compared per ``provenance_check`` before anything is installed (``"refuse"`` raises
@@ -270,10 +274,10 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.step(plan.action, forward_only=forward_only, source=plan.source) as step:
-            ps = PhaseStep(self, phase, plan, step)
+        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.source) as driver_pass:
+            ps = PhasePass(self, phase, plan, driver_pass)
             ps.provenance = checked
-            step.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
+            driver_pass.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
                 yield ps
             else:
@@ -283,12 +287,14 @@ class PhaseRunner:
 
                 def hook(c: int, k: int, args: tuple, kwargs: dict) -> Callable[[torch.nn.Module], None]:
                     mb = get(c, k, args, kwargs)
+                    if packing_from_forward:
+                        mb = forward_packing(mb, args, kwargs)
                     return lambda module: ps.install(module, mb, index=k)
                 with install_before_forward(mods, hook, n):
                     yield ps
         ps.result = ps._finish()
         if self.tracer is not None:
-            self.tracer.finish(ps, step.trace, phase_tag(phase))
+            self.tracer.finish(ps, driver_pass.trace, phase_tag(phase))
 
     def _check_provenance(self, plan: PhasePlan, pairing: Optional[ProvenancePairing]) -> Optional[ProvenanceCount]:
         """R3's check of rollout routes against the log-probs they are paired with. R2 replays
@@ -313,6 +319,21 @@ class PhaseRunner:
         for k, v in now.items():
             out.setdefault(k, []).append(v)
         return out
+
+
+def forward_packing(mb: MicroBatch, args: tuple, kwargs: dict) -> MicroBatch:
+    """``mb`` with the packing a chunk's forward really gets, read from its arguments as
+    megatron-core's ``GPTModel.forward(input_ids, position_ids, attention_mask, ...,
+    packed_seq_params=)`` takes them: THD with ``packed_seq_params.cu_seqlens_q_padded`` (the
+    trainer's own alignment and CP padding), else BSHD ``[B, S]`` with ``S`` from ``position_ids``."""
+    psp = kwargs.get("packed_seq_params")
+    if psp is not None:
+        return dataclasses.replace(mb, format="thd", cu_seqlens_padded=psp.cu_seqlens_q_padded)
+    positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    if positions is None:
+        raise ReplayStateError("a chunk's forward got neither packed_seq_params (THD) nor position_ids (BSHD): "
+                               "its packing cannot be read")
+    return dataclasses.replace(mb, format="bshd", seq_length=int(positions.shape[1]))
 
 
 @contextlib.contextmanager

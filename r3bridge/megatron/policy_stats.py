@@ -1,17 +1,17 @@
-"""What the replay policy and the routing weights add to a replay step: the threshold policy's
+"""What the replay policy and the routing weights add to a replay pass: the threshold policy's
 replaced fraction and the router log-ratio (formulas: :mod:`r3bridge.replay_policy`).
 
 The router log-ratio needs the gate weights megatron-core's router applied to the replayed
 experts. Those are the ``probs`` its ``TopKRouter.forward`` returns, computed by megatron's own
 score function after the replay hook handed back the indices; a forward hook on the router
-*instance* (removed when the step ends) reads them, so no routing math is repeated here. The
-step announces each forward router call that has rollout weights (:meth:`PolicyStats.expect`);
+*instance* (removed when the pass ends) reads them, so no routing math is repeated here. The
+pass announces each forward router call that has rollout weights (:meth:`PolicyStats.expect`);
 the hook of that router, which runs right after, consumes the announcement. Recomputes announce
 nothing: the forward already counted.
 
 Counts accumulate on the device (no host sync per router call) and are summed over the
-metrics groups at the end of the step in the agreement counter's all_reduce (one collective per
-group for both: ``ReplayStep._sum_counts``).
+metrics groups at the end of the pass in the agreement counter's all_reduce (one collective per
+group for both: ``ReplayPass._sum_counts``).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class _Scaling(Protocol):
     topk_scaling_factor: Optional[float]
 
 
-class _Step(Protocol):
+class _Pass(Protocol):
     replayer: _Scaling
 
 
 class PolicyStats:
-    """Per-step counters and per-(chunk, micro-batch) router log-ratios."""
+    """Per-pass counters and per-(chunk, micro-batch) router log-ratios."""
 
     def __init__(self, prefix: str, *, device: torch.device) -> None:
         self.prefix = prefix
@@ -55,7 +55,7 @@ class PolicyStats:
             tuple[InstalledMicroBatch, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
         ] = {}
 
-    # ------------------------------------------------------------------------- fed by the step
+    # ------------------------------------------------------------------------- fed by the pass
     def count_replaced(self, replaced: torch.Tensor, num_valid: Optional[int], topk: int) -> None:
         """One forward router call of the threshold policy: its replaced (row, k) slots out of
         the slots of rows with a route."""
@@ -76,14 +76,14 @@ class PolicyStats:
         self._expected[(mb.chunk, layer)] = (mb, idx, rollout_weights, valid, kept)
 
     # ------------------------------------------------------------------------- router hooks
-    def attach(self, routers: Sequence[Mapping[int, torch.nn.Module]], step: _Step) -> list[Any]:
+    def attach(self, routers: Sequence[Mapping[int, torch.nn.Module]], driver_pass: _Pass) -> list[Any]:
         handles = []
         for c, chunk_routers in enumerate(routers):
             for layer, router in chunk_routers.items():
-                handles.append(router.register_forward_hook(self._hook(step, c, layer)))
+                handles.append(router.register_forward_hook(self._hook(driver_pass, c, layer)))
         return handles
 
-    def _hook(self, step: _Step, chunk: int, layer: int):
+    def _hook(self, driver_pass: _Pass, chunk: int, layer: int):
         def post(module: torch.nn.Module, args: tuple, output: Any) -> None:
             entry = self._expected.pop((chunk, layer), None)
             if entry is None:
@@ -91,7 +91,7 @@ class PolicyStats:
             mb, idx, rollout, valid, kept = entry
             probs = output[0].detach()
             train = probs.gather(1, idx).float()
-            scale = step.replayer.topk_scaling_factor
+            scale = driver_pass.replayer.topk_scaling_factor
             if scale:  # engines report the weights before the routed scaling factor
                 train = train / scale
             mask = valid[:, None] if kept is None else kept & valid[:, None]
@@ -105,9 +105,9 @@ class PolicyStats:
 
         return post
 
-    # ------------------------------------------------------------------------- end of step
+    # ------------------------------------------------------------------------- end of pass
     def metrics(self, *, threshold: bool) -> dict[str, float]:
-        """The step's policy metrics from ``counts`` (already summed over the metrics groups)."""
+        """The pass's policy metrics from ``counts`` (already summed over the metrics groups)."""
         replaced, slots, lr_sum, lr_abs, pairs = self.counts.tolist()
         out: dict[str, float] = {}
         if threshold:

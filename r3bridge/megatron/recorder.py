@@ -48,7 +48,7 @@ def gather_recorded(records: Sequence[InstalledMicroBatch], *, layout: ParallelL
                     chunk_layer_ids: Sequence[Sequence[int]], pp_rank: int, groups: Mapping[str, Any],
                     num_experts: int, topk: int, device: torch.device) -> ReplayBatch:
     """The per-sample routes that every rank recorded in ``records`` (this rank's finished
-    (chunk, micro-batch) records of one RECORD step).
+    (chunk, micro-batch) records of one RECORD pass).
 
     ``chunk_layer_ids[c]``: the MoE layers whose routers chunk ``c`` of this rank holds;
     ``groups``: the ``"tp"`` / ``"cp"`` / ``"pp"`` process groups (absent: a size-1 dimension);
@@ -68,7 +68,7 @@ def gather_recorded(records: Sequence[InstalledMicroBatch], *, layout: ParallelL
             raise ReplayStateError(f"micro-batch {m} was recorded by {len(mbs)} of {len(chunk_layer_ids)} chunks")
         metas.append(mbs)
     if not metas:
-        raise ReplayStateError("R2 record step recorded no micro-batch")
+        raise ReplayStateError("R2 record pass recorded no micro-batch")
     rows = [mbs[0].rows for mbs in metas]            # every TP/CP rank routes as many rows
     stage = [[lid for v in range(layout.vp_size) for lid in layout.moe_layers(p, v)] for p in range(layout.pp)]
     payload_len = [sum(rows) * len(lids) * topk for lids in stage]
@@ -115,7 +115,7 @@ def gather_recorded(records: Sequence[InstalledMicroBatch], *, layout: ParallelL
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """Device -> page-locked host memory: about twice as fast as a pageable copy, and torch's
-    caching host allocator reuses the buffer from one R2 step to the next."""
+    caching host allocator reuses the buffer from one R2 record pass to the next."""
     if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

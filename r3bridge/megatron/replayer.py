@@ -1,7 +1,8 @@
 """`Replayer`: attaches r3bridge's hook to every decoder router of the model chunks and hands out
-one :class:`ReplayStep` per schedule run. See docs/driver-api.md."""
+one :class:`ReplayPass` per pass (one schedule run). See docs/driver-api.md."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -14,8 +15,8 @@ from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
 from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
+from r3bridge.megatron.replay_pass import ReplayPass
 from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
-from r3bridge.megatron.step import ReplayStep
 from r3bridge.reader import DEGENERATE_CHOICES, ReadStats
 from r3bridge.replay_policy import check_policy
 
@@ -105,7 +106,7 @@ class Replayer:
         self.chunks: list[ChunkRouters] = find_routers(chunks)
         check_against_layout(self.chunks, self.layout, self.pp_rank)
         self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}
-        self.active_step: Optional[ReplayStep] = None
+        self.active_pass: Optional[ReplayPass] = None
         self.read_stats = ReadStats()      # every route read by the one reader (r3bridge.reader)
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
@@ -129,7 +130,7 @@ class Replayer:
     def device(self) -> torch.device:
         """Where the model's parameters are *now*: targets are built there and the R2 gather
         runs there (a stage without MoE layers takes part too; NCCL refuses CPU tensors).
-        Read per step, not at construction: frameworks offload parameters to the CPU between
+        Read per pass, not at construction: frameworks offload parameters to the CPU between
         phases (verl's param_offload) and reload them before a forward."""
         for c in self.chunks:
             for p in c.chunk.parameters():
@@ -146,11 +147,18 @@ class Replayer:
                    coverage_floor=config.coverage_floor, degenerate_routes=config.degenerate_routes, **kwargs)
 
     # -------------------------------------------------------------------------------- public
-    def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayStep:
-        """One schedule run. ``action`` from :func:`r3bridge.config.phase_plan`; ``source`` the
-        plan's route source ("rollout" / "recorded"), checked against each installed batch."""
+    def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None) -> ReplayPass:
+        """One pass (one schedule run); use as a context manager. ``action`` from
+        :func:`r3bridge.config.phase_plan`; ``route_kind`` the plan's kind of routes ("rollout" /
+        "recorded", ``PhasePlan.source``), checked against each installed batch."""
         check_actor(self._actor_routers, self._hooks)
-        return ReplayStep(self, action, forward_only=forward_only, source=source)
+        return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind)
+
+    def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayPass:
+        """Deprecated name of :meth:`open_pass` ("step" means the RL step only)."""
+        warnings.warn("Replayer.step(..., source=) is deprecated: use Replayer.open_pass(..., route_kind=)",
+                      DeprecationWarning, stacklevel=2)
+        return self.open_pass(action, forward_only=forward_only, route_kind=source)
 
     def chunk_index(self, model: torch.nn.Module | int) -> int:
         if isinstance(model, int):
@@ -176,8 +184,8 @@ class Replayer:
 
     def detach(self) -> None:
         """Give every router its previous ``router_replay`` back."""
-        if self.active_step is not None:
-            raise ReplayStateError("detach() during an active step")
+        if self.active_pass is not None:
+            raise ReplayStateError("detach() during an active pass")
         for c in self.chunks:
             for lid, router in c.routers.items():
                 router.router_replay = self._previous.get(lid)

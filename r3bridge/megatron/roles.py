@@ -22,7 +22,7 @@ Checks, each raising :class:`r3bridge.errors.RoleError` naming both roles:
 * a router of a non-actor model (or of the actor's MTP block) carries a replay object: the actor's
   hook (actor routes would reach it), or megatron's ``RouterReplay`` (built with
   ``moe_enable_routing_replay=True``: every global replay action meant for the actor drives it);
-* :func:`check_actor` (each replay step): an actor router whose hook or role was changed since the
+* :func:`check_actor` (each replay pass): an actor router whose hook or role was changed since the
   Replayer attached, by the build or declaration of another role.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def check_declared(model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, ro
 
 def check_actor(routers: dict[int, torch.nn.Module], hooks: dict[int, Any]) -> None:
     """Each actor router still carries the actor role and its own hook (``hooks``: layer -> the
-    hook the Replayer attached). Called at every replay step."""
+    hook the Replayer attached). Called at every replay pass."""
     for layer, router in routers.items():
         role = role_of(router)
         if role is not Role.ACTOR:

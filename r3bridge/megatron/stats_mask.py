@@ -3,12 +3,12 @@
 megatron-core's ``TopKRouter.forward(input, padding_mask)`` keeps rows marked ``True`` out of the
 z-loss, the aux losses (``compute_routing_scores_for_aux_loss`` and the token counts they divide
 by) and the expert-bias token counts (``_apply_expert_bias``); the routing map it returns, and so
-what the experts compute, is unchanged. During a replay step a forward pre-hook on each decoder
+what the experts compute, is unchanged. During a replay pass a forward pre-hook on each decoder
 router ORs the rows of the current (chunk, micro-batch) that have no route - packing padding,
 rows the engine did not report, ``valid = False`` rows - into whatever mask the framework passed.
-A hook on the router *instance* (removed when the step ends), not a patched class.
+A hook on the router *instance* (removed when the pass ends), not a patched class.
 
-Not masked, counted in the step's ``stats_unmasked_calls`` metric instead:
+Not masked, counted in the pass's ``stats_unmasked_calls`` metric instead:
 
 * a micro-batch in which no row at all has a route: every rank of its TP x CP group would count
   zero tokens and the aux loss divides by that count;
@@ -28,8 +28,8 @@ from r3bridge.megatron.installed import InstalledMicroBatch
 
 
 class RouterCalls(Protocol):
-    """The replay step, as the mask sees it: which micro-batch a router call belongs to, and a
-    count of the calls left unmasked (a :class:`r3bridge.megatron.ReplayStep`)."""
+    """The replay pass, as the mask sees it: which micro-batch a router call belongs to, and a
+    count of the calls left unmasked (a :class:`r3bridge.megatron.ReplayPass`)."""
 
     stats_unmasked: int
 
@@ -41,35 +41,35 @@ def _merge(existing: Optional[torch.Tensor], unrouted: torch.Tensor, shape: torc
     return mask if existing is None else (existing.to(torch.bool) | mask)
 
 
-def attach(routers: Sequence[Mapping[int, torch.nn.Module]], step: RouterCalls) -> list[Any]:
-    """Register the pre-hooks on every decoder router (``routers[chunk][layer]``) for ``step``;
+def attach(routers: Sequence[Mapping[int, torch.nn.Module]], driver_pass: RouterCalls) -> list[Any]:
+    """Register the pre-hooks on every decoder router (``routers[chunk][layer]``) for ``driver_pass``;
     returns the handles."""
     handles = []
     for c, chunk_routers in enumerate(routers):
         for layer, router in chunk_routers.items():
-            handles.append(router.register_forward_pre_hook(_hook(step, c, layer), with_kwargs=True))
+            handles.append(router.register_forward_pre_hook(_hook(driver_pass, c, layer), with_kwargs=True))
     return handles
 
 
-def _hook(step: RouterCalls, chunk: int, layer: int):
+def _hook(driver_pass: RouterCalls, chunk: int, layer: int):
     def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        mb = step.micro_batch_of_call(chunk, layer)
+        mb = driver_pass.micro_batch_of_call(chunk, layer)
         if mb is None:
             return None
         targets = mb.targets
         if targets is None:
-            # a non-reentrant recompute after its micro-batch's targets were freed: the step
+            # a non-reentrant recompute after its micro-batch's targets were freed: the pass
             # re-derives the indices, but the validity mask is gone, so this call is not masked
             if mb.routes is not None and not mb.all_valid:
-                step.stats_unmasked += 1
+                driver_pass.stats_unmasked += 1
             return None
         if mb.all_valid or not args:
             return None
         hidden = args[0]
         if hidden.dim() < 2 or hidden.shape[0] * hidden.shape[1] != targets.valid.shape[0]:
-            return None                     # ReplayStep.route raises the row-count mismatch
+            return None                     # ReplayPass.route raises the row-count mismatch
         if not mb.batch_has_route or getattr(module, "enable_expert_bias", False):
-            step.stats_unmasked += 1
+            driver_pass.stats_unmasked += 1
             return None
         unrouted = ~targets.valid
         if len(args) > 1:

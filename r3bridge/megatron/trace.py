@@ -1,8 +1,8 @@
 """Writing route traces (the ``r3bridge`` options ``trace_dir``, ``trace_every``, ``trace_max_bytes``).
 
 One implementation for every adapter: :class:`r3bridge.megatron.PhaseRunner` owns a
-:class:`RunTracer` when ``trace_dir`` is set, opens a :class:`StepTrace` on the driver step of
-each traced pass, and the step hands it, from inside the router hook, what each router call of a
+:class:`RunTracer` when ``trace_dir`` is set, opens a :class:`PassTrace` on the driver pass of
+each traced pass, and the driver pass hands it, from inside the router hook, what each router call of a
 forward routed: the router's own top-k (computed under replay anyway for the agreement metric)
 and, in a replay pass, the replayed target. Everything stays on the device until the pass ends;
 then each rank writes its own rows and layers (format: :mod:`r3bridge.trace`) and one index line.
@@ -43,7 +43,7 @@ class TracedReplayer(Protocol):
 
 
 class TracedPass(Protocol):
-    """What the tracer reads of one phase's pass (``r3bridge.megatron.phase.PhaseStep``)."""
+    """What the tracer reads of one phase's pass (``r3bridge.megatron.phase.PhasePass``)."""
 
     phase: Phase
     plan: PhasePlan
@@ -55,11 +55,11 @@ class TracedPass(Protocol):
 
     def installed_sample_ids(self, index: int) -> Optional[list[Optional[int]]]: ...
 
-__all__ = ["StepTrace", "RunTracer"]
+__all__ = ["PassTrace", "RunTracer"]
 
 
-class StepTrace:
-    """What the routers of one driver step routed, per micro-batch and layer, on the device."""
+class PassTrace:
+    """What the routers of one driver pass routed, per micro-batch and layer, on the device."""
 
     def __init__(self, replayer: TracedReplayer, action: Action) -> None:
         self.action = action
@@ -100,7 +100,7 @@ def _dp_rank() -> int:
 
 
 class RunTracer:
-    """Step counting, the disk budget and the files of one policy model's traces."""
+    """RL-step counting, the disk budget and the files of one policy model's traces."""
 
     def __init__(self, config: ReplayConfig, framework: str) -> None:
         assert config.trace_dir is not None
@@ -119,8 +119,8 @@ class RunTracer:
         self.dropped_passes = 0
 
     # ------------------------------------------------------------------------------ per pass
-    def begin(self, replayer: TracedReplayer, phase: Phase, action: Action) -> Optional[StepTrace]:
-        """Called when a phase's driver step opens; a :class:`StepTrace` when this pass is traced."""
+    def begin(self, replayer: TracedReplayer, phase: Phase, action: Action) -> Optional[PassTrace]:
+        """Called when a phase's driver pass opens; a :class:`PassTrace` when this pass is traced."""
         if phase is Phase.OLD_LOG_PROB and self._update_seen:
             self.step += 1
             self._update_seen = False
@@ -135,9 +135,9 @@ class RunTracer:
         if self.stopped:
             self.dropped_passes += 1
             return None
-        return StepTrace(replayer, action)
+        return PassTrace(replayer, action)
 
-    def finish(self, ps: TracedPass, trace: Optional[StepTrace], tag: str) -> None:
+    def finish(self, ps: TracedPass, trace: Optional[PassTrace], tag: str) -> None:
         """After the pass: write this rank's payloads and index line; add the trace metrics to
         the pass's result (``tag``: the phase's metrics tag, as :func:`r3bridge.metrics.tag_phase`)."""
         if trace is not None:
@@ -153,7 +153,7 @@ class RunTracer:
         res.tagged.update(tag_phase(extra, self.prefix, tag))
 
     # ------------------------------------------------------------------------------ writing
-    def _batches(self, ps: TracedPass, trace: StepTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
+    def _batches(self, ps: TracedPass, trace: PassTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
         rep = ps.replayer
         idx = sorted(trace.meta)
         mbs = []
@@ -173,7 +173,7 @@ class RunTracer:
                                   num_experts=rep.num_experts, source=ps.plan.source or "rollout")
         return mbs, replayed, native
 
-    def _write(self, ps: TracedPass, trace: StepTrace) -> None:
+    def _write(self, ps: TracedPass, trace: PassTrace) -> None:
         rep = ps.replayer
         rank, world = _world()
         payloads: dict[str, bytes] = {}

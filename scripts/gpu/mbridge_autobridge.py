@@ -371,7 +371,7 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
             c.zero_grad(set_to_none=True)
         counts: dict[str, int] = {}
         with RoutingProbe(chunks, include_mtp=False) as probe:
-            with rep.step(action, forward_only=forward_only, source=source) as st:
+            with rep.open_pass(action, forward_only=forward_only, route_kind=source) as st:
                 out = run_schedule(chunks, batches, _install_step(st, fwd, route_map, ids), forward_only=forward_only)
         errs = _check_probe(probe, cpu_batches, want, ctx, False, False, moe_layers, counts)
         res[f"{tag}_metrics"] = {k: v for k, v in st.metrics.items() if isinstance(v, (int, float))}
@@ -396,7 +396,7 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     # 3. R2: record in a compute-log-prob pass, replay in an update pass and a forward-only pass
     for c in chunks:
         c.eval()
-    with rep.step("record", forward_only=True) as rec:
+    with rep.open_pass("record", forward_only=True) as rec:
         rec_out = run_schedule(chunks, batches, _install_step(rec, fwd, {}, ids), forward_only=True)
     recorded = rec.recorded
     rec_routes = [recorded.select(list(g)) for g in GROUPS]
@@ -413,7 +413,7 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     res["r2_logits_maxdiff"] = max(
         [float((a.logits.float() - b.logits.float()).abs().max()) for a, b in zip(rec_out, rep_out)] or [0.0]
     )
-    res["state_clean"] = rep.active_step is None and hooks_before == [
+    res["state_clean"] = rep.active_pass is None and hooks_before == [
         (len(c._forward_pre_hooks), len(c._forward_hooks)) for c in chunks
     ]
     res["seconds"] = round(time.time() - t0, 2)

@@ -268,7 +268,7 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
             c.eval()
         counts: dict[str, int] = {}
         with RoutingProbe(chunks, include_mtp=False) as probe:
-            with rep.step(action, forward_only=True, source=source) as st:
+            with rep.open_pass(action, forward_only=True, route_kind=source) as st:
                 run_schedule(chunks, [batch], _install_step(st, fwd, route_map, ids), forward_only=True)
         errs = _check_probe(probe, [cpu_batch], [routes], ctx, False, False, layers, counts)
         return counts, errs

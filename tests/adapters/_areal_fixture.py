@@ -288,7 +288,7 @@ class ArealRunner:
                if (cfg.moe_layer_freq[i] if isinstance(cfg.moe_layer_freq, list) else i % cfg.moe_layer_freq == 0)]
         eng.r3_attach(ModelInfo(num_experts=cfg.num_moe_experts, moe_layer_ids=moe, num_layers=cfg.num_layers,
                                 topk=cfg.moe_router_topk))
-        eng.replayer = eng.r3_replay
+        eng.replayer = eng.r3.replayer
         return R3Actor(eng)
 
     def micro_batches(self, rollout, groups, *, key):
@@ -337,7 +337,7 @@ class ArealRunner:
                 for j, g in enumerate(g for g in pmb[MB_KEY].sample_ids if g is not None):
                     by_sample[order[g]] = o[cu[j]:cu[j + 1]]
         logprobs = [by_sample[i] for i in order] if by_sample else []
-        res = eng.r3_result
+        res = eng.r3.result
         return {"logprobs": logprobs, "metrics": dict(res.metrics), "recorded": res.recorded,
                 "packing": packing, "framework_metrics": logged}
 

@@ -7,7 +7,7 @@ import base64
 import functools
 import io
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -18,7 +18,6 @@ from r3bridge.adapters.skyrl import (
     ROUTES_KEY,
     SkyRLCodec,
     SkyRLReplay,
-    make_router_padding_mask,
     merge_first_seen,
     model_wrapper_class,
     record_ids_field,
@@ -27,12 +26,28 @@ from r3bridge.adapters.skyrl import (
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.config import ReplayConfig
 from r3bridge.decoders import decode_vllm_routes
+from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.suite import AdapterFixtures
 
-__all__ = ["wire", "generator_routes", "training_batch", "codec", "SkyRLRunner", "SkyRLFixtures"]
+__all__ = ["wire", "generator_routes", "training_batch", "codec", "SkyRLRunner", "SkyRLFixtures", "make_router_padding_mask"]
+
+
+def make_router_padding_mask(attention_mask: torch.Tensor, captured: Sequence[int]) -> torch.Tensor:
+    """SkyRL main's ``router_padding_mask`` for left-padded rows: True except the first
+    ``captured[i]`` real tokens of row ``i`` (what ``skyrl.train.dataset.preprocess.
+    make_router_padding_mask`` computes; here because SkyRL 0.3.0 lacks it: the batches of a
+    SkyRL-main job are built with it)."""
+    attn = torch.as_tensor(attention_mask).bool()
+    lens = attn.sum(1)
+    cap = torch.as_tensor(list(captured), dtype=torch.long)
+    if cap.shape != lens.shape or bool((cap < 0).any()) or bool((cap > lens).any()):
+        raise RouteShapeError(f"captured route lengths {cap.tolist()} do not fit sequence lengths {lens.tolist()}")
+    start = attn.shape[1] - lens
+    pos = torch.arange(attn.shape[1])[None, :]
+    return ~((pos >= start[:, None]) & (pos < (start + cap)[:, None]))
 
 
 def wire(arr: np.ndarray, transport: str) -> Any:

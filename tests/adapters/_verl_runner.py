@@ -194,9 +194,9 @@ def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False, 
     eng.fed = []
     eng.inner = make_forward_step(ctx, thd=True, collect_logits=True)
     eng.r3_init_state(ReplayConfig(replay_mode=mode, **options))
-    eng.r3_runner = _KeepResults(eng.r3_runner)
+    eng.r3.runner = _KeepResults(eng.r3.runner)
     eng.r3_attach()
-    eng.replayer = eng.r3_replayer              # what the r3 check reads the layout from
+    eng.replayer = eng.r3.replayer              # what the r3 check reads the layout from
     return eng
 
 
@@ -256,7 +256,7 @@ class VerlRunner:
                 for p in c.parameters():
                     p.grad = None
         self.outputs.append(output)
-        result = eng.r3_runner.results[-1]
+        result = eng.r3.runner.results[-1]
         recorded = None
         if result is not None and result.recorded is not None:
             recorded = self._recorded_from_output(output, data, order)

@@ -78,7 +78,7 @@ def _skyrl(ctx, rollout) -> dict:
             w,
             mbs,
             forwards,
-            lambda w=w: dict(active=w.r3.replayer.active_step is not None, left=w.r3.provenance is not None),
+            lambda w=w: dict(active=w.r3.replayer.active_pass is not None, left=w.r3.provenance is not None),
         )
         hook.remove()
     return res
@@ -130,7 +130,7 @@ def _areal(ctx, rollout) -> dict:
             actor,
             lambda runner=runner: runner.micro_batches(rollout, GROUPS, key="rollout"),
             forwards,
-            lambda eng=eng: dict(active=eng.r3_replay.active_step is not None, left=eng.r3_provenance is not None),
+            lambda eng=eng: dict(active=eng.r3.replayer.active_pass is not None, left=eng.r3_provenance is not None),
         )
         hook.remove()
     return res

@@ -90,8 +90,11 @@ def test_verl_engine_refuses_topk_mismatch_before_the_schedule():
 
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
     from r3bridge.config import Phase
+    from r3bridge.hf import ModelInfo
+    from r3bridge.megatron.session import AdapterSession
 
-    engine = SimpleNamespace(r3_model=SimpleNamespace(topk=K))
+    engine = SimpleNamespace(r3=AdapterSession("verl", where=None))
+    engine.r3.model = ModelInfo(num_experts=E, topk=K)
     td = _verl_micro_batch([5, 6], None, topk=K + 1)
     with pytest.raises(RouteShapeError, match=r"the update batch: routed_experts carries 3 .* top-2"):
         R3BridgeMegatronEngine._r3_check_topk(engine, td, Phase.UPDATE)

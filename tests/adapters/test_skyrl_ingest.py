@@ -18,7 +18,6 @@ from r3bridge.adapters.skyrl import (
     MASK_KEY,
     ROUTES_KEY,
     decode_routed_experts,
-    make_router_padding_mask,
     merge_first_seen,
     replay_batch_from_training_batch,
     rollout_routes,
@@ -27,6 +26,8 @@ from r3bridge.adapters.skyrl import (
 from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
 from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
 from r3bridge.testing.suite import BaseIngestTests
+
+make_router_padding_mask = sk.make_router_padding_mask     # SkyRL main's (0.3.0 lacks it): test-side
 
 
 class TestSkyRLIngest(BaseIngestTests, sk.SkyRLFixtures):

@@ -36,7 +36,7 @@ def test_a_micro_batch_of_aborted_samples_keeps_the_models_topk_or_is_named():
     import numpy as np
 
     from r3bridge.errors import ReplayStateError, RouteShapeError
-    from r3bridge.megatron.step import _check_topk
+    from r3bridge.megatron.replay_pass import _check_topk
     from r3bridge.schema import ReplayBatch
 
     rollout = make_rollout(2, batch_size=6, aborted=(4, 5))

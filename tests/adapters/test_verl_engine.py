@@ -83,7 +83,7 @@ def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
     verl fed that chunk: (errors, valid rows checked)."""
     from r3bridge.sharding import shard
 
-    layout = eng.r3_replayer.layout
+    layout = eng.r3.replayer.layout
     fed = _fed_by_chunk(eng)
     calls: dict[tuple[int, int], list] = {}
     for call in probe.calls:
@@ -155,7 +155,7 @@ def _r3(ctx) -> dict:
     for phase, fo, mt in (("compute_log_prob", True, MAX_TOKENS[0]), ("update", False, MAX_TOKENS[1])):
         out, probe = _run(eng, td, forward_only=fo, max_tokens=mt)
         errors, checked = _dispatch_errors(ctx, eng, probe, expected)
-        result = eng.r3_runner.results[-1]
+        result = eng.r3.runner.results[-1]
         res[phase] = dict(errors=errors, checked=checked, order=_order(eng), calls=len(probe.calls),
                           routers=len(probe.routers),
                           action=result.action.value, phase=result.phase.value, metrics=dict(result.metrics),
@@ -177,7 +177,7 @@ def _r2(ctx) -> dict:
     td.pop(ROUTES_KEY)                                      # R2's rollout returns no routes
     rec_out, rec_probe = _run(eng, td, forward_only=True, max_tokens=MAX_TOKENS[0])
     rec_order, native = _order(eng), _dispatched(eng, rec_probe)
-    rec_result = eng.r3_runner.results[-1]
+    rec_result = eng.r3.runner.results[-1]
     res = dict(rec_action=rec_result.action.value, rec_order=rec_order, sample_key_left=SAMPLE_KEY in td.keys())
     routes = _to_every_rank(rec_out["model_output"][ROUTES_KEY] if rec_out else None, ctx)
     rec_logp = _log_probs(rec_out) if rec_out else None
@@ -201,7 +201,7 @@ def _r2(ctx) -> dict:
     res.update(rec_errors=rec_err, rec_rows=rec_rows)
     upd_out, upd_probe = _run(eng, td, forward_only=False, max_tokens=MAX_TOKENS[1])
     errors, checked = _dispatch_errors(ctx, eng, upd_probe, recorded)
-    result = eng.r3_runner.results[-1]
+    result = eng.r3.runner.results[-1]
     res.update(upd_errors=errors, upd_checked=checked, upd_order=_order(eng), upd_action=result.action.value,
                upd_metrics=dict(result.metrics), upd_logged=upd_out.get("metrics") if upd_out else None)
     if upd_out:
@@ -232,7 +232,7 @@ def _mismatch(ctx) -> dict:
                 td[key] = torch.nested.as_nested_tensor([dense[i, :n] for i, n in enumerate(lens)],
                                                         layout=torch.jagged)
         lp_out, _ = _run(eng, td, forward_only=True)
-        lp_driver = dict(eng.r3_runner.results[-1].metrics)
+        lp_driver = dict(eng.r3.runner.results[-1].metrics)
         upd_out, _ = _run(eng, td, forward_only=False)
         p = {"driver": lp_driver, "logp_output": lp_out, "upd_output": upd_out}
         if upd_out:
@@ -260,14 +260,14 @@ def _reference(ctx) -> dict:
     _, base, td = _setup(ctx, "off")
     _, native = _run(base, td, forward_only=True)
     maps = [c.routing_map for c in native.calls]
-    res: dict = {"off_replayer": base.r3_replayer is None}
+    res: dict = {"off_replayer": base.r3.replayer is None}
 
     def same_as_native(probe) -> bool:
         return len(probe.calls) == len(maps) and all(torch.equal(c.routing_map, m) for c, m in zip(probe.calls, maps))
 
     _, ref, _ = _setup(ctx, "R3", reference=True)
     out, probe = _run(ref, td, forward_only=True)
-    res["ref"] = dict(replayer=ref.r3_replayer is None, native=same_as_native(probe), results=len(ref.r3_runner.results),
+    res["ref"] = dict(replayer=ref.r3.replayer is None, native=same_as_native(probe), results=len(ref.r3.runner.results),
                       keys=sorted(out["model_output"]), metrics=sorted(out["metrics"]))
     for mode in ("R3", "R2"):
         _, eng, data = _setup(ctx, mode)
@@ -277,13 +277,13 @@ def _reference(ctx) -> dict:
         eng.peft_cls = SimpleNamespace(disable_adapter=lambda module: contextlib.nullcontext())
         with eng.disable_adapter():
             out, probe = _run(eng, data, forward_only=True)
-        res[mode] = dict(native=same_as_native(probe), results=len(eng.r3_runner.results),
-                         active=eng.r3_replayer.active_step is not None, keys=sorted(out["model_output"]),
+        res[mode] = dict(native=same_as_native(probe), results=len(eng.r3.runner.results),
+                         active=eng.r3.replayer.active_pass is not None, keys=sorted(out["model_output"]),
                          metrics=sorted(out["metrics"]), sample_key=SAMPLE_KEY in data.keys(),
-                         unmanaged=eng.r3_replayer.unmanaged_calls, calls=len(probe.calls))
+                         unmanaged=eng.r3.replayer.unmanaged_calls, calls=len(probe.calls))
         # outside disable_adapter the same engine replays again (R3) or records (R2)
         out, probe = _run(eng, data, forward_only=True)
-        res[mode].update(after=eng.r3_runner.results[-1].action.value, after_native=same_as_native(probe))
+        res[mode].update(after=eng.r3.runner.results[-1].action.value, after_native=same_as_native(probe))
     return res
 
 
@@ -304,8 +304,8 @@ def _config_errors(ctx) -> dict:
             err = None
         except ConfigError as e:
             err = str(e)
-        res[name] = dict(error=err, fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
-                         step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
+        res[name] = dict(error=err, fed=len(eng.fed), active=eng.r3.replayer.active_pass is not None,
+                         step=eng._r3_pass is not None, sample_key=SAMPLE_KEY in td.keys())
     return res
 
 
@@ -335,10 +335,10 @@ def _schedule_failure(ctx) -> dict:
             err = str(e)
         eng.inner = inner
         hooks = _hook_count(eng) - hooks_before
-        r = dict(error=err, steps_run=len(calls), hooks=hooks, active=eng.r3_replayer.active_step is not None,
-                 step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys(), results=len(eng.r3_runner.results))
+        r = dict(error=err, steps_run=len(calls), hooks=hooks, active=eng.r3.replayer.active_pass is not None,
+                 step=eng._r3_pass is not None, sample_key=SAMPLE_KEY in td.keys(), results=len(eng.r3.runner.results))
         out, probe = _run(eng, td, forward_only=True)
-        r["after"] = eng.r3_runner.results[-1].action.value
+        r["after"] = eng.r3.runner.results[-1].action.value
         if mode == "R2":
             r["recorded"] = len(out["model_output"][ROUTES_KEY].unbind())
         else:
@@ -375,7 +375,7 @@ def _router_log_ratio(ctx) -> dict:
     for call in probe.calls:
         m = seen[call.layer_id] = seen.get(call.layer_id, -1) + 1
         samples, packed = fed[m]
-        tg = shard(batch.select(samples), eng.r3_replayer.layout, packed.seq_lens, layer_ids=[call.layer_id],
+        tg = shard(batch.select(samples), eng.r3.replayer.layout, packed.seq_lens, layer_ids=[call.layer_id],
                    cu_seqlens_padded=packed.cu_seqlens_padded)
         idx, w = tg.indices[call.layer_id], tg.weights[call.layer_id]
         term = (call.probs.double().gather(1, idx).log() - w.double().log()).sum(-1)
@@ -392,7 +392,7 @@ def _router_log_ratio(ctx) -> dict:
                 errors.append(f"micro-batch {m} sample {s}: handed {got.tolist()} != {want.tolist()}")
             tokens += n
     res = dict(errors=errors, tokens=tokens, nonzero=bool(any(bool(e.abs().sum() > 0) for e in expected)),
-               metrics=dict(eng.r3_runner.results[-1].metrics))
+               metrics=dict(eng.r3.runner.results[-1].metrics))
     td.pop(WEIGHTS_KEY)
     try:
         _run(eng, td, forward_only=True)
@@ -426,11 +426,11 @@ def _provenance(ctx) -> dict:
         for phase, fo in (("compute_log_prob", True), ("update", False)):
             try:
                 out, _ = _run(eng, td, forward_only=fo)
-                r[phase] = dict(error=None, metrics=dict(eng.r3_runner.results[-1].metrics),
+                r[phase] = dict(error=None, metrics=dict(eng.r3.runner.results[-1].metrics),
                                 logged=sorted((out or {}).get("metrics", {})))
             except ProvenanceError as e:
-                r[phase] = dict(error=str(e), fed=len(eng.fed), active=eng.r3_replayer.active_step is not None,
-                                step=eng._r3_step is not None, sample_key=SAMPLE_KEY in td.keys())
+                r[phase] = dict(error=str(e), fed=len(eng.fed), active=eng.r3.replayer.active_pass is not None,
+                                step=eng._r3_pass is not None, sample_key=SAMPLE_KEY in td.keys())
         res[name] = r
     return res
 

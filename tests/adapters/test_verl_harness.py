@@ -145,18 +145,18 @@ def _rank(ctx):
 
     # R3: compute_log_prob (forward only) and update (forward + backward) replay the rollout routes
     eng = _engine(ctx, chunks, batches, "R3")
-    layout = eng.r3_replayer.layout
+    layout = eng.r3.replayer.layout
     routes = [grid.make_routes(layout, lens, SPEC.num_moe_experts, SPEC.moe_router_topk, 7 + m,
                                invalid_every=7 if m == 1 else 0) for m, lens in enumerate(SEQ_LENS)]
     data = _mini_batch(batches, routes)
     eng.forward_backward_batch(data, None, forward_only=True)
-    errs = grid._check_probe(eng.probe, batches, routes, ctx, sp, False, eng.r3_replayer.layer_ids)
+    errs = grid._check_probe(eng.probe, batches, routes, ctx, sp, False, eng.r3.replayer.layer_ids)
     upd = eng.forward_backward_batch(data, None, forward_only=False)
-    errs += grid._check_probe(eng.probe, batches, routes, ctx, sp, False, eng.r3_replayer.layer_ids)
+    errs += grid._check_probe(eng.probe, batches, routes, ctx, sp, False, eng.r3.replayer.layer_ids)
     out["r3_errors"] = errs
     out["r3_metrics"] = upd.get("metrics", {})
-    out["layers"] = eng.r3_replayer.layer_ids
-    eng.r3_replayer.detach()
+    out["layers"] = eng.r3.replayer.layer_ids
+    eng.r3.replayer.detach()
 
     # R2: record in compute_log_prob, replay the recorded routes (verl layout) in the update
     eng = _engine(ctx, chunks, batches, "R2")
@@ -170,7 +170,7 @@ def _rank(ctx):
         nested = rec["model_output"][ROUTES_KEY]
         out["r2_nested"] = (nested.is_nested, str(nested.dtype), [tuple(t.shape) for t in nested.unbind()])
         data[ROUTES_KEY] = nested
-        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3_model.moe_layer_ids, num_experts=4,
+        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3.model.moe_layer_ids, num_experts=4,
                                                 source="recorded")
         obj = [recorded.to_bytes()]
     else:
@@ -186,7 +186,7 @@ def _rank(ctx):
     for b in batches:
         per_mb.append(recorded.select(list(range(s, s + len(b.seq_lens)))))
         s += len(b.seq_lens)
-    out["r2_errors"] = grid._check_probe(eng.probe, batches, per_mb, ctx, sp, False, eng.r3_replayer.layer_ids)
+    out["r2_errors"] = grid._check_probe(eng.probe, batches, per_mb, ctx, sp, False, eng.r3.replayer.layer_ids)
     out["r2_metrics"] = upd.get("metrics", {})
     return out
 

@@ -82,7 +82,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     by = {id(b0): routes0, id(b1): routes1}
 
     with RoutingProbe(orphan) as orphan_probe, RoutingProbe(chunks) as probe:
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             run_schedule(chunks, [b0], _install_step(st, fs, by, ids), forward_only=True)
         run_schedule(orphan, [b0], fs, forward_only=True)
     out["orphan"] = {
@@ -93,21 +93,29 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
         "unmanaged": rep.unmanaged_calls,
     }
 
+    # --- the deprecated name of open_pass still opens a pass (and says it is deprecated)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        legacy = rep.step("replay", forward_only=True, source="rollout")
+    out["deprecated_step"] = dict(kind=type(legacy).__name__, route_kind=legacy.route_kind,
+                                  warned=[w.category.__name__ for w in caught])
+
     # --- forward without install under replay; install twice without a forward
     def forward_without_install():
-        with rep.step("replay", forward_only=True, source="rollout"):
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout"):
             run_schedule(chunks, [b0], fs, forward_only=True)
     out["forward_without_install"] = _outcome(forward_without_install)
 
     def install_twice():
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             st.install(chunks[0], routes0, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
             st.install(chunks[0], routes0, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
     out["install_twice"] = _outcome(install_twice)
 
     # --- targets whose row count differs from what the router sees
     def wrong_rows():
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             def bad_step(it, model):
                 batch = next(it)
                 st.install(model, routes1, b1.seq_lens)   # b1's plan for b0's tokens
@@ -117,13 +125,13 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
 
     # --- R2 update fed rollout routes; R3 fed recorded routes
     def r2_with_rollout():
-        with rep.step("replay", forward_only=False, source="recorded") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="recorded") as st:
             st.install(chunks[0], routes0, b0.seq_lens)
     out["r2_with_rollout_routes"] = _outcome(r2_with_rollout)
 
     # --- an exception mid-schedule leaves no stale target for the next step
     def raise_mid_schedule():
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             calls = {"n": 0}
             def step_fn(it, model):
                 calls["n"] += 1
@@ -133,12 +141,12 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
                 return _install_step(st, fs, by, ids)(it, model)
             run_schedule(chunks, [b0, b1], step_fn, forward_only=False)
     first = _outcome(raise_mid_schedule)
-    state_after = rep.active_step is None
+    state_after = rep.active_pass is None
     # the next step replays *other* routes for the same tokens: a stale target of the failed
     # step (routes1) would show up as routes1 rows instead of fresh ones
     fresh = make_routes(layout, b1.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 13)
     with RoutingProbe(chunks) as probe2:
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             run_schedule(chunks, [b1], _install_step(st, fs, {id(b1): fresh}, ids), forward_only=False)
     out["stale_after_exception"] = {
         "first": first, "state_clean": state_after,
@@ -152,7 +160,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
         run_schedule(chunks, [b0], fs, forward_only=True)
     half = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 11, invalid_every=2)
     with RoutingProbe(chunks) as mixed_probe:
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             run_schedule(chunks, [b0], _install_step(st, fs, {id(b0): half}, ids), forward_only=True)
     out["invalid_rows_native"] = {
         "native": [c.topk().tolist() for c in native_probe.calls],
@@ -168,7 +176,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     strict = Replayer.from_config(chunks, ReplayConfig(invalid_rows="error"))
 
     def strict_install():
-        with strict.step("replay", forward_only=True, source="rollout") as st:
+        with strict.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             st.install(chunks[0], half, b0.seq_lens, cu_seqlens_padded=b0.cu_seqlens_padded)
     out["invalid_rows_error"] = _outcome(strict_install)
     strict.detach()
@@ -177,7 +185,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     def coverage_install(minimum: float):
         cov = Replayer.from_config(chunks, ReplayConfig(min_coverage=minimum))
         try:
-            with cov.step("replay", forward_only=True, source="rollout") as st:
+            with cov.open_pass("replay", forward_only=True, route_kind="rollout") as st:
                 run_schedule(chunks, [b0], _install_step(st, fs, {id(b0): half}, ids), forward_only=True)
         finally:
             cov.detach()
@@ -219,11 +227,11 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     # --- install() on a step that was never entered: an error, not a silently native forward
     late_rep = Replayer(chunks)
     out["install_not_entered"] = _outcome(
-        lambda: late_rep.step("replay", forward_only=True, source="rollout").install(chunks[0], routes0, b0.seq_lens))
+        lambda: late_rep.open_pass("replay", forward_only=True, route_kind="rollout").install(chunks[0], routes0, b0.seq_lens))
 
     # --- R2 record over two micro-batches with the default sample ids: numbered in install order
     def record_default_ids():
-        with late_rep.step("record", forward_only=True) as st:
+        with late_rep.open_pass("record", forward_only=True) as st:
             def step_fn(it, model):
                 batch = next(it)
                 st.install(model, None, batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded)
@@ -245,7 +253,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     wrapped = [Float16Module(c.config, c) for c in bf16]
     rep16 = Replayer(wrapped)
     with RoutingProbe(bf16) as probe16:
-        with rep16.step("replay", forward_only=True, source="rollout") as st:
+        with rep16.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             run_schedule(wrapped, [b0], _install_step(st, fs, by, ids), forward_only=True)
     out["float16module"] = {
         "layers": rep16.layer_ids,
@@ -284,7 +292,7 @@ def _role_checks(ctx: RankContext, chunks: list, other: list, routes: Any, batch
     out["role_actor_declared_critic"] = _outcome(lambda: declare_role(chunks, "critic"))
 
     def routes_to_reference():
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             st.install(other[0], routes, batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded)
     out["role_routes_to_reference"] = _outcome(routes_to_reference)
 
@@ -299,7 +307,7 @@ def _role_checks(ctx: RankContext, chunks: list, other: list, routes: Any, batch
             RouterReplay.global_router_replay_instances.remove(router.router_replay)
             router.router_replay = before
     out["role_reference_megatron_replay"] = swapped(other, lambda: check_declared(other, "reference"))
-    out["role_actor_hook_replaced"] = swapped(chunks, lambda: rep.step("replay", forward_only=True, source="rollout"))
+    out["role_actor_hook_replaced"] = swapped(chunks, lambda: rep.open_pass("replay", forward_only=True, route_kind="rollout"))
     rep.detach()
 
     # MTP (draft) routers of the actor: marked draft, never among the replayed layers, no hook
@@ -350,7 +358,7 @@ def _off_topk_replay(ctx: RankContext) -> dict[str, Any]:
     rep = Replayer(model)
     zero_grads(model)
     with RoutingProbe(model) as probe:
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             run_schedule(model, [batch], _install_step(st, fs, {id(batch): routes}, {id(batch): [0, 1]}),
                          forward_only=False)
     rep.detach()

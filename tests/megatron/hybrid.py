@@ -123,7 +123,7 @@ def run_hybrid_check(ctx: "RankContext", pattern: str) -> dict[str, Any]:
                                    num_experts=spec.num_moe_experts, moe_layer_ids=moe_ids)
     loc = local_inputs(batch, 1, 0)
     with RoutingProbe([model]) as probe:
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             st.install(model, routes, seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded)
             per_token = model(loc["input_ids"], loc["position_ids"], None, labels=loc["labels"],
                               packed_seq_params=packed_seq_params(batch))

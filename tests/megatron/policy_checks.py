@@ -65,7 +65,7 @@ def run_policy_checks(ctx: RankContext) -> dict[str, Any]:
             return real_all_reduce(*args, **kwargs)
         try:
             with RoutingProbe(chunks) as probe:
-                with rep.step(action, forward_only=True, source="rollout" if action == "replay" else None) as st:
+                with rep.open_pass(action, forward_only=True, route_kind="rollout" if action == "replay" else None) as st:
                     run_schedule(chunks, [batch], _install_step(st, fs, by, ids), forward_only=True)
                     ratio = st.router_log_ratio(0, 0)
                     ratio = None if ratio is None else ratio.clone()

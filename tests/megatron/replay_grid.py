@@ -272,11 +272,11 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     inner = make_forward_step(ctx, thd=thd)
     counts: dict[str, int] = {}
     with RoutingProbe(chunks) as probe_fo:
-        with rep.step("replay", forward_only=True, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st:
             run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids, explicit), forward_only=True)
     errors = _check_probe(probe_fo, batches, routes, ctx, sp, False, local_layers, counts)
     with RoutingProbe(chunks) as probe:
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids, explicit), forward_only=False)
     out["r3_errors"] = errors + _check_probe(probe, batches, routes, ctx, sp, spec.recompute is not None,
                                              local_layers, counts)
@@ -286,19 +286,19 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     out["r3_metrics"] = st.metrics
     out["mtp_calls"] = sum(1 for c in probe.calls if c.mtp)
     # after the steps: no step active, and every module hook a step registered is gone
-    out["state_clean"] = rep.active_step is None and hooks_before == [
+    out["state_clean"] = rep.active_pass is None and hooks_before == [
         (len(c._forward_pre_hooks), len(c._forward_hooks)) for c in chunks]
 
     # 2. R2: record in a forward-only pass, replay the recorded routes, logits bit-identical.
     collect = make_forward_step(ctx, thd=thd, collect_logits=True)
     for c in chunks:
         c.eval()
-    with rep.step("record", forward_only=True) as rec:
+    with rep.open_pass("record", forward_only=True) as rec:
         res_a = run_schedule(chunks, batches, _install_step(rec, collect, {}, ids, explicit), forward_only=True)
     recorded = rec.recorded
     rec_by_batch = {id(b): recorded.select(ids[id(b)]) for b in batches}
     with RoutingProbe(chunks) as probe_r2:
-        with rep.step("replay", forward_only=True, source="recorded") as st2:
+        with rep.open_pass("replay", forward_only=True, route_kind="recorded") as st2:
             res_b = run_schedule(chunks, batches, _install_step(st2, collect, rec_by_batch, ids, explicit),
                                  forward_only=True)
     # every router call of the replay dispatched the recorded routes (layers this rank recorded)
@@ -322,11 +322,11 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     if cell.memory_steps and not serial:
         base = None
         for i in range(cell.memory_steps):
-            with rep.step("replay", forward_only=True, source="rollout") as st3:
+            with rep.open_pass("replay", forward_only=True, route_kind="rollout") as st3:
                 run_schedule(chunks, batches, _install_step(st3, inner, by_batch, ids), forward_only=True)
-            with rep.step("replay", forward_only=False, source="rollout") as st3:
+            with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st3:
                 run_schedule(chunks, batches, _install_step(st3, inner, by_batch, ids), forward_only=False)
-            with rep.step("record", forward_only=True) as st3:
+            with rep.open_pass("record", forward_only=True) as st3:
                 run_schedule(chunks, batches, _install_step(st3, inner, {}, ids), forward_only=True)
             if i == 4:      # after warm-up: gradients, caches and the allocator exist by now
                 base = _live_tensors()

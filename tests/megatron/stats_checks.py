@@ -61,7 +61,7 @@ def run_stats_case(ctx: "RankContext", mask: bool, perturb: bool, seq_lens: list
         other = torch.randint(1, spec.vocab_size, batch.input_ids.shape, generator=g)
         batch.input_ids[:] = torch.where(valid, batch.input_ids, other)
     fs = make_forward_step(ctx, thd=True)
-    with rep.step("replay", forward_only=False, source="rollout") as st:
+    with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
         run_schedule(chunks, [batch], _install_step(st, fs, {id(batch): routes}, {id(batch): list(range(len(seq_lens)))}),
                      forward_only=False)
     routers = {lid: r for c in rep.chunks for lid, r in c.routers.items()}

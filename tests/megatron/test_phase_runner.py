@@ -173,7 +173,7 @@ class _OneRank:
             h0 = _hooks(self.chunks)
             with runner.run(phase, forward_only=forward_only, **kw) as ps:
                 h_in = _hooks(self.chunks)
-                active.append(self.rep.active_step is not None)
+                active.append(self.rep.active_pass is not None)
                 forward_step = self.fstep if step is None else step(ps)
                 run_schedule(self.chunks, batches, forward_step, forward_only=forward_only)
             h_out = _hooks(self.chunks)
@@ -287,7 +287,7 @@ class _OneRank:
                                                                                       step=s, **kw))
             o.pop("value", None)
             o["hooks_left"] = _hooks(self.chunks) - h0
-            o["step_left"] = self.rep.active_step is not None
+            o["step_left"] = self.rep.active_pass is not None
             out[name] = o
         return out
 
@@ -430,7 +430,7 @@ def pp_ranks(ctx) -> dict[str, Any]:
                                                  cu_seqlens_padded=other.cu_seqlens_padded), index=0)
         o = _outcome(go)
         o["hooks_left"] = _hooks(chunks) - h0
-        o["step_left"] = rep.active_step is not None
+        o["step_left"] = rep.active_pass is not None
         return o
 
     def changed_ids():
@@ -443,7 +443,7 @@ def pp_ranks(ctx) -> dict[str, Any]:
                 ps.install(chunks[1], dataclasses.replace(mbs[0], sample_ids=[1, 0]), index=0)
         o = _outcome(go)
         o["hooks_left"] = _hooks(chunks) - h0
-        o["step_left"] = rep.active_step is not None
+        o["step_left"] = rep.active_pass is not None
         return o
 
     out["replay"] = _outcome(replay)

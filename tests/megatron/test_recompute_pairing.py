@@ -90,7 +90,7 @@ def _replayed(ctx, spec: ModelSpec, *, wrap=None, freeze: bool = False) -> dict[
     inner = make_forward_step(ctx, thd=False)
     starts: list[int] = []
     with RoutingProbe(chunks) as probe:
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             def fstep(it, model):
                 batch = next(it)
                 i = next(j for j, b in enumerate(batches) if b is batch)
@@ -125,7 +125,7 @@ def _reversed_backward(ctx, spec: ModelSpec) -> dict[str, Any]:
     inner = make_forward_step(ctx, thd=False)
 
     def run(order):
-        with rep.step("replay", forward_only=False, source="rollout") as st:
+        with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
             losses = []
             for b, r in zip(batches, routes):
                 st.install(model, r, b.seq_lens, cu_seqlens_padded=b.cu_seqlens_padded)
@@ -135,7 +135,7 @@ def _reversed_backward(ctx, spec: ModelSpec) -> dict[str, Any]:
                 losses[i].backward()
         return st.metrics
     return {"in_order": _outcome(lambda: run([0, 1])), "reversed": _outcome(lambda: run([1, 0])),
-            "state_clean": rep.active_step is None}
+            "state_clean": rep.active_pass is None}
 
 
 def scenarios(ctx) -> dict[str, Any]:

@@ -129,12 +129,12 @@ def scenarios(ctx) -> dict[str, Any]:
 
     batches = [_batch(1), _batch(2)]
     routes = [make_routes(rep.layout, [SEQ], E, K, 30 + i) for i in range(2)]
-    with rep.step("replay", forward_only=False, source="rollout") as st:
+    with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
         run_schedule([model], batches, _forward_step(
             lambda m, b: st.install(m, routes[batches.index(b)], [SEQ])), forward_only=False)
     r3_calls = {k: [t.tolist() for t in v] for k, v in calls.items()}
     calls.clear()
-    with rep.step("record", forward_only=True) as st:
+    with rep.open_pass("record", forward_only=True) as st:
         run_schedule([model], batches, _forward_step(lambda m, b: st.install(m, None, [SEQ])), forward_only=True)
     recorded = st.recorded
     native = {k: [t.tolist() for t in v] for k, v in calls.items()}

@@ -1,14 +1,14 @@
-"""State of one schedule run (one ``forward_backward_func`` call): targets keyed by
+"""The driver's state for one pass (one ``forward_backward_func`` call): targets keyed by
 (chunk, micro-batch), consumed exactly once in the forward and once in the recompute.
 
 Why keys and not megatron's per-router FIFO: a FIFO pairs forward and recompute correctly only if
 every (chunk, micro-batch) pushes exactly once to exactly its own routers and every micro-batch is
-recomputed alike; a forward-only pass or a skipped recompute leaves entries that the next step
+recomputed alike; a forward-only pass or a skipped recompute leaves entries that the next pass
 consumes (SkyRL #1908). Here:
 
 * the chunk's forward is bracketed by module hooks, so a router call *inside* it belongs to the
   micro-batch installed last for that chunk;
-* every router call in the forward of a training step may come back once as a recompute: a
+* every router call in the forward of a training pass may come back once as a recompute: a
   reentrant checkpoint's first pass (grad disabled; megatron's ``recompute_granularity`` /
   ``recompute_modules``) keeps its targets for it, a grad-enabled call (no checkpoint, or a
   non-reentrant one, which cannot be told apart there) only queues the key, and its recompute, if
@@ -16,11 +16,11 @@ consumes (SkyRL #1908). Here:
 * a router call *outside* any forward is a recompute and takes the oldest queued key of its layer
   (backward runs in forward order per chunk). That assumption is checked, not trusted: each queued
   key carries a fingerprint of the router's scores (a few rows' sums) and the recompute's must
-  match, else the step ends with a ReplayStateError naming layer, chunk and micro-batch. The
-  comparison stays on the device (one host sync at the end of the step, not one per call);
+  match, else the pass ends with a ReplayStateError naming layer, chunk and micro-batch. The
+  comparison stays on the device (one host sync at the end of the pass, not one per call);
 * a queued key never recomputed (a layer without checkpointing, or a frozen one whose backward
-  never runs) is dropped at the end of the step: nothing was replayed from it;
-* every other use is checked, and the step refuses to end with an installed micro-batch that never
+  never runs) is dropped at the end of the pass: nothing was replayed from it;
+* every other use is checked, and the pass refuses to end with an installed micro-batch that never
   ran forward; all state is dropped in ``close`` whatever happened.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ from r3bridge.replay_policy import threshold_select
 from r3bridge.schema import ReplayBatch, route_dtype
 
 
-class StepHost(Protocol):
-    """What a :class:`ReplayStep` reads from the object that hands it out (a
+class PassHost(Protocol):
+    """What a :class:`ReplayPass` reads from the object that hands it out (a
     :class:`r3bridge.megatron.Replayer`): the model's routers, this rank's place, the replay
-    options, and the slot holding the active step."""
+    options, and the slot holding the active pass."""
 
     # the model's routers and this rank's place in the layout
     chunks: list[ChunkRouters]
@@ -74,8 +74,8 @@ class StepHost(Protocol):
     threshold_ratio: float
     score_space: str
     topk_scaling_factor: Optional[float]
-    # at most one step runs at a time; the router hooks forward to it
-    active_step: Optional[ReplayStep]
+    # at most one pass runs at a time; the router hooks forward to it
+    active_pass: Optional[ReplayPass]
     read_stats: ReadStats                       # how routes reached the routers (r3bridge.reader)
 
     @property
@@ -92,8 +92,8 @@ FINGERPRINT_ROWS = 16
 def fingerprint(scores: torch.Tensor) -> torch.Tensor:
     """Row sums of up to FINGERPRINT_ROWS evenly spaced rows of ``scores`` (float32, on device)."""
     n = scores.shape[0]
-    step = max(1, n // FINGERPRINT_ROWS)
-    return scores.detach()[::step][:FINGERPRINT_ROWS].float().sum(-1)
+    stride = max(1, n // FINGERPRINT_ROWS)
+    return scores.detach()[::stride][:FINGERPRINT_ROWS].float().sum(-1)
 
 
 def as_handed(routes: ReplayBatch | HandedRoutes) -> HandedRoutes:
@@ -136,15 +136,15 @@ def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> No
     raise ReplayStateError(f"{where}: routes of top-{routes.topk}, the model's routers choose top-{topk}{why}")
 
 
-class ReplayStep:
-    """Created by :meth:`Replayer.step`; use as a context manager."""
+class ReplayPass:
+    """Created by :meth:`Replayer.open_pass`; use as a context manager."""
 
-    def __init__(self, replayer: StepHost, action: Action | str, *, forward_only: bool,
-                 source: str | None = None) -> None:
+    def __init__(self, replayer: PassHost, action: Action | str, *, forward_only: bool,
+                 route_kind: str | None = None) -> None:
         self.replayer = replayer
         self.action = Action(action)
         self.forward_only = forward_only
-        self.expect_source = source
+        self.route_kind = route_kind        # the plan's: "rollout" (R3) or "recorded" (R2)
         if self.action is Action.RECORD and not forward_only:
             raise ConfigError("R2 recording runs in the forward-only compute_log_prob pass (forward_only=True)")
         n = len(replayer.chunks)
@@ -166,7 +166,7 @@ class ReplayStep:
         self.stats_unmasked = 0                 # router calls whose unrouted rows stayed in the statistics
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
-        self.trace: Any = None                  # a StepTrace while the pass is traced (megatron/trace.py)
+        self.trace: Any = None                  # a PassTrace while the pass is traced (megatron/trace.py)
         dev = self.device = replayer.device     # fixed for this schedule run
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
@@ -175,9 +175,9 @@ class ReplayStep:
         self.policy = PolicyStats(replayer.metrics_prefix, device=dev)
 
     # ---------------------------------------------------------------------------- context
-    def __enter__(self) -> "ReplayStep":
-        if self.replayer.active_step is not None:
-            raise ReplayStateError("a replay step is already active: steps do not nest")
+    def __enter__(self) -> "ReplayPass":
+        if self.replayer.active_pass is not None:
+            raise ReplayStateError("a replay pass is already active: passes do not nest")
         for c, found in enumerate(self.replayer.chunks):
             self._handles.append(found.chunk.register_forward_pre_hook(self._make_pre(c)))
             self._handles.append(found.chunk.register_forward_hook(self._make_post(c)))
@@ -185,7 +185,7 @@ class ReplayStep:
             self._handles += stats_mask.attach([found.routers for found in self.replayer.chunks], self)
         if self.action is Action.REPLAY:
             self._handles += self.policy.attach([found.routers for found in self.replayer.chunks], self)
-        self.replayer.active_step = self
+        self.replayer.active_pass = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -218,8 +218,8 @@ class ReplayStep:
         self.policy.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
-        if self.replayer.active_step is self:
-            self.replayer.active_step = None
+        if self.replayer.active_pass is self:
+            self.replayer.active_pass = None
 
     # ---------------------------------------------------------------------------- install
     def install(self, model: torch.nn.Module | int, routes: ReplayBatch | HandedRoutes | None, seq_lens: Sequence[int], *,
@@ -229,14 +229,14 @@ class ReplayStep:
         ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
         (:class:`r3bridge.reader.HandedRoutes`), read by the one reader (:mod:`r3bridge.reader`).
 
-        In a NATIVE step (replay off, reference model) this is a no-op, so adapters can call it
+        In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
         c = self.replayer.chunk_index(model)
-        if self.replayer.active_step is not self:
+        if self.replayer.active_pass is not self:
             # outside its `with` block no router would ever see these targets: every router
-            # would route natively and the step would report nothing (verl's silent no-op)
-            raise ReplayStateError(f"chunk {c}: install() on a replay step that is not active: use "
-                                   f"`with replayer.step(...) as step:` around the schedule")
+            # would route natively and the pass would report nothing (verl's silent no-op)
+            raise ReplayStateError(f"chunk {c}: install() on a replay pass that is not active: use "
+                                   f"`with replayer.open_pass(...) as driver_pass:` around the schedule")
         if self.action is Action.NATIVE:
             return
         last = self._last[c]
@@ -246,7 +246,7 @@ class ReplayStep:
         rep = self.replayer
         lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
         pack = dict(format=format, cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length)
-        # default: samples numbered in install order across this step's micro-batches
+        # default: samples numbered in install order across this pass's micro-batches
         first = self._next_sample[c]
         ids = list(range(first, first + len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
         if len(ids) != len(lens):
@@ -258,8 +258,8 @@ class ReplayStep:
         mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids, plan=rows.plan)
         if self.action is Action.REPLAY:
             if handed is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay step without routes")
-            self._check_source(handed)
+                raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay pass without routes")
+            self._check_route_kind(handed)
             _check_topk(handed, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
             if rep.invalid_rows == "error":
                 _refuse_unrouted(rows, handed, c, mb.index)
@@ -281,7 +281,7 @@ class ReplayStep:
             mb.routes = handed
             mb.rank_rows = rows
         elif routes is not None and self.action is not Action.NATIVE:
-            raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} step")
+            raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} pass")
         mb.fwd_left = set(layers)
         self._next_index[c] += 1
         self._next_sample[c] = max(self._next_sample[c], max(ids, default=-1) + 1)
@@ -306,12 +306,13 @@ class ReplayStep:
             hit = [key, rows, handed, len(rep.chunks)]
             self._reads[index] = hit
         hit[3] -= 1
-        if hit[3] <= 0:                 # every chunk installed it: the step keeps no copy
+        if hit[3] <= 0:                 # every chunk installed it: the pass keeps no copy
             self._reads.pop(index, None)
         return hit[1], hit[2]
 
-    def _check_source(self, routes: ReplayBatch | HandedRoutes) -> None:
-        want = self.expect_source
+    def _check_route_kind(self, routes: ReplayBatch | HandedRoutes) -> None:
+        # routes.source: "recorded", or the engine (or "rollout") for rollout routes
+        want = self.route_kind
         if want == "recorded" and routes.source != "recorded":
             raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
                               f"{routes.source!r} (verl 0.9.1 silently replayed rollout routes under R2)")
@@ -464,7 +465,7 @@ class ReplayStep:
 
     def _sum_counts(self, groups: Sequence[Any]) -> None:
         """Sum the agreement counts, the replay policy's counts and the per-sample read counts over
-        the metrics groups in one all_reduce per group (the step's only collectives): the int64
+        the metrics groups in one all_reduce per group (the pass's only collectives): the int64
         counts travel as float64, exact below 2**53, next to the policy's float64 sums."""
         import torch.distributed as dist
 
@@ -496,7 +497,7 @@ class ReplayStep:
         return per_token(ratio, self.policy.micro_batches[(chunk, index)], rep.layout, tp_rank=rep.tp_rank,
                          cp_rank=rep.cp_rank, groups=rep.groups)
 
-    # ---------------------------------------------------------------------------- end of step
+    # ---------------------------------------------------------------------------- end of pass
     def _check_drained(self) -> None:
         left = [(mb.chunk, mb.index) for mb in self._live.values() if not mb.forwarded]
         if left:
@@ -560,7 +561,7 @@ class ReplayStep:
         floor = self.replayer.coverage_floor
         prefix = self.replayer.metrics_prefix
         cov = metrics.get(f"{prefix}coverage", float("nan"))
-        if floor <= 0 or self.expect_source != "rollout" or not cov == cov or cov >= floor:
+        if floor <= 0 or self.route_kind != "rollout" or not cov == cov or cov >= floor:
             return
         raise CoverageError(
             f"R3 pass: the rollout routes cover {cov:.3f} of its routed (token, MoE layer) pairs, below "
