@@ -61,13 +61,13 @@ def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
     """Ids in ``[0, num_experts)`` and distinct within each row, on valid rows only.
 
     Invalid rows may hold anything (engines send zero rows); they are overwritten with fillers.
-    On the host: block by block, no sort and no copy of the batch (:mod:`r3bridge.route_scan`).
+    On the host: block by block, no sort and no copy of the batch (:mod:`r3bridge.engines.route_scan`).
     """
     if routes.numel() == 0:
         return
     if routes.device.type != "cpu" or routes.dtype in (torch.uint16, torch.uint32, torch.uint64):
         return _check_routes_torch(routes, valid, num_experts, layer_ids, offsets, starts)
-    from r3bridge.route_scan import block_rows, run_blocks, scan_block
+    from r3bridge.engines.route_scan import block_rows, run_blocks, scan_block
 
     arr = routes.numpy() if routes.is_contiguous() else routes.contiguous().numpy()
     v = valid.cpu().numpy()

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from r3bridge.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
+from r3bridge.engines.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
 from r3bridge.errors import CoverageError
 from r3bridge.schema import ReplayBatch
 

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping, Optional
 
-from r3bridge.engine_settings import check_engine_version_setting
+from r3bridge.engines.engine_settings import check_engine_version_setting
+from r3bridge.engines.layer_axis import check_layer_axis
 from r3bridge.errors import ConfigError
-from r3bridge.layer_axis import check_layer_axis
 from r3bridge.provenance import CHECK_MODES
 from r3bridge.replay_policy import check_policy
 
@@ -143,7 +143,7 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
-    # What the layer axis of the rollout routes is (r3bridge/layer_axis.py): "all_hidden" (vLLM,
+    # What the layer axis of the rollout routes is (r3bridge/engines/layer_axis.py): "all_hidden" (vLLM,
     # SGLang: every decoder layer), "moe_only" (TensorRT-LLM: MoE layers only), or null: read
     # from its length only where that is unambiguous, refused otherwise (never guessed).
     layer_axis: Optional[str] = None
@@ -169,7 +169,7 @@ class ReplayConfig:
     # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
     stall_warning_s: float = 300.0
     # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
-    # (r3bridge/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
+    # (r3bridge/engines/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
     # set it when the engine runs elsewhere (when neither tells, such settings are refused).
     engine_version: Optional[str] = None

@@ -7,7 +7,7 @@ token are the first ones returned. So rows are appended only past what earlier c
 both), rows an earlier call lacked are filled, and a gap between calls raises.
 :func:`stitch` does it on ReplayBatches, :func:`first_seen_rows` on raw arrays of calls that all
 start at row 0 (an inference engine that does not know the model), :func:`rollout_routes` from
-vLLM payloads of each sample. Payload decoding is :mod:`r3bridge.decoders`'.
+vLLM payloads of each sample. Payload decoding is :mod:`r3bridge.engines.decoders`'.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from r3bridge.canonical import with_source
-from r3bridge.decoders import decode_vllm_routes
+from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import LayerMappingError, PayloadError, RouteShapeError, StitchError
 from r3bridge.provenance import RouteProvenance, checked_provenance
 from r3bridge.schema import ReplayBatch
@@ -210,7 +210,7 @@ def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_laye
                    report: list | None = None,
                    provenance: Sequence[RouteProvenance | None] | None = None) -> ReplayBatch:
     """``calls[i][t]``: the routes engine call ``t`` of sample ``i`` returned (any vLLM transport,
-    :func:`r3bridge.decoders.decode_vllm_routes`), from row 0 of that call's prompt unless ``start_rows[i][t]`` says
+    :func:`r3bridge.engines.decoders.decode_vllm_routes`), from row 0 of that call's prompt unless ``start_rows[i][t]`` says
     otherwise (vLLM ``routed_experts_prompt_start``). Returns one sequence per sample, first-seen
     rows kept, ``source="rollout"``. ``report`` (a list) receives one :class:`StitchReport` per
     sample. ``provenance``: one per sample, the engine pass its routes came from."""

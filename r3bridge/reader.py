@@ -16,7 +16,7 @@ template's padded dict) for R3 and R2 alike. The data flow, once per micro-batch
 3. :func:`read_targets` - gathers this rank's rows of one chunk's layers in the source dtype
    (one index gather, or one copy per run of engine rows), moves them to the router's device,
    checks every id it read in one pass there (range, and distinct within the row: a sort on
-   the GPU, a sorting network on the host, :mod:`r3bridge.route_scan`), writes fillers into rows
+   the GPU, a sorting network on the host, :mod:`r3bridge.engines.route_scan`), writes fillers into rows
    without a route and widens to int64. An id is checked by the rank that reads it, once.
 
 **Degenerate routes** (vLLM #54730: a kernel skipped the capture and every token "took expert
@@ -41,8 +41,11 @@ import torch
 
 from r3bridge._validate import as_index, as_index_list, check_readable, native_order, route_value_error
 from r3bridge.batch_meta import check_coverage, checked_meta
-from r3bridge.decoders import decode_vllm_routes, decode_vllm_weights
-from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns
+from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
+from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns
+from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
+from r3bridge.engines.layer_ids import shifted_layer_ids_hint
+from r3bridge.engines.route_scan import block_rows, row_faults, run_blocks
 from r3bridge.errors import (
     CoverageError,
     LayerMappingError,
@@ -50,11 +53,8 @@ from r3bridge.errors import (
     RouteShapeError,
     RouteWeightsError,
 )
-from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
-from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
-from r3bridge.route_scan import block_rows, row_faults, run_blocks
 
 __all__ = ["HandedRoutes", "RankRows", "ShardedTargets", "ReadCounts", "ReadStats", "read_targets", "rank_targets",
            "checked_rank_args", "engine_row_report", "EngineRowReport", "DEGENERATE_CHOICES", "NO_ROUTE_KINDS"]
@@ -211,7 +211,7 @@ class HandedRoutes:
                     weights: Optional[Sequence[Any]] = None, source: str = "rollout",
                     names: Optional[Sequence[str]] = None) -> "HandedRoutes":
         """vLLM-style per-sequence engine outputs (any transport
-        :func:`r3bridge.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
+        :func:`r3bridge.engines.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
         handed row a route; ``moe_layer_ids`` selects the MoE layers by id."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         axis = check_layer_axis(layer_axis) or ALL_HIDDEN
@@ -862,7 +862,7 @@ def _any_fault(compact: torch.Tensor, covered: np.ndarray, num_experts: int) -> 
 def _faults(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """(out of range, repeats an id) per (row, layer) of ``compact`` ``[nl, T, K]``, as host
     ``[T, nl]`` bools. On a device: min / max and a sort of the K ids (one kernel each, the
-    rank's compact ids only). On the host: the sorting network of :mod:`r3bridge.route_scan`,
+    rank's compact ids only). On the host: the sorting network of :mod:`r3bridge.engines.route_scan`,
     in cache-sized blocks on a thread pool."""
     nl, t, k = compact.shape
     if compact.device.type != "cpu":

@@ -22,7 +22,7 @@ import torch
 from r3bridge import wire
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
 from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
-from r3bridge.decoders import (
+from r3bridge.engines.decoders import (
     decode_sglang_routes,
     decode_sglang_weights,
     decode_vllm_routes,
@@ -32,9 +32,9 @@ from r3bridge.decoders import (
     sglang_rows,
     sglang_weights_of,
 )
-from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
+from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
+from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
-from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
 from r3bridge.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
 from r3bridge.route_weights import as_weights_tensor, check_weights
 
@@ -186,7 +186,7 @@ class ReplayBatch:
                    policy_versions: Sequence[int] | None = None,
                    provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
         """Host arrays (one per sequence, all layers or ``cols`` of them) -> a batch, in one pass:
-        :func:`r3bridge.engine_pack.pack_sequences` selects, narrows and checks every block of rows
+        :func:`r3bridge.engines.engine_pack.pack_sequences` selects, narrows and checks every block of rows
         straight into the one buffer the batch keeps."""
         provenance = checked_provenance(provenance, len(arrays))     # before the copy, like the other metadata
         sel = layer_columns(cols)
@@ -244,7 +244,7 @@ class ReplayBatch:
                    rows_per_seq, starts, layer_ids, num_experts, topk, source,
                    policy_versions, offsets, provenance, weights=checked)
 
-    # Engine / trainer formats: the payloads are decoded by r3bridge.decoders (no batch there).
+    # Engine / trainer formats: the payloads are decoded by r3bridge.engines.decoders (no batch there).
     @classmethod
     def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
                     valid=None, source: str = "padded",
@@ -264,10 +264,10 @@ class ReplayBatch:
                   weights: Sequence | None = None, layer_axis: str = ALL_HIDDEN,
                   source: str = "vllm") -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
-        :func:`r3bridge.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
-        pass each came from (:func:`r3bridge.decoders.vllm_provenance` builds it from request
+        :func:`r3bridge.engines.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
+        pass each came from (:func:`r3bridge.engines.decoders.vllm_provenance` builds it from request
         outputs). ``weights``: optional, one array per sequence in the routes' shape (every
-        reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.layer_axis`):
+        reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.engines.layer_axis`):
         vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
         (routes and weights alike)."""
         layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
@@ -333,8 +333,8 @@ class ReplayBatch:
                     layer_axis: str = ALL_HIDDEN) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
         completion - 1 - start. Routing weights are read when the meta_infos carry them
-        (:data:`r3bridge.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
-        ``provenance``: one per meta_info (:func:`r3bridge.decoders.sglang_provenance` reads it
+        (:data:`r3bridge.engines.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
+        ``provenance``: one per meta_info (:func:`r3bridge.engines.decoders.sglang_provenance` reads it
         from the meta_infos)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)

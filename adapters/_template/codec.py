@@ -8,7 +8,7 @@ moves with its samples through every split (check which of its utilities move wh
 
 **Layer ids are 0-based global** (HF config index, Megatron ``layer_number - 1``): the layer axis
 of ``ROUTES_KEY`` is the engine's, every decoder layer, and ``moe_layer_ids`` picks the MoE ones
-by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.layer_ids.layers_from_mapping`,
+by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.engines.layer_ids.layers_from_mapping`,
 which says so when its keys are 1-based.
 
 **Aborted samples.** An engine call that was aborted returns no routes (vLLM: ``routed_experts``
@@ -33,9 +33,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.dense import NO_ROUTE, padded_routes
+from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.layer_axis import axis_columns
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 

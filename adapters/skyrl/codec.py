@@ -21,8 +21,8 @@ import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.dense import token_rows
+from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import ConfigError, RouteShapeError
-from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,

@@ -19,7 +19,7 @@ import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
 

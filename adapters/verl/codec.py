@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
+from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
@@ -104,7 +104,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
     verl's nested values viewed, nothing copied or checked yet.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
-    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.layer_axis`): every decoder
+    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.engines.layer_axis`): every decoder
     layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
     layers only (TensorRT-LLM). "No route" is a zero row (verl's transport): rows past a sample's
     last non-zero row (the final token, multi-turn tails, padding samples); a zero row before it

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
-from r3bridge.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, setting

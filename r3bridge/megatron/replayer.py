@@ -8,8 +8,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, ReplayConfig
+from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
-from r3bridge.layer_ids import shifted_layer_ids_hint
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap

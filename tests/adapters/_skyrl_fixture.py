@@ -25,7 +25,7 @@ from r3bridge.adapters.skyrl import (
 )
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.config import ReplayConfig
-from r3bridge.decoders import decode_vllm_routes
+from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo
 from r3bridge.schema import ReplayBatch

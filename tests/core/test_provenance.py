@@ -12,7 +12,7 @@ import torch
 
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
 from r3bridge.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
-from r3bridge.decoders import sglang_provenance, vllm_provenance
+from r3bridge.engines.decoders import sglang_provenance, vllm_provenance
 from r3bridge.ingest import rollout_routes
 from r3bridge.provenance import check_pairing
 

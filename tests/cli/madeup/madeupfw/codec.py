@@ -15,8 +15,8 @@ import torch
 
 from r3bridge.canonical import drop_final_invalid_rows
 from r3bridge.dense import NO_ROUTE, padded_routes
+from r3bridge.engines.layer_ids import layers_from_mapping
 from r3bridge.errors import CoverageError
-from r3bridge.layer_ids import layers_from_mapping
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "MadeupfwCodec"]

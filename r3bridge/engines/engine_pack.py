@@ -4,7 +4,7 @@ What ``ReplayBatch.from_vllm`` / ``from_ragged`` run on host arrays. Every block
 once from the engine's own array (a view: never a concatenation of the inputs, never an int64
 copy), its MoE layers selected by id while it is copied, range-checked in its source dtype,
 narrowed into its place in a buffer allocated once, and its rows checked for duplicate ids while
-in cache (:mod:`r3bridge.route_scan`), on a thread pool. The buffer is the only allocation that
+in cache (:mod:`r3bridge.engines.route_scan`), on a thread pool. The buffer is the only allocation that
 grows with the batch besides the ``[rows]`` validity mask.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from r3bridge._validate import raise_findings
+from r3bridge.engines.route_scan import block_rows, run_blocks, scan_block
 from r3bridge.errors import ReplayMemoryError, RouteShapeError
-from r3bridge.route_scan import block_rows, run_blocks, scan_block
 
 __all__ = ["host_array", "layer_columns", "allocate", "pack_sequences"]
 

@@ -14,7 +14,7 @@ engine calls; nothing here imports either. Formats (docs/frameworks.md):
   layers in ``moe_layer_ids`` (never map by "i + offset").
 * TensorRT-LLM ``CompletionOutput.routed_experts``: ``(seq_len - 1, num_moe_layers, top_k)``, the
   MoE layers only, pre-EPLB logical ids (TensorRT-LLM #18397, RFC #17778); the same array
-  transports as vLLM's. ``layer_axis="moe_only"`` (:mod:`r3bridge.layer_axis`) reads it; an
+  transports as vLLM's. ``layer_axis="moe_only"`` (:mod:`r3bridge.engines.layer_axis`) reads it; an
   unstated axis whose length fits both readings is refused, never guessed.
 * The padded trainer layout ``[B, S, L, K]`` + ``[B, S]`` mask: :func:`padded_rows`.
 * Routing weights (optional, :mod:`r3bridge.route_weights`): SGLang #23999 proposes
@@ -37,9 +37,9 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
+from r3bridge.engines.layer_ids import check_dense_columns
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
-from r3bridge.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
-from r3bridge.layer_ids import check_dense_columns
 from r3bridge.provenance import RouteProvenance, reported_int
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
@@ -56,7 +56,7 @@ def moe_layers_of(routes: Any, moe_layer_ids: Sequence[int], *, layer_dim: int,
                   num_hidden_layers: Optional[int] = None, field: str = "routes",
                   layer_axis: Optional[str] = None) -> Any:
     """The MoE layers of an array / tensor along its ``layer_dim`` axis, selected by id, never by
-    offset. ``layer_axis`` says what that axis is (:mod:`r3bridge.layer_axis`): ``"all_hidden"``
+    offset. ``layer_axis`` says what that axis is (:mod:`r3bridge.engines.layer_axis`): ``"all_hidden"``
     (vLLM, SGLang: every decoder layer, dense ones as zero rows), ``"moe_only"`` (TensorRT-LLM), or
     ``None``: read from its length only where that is unambiguous, refused otherwise.
     ``num_hidden_layers`` (``None``: not checked) is the model's decoder layer count. ``field``
