@@ -100,10 +100,10 @@ def rank_fn(ctx, args):
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     from verl.utils.seqlen_balancing import restore_dynamic_batch
 
+    from r3bridge.batch.schema import route_dtype
     from r3bridge.layout import ParallelLayout
     from r3bridge.megatron.installed import InstalledMicroBatch
     from r3bridge.megatron.recorder import gather_recorded
-    from r3bridge.schema import route_dtype
 
     pp, k = ctx.pp, args.topk
     g = torch.Generator().manual_seed(0)           # same lengths on every rank

@@ -318,7 +318,7 @@ def input_r3bridge_areal(items, lens, w):
     """AReaL's batched trajectory tensor ``[B, L_moe, K, S]`` (r3bridge's WorkflowMixin format)."""
     import torch
 
-    from r3bridge.schema import sentinel_dtype
+    from r3bridge.batch.schema import sentinel_dtype
 
     dtype, none = sentinel_dtype(w["experts"])
     t = torch.full((len(lens), w["layers"] - w["dense"], w["topk"], int(lens.max())), none, dtype=dtype)

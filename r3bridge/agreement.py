@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, ragged_arange
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.schema import ReplayBatch, ragged_arange
 
 __all__ = ["topk_sets_equal", "route_agreement", "AgreementReport", "AgreementCounter", "expert_load"]
 

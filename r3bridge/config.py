@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping, Optional
 
+from r3bridge.batch.provenance import CHECK_MODES
 from r3bridge.engines.engine_settings import check_engine_version_setting
 from r3bridge.engines.layer_axis import check_layer_axis
 from r3bridge.errors import ConfigError
-from r3bridge.provenance import CHECK_MODES
 from r3bridge.replay_policy import check_policy
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section (all of it, or some keys)
@@ -148,7 +148,7 @@ class ReplayConfig:
     # from its length only where that is unambiguous, refused otherwise (never guessed).
     layer_axis: Optional[str] = None
     # Routes whose provenance (engine pass: request id, weight version, re-prefill epoch) differs
-    # from that of the log-probs they are paired with (r3bridge/provenance.py; miles #3277, vLLM
+    # from that of the log-probs they are paired with (r3bridge/batch/provenance.py; miles #3277, vLLM
     # #39917): "count" replays them and counts them (provenance/* metrics), "refuse" raises a
     # ProvenanceError naming the sample and both provenances before the pass installs anything,
     # "off" compares nothing.

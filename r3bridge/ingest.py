@@ -17,11 +17,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from r3bridge.canonical import with_source
+from r3bridge.batch.canonical import with_source
+from r3bridge.batch.provenance import RouteProvenance, checked_provenance
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import LayerMappingError, PayloadError, RouteShapeError, StitchError
-from r3bridge.provenance import RouteProvenance, checked_provenance
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["stitch", "StitchReport", "first_seen_rows", "rollout_routes"]
 

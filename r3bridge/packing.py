@@ -28,9 +28,9 @@ from typing import Sequence
 import torch
 
 from r3bridge._validate import as_index, as_index_list, check_readable
+from r3bridge.batch.schema import ragged_arange
 from r3bridge.errors import CoverageError, LayoutError, ReplayStateError
 from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ragged_arange
 
 __all__ = ["PackPlan", "rank_positions", "token_owners", "rank_rows", "sp_bounds", "checked_ranks", "int64_tensor"]
 

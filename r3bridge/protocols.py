@@ -25,7 +25,7 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
    (SkyRL, AReaL) pass the targets to ``AdapterSession.run``, which installs from a forward
    pre-hook on each chunk and sees the trainer's real packing metadata (``packed_seq_params``).
 
-The canonical trainer-side form every codec produces is :mod:`r3bridge.canonical`'s.
+The canonical trainer-side form every codec produces is :mod:`r3bridge.batch.canonical`'s.
 
 :mod:`r3bridge.testing.conformance` runs any adapter that implements these against canonical
 rollouts and the CPU Megatron harness; ``adapters/_template`` is a commented skeleton.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
 
 __all__ = ["RolloutIngest", "BatchCodec"]
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from r3bridge._validate import as_index, as_index_list, check_readable, native_order, route_value_error
-from r3bridge.batch_meta import check_coverage, checked_meta
+from r3bridge.batch.meta import check_coverage, checked_meta
 from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
 from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
@@ -424,7 +424,7 @@ class HandedRoutes:
         checked once, "no route" from the transport (explicit mask, captured range, sentinel),
         degenerate rows refused or (``"native"``) marked without a route; a sequence's final row
         without a route dropped (the last sampled token is never fed forward)."""
-        from r3bridge.schema import ReplayBatch, route_dtype
+        from r3bridge.batch.schema import ReplayBatch, route_dtype
 
         if self.arrays is not None and self.no_route == "none" and self.weights_arrays is None:
             return ReplayBatch._from_host(self.arrays, self.columns, num_experts=self.num_experts,
@@ -540,7 +540,7 @@ def _mask_tensor(x: Any, *, what: str) -> torch.Tensor:
 
 
 def _weights_tensor(w: Any, like: torch.Tensor) -> torch.Tensor:
-    from r3bridge.route_weights import as_weights_tensor
+    from r3bridge.batch.route_weights import as_weights_tensor
     t = as_weights_tensor(w, what="weights")
     if tuple(t.shape) != tuple(like.shape):
         raise RouteWeightsError(f"weights have shape {tuple(t.shape)}, routes {tuple(like.shape)}: one weight per "

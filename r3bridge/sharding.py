@@ -11,11 +11,11 @@ from typing import Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import CoverageError
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import int64_tensor
 from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets, checked_rank_args, read_targets
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["ShardedTargets", "shard"]
 

@@ -32,11 +32,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import PayloadError, ReplayError
 from r3bridge.layout import ParallelLayout
 from r3bridge.metrics import expert_load, route_agreement, topk_sets_equal
 from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import ShardedTargets
 from r3bridge.unsharding import unshard
 

@@ -10,11 +10,11 @@ from typing import Mapping, Sequence
 import torch
 
 from r3bridge._validate import as_index, check_readable
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, ReplayStateError, RouteShapeError
 from r3bridge.id_words import as_words
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, int64_tensor, rank_positions, rank_rows, token_owners
-from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.sharding import ShardedTargets
 
 __all__ = ["RankKey", "unshard", "assemble_gathered"]

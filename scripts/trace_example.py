@@ -19,9 +19,9 @@ import argparse
 def _run(ctx, out: str, steps: int, lr: float) -> int:
     import torch
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.config import Phase, ReplayConfig
     from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
-    from r3bridge.schema import ReplayBatch
     from r3bridge.testing.data import make_packed_batch
     from r3bridge.testing.models import ModelSpec, build_model_chunks
     from r3bridge.testing.schedule import make_forward_step, run_schedule

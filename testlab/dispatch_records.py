@@ -23,9 +23,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["PHASES", "DispatchRecords", "DispatchLog", "router_rows", "compare_dispatch", "Agreement", "describe",
            "with_route_changed"]

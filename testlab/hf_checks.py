@@ -17,11 +17,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import hf_to_mcore, packed_from_tokens, router_settings, spec_from_hf, zero_attention
 from r3bridge.ingest import stitch
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import build_model_chunks, load_reference_state
@@ -166,7 +166,7 @@ def run_rollout(engine: HFEngine, *, seed: int = 0) -> Rollout:
 
     Round 1 reaches the trainer through SGLang's base64 ``meta_info``, round 2 through vLLM's
     arrays; both only through ``ReplayBatch.from_sglang`` / ``from_vllm`` and ``stitch``."""
-    from r3bridge.canonical import canonical_form
+    from r3bridge.batch.canonical import canonical_form
 
     g = np.random.default_rng(seed)
     vocab = int(engine.model.config.vocab_size)

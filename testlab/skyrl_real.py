@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.conformance import CanonicalRollout
 

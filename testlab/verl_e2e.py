@@ -391,7 +391,7 @@ def read_run(paths: dict[str, str], rc: int, output: str = "") -> RunResult:
 
 def expected_batch(trajs: list[Trajectory], *, first_seen: bool = True, sample_ids: Optional[list[int]] = None) -> Any:
     """The rollout's routes of ``trajs`` as a ReplayBatch (MoE layers, rows the engine fed)."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     ids = list(range(len(trajs))) if sample_ids is None else sample_ids
     per = [trajs[i].routes(first_seen) for i in ids]
@@ -522,7 +522,7 @@ def _equal_rows(records: Any, roll: Any) -> tuple[int, int]:
 
 def _recorded_batch(rec: Any, lens: list[int]) -> Any:
     """A pass's dispatched ids as a ReplayBatch over samples ``0..len(lens)-1`` (every row)."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     routes = [torch.zeros(n, len(MOE_LAYERS), TOPK, dtype=torch.int64) for n in lens]
     valid = [torch.zeros(n, dtype=torch.bool) for n in lens]

@@ -1,4 +1,4 @@
-"""Trainer side: the training batch <-> ReplayBatch, in the canonical form (:mod:`r3bridge.canonical`).
+"""Trainer side: the training batch <-> ReplayBatch, in the canonical form (:mod:`r3bridge.batch.canonical`).
 
 The toy framework's batch (your framework: its own batch object): a dict of padded tensors (left,
 right or both), ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
@@ -32,12 +32,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
 from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
 

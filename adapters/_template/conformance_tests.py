@@ -29,7 +29,7 @@ from r3bridge.adapters._template import (
     TemplateEngineMixin,
     TemplateRollout,
 )
-from r3bridge.canonical import canonical_form
+from r3bridge.batch.canonical import canonical_form
 from r3bridge.config import Phase, ReplayConfig
 from r3bridge.ingest import first_seen_rows
 from r3bridge.testing.conformance import CPU_LAYOUTS, assert_same_batch

@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.ingest import rollout_routes
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["TemplateRollout"]
 

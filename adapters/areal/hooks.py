@@ -32,6 +32,7 @@ from r3bridge.adapters.areal.codec import (
 )
 from r3bridge.adapters.areal.config import ModelInfo, check_routes_topk, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
+from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.engines.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
@@ -40,7 +41,6 @@ from r3bridge.job_check import JobCheck
 from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
 from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, check_release, checked_subclass
 

@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError, StitchError
 from r3bridge.ingest import first_seen_rows, stitch
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
 

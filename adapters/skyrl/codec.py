@@ -20,18 +20,18 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.dense import token_rows
-from r3bridge.engines.layer_axis import axis_columns
-from r3bridge.errors import ConfigError, RouteShapeError
-from r3bridge.provenance import (
+from r3bridge.batch.dense import token_rows
+from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
     ProvenancePairing,
     pairing_from_fields,
     provenance_fields,
 )
+from r3bridge.batch.schema import ReplayBatch, route_dtype
+from r3bridge.engines.layer_axis import axis_columns
+from r3bridge.errors import ConfigError, RouteShapeError
 from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
@@ -40,7 +40,7 @@ __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOG
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.provenance's
+# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.batch.provenance's
 # provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
 # weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
 # no engine name or request id, so provenance names the engine ENGINE and no request.

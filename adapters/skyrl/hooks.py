@@ -33,14 +33,14 @@ from r3bridge.adapters.skyrl.codec import (
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
+from r3bridge.batch.provenance import ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.provenance import ProvenancePairing
-from r3bridge.schema import ReplayBatch
 from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, checked_subclass
 
@@ -60,7 +60,7 @@ def recorded_from_payloads(payloads: Sequence[bytes]) -> ReplayBatch:
     ids are the routers' own top-k (distinct, in range by construction) and each payload's CRCs
     guard the transport, so they are not validated here: the update's read (the one reader)
     checks every id it reads, once."""
-    from r3bridge import wire
+    from r3bridge.batch import wire
 
     parts = [wire.decode(bytes(p)) for p in payloads]
     if not parts:

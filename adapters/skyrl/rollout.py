@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from r3bridge.adapters.skyrl.codec import ENGINE
+from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.ingest import first_seen_rows, rollout_routes
-from r3bridge.provenance import RouteProvenance
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen", "call_provenance"]
 

@@ -27,11 +27,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
+from r3bridge.batch.provenance import (
+    LOGPROB_PROVENANCE_KEY,
+    ROUTE_PROVENANCE_KEY,
+    ProvenancePairing,
+    pairing_from_fields,
+)
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
 from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
            "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
@@ -40,7 +45,7 @@ ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per-sample RouteProvenance
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.batch.provenance): per-sample RouteProvenance
 # (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
 
 

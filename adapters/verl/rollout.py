@@ -17,10 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from r3bridge.batch.provenance import RouteProvenance, reported_int
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import ProvenanceError, RouteShapeError
 from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
-from r3bridge.provenance import RouteProvenance, reported_int
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["VerlRollout", "call_provenance"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.cli._common import (
     fmt_ids,
     fmt_num,
@@ -15,7 +16,6 @@ from r3bridge.cli._common import (
     table,
 )
 from r3bridge.metrics import expert_load
-from r3bridge.schema import ReplayBatch
 
 NAME = "inspect"
 

@@ -41,6 +41,7 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, phase_plan
 from r3bridge.demo import task as task_mod
 from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig
@@ -56,7 +57,6 @@ from r3bridge.demo.hf_to_mcore import (
 )
 from r3bridge.demo.job import batch_to, count_agreement
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
 from r3bridge.testing.data import local_inputs, packed_causal_mask, packed_seq_params
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import build_model_chunks, load_reference_state

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Phase, phase_plan
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import (
@@ -43,7 +44,6 @@ from r3bridge.demo.hf_to_mcore import (
     zero_attention,
 )
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.data import align_for
 from r3bridge.testing.dist import RankContext

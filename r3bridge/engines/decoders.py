@@ -1,6 +1,6 @@
 """Engine and trainer payloads -> integer arrays, before any `ReplayBatch` exists.
 
-The bottom of the ingest path: :mod:`r3bridge.schema` builds batches from what these return
+The bottom of the ingest path: :mod:`r3bridge.batch.schema` builds batches from what these return
 (``ReplayBatch.from_vllm`` / ``from_sglang`` / ``from_padded``) and :mod:`r3bridge.ingest` stitches
 engine calls; nothing here imports either. Formats (docs/frameworks.md):
 
@@ -17,13 +17,13 @@ engine calls; nothing here imports either. Formats (docs/frameworks.md):
   transports as vLLM's. ``layer_axis="moe_only"`` (:mod:`r3bridge.engines.layer_axis`) reads it; an
   unstated axis whose length fits both readings is refused, never guessed.
 * The padded trainer layout ``[B, S, L, K]`` + ``[B, S]`` mask: :func:`padded_rows`.
-* Routing weights (optional, :mod:`r3bridge.route_weights`): SGLang #23999 proposes
+* Routing weights (optional, :mod:`r3bridge.batch.route_weights`): SGLang #23999 proposes
   ``--enable-return-routed-expert-weights``, a float32 buffer parallel to the ids, same
   token-major ``[rows, num_layers, top_k]`` layout; read from ``meta_info`` under one of
   :data:`SGLANG_WEIGHTS_KEYS` by :func:`decode_sglang_weights`. vLLM returns no weights
   (0.33); a fork or plugin that does passes them per sequence in the routes' shape
   (:func:`decode_vllm_weights`).
-* Where a response's routes came from (:class:`r3bridge.provenance.RouteProvenance`):
+* Where a response's routes came from (:class:`r3bridge.batch.provenance.RouteProvenance`):
   :func:`vllm_provenance` (request id, preemption count) and :func:`sglang_provenance` (meta_info
   ``id``, ``weight_version``, ``num_retractions``).
 """
@@ -37,10 +37,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.provenance import RouteProvenance, reported_int
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
 from r3bridge.engines.layer_ids import check_dense_columns
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
-from r3bridge.provenance import RouteProvenance, reported_int
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
            "padded_rows", "decode_sglang_weights", "decode_vllm_weights", "sglang_weights_of", "SGLANG_WEIGHTS_KEYS",

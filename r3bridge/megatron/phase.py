@@ -14,7 +14,7 @@ runner owns the rest, in this order:
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
 4b. R3: each sample's route provenance compared with its log-probs' (``ReplayConfig.provenance_check``,
-   :mod:`r3bridge.provenance`) *before* the driver pass opens, so a refusal installs nothing;
+   :mod:`r3bridge.batch.provenance`) *before* the driver pass opens, so a refusal installs nothing;
 5. the driver's metrics summarised (:func:`r3bridge.metrics.summarize_layers`: per-layer keys only
    with ``per_layer_metrics``) and tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
    metrics carried to the next update for frameworks that log only the update's
@@ -30,14 +30,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from r3bridge.batch.provenance import ProvenanceCount, ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.megatron.replay_pass import as_handed
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
-from r3bridge.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
            "phase_tag"]

@@ -22,12 +22,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import ReplayStateError
 from r3bridge.id_words import as_words
 from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.packing import PackPlan
-from r3bridge.schema import ReplayBatch, route_dtype
 from r3bridge.unsharding import assemble_gathered
 
 

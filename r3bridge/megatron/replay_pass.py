@@ -31,6 +31,7 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.layout import ParallelLayout
@@ -42,7 +43,6 @@ from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.reader import HandedRoutes, RankRows, ReadStats, ShardedTargets, read_targets
 from r3bridge.replay_policy import threshold_select
-from r3bridge.schema import ReplayBatch, route_dtype
 
 
 class PassHost(Protocol):

@@ -37,13 +37,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.announce import announce, replay_mode_metric
+from r3bridge.batch.provenance import ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo, check_topk
 from r3bridge.megatron.phase import PhasePass, PhaseResult, PhaseRunner, Targets
 from r3bridge.megatron.roles import Role, check_declared, declare_role
-from r3bridge.provenance import ProvenancePairing
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["AdapterSession", "averaged"]
 

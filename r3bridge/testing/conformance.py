@@ -53,13 +53,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import with_empty_sequences
+from r3bridge.batch.canonical import with_empty_sequences
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.errors import LayoutError
 from r3bridge.layout import ParallelLayout
 from r3bridge.packing import PackPlan, rank_positions
 from r3bridge.protocols import BatchCodec
-from r3bridge.schema import ReplayBatch
 from r3bridge.sharding import shard
 from r3bridge.testing.dist import Layout
 from r3bridge.testing.rollouts import CanonicalRollout, ModelShape, make_rollout

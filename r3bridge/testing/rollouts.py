@@ -19,9 +19,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from r3bridge.canonical import canonical_form
+from r3bridge.batch.canonical import canonical_form
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.ingest import stitch
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["ModelShape", "CanonicalRollout", "make_rollout"]
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.testing.data import PackedBatch, align_for
 from r3bridge.testing.rollouts import CanonicalRollout
 

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.testing import conformance as kit
 from r3bridge.testing.rollouts import CanonicalRollout, ModelShape
 

@@ -105,8 +105,8 @@ class Case:
     def replay_batch(self, facts: dict[str, Any]) -> Any:
         """The rollout's routes as r3bridge ingests them: one call per sample through
         ``ReplayBatch.from_vllm``; several (offset turns) through ``ingest.rollout_routes``."""
+        from r3bridge.batch.schema import ReplayBatch
         from r3bridge.ingest import rollout_routes
-        from r3bridge.schema import ReplayBatch
 
         if all(len(c) == 1 and s == [0] for c, s in zip(self.calls, self.starts)):
             return ReplayBatch.from_vllm([c[0] for c in self.calls], num_experts=facts["num_experts"],

@@ -24,11 +24,11 @@ from r3bridge.adapters.skyrl import (
     training_batch_fields,
 )
 from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.suite import AdapterFixtures
 

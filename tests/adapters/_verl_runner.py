@@ -33,9 +33,9 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from r3bridge.adapters.verl.codec import ROUTES_KEY, VerlCodec
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.megatron.phase import PhaseRunner
-from r3bridge.schema import ReplayBatch
 from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.data import PackedBatch, local_inputs
 from r3bridge.testing.schedule import make_forward_step

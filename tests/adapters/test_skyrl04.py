@@ -105,7 +105,7 @@ def check_recorded_written_back_in_04_layout():
     re-indexing and batch padding, sample for sample."""
     import torch
 
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.testing.conformance import (
         assert_same_batch,
         check_recorded_survives_split,

@@ -35,9 +35,9 @@ def test_a_micro_batch_of_aborted_samples_keeps_the_models_topk_or_is_named():
     the first router call)."""
     import numpy as np
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.errors import ReplayStateError, RouteShapeError
     from r3bridge.megatron.replay_pass import _check_topk
-    from r3bridge.schema import ReplayBatch
 
     rollout = make_rollout(2, batch_size=6, aborted=(4, 5))
     codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

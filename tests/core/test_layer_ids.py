@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import r3bridge
-from r3bridge.canonical import moe_layers_of
+from r3bridge.batch.canonical import moe_layers_of
 from r3bridge.engines.layer_ids import layers_from_mapping
 from r3bridge.errors import LayerMappingError, RouteShapeError, RouteValueError
 

@@ -335,8 +335,8 @@ def _off_topk_replay(ctx: RankContext) -> dict[str, Any]:
     loss, so the router's gradient flows only through the replayed experts' probs."""
     import torch
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.megatron import Replayer
-    from r3bridge.schema import ReplayBatch
 
     # router_init_std small: the left-out experts keep a visible share of the dense softmax
     spec = ModelSpec(moe_aux_loss_coeff=0.0, router_init_std=0.05, extra_config={"moe_router_pre_softmax": True})

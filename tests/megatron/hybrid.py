@@ -98,10 +98,10 @@ def run_hybrid_check(ctx: "RankContext", pattern: str) -> dict[str, Any]:
     """R3 training step on a hybrid model fed engine-style routes; every router call checked."""
     from replay_grid import _check_probe
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.errors import ReplayError
     from r3bridge.layout import ParallelLayout
     from r3bridge.megatron import Replayer
-    from r3bridge.schema import ReplayBatch
     from r3bridge.testing.data import local_inputs, make_packed_batch, packed_seq_params
     from r3bridge.testing.probe import RoutingProbe
 

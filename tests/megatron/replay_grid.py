@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch
 from r3bridge.testing.data import PackedBatch, align_for, batch_to, make_packed_batch, router_row_index
 from r3bridge.testing.dist import Layout, RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks

@@ -115,7 +115,7 @@ def _passes(res):
 
 
 def test_trace_holds_what_the_routers_dispatched(job):
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     _, _, serial = job
     for r in serial:

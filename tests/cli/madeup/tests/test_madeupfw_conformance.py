@@ -15,7 +15,7 @@ import torch
 from madeup_framework import LAYER_BASE, Completion, Trajectory, collate, select
 from madeupfw import SAMPLE_KEY, MadeupfwCodec, MadeupfwEngineMixin, MadeupfwRollout
 
-from r3bridge.canonical import canonical_form
+from r3bridge.batch.canonical import canonical_form
 from r3bridge.config import Phase, ReplayConfig
 from r3bridge.testing.conformance import TWO_RANK, assert_same_batch
 from r3bridge.testing.rollouts import CanonicalRollout, ModelShape

@@ -9,7 +9,7 @@ value into every row the batch does not route (invalid rows, rows before ``start
 past the batch's rows), so the field says "no route" in-band and never by accident.
 
 ``no_route`` must be a value no expert id takes: the default :data:`NO_ROUTE` (-1) needs a
-signed dtype; ``sentinel_dtype(num_experts)`` (:mod:`r3bridge.schema`) gives the narrowest dtype
+signed dtype; ``sentinel_dtype(num_experts)`` (:mod:`r3bridge.batch.schema`) gives the narrowest dtype
 with a sentinel (255 in ``uint8``). ``no_route=0`` is refused: expert 0 is a real route.
 
 :func:`token_rows` is the one scatter every write-back is cut from: the adapters' R2 write-backs
@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import CoverageError, LayerMappingError, RouteValueError
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["NO_ROUTE", "token_rows", "dense_routes", "padded_routes"]
 

@@ -19,9 +19,11 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from r3bridge import wire
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
-from r3bridge.batch_meta import check_coverage, check_layer_ids, checked_meta
+from r3bridge.batch import wire
+from r3bridge.batch.meta import check_coverage, check_layer_ids, checked_meta
+from r3bridge.batch.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
+from r3bridge.batch.route_weights import as_weights_tensor, check_weights
 from r3bridge.engines.decoders import (
     decode_sglang_routes,
     decode_sglang_weights,
@@ -35,8 +37,6 @@ from r3bridge.engines.decoders import (
 from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
-from r3bridge.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
-from r3bridge.route_weights import as_weights_tensor, check_weights
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
 
@@ -103,10 +103,10 @@ class ReplayBatch:
     policy_versions: list[int] | None = None   # optional, per sequence
     _offsets: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     # optional, per sequence (None entries: unknown): the engine pass the routes came from
-    # (r3bridge.provenance); checked against the log-probs' by the driver
+    # (r3bridge.batch.provenance); checked against the log-probs' by the driver
     provenance: tuple[RouteProvenance | None, ...] | None = None
     # optional float16 [total_rows, L, K]: the engine's gate weight of each routed expert
-    # (r3bridge.route_weights); 0 on rows without a route. Every row operation carries it.
+    # (r3bridge.batch.route_weights); 0 on rows without a route. Every row operation carries it.
     weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------- construction
@@ -524,7 +524,7 @@ class ReplayBatch:
 
     # ----------------------------------------------------------------------------- transport
     def to_bytes(self) -> bytes:
-        """Versioned header + raw little-endian buffers (:mod:`r3bridge.wire`). Never pickle: a
+        """Versioned header + raw little-endian buffers (:mod:`r3bridge.batch.wire`). Never pickle: a
         pickled tensor is slow and unsafe to load."""
         return wire.encode(self)
 

@@ -1,7 +1,7 @@
 """The wire format of a `ReplayBatch`: versioned header, raw little-endian buffers, two CRC32s.
 
 This module knows bytes, not the schema: :func:`encode` reads a batch's fields (duck-typed, so
-no import of :mod:`r3bridge.schema` and no cycle), :func:`decode` returns the fields as plain
+no import of :mod:`r3bridge.batch.schema` and no cycle), :func:`decode` returns the fields as plain
 values; ``ReplayBatch.from_bytes`` rebuilds (and re-validates) the batch from them.
 
 Header (little endian):
@@ -14,7 +14,7 @@ then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_row
       | [weights f16[rows, L, K], little endian]  (bit2; the last section, after the routes)
 and last: body crc32 u32 (over the body).
 
-Provenance (flags bit1; :mod:`r3bridge.provenance`), one entry per sequence, columns:
+Provenance (flags bit1; :mod:`r3bridge.batch.provenance`), one entry per sequence, columns:
   weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | attempt i32[n] (-1: unknown;
   version 4 on) | engine length u16[n] | request id length u32[n] | the engines' utf-8 bytes
   | the request ids' utf-8 bytes
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3bridge.batch.provenance import RouteProvenance
 from r3bridge.errors import PayloadError, ProvenanceError
-from r3bridge.provenance import RouteProvenance
 
 __all__ = ["encode", "decode", "encoded_size", "DecodedBatch", "VERSION"]
 

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
 from r3bridge.errors import CoverageError
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source", "nonzero_rows",
            "moe_layers_of"]
