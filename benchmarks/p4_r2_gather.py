@@ -101,9 +101,9 @@ def rank_fn(ctx, args):
     from verl.utils.seqlen_balancing import restore_dynamic_batch
 
     from r3bridge.batch.schema import route_dtype
-    from r3bridge.layout import ParallelLayout
     from r3bridge.megatron.installed import InstalledMicroBatch
     from r3bridge.megatron.recorder import gather_recorded
+    from r3bridge.parallel.layout import ParallelLayout
 
     pp, k = ctx.pp, args.topk
     g = torch.Generator().manual_seed(0)           # same lengths on every rank

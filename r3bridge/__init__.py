@@ -23,12 +23,12 @@ from r3bridge.errors import (
     RouteWeightsError,
     StitchError,
 )
-from r3bridge.ingest import StitchReport, stitch
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.reader import HandedRoutes, rank_targets
-from r3bridge.sharding import ShardedTargets, shard
-from r3bridge.unsharding import unshard
+from r3bridge.ingest.reader import HandedRoutes, rank_targets
+from r3bridge.ingest.stitching import StitchReport, stitch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, rank_positions
+from r3bridge.parallel.sharding import ShardedTargets, shard
+from r3bridge.parallel.unsharding import unshard
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ routed (its layers, its token rows, in router order) and never touches another r
   and, in a replay pass, ``replayed`` (the routes dispatched where valid: rollout or recorded).
 
 :func:`load_trace` reads the indexes; :meth:`TracePass.merge` puts the ranks of one pass back
-into per-sample batches with :func:`r3bridge.sharding.unshard` (the exact inverse of the rank
+into per-sample batches with :func:`r3bridge.parallel.unsharding.unshard` (the exact inverse of the rank
 distribution), so a multi-rank trace reads the same as a one-rank trace. Every problem with the
 files raises :class:`TraceError` naming the file.
 """
@@ -34,11 +34,11 @@ import torch
 
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import PayloadError, ReplayError
-from r3bridge.layout import ParallelLayout
 from r3bridge.metrics import expert_load, route_agreement, topk_sets_equal
-from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.sharding import ShardedTargets
-from r3bridge.unsharding import unshard
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, rank_positions
+from r3bridge.parallel.sharding import ShardedTargets
+from r3bridge.parallel.unsharding import unshard
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",
            "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass", "load_trace", "pass_summary", "compare",
@@ -81,7 +81,7 @@ def layout_from_json(d: dict[str, Any]) -> ParallelLayout:
 def micro_batch_entry(seq_lens: Sequence[int], sample_ids: Sequence[Optional[int]], rows: int, *, format: str = "thd",
                       cu_seqlens_padded: Any = None, seq_length: Optional[int] = None,
                       uids: Optional[Sequence[Optional[str]]] = None) -> dict[str, Any]:
-    """A micro-batch as the index records it: the packing :func:`r3bridge.sharding.unshard` needs to
+    """A micro-batch as the index records it: the packing :func:`r3bridge.parallel.unsharding.unshard` needs to
     place each router row, the sample of each sequence (``None``: a padding sequence) and, when the
     adapter passes them, the framework's own sample names (``uids``)."""
     cu = cu_seqlens_padded

@@ -58,7 +58,7 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
     """Every router call of one pass against ``expected`` (ReplayBatch in batch order); ``log``
     (a :class:`~testlab.dispatch_records.DispatchLog`) gets every real row's dispatch."""
     from r3bridge.batch.schema import ReplayBatch
-    from r3bridge.sharding import shard
+    from r3bridge.parallel.sharding import shard
     from testlab.dispatch_records import router_rows
 
     errors, records, checked = [], [], 0

@@ -32,8 +32,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.layout import ParallelLayout
-from r3bridge.sharding import shard
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.sharding import shard
 from r3bridge.testing.conformance import CanonicalRollout
 
 __all__ = ["StepSpec", "PolicyWorkerStandIn", "train_device", "to_train_device", "check_param_devices", "RefWorkerStandIn", "reference_roles", "training_input", "run_steps", "check_router_calls", "log_dispatch"]

@@ -484,7 +484,7 @@ def log_dispatch(log: Any, step: int, phase: str, probe: Any, mb_probe: MicroBat
     each sample's real token count)."""
     from megatron.core import parallel_state as ps
 
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
     from testlab.dispatch_records import router_rows
 
     layout = ParallelLayout.from_megatron(chunks[0].config)

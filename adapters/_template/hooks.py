@@ -22,8 +22,8 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
+from r3bridge.ingest.reader import HandedRoutes
 from r3bridge.megatron import AdapterSession, MicroBatch
-from r3bridge.reader import HandedRoutes
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 

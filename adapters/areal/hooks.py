@@ -36,7 +36,7 @@ from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, report
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.engines.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
-from r3bridge.ingest import first_seen_rows
+from r3bridge.ingest.stitching import first_seen_rows
 from r3bridge.job_check import JobCheck
 from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role

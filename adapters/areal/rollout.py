@@ -19,7 +19,7 @@ import numpy as np
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError, StitchError
-from r3bridge.ingest import first_seen_rows, stitch
+from r3bridge.ingest.stitching import first_seen_rows, stitch
 
 __all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
 
@@ -74,7 +74,7 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
     its final token list. Each response's ``routed_experts`` (``[rows, L_all*K]``, already deduped
     across resubmits) covers its own ``input_tokens + output_tokens`` from row 0; only rows whose
     whole token prefix agrees with ``tokens`` are kept. The turns are stitched in one first-seen
-    pass on the arrays (:func:`r3bridge.ingest.first_seen_rows`, the core's one rule) and the
+    pass on the arrays (:func:`r3bridge.ingest.stitching.first_seen_rows`, the core's one rule) and the
     trajectory is built and checked once, in canonical form for ``len(tokens)`` tokens."""
     tokens = list(tokens)
     calls = []

@@ -20,7 +20,7 @@ from r3bridge.adapters.skyrl.codec import ENGINE
 from r3bridge.batch.provenance import RouteProvenance
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_vllm_routes
-from r3bridge.ingest import first_seen_rows, rollout_routes
+from r3bridge.ingest.stitching import first_seen_rows, rollout_routes
 
 __all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen", "call_provenance"]
 
@@ -44,7 +44,7 @@ class SkyRLRollout:
 
 def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[list]:
     """SkyRL's per-sample list ``[rows, L_all, K]`` accumulated over turns, first-seen
-    (:func:`r3bridge.ingest.first_seen_rows`; both start at row 0: SkyRL sends the whole
+    (:func:`r3bridge.ingest.stitching.first_seen_rows`; both start at row 0: SkyRL sends the whole
     conversation as each turn's prompt)."""
     if new is None:
         return previous

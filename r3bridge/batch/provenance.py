@@ -13,7 +13,7 @@ Attempts (NeMo RL #4057: routes keyed by weight version, task, rollout, attempt 
 a retry never overwrites an earlier attempt): a framework that generates a sample again from
 scratch (a retried turn, a re-run episode) numbers its attempts. A retry's routes never stand in
 for another attempt's: stitching refuses pieces of one sequence from different attempts
-(:func:`r3bridge.ingest.stitch`), and routes of one attempt paired with log-probs of another
+(:func:`r3bridge.ingest.stitching.stitch`), and routes of one attempt paired with log-probs of another
 differ in ``attempt``, counted or refused per ``provenance_check``. An epoch is different: the
 engine re-prefilled the *same* request (its tokens stay); an attempt regenerates them.
 """

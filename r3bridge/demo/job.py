@@ -44,7 +44,7 @@ from r3bridge.demo.hf_to_mcore import (
     zero_attention,
 )
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.sharding import shard
+from r3bridge.parallel.sharding import shard
 from r3bridge.testing.data import align_for
 from r3bridge.testing.dist import RankContext
 from r3bridge.testing.models import build_model_chunks, load_reference_state

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets
+from r3bridge.ingest.reader import HandedRoutes, RankRows, ShardedTargets
 
 
 @dataclass

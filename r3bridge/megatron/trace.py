@@ -23,9 +23,9 @@ import torch
 
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
-from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.metrics import tag_phase
+from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
 
 

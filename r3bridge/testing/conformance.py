@@ -57,10 +57,10 @@ from r3bridge.batch.canonical import with_empty_sequences
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.errors import LayoutError
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, rank_positions
+from r3bridge.parallel.sharding import shard
 from r3bridge.protocols import BatchCodec
-from r3bridge.sharding import shard
 from r3bridge.testing.dist import Layout
 from r3bridge.testing.rollouts import CanonicalRollout, ModelShape, make_rollout
 from r3bridge.testing.runner import MegatronRunner
@@ -427,7 +427,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
 
 
 def _read_stats(chunks: list) -> Optional[dict]:
-    """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.reader.ReadStats`),
+    """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.ingest.reader.ReadStats`),
     found through the hook megatron-core calls on their routers (``None``: no replaying driver)."""
     from r3bridge.testing.probe import find_routers
 
@@ -561,7 +561,7 @@ def assert_r3_passes(result: LayoutResult, *, min_coverage: float = MIN_COVERAGE
 
 def assert_read_once_per_micro_batch(result: LayoutResult, *, form: Optional[str] = None) -> None:
     """Check 4's route path: on every rank the R3 pass's routes reached the routers through the
-    one reader (:mod:`r3bridge.reader`), each micro-batch's routes read from one handed object and
+    one reader (:mod:`r3bridge.ingest.reader`), each micro-batch's routes read from one handed object and
     its row map built once, whatever its chunks (VPP); ``form`` (e.g. ``"packed/zero"``): what the
     adapter hands over, its buffer's storage form and "no route" kind (``ReadStats.forms`` keys
     start with it)."""

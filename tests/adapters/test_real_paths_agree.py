@@ -156,7 +156,7 @@ def test_a_token_missing_from_one_framework_is_named(runs):
 
 # ---------------------------------------------------------------------- the record format (fast)
 def _layout(tp=2):
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
 
     return ParallelLayout(4, [0, 1, 1, 1], tp=tp)
 

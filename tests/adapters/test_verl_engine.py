@@ -81,7 +81,7 @@ def _fed_by_chunk(eng) -> dict[int, list]:
 def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
     """Compare every router call with ``expected`` (sample order) sharded for the micro-batch
     verl fed that chunk: (errors, valid rows checked)."""
-    from r3bridge.sharding import shard
+    from r3bridge.parallel.sharding import shard
 
     layout = eng.r3.replayer.layout
     fed = _fed_by_chunk(eng)
@@ -359,7 +359,7 @@ def _router_log_ratio(ctx) -> dict:
 
     from r3bridge.adapters.verl.codec import ROUTES_KEY, WEIGHTS_KEY, VerlCodec
     from r3bridge.errors import ConfigError
-    from r3bridge.sharding import shard
+    from r3bridge.parallel.sharding import shard
 
     rollout, eng, td = _setup(ctx, "R3", router_log_ratio=True)
     routes = td[ROUTES_KEY]

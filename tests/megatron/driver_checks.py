@@ -197,7 +197,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     # and one where the engine returned nothing usable at all (vLLM #54730)
     import torch
 
-    from r3bridge.reader import HandedRoutes
+    from r3bridge.ingest.reader import HandedRoutes
     clean = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
 
     def zero_transport(values):
@@ -242,7 +242,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     late_rep.detach()
 
     # --- a layout that disagrees with the built model (e.g. an HF config read wrongly)
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
     out["layout_mismatch"] = _outcome(lambda: Replayer(chunks, ParallelLayout(spec.num_layers, 2)))
 
     # --- chunks wrapped in megatron's Float16Module (what a trainer hands over): found and replayed

@@ -100,8 +100,8 @@ def run_hybrid_check(ctx: "RankContext", pattern: str) -> dict[str, Any]:
 
     from r3bridge.batch.schema import ReplayBatch
     from r3bridge.errors import ReplayError
-    from r3bridge.layout import ParallelLayout
     from r3bridge.megatron import Replayer
+    from r3bridge.parallel.layout import ParallelLayout
     from r3bridge.testing.data import local_inputs, make_packed_batch, packed_seq_params
     from r3bridge.testing.probe import RoutingProbe
 

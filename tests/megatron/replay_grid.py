@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.layout import ParallelLayout
+from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.testing.data import PackedBatch, align_for, batch_to, make_packed_batch, router_row_index
 from r3bridge.testing.dist import Layout, RankContext
 from r3bridge.testing.models import ModelSpec, build_model_chunks

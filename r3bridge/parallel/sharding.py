@@ -1,7 +1,7 @@
 """``shard``: one rank's R3 replay targets (:class:`ShardedTargets`) of a micro-batch's routes,
 rows in the order that rank's routers see them.
 
-A validated :class:`r3bridge.ReplayBatch` read by the one reader (:mod:`r3bridge.reader`): the
+A validated :class:`r3bridge.ReplayBatch` read by the one reader (:mod:`r3bridge.ingest.reader`): the
 pack plan and this rank's row map (``packing.py``), the stage's layer columns gathered narrow and
 widened to int64 last. Everything is vectorised: no Python loop over tokens, rows or sequences.
 """
@@ -13,9 +13,9 @@ import torch
 
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import CoverageError
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import int64_tensor
-from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets, checked_rank_args, read_targets
+from r3bridge.ingest.reader import HandedRoutes, RankRows, ShardedTargets, checked_rank_args, read_targets
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import int64_tensor
 
 __all__ = ["ShardedTargets", "shard"]
 

@@ -30,7 +30,7 @@ import torch
 from r3bridge._validate import as_index, as_index_list, check_readable
 from r3bridge.batch.schema import ragged_arange
 from r3bridge.errors import CoverageError, LayoutError, ReplayStateError
-from r3bridge.layout import ParallelLayout
+from r3bridge.parallel.layout import ParallelLayout
 
 __all__ = ["PackPlan", "rank_positions", "token_owners", "rank_rows", "sp_bounds", "checked_ranks", "int64_tensor"]
 

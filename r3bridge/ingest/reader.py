@@ -53,8 +53,8 @@ from r3bridge.errors import (
     RouteShapeError,
     RouteWeightsError,
 )
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 
 __all__ = ["HandedRoutes", "RankRows", "ShardedTargets", "ReadCounts", "ReadStats", "read_targets", "rank_targets",
            "checked_rank_args", "engine_row_report", "EngineRowReport", "DEGENERATE_CHOICES", "NO_ROUTE_KINDS"]
@@ -606,7 +606,7 @@ class RankRows:
 def _positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """(sequence, token position) of every router row of rank (tp_rank, cp_rank). THD per run in
     numpy (a rank's rows are, per sequence, its two CP chunks clipped to its SP slice: one
-    ragged arange); BSHD through :func:`r3bridge.packing.rank_positions`."""
+    ragged arange); BSHD through :func:`r3bridge.parallel.packing.rank_positions`."""
     if plan.format != "thd":
         seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
         return seq.numpy(), pos.numpy()
