@@ -1,35 +1,13 @@
-"""r3bridge's metrics, one import for everything: what shows replay working, named alike in every
-framework.
-
-* :mod:`r3bridge.mismatch` - train-vs-rollout log-prob mismatch (:func:`logprob_mismatch`, ...);
-* :mod:`r3bridge.agreement` - route agreement offline (:func:`route_agreement`) and online
-  (:class:`AgreementCounter`, fed by the Megatron driver), expert load;
-* here - how a phase's driver metrics are named and summarised before a framework logs them:
-  :func:`summarize_layers` (per-layer keys opt-in, a compact summary by default) and
-  :func:`tag_phase` (``r3bridge/coverage`` -> ``r3bridge/update/coverage``).
-
-Every formula and every key is written out in ``docs/metrics.md``.
+"""How a phase's driver metrics are named and summarised before a framework logs them:
+:func:`summarize_layers` (per-layer keys opt-in, a compact summary by default) and
+:func:`tag_phase` (``r3bridge/coverage`` -> ``r3bridge/update/coverage``). Keys: ``docs/metrics.md``.
 """
 from __future__ import annotations
 
 import re
 from typing import Mapping
 
-from r3bridge.agreement import AgreementCounter, AgreementReport, expert_load, route_agreement, topk_sets_equal
-from r3bridge.mismatch import (
-    DEFAULT_TAUS,
-    MetricsInputError,
-    logprob_mismatch,
-    logprob_mismatch_packed,
-    logprob_mismatch_sums,
-    mismatch_from_sums,
-)
-
-__all__ = [
-    "MetricsInputError", "logprob_mismatch", "logprob_mismatch_packed", "logprob_mismatch_sums",
-    "mismatch_from_sums", "topk_sets_equal", "route_agreement", "AgreementReport",
-    "AgreementCounter", "expert_load", "tag_phase", "summarize_layers", "WORST_LAYERS", "DEFAULT_TAUS",
-]
+__all__ = ["summarize_layers", "tag_phase", "WORST_LAYERS"]
 
 WORST_LAYERS = 3      # per-layer agreement keys kept by default: the least-agreeing layers
 
