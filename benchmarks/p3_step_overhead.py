@@ -56,7 +56,7 @@ def build(args):
 
     te = args.spec == "te"
     if te:
-        from r3bridge.testing.models import require_te
+        from r3bridge.testing.harness.models import require_te
         require_te()
     # megatron-core 0.16.1 without Transformer Engine: the router references te_general_gemm,
     # a name only defined when TE imports (docs/testing-harness.md).

@@ -201,7 +201,7 @@ def rank_fn(ctx, args):
 
 
 def one_run(args, pp):
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     res = spawn(rank_fn, world_size=pp, pp=pp, args=(args,), timeout=1200,
                 backend="nccl" if args.device == "cuda" else "gloo")[0]

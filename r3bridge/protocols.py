@@ -27,7 +27,7 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
 
 The canonical trainer-side form every codec produces is :mod:`r3bridge.batch.canonical`'s.
 
-:mod:`r3bridge.testing.conformance` runs any adapter that implements these against canonical
+:mod:`r3bridge.testing.kit.conformance` runs any adapter that implements these against canonical
 rollouts and the CPU Megatron harness; ``adapters/_template`` is a commented skeleton.
 """
 from __future__ import annotations

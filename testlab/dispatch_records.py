@@ -220,7 +220,7 @@ def _fmt_passes(ps: list) -> str:
 
 
 def with_route_changed(rollout, sample: int, token: int, layer: int):
-    """A copy of a :class:`~r3bridge.testing.conformance.CanonicalRollout` whose route of
+    """A copy of a :class:`~r3bridge.testing.kit.conformance.CanonicalRollout` whose route of
     (``sample``, ``token``, ``layer``) is another top-k set (changed in the first engine call that
     routed the token, the one first-seen stitching keeps)."""
     import copy

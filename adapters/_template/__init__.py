@@ -4,7 +4,7 @@ entry-point group, its conformance tests and a README).
 
 A working skeleton for a toy framework whose training batch is a dict of padded ``[B, S, ...]``
 tensors (its conformance test module runs it through checks 1-5 with pytest): replace the parts marked "your framework" with your framework's own formats and
-methods. Porting = these files + passing ``r3bridge.testing.conformance`` (docs/porting.md).
+methods. Porting = these files + passing ``r3bridge.testing.kit.conformance`` (docs/porting.md).
 The files import each other relatively, so the package works under any name. Rules:
 
 * import ``r3bridge`` only, never another adapter, and import the framework lazily;

@@ -167,7 +167,7 @@ def _arm_summary(root: Path, name: str) -> dict[str, Any]:
 def _arm_process(argv: list[str]) -> int:
     """This process is one rank running the named arms (the orchestrator ends it at the bound)."""
     from r3bridge.demo.grpo import run_arms
-    from r3bridge.testing.dist import run_as_only_rank
+    from r3bridge.testing.harness.dist import run_as_only_rank
 
     root, names = Path(argv[0]), argv[1:]
     cuda = RunConfig.load(root).grpo.device == "cuda"

@@ -57,11 +57,11 @@ from r3bridge.demo.hf_to_mcore import (
 )
 from r3bridge.demo.job import batch_to, count_agreement
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.testing.data import local_inputs, packed_causal_mask, packed_seq_params
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import build_model_chunks, load_reference_state
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
 # ----------------------------------------------------------------------------------- engines
@@ -518,7 +518,7 @@ def _put_mismatch(m: dict[str, float], prefix: str, sums: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------- the process
 def run_arms(ctx: RankContext, run_dir: str, names: Sequence[str]) -> dict[str, str]:
-    """A rank's work (:func:`r3bridge.testing.dist.spawn`): the named arms of the run one after the
+    """A rank's work (:func:`r3bridge.testing.harness.dist.spawn`): the named arms of the run one after the
     other, sharing one engine. Returns each arm's final status."""
     from r3bridge.demo.evidence import wait_for_warm_start
 

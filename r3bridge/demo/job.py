@@ -45,11 +45,11 @@ from r3bridge.demo.hf_to_mcore import (
 )
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.parallel.sharding import shard
-from r3bridge.testing.data import align_for
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import build_model_chunks, load_reference_state
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness.data import align_for
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def batch_to(batch, device: str):
 
 
 def _sync_grads(chunks, ctx: RankContext) -> None:
-    from r3bridge.testing.schedule import sync_grads
+    from r3bridge.testing.harness.schedule import sync_grads
     sync_grads(chunks, ctx)
 
 

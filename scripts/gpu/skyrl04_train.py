@@ -144,7 +144,7 @@ def main() -> int:
     import importlib.metadata as md
 
     from r3bridge.adapters.skyrl import SKYRL_RELEASE
-    from r3bridge.testing.dist import Layout, spawn_layouts
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
     from testlab.device_runs import backend_of, emit, error_text
 
     head = {

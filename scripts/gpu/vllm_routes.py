@@ -216,7 +216,7 @@ def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[
 def _init_megatron() -> Any:
     import torch
 
-    from r3bridge.testing.dist import Layout, _init_layout
+    from r3bridge.testing.harness.dist import Layout, _init_layout
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -230,7 +230,7 @@ def build_trainer(cfg: Any, state: dict, ctx: Any) -> list:
     import torch
 
     from r3bridge.demo.hf_to_mcore import hf_to_mcore, spec_from_hf, to_te_names
-    from r3bridge.testing.models import build_model_chunks, load_reference_state
+    from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
 
     spec = spec_from_hf(cfg, attention="real")
     spec = dataclasses.replace(spec, layer_spec="te", extra_config={
@@ -246,9 +246,9 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
 
     from r3bridge.demo.hf_to_mcore import packed_from_tokens
     from r3bridge.errors import ReplayError
-    from r3bridge.testing.data import batch_to
-    from r3bridge.testing.probe import RoutingProbe
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import batch_to
+    from r3bridge.testing.harness.probe import RoutingProbe
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     try:
         routes = case.replay_batch(case.facts)

@@ -29,7 +29,7 @@ import importlib.util
 
 import pytest
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 from testlab.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
 from testlab.real_paths import rollout as _rollout
 from testlab.real_paths import run_areal, run_skyrl, run_verl

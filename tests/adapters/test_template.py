@@ -11,8 +11,8 @@ from r3bridge.adapters._template.conformance_tests import (  # noqa: F401  (coll
     TestTemplateMegatron,
     framework_batch,
 )
-from r3bridge.testing.conformance import check_ingest
-from r3bridge.testing.rollouts import CanonicalRollout, make_rollout
+from r3bridge.testing.kit.conformance import check_ingest
+from r3bridge.testing.kit.rollouts import CanonicalRollout, make_rollout
 
 
 def test_last_seen_batch_fails_check_ingest():

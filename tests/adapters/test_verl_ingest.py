@@ -25,7 +25,7 @@ from r3bridge.adapters.verl.codec import (  # noqa: E402
     routes_to_nested,
 )
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
-from r3bridge.testing.suite import BaseIngestTests  # noqa: E402
+from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 
 
 class TestVerlIngest(BaseIngestTests, VerlFixtures):

@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 from replay_grid import _install_step, make_routes
 
-from r3bridge.testing.data import make_packed_batch
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule, zero_grads
+from r3bridge.testing.harness.data import make_packed_batch
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule, zero_grads
 
 GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {
     "fused_router": ("moe_router_fusion", True),

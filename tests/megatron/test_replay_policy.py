@@ -7,7 +7,7 @@ import pytest
 import torch
 from policy_checks import run_policy_checks
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 PREFIX = "r3bridge/replay/"
 

@@ -1,7 +1,7 @@
 """Conformance checks 1-5 for framework adapters (r3bridge.protocols, docs/porting.md): they pass
 or fail.
 
-This module and :mod:`r3bridge.testing.suite` (the same checks as pytest base classes) are
+This module and :mod:`r3bridge.testing.kit.suite` (the same checks as pytest base classes) are
 intended for adapters that live anywhere, in r3bridge's tree or in a framework's own repository,
 to subclass and call. Their names, the fixtures the base classes ask for and the thresholds are a
 promise: moving or renaming them, or loosening a threshold, is not done lightly.
@@ -20,8 +20,8 @@ Ingest level (no Megatron):
 3. :func:`check_same_targets`: several ReplayBatches (the adapter's and the canonical one) give
    identical per-rank targets (``r3bridge.shard``) for a set of parallel layouts.
 
-Megatron level (CPU harness, inside ``r3bridge.testing.dist.spawn_layouts``), through a
-:class:`~r3bridge.testing.runner.MegatronRunner` (the runner contract, documented there):
+Megatron level (CPU harness, inside ``r3bridge.testing.harness.dist.spawn_layouts``), through a
+:class:`~r3bridge.testing.kit.runner.MegatronRunner` (the runner contract, documented there):
 
 4. :func:`megatron_r3_check`: the adapter's per-micro-batch hook, driven by the framework's real
    schedule code on harness model chunks, makes every router call dispatch exactly the rollout's
@@ -34,7 +34,7 @@ Megatron level (CPU harness, inside ``r3bridge.testing.dist.spawn_layouts``), th
 
 :func:`run_megatron_checks` runs 4-5 on a list of layouts (:data:`CPU_LAYOUTS`: 1 rank and the
 2-rank TP2 + SP, CP2, PP2 x VPP2 layouts; :data:`GPU_LAYOUTS`: 4-rank ones for GPU machines)
-for a :class:`~r3bridge.testing.rollouts.ModelShape`, fitted to the model first
+for a :class:`~r3bridge.testing.kit.rollouts.ModelShape`, fitted to the model first
 (:func:`fit_layouts`: a VPP split the layer count does not allow is replaced by one it does, a
 layout the model cannot have is left out, and a :class:`LayoutNote` warning says so before
 anything runs). Failures raise ``AssertionError`` naming sample, token and layer (and "shifted
@@ -61,9 +61,9 @@ from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, rank_positions
 from r3bridge.parallel.sharding import shard
 from r3bridge.protocols import BatchCodec
-from r3bridge.testing.dist import Layout
-from r3bridge.testing.rollouts import CanonicalRollout, ModelShape, make_rollout
-from r3bridge.testing.runner import MegatronRunner
+from r3bridge.testing.harness.dist import Layout
+from r3bridge.testing.kit.rollouts import CanonicalRollout, ModelShape, make_rollout
+from r3bridge.testing.kit.runner import MegatronRunner
 
 __all__ = ["CanonicalRollout", "ModelShape", "make_rollout", "MegatronRunner",
            "assert_same_batch", "check_ingest", "random_recorded", "check_recorded_survives_split",
@@ -378,7 +378,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
     """(4) every router call of an R3 pass dispatches the canonical routes on valid rows.
     Returns ``{"errors": [...], "checked_rows": n, "metrics": {...}}`` (decide with
     :func:`assert_r3_passes`); each error names layer, micro-batch, sample and token."""
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.probe import RoutingProbe
 
     obj = runner.attach(ctx, chunks, "R3")
     mbs = runner.micro_batches(rollout, groups, key="rollout")
@@ -429,7 +429,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
 def _read_stats(chunks: list) -> Optional[dict]:
     """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.ingest.reader.ReadStats`),
     found through the hook megatron-core calls on their routers (``None``: no replaying driver)."""
-    from r3bridge.testing.probe import find_routers
+    from r3bridge.testing.harness.probe import find_routers
 
     for ref in find_routers(chunks):
         rep = getattr(getattr(ref.module, "router_replay", None), "replayer", None)
@@ -494,7 +494,7 @@ class LayoutResult:
 
 def megatron_rank(ctx: Any, case: MegatronCase) -> dict:
     """Rank function of checks 4-5: a fresh runner and fresh chunks per check."""
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
 
     spec = case.spec if case.spec is not None else case.shape.model_spec()
     rollout = case.shape.rollout(case.rollout_seed, batch_size=BATCH_SIZE, aborted=case.aborted)
@@ -515,10 +515,10 @@ def run_megatron_checks(case: MegatronCase, layouts: Sequence[tuple[int, Layout]
                         timeout: float = 900.0, backend: str = "gloo") -> list[LayoutResult]:
     """Checks 4-5 on every ``(world_size, layout)`` the model allows (:func:`fit_layouts`,
     decided and said in a :class:`LayoutNote` warning before any rank starts): one set of
-    processes per world size (:func:`r3bridge.testing.dist.spawn_layouts`). Returns the results;
+    processes per world size (:func:`r3bridge.testing.harness.dist.spawn_layouts`). Returns the results;
     decide with :func:`assert_megatron_checks`. A failing rank raises ``RankError`` with its
     traceback."""
-    from r3bridge.testing.dist import spawn_layouts
+    from r3bridge.testing.harness.dist import spawn_layouts
 
     layouts, notes = fit_layouts(case.shape, layouts)
     _say(notes)
@@ -609,7 +609,7 @@ def assert_r2_passes(result: LayoutResult, *, batch_size: int = BATCH_SIZE,
 def assert_megatron_checks(results: Sequence[LayoutResult], *, min_coverage: float = MIN_COVERAGE,
                            max_logprob_diff: float = MAX_LOGPROB_DIFF) -> None:
     """Checks 4 and 5 decided on every layout (the plain-function form of
-    :class:`r3bridge.testing.suite.BaseMegatronTests`)."""
+    :class:`r3bridge.testing.kit.suite.BaseMegatronTests`)."""
     if not results:
         raise AssertionError("no layout was run")
     for result in results:

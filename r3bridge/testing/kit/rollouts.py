@@ -7,7 +7,7 @@ back.
 :class:`ModelShape` is the one place the checks take the model's shape from: the harness model
 (:meth:`ModelShape.model_spec`) and the rollouts (:meth:`ModelShape.rollout`) agree by
 construction, and the defaults of :func:`make_rollout`, :class:`ModelShape` and
-:class:`r3bridge.testing.models.ModelSpec` are the same (4 experts, top-2, 4 layers).
+:class:`r3bridge.testing.harness.models.ModelSpec` are the same (4 experts, top-2, 4 layers).
 
 Layer ids are 0-based global decoder layer indices everywhere (HF config index, Megatron
 ``layer_number - 1``): layer 0 is the first decoder layer, whichever stage holds it.
@@ -182,11 +182,11 @@ class ModelShape:
                             num_layers=self.num_layers, moe_layer_ids=self.moe_layer_ids, **kw)
 
     def model_spec(self, **overrides: Any) -> Any:
-        """The harness :class:`~r3bridge.testing.models.ModelSpec` of this shape, as checks 4-5
+        """The harness :class:`~r3bridge.testing.harness.models.ModelSpec` of this shape, as checks 4-5
         build it: MoE-only layers (``attention="identity"``: context parallelism needs it without
         Transformer Engine), the all-to-all dispatcher with variable sequence lengths (packed
         micro-batches of different lengths through the pipeline). ``overrides``: other fields."""
-        from r3bridge.testing.models import ModelSpec
+        from r3bridge.testing.harness.models import ModelSpec
 
         kw: dict[str, Any] = dict(num_layers=self.num_layers, num_moe_experts=self.num_experts,
                                   moe_router_topk=self.topk,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from r3bridge.testing.data import (
+from r3bridge.testing.harness.data import (
     PackedBatch,
     cp_zigzag_index,
     local_inputs,
@@ -22,7 +22,7 @@ from r3bridge.testing.data import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
 ForwardStepFunc = Callable[[Iterator[PackedBatch], torch.nn.Module], tuple[Any, Callable[..., Any]]]
 
@@ -217,7 +217,7 @@ def sync_grads(chunks: Sequence[torch.nn.Module], ctx: "RankContext") -> None:
     """
     from megatron.core import parallel_state as ps
 
-    from r3bridge.testing.models import is_expert_param
+    from r3bridge.testing.harness.models import is_expert_param
 
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     if ctx.tp > 1:

@@ -3,17 +3,17 @@
 A :class:`MegatronRunner` is the part of an adapter's test that knows the framework: it builds
 the framework's engine around the harness model chunks, cuts the framework's own micro-batches,
 runs one framework pass and reports what happened. Checks 4-5
-(:func:`r3bridge.testing.conformance.megatron_r3_check` / ``megatron_r2_check``) call it inside
-CPU ranks started by :func:`r3bridge.testing.dist.spawn_layouts`; it must therefore be built
+(:func:`r3bridge.testing.kit.conformance.megatron_r3_check` / ``megatron_r2_check``) call it inside
+CPU ranks started by :func:`r3bridge.testing.harness.dist.spawn_layouts`; it must therefore be built
 by a picklable factory (a class, or a ``functools.partial`` of one) from the rollout.
 
 How harness chunks reach the framework's engine: the chunks (one real megatron-core ``GPTModel``
-per virtual pipeline stage of the rank, :func:`r3bridge.testing.models.build_model_chunks`)
+per virtual pipeline stage of the rank, :func:`r3bridge.testing.harness.models.build_model_chunks`)
 take the place of the model the framework would build, and the framework's own code runs around
 them: its micro-batching, its packing, its call of Megatron's schedule, the adapter's hook.
 Stand in only for what cannot exist on CPU (Transformer Engine, the framework's model builder
 or bridge) and keep the stand-in to the model-running body of its ``forward_step``: feed the
-harness forward step (:func:`r3bridge.testing.schedule.make_forward_step` with ``thd=True,
+harness forward step (:func:`r3bridge.testing.harness.schedule.make_forward_step` with ``thd=True,
 collect_logits=True``) the packing the framework made (:func:`pack_thd` for a framework that
 pads each sequence to an alignment), or call the chunk with the framework's own arguments.
 
@@ -29,8 +29,8 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.testing.data import PackedBatch, align_for
-from r3bridge.testing.rollouts import CanonicalRollout
+from r3bridge.testing.harness.data import PackedBatch, align_for
+from r3bridge.testing.kit.rollouts import CanonicalRollout
 
 __all__ = ["MegatronRunner", "pack_thd", "unpack_rows", "record_packing", "align_for"]
 

@@ -3,7 +3,7 @@ two one-line test classes, run with plain ``pytest``, in r3bridge's tree or anyw
 
 These classes are intended for adapters outside r3bridge to subclass; moving or renaming them,
 their tests or their fixtures is not done lightly. The asserts and thresholds are
-:mod:`r3bridge.testing.conformance`'s (the plain functions, for use without pytest)::
+:mod:`r3bridge.testing.kit.conformance`'s (the plain functions, for use without pytest)::
 
     class MyFwFixtures(AdapterFixtures):
         @pytest.fixture
@@ -37,8 +37,8 @@ from typing import Any, Optional, Sequence
 import pytest
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.testing import conformance as kit
-from r3bridge.testing.rollouts import CanonicalRollout, ModelShape
+from r3bridge.testing.kit import conformance as kit
+from r3bridge.testing.kit.rollouts import CanonicalRollout, ModelShape
 
 __all__ = ["AdapterFixtures", "BaseIngestTests", "BaseMegatronTests"]
 
@@ -69,7 +69,7 @@ class AdapterFixtures:
     def megatron_runner(cls) -> Any:
         """A picklable callable ``rollout -> MegatronRunner`` (a class, or a ``functools.partial``
         of one; not a lambda: it travels to spawned ranks): the framework's engine on harness
-        chunks, see :class:`r3bridge.testing.runner.MegatronRunner` for what it must do."""
+        chunks, see :class:`r3bridge.testing.kit.runner.MegatronRunner` for what it must do."""
         raise NotImplementedError("override the `megatron_runner` fixture (scope='class'): rollout -> MegatronRunner")
 
     # ------------------------------------------------------------------------------ defaults
@@ -85,7 +85,7 @@ class AdapterFixtures:
     def aborted_samples(cls) -> tuple[int, ...]:
         """Rollout samples whose engine call was aborted (``routes=None``: their tokens train,
         routed natively), in the ingest checks' six samples and the Megatron checks' eight
-        (:data:`~r3bridge.testing.conformance.GROUPS`: ``(4, 5)`` makes micro-batch 2 one whose
+        (:data:`~r3bridge.testing.kit.conformance.GROUPS`: ``(4, 5)`` makes micro-batch 2 one whose
         samples were all aborted). Default none."""
         return ()
 
@@ -117,15 +117,15 @@ class AdapterFixtures:
     @pytest.fixture(scope="class")
     @classmethod
     def megatron_model_spec(cls, model_shape: ModelShape) -> Any:
-        """The harness :class:`~r3bridge.testing.models.ModelSpec` of checks 4-5."""
+        """The harness :class:`~r3bridge.testing.harness.models.ModelSpec` of checks 4-5."""
         return model_shape.model_spec()
 
     @pytest.fixture(scope="class")
     @classmethod
     def megatron_layouts(cls) -> Sequence[tuple[int, Any]]:
         """``(world_size, Layout)`` pairs of checks 4-5: 1 rank, then TP2 + SP, CP2 and PP2 x VPP2
-        (:data:`r3bridge.testing.conformance.CPU_LAYOUTS`; ``GPU_LAYOUTS`` on GPU machines),
-        fitted to ``model_shape`` before anything runs (:func:`~r3bridge.testing.conformance.fit_layouts`:
+        (:data:`r3bridge.testing.kit.conformance.CPU_LAYOUTS`; ``GPU_LAYOUTS`` on GPU machines),
+        fitted to ``model_shape`` before anything runs (:func:`~r3bridge.testing.kit.conformance.fit_layouts`:
         a VPP split the layer count does not allow is replaced, a :class:`LayoutNote` says so)."""
         return kit.CPU_LAYOUTS
 

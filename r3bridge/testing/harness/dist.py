@@ -150,7 +150,7 @@ def _start_rank(rank: int, world_size: int, port: int, timeout: float, backend: 
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
     else:
-        from r3bridge.testing import cpu_shim
+        from r3bridge.testing.harness import cpu_shim
 
         cpu_shim.apply()
     torch.distributed.init_process_group(

@@ -273,7 +273,7 @@ _SHIMS = (
 def apply() -> list[str]:
     """Install every shim once (idempotent). Returns the names of the installed shims."""
     if torch.cuda.is_available():  # pragma: no cover - the harness is CPU only
-        raise RuntimeError("r3bridge.testing.cpu_shim is for CPU-only processes")
+        raise RuntimeError("r3bridge.testing.harness.cpu_shim is for CPU-only processes")
     if not _APPLIED:
         for name, fn in _SHIMS:
             fn()

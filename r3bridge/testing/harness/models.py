@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Union
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
 Recompute = Optional[Literal["full", "moe"]]
 LayerSpec = Literal["local", "te"]
@@ -240,7 +240,7 @@ def _check_layer_spec(spec: ModelSpec) -> bool:
 def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, deterministically initialised.
 
-    Call inside a rank started by :func:`r3bridge.testing.dist.spawn` (model parallel state
+    Call inside a rank started by :func:`r3bridge.testing.harness.dist.spawn` (model parallel state
     initialised). Chunks are in train mode; the list order is the vp-stage order.
     """
     from megatron.core import parallel_state as ps
@@ -251,7 +251,7 @@ def build_model_chunks(spec: ModelSpec, ctx: "RankContext") -> list[torch.nn.Mod
     )
 
     from r3bridge.megatron.compat import reset_moe_metrics_tracker
-    from r3bridge.testing import cpu_shim
+    from r3bridge.testing.harness import cpu_shim
 
     # megatron's process-global MoE/MTP loss-logging tracker is sized by the first model that
     # logs an aux loss (num_layers + mtp_num_layers) and never resized: a second, larger
