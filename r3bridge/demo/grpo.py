@@ -44,7 +44,7 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, phase_plan
 from r3bridge.demo import task as task_mod
-from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig
+from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_warm_start
 from r3bridge.demo.hf_engine import Completion, HFEngine
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
@@ -520,8 +520,6 @@ def _put_mismatch(m: dict[str, float], prefix: str, sums: torch.Tensor) -> None:
 def run_arms(ctx: RankContext, run_dir: str, names: Sequence[str]) -> dict[str, str]:
     """A rank's work (:func:`r3bridge.testing.harness.dist.spawn`): the named arms of the run one after the
     other, sharing one engine. Returns each arm's final status."""
-    from r3bridge.demo.evidence import wait_for_warm_start
-
     run = RunConfig.load(Path(run_dir))
     root = Path(run_dir)
     arms = [run.arm(n) for n in names]
