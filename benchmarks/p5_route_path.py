@@ -236,7 +236,8 @@ def _drive(handed_of, mbs, lens, w, lay) -> dict:
     routes; the row map once, then this rank's stage layers read onto ``w["device"]``."""
     import torch
 
-    from r3bridge.ingest.reader import RankRows, read_targets
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
 
     dev = torch.device(w["device"])
     want = lay.moe_layers(w["pp_rank"])

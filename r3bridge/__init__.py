@@ -23,11 +23,12 @@ from r3bridge.errors import (
     RouteWeightsError,
     StitchError,
 )
-from r3bridge.ingest.reader import HandedRoutes, rank_targets
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.stitching import StitchReport, stitch
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, rank_positions
-from r3bridge.parallel.sharding import ShardedTargets, shard
+from r3bridge.parallel.sharding import rank_targets, shard
+from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.parallel.unsharding import unshard
 
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ Top-k comes from the model (``topk``, the HF config's ``num_experts_per_tok``), 
 samples: a micro-batch whose samples were all aborted has no route to read it from.
 
 **"No route" is said explicitly.** One rule, the same in docs/porting.md and the reader
-(:mod:`r3bridge.ingest.reader`): a row the engine did not route is marked by a validity field
+(docs/architecture.md, "One reader"): a row the engine did not route is marked by a validity field
 (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
 :data:`r3bridge.NO_ROUTE` there: :func:`r3bridge.padded_routes` writes it); never inferred from
 lengths. Only a transport with neither (it writes "no route" as an all-zero row: verl's,
@@ -37,7 +37,7 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.reader import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
 
@@ -64,7 +64,7 @@ class TemplateCodec:
                          num_layers=self.num_hidden_layers, topk=self.topk)
 
     def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
-        """The routes the batch carries, as the one reader reads them (:mod:`r3bridge.ingest.reader`): the
+        """The routes the batch carries, as the one reader reads them (docs/architecture.md, "One reader"): the
         framework's own tensors viewed, nothing copied or checked here. The hook installs these."""
         attn = native["attention_mask"]
         if source == "recorded":

@@ -22,7 +22,7 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.ingest.reader import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import AdapterSession, MicroBatch
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec

@@ -25,7 +25,7 @@ from r3bridge.batch.provenance import (
 )
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.ingest.reader import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
@@ -59,7 +59,7 @@ def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[
 def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                   moe_layer_ids: Sequence[int], source: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
     """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), as the one reader reads them (:mod:`r3bridge.ingest.reader`): AReaL's own
+    batches are right-padded), as the one reader reads them (docs/architecture.md, "One reader"): AReaL's own
     tensor viewed where it lies (the trainer's GPU in a GPU job), nothing copied or checked yet;
     the sentinel marks tokens without a route. Samples are named by their row of ``t``."""
     t = torch.as_tensor(t)

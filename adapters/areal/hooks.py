@@ -32,9 +32,9 @@ from r3bridge.adapters.areal.codec import (
 )
 from r3bridge.adapters.areal.config import ModelInfo, check_routes_topk, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int
+from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int, sglang_provenance
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.engines.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
+from r3bridge.engines.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.ingest.stitching import first_seen_rows
 from r3bridge.job_check import JobCheck

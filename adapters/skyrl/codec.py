@@ -31,7 +31,7 @@ from r3bridge.batch.provenance import (
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import ConfigError, RouteShapeError
-from r3bridge.ingest.reader import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
@@ -87,7 +87,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                   num_hidden_layers: Optional[int] = None, source: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
     """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict) as the one reader reads
-    them (:mod:`r3bridge.ingest.reader`): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
+    them (docs/architecture.md, "One reader"): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
     padded field), nothing copied or checked yet. "No route": ``router_padding_mask`` where the
     batch has it, else (SkyRL 0.3.0) zero rows past a sample's last non-zero row; a zero row
     before it is a degenerate route (vLLM #54730)."""

@@ -36,7 +36,7 @@ from r3bridge.batch.provenance import (
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.ingest.reader import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
            "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
@@ -105,7 +105,7 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
 def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,
                   num_hidden_layers: int | None = None, topk: int | None = None,
                   layer_axis: str | None = None) -> HandedRoutes:
-    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (:mod:`r3bridge.ingest.reader`):
+    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (docs/architecture.md, "One reader"):
     verl's nested values viewed, nothing copied or checked yet.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is

@@ -1,7 +1,7 @@
 """Metadata checks of a route batch, before any expert id is read: row counts, layer ids, top-k,
 number of experts, start rows, policy versions, and coverage against the token counts the trainer
 sees. Shared by ``ReplayBatch``'s constructors and the rank-direct ingest
-(:mod:`r3bridge.ingest.reader`), which has no batch to call methods on.
+(docs/architecture.md, "One reader"), which has no batch to call methods on.
 """
 from __future__ import annotations
 

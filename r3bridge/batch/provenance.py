@@ -21,12 +21,12 @@ engine re-prefilled the *same* request (its tokens stay); an attempt regenerates
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-from r3bridge.errors import ProvenanceError
+from r3bridge.errors import PayloadError, ProvenanceError
 
 __all__ = [
     "RouteProvenance",
@@ -45,6 +45,8 @@ __all__ = [
     "LOGPROB_PROVENANCE_KEY",
     "provenance_fields",
     "pairing_from_fields",
+    "vllm_provenance",
+    "sglang_provenance",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -355,3 +357,40 @@ def pairing_from_fields(get: Callable[[str], Any], *, samples: int, names: Seque
 
     return ProvenancePairing(column(ROUTE_PROVENANCE_KEY), column(LOGPROB_PROVENANCE_KEY), list(names),
                              samples=samples)
+
+
+# ------------------------------------------------------------------ what each engine reports of it
+def _version_number(value: Any) -> Optional[int]:
+    """A weight version as an int: ints, and strings of digits (SGLang's ``weight_version`` is a
+    free-form tag, ``"default"`` until a weight update names one); anything else is unknown."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    return reported_int(value)
+
+
+def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None,
+                    engine: str = "vllm") -> RouteProvenance:
+    """Where a vLLM ``RequestOutput``'s routes came from: its ``request_id`` and, as the epoch, the
+    number of times the scheduler preempted it (``num_preempted``, on the ``CompletionOutput`` or
+    the request where the build reports it: a preempted request is re-prefilled, and vLLM #39917
+    drops its routes). vLLM does not know the policy's weight version: pass the framework's."""
+    completion = (getattr(request_output, "outputs", None) or [None])[0]
+    preempted = getattr(completion, "num_preempted", None)
+    if preempted is None:
+        preempted = getattr(request_output, "num_preempted", None)
+    return RouteProvenance(engine, str(getattr(request_output, "request_id", "") or ""), weight_version,
+                           reported_int(preempted))
+
+
+def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[int] = None,
+                      engine: str = "sglang") -> RouteProvenance:
+    """Where an SGLang response's routes came from, from its ``meta_info``: ``id`` (the request id),
+    ``num_retractions`` (how often the scheduler retracted and re-prefilled it: the epoch; a
+    retraction during an async weight update returns the re-prefill's routes with the first
+    pass's log-probs, miles #3277) and ``weight_version`` (when it is a number). ``weight_version``
+    given here (the framework's own) takes precedence."""
+    if not isinstance(meta_info, Mapping):
+        raise PayloadError(f"SGLang meta_info must be a dict, got {type(meta_info).__name__}")
+    epoch = reported_int(meta_info.get("num_retractions"))
+    version = weight_version if weight_version is not None else _version_number(meta_info.get("weight_version"))
+    return RouteProvenance(engine, str(meta_info.get("id") or ""), version, epoch)

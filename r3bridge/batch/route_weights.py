@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
-from r3bridge._validate import as_number_tensor, locate
+from r3bridge._validate import as_number_tensor
+from r3bridge.engines.route_checks import locate
 from r3bridge.errors import RouteWeightsError
 
 __all__ = ["WEIGHTS_DTYPE", "as_weights_tensor", "check_weights", "canonical_weights"]

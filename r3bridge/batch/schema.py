@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, check_routes, native_order
+from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, native_order
 from r3bridge.batch import wire
 from r3bridge.batch.meta import check_coverage, check_layer_ids, checked_meta
 from r3bridge.batch.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
@@ -36,6 +36,7 @@ from r3bridge.engines.decoders import (
 )
 from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
+from r3bridge.engines.route_checks import check_routes
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
@@ -265,7 +266,7 @@ class ReplayBatch:
                   source: str = "vllm") -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
         :func:`r3bridge.engines.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
-        pass each came from (:func:`r3bridge.engines.decoders.vllm_provenance` builds it from request
+        pass each came from (:func:`r3bridge.batch.provenance.vllm_provenance` builds it from request
         outputs). ``weights``: optional, one array per sequence in the routes' shape (every
         reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.engines.layer_axis`):
         vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
@@ -334,7 +335,7 @@ class ReplayBatch:
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
         completion - 1 - start. Routing weights are read when the meta_infos carry them
         (:data:`r3bridge.engines.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
-        ``provenance``: one per meta_info (:func:`r3bridge.engines.decoders.sglang_provenance` reads it
+        ``provenance``: one per meta_info (:func:`r3bridge.batch.provenance.sglang_provenance` reads it
         from the meta_infos)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)

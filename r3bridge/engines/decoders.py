@@ -23,9 +23,8 @@ engine calls; nothing here imports either. Formats (docs/frameworks.md):
   :data:`SGLANG_WEIGHTS_KEYS` by :func:`decode_sglang_weights`. vLLM returns no weights
   (0.33); a fork or plugin that does passes them per sequence in the routes' shape
   (:func:`decode_vllm_weights`).
-* Where a response's routes came from (:class:`r3bridge.batch.provenance.RouteProvenance`):
-  :func:`vllm_provenance` (request id, preemption count) and :func:`sglang_provenance` (meta_info
-  ``id``, ``weight_version``, ``num_retractions``).
+* Where a response's routes came from is read by :mod:`r3bridge.batch.provenance`
+  (``vllm_provenance``, ``sglang_provenance``): ids only here.
 """
 from __future__ import annotations
 
@@ -37,14 +36,12 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from r3bridge.batch.provenance import RouteProvenance, reported_int
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns
 from r3bridge.engines.layer_ids import check_dense_columns
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 
 __all__ = ["decode_vllm_routes", "decode_sglang_routes", "sglang_rows", "select_layers", "moe_layers_of",
-           "padded_rows", "decode_sglang_weights", "decode_vllm_weights", "sglang_weights_of", "SGLANG_WEIGHTS_KEYS",
-           "vllm_provenance", "sglang_provenance"]
+           "padded_rows", "decode_sglang_weights", "decode_vllm_weights", "sglang_weights_of", "SGLANG_WEIGHTS_KEYS"]
 
 # meta_info keys of SGLang's routing weights: the proposal (SGLang #23999, unmerged) names its flag
 # ``enable_return_routed_expert_weights``; ``routed_experts_weights`` follows the ids' key (and
@@ -254,39 +251,3 @@ def decode_vllm_weights(payload: Any, *, seq: int = 0) -> np.ndarray:
     if a.ndim != 3:
         raise RouteWeightsError(f"sequence {seq}: routing weights must be [rows, layers, topk], got shape {a.shape}")
     return a
-
-
-def _version_number(value: Any) -> Optional[int]:
-    """A weight version as an int: ints, and strings of digits (SGLang's ``weight_version`` is a
-    free-form tag, ``"default"`` until a weight update names one); anything else is unknown."""
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    return reported_int(value)
-
-
-def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None,
-                    engine: str = "vllm") -> RouteProvenance:
-    """Where a vLLM ``RequestOutput``'s routes came from: its ``request_id`` and, as the epoch, the
-    number of times the scheduler preempted it (``num_preempted``, on the ``CompletionOutput`` or
-    the request where the build reports it: a preempted request is re-prefilled, and vLLM #39917
-    drops its routes). vLLM does not know the policy's weight version: pass the framework's."""
-    completion = (getattr(request_output, "outputs", None) or [None])[0]
-    preempted = getattr(completion, "num_preempted", None)
-    if preempted is None:
-        preempted = getattr(request_output, "num_preempted", None)
-    return RouteProvenance(engine, str(getattr(request_output, "request_id", "") or ""), weight_version,
-                           reported_int(preempted))
-
-
-def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[int] = None,
-                      engine: str = "sglang") -> RouteProvenance:
-    """Where an SGLang response's routes came from, from its ``meta_info``: ``id`` (the request id),
-    ``num_retractions`` (how often the scheduler retracted and re-prefilled it: the epoch; a
-    retraction during an async weight update returns the re-prefill's routes with the first
-    pass's log-probs, miles #3277) and ``weight_version`` (when it is a number). ``weight_version``
-    given here (the framework's own) takes precedence."""
-    if not isinstance(meta_info, Mapping):
-        raise PayloadError(f"SGLang meta_info must be a dict, got {type(meta_info).__name__}")
-    epoch = reported_int(meta_info.get("num_retractions"))
-    version = weight_version if weight_version is not None else _version_number(meta_info.get("weight_version"))
-    return RouteProvenance(engine, str(meta_info.get("id") or ""), version, epoch)

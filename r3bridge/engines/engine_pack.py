@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from r3bridge._validate import raise_findings
+from r3bridge.engines.route_checks import raise_findings
 from r3bridge.engines.route_scan import block_rows, run_blocks, scan_block
 from r3bridge.errors import ReplayMemoryError, RouteShapeError
 

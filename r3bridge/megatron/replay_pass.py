@@ -34,7 +34,7 @@ import torch
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.ingest.reader import HandedRoutes, RankRows, ReadStats, ShardedTargets, read_targets
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
@@ -42,6 +42,9 @@ from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.rank_rows import RankRows
+from r3bridge.parallel.read import ReadStats, read_targets
+from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.replay_policy import threshold_select
 
 
@@ -76,7 +79,7 @@ class PassHost(Protocol):
     topk_scaling_factor: Optional[float]
     # at most one pass runs at a time; the router hooks forward to it
     active_pass: Optional[ReplayPass]
-    read_stats: ReadStats                       # how routes reached the routers (r3bridge.ingest.reader)
+    read_stats: ReadStats                       # how routes reached the routers (docs/architecture.md, "One reader")
 
     @property
     def device(self) -> torch.device: ...
@@ -227,7 +230,7 @@ class ReplayPass:
                 seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
         ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
-        (:class:`r3bridge.ingest.reader.HandedRoutes`), read by the one reader (:mod:`r3bridge.ingest.reader`).
+        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md, "One reader").
 
         In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""

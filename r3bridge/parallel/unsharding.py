@@ -1,5 +1,5 @@
 """R2, the inverse of ``shard``: every rank's routes back into one per-sample
-:class:`r3bridge.ReplayBatch`, either from per-rank :class:`r3bridge.parallel.sharding.ShardedTargets`
+:class:`r3bridge.ReplayBatch`, either from per-rank :class:`r3bridge.parallel.targets.ShardedTargets`
 (:func:`unshard`) or in one pass out of the recorder's all-gather buffer
 (:func:`assemble_gathered`, what the driver's R2 step uses). The row map: ``packing.py``.
 """
@@ -15,7 +15,7 @@ from r3bridge.errors import CoverageError, LayerMappingError, LayoutError, Repla
 from r3bridge.parallel.id_words import as_words
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, int64_tensor, rank_positions, rank_rows, token_owners
-from r3bridge.parallel.sharding import ShardedTargets
+from r3bridge.parallel.targets import ShardedTargets
 
 __all__ = ["RankKey", "unshard", "assemble_gathered"]
 

@@ -37,7 +37,7 @@ from r3bridge.errors import PayloadError, ReplayError
 from r3bridge.metrics import expert_load, route_agreement, topk_sets_equal
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, rank_positions
-from r3bridge.parallel.sharding import ShardedTargets
+from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.parallel.unsharding import unshard
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",

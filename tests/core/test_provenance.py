@@ -12,8 +12,7 @@ import torch
 
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
 from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
-from r3bridge.batch.provenance import check_pairing
-from r3bridge.engines.decoders import sglang_provenance, vllm_provenance
+from r3bridge.batch.provenance import check_pairing, sglang_provenance, vllm_provenance
 from r3bridge.ingest.stitching import rollout_routes
 
 from ._reference import random_routes

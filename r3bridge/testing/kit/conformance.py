@@ -427,7 +427,7 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
 
 
 def _read_stats(chunks: list) -> Optional[dict]:
-    """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.ingest.reader.ReadStats`),
+    """How the replaying driver of ``chunks`` read its routes (:class:`r3bridge.parallel.read.ReadStats`),
     found through the hook megatron-core calls on their routers (``None``: no replaying driver)."""
     from r3bridge.testing.harness.probe import find_routers
 
@@ -561,7 +561,7 @@ def assert_r3_passes(result: LayoutResult, *, min_coverage: float = MIN_COVERAGE
 
 def assert_read_once_per_micro_batch(result: LayoutResult, *, form: Optional[str] = None) -> None:
     """Check 4's route path: on every rank the R3 pass's routes reached the routers through the
-    one reader (:mod:`r3bridge.ingest.reader`), each micro-batch's routes read from one handed object and
+    one reader (docs/architecture.md, "One reader"), each micro-batch's routes read from one handed object and
     its row map built once, whatever its chunks (VPP); ``form`` (e.g. ``"packed/zero"``): what the
     adapter hands over, its buffer's storage form and "no route" kind (``ReadStats.forms`` keys
     start with it)."""
