@@ -5,7 +5,7 @@ One implementation for every adapter: :class:`r3bridge.megatron.PhaseRunner` own
 each traced pass, and the driver pass hands it, from inside the router hook, what each router call of a
 forward routed: the router's own top-k (computed under replay anyway for the agreement metric)
 and, in a replay pass, the replayed target. Everything stays on the device until the pass ends;
-then each rank writes its own rows and layers (format: :mod:`r3bridge.trace`) and one index line.
+then each rank writes its own rows and layers (format: :mod:`r3bridge.trace.format`) and one index line.
 
 Steps: the tracer counts RL steps itself: a compute_log_prob pass that follows an update starts
 the next step (frameworks that run no compute_log_prob stay in step 0; their update passes are
@@ -26,7 +26,7 @@ from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.metrics import tag_phase
 from r3bridge.parallel.layout import ParallelLayout
-from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
+from r3bridge.trace.format import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
 
 
 class TracedReplayer(Protocol):

@@ -1,28 +1,26 @@
-"""Route traces (core: torch only): the on-disk format, reading them back and merging ranks.
+"""Route traces (core: torch only), the names ``r3bridge inspect`` / ``diff`` and the adapters use.
 
-The writer is the Megatron driver's (:mod:`r3bridge.megatron.trace`); ``r3bridge inspect`` /
-``diff`` (:mod:`r3bridge.cli`) read through this package's names.
+* ``format``  - the on-disk format (names, index lines, payloads); what the writer
+                (:mod:`r3bridge.megatron.trace`) writes; :func:`token_uid` names samples
+* ``reading`` - :func:`load_trace` and merging a pass's ranks back into per-sample batches
+* ``compare`` - per-layer summaries of a pass and two passes compared sample by sample
 """
-from r3bridge.trace.reading import (
+from r3bridge.trace.compare import compare, pass_summary
+from r3bridge.trace.format import (
     FORMAT_VERSION,
     VIEWS,
-    MergedPass,
-    Trace,
     TraceError,
-    TracePass,
     append_index,
-    compare,
     index_name,
     layout_from_json,
     layout_to_json,
-    load_trace,
     micro_batch_entry,
-    pass_summary,
     payload_name,
     rank_batch,
     token_uid,
     write_payload,
 )
+from r3bridge.trace.reading import MergedPass, Trace, TracePass, load_trace
 
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json", "layout_from_json",
            "micro_batch_entry", "rank_batch", "write_payload", "append_index", "Trace", "TracePass", "MergedPass",
