@@ -188,7 +188,7 @@ def main() -> None:
             inp.forward(model, labels=False)
         recorded = rs.recorded
         routes.append(r3bridge.ReplayBatch.from_ragged([recorded.sequence(i)[0][:-1] for i in range(b)],
-                                                       num_experts=args.experts, layer_ids=layers, source="vllm"))
+                                                       num_experts=args.experts, layer_ids=layers, engine="vllm"))
     rec_rep.detach()
 
     def fwd_bwd(inp):

@@ -55,7 +55,7 @@ def _run(ctx, args) -> dict:
     rec = ps.result.recorded
     rep.detach()
     routes = ReplayBatch.from_ragged([rec.sequence(i)[0][:-1] for i in range(rec.num_seqs)],
-                                     num_experts=args.experts, layer_ids=list(rec.layer_ids), source="vllm")
+                                     num_experts=args.experts, layer_ids=list(rec.layer_ids), engine="vllm")
     mb = MicroBatch(lens, routes, cu_seqlens_padded=batch.cu_seqlens_padded)
     tmp = tempfile.mkdtemp(prefix="r3b_trace_bench_")
     variants = {

@@ -46,7 +46,7 @@ def _run(ctx, out: str, steps: int, lr: float) -> int:
         rec = ps.result.recorded
         # as an engine reports them: no route for each sequence's last token
         return ReplayBatch.from_ragged([rec.sequence(i)[0][:-1] for i in range(rec.num_seqs)],
-                                       num_experts=rec.num_experts, layer_ids=list(rec.layer_ids), source="vllm")
+                                       num_experts=rec.num_experts, layer_ids=list(rec.layer_ids), engine="vllm")
 
     cfg = ReplayConfig(replay_mode="R3", trace_dir=out)
     rollout = record()

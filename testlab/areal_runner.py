@@ -76,7 +76,8 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
         if len(lens) > len(real):     # AReaL's trailing padding "sequence": no routes
             extra = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
                                             [0] * (len(lens) - len(real)), num_experts=routes.num_experts,
-                                            layer_ids=routes.layer_ids, start_rows=lens[len(real):], source=routes.source)
+                                            layer_ids=routes.layer_ids, start_rows=lens[len(real):], route_kind=routes.route_kind,
+                                            engine=routes.engine)
             routes = ReplayBatch.concat([routes, extra])
         tg = shard(routes, layout, lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
                    vp_stage=call.chunk, layer_ids=[call.layer_id], format="thd", cu_seqlens_padded=cu)

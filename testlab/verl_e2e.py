@@ -398,7 +398,7 @@ def expected_batch(trajs: list[Trajectory], *, first_seen: bool = True, sample_i
     routes = torch.cat([torch.from_numpy(r[:, MOE_LAYERS]) for r, _ in per])
     valid = torch.cat([torch.from_numpy(v) for _, v in per])
     return ReplayBatch.from_packed(routes, [len(r) for r, _ in per], num_experts=NUM_EXPERTS, layer_ids=MOE_LAYERS,
-                                   valid=valid, source="rollout")
+                                   valid=valid, route_kind="rollout")
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -531,7 +531,7 @@ def _recorded_batch(rec: Any, lens: list[int]) -> Any:
         routes[s][t, MOE_LAYERS.index(layer)] = ids
         valid[s][t] = True
     return ReplayBatch.from_packed(torch.cat(routes), lens, num_experts=NUM_EXPERTS, layer_ids=MOE_LAYERS,
-                                   valid=torch.cat(valid), source="recorded")
+                                   valid=torch.cat(valid), route_kind="recorded")
 
 
 def r3bridge_metrics(res: RunResult) -> list[dict[str, float]]:

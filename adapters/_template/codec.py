@@ -63,17 +63,17 @@ class TemplateCodec:
         return ModelInfo(num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
                          num_layers=self.num_hidden_layers, topk=self.topk)
 
-    def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
+    def handed_routes(self, native: dict, *, route_kind: str = "rollout") -> HandedRoutes:
         """The routes the batch carries, as the one reader reads them (docs/architecture.md, "One reader"): the
         framework's own tensors viewed, nothing copied or checked here. The hook installs these."""
         attn = native["attention_mask"]
-        if source == "recorded":
+        if route_kind == "recorded":
             recorded = native.get(RECORDED_KEY)
             if recorded is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
             valid = (torch.as_tensor(recorded) != NO_ROUTE).flatten(-2).any(-1)
             return HandedRoutes.from_padded(recorded, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                            no_route="mask", valid=valid, source="recorded")
+                                            no_route="mask", valid=valid, route_kind="recorded")
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
@@ -85,14 +85,14 @@ class TemplateCodec:
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
         if VALID_KEY is None:       # "no route" written as zero rows: the reader's captured-range rule
             return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                            columns=cols, no_route="zero", source="rollout")
+                                            columns=cols, no_route="zero", route_kind="rollout")
         return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                        columns=cols, no_route="mask", valid=native[VALID_KEY], source="rollout")
+                                        columns=cols, no_route="mask", valid=native[VALID_KEY], route_kind="rollout")
 
     def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order (the reader's
-        whole-batch form of :meth:`handed_routes`)."""
-        return self.handed_routes(native, source=source).to_batch(drop_final_invalid=source != "recorded")
+        whole-batch form of :meth:`handed_routes`; ``source``: the route kind, the kit's keyword)."""
+        return self.handed_routes(native, route_kind=source).to_batch(drop_final_invalid=source != "recorded")
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:
         """R2: the recorded routes (batch order, start 0) placed on each sample's tokens,

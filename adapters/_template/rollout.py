@@ -41,7 +41,7 @@ class TemplateRollout:
             if not kept:        # every call aborted: no rows, the model's top-k
                 per_sample.append(ReplayBatch.from_ragged(
                     [np.zeros((0, len(self.moe_layer_ids), self.topk), dtype=np.uint8)],
-                    num_experts=self.num_experts, layer_ids=self.moe_layer_ids, source="rollout"))
+                    num_experts=self.num_experts, layer_ids=self.moe_layer_ids, route_kind="rollout"))
                 continue
             per_sample.append(rollout_routes([[c for c, _ in kept]], num_experts=self.num_experts,
                                              moe_layer_ids=self.moe_layer_ids, start_rows=[[s for _, s in kept]]))

@@ -70,7 +70,7 @@ def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, 
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     _, none = sentinel_dtype(num_experts)
     return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, source=source,
+                                           sentinel=none, route_kind=source,
                                            names=[f"AReaL sample batch row {int(r)}" for r in rows])
 
 

@@ -272,7 +272,7 @@ class MegatronEngineMixin:
         sample = carried.get(SAMPLE_KEY)
         if sample is None:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
-        key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+        key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
         if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
             self.r3.check_routes(plan, key in carried, field=key)
         gid_of_row = sample[:, 0].tolist()

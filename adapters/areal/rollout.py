@@ -49,7 +49,7 @@ def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) 
 def _piece(arr: np.ndarray, *, num_experts: int, moe_layer_ids: Sequence[int], rows: Optional[int] = None) -> ReplayBatch:
     moe = list(moe_layer_ids)
     a = select_layers(arr[: arr.shape[0] if rows is None else rows], moe, 0, "SGLang")
-    return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, source="rollout")
+    return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, route_kind="rollout")
 
 
 def routes_from_attempts(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int, topk: int,
@@ -98,4 +98,4 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
     full = np.zeros((keep,) + tuple(rows.shape[1:]), dtype=rows.dtype)
     full[:got] = rows
     valid = np.arange(keep) < got
-    return ReplayBatch.from_ragged([full], num_experts=num_experts, layer_ids=moe, valid=[valid], source="rollout")
+    return ReplayBatch.from_ragged([full], num_experts=num_experts, layer_ids=moe, valid=[valid], route_kind="rollout")

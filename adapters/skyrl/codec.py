@@ -125,7 +125,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
         cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
         valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
         return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid.to(values.device), source=source, names=names)
+                                        no_route="mask", valid=valid.to(values.device), route_kind=source, names=names)
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
@@ -135,14 +135,14 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if mask is not None:
         valid = attn_b & ~torch.as_tensor(mask).bool().to(attn_b.device)
         return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid, source=source, names=names)
+                                        no_route="mask", valid=valid, route_kind=source, names=names)
     # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
     # micro-batching too, whose first token is "real"), and its worker does not carry
     # router_padding_mask into micro-batches; recorded routes hold a route on every token (at
     # top-1 an expert-0 row is one)
     no_route = "none" if source == "recorded" and int(routes.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=names)
+                                    no_route=no_route, route_kind=source, names=names)
 
 
 def _columns(reported: int, moe: list[int], num_hidden_layers: Optional[int], field: str) -> Optional[list[int]]:

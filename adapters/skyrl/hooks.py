@@ -158,9 +158,9 @@ class SkyRLReplay:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         session = self.session
         if plan.action is Action.REPLAY:
-            source = plan.source
-            if self.route_kind is not None and self.route_kind != source:
-                raise ConfigError(f"replay_mode={session.mode.value} replays {source} routes, the batch "
+            kind = plan.route_kind
+            if self.route_kind is not None and self.route_kind != kind:
+                raise ConfigError(f"replay_mode={session.mode.value} replays {kind} routes, the batch "
                                   f"carries {self.route_kind} routes")
             session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
@@ -168,7 +168,7 @@ class SkyRLReplay:
             m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
+                                   num_hidden_layers=None if kind == "recorded" else m.num_layers, source=kind)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)

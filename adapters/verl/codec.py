@@ -147,7 +147,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
     # recorded routes hold a real route on every token: at top-1 an expert-0 row is a route
     no_route = "none" if source == "recorded" and int(values.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=[f"verl sample {n}" for n in names],
+                                    no_route=no_route, route_kind=source, names=[f"verl sample {n}" for n in names],
                                     weights=weights)
 
 

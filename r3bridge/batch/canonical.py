@@ -4,20 +4,23 @@
 Canonical form: one sequence per sample, ``start_rows = 0``, one row per token the trainer sees,
 rows the engine never routed ``valid = False``; the final token's row is dropped when it has no
 route (the last sampled token is never fed forward), so a complete single-call rollout of ``N``
-tokens has ``N - 1`` rows, like vLLM's own output. ``source`` is ``"rollout"`` for engine routes
-and ``"recorded"`` for R2 (the driver checks it against the phase).
+tokens has ``N - 1`` rows, like vLLM's own output. ``route_kind`` is ``"rollout"`` for engine routes
+and ``"recorded"`` for R2 (the driver checks it against the phase), with no ``engine`` named: the
+same routes are the same bytes whichever engine produced them.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import warnings
+from typing import Optional, Sequence
 
 import torch
 
+from r3bridge.batch.provenance import parse_route_label
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
 from r3bridge.errors import CoverageError
 
-__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_source", "nonzero_rows",
+__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_route_kind", "with_source", "nonzero_rows",
            "moe_layers_of"]
 
 
@@ -40,7 +43,7 @@ def drop_final_invalid_rows(rb: ReplayBatch) -> ReplayBatch:
     keep_d = keep.to(rb.routes.device)
     return ReplayBatch.from_packed(rb.routes[keep_d], (rows - drop.long()).tolist(), num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, start_rows=rb.start_rows, valid=rb.valid[keep_d],
-                                   source=rb.source, policy_versions=rb.policy_versions,
+                                   route_kind=rb.route_kind, engine=rb.engine, policy_versions=rb.policy_versions,
                                    provenance=rb.provenance,
                                    weights=None if rb.weights is None else rb.weights[keep_d])
 
@@ -67,7 +70,7 @@ def canonical_form(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatch:
             weights.append(torch.cat([w, torch.zeros((pad,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)]))
     full = ReplayBatch.from_packed(torch.cat(seqs) if seqs else rb.routes, lens, num_experts=rb.num_experts,
                                    layer_ids=rb.layer_ids, valid=torch.cat(valids) if valids else rb.valid,
-                                   source=rb.source, policy_versions=rb.policy_versions,
+                                   route_kind=rb.route_kind, engine=rb.engine, policy_versions=rb.policy_versions,
                                    provenance=rb.provenance,
                                    weights=None if rb.weights is None else (torch.cat(weights) if weights
                                                                             else rb.weights))
@@ -82,7 +85,7 @@ def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatc
         return rb
     empty = ReplayBatch.from_packed(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.routes.dtype),
                                     [0] * len(lens), num_experts=rb.num_experts, layer_ids=rb.layer_ids,
-                                    start_rows=lens, source=rb.source)
+                                    start_rows=lens, route_kind=rb.route_kind, engine=rb.engine)
     if rb.weights is not None:      # zero rows of weights: concat keeps the batch's weights
         empty = empty.with_weights(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.weights.dtype))
     # on the batch's device: AReaL hands its routes to the adapter on the GPU (first GPU run,
@@ -90,13 +93,22 @@ def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatc
     return ReplayBatch.concat([rb, empty.to(rb.routes.device)])
 
 
-def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
-    """The same routes tagged with another ``source`` (e.g. vLLM ingest's ``"vllm"`` -> the
-    canonical ``"rollout"``)."""
-    if rb.source == source:
+def with_route_kind(rb: ReplayBatch, route_kind: str, engine: Optional[str] = None) -> ReplayBatch:
+    """The same routes tagged with another route kind and engine (e.g. vLLM ingest's ``("rollout",
+    "vllm")`` -> the canonical ``("rollout", None)``)."""
+    if (rb.route_kind, rb.engine) == (route_kind, engine):
         return rb
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
-                       rb.topk, source, rb.policy_versions, rb.offsets, rb.provenance, weights=rb.weights)
+                       rb.topk, route_kind, rb.policy_versions, rb.offsets, rb.provenance, weights=rb.weights,
+                       engine=engine)
+
+
+def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
+    """Deprecated: :func:`with_route_kind` with one word for both (``"rollout"``, ``"recorded"``, or an
+    engine's name: :func:`r3bridge.batch.provenance.parse_route_label`)."""
+    warnings.warn("with_source(rb, source) is deprecated: use with_route_kind(rb, route_kind, engine)",
+                  DeprecationWarning, stacklevel=2)
+    return with_route_kind(rb, *parse_route_label(source))
 
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:

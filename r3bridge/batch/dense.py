@@ -105,7 +105,7 @@ def dense_routes(batch: ReplayBatch, seq_lens: Optional[Sequence[int]] = None, *
     batch has no route for a token (:func:`token_rows`, cut per sequence).
 
     Args:
-        batch: the routes (any ``source``); sequence ``i`` covers tokens
+        batch: the routes (any route kind); sequence ``i`` covers tokens
             ``[start_rows[i], start_rows[i] + rows_per_seq[i])``.
         seq_lens: tokens per sequence (rows past the batch's are "no route"); default: each
             sequence's last covered token + 1.

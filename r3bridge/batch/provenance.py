@@ -20,6 +20,7 @@ engine re-prefilled the *same* request (its tokens stay); an attempt regenerates
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -47,6 +48,10 @@ __all__ = [
     "pairing_from_fields",
     "vllm_provenance",
     "sglang_provenance",
+    "ROUTE_KINDS",
+    "route_label",
+    "parse_route_label",
+    "kind_and_engine",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -54,6 +59,37 @@ EPOCH_MAX = 2**31 - 1  # the wire format stores the epoch (and the attempt) as i
 ATTEMPT_MAX = EPOCH_MAX
 _PASS_FIELDS = ("request_id", "weight_version", "epoch", "attempt")
 VERSION_MAX = 2**63 - 1  # and the weight version as i64
+
+
+# What a batch's routes are (docs/architecture.md, "One vocabulary"): its route kind, and for rollout
+# routes the engine that produced them (``ReplayBatch.engine``, ``None``: not said). "rollout": an
+# engine's choices (R3 replays them); "recorded": the trainer's own, recorded for R2; "native" /
+# "dispatched": a route trace's views of a pass (the router's own top-k / what the experts ran);
+# "mixed": a concat of batches of different kinds (never replayed).
+ROUTE_KINDS = ("rollout", "recorded", "native", "dispatched", "mixed")
+
+
+def route_label(route_kind: str, engine: str | None) -> str:
+    """One word for what routes are: the engine's name for rollout routes that name one, else the
+    route kind. The string the wire format stores (one field since version 1) and ``r3bridge
+    inspect`` prints; :func:`parse_route_label` is its inverse."""
+    return engine if route_kind == "rollout" and engine else route_kind
+
+
+def parse_route_label(label: str) -> tuple[str, str | None]:
+    """(route kind, engine) of a :func:`route_label` (or of a ``source=`` of older callers): a route
+    kind stands for itself, any other word is the engine of rollout routes."""
+    return (label, None) if label in ROUTE_KINDS else ("rollout", label)
+
+
+def kind_and_engine(route_kind: str, engine: str | None, source: str | None, where: str) -> tuple[str, str | None]:
+    """(route kind, engine) from a constructor's arguments: the two fields, or the deprecated
+    ``source=`` (one word for both, :func:`parse_route_label`; warns once per call)."""
+    if source is None:
+        return route_kind, engine
+    warnings.warn(f"{where}(source=...) is deprecated: pass route_kind= ('rollout', 'recorded') and engine= (the "
+                  f"engine's name)", DeprecationWarning, stacklevel=3)
+    return parse_route_label(str(source))
 
 
 def reported_int(value: Any) -> Optional[int]:

@@ -13,6 +13,7 @@ Principles (docs/architecture.md):
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -22,7 +23,16 @@ import torch
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, native_order
 from r3bridge.batch import wire
 from r3bridge.batch.meta import check_coverage, check_layer_ids, checked_meta
-from r3bridge.batch.provenance import RouteProvenance, checked_provenance, concat_provenance, select_provenance
+from r3bridge.batch.provenance import (
+    ROUTE_KINDS,
+    RouteProvenance,
+    checked_provenance,
+    concat_provenance,
+    kind_and_engine,
+    parse_route_label,
+    route_label,
+    select_provenance,
+)
 from r3bridge.batch.route_weights import as_weights_tensor, check_weights
 from r3bridge.engines.decoders import (
     decode_sglang_routes,
@@ -100,7 +110,7 @@ class ReplayBatch:
     layer_ids: tuple[int, ...]
     num_experts: int
     topk: int
-    source: str = "ragged"          # "vllm", "sglang", "recorded", "verl", ... (provenance)
+    route_kind: str = "rollout"     # ROUTE_KINDS: "rollout" (an engine's) or "recorded" (R2), ...
     policy_versions: list[int] | None = None   # optional, per sequence
     _offsets: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     # optional, per sequence (None entries: unknown): the engine pass the routes came from
@@ -109,9 +119,17 @@ class ReplayBatch:
     # optional float16 [total_rows, L, K]: the engine's gate weight of each routed expert
     # (r3bridge.batch.route_weights); 0 on rows without a route. Every row operation carries it.
     weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # rollout routes: the engine that produced them ("vllm", "sglang", "trtllm", ...; None: not said)
+    engine: str | None = None
 
     # ----------------------------------------------------------------------------- construction
     def __post_init__(self) -> None:
+        if self.route_kind not in ROUTE_KINDS:
+            raise PayloadError(f"route_kind must be one of {ROUTE_KINDS}, got {self.route_kind!r} (an engine's name "
+                               f"goes in engine=)")
+        if self.engine is not None and (self.route_kind != "rollout" or not isinstance(self.engine, str)
+                                        or not self.engine or self.engine in ROUTE_KINDS):
+            raise PayloadError(f"engine={self.engine!r}: rollout routes only, a non-empty name that is no route kind")
         if self._offsets is None:
             offs = torch.zeros(len(self.rows_per_seq) + 1, dtype=torch.int64)
             if self.rows_per_seq:
@@ -128,29 +146,33 @@ class ReplayBatch:
         layer_ids: Sequence[int],
         start_rows: Sequence[int] | None = None,
         valid: Sequence | None = None,
-        source: str = "ragged",
+        route_kind: str = "rollout",
         policy_versions: Sequence[int] | None = None,
         provenance: Sequence[RouteProvenance | None] | None = None,
         weights: Sequence | None = None,
+        engine: str | None = None,
+        source: str | None = None,
     ) -> "ReplayBatch":
         """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence; ``weights`` (optional):
-        one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert."""
+        one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert.
+        ``source``: deprecated, one word for ``route_kind`` and ``engine`` (:func:`parse_route_label`)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_ragged")
         batch = cls._ragged_routes(routes, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                                   valid=valid, source=source, policy_versions=policy_versions,
-                                   provenance=provenance)
+                                   valid=valid, route_kind=route_kind, engine=engine,
+                                   policy_versions=policy_versions, provenance=provenance)
         return batch if weights is None else batch.with_weights(_ragged_weights(weights, batch))
 
     @classmethod
     def _ragged_routes(cls, routes: Sequence, *, num_experts: int, layer_ids: Sequence[int],
-                       start_rows: Sequence[int] | None, valid: Sequence | None, source: str,
-                       policy_versions: Sequence[int] | None,
+                       start_rows: Sequence[int] | None, valid: Sequence | None, route_kind: str,
+                       engine: str | None, policy_versions: Sequence[int] | None,
                        provenance: Sequence[RouteProvenance | None] | None) -> "ReplayBatch":
         host = _host_arrays(routes)
         if host is not None:
             masks = _sequence_masks(valid, [int(a.shape[0]) for a in host])
             return cls._from_host(host, None, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                                  valid=masks, source=source, policy_versions=policy_versions,
-                                  provenance=provenance)
+                                  valid=masks, route_kind=route_kind, engine=engine,
+                                  policy_versions=policy_versions, provenance=provenance)
         tensors = [as_int_tensor(r, what=f"sequence {i}") for i, r in enumerate(routes)]
         for i, t in enumerate(tensors):
             if t.dim() != 3:
@@ -177,16 +199,16 @@ class ReplayBatch:
         vt = _sequence_masks(valid, rows)
         v = None if vt is None else torch.cat(vt) if vt else torch.zeros(0, dtype=torch.bool)
         return cls.from_packed(flat, rows, num_experts=num_experts, layer_ids=layer_ids,
-                               start_rows=start_rows, valid=v, source=source,
+                               start_rows=start_rows, valid=v, route_kind=route_kind, engine=engine,
                                policy_versions=policy_versions, provenance=provenance)
 
     @classmethod
     def _from_host(cls, arrays: list[np.ndarray], cols: Sequence[int] | None, *, num_experts: int,
-                   layer_ids: Sequence[int], start_rows: Sequence[int] | None, source: str,
-                   valid: list[torch.Tensor] | None = None,
+                   layer_ids: Sequence[int], start_rows: Sequence[int] | None, route_kind: str = "rollout",
+                   engine: str | None = None, valid: list[torch.Tensor] | None = None,
                    policy_versions: Sequence[int] | None = None,
                    provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
-        """Host arrays (one per sequence, all layers or ``cols`` of them) -> a batch, in one pass:
+        """Host arrays (one per sequence, all layers or ``cols`` of them) -> a batch, in one sweep:
         :func:`r3bridge.engines.engine_pack.pack_sequences` selects, narrows and checks every block of rows
         straight into the one buffer the batch keeps."""
         provenance = checked_provenance(provenance, len(arrays))     # before the copy, like the other metadata
@@ -196,14 +218,14 @@ class ReplayBatch:
         total = sum(sh[0] for sh in shapes)
         rows, layer_ids, topk, num_experts, starts, policy_versions = checked_meta(
             (total,) + shapes[0][1:], [sh[0] for sh in shapes], num_experts, layer_ids, start_rows, policy_versions)
-        out = allocate((total, len(layer_ids), topk), route_dtype(num_experts), what=f"{source} ingest")
+        out = allocate((total, len(layer_ids), topk), route_dtype(num_experts), what=f"{route_label(route_kind, engine)} ingest")
         vnp = None if valid is None else [v.numpy() for v in valid]
         pack_sequences(arrays, sel, out.numpy(), num_experts, layer_ids=layer_ids, starts=starts, valid=vnp)
         v = torch.cat(valid) if valid else torch.ones(total, dtype=torch.bool)
         if valid is not None and not bool(v.all()):
             out[~v] = torch.arange(topk, dtype=out.dtype)
-        return cls(out, v, rows, starts, layer_ids, num_experts, topk, source, policy_versions,
-                   provenance=provenance)
+        return cls(out, v, rows, starts, layer_ids, num_experts, topk, route_kind, policy_versions,
+                   provenance=provenance, engine=engine)
 
     @classmethod
     def from_packed(
@@ -215,13 +237,16 @@ class ReplayBatch:
         layer_ids: Sequence[int],
         start_rows: Sequence[int] | None = None,
         valid: torch.Tensor | None = None,
-        source: str = "ragged",
+        route_kind: str = "rollout",
         policy_versions: Sequence[int] | None = None,
         provenance: Sequence[RouteProvenance | None] | None = None,
         weights: torch.Tensor | None = None,
+        engine: str | None = None,
+        source: str | None = None,
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq`` (and optionally their
-        ``weights``, same shape). Validates."""
+        ``weights``, same shape). Validates. ``source``: deprecated (:func:`parse_route_label`)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_packed")
         routes = as_int_tensor(routes, what="routes")
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
@@ -242,51 +267,55 @@ class ReplayBatch:
         packed = _canonical(routes, valid, num_experts)
         checked = None if weights is None else check_weights(weights, packed, valid, layer_ids, offsets, starts)
         return cls(packed, valid.clone(),
-                   rows_per_seq, starts, layer_ids, num_experts, topk, source,
-                   policy_versions, offsets, provenance, weights=checked)
+                   rows_per_seq, starts, layer_ids, num_experts, topk, route_kind,
+                   policy_versions, offsets, provenance, weights=checked, engine=engine)
 
     # Engine / trainer formats: the payloads are decoded by r3bridge.engines.decoders (no batch there).
     @classmethod
     def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
-                    valid=None, source: str = "padded",
-                    provenance: Sequence[RouteProvenance | None] | None = None) -> "ReplayBatch":
-        """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
+                    valid=None, route_kind: str = "rollout",
+                    provenance: Sequence[RouteProvenance | None] | None = None, engine: str | None = None,
+                    source: str | None = None) -> "ReplayBatch":
+        """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token.
+        ``source``: deprecated (:func:`parse_route_label`)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_padded")
         flat, lens, v = padded_rows(
             as_int_tensor(routes, what="padded"), as_mask(attention_mask, what="attention_mask", error=CoverageError),
             None if valid is None else as_mask(valid, what="valid", error=CoverageError))
         return cls.from_packed(flat, lens, num_experts=as_index(num_experts, what="num_experts", error=RouteShapeError),
                                layer_ids=as_index_list(layer_ids, what="layer_ids", error=LayerMappingError),
-                               valid=v, source=source, provenance=provenance)
+                               valid=v, route_kind=route_kind, engine=engine, provenance=provenance)
 
     @classmethod
     def from_vllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None = None,
                   start_rows: Sequence[int] | None = None,
                   provenance: Sequence[RouteProvenance | None] | None = None,
                   weights: Sequence | None = None, layer_axis: str = ALL_HIDDEN,
-                  source: str = "vllm") -> "ReplayBatch":
+                  engine: str | None = "vllm", source: str | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
         :func:`r3bridge.engines.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
         pass each came from (:func:`r3bridge.batch.provenance.vllm_provenance` builds it from request
         outputs). ``weights``: optional, one array per sequence in the routes' shape (every
         reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.engines.layer_axis`):
         vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
-        (routes and weights alike)."""
+        (routes and weights alike). Rollout routes of ``engine``; ``source``: deprecated."""
+        route_kind, engine = kind_and_engine("rollout", engine, source, "ReplayBatch.from_vllm")
         layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
                                       start_rows=start_rows, provenance=provenance, layer_axis=layer_axis,
-                                      source=source)
+                                      route_kind=route_kind, engine=engine)
         if weights is None:
             return batch
         moe = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         return batch.with_weights(_ragged_weights(
-            [select_layers(decode_vllm_weights(w, seq=i), moe, i, f"{source} weights", layer_axis)
+            [select_layers(decode_vllm_weights(w, seq=i), moe, i, f"{route_label(route_kind, engine)} weights", layer_axis)
              for i, w in enumerate(weights)], batch))
 
     @classmethod
     def _from_vllm_routes(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int] | None,
                           start_rows: Sequence[int] | None,
                           provenance: Sequence[RouteProvenance | None] | None, layer_axis: str,
-                          source: str) -> "ReplayBatch":
+                          route_kind: str, engine: str | None) -> "ReplayBatch":
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         moe_layer_ids = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         start_rows = _opt_ids(start_rows, "start_rows", CoverageError)
@@ -296,15 +325,16 @@ class ReplayBatch:
         host = _host_arrays(decoded)
         if host is not None:
             for i, a in enumerate(host):     # shape and layer-range checks on an empty view: nothing copied
-                select_layers(a[:0], moe_layer_ids, i, source, layer_axis)
+                select_layers(a[:0], moe_layer_ids, i, route_label(route_kind, engine), layer_axis)
             layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(host[0].shape[1]))
             return cls._from_host(host, cols, num_experts=num_experts, layer_ids=layer_ids,
-                                  start_rows=start_rows, source=source, provenance=provenance)
-        arrays = [select_layers(a, moe_layer_ids, i, source, layer_axis) for i, a in enumerate(decoded)]
+                                  start_rows=start_rows, route_kind=route_kind, engine=engine, provenance=provenance)
+        arrays = [select_layers(a, moe_layer_ids, i, route_label(route_kind, engine), layer_axis)
+                  for i, a in enumerate(decoded)]
         num_layers = arrays[0].shape[1] if arrays else 0
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
-                               source=source, provenance=provenance)
+                               route_kind=route_kind, engine=engine, provenance=provenance)
 
     @classmethod
     def from_trtllm(cls, items, *, num_experts: int, moe_layer_ids: Sequence[int],
@@ -324,7 +354,7 @@ class ReplayBatch:
                 raise PayloadError(f"sequence {i}: TensorRT-LLM returned no routed_experts (a request without "
                                    f"router replay capture, or an aborted one)")
         return cls.from_vllm(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids, start_rows=start_rows,
-                             provenance=provenance, layer_axis=MOE_ONLY, source="trtllm")
+                             provenance=provenance, layer_axis=MOE_ONLY, engine="trtllm")
 
     @classmethod
     def from_sglang(cls, meta_infos, *, num_experts: int, num_layers: int, topk: int,
@@ -361,14 +391,14 @@ class ReplayBatch:
         layer_ids = list(moe_layer_ids) if moe_layer_ids is not None else list(range(num_layers))
         if not arrays:      # an empty batch still has the engine's top-k (concat checks it)
             return cls.from_packed(torch.zeros((0, len(layer_ids), int(topk)), dtype=torch.int32), [],
-                                   num_experts=num_experts, layer_ids=layer_ids, source="sglang",
+                                   num_experts=num_experts, layer_ids=layer_ids, engine="sglang",
                                    provenance=provenance)
         return cls.from_ragged(arrays, num_experts=num_experts, layer_ids=layer_ids, start_rows=starts,
-                               source="sglang", provenance=provenance, weights=weights or None)
+                               engine="sglang", provenance=provenance, weights=weights or None)
 
     @classmethod
     def from_trusted(cls, routes: torch.Tensor, rows_per_seq: list[int], start_rows: list[int], valid: torch.Tensor,
-                 layer_ids: tuple[int, ...], num_experts: int, source: str) -> "ReplayBatch":
+                 layer_ids: tuple[int, ...], num_experts: int, route_kind: str) -> "ReplayBatch":
         """Routes already in the schema dtype whose ids are distinct and in range by construction
         (the router's own top-k, or shard() output). Shapes are still checked; the
         per-row duplicate scan is not repeated."""
@@ -380,7 +410,7 @@ class ReplayBatch:
             out = out.clone()
             out[~valid] = torch.arange(routes.shape[2], dtype=routes.dtype, device=routes.device)
         return cls(out, valid, list(rows_per_seq), list(start_rows), layer_ids, num_experts,
-                   int(routes.shape[2]), source)
+                   int(routes.shape[2]), route_kind)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -394,6 +424,14 @@ class ReplayBatch:
     @property
     def total_rows(self) -> int:
         return int(self.routes.shape[0])
+
+    @property
+    def source(self) -> str:
+        """Deprecated: :func:`route_label` of ``route_kind`` and ``engine`` (the engine's name for
+        rollout routes that name one, else the route kind)."""
+        warnings.warn("ReplayBatch.source is deprecated: read route_kind (and engine)", DeprecationWarning,
+                      stacklevel=2)
+        return route_label(self.route_kind, self.engine)
 
     @property
     def offsets(self) -> torch.Tensor:
@@ -436,12 +474,13 @@ class ReplayBatch:
             self.routes.index_select(0, row_idx.to(self.routes.device)),
             self.valid.index_select(0, row_idx.to(self.valid.device)),
             new_rows, [self.start_rows[i] for i in order], self.layer_ids,
-            self.num_experts, self.topk, self.source, pv, offsets, select_provenance(self.provenance, order),
-            weights=None if self.weights is None else self.weights.index_select(0, row_idx.to(self.weights.device)))
+            self.num_experts, self.topk, self.route_kind, pv, offsets, select_provenance(self.provenance, order),
+            weights=None if self.weights is None else self.weights.index_select(0, row_idx.to(self.weights.device)),
+            engine=self.engine)
 
     def select_range(self, start: int, stop: int) -> "ReplayBatch":
         """Sequences ``start .. stop - 1`` as views of this batch's buffers (no copy): the
-        consecutive micro-batches of a step cost nothing to cut."""
+        consecutive micro-batches of a pass cost nothing to cut."""
         start = as_index(start, what="select_range start", error=CoverageError)
         stop = as_index(stop, what="select_range stop", error=CoverageError)
         if not 0 <= start <= stop <= self.num_seqs:
@@ -450,9 +489,9 @@ class ReplayBatch:
         pv = None if self.policy_versions is None else self.policy_versions[start:stop]
         return ReplayBatch(self.routes[a:b], self.valid[a:b], self.rows_per_seq[start:stop],
                            self.start_rows[start:stop], self.layer_ids, self.num_experts, self.topk,
-                           self.source, pv, self._offsets[start:stop + 1] - a,
+                           self.route_kind, pv, self._offsets[start:stop + 1] - a,
                            None if self.provenance is None else self.provenance[start:stop],
-                           weights=None if self.weights is None else self.weights[a:b])
+                           weights=None if self.weights is None else self.weights[a:b], engine=self.engine)
 
     @staticmethod
     def concat(batches: Sequence["ReplayBatch"]) -> "ReplayBatch":
@@ -469,14 +508,16 @@ class ReplayBatch:
         pv = None
         if all(b.policy_versions is not None for b in batches):
             pv = [p for b in batches for p in b.policy_versions]  # type: ignore[union-attr]
-        sources = {b.source for b in batches}
+        kinds = {b.route_kind for b in batches}
+        kind = kinds.pop() if len(kinds) == 1 else "mixed"
+        engines = {b.engine for b in batches}
+        engine = engines.pop() if len(engines) == 1 and kind == "rollout" else None     # several: not one name
         rows = [r for b in batches for r in b.rows_per_seq]
         return ReplayBatch(
             torch.cat([b.routes for b in batches]), torch.cat([b.valid for b in batches]), rows,
             [s for b in batches for s in b.start_rows], a.layer_ids, a.num_experts, a.topk,
-            sources.pop() if len(sources) == 1 else "mixed", pv,
-            provenance=concat_provenance([(b.provenance, b.num_seqs) for b in batches]),
-            weights=_concat_weights(batches))
+            kind, pv, provenance=concat_provenance([(b.provenance, b.num_seqs) for b in batches]),
+            weights=_concat_weights(batches), engine=engine)
 
     def with_layers(self, layer_ids: Iterable[int]) -> "ReplayBatch":
         """Keep only ``layer_ids`` (in the given order). Raises if one is missing."""
@@ -488,17 +529,18 @@ class ReplayBatch:
             raise LayerMappingError(f"layers {missing} are not in this batch (it has {list(self.layer_ids)})")
         cols = torch.tensor([pos[x] for x in want], dtype=torch.int64, device=self.routes.device)
         return ReplayBatch(self.routes.index_select(1, cols), self.valid, self.rows_per_seq,
-                           self.start_rows, tuple(want), self.num_experts, self.topk, self.source,
+                           self.start_rows, tuple(want), self.num_experts, self.topk, self.route_kind,
                            self.policy_versions, self._offsets, self.provenance,
-                           weights=None if self.weights is None else self.weights.index_select(1, cols))
+                           weights=None if self.weights is None else self.weights.index_select(1, cols),
+                           engine=self.engine)
 
     def to(self, device: torch.device | str) -> "ReplayBatch":
         if torch.device(device).type == "meta":
             raise RouteShapeError("ReplayBatch.to('meta'): a meta tensor holds no routes")
         return ReplayBatch(self.routes.to(device), self.valid.to(device), self.rows_per_seq,
                            self.start_rows, self.layer_ids, self.num_experts, self.topk,
-                           self.source, self.policy_versions, self._offsets, self.provenance,
-                           weights=None if self.weights is None else self.weights.to(device))
+                           self.route_kind, self.policy_versions, self._offsets, self.provenance,
+                           weights=None if self.weights is None else self.weights.to(device), engine=self.engine)
 
     def with_weights(self, weights: torch.Tensor | None) -> "ReplayBatch":
         """The same routes with ``weights`` (``[total_rows, L, K]`` real numbers, validated and
@@ -506,12 +548,12 @@ class ReplayBatch:
         checked = None if weights is None else check_weights(weights, self.routes, self.valid, self.layer_ids,
                                                              self._offsets, self.start_rows)
         return ReplayBatch(self.routes, self.valid, self.rows_per_seq, self.start_rows, self.layer_ids,
-                           self.num_experts, self.topk, self.source, self.policy_versions, self._offsets,
-                           self.provenance, weights=checked)
+                           self.num_experts, self.topk, self.route_kind, self.policy_versions, self._offsets,
+                           self.provenance, weights=checked, engine=self.engine)
 
     def equals(self, other: "ReplayBatch") -> bool:
-        """Same schema, coverage, validity, routes and weights (``source``, ``policy_versions`` and
-        ``provenance`` are not compared)."""
+        """Same schema, coverage, validity, routes and weights (``route_kind``, ``engine``,
+        ``policy_versions`` and ``provenance`` are not compared)."""
         if (self.weights is None) != (other.weights is None) or (
                 self.weights is not None and not torch.equal(self.weights.cpu(), other.weights.cpu())):
             return False
@@ -534,9 +576,10 @@ class ReplayBatch:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise PayloadError(f"ReplayBatch payload must be bytes, got {type(data).__name__}")
         d = wire.decode(bytes(data))
+        kind, engine = parse_route_label(d.label)
         # Re-validate: a payload from another process is input like any other.
         return cls.from_packed(d.routes, d.rows_per_seq, num_experts=d.num_experts, layer_ids=d.layer_ids,
-                               start_rows=d.start_rows, valid=d.valid, source=d.source,
+                               start_rows=d.start_rows, valid=d.valid, route_kind=kind, engine=engine,
                                policy_versions=d.policy_versions, provenance=d.provenance, weights=d.weights)
 
     @property

@@ -7,12 +7,16 @@ values; ``ReplayBatch.from_bytes`` rebuilds (and re-validates) the batch from th
 Header (little endian):
   magic b"R3RB" | version u16 | dtype code u8 | flags u8 (bit0: policy_versions present,
   bit1: provenance present, bit2: routing weights present)
-  num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | source_len u16
+  num_seqs u32 | total_rows u64 | num_layers u32 | topk u32 | num_experts u32 | label_len u16
   | header crc32 u32 (over the header bytes before it)
-then the body: source utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
+then the body: route label utf-8 | layer_ids i32[L] | rows_per_seq i64[n] | start_rows i64[n]
       | [policy_versions i64[n]] | [provenance] | valid packed bits u8[ceil(rows/8)] | routes raw
       | [weights f16[rows, L, K], little endian]  (bit2; the last section, after the routes)
 and last: body crc32 u32 (over the body).
+
+The route label is one word for what the routes are (:func:`r3bridge.batch.provenance.route_label`:
+the engine's name for rollout routes that name one, else the route kind): the field every version
+wrote, read back into ``route_kind`` and ``engine`` by ``ReplayBatch.from_bytes``.
 
 Provenance (flags bit1; :mod:`r3bridge.batch.provenance`), one entry per sequence, columns:
   weight_version i64[n] (-1: unknown) | epoch i32[n] (-1: unknown) | attempt i32[n] (-1: unknown;
@@ -38,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.provenance import RouteProvenance, route_label
 from r3bridge.errors import PayloadError, ProvenanceError
 
 __all__ = ["encode", "decode", "encoded_size", "DecodedBatch", "VERSION"]
@@ -69,7 +73,7 @@ class DecodedBatch:
     start_rows: list[int]
     layer_ids: list[int]
     num_experts: int
-    source: str
+    label: str                      # route_label(route_kind, engine)
     policy_versions: list[int] | None
     provenance: tuple[RouteProvenance | None, ...] | None = None
     weights: torch.Tensor | None = None     # float16 [rows, L, K] (flags bit2)
@@ -95,17 +99,17 @@ def _encode_weights(rb: Any) -> list[bytes]:
     return [w.astype(_WEIGHTS_NP, copy=False).tobytes()]
 
 
-def _decode_weights(chunk: memoryview, flags: int, rows: int, nl: int, k: int) -> torch.Tensor | None:
+def _decode_weights(section: memoryview, flags: int, rows: int, nl: int, k: int) -> torch.Tensor | None:
     if not flags & FLAG_WEIGHTS:
         return None
-    w = np.frombuffer(chunk, dtype=_WEIGHTS_NP).reshape(rows, nl, k)
+    w = np.frombuffer(section, dtype=_WEIGHTS_NP).reshape(rows, nl, k)
     return torch.from_numpy(w.astype(np.float16, copy=True))
 
 
 def encoded_size(rb: Any) -> int:
     """``len(encode(rb))`` without building it."""
     n, rows = rb.num_seqs, rb.total_rows
-    return (_HEADER.size + len(rb.source.encode()) + 4 * rb.num_layers + 16 * n
+    return (_HEADER.size + len(route_label(rb.route_kind, rb.engine).encode()) + 4 * rb.num_layers + 16 * n
             + (8 * n if rb.policy_versions is not None else 0) + _provenance_size(rb.provenance) + (rows + 7) // 8
             + rb.routes.numel() * rb.routes.element_size()
             + _weights_size(_weights_flag(rb), rows, rb.num_layers, rb.topk) + _CRC.size)
@@ -113,7 +117,7 @@ def encoded_size(rb: Any) -> int:
 
 def encode(rb: Any) -> bytes:
     """A `ReplayBatch` -> payload bytes."""
-    src = rb.source.encode()
+    src = route_label(rb.route_kind, rb.engine).encode()
     flags = (FLAG_POLICY_VERSIONS if rb.policy_versions is not None else 0) | \
         (FLAG_PROVENANCE if rb.provenance is not None else 0) | _weights_flag(rb)
     fields = _HEADER_FIELDS.pack(MAGIC, VERSION, _DTYPE_CODES[rb.routes.dtype], flags, rb.num_seqs,
@@ -173,26 +177,26 @@ def decode(data: bytes) -> DecodedBatch:
     if zlib.crc32(body) != _CRC.unpack_from(data, need - _CRC.size)[0]:
         raise PayloadError("ReplayBatch payload body checksum mismatch: routes or metadata are corrupted")
     pos = 0
-    chunks = []
+    sections = []
     for s in sizes:
-        chunks.append(body[pos:pos + s])
+        sections.append(body[pos:pos + s])
         pos += s
     try:
-        source = bytes(chunks[0]).decode()
+        label = bytes(sections[0]).decode()
     except UnicodeDecodeError:
-        raise PayloadError("ReplayBatch payload: source field is not UTF-8: corrupted") from None
-    valid = np.unpackbits(np.frombuffer(chunks[6], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
-    routes = np.frombuffer(chunks[7], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
+        raise PayloadError("ReplayBatch payload: route label is not UTF-8: corrupted") from None
+    valid = np.unpackbits(np.frombuffer(sections[6], dtype=np.uint8), count=rows, bitorder="little").astype(bool)
+    routes = np.frombuffer(sections[7], dtype=np.dtype(_NP[dtype]).newbyteorder("<")).reshape(rows, nl, k)
     return DecodedBatch(
         routes=torch.from_numpy(routes.astype(_NP[dtype], copy=True)),
         valid=torch.from_numpy(valid.copy()),
-        rows_per_seq=np.frombuffer(chunks[2], dtype="<i8").tolist(),
-        start_rows=np.frombuffer(chunks[3], dtype="<i8").tolist(),
-        layer_ids=np.frombuffer(chunks[1], dtype="<i4").tolist(),
-        num_experts=e, source=source,
-        policy_versions=np.frombuffer(chunks[4], dtype="<i8").tolist() if flags & FLAG_POLICY_VERSIONS else None,
-        provenance=_decode_provenance(chunks[5], n, version) if flags & FLAG_PROVENANCE else None,
-        weights=_decode_weights(chunks[8], flags, rows, nl, k))
+        rows_per_seq=np.frombuffer(sections[2], dtype="<i8").tolist(),
+        start_rows=np.frombuffer(sections[3], dtype="<i8").tolist(),
+        layer_ids=np.frombuffer(sections[1], dtype="<i4").tolist(),
+        num_experts=e, label=label,
+        policy_versions=np.frombuffer(sections[4], dtype="<i8").tolist() if flags & FLAG_POLICY_VERSIONS else None,
+        provenance=_decode_provenance(sections[5], n, version) if flags & FLAG_PROVENANCE else None,
+        weights=_decode_weights(sections[8], flags, rows, nl, k))
 
 
 # ------------------------------------------------------------------------------- provenance section

@@ -226,15 +226,15 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
             plan = phase_plan(mode, Phase.OLD_LOG_PROB)
             for c in trainer:
                 c.eval()
-            with rep.open_pass(plan.action, forward_only=True, route_kind=plan.source) as ls:
-                run_schedule(trainer, batches, _install(ls, fwd, roll_of if plan.source else {}, ids_of),
+            with rep.open_pass(plan.action, forward_only=True, route_kind=plan.route_kind) as ls:
+                run_schedule(trainer, batches, _install(ls, fwd, roll_of if plan.route_kind else {}, ids_of),
                              forward_only=True)
             recorded = ls.recorded
             for c in trainer:
                 c.train()
             # 3. updates, one SGD step per mini-batch
             plan = phase_plan(mode, Phase.UPDATE)
-            ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches} if plan.source == "recorded" else roll_of
+            ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches} if plan.route_kind == "recorded" else roll_of
             opt = torch.optim.SGD([p for c in trainer for p in c.parameters()], lr=opts.lr)
             pm = per_mode[mode]
             step_pm = dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers), sums=None)
@@ -242,13 +242,13 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 mini = batches[u:u + per_update]
                 opt.zero_grad(set_to_none=True)
                 with RoutingProbe(trainer, include_mtp=False) as probe:
-                    with rep.open_pass(plan.action, forward_only=False, route_kind=plan.source) as us:
-                        res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.source else {}, ids_of),
+                    with rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind) as us:
+                        res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.route_kind else {}, ids_of),
                                            forward_only=False)
                 _sync_grads(trainer, ctx)
                 opt.step()
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
-                if plan.source:
+                if plan.route_kind:
                     pm["agreement_mean"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
                 count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:

@@ -1,4 +1,4 @@
-"""Per-sequence engine route arrays -> one packed buffer in the schema dtype, in one pass.
+"""Per-sequence engine route arrays -> one packed buffer in the schema dtype, in one sweep.
 
 What ``ReplayBatch.from_vllm`` / ``from_ragged`` run on host arrays. Every block of rows is read
 once from the engine's own array (a view: never a concatenation of the inputs, never an int64
@@ -69,14 +69,14 @@ def pack_sequences(arrays: Sequence[np.ndarray], cols: slice | list[int] | None,
     rows = [int(a.shape[0]) for a in arrays]
     if not rows:
         return
-    step = block_rows(out.shape[1] * out.shape[2])
+    block = block_rows(out.shape[1] * out.shape[2])
     tasks, where = [], []       # where[b] = (sequence, first row of the block in it)
     row = 0
     for i, a in enumerate(arrays):
         sel = a if cols is None else a[:, cols] if isinstance(cols, slice) else None
         v = None if valid is None else valid[i]
-        for r0 in range(0, rows[i], step):
-            r1 = min(rows[i], r0 + step)
+        for r0 in range(0, rows[i], block):
+            r1 = min(rows[i], r0 + block)
             dst = out[row + r0: row + r1]
             vb = None if v is None else v[r0:r1]
 

@@ -41,15 +41,15 @@ _SETTING = "r3bridge.engine_version"
 @dataclass(frozen=True)
 class EngineRelease:
     """The rollout engine's release as far as the trainer can tell: ``version`` ``None`` when
-    unknown; ``source`` says where it was read."""
+    unknown; ``read_from`` says where it was read."""
 
     engine: str
     version: Optional[Version]
-    source: str
+    read_from: str
 
     def __str__(self) -> str:
         name = {"vllm": "vLLM", "sglang": "SGLang"}.get(self.engine, self.engine)
-        return f"{name} {self.version} ({self.source})" if self.version is not None else f"{name} (version unknown)"
+        return f"{name} {self.version} ({self.read_from})" if self.version is not None else f"{name} (version unknown)"
 
 
 def check_engine_version_setting(value: Optional[str]) -> Optional[str]:

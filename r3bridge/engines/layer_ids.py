@@ -69,8 +69,8 @@ def check_dense_columns(routes: Any, cols: Sequence[int], *, layer_dim: int, fie
     if isinstance(view, torch.Tensor):
         if view.is_floating_point() or view.is_nested:
             return
-        step = max(1, view.shape[0] // _SAMPLE_ROWS)
-        sample = view[::step][:_SAMPLE_ROWS].detach().cpu().numpy()
+        stride = max(1, view.shape[0] // _SAMPLE_ROWS)
+        sample = view[::stride][:_SAMPLE_ROWS].detach().cpu().numpy()
     else:
         sample = np.asarray(view)
         if sample.dtype.kind not in "iu":

@@ -83,9 +83,9 @@ def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
     arr = routes.numpy() if routes.is_contiguous() else routes.contiguous().numpy()
     v = valid.cpu().numpy()
     all_valid = bool(v.all())
-    step = block_rows(arr.shape[1] * arr.shape[2])
-    row0 = list(range(0, arr.shape[0], step))
-    tasks = [(lambda a=a: scan_block(arr[a:a + step], num_experts, valid=None if all_valid else v[a:a + step]))
+    block = block_rows(arr.shape[1] * arr.shape[2])
+    row0 = list(range(0, arr.shape[0], block))
+    tasks = [(lambda a=a: scan_block(arr[a:a + block], num_experts, valid=None if all_valid else v[a:a + block]))
              for a in row0]
     raise_findings(run_blocks(tasks), row0, lambda r, c: arr[r, c].tolist(), num_experts, layer_ids,
                    lambda r: locate(offsets, starts, r))
@@ -120,7 +120,7 @@ def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, r
                names: Optional[Sequence[str]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Range and distinct-within-row of every covered (row, layer) of a read's ids ``compact``
     (``[nl, T, K]``, layer-major: the gathered rows of ``layer_ids``; read row ``t`` is row
-    ``row[t]`` of sequence ``seq[t]``), one pass where the ids are (the device: a sort of the K
+    ``row[t]`` of sequence ``seq[t]``), one sweep where the ids are (the device: a sort of the K
     ids; the host: a sorting network). Raises on an id out of range; a row whose ids repeat is
     degenerate: refused (raises) or routed natively (returned: ``covered`` without it, and the
     degenerate read rows). Errors name the sequence by ``names`` where given."""
@@ -190,12 +190,12 @@ def _faults(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.nda
         return _faults_torch(compact, num_experts)
     arr = compact.numpy().transpose(1, 0, 2)              # [T, nl, K] view
     rng, dup = np.zeros((t, nl), dtype=bool), np.zeros((t, nl), dtype=bool)
-    step = block_rows(nl * k)
+    block = block_rows(nl * k)
 
     def task(a: int):
         def run():
-            r, d = row_faults(arr[a:a + step], num_experts)
-            rng[a:a + step], dup[a:a + step] = r, d
+            r, d = row_faults(arr[a:a + block], num_experts)
+            rng[a:a + block], dup[a:a + block] = r, d
         return run
-    run_blocks([task(a) for a in range(0, t, step)])
+    run_blocks([task(a) for a in range(0, t, block)])
     return rng, dup

@@ -6,7 +6,7 @@ of the whole packed tensor allocated its values and int64 indices (~6x the input
 copy time (field notes, 13). Here the work is cut into blocks of rows, each scanned while it is in
 cache, with no allocation that grows with the batch:
 
-* a sorting network over the K columns of a transposed chunk (:func:`row_faults`): adjacent
+* a sorting network over the K columns of a transposed tile (:func:`row_faults`): adjacent
   sorted columns equal = a repeated id; first / last column = each row's min / max, so the range
   check is free. It runs on the source in its own dtype, before the narrowing copy, so an int16
   300 is never wrapped into a valid uint8 44.
@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["BlockFinding", "scan_block", "duplicate_rows", "sorting_network", "run_blocks", "block_rows"]
 
-_CHUNK_ROWS = 1 << 16          # (row, layer)s per sorting-network pass: [K, 64 Ki] ids stay in L2
+_TILE_ROWS = 1 << 16          # (row, layer)s per sorting-network sweep: [K, 64 Ki] ids stay in L2
 _BLOCK_IDS = 1 << 22           # ids per thread-pool task: amortises Python per-task overhead
 
 
@@ -75,11 +75,11 @@ def row_faults(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarra
     """``ids`` ``[..., K]`` (any integer dtype, any strides) -> (out of range ``[...]``, repeats
     an id ``[...]``).
 
-    The rows are sorted by a sorting network run column-wise on a ``[K, chunk]`` transpose (one
+    The rows are sorted by a sorting network run column-wise on a ``[K, tile]`` transpose (one
     gathering copy from whatever layout ``ids`` has; each compare-exchange is then one
     ``minimum`` and one ``maximum`` over a contiguous vector of the ids' own dtype: SIMD, in
     cache); adjacent sorted columns are compared, and the first and last columns are each row's
-    minimum and maximum, so the range check costs no pass of its own. On the 2-core CPU box it
+    minimum and maximum, so the range check costs no sweep of its own. On the 2-core CPU box it
     was ~7x faster than a numpy row sort and ~2x faster than 64-bit bitmasks per row for top-22
     uint8; exact for any dtype and expert count."""
     lead, k = ids.shape[:-1], ids.shape[-1]
@@ -87,20 +87,20 @@ def row_faults(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarra
     n, inner = rows3.shape[0], rows3.shape[1]
     rng, dup = np.zeros((n, inner), dtype=bool), np.zeros((n, inner), dtype=bool)
     net = sorting_network(k)
-    step = max(1, _CHUNK_ROWS // max(1, inner))
-    for a in range(0, n, step):
-        part = rows3[a:a + step]
+    tile = max(1, _TILE_ROWS // max(1, inner))
+    for a in range(0, n, tile):
+        part = rows3[a:a + tile]
         cols = list(np.ascontiguousarray(part.transpose(2, 0, 1)).reshape(k, -1))
         for i, j in net:
             x, y = cols[i], cols[j]
             cols[i], cols[j] = np.minimum(x, y), np.maximum(x, y)
         shape = part.shape[:2]
-        rng[a:a + step] = ((cols[-1] >= num_experts) | (cols[0] < 0)).reshape(shape)
+        rng[a:a + tile] = ((cols[-1] >= num_experts) | (cols[0] < 0)).reshape(shape)
         if k > 1:
             bad = cols[0] == cols[1]
             for j in range(1, k - 1):
                 bad |= cols[j] == cols[j + 1]
-            dup[a:a + step] = bad.reshape(shape)
+            dup[a:a + tile] = bad.reshape(shape)
     return rng.reshape(lead), dup.reshape(lead)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, native_order
 from r3bridge.batch.meta import checked_meta
+from r3bridge.batch.provenance import kind_and_engine, route_label
 from r3bridge.batch.route_weights import as_weights_tensor
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
@@ -67,7 +68,7 @@ class HandedRoutes:
     num_experts: int
     topk: int
     no_route: str = "none"
-    source: str = "rollout"
+    route_kind: str = "rollout"        # "rollout" (an engine's routes) or "recorded" (R2)
     trusted: bool = False              # ids in range and distinct by construction: not re-checked
     form: str = "batch"                # the constructor: batch, engine, packed, padded, sequence_last
     grid: Optional[torch.Tensor] = None
@@ -79,6 +80,7 @@ class HandedRoutes:
     names: Optional[list[str]] = None              # how errors name each sequence
     weights_grid: Optional[torch.Tensor] = None    # routing weights, the routes' storage and shape
     weights_arrays: Optional[list[np.ndarray]] = None
+    engine: Optional[str] = None                   # rollout routes: the engine that produced them, if said
     _captured: Optional[np.ndarray] = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ constructors
@@ -89,20 +91,23 @@ class HandedRoutes:
         valid = batch.valid
         all_valid = bool(valid.all()) if valid.numel() else True
         return cls(list(batch.rows_per_seq), list(batch.start_rows), tuple(batch.layer_ids), None,
-                   batch.num_experts, batch.topk, "none" if all_valid else "mask", batch.source, True, "batch",
+                   batch.num_experts, batch.topk, "none" if all_valid else "mask", batch.route_kind, True, "batch",
                    grid=batch.routes[None], seq_b=np.zeros(batch.num_seqs, dtype=np.int64),
                    seq_s0=batch.offsets[:-1].numpy().astype(np.int64),
                    mask=None if all_valid else valid[None],
-                   weights_grid=None if batch.weights is None else batch.weights[None])
+                   weights_grid=None if batch.weights is None else batch.weights[None], engine=batch.engine)
 
     @classmethod
     def from_engine(cls, items: Sequence[Any], *, num_experts: int, moe_layer_ids: Optional[Sequence[int]] = None,
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
-                    weights: Optional[Sequence[Any]] = None, source: str = "rollout",
-                    names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                    weights: Optional[Sequence[Any]] = None, route_kind: str = "rollout",
+                    names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
+                    source: Optional[str] = None) -> "HandedRoutes":
         """vLLM-style per-sequence engine outputs (any transport
         :func:`r3bridge.engines.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
-        handed row a route; ``moe_layer_ids`` selects the MoE layers by id."""
+        handed row a route; ``moe_layer_ids`` selects the MoE layers by id. ``source``: deprecated
+        (``route_kind`` and ``engine`` in one word)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_engine")
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         moe = None if moe_layer_ids is None else as_index_list(moe_layer_ids, what="moe_layer_ids",
@@ -131,16 +136,18 @@ class HandedRoutes:
                     raise RouteWeightsError(f"sequence {i}: weights have shape {tuple(wi.shape)}, its routes "
                                             f"{tuple(arrays[i].shape)}")
                 w.append(wi)
-        return cls(rows, starts, layer_ids, cols, num_experts, k, "none", source, False, "engine", arrays=arrays,
-                   names=None if names is None else list(names), weights_arrays=w)
+        return cls(rows, starts, layer_ids, cols, num_experts, k, "none", route_kind, False, "engine", arrays=arrays,
+                   names=None if names is None else list(names), weights_arrays=w, engine=engine)
 
     @classmethod
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
-                    sentinel: Optional[int] = None, source: str = "rollout", names: Optional[Sequence[str]] = None,
-                    weights: Any = None) -> "HandedRoutes":
+                    sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
+                    weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None) -> "HandedRoutes":
         """One packed buffer ``[sum rows, L_src, K]`` (verl's nested values, SkyRL 0.4's
-        ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``."""
+        ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
+        ``source``: deprecated (``route_kind`` and ``engine`` in one word)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_packed")
         v = _int_tensor(values, what="routes")
         if v.dim() != 3:
             raise RouteShapeError(f"packed routes must be [rows, layers, topk], got shape {tuple(v.shape)}")
@@ -155,15 +162,18 @@ class HandedRoutes:
             m = m[None]
         w = None if weights is None else _weights_tensor(weights, v)[None]
         return cls._checked("packed", v[None], np.zeros(len(rows), dtype=np.int64), offs[:-1], rows, None,
-                            num_experts, layer_ids, columns, no_route, m, sentinel, source, names, w)
+                            num_experts, layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, w)
 
     @classmethod
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
-                    sentinel: Optional[int] = None, source: str = "rollout",
-                    names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                    sentinel: Optional[int] = None, route_kind: str = "rollout",
+                    names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
+                    source: Optional[str] = None) -> "HandedRoutes":
         """A padded ``[B, S, L_src, K]`` field and its ``[B, S]`` mask (left or right padding): one
-        row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``."""
+        row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``. ``source``: deprecated
+        (``route_kind`` and ``engine`` in one word)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_padded")
         r = _int_tensor(routes, what="padded routes")
         if r.dim() != 4:
             raise RouteShapeError(f"padded routes must be [batch, seq, layers, topk], got shape {tuple(r.shape)}")
@@ -179,14 +189,17 @@ class HandedRoutes:
                 raise RouteShapeError(f"valid mask shape {tuple(m.shape)} does not match attention_mask "
                                       f"{tuple(attn.shape)}")
         return cls._checked("padded", r, np.arange(len(lens), dtype=np.int64), first, lens, None, num_experts,
-                            layer_ids, columns, no_route, m, sentinel, source, names, None)
+                            layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, None)
 
     @classmethod
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                           layer_ids: Sequence[int], sentinel: int, source: str = "rollout",
-                           names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                           layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
+                           names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
+                           source: Optional[str] = None) -> "HandedRoutes":
         """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last: AReaL's trajectories), tokens
-        ``[0, lens[i])`` of each, ``sentinel`` where a token has no route."""
+        ``[0, lens[i])`` of each, ``sentinel`` where a token has no route. ``source``: deprecated
+        (``route_kind`` and ``engine`` in one word)."""
+        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_sequence_last")
         t = _int_tensor(routes, what="routes")
         if t.dim() != 4:
             raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
@@ -200,11 +213,11 @@ class HandedRoutes:
         if bad:
             raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
         return cls._checked("sequence_last", t.permute(0, 3, 1, 2), b, np.zeros(len(n), dtype=np.int64), n, None,
-                            num_experts, layer_ids, None, "sentinel", None, sentinel, source, names, None)
+                            num_experts, layer_ids, None, "sentinel", None, sentinel, route_kind, engine, names, None)
 
     @classmethod
     def _checked(cls, form, grid, seq_b, seq_s0, rows, starts, num_experts, layer_ids, columns, no_route, mask,
-                 sentinel, source, names, weights_grid) -> "HandedRoutes":
+                 sentinel, route_kind, engine, names, weights_grid) -> "HandedRoutes":
         if no_route not in NO_ROUTE_KINDS:
             raise RouteShapeError(f"no_route must be one of {NO_ROUTE_KINDS}, got {no_route!r}")
         if (no_route == "mask") != (mask is not None):
@@ -218,9 +231,13 @@ class HandedRoutes:
         nl = len(ids) if cols is not None else int(grid.shape[2])
         rows, layer_ids, k, num_experts, starts, _ = checked_meta(
             (sum(int(r) for r in rows), nl, int(grid.shape[3])), list(rows), num_experts, ids, starts, None)
-        return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, source, False, form, grid=grid,
+        if route_kind not in ("rollout", "recorded"):
+            raise RouteShapeError(f"route_kind must be 'rollout' or 'recorded', got {route_kind!r} (an engine's name "
+                                  f"goes in engine=)")
+        return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, route_kind, False, form, grid=grid,
                    seq_b=np.asarray(seq_b, dtype=np.int64), seq_s0=np.asarray(seq_s0, dtype=np.int64), mask=mask,
-                   sentinel=sentinel, names=None if names is None else list(names), weights_grid=weights_grid)
+                   sentinel=sentinel, names=None if names is None else list(names), weights_grid=weights_grid,
+                   engine=engine)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -230,6 +247,14 @@ class HandedRoutes:
     @property
     def device(self) -> torch.device:
         return self.grid.device if self.grid is not None else torch.device("cpu")
+
+    @property
+    def source(self) -> str:
+        """Deprecated: ``route_kind`` and ``engine`` in one word (the engine's name for rollout routes
+        that name one, else the route kind)."""
+        warnings.warn("HandedRoutes.source is deprecated: read route_kind (and engine)", DeprecationWarning,
+                      stacklevel=2)
+        return route_label(self.route_kind, self.engine)
 
     @property
     def has_weights(self) -> bool:
@@ -316,7 +341,8 @@ class HandedRoutes:
         without a route dropped (the last sampled token is never fed forward)."""
         if self.arrays is not None and self.no_route == "none" and self.weights_arrays is None:
             return ReplayBatch._from_host(self.arrays, self.columns, num_experts=self.num_experts,
-                                          layer_ids=self.layer_ids, start_rows=self.starts, source=self.source)
+                                          layer_ids=self.layer_ids, start_rows=self.starts, route_kind=self.route_kind,
+                                          engine=self.engine)
         n, rows = self.num_seqs, np.asarray(self.rows, dtype=np.int64)
         offs = np.zeros(n + 1, dtype=np.int64)
         offs[1:] = np.cumsum(rows)
@@ -358,10 +384,10 @@ class HandedRoutes:
             routes = routes.clone() if routes.data_ptr() == compact.data_ptr() else routes
             routes[~valid] = torch.arange(self.topk, dtype=routes.dtype, device=routes.device)
         batch = ReplayBatch(routes, valid, rows.tolist(), list(self.starts), tuple(self.layer_ids), self.num_experts,
-                            self.topk, self.source)
+                            self.topk, self.route_kind, engine=self.engine)
         return batch if weights is None else ReplayBatch(
             batch.routes, batch.valid, batch.rows_per_seq, batch.start_rows, batch.layer_ids, batch.num_experts,
-            batch.topk, batch.source, weights=weights)
+            batch.topk, batch.route_kind, weights=weights, engine=self.engine)
 
     # ------------------------------------------------------------------ gathers
     def _gather_rows(self, seq: np.ndarray, j: np.ndarray, cols: Optional[list[int]]) -> torch.Tensor:

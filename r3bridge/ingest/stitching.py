@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from r3bridge.batch.canonical import with_source
+from r3bridge.batch.canonical import with_route_kind
 from r3bridge.batch.provenance import RouteProvenance, checked_provenance
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_vllm_routes
@@ -98,7 +98,7 @@ def stitch(pieces: Sequence[ReplayBatch]) -> tuple[ReplayBatch, StitchReport]:
         return a, report
     out = ReplayBatch.from_packed(torch.cat(seq_routes), [int(x.shape[0]) for x in seq_routes],
                                   num_experts=a.num_experts, layer_ids=a.layer_ids, start_rows=seq_start,
-                                  valid=torch.cat(seq_valid), source=a.source,
+                                  valid=torch.cat(seq_valid), route_kind=a.route_kind, engine=a.engine,
                                   policy_versions=a.policy_versions,
                                   provenance=None if all(x is None for x in seq_prov) else seq_prov,
                                   weights=torch.cat(seq_weights) if with_weights else None)
@@ -212,7 +212,7 @@ def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_laye
     """``calls[i][t]``: the routes engine call ``t`` of sample ``i`` returned (any vLLM transport,
     :func:`r3bridge.engines.decoders.decode_vllm_routes`), from row 0 of that call's prompt unless ``start_rows[i][t]`` says
     otherwise (vLLM ``routed_experts_prompt_start``). Returns one sequence per sample, first-seen
-    rows kept, ``source="rollout"``. ``report`` (a list) receives one :class:`StitchReport` per
+    rows kept, ``route_kind="rollout"`` and no engine named (the canonical form). ``report`` (a list) receives one :class:`StitchReport` per
     sample. ``provenance``: one per sample, the engine pass its routes came from."""
     provenance = checked_provenance(provenance, len(calls))
     per_sample = []
@@ -228,4 +228,4 @@ def rollout_routes(calls: Sequence[Sequence[Any]], *, num_experts: int, moe_laye
         if report is not None:
             report.append(rep)
         per_sample.append(rb)
-    return with_source(ReplayBatch.concat(per_sample), "rollout")
+    return with_route_kind(ReplayBatch.concat(per_sample), "rollout")

@@ -246,7 +246,7 @@ class PhaseRunner:
         mode = self.config.replay_mode.value
         if plan.action is Action.REPLAY and not present:
             raise ConfigError(f"replay_mode={mode}: {where} carries no {field!r} to replay "
-                              f"({provide[plan.source]})")
+                              f"({provide[plan.route_kind]})")
         if plan.action is Action.RECORD and present:
             raise ConfigError(f"replay_mode={mode} records routes in compute_log_prob, but {where} already "
                               f"carries {field!r} (rollout routes?): {provide['off']}")
@@ -274,7 +274,7 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.source) as driver_pass:
+        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind) as driver_pass:
             ps = PhasePass(self, phase, plan, driver_pass)
             ps.provenance = checked
             driver_pass.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
@@ -300,7 +300,7 @@ class PhaseRunner:
         """R3's check of rollout routes against the log-probs they are paired with. R2 replays
         the routes the trainer recorded in the same pass as its log-probs: nothing to compare."""
         mode = self.config.provenance_check
-        if pairing is None or mode == "off" or plan.action is not Action.REPLAY or plan.source != "rollout":
+        if pairing is None or mode == "off" or plan.action is not Action.REPLAY or plan.route_kind != "rollout":
             return None
         return pairing.check(mode)
 

@@ -314,13 +314,15 @@ class ReplayPass:
         return hit[1], hit[2]
 
     def _check_route_kind(self, routes: ReplayBatch | HandedRoutes) -> None:
-        # routes.source: "recorded", or the engine (or "rollout") for rollout routes
-        want = self.route_kind
-        if want == "recorded" and routes.source != "recorded":
-            raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
-                              f"{routes.source!r} (verl 0.9.1 silently replayed rollout routes under R2)")
-        if want == "rollout" and routes.source == "recorded":
+        want, got = self.route_kind, routes.route_kind
+        if want == "recorded" and got != "recorded":
+            raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got {got} routes"
+                              f"{f' of {routes.engine}' if routes.engine else ''} (verl 0.9.1 silently replayed "
+                              f"rollout routes under R2)")
+        if want == "rollout" and got == "recorded":
             raise ConfigError("R3 replays the rollout engine's routes, got routes recorded by the trainer")
+        if want == "rollout" and got != "rollout":
+            raise ConfigError(f"R3 replays the rollout engine's routes, got {got} routes")
 
     # ---------------------------------------------------------------------------- forward hooks
     def _make_pre(self, c: int):

@@ -151,7 +151,7 @@ class Replayer:
     def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None) -> ReplayPass:
         """One pass (one schedule run); use as a context manager. ``action`` from
         :func:`r3bridge.config.phase_plan`; ``route_kind`` the plan's kind of routes ("rollout" /
-        "recorded", ``PhasePlan.source``), checked against each installed batch."""
+        "recorded", ``PhasePlan.route_kind``), checked against each installed batch."""
         check_actor(self._actor_routers, self._hooks)
         return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind)
 

@@ -7,7 +7,7 @@ The router of a Megatron rank sees rows in this order (docs/architecture.md, "Co
 * THD packing: sequence ``i`` is padded to ``padded_i`` (a multiple of ``tp*cp*2`` if cp > 1
   else ``tp``; FP8: ``lcm(16, .)`` and the total to ``align*128``, the extra going to the last
   sequence) and the padded sequences are concatenated;
-* CP: each padded sequence is cut into ``2*cp`` chunks, CP rank ``r`` keeps chunks ``r`` and
+* CP: each padded sequence is cut into ``2*cp`` CP slices, CP rank ``r`` keeps slices ``r`` and
   ``2cp-1-r`` *of every sequence*, concatenated sequence by sequence (never one zigzag over the
   whole packed tensor: miles #774);
 * SP: TP rank ``t`` routes the contiguous slice ``t`` of ``tp`` of that concatenation (one slice
@@ -143,12 +143,12 @@ def rank_positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank
         return seq, pos.repeat_interleave(num_seqs)
     padded = plan.padded_lens
     if cp > 1:
-        chunk = padded // (2 * cp)
-        # per sequence two segments (chunk r, chunk 2cp-1-r), in sequence order
-        seg_start = torch.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
-        seg_len = chunk.repeat_interleave(2, output_size=2 * num_seqs)
+        slice_len = padded // (2 * cp)
+        # per sequence two segments (CP slice r, CP slice 2cp-1-r), in sequence order
+        seg_start = torch.stack([slice_len * cp_rank, slice_len * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
+        seg_len = slice_len.repeat_interleave(2, output_size=2 * num_seqs)
         pos = ragged_arange(seg_start, seg_len)
-        seq = torch.arange(num_seqs, dtype=torch.int64).repeat_interleave(2 * chunk, output_size=pos.numel())
+        seq = torch.arange(num_seqs, dtype=torch.int64).repeat_interleave(2 * slice_len, output_size=pos.numel())
     else:
         pos = ragged_arange(torch.zeros(num_seqs, dtype=torch.int64), padded)
         seq = torch.arange(num_seqs, dtype=torch.int64).repeat_interleave(padded, output_size=pos.numel())
@@ -194,13 +194,13 @@ def rank_rows(plan: PackPlan, layout: ParallelLayout) -> int:
 
 
 def _zigzag_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """Positions along a sequence of ``seq_length`` that CP rank ``cp_rank`` keeps: chunks
+    """Positions along a sequence of ``seq_length`` that CP rank ``cp_rank`` keeps: CP slices
     ``r`` and ``2cp-1-r`` of ``2cp``."""
     if cp == 1:
         return torch.arange(seq_length, dtype=torch.int64)
-    chunk = seq_length // (2 * cp)
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
+    slice_len = seq_length // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * slice_len, (cp_rank + 1) * slice_len),
+                      torch.arange((2 * cp - 1 - cp_rank) * slice_len, (2 * cp - cp_rank) * slice_len)])
 
 
 def sp_bounds(total: int, layout: ParallelLayout, tp_rank: int) -> tuple[int, int]:
@@ -211,8 +211,8 @@ def sp_bounds(total: int, layout: ParallelLayout, tp_rank: int) -> tuple[int, in
         raise LayoutError(f"{total} CP-local rows are not divisible by tp={split} for the SP split")
     if split == 1:
         return 0, total
-    step = total // split
-    return tp_rank * step, (tp_rank + 1) * step
+    width = total // split
+    return tp_rank * width, (tp_rank + 1) * width
 
 
 def _sp_slice(pos: torch.Tensor, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:

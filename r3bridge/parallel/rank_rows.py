@@ -74,7 +74,7 @@ class RankRows:
 
 def _positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """(sequence, token position) of every router row of rank (tp_rank, cp_rank). THD per run in
-    numpy (a rank's rows are, per sequence, its two CP chunks clipped to its SP slice: one
+    numpy (a rank's rows are, per sequence, its two CP slices clipped to its SP slice: one
     ragged arange); BSHD through :func:`r3bridge.parallel.packing.rank_positions`."""
     if plan.format != "thd":
         seq, pos = rank_positions(plan, layout, tp_rank, cp_rank)
@@ -85,10 +85,10 @@ def _positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: in
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     padded = plan.padded_lens.numpy().astype(np.int64)
     if cp > 1:
-        chunk = padded // (2 * cp)
+        slice_len = padded // (2 * cp)
         seg_seq = np.repeat(np.arange(n, dtype=np.int64), 2)
-        seg_pos = np.stack([chunk * cp_rank, chunk * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
-        seg_len = np.repeat(chunk, 2)
+        seg_pos = np.stack([slice_len * cp_rank, slice_len * (2 * cp - 1 - cp_rank)], 1).reshape(-1)
+        seg_len = np.repeat(slice_len, 2)
     else:
         seg_seq, seg_pos, seg_len = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), padded
     seg_end = np.cumsum(seg_len)

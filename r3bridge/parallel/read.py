@@ -30,16 +30,16 @@ class ReadStats:
     ``reads`` (:func:`read_targets` calls: one per chunk and micro-batch, plus late recomputes),
     ``row_maps`` (:class:`RankRows` built: one per micro-batch, whatever its chunks), ``routes``
     (micro-batches' handed routes read: one per micro-batch) and ``forms`` (how many of those
-    came in each (storage form, "no route" kind, source): what the adapters handed over)."""
+    came in each (storage form, "no route" kind, route kind): what the adapters handed over)."""
 
     reads: int = 0
     row_maps: int = 0
     routes: int = 0
     forms: dict = field(default_factory=dict)
 
-    def saw(self, routes: "HandedRoutes") -> None:
+    def saw(self, routes: HandedRoutes) -> None:
         self.routes += 1
-        key = f"{routes.form}/{routes.no_route}/{routes.source}"
+        key = f"{routes.form}/{routes.no_route}/{routes.route_kind}"
         self.forms[key] = self.forms.get(key, 0) + 1
 
     def as_dict(self) -> dict:

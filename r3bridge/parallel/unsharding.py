@@ -1,7 +1,7 @@
 """R2, the inverse of ``shard``: every rank's routes back into one per-sample
 :class:`r3bridge.ReplayBatch`, either from per-rank :class:`r3bridge.parallel.targets.ShardedTargets`
-(:func:`unshard`) or in one pass out of the recorder's all-gather buffer
-(:func:`assemble_gathered`, what the driver's R2 step uses). The row map: ``packing.py``.
+(:func:`unshard`) or in one sweep out of the recorder's all-gather buffer
+(:func:`assemble_gathered`, what the driver's R2 recorder uses). The row map: ``packing.py``.
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def _layer_major(rank_targets: ShardedTargets, lids: list[int], device: torch.de
     produce)."""
     parts = [rank_targets.indices[lid] for lid in lids]
     first = parts[0]
-    step = first.numel()
+    stride = first.numel()
     if first.device == device and all(
             p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
             and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            and p.storage_offset() == first.storage_offset() + j * step for j, p in enumerate(parts)):
-        return first.as_strided((len(parts), *first.shape), (step, first.shape[1], 1))
+            and p.storage_offset() == first.storage_offset() + j * stride for j, p in enumerate(parts)):
+        return first.as_strided((len(parts), *first.shape), (stride, first.shape[1], 1))
     return torch.stack([p.to(device) for p in parts], 0)
 
 
@@ -59,7 +59,7 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
             seq_lens: Sequence[int], *, num_experts: int, format: str = "thd",
             cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
             seq_length: int | None = None, start_rows: Sequence[int] | None = None,
-            rows_per_seq: Sequence[int] | None = None, source: str = "recorded") -> ReplayBatch:
+            rows_per_seq: Sequence[int] | None = None, route_kind: str = "recorded") -> ReplayBatch:
     """Inverse of ``shard``: per-rank targets keyed by (tp_rank, cp_rank, pp_rank, vp_stage) ->
     one ReplayBatch covering ``[start, start + rows)`` of each sequence (default: all tokens).
 
@@ -150,7 +150,7 @@ def unshard(targets: Mapping[RankKey, ShardedTargets], layout: ParallelLayout,
     # The ids come from shard() of a validated batch or from the router's own top-k: distinct by
     # construction, so only the schema is rebuilt (the O(rows*L*K log K) duplicate scan is skipped).
     batch = ReplayBatch.from_trusted(out, rows.tolist(), starts.tolist(), valid.to(device), tuple(layer_ids),
-                                     num_experts, source)
+                                     num_experts, route_kind)
     weights = _unshard_weights(_dedupe_sp_off(targets, layout), plan, layout, starts, rows, offsets, col_of, device)
     return batch if weights is None else batch.with_weights(weights)
 
@@ -179,8 +179,8 @@ def _unshard_weights(targets: Mapping[RankKey, ShardedTargets], plan: PackPlan, 
 
 
 def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequence[PackPlan], sample_ids: Sequence[int],
-                      *, num_experts: int, topk: int, source: str = "recorded", method: str = "auto") -> ReplayBatch:
-    """Per-sample routes out of the R2 gather buffer, in one pass over all micro-batches.
+                      *, num_experts: int, topk: int, route_kind: str = "recorded", method: str = "auto") -> ReplayBatch:
+    """Per-sample routes out of the R2 gather buffer, in one sweep over all micro-batches.
 
     ``flat`` holds every rank's recorded ids, ``[pp][cp][tp'][part]`` with tp' = tp under SP else
     1, each rank's part padded to the same length and laid out ``[micro-batch][its rows][its
@@ -281,4 +281,4 @@ def assemble_gathered(flat: torch.Tensor, layout: ParallelLayout, plans: Sequenc
     # The ids are the routers' own top-k narrowed to a dtype that holds num_experts: distinct and
     # in range by construction, so only the schema is rebuilt (as in unshard).
     return ReplayBatch.from_trusted(routes, lens_out, [0] * len(lens_out), torch.ones(n_out, dtype=torch.bool),
-                                tuple(lids), num_experts, source)
+                                tuple(lids), num_experts, route_kind)

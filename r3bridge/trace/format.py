@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.provenance import kind_and_engine
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import PayloadError
 from r3bridge.parallel.layout import ParallelLayout
@@ -86,10 +87,13 @@ def micro_batch_entry(seq_lens: Sequence[int], sample_ids: Sequence[Optional[int
 
 def rank_batch(layout: ParallelLayout, tp_rank: int, cp_rank: int, micro_batches: Sequence[dict[str, Any]],
                ids: Sequence[dict[int, torch.Tensor]], valid: Sequence[Optional[torch.Tensor]], *, num_experts: int,
-               source: str) -> ReplayBatch:
+               route_kind: str = "rollout", source: Optional[str] = None) -> ReplayBatch:
     """One rank's rows of one pass as a payload: sequence ``k`` = micro-batch ``k``'s router rows
     (``ids[k][layer]`` ``[rows, K]``), start row 0. A row is valid where it is a real token (packing
-    padding never is) and, with ``valid[k]`` given, where that mask holds (rows that had a route)."""
+    padding never is) and, with ``valid[k]`` given, where that mask holds (rows that had a route).
+    ``route_kind``: ``"native"`` (the router's own top-k) or the pass's (``"rollout"`` /
+    ``"recorded"``); ``source``: its deprecated spelling."""
+    route_kind, _ = kind_and_engine(route_kind, None, source, "rank_batch")
     layers = sorted({lid for per in ids for lid in per})
     dtype = route_dtype(num_experts)
     parts, masks = [], []
@@ -103,7 +107,7 @@ def rank_batch(layout: ParallelLayout, tp_rank: int, cp_rank: int, micro_batches
         masks.append(real if v is None else v.cpu() & real)
     rows = [int(m["rows"]) for m in micro_batches]
     return ReplayBatch.from_trusted(torch.cat(parts), rows, [0] * len(rows), torch.cat(masks), tuple(layers),
-                                    num_experts, source)
+                                    num_experts, route_kind)
 
 
 def write_payload(root: Path, name: str, data: bytes) -> None:

@@ -143,7 +143,8 @@ class TracePass:
                     try:
                         views.append(unshard(targets, layout, mb["seq_lens"], num_experts=E, format=mb["format"],
                                              cu_seqlens_padded=mb["cu_seqlens_padded"],
-                                             seq_length=mb["seq_length"], source=loaded[0][1 if v == "native" else 2].source))
+                                             seq_length=mb["seq_length"],
+                                             route_kind=loaded[0][1 if v == "native" else 2].route_kind))
                     except ReplayError as e:
                         ranks = sorted(int(rp.entry["rank"]) for rp in rps)
                         raise TraceError(f"{self.ranks[0].root}: {where}, micro-batch {k}: ranks {ranks} do not "

@@ -227,7 +227,7 @@ def assert_same_batch(got: ReplayBatch, want: ReplayBatch, what: str = "", *,
     if got.to_bytes() == want.to_bytes():
         return
     msg = [f"{what}: ReplayBatches differ" if what else "ReplayBatches differ"]
-    for name in ("source", "layer_ids", "num_experts", "topk", "start_rows"):
+    for name in ("route_kind", "engine", "layer_ids", "num_experts", "topk", "start_rows"):
         a, b = getattr(got, name), getattr(want, name)
         if a != b:
             hint = shifted_layer_ids_hint(a, b) if name == "layer_ids" else ""
@@ -266,13 +266,13 @@ def check_ingest(codec: BatchCodec, native: Any, rollout: CanonicalRollout, what
 
 # ---------------------------------------------------------------------------------- check 2
 def random_recorded(rollout: CanonicalRollout, seed: int = 3) -> ReplayBatch:
-    """Random R2 routes (``source="recorded"``, one row per token, every row valid) for the
+    """Random R2 routes (``route_kind="recorded"``, one row per token, every row valid) for the
     rollout's samples: what a recording pass returns."""
     generator = torch.Generator().manual_seed(seed)
     return ReplayBatch.from_ragged(
         [torch.rand(len(t), len(rollout.moe_layer_ids), rollout.num_experts, generator=generator)
          .topk(rollout.topk, -1).indices for t in rollout.tokens],
-        num_experts=rollout.num_experts, layer_ids=rollout.moe_layer_ids, source="recorded")
+        num_experts=rollout.num_experts, layer_ids=rollout.moe_layer_ids, route_kind="recorded")
 
 
 def check_recorded_survives_split(codec: BatchCodec, native: Any, recorded: ReplayBatch,

@@ -65,7 +65,7 @@ class CanonicalRollout:
         for i in range(self.batch_size):
             pieces = [ReplayBatch.from_ragged([(empty if c is None else c)[:, self.moe_layer_ids]],
                                               num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                              source="rollout")
+                                              route_kind="rollout")
                       for c in self.calls[i]]
             rb, _ = stitch(pieces)
             per.append(canonical_form(rb, [len(self.tokens[i])]))
