@@ -3,5 +3,5 @@
 
 Adapters import ``r3bridge``, never each other. Each translates its framework's batches to and
 from :class:`r3bridge.ReplayBatch` and calls the Megatron driver at the framework's per-micro-batch
-hook (:mod:`r3bridge.protocols`); each passes :mod:`r3bridge.testing.conformance` (docs/porting.md).
+hook (:mod:`r3bridge.protocols`); each passes :mod:`r3bridge.testing.kit.conformance` (docs/porting.md).
 """

@@ -52,7 +52,7 @@ def build_inputs(n_seqs, seq_len, num_layers, topk, num_experts, seed=0):
     rows = seq_len - 1                                            # vLLM: last sampled token has no row
     rb = r3bridge.ReplayBatch.from_packed(full[:, :rows].reshape(-1, num_layers, topk),
                                           [rows] * n_seqs, num_experts=num_experts,
-                                          layer_ids=list(range(num_layers)), source="vllm")
+                                          layer_ids=list(range(num_layers)), engine="vllm")
     transport = full.clone()
     transport[:, rows:] = 0                                       # no route for the last token
     return rb, transport

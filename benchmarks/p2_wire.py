@@ -62,11 +62,11 @@ def measure(name, E, L, dense, K, prompts, completions, seed=0):
     for r in rows:    # distinct ids per row: random offset + stride coprime with E
         off = rng.integers(0, E, (r, len(moe), 1))
         arrays.append(((off + np.arange(K) * 5) % E).astype(np.uint8 if E <= 256 else np.uint16))
-    rb = r3bridge.ReplayBatch.from_ragged(arrays, num_experts=E, layer_ids=moe, source="vllm")
+    rb = r3bridge.ReplayBatch.from_ragged(arrays, num_experts=E, layer_ids=moe, engine="vllm")
     wire = rb.to_bytes()
     assert rb.nbytes == len(wire)
     n = len(rows)
-    single = [r3bridge.ReplayBatch.from_ragged([a], num_experts=E, layer_ids=moe, source="vllm").nbytes
+    single = [r3bridge.ReplayBatch.from_ragged([a], num_experts=E, layer_ids=moe, engine="vllm").nbytes
               for a in arrays[:4]]
     max_len = max(p + c for p, c in zip(prompts, completions))
     verl = n * max_len * L * K * 2

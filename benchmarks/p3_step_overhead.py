@@ -56,7 +56,7 @@ def build(args):
 
     te = args.spec == "te"
     if te:
-        from r3bridge.testing.models import require_te
+        from r3bridge.testing.harness.models import require_te
         require_te()
     # megatron-core 0.16.1 without Transformer Engine: the router references te_general_gemm,
     # a name only defined when TE imports (docs/testing-harness.md).
@@ -188,7 +188,7 @@ def main() -> None:
             inp.forward(model, labels=False)
         recorded = rs.recorded
         routes.append(r3bridge.ReplayBatch.from_ragged([recorded.sequence(i)[0][:-1] for i in range(b)],
-                                                       num_experts=args.experts, layer_ids=layers, source="vllm"))
+                                                       num_experts=args.experts, layer_ids=layers, engine="vllm"))
     rec_rep.detach()
 
     def fwd_bwd(inp):

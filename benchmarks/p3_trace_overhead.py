@@ -33,12 +33,12 @@ import time
 def _run(ctx, args) -> dict:
     import torch
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.config import Phase, ReplayConfig
     from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
-    from r3bridge.schema import ReplayBatch
-    from r3bridge.testing.data import make_packed_batch
-    from r3bridge.testing.models import ModelSpec, build_model_chunks
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import make_packed_batch
+    from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     spec = ModelSpec(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden,
                      num_attention_heads=4, vocab_size=1024, num_moe_experts=args.experts,
@@ -55,7 +55,7 @@ def _run(ctx, args) -> dict:
     rec = ps.result.recorded
     rep.detach()
     routes = ReplayBatch.from_ragged([rec.sequence(i)[0][:-1] for i in range(rec.num_seqs)],
-                                     num_experts=args.experts, layer_ids=list(rec.layer_ids), source="vllm")
+                                     num_experts=args.experts, layer_ids=list(rec.layer_ids), engine="vllm")
     mb = MicroBatch(lens, routes, cu_seqlens_padded=batch.cu_seqlens_padded)
     tmp = tempfile.mkdtemp(prefix="r3b_trace_bench_")
     variants = {
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     (res,) = spawn(_run, world_size=1, args=(args,), timeout=3000)
     if args.json:

@@ -100,10 +100,10 @@ def rank_fn(ctx, args):
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     from verl.utils.seqlen_balancing import restore_dynamic_batch
 
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.batch.schema import route_dtype
     from r3bridge.megatron.installed import InstalledMicroBatch
     from r3bridge.megatron.recorder import gather_recorded
-    from r3bridge.schema import route_dtype
+    from r3bridge.parallel.layout import ParallelLayout
 
     pp, k = ctx.pp, args.topk
     g = torch.Generator().manual_seed(0)           # same lengths on every rank
@@ -201,7 +201,7 @@ def rank_fn(ctx, args):
 
 
 def one_run(args, pp):
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     res = spawn(rank_fn, world_size=pp, pp=pp, args=(args,), timeout=1200,
                 backend="nccl" if args.device == "cuda" else "gloo")[0]

@@ -236,7 +236,8 @@ def _drive(handed_of, mbs, lens, w, lay) -> dict:
     routes; the row map once, then this rank's stage layers read onto ``w["device"]``."""
     import torch
 
-    from r3bridge.reader import RankRows, read_targets
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
 
     dev = torch.device(w["device"])
     want = lay.moe_layers(w["pp_rank"])
@@ -318,7 +319,7 @@ def input_r3bridge_areal(items, lens, w):
     """AReaL's batched trajectory tensor ``[B, L_moe, K, S]`` (r3bridge's WorkflowMixin format)."""
     import torch
 
-    from r3bridge.schema import sentinel_dtype
+    from r3bridge.batch.schema import sentinel_dtype
 
     dtype, none = sentinel_dtype(w["experts"])
     t = torch.full((len(lens), w["layers"] - w["dense"], w["topk"], int(lens.max())), none, dtype=dtype)

@@ -4,7 +4,9 @@ The core (this package's top level) is pure tensor logic on torch and numpy: the
 schema, engine ingest, `ParallelLayout` and the exact rank distribution `shard` / `unshard`.
 `r3bridge.megatron` drives megatron-core; `r3bridge.adapters` plug it into trainers.
 """
-from r3bridge.dense import NO_ROUTE, dense_routes, padded_routes
+from r3bridge.batch.dense import NO_ROUTE, dense_routes, padded_routes
+from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import (
     ConfigError,
     CoverageError,
@@ -21,14 +23,13 @@ from r3bridge.errors import (
     RouteWeightsError,
     StitchError,
 )
-from r3bridge.ingest import StitchReport, stitch
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.provenance import RouteProvenance
-from r3bridge.reader import HandedRoutes, rank_targets
-from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.sharding import ShardedTargets, shard
-from r3bridge.unsharding import unshard
+from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.ingest.stitching import StitchReport, stitch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, rank_positions
+from r3bridge.parallel.sharding import rank_targets, shard
+from r3bridge.parallel.targets import ShardedTargets
+from r3bridge.parallel.unsharding import unshard
 
 __version__ = "0.1.0"
 

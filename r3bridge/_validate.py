@@ -1,107 +1,14 @@
-"""Vectorised validation of packed routes (errors name sequence, row, token and layer), and the
-conversion of every number, mask and array the public API takes."""
+"""The conversion of every number, mask and array the public API takes (the checks of route ids'
+values are :mod:`r3bridge.engines.route_checks`')."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from r3bridge.errors import DegenerateRouteError, ReplayError, RouteValueError
-
-
-def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple[int, int, int]:
-    """Packed row index -> (sequence, row within sequence, token position)."""
-    seq = int(torch.searchsorted(offsets, torch.tensor([flat_row]), right=True)[0]) - 1
-    row = flat_row - int(offsets[seq])
-    return seq, row, starts[seq] + row
-
-
-def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, values: list,
-                      num_experts: int, total: int) -> RouteValueError:
-    """The one message for a bad (row, layer): ``kind`` is "range" or "duplicate"."""
-    where = f"sequence {seq}, row {row} (token {tok}), layer {layer}: "
-    if kind == "range":
-        # ids are logical (the router's, pre-EPLB): an engine's physical replica slots are not
-        return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
-                               f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
-                               f"pre-EPLB: map physical replica slots back first)")
-    # a degenerate route: ids repeat inside the rows the engine returned (vLLM #54730's all-zero
-    # rows), a row without a route read as one, or (all zeros) a dense layer's zero column picked
-    # by an id off by one (engines report dense layers as zero rows)
-    dense = (f"; or layer {layer} is a dense layer: layer ids are 0-based global, 1-based ids point one layer "
-             f"further" if values and not any(values) else "")
-    return DegenerateRouteError(f"{where}duplicate expert ids {values} (a degenerate route: a broken engine capture "
-                                f"such as vLLM #54730's all-zero rows, or a zero/padding row that should be marked "
-                                f"invalid{dense}; {total} bad (row, layer) pairs in total). "
-                                f"r3bridge.degenerate_routes=native routes such rows natively, counted in metrics")
-
-
-def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int, layer_ids: Sequence[int],
-                   where) -> None:
-    """Raise the first finding of the blocks (range errors first, then duplicates), in row order,
-    with the batch's total. ``block_row0[b]``: first packed row of block ``b``; ``values(row,
-    col)`` the ids of a (row, layer); ``where(row)`` -> (sequence, row in sequence, token)."""
-    for kind in ("range", "dup"):
-        total = sum(getattr(f, f"{kind}_bad") for f in findings)
-        if not total:
-            continue
-        b, f = next((b, f) for b, f in enumerate(findings) if getattr(f, f"{kind}_bad"))
-        r, col = getattr(f, f"{kind}_first")
-        row = block_row0[b] + r
-        seq, srow, tok = where(row)
-        raise route_value_error("range" if kind == "range" else "duplicate", seq=seq, row=srow, tok=tok,
-                                layer=layer_ids[col], values=values(row, col), num_experts=num_experts,
-                                total=total)
-
-
-def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
-                 layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
-    """Ids in ``[0, num_experts)`` and distinct within each row, on valid rows only.
-
-    Invalid rows may hold anything (engines send zero rows); they are overwritten with fillers.
-    On the host: block by block, no sort and no copy of the batch (:mod:`r3bridge.route_scan`).
-    """
-    if routes.numel() == 0:
-        return
-    if routes.device.type != "cpu" or routes.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        return _check_routes_torch(routes, valid, num_experts, layer_ids, offsets, starts)
-    from r3bridge.route_scan import block_rows, run_blocks, scan_block
-
-    arr = routes.numpy() if routes.is_contiguous() else routes.contiguous().numpy()
-    v = valid.cpu().numpy()
-    all_valid = bool(v.all())
-    step = block_rows(arr.shape[1] * arr.shape[2])
-    row0 = list(range(0, arr.shape[0], step))
-    tasks = [(lambda a=a: scan_block(arr[a:a + step], num_experts, valid=None if all_valid else v[a:a + step]))
-             for a in row0]
-    raise_findings(run_blocks(tasks), row0, lambda r, c: arr[r, c].tolist(), num_experts, layer_ids,
-                   lambda r: locate(offsets, starts, r))
-
-
-def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
-                        layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
-    """Device tensors: the same checks in torch (a sort of the rows on the device)."""
-    lo, hi = int(routes.min()), int(routes.max())
-    if lo < 0 or hi >= num_experts:
-        bad = ((routes < 0) | (routes >= num_experts)).any(-1) & valid[:, None].to(routes.device)
-        hits = bad.nonzero()
-        if hits.numel():
-            r, l = int(hits[0, 0]), int(hits[0, 1])
-            seq, row, tok = locate(offsets, starts, r)
-            raise route_value_error("range", seq=seq, row=row, tok=tok, layer=layer_ids[l],
-                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(bad.sum()))
-    if routes.shape[2] > 1:
-        s = routes.sort(dim=-1).values
-        dup = (s[..., 1:] == s[..., :-1]).any(-1) & valid[:, None].to(routes.device)
-        hits = dup.nonzero()
-        if hits.numel():
-            r, l = int(hits[0, 0]), int(hits[0, 1])
-            seq, row, tok = locate(offsets, starts, r)
-            raise route_value_error("duplicate", seq=seq, row=row, tok=tok, layer=layer_ids[l],
-                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(dup.sum()))
-
+from r3bridge.errors import ReplayError
 
 # ------------------------------------------------------------------ numbers, byte order, devices
 # Every number the public API takes (counts, ids, lengths, ranks) goes through ``as_index`` /

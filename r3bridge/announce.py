@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from r3bridge.config import SOURCE_DEFAULT, ReplayConfig, ReplayMode
+from r3bridge.config import ORIGIN_DEFAULT, ReplayConfig, ReplayMode
 
 __all__ = ["announce", "replay_mode_metric", "ensure_visible", "REPLAY_MODE_CODES", "logger"]
 
@@ -37,15 +37,15 @@ def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
     return {f"{cfg.metrics_prefix}replay_mode": REPLAY_MODE_CODES[cfg.replay_mode]}
 
 
-def announce(cfg: ReplayConfig, source: str, where: str) -> str:
+def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
     """Log which replay mode is in force in ``where`` (e.g. ``"SkyRL policy worker"``) and where it
     came from (``config``, ``environment (...)``, ``default``). Replay off is a WARNING (visible
     without any logging set-up), saying whether a setting asked for it or none was found; returns
     the line."""
     mode = cfg.replay_mode
-    line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {source})"
+    line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {origin})"
     if mode is ReplayMode.OFF:
-        if source == SOURCE_DEFAULT:
+        if origin == ORIGIN_DEFAULT:
             line += ("; no r3bridge setting was found, so routing replay is OFF (set the framework's r3bridge "
                      "section, or R3BRIDGE_REPLAY_MODE / R3BRIDGE_CONFIG)")
         else:

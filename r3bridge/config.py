@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping, Optional
 
-from r3bridge.engine_settings import check_engine_version_setting
+from r3bridge.batch.provenance import CHECK_MODES
+from r3bridge.engines.engine_settings import check_engine_version_setting
+from r3bridge.engines.layer_axis import check_layer_axis
 from r3bridge.errors import ConfigError
-from r3bridge.layer_axis import check_layer_axis
-from r3bridge.provenance import CHECK_MODES
 from r3bridge.replay_policy import check_policy
 
 ENV_CONFIG = "R3BRIDGE_CONFIG"         # JSON of the r3bridge section (all of it, or some keys)
@@ -25,8 +26,8 @@ ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
 # from the job's section and the user's environment: a worker reads it, a later resolution in the
 # launcher's own process does not merge it a second time.
 ENV_FROM = "R3BRIDGE_CONFIG_FROM"
-SOURCE_CONFIG = "config"
-SOURCE_DEFAULT = "default"
+ORIGIN_CONFIG = "config"      # config origins: where the r3bridge section came from
+ORIGIN_DEFAULT = "default"
 
 __all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan", "forward_env"]
 
@@ -75,7 +76,13 @@ class Action(str, Enum):
 @dataclass(frozen=True)
 class PhasePlan:
     action: Action
-    source: str | None   # which routes to replay: "rollout" or "recorded"
+    route_kind: str | None   # which routes a replay pass replays: "rollout" (R3) or "recorded" (R2)
+
+    @property
+    def source(self) -> str | None:
+        """Deprecated spelling of :attr:`route_kind`."""
+        warnings.warn("PhasePlan.source is deprecated: read route_kind", DeprecationWarning, stacklevel=2)
+        return self.route_kind
 
 
 _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
@@ -143,12 +150,12 @@ class ReplayConfig:
     trace_dir: Optional[str] = None
     trace_every: int = 1
     trace_max_bytes: int = 1 << 30
-    # What the layer axis of the rollout routes is (r3bridge/layer_axis.py): "all_hidden" (vLLM,
+    # What the layer axis of the rollout routes is (r3bridge/engines/layer_axis.py): "all_hidden" (vLLM,
     # SGLang: every decoder layer), "moe_only" (TensorRT-LLM: MoE layers only), or null: read
     # from its length only where that is unambiguous, refused otherwise (never guessed).
     layer_axis: Optional[str] = None
     # Routes whose provenance (engine pass: request id, weight version, re-prefill epoch) differs
-    # from that of the log-probs they are paired with (r3bridge/provenance.py; miles #3277, vLLM
+    # from that of the log-probs they are paired with (r3bridge/batch/provenance.py; miles #3277, vLLM
     # #39917): "count" replays them and counts them (provenance/* metrics), "refuse" raises a
     # ProvenanceError naming the sample and both provenances before the pass installs anything,
     # "off" compares nothing.
@@ -169,7 +176,7 @@ class ReplayConfig:
     # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
     stall_warning_s: float = 300.0
     # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
-    # (r3bridge/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
+    # (r3bridge/engines/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
     # set it when the engine runs elsewhere (when neither tells, such settings are refused).
     engine_version: Optional[str] = None
@@ -228,17 +235,17 @@ class ReplayConfig:
         return cls.from_mapping(keys)
 
     @classmethod
-    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None,
+    def resolve_with_origin(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None,
                             environ: Mapping[str, str] | None = None, *,
                             section_name: str = "the job's r3bridge section",
                             set_keys: "Iterable[str] | None" = None) -> "tuple[ReplayConfig, str]":
-        """The options in force and where they came from: the job's section ``cfg`` (a
+        """The options in force and where they came from (the config origin): the job's section ``cfg`` (a
         ``ReplayConfig`` or a mapping of the keys the job sets) merged with the environment
         (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``). Every adapter's launcher and worker
         resolves through here, so the environment setting is never dropped:
 
         * only one of them: that one (``"config"``, ``"environment (R3BRIDGE_CONFIG)"``, ...);
-        * both: the environment fills the keys the section does not set (source
+        * both: the environment fills the keys the section does not set (origin
           ``"config + environment (R3BRIDGE_CONFIG): trace_dir"``); a key both set to different
           values is refused (:class:`ConfigError` naming the key, both values and both places);
         * neither: the defaults (``"default"``).
@@ -250,14 +257,14 @@ class ReplayConfig:
         set, :func:`forward_env`) is that launcher's resolution: read where there is no section,
         not merged again where there is one."""
         env = os.environ if environ is None else environ
-        env_keys, env_source = _env_section(env)
+        env_keys, env_origin = _env_section(env)
         if cfg is None:
             if env_keys is None:
-                return cls(), SOURCE_DEFAULT
-            return cls.from_mapping(env_keys), env_source
+                return cls(), ORIGIN_DEFAULT
+            return cls.from_mapping(env_keys), env_origin
         section = cfg if isinstance(cfg, cls) else cls.from_mapping(cfg)
         if env_keys is None or env.get(ENV_FROM):
-            return section, SOURCE_CONFIG
+            return section, ORIGIN_CONFIG
         default = cls().as_dict()
         have = section.as_dict()
         if not isinstance(cfg, cls):
@@ -270,17 +277,27 @@ class ReplayConfig:
         clash = [k for k in env_keys if k in set_here and theirs[k] != have[k]]
         if clash:
             raise ConfigError("r3bridge option(s) set twice with different values: " + "; ".join(
-                f"{k}={have[k]!r} in {section_name} and {k}={theirs[k]!r} in {env_source.split('(', 1)[1].rstrip(')')}"
+                f"{k}={have[k]!r} in {section_name} and {k}={theirs[k]!r} in {env_origin.split('(', 1)[1].rstrip(')')}"
                 for k in clash) + ". Set each option in one place (or the same value in both)")
         added = [k for k in env_keys if k not in set_here]
         if not added:
-            return section, SOURCE_CONFIG
-        return cls.from_mapping({**have, **{k: theirs[k] for k in added}}), f"{SOURCE_CONFIG} + {env_source}: {', '.join(added)}"
+            return section, ORIGIN_CONFIG
+        return cls.from_mapping({**have, **{k: theirs[k] for k in added}}), f"{ORIGIN_CONFIG} + {env_origin}: {', '.join(added)}"
+
+    @classmethod
+    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None,
+                            environ: Mapping[str, str] | None = None, *,
+                            section_name: str = "the job's r3bridge section",
+                            set_keys: "Iterable[str] | None" = None) -> "tuple[ReplayConfig, str]":
+        """Deprecated spelling of :meth:`resolve_with_origin` ("source" names routes' kinds only)."""
+        warnings.warn("ReplayConfig.resolve_with_source is deprecated: use resolve_with_origin", DeprecationWarning,
+                      stacklevel=2)
+        return cls.resolve_with_origin(cfg, environ, section_name=section_name, set_keys=set_keys)
 
     @classmethod
     def resolve(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None) -> "ReplayConfig":
-        """:meth:`resolve_with_source` without the source."""
-        return cls.resolve_with_source(cfg)[0]
+        """:meth:`resolve_with_origin` without the origin."""
+        return cls.resolve_with_origin(cfg)[0]
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -292,7 +309,7 @@ class ReplayConfig:
 
 
 def _env_section(env: Mapping[str, str]) -> tuple[Optional[dict[str, Any]], str]:
-    """The keys the environment sets (``None``: none) and the source's name."""
+    """The keys the environment sets (``None``: none) and the origin's name."""
     raw, mode = env.get(ENV_CONFIG), env.get(ENV_MODE)
     keys: Optional[dict[str, Any]] = None
     if raw:

@@ -47,7 +47,7 @@ class ConfigError(ReplayError):
 
 
 class ReplayStateError(ReplayError):
-    """Replay state was used out of order: missing target, consumed twice, leaked across steps."""
+    """Replay state was used out of order: missing target, consumed twice, leaked across passes."""
 
 
 class ReplayMemoryError(ReplayError, MemoryError):

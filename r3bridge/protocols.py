@@ -7,7 +7,7 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
 
 1. :class:`RolloutIngest` - generator side: the inference engine's per-call outputs of one rollout
    (vLLM ``routed_experts`` arrays, SGLang ``meta_info`` dicts, ...) -> one ``ReplayBatch``
-   (``source="rollout"``), multi-turn and resubmitted calls stitched first-seen
+   (``route_kind="rollout"``), multi-turn and resubmitted calls stitched first-seen
    (:func:`r3bridge.stitch`), never concatenated or overwritten.
 2. :class:`BatchCodec` - trainer side: the framework's training batch <-> ``ReplayBatch``.
    ``to_replay_batch`` reads the routes the batch carries (rollout routes for R3, recorded ones
@@ -25,16 +25,16 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
    (SkyRL, AReaL) pass the targets to ``AdapterSession.run``, which installs from a forward
    pre-hook on each chunk and sees the trainer's real packing metadata (``packed_seq_params``).
 
-The canonical trainer-side form every codec produces is :mod:`r3bridge.canonical`'s.
+The canonical trainer-side form every codec produces is :mod:`r3bridge.batch.canonical`'s.
 
-:mod:`r3bridge.testing.conformance` runs any adapter that implements these against canonical
+:mod:`r3bridge.testing.kit.conformance` runs any adapter that implements these against canonical
 rollouts and the CPU Megatron harness; ``adapters/_template`` is a commented skeleton.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
 
 __all__ = ["RolloutIngest", "BatchCodec"]
 
@@ -44,7 +44,7 @@ class RolloutIngest(Protocol):
     """Generator side of an adapter."""
 
     def routes_from_rollout(self, engine_outputs: Any) -> ReplayBatch:
-        """One sample's (or a batch of samples') engine outputs -> ReplayBatch, source "rollout".
+        """One sample's (or a batch of samples') engine outputs -> ReplayBatch, route kind "rollout".
         Multi-turn / resubmitted calls are stitched first-seen; gaps or contradictions raise."""
         ...
 
@@ -54,7 +54,9 @@ class BatchCodec(Protocol):
     """Trainer side of an adapter (``native`` is the framework's batch object)."""
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        """The routes ``native`` carries, one sequence per sample, in batch order (canonical form)."""
+        """The routes ``native`` carries, one sequence per sample, in batch order (canonical form).
+        ``source``: the route kind to read, ``"rollout"`` or ``"recorded"`` (the keyword every
+        adapter implements and the conformance kit passes; ``ReplayBatch`` says ``route_kind``)."""
         ...
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:

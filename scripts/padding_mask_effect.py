@@ -28,7 +28,7 @@ def main() -> int:
     from stats_checks import run_stats_checks
 
     from r3bridge.megatron.compat import megatron_version
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)

@@ -19,12 +19,12 @@ import argparse
 def _run(ctx, out: str, steps: int, lr: float) -> int:
     import torch
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.config import Phase, ReplayConfig
     from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
-    from r3bridge.schema import ReplayBatch
-    from r3bridge.testing.data import make_packed_batch
-    from r3bridge.testing.models import ModelSpec, build_model_chunks
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import make_packed_batch
+    from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], hidden_size=64, ffn_hidden_size=128,
                      num_attention_heads=4, vocab_size=256, num_moe_experts=8, moe_router_topk=2,
@@ -46,7 +46,7 @@ def _run(ctx, out: str, steps: int, lr: float) -> int:
         rec = ps.result.recorded
         # as an engine reports them: no route for each sequence's last token
         return ReplayBatch.from_ragged([rec.sequence(i)[0][:-1] for i in range(rec.num_seqs)],
-                                       num_experts=rec.num_experts, layer_ids=list(rec.layer_ids), source="vllm")
+                                       num_experts=rec.num_experts, layer_ids=list(rec.layer_ids), engine="vllm")
 
     cfg = ReplayConfig(replay_mode="R3", trace_dir=out)
     rollout = record()
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.05)
     args = p.parse_args()
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     spawn(_run, world_size=1, args=(args.out, args.steps, args.lr), timeout=1800)
     print(f"wrote {args.out}: r3bridge inspect {args.out}")

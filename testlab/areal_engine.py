@@ -21,7 +21,7 @@ What is not AReaL's (each for a reason that exists only on a CPU machine without
 * megatron's ``FP32Optimizer`` allocates its loss scale with a literal ``device='cuda'``
   (``optimizer/optimizer.py:907``), the grad norm ``step`` always computes does too
   (``optimizer/clip_grads.py:103``, its fallback L2 norm ``utils.py:1207``): those three modules'
-  ``torch`` name gets the same CPU proxy ``r3bridge.testing.cpu_shim`` gives the schedules
+  ``torch`` name gets the same CPU proxy ``r3bridge.testing.harness.cpu_shim`` gives the schedules
   (:func:`_shim_optimizer`).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _shim_optimizer() -> None:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mopt
 
-    from r3bridge.testing.cpu_shim import _proxy_torch_in
+    from r3bridge.testing.harness.cpu_shim import _proxy_torch_in
 
     _proxy_torch_in(mopt)
     _proxy_torch_in(clip_grads)

@@ -1,7 +1,7 @@
 """A canonical rollout generated through AReaL 1.0.4's own SGLang client code (tests only).
 
 * :class:`FakeSGLang` - the SGLang server for one sample of a
-  :class:`~r3bridge.testing.conformance.CanonicalRollout`: the exact ``/generate`` JSON
+  :class:`~r3bridge.testing.kit.conformance.CanonicalRollout`: the exact ``/generate`` JSON
   (``meta_info`` with base64 int32 ``routed_experts`` from row 0 of the request,
   ``prompt_tokens``, ``completion_tokens``, ``finish_reason``; ``abort`` where the rollout
   resubmits the request).
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.kit.conformance import CanonicalRollout
 from testlab.areal_env import import_areal
 
 __all__ = ["FakeSGLang", "ResubmitLoop", "trajectories"]

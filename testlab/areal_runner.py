@@ -5,7 +5,7 @@ decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``). Trainer:
 :func:`testlab.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
 mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs
 ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss and optimizer
-step) per step under a :class:`~r3bridge.testing.probe.RoutingProbe` and checks every router call,
+step) per step under a :class:`~r3bridge.testing.harness.probe.RoutingProbe` and checks every router call,
 forward and recompute, against the expected routes: the canonical rollout's (R3) or the routes
 recorded in that step's ``compute_logp`` (R2), sharded with ``r3bridge.shard`` for the packing
 AReaL really used (its padded ``cu_seqlens``, its sample order after its own token-balanced
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from r3bridge.adapters.areal.hooks import MB_KEY
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.kit.conformance import CanonicalRollout
 from testlab.areal_env import import_areal
 
 __all__ = ["run_steps"]
@@ -57,8 +57,8 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
                 ) -> tuple[list, list, int]:
     """Every router call of one pass against ``expected`` (ReplayBatch in batch order); ``log``
     (a :class:`~testlab.dispatch_records.DispatchLog`) gets every real row's dispatch."""
-    from r3bridge.schema import ReplayBatch
-    from r3bridge.sharding import shard
+    from r3bridge.batch.schema import ReplayBatch
+    from r3bridge.parallel.sharding import shard
     from testlab.dispatch_records import router_rows
 
     errors, records, checked = [], [], 0
@@ -76,7 +76,8 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
         if len(lens) > len(real):     # AReaL's trailing padding "sequence": no routes
             extra = ReplayBatch.from_packed(torch.zeros((0, routes.num_layers, routes.topk), dtype=routes.routes.dtype),
                                             [0] * (len(lens) - len(real)), num_experts=routes.num_experts,
-                                            layer_ids=routes.layer_ids, start_rows=lens[len(real):], source=routes.source)
+                                            layer_ids=routes.layer_ids, start_rows=lens[len(real):], route_kind=routes.route_kind,
+                                            engine=routes.engine)
             routes = ReplayBatch.concat([routes, extra])
         tg = shard(routes, layout, lens, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank, pp_rank=ctx.pp_rank,
                    vp_stage=call.chunk, layer_ids=[call.layer_id], format="thd", cu_seqlens_padded=cu)
@@ -113,7 +114,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks),
     ``recorded`` (R2: each step's recorded routes, ``ReplayBatch.to_bytes``). ``device``: "cpu"
     (the CPU harness) or "cuda" (``testlab.areal_engine.make_actor`` on this rank's GPU)."""
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.probe import RoutingProbe
     from testlab.areal_engine import chunks_of, make_actor
     from testlab.areal_rollout import trajectories
     from testlab.dispatch_records import DispatchLog

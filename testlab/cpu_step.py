@@ -60,8 +60,8 @@ def _verl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
 
 
 def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
-    from r3bridge.testing.conformance import make_rollout
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
+    from r3bridge.testing.kit.conformance import make_rollout
     from testlab.skyrl_real import StepSpec, run_steps
 
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], recompute="full")
@@ -96,7 +96,7 @@ def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
 
 
 def _areal(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
     from testlab.areal_runner import run_steps
 
     rollout = make_rollout(11, batch_size=8, num_experts=4, topk=2, max_prompt=40)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import r3bridge
     from r3bridge.config import ENV_CONFIG
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     if args.trace_dir:
         # the option reaches the framework's worker as a user's would: R3BRIDGE_CONFIG, which every

@@ -35,7 +35,7 @@ def skyrl_spec(layer_spec: str) -> Any:
     attention refuses packed input, so the layers are MoE-only (``attention='identity'``), fp32."""
     import torch
 
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
 
     common = dict(
         num_layers=4,
@@ -67,7 +67,7 @@ def skyrl_spec(layer_spec: str) -> Any:
 
 def skyrl_rollouts(steps: int, *, seed: int = 21) -> list:
     """One canonical rollout per step (8 samples, multi-turn engine calls), matching skyrl_spec."""
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
 
     return [
         make_rollout(seed + s, batch_size=8, num_experts=8, topk=2, num_layers=4, moe_layer_ids=[1, 2, 3])
@@ -77,7 +77,7 @@ def skyrl_rollouts(steps: int, *, seed: int = 21) -> list:
 
 def areal_rollout(seed: int = 11) -> Any:
     """The AReaL rollout (tests/adapters/test_areal_real.py's): 4 layers, layer 0 dense, 4 experts top-2."""
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
 
     return make_rollout(seed, batch_size=8, num_experts=4, topk=2, max_prompt=40)
 

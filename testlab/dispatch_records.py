@@ -5,7 +5,7 @@ in their own packing: verl's dynamic-bsz THD micro-batches, SkyRL's left-padding
 micro-batches, AReaL's token-balanced THD micro-batches with a padding "sequence". To compare
 frameworks, each runner maps every router row back to the (sample, token position) it routed,
 with the packing the framework really used and r3bridge's own row map
-(:func:`r3bridge.packing.rank_positions`), and logs
+(:func:`r3bridge.parallel.packing.rank_positions`), and logs
 
     (step, phase, grad_enabled, sample, token, layer) -> sorted top-k expert ids
 
@@ -23,9 +23,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from r3bridge.layout import ParallelLayout
-from r3bridge.packing import PackPlan, rank_positions
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, rank_positions
 
 __all__ = ["PHASES", "DispatchRecords", "DispatchLog", "router_rows", "compare_dispatch", "Agreement", "describe",
            "with_route_changed"]
@@ -41,7 +41,7 @@ def router_rows(samples: Sequence[int], seq_lens: Sequence[int], layout: Paralle
 
     ``seq_lens``: real tokens of each packed sequence (framework padding "sequences" included, at
     the end); ``samples[i]``: the rollout sample of sequence ``i`` (fewer than ``seq_lens``: the
-    rest are padding). The packing arguments are those of :meth:`r3bridge.packing.PackPlan.build`.
+    rest are padding). The packing arguments are those of :meth:`r3bridge.parallel.packing.PackPlan.build`.
     """
     plan = PackPlan.build(layout, seq_lens, format=format, cu_seqlens_padded=cu_seqlens_padded,
                           seq_length=seq_length)
@@ -220,7 +220,7 @@ def _fmt_passes(ps: list) -> str:
 
 
 def with_route_changed(rollout, sample: int, token: int, layer: int):
-    """A copy of a :class:`~r3bridge.testing.conformance.CanonicalRollout` whose route of
+    """A copy of a :class:`~r3bridge.testing.kit.conformance.CanonicalRollout` whose route of
     (``sample``, ``token``, ``layer``) is another top-k set (changed in the first engine call that
     routed the token, the one first-seen stitching keeps)."""
     import copy

@@ -1,4 +1,4 @@
-"""Rank functions (for :func:`r3bridge.testing.dist.spawn`) checking R3 with the HF engine.
+"""Rank functions (for :func:`r3bridge.testing.harness.dist.spawn`) checking R3 with the HF engine.
 
 * :func:`equivalence_rank`: the converted megatron model computes what the HF model computes
   (log-probs on the same tokens, native top-k sets, router settings);
@@ -17,15 +17,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import hf_to_mcore, packed_from_tokens, router_settings, spec_from_hf, zero_attention
-from r3bridge.ingest import stitch
+from r3bridge.ingest.stitching import stitch
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import build_model_chunks, load_reference_state
-from r3bridge.testing.probe import RoutingProbe
+from r3bridge.parallel.sharding import shard
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.probe import RoutingProbe
 
 __all__ = ["EngineCase", "engine_models", "equivalence_rank", "r3_rank", "Rollout", "run_rollout"]
 
@@ -82,8 +82,8 @@ def equivalence_rank(ctx: RankContext, attention: str = "auto") -> dict[str, Any
     """Same weights, same tokens: HF (fp32) vs the converted megatron model (fp32, this layout)."""
     if attention == "auto":
         attention = "identity" if ctx.cp > 1 else "real"
-    from r3bridge.testing.data import align_for
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import align_for
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     case = EngineCase(attention=attention, engine_bf16_weights=False)
     engine, state, cfg = engine_models(case)
@@ -166,7 +166,7 @@ def run_rollout(engine: HFEngine, *, seed: int = 0) -> Rollout:
 
     Round 1 reaches the trainer through SGLang's base64 ``meta_info``, round 2 through vLLM's
     arrays; both only through ``ReplayBatch.from_sglang`` / ``from_vllm`` and ``stitch``."""
-    from r3bridge.canonical import canonical_form
+    from r3bridge.batch.canonical import canonical_form
 
     g = np.random.default_rng(seed)
     vocab = int(engine.model.config.vocab_size)
@@ -202,7 +202,7 @@ GROUPS = ((0, 3, 4), (1, 2, 5))   # two micro-batches, each with a special sampl
 
 
 def _batches(ro: Rollout, ctx: RankContext) -> tuple[list, list]:
-    from r3bridge.testing.data import align_for
+    from r3bridge.testing.harness.data import align_for
 
     align = align_for(ctx.tp, ctx.cp)
     pad_to = max(sum(-(-len(ro.tokens[i]) // align) * align for i in grp) for grp in GROUPS)
@@ -227,7 +227,7 @@ def r3_rank(ctx: RankContext, attention: str = "auto") -> dict[str, Any]:
     rows (RoutingProbe vs ``shard`` of the rollout routes), the driver's metrics, and the
     train-vs-engine log-prob mismatch over the sampled response tokens."""
     from r3bridge.megatron import Replayer
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     if attention == "auto":   # CP on CPU needs MoE-only layers (no local CP attention)
         attention = "identity" if ctx.cp > 1 else "real"

@@ -20,18 +20,18 @@ What the subclass changes, each for a reason that exists only without TE / CUDA:
 * ``_get_transformer_layer_spec``: megatron's own local (non-TE) per-layer block spec
   ``get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=...)`` (so
   ``moe_layer_freq`` is honoured as in production), with the harness's SP-tolerant torch norms
-  (:class:`r3bridge.testing.models.SequenceParallelTorchNorm`; megatron's local norm asserts
+  (:class:`r3bridge.testing.harness.models.SequenceParallelTorchNorm`; megatron's local norm asserts
   ``not sequence_parallel``) and, with ``attention='identity'``, MoE-only layers.
 * config options that need TE, Apex or CUDA kernels are switched off (:data:`TE_ONLY_OFF`):
   ``persist_layer_norm``, ``gradient_accumulation_fusion``, ``apply_rope_fusion``,
   ``bias_activation_fusion``, ``bias_dropout_fusion``, ``masked_softmax_fusion``, and
   ``moe_grouped_gemm`` (GroupedMLP needs the ``grouped_gemm`` package: SequentialMLP instead).
 * ``get_model``: mbridge calls ``model.cuda(torch.cuda.current_device())``; on CPU that is
-  :func:`r3bridge.testing.cpu_shim.tensor_cuda_is_identity` around the build only.
+  :func:`r3bridge.testing.harness.cpu_shim.tensor_cuda_is_identity` around the build only.
 * ``load_weights``: mbridge's name mapping knows only TE / GroupedMLP parameter names
   (``linear_qkv.layer_norm_weight``, ``experts.linear_fc1.weight<E>``), so the local spec's
   names raise ``NotImplementedError``. Parameters are set from the harness's seeded
-  layout-independent init instead (:func:`r3bridge.testing.models.deterministic_init`), so
+  layout-independent init instead (:func:`r3bridge.testing.harness.models.deterministic_init`), so
   actor and reference models, and every parallel layout, start from the same weights.
 * Qwen2/3-MoE ``mlp_only_layers`` / ``decoder_sparse_step``: mbridge 0.15.1's
   ``Qwen2MoEBridge`` / ``Qwen3MoEBridge`` ignore them and build every layer MoE (their
@@ -104,7 +104,7 @@ class TEFreeBridgeMixin:
     def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        from r3bridge.testing.models import _identity_attention, _swap_norms
+        from r3bridge.testing.harness.models import _identity_attention, _swap_norms
 
         self.has_vp_stage = True  # read by LLMBridge's provider (megatron >= 0.13 has vp_stage)
         block = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,  # type: ignore[attr-defined]
@@ -114,7 +114,7 @@ class TEFreeBridgeMixin:
         return _swap_norms(block)
 
     def get_model(self, *args: Any, **kwargs: Any) -> Any:
-        from r3bridge.testing.cpu_shim import tensor_cuda_is_identity
+        from r3bridge.testing.harness.cpu_shim import tensor_cuda_is_identity
 
         if self.r3_on_device:
             return super().get_model(*args, **kwargs)  # type: ignore[misc]
@@ -128,11 +128,11 @@ class TEFreeBridgeMixin:
 
 @torch.no_grad()
 def seeded_init(chunks: list, *, num_layers: int, seed: int, init_std: float, router_init_std: float) -> None:
-    """The harness's layout-independent init (:func:`r3bridge.testing.models.deterministic_init`:
+    """The harness's layout-independent init (:func:`r3bridge.testing.harness.models.deterministic_init`:
     values from (seed, canonical parameter name, full shape)), also for the strided TP partitions
     of gated ``linear_fc1`` weights that a bridge-built model has: rank r keeps strided pieces
     ``r, r + world, ...`` of the full tensor, as megatron's own CPU init does."""
-    from r3bridge.testing.models import (
+    from r3bridge.testing.harness.models import (
         ModelSpec,
         _full_init_value,
         _named_params_with_module,
@@ -168,12 +168,12 @@ def _unwrap(model: Any) -> Any:
 
 
 def rank_context_from_mpu(seed: int) -> Any:
-    """A harness :class:`~r3bridge.testing.dist.RankContext` read from megatron's parallel state
+    """A harness :class:`~r3bridge.testing.harness.dist.RankContext` read from megatron's parallel state
     (for models a framework built itself, after it initialised model parallelism)."""
     import torch
     from megatron.core import parallel_state as ps
 
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return RankContext(

@@ -23,7 +23,7 @@ def rollout() -> Any:
     (verl's tokenizer). 189 tokens, the longest 30: AReaL's one 256-row micro-batch then has real
     tokens on both sequence-parallel halves; verl's dynamic-bsz budget (48 tokens) still fits every
     sample."""
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
 
     return make_rollout(
         7, batch_size=8, num_experts=8, topk=2, num_layers=4, moe_layer_ids=[1, 2, 3], vocab=64, max_prompt=24
@@ -49,7 +49,7 @@ def run_skyrl(ctx: Any, rollouts: list, layer_spec: Optional[str] = None) -> dic
     (TP: left-padding removal (BSHD) with real local attention; PP: THD packing, MoE-only layers,
     as test_skyrl_real.py trains it); ``"te"`` / ``"local"``: THD packing on
     :func:`testlab.device_runs.skyrl_spec` (the device scripts)."""
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
     from testlab.skyrl_real import StepSpec, run_steps
 
     if layer_spec is not None or ctx.pp > 1:

@@ -31,10 +31,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.sharding import shard
+from r3bridge.testing.kit.conformance import CanonicalRollout
 
 __all__ = ["StepSpec", "PolicyWorkerStandIn", "train_device", "to_train_device", "check_param_devices", "RefWorkerStandIn", "reference_roles", "training_input", "run_steps", "check_router_calls", "log_dispatch"]
 
@@ -369,7 +369,7 @@ def reference_roles(ctx: Any, spec: Any) -> dict:
     from r3bridge.adapters.skyrl import RefWorkerMixin
     from r3bridge.errors import ReplayError
     from r3bridge.megatron.roles import model_routers, role_of
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
 
     worker_cls = type("HarnessRefWorker", (RefWorkerMixin, RefWorkerStandIn), {})
     out: dict = {}
@@ -485,8 +485,8 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
 
     from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
     from r3bridge.config import ReplayConfig
-    from r3bridge.testing.models import build_model_chunks
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.models import build_model_chunks
+    from r3bridge.testing.harness.probe import RoutingProbe
     from testlab.dispatch_records import DispatchLog
 
     chunks = build_model_chunks(spec, ctx)

@@ -1,7 +1,7 @@
 """What verl 0.9.1's Megatron engine and workers need on a CPU-only gloo rank, for tests only.
 
 Used by :mod:`testlab.verl_job` inside processes started by ``dist.spawn`` (after
-:func:`r3bridge.testing.cpu_shim.apply`). Each shim exists only because there is no CUDA device
+:func:`r3bridge.testing.harness.cpu_shim.apply`). Each shim exists only because there is no CUDA device
 or no Transformer Engine here, and none changes what verl does with batches, micro-batches or
 schedules (docs/testing-harness.md lists them):
 
@@ -59,7 +59,7 @@ def apply() -> list[str]:
         from megatron.core.optimizer import clip_grads, grad_scaler
         from megatron.core.optimizer import optimizer as mcore_optimizer
 
-        from r3bridge.testing.cpu_shim import _proxy_torch_in
+        from r3bridge.testing.harness.cpu_shim import _proxy_torch_in
 
         for mod in (mcore_optimizer, clip_grads, grad_scaler, mcore_utils):
             _proxy_torch_in(mod)

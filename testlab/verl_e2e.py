@@ -391,14 +391,14 @@ def read_run(paths: dict[str, str], rc: int, output: str = "") -> RunResult:
 
 def expected_batch(trajs: list[Trajectory], *, first_seen: bool = True, sample_ids: Optional[list[int]] = None) -> Any:
     """The rollout's routes of ``trajs`` as a ReplayBatch (MoE layers, rows the engine fed)."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     ids = list(range(len(trajs))) if sample_ids is None else sample_ids
     per = [trajs[i].routes(first_seen) for i in ids]
     routes = torch.cat([torch.from_numpy(r[:, MOE_LAYERS]) for r, _ in per])
     valid = torch.cat([torch.from_numpy(v) for _, v in per])
     return ReplayBatch.from_packed(routes, [len(r) for r, _ in per], num_experts=NUM_EXPERTS, layer_ids=MOE_LAYERS,
-                                   valid=valid, source="rollout")
+                                   valid=valid, route_kind="rollout")
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -522,7 +522,7 @@ def _equal_rows(records: Any, roll: Any) -> tuple[int, int]:
 
 def _recorded_batch(rec: Any, lens: list[int]) -> Any:
     """A pass's dispatched ids as a ReplayBatch over samples ``0..len(lens)-1`` (every row)."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     routes = [torch.zeros(n, len(MOE_LAYERS), TOPK, dtype=torch.int64) for n in lens]
     valid = [torch.zeros(n, dtype=torch.bool) for n in lens]
@@ -531,7 +531,7 @@ def _recorded_batch(rec: Any, lens: list[int]) -> Any:
         routes[s][t, MOE_LAYERS.index(layer)] = ids
         valid[s][t] = True
     return ReplayBatch.from_packed(torch.cat(routes), lens, num_experts=NUM_EXPERTS, layer_ids=MOE_LAYERS,
-                                   valid=torch.cat(valid), source="recorded")
+                                   valid=torch.cat(valid), route_kind="recorded")
 
 
 def r3bridge_metrics(res: RunResult) -> list[dict[str, float]]:

@@ -10,7 +10,7 @@ Loaded in every process that imports verl through ``VERL_USE_EXTERNAL_MODULES`` 
   (:class:`_OneLogicalCuda`): verl seeds megatron's RNG tracker only when
   ``get_torch_device().device_count() > 0`` (``workers/engine/megatron/utils.py:35``), and model
   construction fails without it ("cuda rng state model-parallel-rng is not added"); the tracker's
-  own CUDA RNG calls are :mod:`r3bridge.testing.cpu_shim`'s. Device bookkeeping calls
+  own CUDA RNG calls are :mod:`r3bridge.testing.harness.cpu_shim`'s. Device bookkeeping calls
   (``synchronize``, ``empty_cache``, ``set_device``, ``mem_get_info``) are no-ops there.
 * device calls (``set_device``, ``current_device``, ``synchronize``, ``empty_cache``,
   ``set_allocator_settings``, ``get_device_capability``): there is no CUDA device; Ray hands the
@@ -42,7 +42,7 @@ class _OneLogicalCuda:
         return 1
 
     def current_device(self) -> Any:
-        return torch.cuda.current_device()     # "cpu" under r3bridge.testing.cpu_shim
+        return torch.cuda.current_device()     # "cpu" under r3bridge.testing.harness.cpu_shim
 
     def set_device(self, device: Any) -> None:
         return None
@@ -91,7 +91,7 @@ class CPUGlooPlatform(PlatformCUDA):
         return None
 
     def current_device(self) -> Any:
-        # verl places tensors with .to(get_device_id()): r3bridge.testing.cpu_shim makes
+        # verl places tensors with .to(get_device_id()): r3bridge.testing.harness.cpu_shim makes
         # torch.cuda.current_device() answer "cpu" in the worker
         return torch.cuda.current_device()
 

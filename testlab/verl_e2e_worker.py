@@ -5,7 +5,7 @@ which every worker does before it builds a model, and the agent loop / reward wo
 module then, in each process (idempotent):
 
 * registers the HF rollout backend (:mod:`testlab.verl_hf_rollout`) in verl's rollout registries;
-* applies the harness's CPU shims (:mod:`r3bridge.testing.cpu_shim`, :mod:`testlab.verl_cpu`):
+* applies the harness's CPU shims (:mod:`r3bridge.testing.harness.cpu_shim`, :mod:`testlab.verl_cpu`):
   no CUDA, no Transformer Engine (their reasons are in those modules);
 * swaps mbridge's bridges for the TE-free harness bridges (:func:`testlab.mbridge_spec.te_free_bridges`,
   MoE-only layers: megatron's local attention refuses packed sequences) for the process's
@@ -44,7 +44,7 @@ class ChunkProbe:
     """Hooks on one model chunk: its current micro-batch, and one record per router call."""
 
     def __init__(self, chunk: torch.nn.Module, out_dir: str) -> None:
-        from r3bridge.testing.probe import find_routers
+        from r3bridge.testing.harness.probe import find_routers
 
         self.chunk = chunk
         self.out_dir = out_dir
@@ -176,7 +176,7 @@ def setup() -> None:
         bridges = {k: c for k, c in mb_bridge._MODEL_REGISTRY.items() if isinstance(c, type) and issubclass(c, LLMBridge)}
         _probe_megatron_bridge()
     else:
-        from r3bridge.testing import cpu_shim
+        from r3bridge.testing.harness import cpu_shim
         from testlab import verl_cpu
         from testlab.mbridge_spec import te_free_bridges
 

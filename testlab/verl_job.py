@@ -8,12 +8,12 @@ engine class comes out of ``EngineRegistry`` (the adapter is loaded by ``import 
 the ``verl.plugins`` entry point), workers are ``TrainingWorker`` / ``ActorRolloutRefWorker``,
 models are built by mbridge, and batches go through verl's ``left_right_2_no_padding`` and
 ``tu.assign_non_tensor`` as verl's trainer sends them. The CPU / no-TE shims are only
-:mod:`r3bridge.testing.cpu_shim`, :mod:`testlab.verl_cpu` and
+:mod:`r3bridge.testing.harness.cpu_shim`, :mod:`testlab.verl_cpu` and
 :mod:`testlab.mbridge_spec`.
 
 Observation only: :class:`MicroBatchProbe` (forward pre-hooks on the model chunks: which
 samples, in which packed order, each chunk forward got) and the harness's
-:class:`~r3bridge.testing.probe.RoutingProbe` (forward hooks on the routers). Expected routes
+:class:`~r3bridge.testing.harness.probe.RoutingProbe` (forward hooks on the routers). Expected routes
 are computed here from the sample ids the chunk saw, independent of r3bridge's own packing code.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ def make_rollout(seed: int, *, n: int = 8, P: int = 10, R: int = 8, with_routes:
 
 
 def padded_fields(rollout: Any) -> dict[str, torch.Tensor]:
-    """A :class:`~r3bridge.testing.conformance.CanonicalRollout` as verl's trainer holds it:
+    """A :class:`~r3bridge.testing.kit.conformance.CanonicalRollout` as verl's trainer holds it:
     left-padded prompts, right-padded responses, and verl's transport of the routes
     (``routed_experts`` ``[n, S, L_all, K]`` int16: every decoder layer, each sample's engine calls
     stitched first-seen and placed from the prompt start as verl's agent loop places them, zero
@@ -484,7 +484,7 @@ def log_dispatch(log: Any, step: int, phase: str, probe: Any, mb_probe: MicroBat
     each sample's real token count)."""
     from megatron.core import parallel_state as ps
 
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
     from testlab.dispatch_records import router_rows
 
     layout = ParallelLayout.from_megatron(chunks[0].config)
@@ -503,7 +503,7 @@ def _log_prob_pass(result: dict, step: int, run: Any, lp: Any, roll: Rollout, ch
     """One compute_log_prob pass under the probes, checked; returns (output, targets, validity) the
     update must dispatch: the rollout's routes (R3) or what this pass recorded (R2). ``log``: a
     ``DispatchLog`` that gets every router row's dispatch."""
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.probe import RoutingProbe
 
     with RoutingProbe(chunks) as rp, MicroBatchProbe(chunks, sample_of) as mp:
         out = run(lp)
@@ -539,7 +539,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
                         canonical: Optional[list] = None, r3: Optional[dict] = None) -> dict:
     """``TrainingWorker``: ``infer_batch`` (compute_log_prob) then ``train_mini_batch`` (the
     update), ``steps`` times, checking every router call. ``canonical``: one
-    :class:`~r3bridge.testing.conformance.CanonicalRollout` per step instead of this module's own
+    :class:`~r3bridge.testing.kit.conformance.CanonicalRollout` per step instead of this module's own
     rollouts (``steps`` is then their number); the result's ``dispatch`` holds this rank's
     :class:`~testlab.dispatch_records.DispatchRecords` of every router row."""
     from functools import partial
@@ -551,7 +551,7 @@ def run_training_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str, 
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.probe import RoutingProbe
     from testlab.dispatch_records import DispatchLog
     from testlab.verl_cpu import build_shims
 
@@ -621,7 +621,7 @@ def run_actor_ref_worker(ctx: Any, model_dir: str, layout: JobLayout, mode: str,
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from r3bridge.megatron.hook import RouterHook
-    from r3bridge.testing.probe import RoutingProbe, find_routers
+    from r3bridge.testing.harness.probe import RoutingProbe, find_routers
     from testlab.verl_cpu import build_shims
 
     ps.destroy_model_parallel()

@@ -58,7 +58,7 @@ class Payloads:
 
     def replay_batch(self, indices: Optional[Sequence[int]] = None) -> Any:
         """The requests' routes through ``ReplayBatch.from_vllm`` (MoE layers by id, start rows)."""
-        from r3bridge.schema import ReplayBatch
+        from r3bridge.batch.schema import ReplayBatch
 
         idx = list(range(len(self.routes))) if indices is None else list(indices)
         return ReplayBatch.from_vllm([self.routes[i] for i in idx], num_experts=int(self.meta["num_experts"]),

@@ -1,4 +1,4 @@
-"""Trainer side: the training batch <-> ReplayBatch, in the canonical form (:mod:`r3bridge.canonical`).
+"""Trainer side: the training batch <-> ReplayBatch, in the canonical form (:mod:`r3bridge.batch.canonical`).
 
 The toy framework's batch (your framework: its own batch object): a dict of padded tensors (left,
 right or both), ``attention_mask`` ``[B, S]``, rollout routes ``ROUTES_KEY``
@@ -8,7 +8,7 @@ moves with its samples through every split (check which of its utilities move wh
 
 **Layer ids are 0-based global** (HF config index, Megatron ``layer_number - 1``): the layer axis
 of ``ROUTES_KEY`` is the engine's, every decoder layer, and ``moe_layer_ids`` picks the MoE ones
-by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.layer_ids.layers_from_mapping`,
+by id. A framework that keys routes by layer (a dict) uses :func:`r3bridge.engines.layer_ids.layers_from_mapping`,
 which says so when its keys are 1-based.
 
 **Aborted samples.** An engine call that was aborted returns no routes (vLLM: ``routed_experts``
@@ -17,7 +17,7 @@ Top-k comes from the model (``topk``, the HF config's ``num_experts_per_tok``), 
 samples: a micro-batch whose samples were all aborted has no route to read it from.
 
 **"No route" is said explicitly.** One rule, the same in docs/porting.md and the reader
-(:mod:`r3bridge.reader`): a row the engine did not route is marked by a validity field
+(docs/architecture.md, "One reader"): a row the engine did not route is marked by a validity field
 (``VALID_KEY``) or by an in-band value no expert id takes (``RECORDED_KEY`` holds
 :data:`r3bridge.NO_ROUTE` there: :func:`r3bridge.padded_routes` writes it); never inferred from
 lengths. Only a transport with neither (it writes "no route" as an all-zero row: verl's,
@@ -32,12 +32,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.layer_axis import axis_columns
-from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
 
@@ -63,17 +63,17 @@ class TemplateCodec:
         return ModelInfo(num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
                          num_layers=self.num_hidden_layers, topk=self.topk)
 
-    def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
-        """The routes the batch carries, as the one reader reads them (:mod:`r3bridge.reader`): the
+    def handed_routes(self, native: dict, *, route_kind: str = "rollout") -> HandedRoutes:
+        """The routes the batch carries, as the one reader reads them (docs/architecture.md, "One reader"): the
         framework's own tensors viewed, nothing copied or checked here. The hook installs these."""
         attn = native["attention_mask"]
-        if source == "recorded":
+        if route_kind == "recorded":
             recorded = native.get(RECORDED_KEY)
             if recorded is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
             valid = (torch.as_tensor(recorded) != NO_ROUTE).flatten(-2).any(-1)
             return HandedRoutes.from_padded(recorded, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                            no_route="mask", valid=valid, source="recorded")
+                                            no_route="mask", valid=valid, route_kind="recorded")
         routes = native.get(ROUTES_KEY)
         if routes is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
@@ -85,14 +85,14 @@ class TemplateCodec:
                             num_hidden_layers=self.num_hidden_layers, field=ROUTES_KEY)
         if VALID_KEY is None:       # "no route" written as zero rows: the reader's captured-range rule
             return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                            columns=cols, no_route="zero", source="rollout")
+                                            columns=cols, no_route="zero", route_kind="rollout")
         return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                        columns=cols, no_route="mask", valid=native[VALID_KEY], source="rollout")
+                                        columns=cols, no_route="mask", valid=native[VALID_KEY], route_kind="rollout")
 
     def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order (the reader's
-        whole-batch form of :meth:`handed_routes`)."""
-        return self.handed_routes(native, source=source).to_batch(drop_final_invalid=source != "recorded")
+        whole-batch form of :meth:`handed_routes`; ``source``: the route kind, the kit's keyword)."""
+        return self.handed_routes(native, route_kind=source).to_batch(drop_final_invalid=source != "recorded")
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:
         """R2: the recorded routes (batch order, start 0) placed on each sample's tokens,

@@ -1,5 +1,5 @@
 """Conformance checks 1-5 of the <YourFramework> adapter, run with ``python -m pytest``
-(:mod:`r3bridge.testing.suite`: checks 1-3 in seconds, checks 4-5 start CPU ranks of a real
+(:mod:`r3bridge.testing.kit.suite`: checks 1-3 in seconds, checks 4-5 start CPU ranks of a real
 megatron-core model: a few minutes).
 
 So that it runs as it is, "your framework" here is a toy one. Replace, in this order:
@@ -9,8 +9,8 @@ So that it runs as it is, "your framework" here is a toy one. Replace, in this o
 2. :class:`ToyEngine`: the toy framework's engine, whose ``forward_backward`` packs each
    micro-batch (THD, alignment padding per sequence) and runs Megatron's schedule on the harness
    chunks. Yours: your framework's engine class, with only the model-running body of its
-   forward step stood in for (:mod:`r3bridge.testing.runner` says how);
-3. :class:`TemplateRunner`: the :class:`r3bridge.testing.runner.MegatronRunner` checks 4-5
+   forward step stood in for (:mod:`r3bridge.testing.kit.runner` says how);
+3. :class:`TemplateRunner`: the :class:`r3bridge.testing.kit.runner.MegatronRunner` checks 4-5
    drive: attach, cut micro-batches, run one pass, report.
 
 The adapter's classes are used unchanged: ``TemplateEngineMixin`` is put in front of the engine
@@ -29,13 +29,13 @@ from r3bridge.adapters._template import (
     TemplateEngineMixin,
     TemplateRollout,
 )
-from r3bridge.canonical import canonical_form
+from r3bridge.batch.canonical import canonical_form
 from r3bridge.config import Phase, ReplayConfig
-from r3bridge.ingest import first_seen_rows
-from r3bridge.testing.conformance import CPU_LAYOUTS, assert_same_batch
-from r3bridge.testing.rollouts import CanonicalRollout
-from r3bridge.testing.runner import align_for, pack_thd, record_packing, unpack_rows
-from r3bridge.testing.suite import AdapterFixtures, BaseIngestTests, BaseMegatronTests
+from r3bridge.ingest.stitching import first_seen_rows
+from r3bridge.testing.kit.conformance import CPU_LAYOUTS, assert_same_batch
+from r3bridge.testing.kit.rollouts import CanonicalRollout
+from r3bridge.testing.kit.runner import align_for, pack_thd, record_packing, unpack_rows
+from r3bridge.testing.kit.suite import AdapterFixtures, BaseIngestTests, BaseMegatronTests
 
 
 # ---------------------------------------------------------------------------------- your framework
@@ -68,7 +68,7 @@ class ToyEngine:
         self.chunks, self.ctx = chunks, ctx
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False):
-        from r3bridge.testing.schedule import make_forward_step, run_schedule
+        from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
         vocab = self.chunks[0].vocab_size
         align = align_for(self.ctx.tp, self.ctx.cp)
@@ -84,7 +84,7 @@ class R3ToyEngine(TemplateEngineMixin, ToyEngine):
 
 # ---------------------------------------------------------------------------------- the runner of checks 4-5
 class TemplateRunner:
-    """:class:`r3bridge.testing.runner.MegatronRunner` of the adapter on the toy engine."""
+    """:class:`r3bridge.testing.kit.runner.MegatronRunner` of the adapter on the toy engine."""
 
     def __init__(self, rollout: CanonicalRollout) -> None:
         self.codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

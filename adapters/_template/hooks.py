@@ -22,8 +22,8 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import AdapterSession, MicroBatch
-from r3bridge.reader import HandedRoutes
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 
@@ -63,10 +63,10 @@ class TemplateEngineMixin:
     def _r3_micro_batch(self, k: int, mb: dict, plan) -> MicroBatch:
         seq_lens = self.r3_codec.seq_lens(mb)
         if plan.action is Action.REPLAY:
-            key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+            key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
             self.r3.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}")
             # the micro-batch's own tensors viewed: the driver's reader reads this rank's rows once
-            routes: Optional[HandedRoutes] = self.r3_codec.handed_routes(mb, source=plan.source)
+            routes: Optional[HandedRoutes] = self.r3_codec.handed_routes(mb, route_kind=plan.route_kind)
             return MicroBatch(seq_lens, routes)
         if SAMPLE_KEY not in mb:
             raise ConfigError(f"R2 recording needs {SAMPLE_KEY!r} (the batch-level sample index) in every "

@@ -4,7 +4,7 @@ Engines report every decoder layer (dense ones as zero rows); ``moe_layer_ids`` 
 ones. One piece per engine call (multi-turn turns, resubmitted attempts), each from its start
 row, stitched first-seen (:func:`r3bridge.stitch`: the rows that sampled each token win, gaps
 raise). Never concatenate or overwrite. vLLM payloads in any transport:
-:func:`r3bridge.ingest.rollout_routes`; SGLang ``meta_info``: ``ReplayBatch.from_sglang`` per call,
+:func:`r3bridge.ingest.stitching.rollout_routes`; SGLang ``meta_info``: ``ReplayBatch.from_sglang`` per call,
 then ``r3bridge.stitch``. An aborted call returned no routes (``None``): it is left out, and a
 sample with no routes at all gets no rows (every token invalid: routed natively), with the
 model's top-k.
@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from r3bridge.ingest import rollout_routes
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.ingest.stitching import rollout_routes
 
 __all__ = ["TemplateRollout"]
 
@@ -41,7 +41,7 @@ class TemplateRollout:
             if not kept:        # every call aborted: no rows, the model's top-k
                 per_sample.append(ReplayBatch.from_ragged(
                     [np.zeros((0, len(self.moe_layer_ids), self.topk), dtype=np.uint8)],
-                    num_experts=self.num_experts, layer_ids=self.moe_layer_ids, source="rollout"))
+                    num_experts=self.num_experts, layer_ids=self.moe_layer_ids, route_kind="rollout"))
                 continue
             per_sample.append(rollout_routes([[c for c, _ in kept]], num_experts=self.num_experts,
                                              moe_layer_ids=self.moe_layer_ids, start_rows=[[s for _, s in kept]]))

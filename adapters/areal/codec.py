@@ -5,7 +5,7 @@ split (``split_padded_tensor_dict_into_mb_list`` moves only tensors with ``B*S``
 (``split_and_unpad_tensor`` trims the *last* dim to the sequence length) and deep-copy non-tensor
 values into every trajectory. Routes therefore travel as one tensor per trajectory,
 ``[g, L_moe, K, S]`` (sequence last, so trimming is exact), ids in the narrowest dtype and a
-sentinel where a token has no route (``r3bridge.schema.sentinel_dtype``); the engine slices them per micro-batch explicitly
+sentinel where a token has no route (``r3bridge.batch.schema.sentinel_dtype``); the engine slices them per micro-batch explicitly
 by sample id.
 """
 from __future__ import annotations
@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.dense import token_rows
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.provenance import (
+from r3bridge.batch.dense import token_rows
+from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
     ProvenancePairing,
     pairing_from_fields,
     provenance_fields,
 )
-from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch, sentinel_dtype
+from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.ingest.handed import HandedRoutes
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
@@ -37,7 +37,7 @@ __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per trajectory [1, 3] int64
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.batch.provenance): per trajectory [1, 3] int64
 # (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown; AReaL's R3 engine is
 # SGLang, no request id travels
 ENGINE = "sglang"
@@ -59,7 +59,7 @@ def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[
 def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                   moe_layer_ids: Sequence[int], source: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
     """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), as the one reader reads them (:mod:`r3bridge.reader`): AReaL's own
+    batches are right-padded), as the one reader reads them (docs/architecture.md, "One reader"): AReaL's own
     tensor viewed where it lies (the trainer's GPU in a GPU job), nothing copied or checked yet;
     the sentinel marks tokens without a route. Samples are named by their row of ``t``."""
     t = torch.as_tensor(t)
@@ -70,7 +70,7 @@ def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, 
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     _, none = sentinel_dtype(num_experts)
     return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, source=source,
+                                           sentinel=none, route_kind=source,
                                            names=[f"AReaL sample batch row {int(r)}" for r in rows])
 
 

@@ -32,15 +32,15 @@ from r3bridge.adapters.areal.codec import (
 )
 from r3bridge.adapters.areal.config import ModelInfo, check_routes_topk, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
+from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int, sglang_provenance
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.decoders import decode_sglang_routes, sglang_provenance, sglang_rows
+from r3bridge.engines.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
-from r3bridge.ingest import first_seen_rows
+from r3bridge.ingest.stitching import first_seen_rows
 from r3bridge.job_check import JobCheck
 from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
 from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
@@ -272,7 +272,7 @@ class MegatronEngineMixin:
         sample = carried.get(SAMPLE_KEY)
         if sample is None:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
-        key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+        key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
         if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
             self.r3.check_routes(plan, key in carried, field=key)
         gid_of_row = sample[:, 0].tolist()

@@ -61,7 +61,7 @@ def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any
     ``platform``: AReaL's ``current_platform``."""
     out = []
     if config is not None:
-        section, _ = ReplayConfig.resolve_with_source(section_of(config))
+        section, _ = ReplayConfig.resolve_with_origin(section_of(config))
         returns = bool(getattr(getattr(config, "rollout", None), "return_routed_experts", False))
         if section.replay_mode is ReplayMode.R3 and not returns:
             out.append("r3bridge.replay_mode=R3 replays SGLang's routes, but rollout.return_routed_experts is false: "
@@ -181,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cli_args = import_areal("areal.api.cli_args")
     config = _parse(argv)
     if config is not None:
-        announce(*ReplayConfig.resolve_with_source(section_of(config)), WHERE)
+        announce(*ReplayConfig.resolve_with_origin(section_of(config)), WHERE)
     raw, _ = cli_args.parse_cli_args(argv)                # what AReaL's launcher reads
     alloc = import_areal("areal.api.alloc_mode")._AllocationMode.from_str(raw.allocation_mode)
     platform = import_areal("areal.infra.platforms").current_platform

@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from r3bridge.decoders import decode_sglang_routes, select_layers, sglang_rows
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError, StitchError
-from r3bridge.ingest import first_seen_rows, stitch
-from r3bridge.schema import ReplayBatch
+from r3bridge.ingest.stitching import first_seen_rows, stitch
 
 __all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
 
@@ -49,7 +49,7 @@ def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) 
 def _piece(arr: np.ndarray, *, num_experts: int, moe_layer_ids: Sequence[int], rows: Optional[int] = None) -> ReplayBatch:
     moe = list(moe_layer_ids)
     a = select_layers(arr[: arr.shape[0] if rows is None else rows], moe, 0, "SGLang")
-    return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, source="rollout")
+    return ReplayBatch.from_ragged([a], num_experts=num_experts, layer_ids=moe, route_kind="rollout")
 
 
 def routes_from_attempts(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int, topk: int,
@@ -74,7 +74,7 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
     its final token list. Each response's ``routed_experts`` (``[rows, L_all*K]``, already deduped
     across resubmits) covers its own ``input_tokens + output_tokens`` from row 0; only rows whose
     whole token prefix agrees with ``tokens`` are kept. The turns are stitched in one first-seen
-    pass on the arrays (:func:`r3bridge.ingest.first_seen_rows`, the core's one rule) and the
+    pass on the arrays (:func:`r3bridge.ingest.stitching.first_seen_rows`, the core's one rule) and the
     trajectory is built and checked once, in canonical form for ``len(tokens)`` tokens."""
     tokens = list(tokens)
     calls = []
@@ -98,4 +98,4 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
     full = np.zeros((keep,) + tuple(rows.shape[1:]), dtype=rows.dtype)
     full[:got] = rows
     valid = np.arange(keep) < got
-    return ReplayBatch.from_ragged([full], num_experts=num_experts, layer_ids=moe, valid=[valid], source="rollout")
+    return ReplayBatch.from_ragged([full], num_experts=num_experts, layer_ids=moe, valid=[valid], route_kind="rollout")

@@ -20,18 +20,18 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.dense import token_rows
-from r3bridge.errors import ConfigError, RouteShapeError
-from r3bridge.layer_axis import axis_columns
-from r3bridge.provenance import (
+from r3bridge.batch.dense import token_rows
+from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
     ProvenancePairing,
     pairing_from_fields,
     provenance_fields,
 )
-from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch, route_dtype
+from r3bridge.batch.schema import ReplayBatch, route_dtype
+from r3bridge.engines.layer_axis import axis_columns
+from r3bridge.errors import ConfigError, RouteShapeError
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
@@ -40,7 +40,7 @@ __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOG
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.provenance's
+# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.batch.provenance's
 # provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
 # weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
 # no engine name or request id, so provenance names the engine ENGINE and no request.
@@ -87,7 +87,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                   num_hidden_layers: Optional[int] = None, source: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
     """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict) as the one reader reads
-    them (:mod:`r3bridge.reader`): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
+    them (docs/architecture.md, "One reader"): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
     padded field), nothing copied or checked yet. "No route": ``router_padding_mask`` where the
     batch has it, else (SkyRL 0.3.0) zero rows past a sample's last non-zero row; a zero row
     before it is a degenerate route (vLLM #54730)."""
@@ -125,7 +125,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
         cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
         valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
         return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid.to(values.device), source=source, names=names)
+                                        no_route="mask", valid=valid.to(values.device), route_kind=source, names=names)
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
@@ -135,14 +135,14 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if mask is not None:
         valid = attn_b & ~torch.as_tensor(mask).bool().to(attn_b.device)
         return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid, source=source, names=names)
+                                        no_route="mask", valid=valid, route_kind=source, names=names)
     # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
     # micro-batching too, whose first token is "real"), and its worker does not carry
     # router_padding_mask into micro-batches; recorded routes hold a route on every token (at
     # top-1 an expert-0 row is one)
     no_route = "none" if source == "recorded" and int(routes.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=names)
+                                    no_route=no_route, route_kind=source, names=names)
 
 
 def _columns(reported: int, moe: list[int], num_hidden_layers: Optional[int], field: str) -> Optional[list[int]]:

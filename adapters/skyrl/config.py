@@ -10,7 +10,7 @@ strict parser accepts (and type-checks) ``trainer.r3bridge.<option>=...`` and re
 config pass SkyRL's own checks with r3bridge replaying (see there).
 
 ``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves unset
-(:meth:`r3bridge.ReplayConfig.resolve_with_source`; a key set differently in both is refused); with
+(:meth:`r3bridge.ReplayConfig.resolve_with_origin`; a key set differently in both is refused); with
 neither, replay is off, and the adapter says so at startup.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
 
@@ -64,7 +64,7 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
     named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
                                        if a.lstrip("+").startswith(prefix)]
     # the environment (R3BRIDGE_CONFIG) merges with the command line's keys (r3bridge.config)
-    return ReplayConfig.resolve_with_source(section if isinstance(section, ReplayConfig) else None,
+    return ReplayConfig.resolve_with_origin(section if isinstance(section, ReplayConfig) else None,
                                             section_name=f"{SECTION} (command line)", set_keys=named)
 
 

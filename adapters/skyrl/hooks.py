@@ -33,14 +33,14 @@ from r3bridge.adapters.skyrl.codec import (
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
+from r3bridge.batch.provenance import ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.provenance import ProvenancePairing
-from r3bridge.schema import ReplayBatch
 from r3bridge.trace import token_uid
 from r3bridge.versions import check_internals, checked_subclass
 
@@ -60,7 +60,7 @@ def recorded_from_payloads(payloads: Sequence[bytes]) -> ReplayBatch:
     ids are the routers' own top-k (distinct, in range by construction) and each payload's CRCs
     guard the transport, so they are not validated here: the update's read (the one reader)
     checks every id it reads, once."""
-    from r3bridge import wire
+    from r3bridge.batch import wire
 
     parts = [wire.decode(bytes(p)) for p in payloads]
     if not parts:
@@ -158,9 +158,9 @@ class SkyRLReplay:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         session = self.session
         if plan.action is Action.REPLAY:
-            source = plan.source
-            if self.route_kind is not None and self.route_kind != source:
-                raise ConfigError(f"replay_mode={session.mode.value} replays {source} routes, the batch "
+            kind = plan.route_kind
+            if self.route_kind is not None and self.route_kind != kind:
+                raise ConfigError(f"replay_mode={session.mode.value} replays {kind} routes, the batch "
                                   f"carries {self.route_kind} routes")
             session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
@@ -168,7 +168,7 @@ class SkyRLReplay:
             m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if source == "recorded" else m.num_layers, source=source)
+                                   num_hidden_layers=None if kind == "recorded" else m.num_layers, source=kind)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)

@@ -71,8 +71,8 @@ def entrypoint(cfg):
 def config_from_argv(argv: list[str]):
     """SkyRL's parsed, validated config with the ``trainer.r3bridge`` section in force."""
     cfg = parse_cli(argv)
-    rc, source = replay_config_from_skyrl(cfg, argv)     # the command line merged with R3BRIDGE_CONFIG
-    announce(rc, source, "SkyRL launcher")
+    rc, origin = replay_config_from_skyrl(cfg, argv)     # the command line merged with R3BRIDGE_CONFIG
+    announce(rc, origin, "SkyRL launcher")
     cfg.trainer.r3bridge = rc
     prepare_skyrl_config(cfg)
     main_base.validate_cfg(cfg)

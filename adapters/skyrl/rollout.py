@@ -2,7 +2,7 @@
 
 What SkyRL 0.3.x hands around per engine call, ``InferenceEngineOutput["rollout_expert_indices"]
 [i]``, ``[prompt + generated - 1, num_hidden_layers, K]``, in any of vLLM's transports
-(:func:`r3bridge.decoders.decode_vllm_routes`): in-process ``CompletionOutput.routed_experts``,
+(:func:`r3bridge.engines.decoders.decode_vllm_routes`): in-process ``CompletionOutput.routed_experts``,
 SkyRL 0.3.0's ``/skyrl/v1/generate`` JSON lists, base64 ``.npy`` (vLLM's OpenAI serving, newer
 SkyRL).
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from r3bridge.adapters.skyrl.codec import ENGINE
-from r3bridge.decoders import decode_vllm_routes
-from r3bridge.ingest import first_seen_rows, rollout_routes
-from r3bridge.provenance import RouteProvenance
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.engines.decoders import decode_vllm_routes
+from r3bridge.ingest.stitching import first_seen_rows, rollout_routes
 
 __all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen", "call_provenance"]
 
@@ -44,7 +44,7 @@ class SkyRLRollout:
 
 def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[list]:
     """SkyRL's per-sample list ``[rows, L_all, K]`` accumulated over turns, first-seen
-    (:func:`r3bridge.ingest.first_seen_rows`; both start at row 0: SkyRL sends the whole
+    (:func:`r3bridge.ingest.stitching.first_seen_rows`; both start at row 0: SkyRL sends the whole
     conversation as each turn's prompt)."""
     if new is None:
         return previous

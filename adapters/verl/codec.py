@@ -27,11 +27,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.adapters._naming import check_topk, naming_samples
+from r3bridge.batch.provenance import (
+    LOGPROB_PROVENANCE_KEY,
+    ROUTE_PROVENANCE_KEY,
+    ProvenancePairing,
+    pairing_from_fields,
+)
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.layer_axis import axis_columns
-from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
-from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
+from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
            "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
@@ -40,7 +45,7 @@ ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per-sample RouteProvenance
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.batch.provenance): per-sample RouteProvenance
 # (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
 
 
@@ -100,11 +105,11 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
 def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,
                   num_hidden_layers: int | None = None, topk: int | None = None,
                   layer_axis: str | None = None) -> HandedRoutes:
-    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (:mod:`r3bridge.reader`):
+    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (docs/architecture.md, "One reader"):
     verl's nested values viewed, nothing copied or checked yet.
 
     ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
-    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.layer_axis`): every decoder
+    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.engines.layer_axis`): every decoder
     layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
     layers only (TensorRT-LLM). "No route" is a zero row (verl's transport): rows past a sample's
     last non-zero row (the final token, multi-turn tails, padding samples); a zero row before it
@@ -142,7 +147,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
     # recorded routes hold a real route on every token: at top-1 an expert-0 row is a route
     no_route = "none" if source == "recorded" and int(values.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=[f"verl sample {n}" for n in names],
+                                    no_route=no_route, route_kind=source, names=[f"verl sample {n}" for n in names],
                                     weights=weights)
 
 

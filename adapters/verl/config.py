@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
-from r3bridge.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, setting
@@ -43,13 +43,13 @@ SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in
 
 def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None) -> tuple[ReplayConfig, str]:
     """The options in force for a verl job and where they came from: its ``r3bridge`` section
-    merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_source`)."""
-    return ReplayConfig.resolve_with_source(setting(verl_cfg, "r3bridge", None, plain=True), environ,
+    merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_origin`)."""
+    return ReplayConfig.resolve_with_origin(setting(verl_cfg, "r3bridge", None, plain=True), environ,
                                             section_name=SECTION_NAME)
 
 
 def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
-    """:func:`resolve_verl_options` without the source."""
+    """:func:`resolve_verl_options` without the origin."""
     return resolve_verl_options(verl_cfg)[0]
 
 
@@ -208,11 +208,11 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     only (the launcher's stall-watchdog id)."""
     from omegaconf import OmegaConf, open_dict
 
-    cfg, source = resolve_verl_options(verl_cfg)
+    cfg, origin = resolve_verl_options(verl_cfg)
     validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg), cfg)
     if announce_where is not None:
         from r3bridge.announce import announce
-        announce(cfg, source, announce_where)
+        announce(cfg, origin, announce_where)
     forward = forward_env(cfg, announce_where or "verl launcher")
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()

@@ -174,7 +174,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             # reads this rank's rows once per micro-batch, whichever chunk installs first
             m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
-                                   source=self._r3_pass.plan.source, num_hidden_layers=m.num_layers, topk=m.topk,
+                                   source=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers, topk=m.topk,
                                    layer_axis=self.r3.config.layer_axis)
         # traced: each sample named by its tokens, so `r3bridge diff` pairs it across passes (verl
         # numbers the samples of each pass anew, an update's mini-batch shuffled)

@@ -7,7 +7,7 @@ the padded batch; its multi-turn tool loop keeps only the last call's
 (``experimental/agent_loop/tool_agent_loop.py:286``), whose rows for earlier turns' tokens are
 the re-prefill's routes, not the ones that sampled them. r3bridge stitches the calls first-seen
 instead (the rows that sampled each token): :class:`VerlRollout` does that for a batch
-(:func:`r3bridge.ingest.rollout_routes`) and for one agent-loop sample
+(:func:`r3bridge.ingest.stitching.rollout_routes`) and for one agent-loop sample
 (:meth:`VerlRollout.agent_loop_routes`, used by
 :class:`r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop`).
 """
@@ -17,10 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from r3bridge.batch.provenance import RouteProvenance, reported_int
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import ProvenanceError, RouteShapeError
-from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
-from r3bridge.provenance import RouteProvenance, reported_int
-from r3bridge.schema import ReplayBatch
+from r3bridge.ingest.stitching import StitchReport, first_seen_rows, rollout_routes
 
 __all__ = ["VerlRollout", "call_provenance"]
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import ReplayError
-from r3bridge.schema import ReplayBatch
 
 
 class CliError(Exception):

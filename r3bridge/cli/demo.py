@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                            'extension), not installed: pip install "transformer-engine[pytorch]" '
                            "(or run --spec local)")
     from r3bridge.demo.job import DemoOptions, layout_problem, run_demo
-    from r3bridge.testing.dist import spawn
+    from r3bridge.testing.harness.dist import spawn
 
     problem = layout_problem(args.tp, args.pp, args.vpp, args.ep, args.cp, args.steps,
                              DemoOptions(layer_spec=args.spec))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from r3bridge.batch.provenance import route_label
 from r3bridge.cli._common import (
     CliError,
     fmt_ids,
@@ -128,7 +129,8 @@ def run(args) -> int:
         rep = route_agreement(a, b)
     except ReplayError as e:
         raise CliError(f"{args.a} vs {args.b}: cannot compare: {e}") from None
-    s = summarize(rep, a=args.a, b=args.b, source_a=a.source, source_b=b.source)
+    s = summarize(rep, a=args.a, b=args.b, source_a=route_label(a.route_kind, a.engine),
+                  source_b=route_label(b.route_kind, b.engine))
     return report(args, s, render, plot)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from r3bridge.batch.provenance import route_label
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.cli._common import (
     fmt_ids,
     fmt_num,
@@ -15,7 +17,6 @@ from r3bridge.cli._common import (
     table,
 )
 from r3bridge.metrics import expert_load
-from r3bridge.schema import ReplayBatch
 
 NAME = "inspect"
 
@@ -58,7 +59,8 @@ def summarize(batch: ReplayBatch, *, file: str | None = None, file_bytes: int | 
     return {
         "file": file,
         "bytes": file_bytes if file_bytes is not None else batch.nbytes,
-        "source": batch.source,
+        "source": route_label(batch.route_kind, batch.engine),
+        "route_kind": batch.route_kind, "engine": batch.engine,
         "sequences": batch.num_seqs,
         "rows": batch.total_rows,
         "valid_rows": valid_rows,

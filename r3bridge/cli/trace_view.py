@@ -20,11 +20,11 @@ from r3bridge.trace import MergedPass, Trace, TraceError, TracePass, compare, lo
 DIFFERENT_MODELS_BELOW = 0.5
 
 
-def models_note(agreement: float, *, source: str = "rollout") -> Optional[str]:
+def models_note(agreement: float, *, route_kind: str = "rollout") -> Optional[str]:
     """What a low agreement between the trainer's own router and the replayed routes means, or None."""
     if not agreement == agreement or agreement >= DIFFERENT_MODELS_BELOW:    # nan: nothing compared
         return None
-    if source == "recorded":
+    if route_kind == "recorded":
         return (f"note: the update's router agrees with the routes it recorded in compute_log_prob on only "
                 f"{fmt_pct(agreement)} of (token, layer) pairs: the weights moved far between the two passes (or the "
                 f"router is untrained: nearly tied scores). Replay is unaffected: the update dispatched the recorded routes.")
@@ -35,11 +35,11 @@ def models_note(agreement: float, *, source: str = "rollout") -> Optional[str]:
             f"coverage says on how many rows); the log-prob mismatch will be large until the two are the same model.")
 
 
-def _overall(passes: list[dict[str, Any]], source: str) -> float:
-    """Agreement over every replay pass of ``source``, weighted by the pairs each compared."""
+def _overall(passes: list[dict[str, Any]], route_kind: str) -> float:
+    """Agreement over every replay pass of ``route_kind``, weighted by the pairs each compared."""
     agree = compared = 0
     for p in passes:
-        if p.get("source") == source and p.get("action") == "replay":
+        if p.get("source") == route_kind and p.get("action") == "replay":       # the index key: the route kind
             agree += sum(r.get("agree", 0) for r in p["per_layer"])
             compared += sum(r.get("compared", 0) for r in p["per_layer"])
     return agree / compared if compared else float("nan")
@@ -61,7 +61,7 @@ def summarize_trace(path: str, *, lowest: int = 5, step: Optional[int] = None) -
         "stopped": [{k: s.get(k) for k in ("rank", "step", "pass", "pass_index", "bytes_written", "limit", "reason")}
                     for s in trace.stops],
         "passes": passes,
-        "notes": [n for n in (models_note(_overall(passes, src), source=src) for src in ("rollout", "recorded")) if n],
+        "notes": [n for n in (models_note(_overall(passes, src), route_kind=src) for src in ("rollout", "recorded")) if n],
     }
 
 
@@ -212,7 +212,7 @@ def diff_traces(a: str, b: Optional[str], *, step: Optional[int], pass_a: Option
             done = [c for c in comps if not c.get("missing") and c.get("source") == src]
             pairs = sum(c["rows_compared"] * len(c["per_layer"]) for c in done)
             agree = sum(c["agreement"] * c["rows_compared"] * len(c["per_layer"]) for c in done)
-            note = models_note(agree / pairs if pairs else float("nan"), source=src)
+            note = models_note(agree / pairs if pairs else float("nan"), route_kind=src)
             if note:
                 notes.append(note)
     return {"a": a, "b": b if b is not None else a, "comparisons": comps, "notes": notes}

@@ -31,18 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from r3bridge.demo.evidence_config import EvidenceError, RunConfig
+from r3bridge.demo.evidence_config import RunConfig
 from r3bridge.demo.warmstart import ModelShape
-
-
-def wait_for_warm_start(root: Path, deadline: Optional[float]) -> None:
-    state, failed = root / "warmstart" / "state.pt", root / "warmstart" / "FAILED"
-    while not state.exists():
-        if failed.exists():
-            raise EvidenceError(f"the warm start failed: {failed.read_text().strip()}")
-        if deadline and time.time() > deadline:
-            raise EvidenceError("the wall-clock bound passed before the warm start finished")
-        time.sleep(0.5)
 
 
 def _write_model_dir(root: Path, shape: ModelShape) -> None:
@@ -167,7 +157,7 @@ def _arm_summary(root: Path, name: str) -> dict[str, Any]:
 def _arm_process(argv: list[str]) -> int:
     """This process is one rank running the named arms (the orchestrator ends it at the bound)."""
     from r3bridge.demo.grpo import run_arms
-    from r3bridge.testing.dist import run_as_only_rank
+    from r3bridge.testing.harness.dist import run_as_only_rank
 
     root, names = Path(argv[0]), argv[1:]
     cuda = RunConfig.load(root).grpo.device == "cuda"

@@ -1,9 +1,11 @@
 """What an evidence run is made of, as plain data (``run.json``): the model, the task, the warm
 start, the GRPO options and the arms. The orchestrator (:mod:`r3bridge.demo.evidence`) writes it,
-every arm process (:mod:`r3bridge.demo.grpo`) reads it."""
+every arm process (:mod:`r3bridge.demo.grpo`) reads it, and waits here for the warm start's
+weights (:func:`wait_for_warm_start`)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -94,3 +96,15 @@ def make_arms(modes: Sequence[str], seeds: Sequence[int], engine: str, floor: bo
     if floor:
         arms.append(Arm(f"floor-s{seeds[0]}", "R3", int(seeds[0]), "self"))
     return arms
+
+
+def wait_for_warm_start(root: Path, deadline: Optional[float]) -> None:
+    """Block an arm process until the run folder holds the warm start's weights (or says it failed,
+    or ``deadline`` passed): the arms start while the warm start still trains."""
+    state, failed = root / "warmstart" / "state.pt", root / "warmstart" / "FAILED"
+    while not state.exists():
+        if failed.exists():
+            raise EvidenceError(f"the warm start failed: {failed.read_text().strip()}")
+        if deadline and time.time() > deadline:
+            raise EvidenceError("the wall-clock bound passed before the warm start finished")
+        time.sleep(0.5)

@@ -41,9 +41,10 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, phase_plan
 from r3bridge.demo import task as task_mod
-from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig
+from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_warm_start
 from r3bridge.demo.hf_engine import Completion, HFEngine
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
@@ -56,12 +57,11 @@ from r3bridge.demo.hf_to_mcore import (
 )
 from r3bridge.demo.job import batch_to, count_agreement
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
-from r3bridge.testing.data import local_inputs, packed_causal_mask, packed_seq_params
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import build_model_chunks, load_reference_state
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
 # ----------------------------------------------------------------------------------- engines
@@ -407,7 +407,7 @@ class ArmRunner:
             a[:, rec.layer_ids] = rec.routes[starts[i]:starts[i] + rows].numpy()
             arrays.append(a)
         return lp, ReplayBatch.from_vllm(arrays, num_experts=self.num_experts, moe_layer_ids=self.moe_ids,
-                                         source="self")
+                                         engine="self")
 
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step; returns the step's log line."""
@@ -435,8 +435,8 @@ class ArmRunner:
         batches = [b for _, b in lp]
         ids_of = {id(b): list(map(int, g)) for g, b in lp}
         roll_of = {id(b): s.routes.select(ids_of[id(b)]) for b in batches}
-        res, st, probe = self._pass(plan.action, plan.source, batches, ids_of, roll_of if plan.source else {},
-                                    probe=plan.source is None)
+        res, st, probe = self._pass(plan.action, plan.route_kind, batches, ids_of, roll_of if plan.route_kind else {},
+                                    probe=plan.route_kind is None)
         old_lp: list[torch.Tensor] = [torch.empty(0)] * len(s)
         sums, ent_sum, ent_n = None, 0.0, 0
         for (g, b), r in zip(lp, res):
@@ -477,18 +477,18 @@ class ArmRunner:
             per = {id(b): {"old_lp": _per_token(s, ids, b, old_lp), "adv": _per_token(s, ids, b, adv),
                            "mask": b.loss_mask.float()}}
             ref = {}
-            if plan.source == "recorded":
+            if plan.route_kind == "recorded":
                 ref = {id(b): recorded.select(ids)}
-            elif plan.source == "rollout":
+            elif plan.route_kind == "rollout":
                 ref = {id(b): s.routes.select(ids)}
             out: list[dict] = []
             self.optim.zero_grad()
-            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.source) as us:
+            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind) as us:
                 run_schedule(self.trainer, [b], _install(us, _ppo_forward_step(self.te, per, o.clip, out), ref,
                                                          {id(b): ids}), forward_only=False)
             norms.append(self.optim.step())
             stats.append(out[0])
-            if plan.source:
+            if plan.route_kind:
                 cov.append(us.metrics["r3bridge/coverage"])
                 agree.append(us.metrics["r3bridge/agreement/mean"])
             mask = b.loss_mask.bool()
@@ -518,10 +518,8 @@ def _put_mismatch(m: dict[str, float], prefix: str, sums: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------- the process
 def run_arms(ctx: RankContext, run_dir: str, names: Sequence[str]) -> dict[str, str]:
-    """A rank's work (:func:`r3bridge.testing.dist.spawn`): the named arms of the run one after the
+    """A rank's work (:func:`r3bridge.testing.harness.dist.spawn`): the named arms of the run one after the
     other, sharing one engine. Returns each arm's final status."""
-    from r3bridge.demo.evidence import wait_for_warm_start
-
     run = RunConfig.load(Path(run_dir))
     root = Path(run_dir)
     arms = [run.arm(n) for n in names]

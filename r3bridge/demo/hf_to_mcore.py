@@ -1,9 +1,9 @@
 """The HF engine's weights in the harness's megatron-core model, and back.
 
-``spec_from_hf(config)`` gives the :class:`~r3bridge.testing.models.ModelSpec` of the same
+``spec_from_hf(config)`` gives the :class:`~r3bridge.testing.harness.models.ModelSpec` of the same
 architecture (RMSNorm, GQA with q/k norms, RoPE, SwiGLU, softmax top-k router); ``hf_to_mcore``
 maps an HF state dict to the harness's *canonical* full state (global layer and expert ids, full
-shapes), which :func:`r3bridge.testing.models.load_reference_state` slices for any parallel layout;
+shapes), which :func:`r3bridge.testing.harness.models.load_reference_state` slices for any parallel layout;
 ``mcore_to_hf`` is the inverse (the demo pushes the trainer's weights to the engine with it).
 Both speak the local layer spec's names; :func:`to_te_names` / :func:`from_te_names` rename them
 for the Transformer Engine layer spec (``ModelSpec(layer_spec="te")``).
@@ -30,8 +30,8 @@ from typing import Any, Literal, Sequence
 import torch
 
 from r3bridge.hf import moe_layer_ids_from_hf_config
-from r3bridge.testing.data import PackedBatch, make_packed_batch
-from r3bridge.testing.models import ModelSpec
+from r3bridge.testing.harness.data import PackedBatch, make_packed_batch
+from r3bridge.testing.harness.models import ModelSpec
 
 __all__ = ["spec_from_hf", "hf_to_mcore", "mcore_to_hf", "to_te_names", "from_te_names", "zero_attention",
            "packed_from_tokens", "router_settings"]
@@ -245,7 +245,7 @@ def packed_from_tokens(tokens: Sequence[Sequence[int]], *, align: int = 1, pad_t
 def gather_full_state(chunks: Sequence[torch.nn.Module], ctx: Any) -> dict[str, torch.Tensor]:
     """Every rank's parameters, unsharded under canonical names, on every rank (for pushing the
     trainer's weights into the engine; the tiny models make an object all-gather cheap)."""
-    from r3bridge.testing.models import _named_params_with_module, _shard_info, canonical_name
+    from r3bridge.testing.harness.models import _named_params_with_module, _shard_info, canonical_name
 
     mine = {}
     for chunk in chunks:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Phase, phase_plan
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import (
@@ -43,13 +44,12 @@ from r3bridge.demo.hf_to_mcore import (
     zero_attention,
 )
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
-from r3bridge.testing.data import align_for
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import build_model_chunks, load_reference_state
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.parallel.sharding import shard
+from r3bridge.testing.harness.data import align_for
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
 @dataclass(frozen=True)
@@ -226,15 +226,15 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
             plan = phase_plan(mode, Phase.OLD_LOG_PROB)
             for c in trainer:
                 c.eval()
-            with rep.open_pass(plan.action, forward_only=True, route_kind=plan.source) as ls:
-                run_schedule(trainer, batches, _install(ls, fwd, roll_of if plan.source else {}, ids_of),
+            with rep.open_pass(plan.action, forward_only=True, route_kind=plan.route_kind) as ls:
+                run_schedule(trainer, batches, _install(ls, fwd, roll_of if plan.route_kind else {}, ids_of),
                              forward_only=True)
             recorded = ls.recorded
             for c in trainer:
                 c.train()
             # 3. updates, one SGD step per mini-batch
             plan = phase_plan(mode, Phase.UPDATE)
-            ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches} if plan.source == "recorded" else roll_of
+            ref_of = {id(b): recorded.select(ids_of[id(b)]) for b in batches} if plan.route_kind == "recorded" else roll_of
             opt = torch.optim.SGD([p for c in trainer for p in c.parameters()], lr=opts.lr)
             pm = per_mode[mode]
             step_pm = dict(agree=torch.zeros(num_layers), total=torch.zeros(num_layers), sums=None)
@@ -242,13 +242,13 @@ def run_demo(ctx: RankContext, opts: DemoOptions) -> dict[str, Any]:
                 mini = batches[u:u + per_update]
                 opt.zero_grad(set_to_none=True)
                 with RoutingProbe(trainer, include_mtp=False) as probe:
-                    with rep.open_pass(plan.action, forward_only=False, route_kind=plan.source) as us:
-                        res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.source else {}, ids_of),
+                    with rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind) as us:
+                        res = run_schedule(trainer, mini, _install(us, fwd_logits, ref_of if plan.route_kind else {}, ids_of),
                                            forward_only=False)
                 _sync_grads(trainer, ctx)
                 opt.step()
                 pm["cov"].append(us.metrics.get("r3bridge/coverage", 0.0))
-                if plan.source:
+                if plan.route_kind:
                     pm["agreement_mean"].append(us.metrics.get("r3bridge/agreement/mean", 0.0))
                 count_agreement(probe, mini, ref_of, layout, ctx, step_pm)
                 if last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
@@ -288,7 +288,7 @@ def batch_to(batch, device: str):
 
 
 def _sync_grads(chunks, ctx: RankContext) -> None:
-    from r3bridge.testing.schedule import sync_grads
+    from r3bridge.testing.harness.schedule import sync_grads
     sync_grads(chunks, ctx)
 
 

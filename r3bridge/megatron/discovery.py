@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from r3bridge.errors import LayerMappingError
-from r3bridge.layout import ParallelLayout
+from r3bridge.parallel.layout import ParallelLayout
 
 
 @dataclass

@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.reader import HandedRoutes, RankRows, ShardedTargets
+from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.rank_rows import RankRows
+from r3bridge.parallel.targets import ShardedTargets
 
 
 @dataclass

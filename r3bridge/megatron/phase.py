@@ -14,7 +14,7 @@ runner owns the rest, in this order:
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
 4b. R3: each sample's route provenance compared with its log-probs' (``ReplayConfig.provenance_check``,
-   :mod:`r3bridge.provenance`) *before* the driver pass opens, so a refusal installs nothing;
+   :mod:`r3bridge.batch.provenance`) *before* the driver pass opens, so a refusal installs nothing;
 5. the driver's metrics summarised (:func:`r3bridge.metrics.summarize_layers`: per-layer keys only
    with ``per_layer_metrics``) and tagged by phase (:func:`r3bridge.metrics.tag_phase`), and compute_log_prob
    metrics carried to the next update for frameworks that log only the update's
@@ -30,14 +30,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from r3bridge.batch.provenance import ProvenanceCount, ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron.replay_pass import as_handed
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
-from r3bridge.provenance import ProvenanceCount, ProvenancePairing
-from r3bridge.reader import HandedRoutes
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
            "phase_tag"]
@@ -48,7 +48,7 @@ class MicroBatch:
     """What one micro-batch installs: its sequences as the trainer packs them.
 
     ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
-    :class:`r3bridge.reader.HandedRoutes`: what the one reader reads) covers the leading
+    :class:`r3bridge.ingest.handed.HandedRoutes`: what the one reader reads) covers the leading
     sequences (REPLAY; ``None`` when recording); trailing sequences
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
@@ -246,7 +246,7 @@ class PhaseRunner:
         mode = self.config.replay_mode.value
         if plan.action is Action.REPLAY and not present:
             raise ConfigError(f"replay_mode={mode}: {where} carries no {field!r} to replay "
-                              f"({provide[plan.source]})")
+                              f"({provide[plan.route_kind]})")
         if plan.action is Action.RECORD and present:
             raise ConfigError(f"replay_mode={mode} records routes in compute_log_prob, but {where} already "
                               f"carries {field!r} (rollout routes?): {provide['off']}")
@@ -274,7 +274,7 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.source) as driver_pass:
+        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind) as driver_pass:
             ps = PhasePass(self, phase, plan, driver_pass)
             ps.provenance = checked
             driver_pass.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
@@ -300,7 +300,7 @@ class PhaseRunner:
         """R3's check of rollout routes against the log-probs they are paired with. R2 replays
         the routes the trainer recorded in the same pass as its log-probs: nothing to compare."""
         mode = self.config.provenance_check
-        if pairing is None or mode == "off" or plan.action is not Action.REPLAY or plan.source != "rollout":
+        if pairing is None or mode == "off" or plan.action is not Action.REPLAY or plan.route_kind != "rollout":
             return None
         return pairing.check(mode)
 

@@ -21,10 +21,10 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 import torch
 
 from r3bridge.errors import ConfigError
-from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.megatron.recorder import _all_gather
-from r3bridge.packing import PackPlan, token_owners
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.packing import PackPlan, token_owners
 from r3bridge.replay_policy import router_log_ratio
 
 __all__ = ["PolicyStats", "per_token"]

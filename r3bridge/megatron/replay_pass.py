@@ -31,18 +31,21 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.layout import ParallelLayout
+from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
-from r3bridge.reader import HandedRoutes, RankRows, ReadStats, ShardedTargets, read_targets
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.rank_rows import RankRows
+from r3bridge.parallel.read import ReadStats, read_targets
+from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.replay_policy import threshold_select
-from r3bridge.schema import ReplayBatch, route_dtype
 
 
 class PassHost(Protocol):
@@ -76,7 +79,7 @@ class PassHost(Protocol):
     topk_scaling_factor: Optional[float]
     # at most one pass runs at a time; the router hooks forward to it
     active_pass: Optional[ReplayPass]
-    read_stats: ReadStats                       # how routes reached the routers (r3bridge.reader)
+    read_stats: ReadStats                       # how routes reached the routers (docs/architecture.md, "One reader")
 
     @property
     def device(self) -> torch.device: ...
@@ -227,7 +230,7 @@ class ReplayPass:
                 seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
         ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
-        (:class:`r3bridge.reader.HandedRoutes`), read by the one reader (:mod:`r3bridge.reader`).
+        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md, "One reader").
 
         In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
@@ -311,13 +314,15 @@ class ReplayPass:
         return hit[1], hit[2]
 
     def _check_route_kind(self, routes: ReplayBatch | HandedRoutes) -> None:
-        # routes.source: "recorded", or the engine (or "rollout") for rollout routes
-        want = self.route_kind
-        if want == "recorded" and routes.source != "recorded":
-            raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got routes from "
-                              f"{routes.source!r} (verl 0.9.1 silently replayed rollout routes under R2)")
-        if want == "rollout" and routes.source == "recorded":
+        want, got = self.route_kind, routes.route_kind
+        if want == "recorded" and got != "recorded":
+            raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got {got} routes"
+                              f"{f' of {routes.engine}' if routes.engine else ''} (verl 0.9.1 silently replayed "
+                              f"rollout routes under R2)")
+        if want == "rollout" and got == "recorded":
             raise ConfigError("R3 replays the rollout engine's routes, got routes recorded by the trainer")
+        if want == "rollout" and got != "rollout":
+            raise ConfigError(f"R3 replays the rollout engine's routes, got {got} routes")
 
     # ---------------------------------------------------------------------------- forward hooks
     def _make_pre(self, c: int):

@@ -8,16 +8,17 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, ReplayConfig
+from r3bridge.engines.layer_ids import shifted_layer_ids_hint
+from r3bridge.engines.route_checks import DEGENERATE_CHOICES
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
-from r3bridge.layer_ids import shifted_layer_ids_hint
-from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.compat import check_megatron, router_takes_padding_mask
 from r3bridge.megatron.discovery import ChunkRouters, check_against_layout, find_routers, layout_for, unwrap
 from r3bridge.megatron.guards import check_config
 from r3bridge.megatron.hook import RouterHook
 from r3bridge.megatron.replay_pass import ReplayPass
 from r3bridge.megatron.roles import Role, check_actor, declare_role, model_role
-from r3bridge.reader import DEGENERATE_CHOICES, ReadStats
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.read import ReadStats
 from r3bridge.replay_policy import check_policy
 
 
@@ -107,7 +108,7 @@ class Replayer:
         check_against_layout(self.chunks, self.layout, self.pp_rank)
         self.layer_chunk: dict[int, int] = {lid: c.vp_stage for c in self.chunks for lid in c.routers}
         self.active_pass: Optional[ReplayPass] = None
-        self.read_stats = ReadStats()      # every route read by the one reader (r3bridge.reader)
+        self.read_stats = ReadStats()      # every route read by the one reader (docs/architecture.md, "One reader")
         self.unmanaged_calls = 0
         self._previous: dict[int, Any] = {}
         # MTP (draft) routers are never in layer_chunk: find_routers keeps them apart, by object,
@@ -150,7 +151,7 @@ class Replayer:
     def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None) -> ReplayPass:
         """One pass (one schedule run); use as a context manager. ``action`` from
         :func:`r3bridge.config.phase_plan`; ``route_kind`` the plan's kind of routes ("rollout" /
-        "recorded", ``PhasePlan.source``), checked against each installed batch."""
+        "recorded", ``PhasePlan.route_kind``), checked against each installed batch."""
         check_actor(self._actor_routers, self._hooks)
         return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind)
 

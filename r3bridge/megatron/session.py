@@ -4,7 +4,7 @@ An installed adapter translates its framework's batches and calls the driver, no
 every adapter used to set up by hand lives here, in this order:
 
 1. **config**: the ``r3bridge`` section resolved (explicit, else ``R3BRIDGE_CONFIG`` /
-   ``R3BRIDGE_REPLAY_MODE``, else off: :meth:`r3bridge.ReplayConfig.resolve_with_source`) and
+   ``R3BRIDGE_REPLAY_MODE``, else off: :meth:`r3bridge.ReplayConfig.resolve_with_origin`) and
    announced (:func:`r3bridge.announce.announce`: one line naming the framework's process, the
    mode in force and where it came from);
 2. **attach** (:meth:`AdapterSession.attach`, after the framework built its model): the actor
@@ -37,13 +37,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 from r3bridge.announce import announce, replay_mode_metric
+from r3bridge.batch.provenance import ProvenancePairing
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo, check_topk
 from r3bridge.megatron.phase import PhasePass, PhaseResult, PhaseRunner, Targets
 from r3bridge.megatron.roles import Role, check_declared, declare_role
-from r3bridge.provenance import ProvenancePairing
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["AdapterSession", "averaged"]
 
@@ -72,7 +72,7 @@ class AdapterSession:
     def __init__(self, framework: str, config: ReplayConfig | Mapping[str, Any] | None = None, *,
                  where: Optional[str], config_origin: Optional[str] = None, role: Role | str = Role.ACTOR,
                  provide: Optional[Mapping[str, str]] = None, carry_log_prob_metrics: bool = False) -> None:
-        resolved, origin = ReplayConfig.resolve_with_source(config)
+        resolved, origin = ReplayConfig.resolve_with_origin(config)
         self.framework = framework
         self.config = resolved
         self.config_origin = config_origin or origin

@@ -5,7 +5,7 @@ One implementation for every adapter: :class:`r3bridge.megatron.PhaseRunner` own
 each traced pass, and the driver pass hands it, from inside the router hook, what each router call of a
 forward routed: the router's own top-k (computed under replay anyway for the agreement metric)
 and, in a replay pass, the replayed target. Everything stays on the device until the pass ends;
-then each rank writes its own rows and layers (format: :mod:`r3bridge.trace`) and one index line.
+then each rank writes its own rows and layers (format: :mod:`r3bridge.trace.format`) and one index line.
 
 Steps: the tracer counts RL steps itself: a compute_log_prob pass that follows an update starts
 the next step (frameworks that run no compute_log_prob stay in step 0; their update passes are
@@ -21,12 +21,19 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
-from r3bridge.layout import ParallelLayout
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.metrics import tag_phase
-from r3bridge.schema import ReplayBatch, route_dtype
-from r3bridge.trace import append_index, layout_to_json, micro_batch_entry, payload_name, rank_batch, write_payload
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.trace.format import (
+    append_index,
+    layout_to_json,
+    micro_batch_entry,
+    payload_name,
+    rank_batch,
+    write_payload,
+)
 
 
 class TracedReplayer(Protocol):
@@ -166,11 +173,11 @@ class RunTracer:
                                          seq_length=mb.pack.get("seq_length"), uids=ps.uids.get(k)))
         args = (rep.layout, rep.tp_rank, rep.cp_rank, mbs)
         native = rank_batch(*args, [trace.native[k] for k in idx], [None] * len(idx), num_experts=rep.num_experts,
-                            source="native")
+                            route_kind="native")
         replayed = None
         if trace.replayed:
             replayed = rank_batch(*args, [trace.replayed[k] for k in idx], [trace.valid[k] for k in idx],
-                                  num_experts=rep.num_experts, source=ps.plan.source or "rollout")
+                                  num_experts=rep.num_experts, route_kind=ps.plan.route_kind or "rollout")
         return mbs, replayed, native
 
     def _write(self, ps: TracedPass, trace: PassTrace) -> None:
@@ -205,7 +212,7 @@ class RunTracer:
         res = ps.result
         entry = {
             "kind": "pass", "step": self.step, "pass": ps.phase.value, "pass_index": self._pass_index,
-            "seq": self._seq, "action": ps.plan.action.value, "source": ps.plan.source, "mode": self.mode,
+            "seq": self._seq, "action": ps.plan.action.value, "source": ps.plan.route_kind, "mode": self.mode,
             "framework": self.framework, "rank": rank, "world_size": world, "dp_rank": _dp_rank(),
             "tp_rank": rep.tp_rank, "cp_rank": rep.cp_rank, "pp_rank": rep.pp_rank,
             "layout": layout_to_json(rep.layout), "moe_layer_ids": list(rep.layout.moe_layer_ids),

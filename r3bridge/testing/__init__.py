@@ -1,12 +1,14 @@
 """The adapter author's kit: real megatron-core GPT+MoE models on gloo ranks, and the conformance checks.
 
-What ships for whoever writes an adapter (docs/porting.md). Product code imports only the harness
-pieces the demo's CPU ranks run on (``dist``, ``models``, ``data``, ``schedule``, ``probe``), and
-the CPU shims are installed only inside processes started by :func:`dist.spawn` (see
+What ships for whoever writes an adapter (docs/porting.md), in two parts. Product code imports only
+harness pieces the demo's CPU ranks run on (``dist``, ``models``, ``data``, ``schedule``, ``probe``),
+and the CPU shims are installed only inside processes started by :func:`harness.dist.spawn` (see
 docs/testing-harness.md). r3bridge's own framework runners are not here: they live in the
 repository's ``testlab/`` and are not shipped.
 
 Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megatron-free):
+
+``harness/`` - the CPU Megatron harness (also what the demo's CPU ranks run on):
 
 * ``cpu_shim``  - the minimal CUDA-only call shims (``apply()``)
 * ``dist``      - ``spawn`` / ``spawn_layouts``, ``Layout``, ``RankContext``, ``RankError``
@@ -14,10 +16,15 @@ Submodules (imported lazily so ``import r3bridge.testing`` stays cheap and megat
 * ``data``      - packed batches, CP zigzag split, router row -> token mapping
 * ``schedule``  - forward step, ``run_schedule``, gradient sync, optimizer helpers
 * ``probe``     - ``RoutingProbe`` (router call recorder), ``topk_indices``
-* ``rollouts``  - ``ModelShape``, ``CanonicalRollout``, ``make_rollout`` (what the checks run on)
-* ``runner``    - the ``MegatronRunner`` contract of checks 4-5 and its helpers (``pack_thd``, ...)
+
+``kit/`` - the conformance checks an adapter passes, run on the harness:
+
+* ``rollouts``    - ``ModelShape``, ``CanonicalRollout``, ``make_rollout`` (what the checks run on)
+* ``runner``      - the ``MegatronRunner`` contract of checks 4-5 and its helpers (``pack_thd``, ...)
 * ``conformance`` - checks 1-5 as functions that pass or fail (docs/porting.md)
-* ``suite``     - the same checks as pytest base classes (``BaseIngestTests``, ``BaseMegatronTests``)
+* ``suite``       - the same checks as pytest base classes (``BaseIngestTests``, ``BaseMegatronTests``)
+
+Every name below is importable from ``r3bridge.testing`` itself.
 """
 
 from __future__ import annotations
@@ -26,38 +33,38 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "spawn": "dist",
-    "spawn_layouts": "dist",
-    "Layout": "dist",
-    "RankContext": "dist",
-    "RankError": "dist",
-    "ModelSpec": "models",
-    "build_model_chunks": "models",
-    "load_reference_state": "models",
-    "canonical_state_dict": "models",
-    "PackedBatch": "data",
-    "make_packed_batch": "data",
-    "align_for": "data",
-    "cp_zigzag_index": "data",
-    "router_row_index": "data",
-    "make_forward_step": "schedule",
-    "run_schedule": "schedule",
-    "make_optimizer": "schedule",
-    "optimizer_step": "schedule",
-    "sync_grads": "schedule",
-    "RoutingProbe": "probe",
-    "topk_indices": "probe",
-    "ModelShape": "rollouts",
-    "CanonicalRollout": "rollouts",
-    "make_rollout": "rollouts",
-    "MegatronRunner": "runner",
-    "pack_thd": "runner",
-    "unpack_rows": "runner",
-    "record_packing": "runner",
-    "run_megatron_checks": "conformance",
-    "assert_megatron_checks": "conformance",
-    "BaseIngestTests": "suite",
-    "BaseMegatronTests": "suite",
+    "spawn": "harness.dist",
+    "spawn_layouts": "harness.dist",
+    "Layout": "harness.dist",
+    "RankContext": "harness.dist",
+    "RankError": "harness.dist",
+    "ModelSpec": "harness.models",
+    "build_model_chunks": "harness.models",
+    "load_reference_state": "harness.models",
+    "canonical_state_dict": "harness.models",
+    "PackedBatch": "harness.data",
+    "make_packed_batch": "harness.data",
+    "align_for": "harness.data",
+    "cp_zigzag_index": "harness.data",
+    "router_row_index": "harness.data",
+    "make_forward_step": "harness.schedule",
+    "run_schedule": "harness.schedule",
+    "make_optimizer": "harness.schedule",
+    "optimizer_step": "harness.schedule",
+    "sync_grads": "harness.schedule",
+    "RoutingProbe": "harness.probe",
+    "topk_indices": "harness.probe",
+    "ModelShape": "kit.rollouts",
+    "CanonicalRollout": "kit.rollouts",
+    "make_rollout": "kit.rollouts",
+    "MegatronRunner": "kit.runner",
+    "pack_thd": "kit.runner",
+    "unpack_rows": "kit.runner",
+    "record_packing": "kit.runner",
+    "run_megatron_checks": "kit.conformance",
+    "assert_megatron_checks": "kit.conformance",
+    "BaseIngestTests": "kit.suite",
+    "BaseMegatronTests": "kit.suite",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -70,7 +70,7 @@ def _cell(ctx: Any, workdir: str, device: str, steps: int, n_mbs: int = 2) -> di
 def summarize(per_rank: list, steps: int) -> dict:
     """Per mode, over every rank: the runner's router-call checks summed, the dispatch records merged
     over the ranks and compared with the routes that had to be replayed."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
     from testlab.device_runs import areal_rollout, dispatch_disagreements
     from testlab.dispatch_records import DispatchRecords
 
@@ -125,7 +125,7 @@ def main() -> int:
 
     import importlib.metadata as md
 
-    from r3bridge.testing.dist import Layout, spawn_layouts
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
     from testlab.device_runs import backend_of, emit, error_text
 
     head = {

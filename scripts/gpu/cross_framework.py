@@ -72,7 +72,7 @@ def _verl(ctx: Any, model_dir: str, rollout: Any) -> dict:
 def run_framework(fw: str, names: list, device: str, skyrl_spec: Optional[str], timeout: float) -> list:
     """``fw`` on the rollout under each layout of ``names``, in this process's environment:
     per-layout, per-rank results of its ``testlab.real_paths`` rank function."""
-    from r3bridge.testing.dist import Layout, spawn_layouts
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
     from testlab.device_runs import backend_of
     from testlab.real_paths import rollout as make
 

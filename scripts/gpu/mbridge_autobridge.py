@@ -189,7 +189,7 @@ def logprob_gap(
 
 
 def _ctx() -> Any:
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
     return RankContext(
         rank=0,
@@ -301,9 +301,9 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
 
     from r3bridge.demo.hf_engine import HFEngine, build_hf_model
     from r3bridge.megatron import Replayer
-    from r3bridge.testing.data import batch_to
-    from r3bridge.testing.probe import RoutingProbe
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import batch_to
+    from r3bridge.testing.harness.probe import RoutingProbe
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
     from testlab.hf_checks import _batches, run_rollout
 
     t0 = time.time()

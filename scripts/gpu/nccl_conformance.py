@@ -12,7 +12,7 @@ comparison of the CPU grid is skipped: bf16 kernels differ across layouts.
 Without Transformer Engine only ``moe_utils.te_general_gemm = None`` is set (the 0.16 router refers
 to that name unconditionally); nothing else of the CPU shim is used.
 
-Fail fast, never hang: every cell gets a fresh set of processes (r3bridge.testing.dist.spawn_layouts).
+Fail fast, never hang: every cell gets a fresh set of processes (r3bridge.testing.harness.dist.spawn_layouts).
 A rank whose cell raises reports its traceback and the parent kills every rank of that cell at once
 (the others would otherwise wait in a collective until the process-group timeout); a cell that does
 not finish within ``--cell-timeout`` seconds is killed the same way. Either is reported for that
@@ -79,8 +79,8 @@ def te_cells() -> list[Any]:
     """One-GPU cells on the TE layer spec (head dim 16 and GEMM sizes divisible by 16, for FP8)."""
     from replay_grid import Cell
 
-    from r3bridge.testing.dist import Layout
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.dist import Layout
+    from r3bridge.testing.harness.models import ModelSpec
 
     def te(**kw: Any) -> ModelSpec:
         extra = kw.pop("extra_config", {})
@@ -206,7 +206,7 @@ def refused_rank(ctx: Any, cell: Any) -> dict[str, Any]:
     ConfigError naming the option; anything else (no error, another error) fails the cell."""
     from r3bridge.errors import ConfigError
     from r3bridge.megatron import Replayer
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
 
     if cell.spec.extra_config.get("cuda_graph_impl") == "local":
         # megatron's local CUDA graphs need a graph-safe RNG tracker to build the model at all
@@ -270,7 +270,7 @@ def run_one(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any
 
 
 def _spawn_result(cell: Any, world: int, device: str, timeout: float) -> dict[str, Any]:
-    from r3bridge.testing.dist import RankError, spawn_layouts
+    from r3bridge.testing.harness.dist import RankError, spawn_layouts
 
     t0 = time.time()
     try:
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     world = a.gpus if a.gpus is not None else (torch.cuda.device_count() if a.device == "cuda" else 2)
     if a.spec == "te":
-        from r3bridge.testing.models import require_te
+        from r3bridge.testing.harness.models import require_te
         require_te()     # a clear error naming the package, before any rank starts
     if a.cells is None:
         a.cells = ",".join(CELLS + ([c.name for c in te_cells()] if a.spec == "te" else []))

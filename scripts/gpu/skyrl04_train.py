@@ -71,7 +71,7 @@ def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
 def summarize(per_rank: list, steps: int, logprob_tol: float) -> dict:
     """Per mode, over every rank: the runner's router-call check and the dispatch records (merged
     over the ranks: each rank logs the rows and layers it routed) against the replayed routes."""
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
     from testlab.device_runs import dispatch_disagreements, skyrl_rollouts
     from testlab.dispatch_records import DispatchRecords
 
@@ -144,7 +144,7 @@ def main() -> int:
     import importlib.metadata as md
 
     from r3bridge.adapters.skyrl import SKYRL_RELEASE
-    from r3bridge.testing.dist import Layout, spawn_layouts
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
     from testlab.device_runs import backend_of, emit, error_text
 
     head = {

@@ -1,7 +1,7 @@
 """Routes straight from ``vllm.LLM.generate`` replayed in a megatron-core model (issue 36, item 4).
 
 No framework: real vLLM samples from an HF checkpoint saved here; its ``routed_experts`` go through
-``ReplayBatch.from_vllm`` (and ``r3bridge.ingest.rollout_routes`` for a turn returned from a
+``ReplayBatch.from_vllm`` (and ``r3bridge.ingest.stitching.rollout_routes`` for a turn returned from a
 prompt-start offset) into the rank targets of a megatron-core model built from the same checkpoint
 (``r3bridge.demo.hf_to_mcore``, Transformer Engine layer spec, bf16, one GPU), whose every router
 call is checked row by row against an independent packing reference (``RoutingProbe`` and
@@ -105,8 +105,8 @@ class Case:
     def replay_batch(self, facts: dict[str, Any]) -> Any:
         """The rollout's routes as r3bridge ingests them: one call per sample through
         ``ReplayBatch.from_vllm``; several (offset turns) through ``ingest.rollout_routes``."""
-        from r3bridge.ingest import rollout_routes
-        from r3bridge.schema import ReplayBatch
+        from r3bridge.batch.schema import ReplayBatch
+        from r3bridge.ingest.stitching import rollout_routes
 
         if all(len(c) == 1 and s == [0] for c, s in zip(self.calls, self.starts)):
             return ReplayBatch.from_vllm([c[0] for c in self.calls], num_experts=facts["num_experts"],
@@ -216,7 +216,7 @@ def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[
 def _init_megatron() -> Any:
     import torch
 
-    from r3bridge.testing.dist import Layout, _init_layout
+    from r3bridge.testing.harness.dist import Layout, _init_layout
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -230,7 +230,7 @@ def build_trainer(cfg: Any, state: dict, ctx: Any) -> list:
     import torch
 
     from r3bridge.demo.hf_to_mcore import hf_to_mcore, spec_from_hf, to_te_names
-    from r3bridge.testing.models import build_model_chunks, load_reference_state
+    from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
 
     spec = spec_from_hf(cfg, attention="real")
     spec = dataclasses.replace(spec, layer_spec="te", extra_config={
@@ -246,9 +246,9 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
 
     from r3bridge.demo.hf_to_mcore import packed_from_tokens
     from r3bridge.errors import ReplayError
-    from r3bridge.testing.data import batch_to
-    from r3bridge.testing.probe import RoutingProbe
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import batch_to
+    from r3bridge.testing.harness.probe import RoutingProbe
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     try:
         routes = case.replay_batch(case.facts)

@@ -1,4 +1,4 @@
-"""AReaL's fixture for r3bridge.testing.conformance: a canonical rollout pushed through AReaL's own
+"""AReaL's fixture for r3bridge.testing.kit.conformance: a canonical rollout pushed through AReaL's own
 data utilities (``concat_padded_tensors``, ``split_and_unpad_tensor``,
 ``split_padded_tensor_dict_into_mb_list``, ``pack_tensor_dict``, ``pad_mb_list``,
 ``packed_context_parallel_forward``) and r3bridge's AReaL mixins.
@@ -38,8 +38,8 @@ from r3bridge.adapters.areal import (
 )
 from r3bridge.adapters.areal.hooks import MB_KEY
 from r3bridge.config import ReplayConfig
-from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
-from r3bridge.testing.suite import AdapterFixtures
+from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout
+from r3bridge.testing.kit.suite import AdapterFixtures
 from testlab.areal_env import import_areal
 from testlab.areal_rollout import FakeSGLang  # the same fake server the real-engine test uses
 
@@ -270,7 +270,7 @@ class R3Actor(PPOActorMixin, _Actor):
 
 
 class ArealRunner:
-    """:class:`r3bridge.testing.conformance.MegatronRunner` for AReaL (stand-in engine, real utilities)."""
+    """:class:`r3bridge.testing.kit.conformance.MegatronRunner` for AReaL (stand-in engine, real utilities)."""
 
     def __init__(self, rollout: Optional[CanonicalRollout] = None, **options) -> None:
         self.trajs: Optional[list] = None         # built from the rollout ``micro_batches`` gets
@@ -346,7 +346,7 @@ class ArealRunner:
 
 
 class ArealFixtures(AdapterFixtures):
-    """AReaL's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    """AReaL's objects for the conformance kit (:mod:`r3bridge.testing.kit.suite`): the codec, the
     batch AReaL's ``concat_padded_tensors`` builds from the workflow's trajectories, the runner;
     checks 4-5 on the 2-rank layouts."""
 

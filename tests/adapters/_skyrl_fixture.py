@@ -1,4 +1,4 @@
-"""SkyRL's fixture for r3bridge.testing.conformance: a canonical rollout pushed through SkyRL's
+"""SkyRL's fixture for r3bridge.testing.kit.conformance: a canonical rollout pushed through SkyRL's
 own code (generator-side first-seen accumulation, ``convert_prompts_responses_to_batch_tensors``,
 ``TrainingInputBatch``, the worker's micro-batch dicts, ``MegatronModelWrapper``)."""
 from __future__ import annotations
@@ -24,13 +24,13 @@ from r3bridge.adapters.skyrl import (
     training_batch_fields,
 )
 from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
-from r3bridge.decoders import decode_vllm_routes
+from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.schema import ReplayBatch
-from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
-from r3bridge.testing.suite import AdapterFixtures
+from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout
+from r3bridge.testing.kit.suite import AdapterFixtures
 
 __all__ = ["wire", "generator_routes", "training_batch", "codec", "SkyRLRunner", "SkyRLFixtures", "make_router_padding_mask"]
 
@@ -112,7 +112,7 @@ def codec(rollout: CanonicalRollout) -> SkyRLCodec:
 
 
 class SkyRLRunner:
-    """:class:`r3bridge.testing.conformance.MegatronRunner` over SkyRL's real ``MegatronModelWrapper``
+    """:class:`r3bridge.testing.kit.conformance.MegatronRunner` over SkyRL's real ``MegatronModelWrapper``
     (``remove_microbatch_padding`` True: THD, False: BSHD) on harness chunks."""
 
     def __init__(self, rollout: Optional[CanonicalRollout] = None, *, remove_microbatch_padding: bool = True,
@@ -209,7 +209,7 @@ class SkyRLRunner:
 
 
 class SkyRLFixtures(AdapterFixtures):
-    """SkyRL's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    """SkyRL's objects for the conformance kit (:mod:`r3bridge.testing.kit.suite`): the codec, the
     ``TrainingInputBatch`` SkyRL's trainer builds, the runner over its ``MegatronModelWrapper``
     (THD unless ``remove_microbatch_padding = False``); checks 4-5 on the 2-rank layouts."""
 

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from r3bridge.adapters.verl.codec import ROUTES_KEY
-from r3bridge.testing.conformance import CanonicalRollout
+from r3bridge.testing.kit.conformance import CanonicalRollout
 
 E, K = 8, 2
 NUM_LAYERS = 4

@@ -1,4 +1,4 @@
-"""verl 0.9.1's engine as a conformance :class:`r3bridge.testing.conformance.MegatronRunner`
+"""verl 0.9.1's engine as a conformance :class:`r3bridge.testing.kit.conformance.MegatronRunner`
 (checks 4 and 5) on CPU harness chunks.
 
 The engine is the adapter's registered class ``R3BridgeMegatronEngine`` (verl's own
@@ -33,13 +33,13 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from r3bridge.adapters.verl.codec import ROUTES_KEY, VerlCodec
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.megatron.phase import PhaseRunner
-from r3bridge.schema import ReplayBatch
-from r3bridge.testing.conformance import TWO_RANK, CanonicalRollout
-from r3bridge.testing.data import PackedBatch, local_inputs
-from r3bridge.testing.schedule import make_forward_step
-from r3bridge.testing.suite import AdapterFixtures
+from r3bridge.testing.harness.data import PackedBatch, local_inputs
+from r3bridge.testing.harness.schedule import make_forward_step
+from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout
+from r3bridge.testing.kit.suite import AdapterFixtures
 
 __all__ = ["HarnessVerl", "VerlEngine", "VerlRunner", "VerlFixtures", "build_engine", "hf_config_of",
            "token_log_probs", "verl_packed_batch"]
@@ -201,7 +201,7 @@ def build_engine(ctx: Any, chunks: list, mode: str, *, reference: bool = False, 
 
 
 class VerlRunner:
-    """:class:`r3bridge.testing.conformance.MegatronRunner` for verl (``make_runner(rollout)``)."""
+    """:class:`r3bridge.testing.kit.conformance.MegatronRunner` for verl (``make_runner(rollout)``)."""
 
     def __init__(self, rollout: CanonicalRollout) -> None:
         self.rollout = rollout
@@ -295,7 +295,7 @@ class VerlRunner:
 
 
 class VerlFixtures(AdapterFixtures):
-    """verl's objects for the conformance kit (:mod:`r3bridge.testing.suite`): the codec, the
+    """verl's objects for the conformance kit (:mod:`r3bridge.testing.kit.suite`): the codec, the
     batch verl's trainer holds (``verl_batch``), the runner; checks 4-5 on the 2-rank layouts."""
 
     @pytest.fixture

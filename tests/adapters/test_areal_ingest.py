@@ -33,8 +33,8 @@ from r3bridge.adapters.areal import (  # noqa: E402
     trajectory_tensor,
 )
 from r3bridge.errors import PayloadError  # noqa: E402
-from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
-from r3bridge.testing.suite import BaseIngestTests  # noqa: E402
+from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
+from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 from testlab.areal_env import import_areal  # noqa: E402
 
 

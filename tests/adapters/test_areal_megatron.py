@@ -1,5 +1,5 @@
 """AReaL adapter on a real megatron-core model (CPU harness), conformance checks 4 and 5
-(:class:`r3bridge.testing.suite.BaseMegatronTests`).
+(:class:`r3bridge.testing.kit.suite.BaseMegatronTests`).
 
 ``MegatronEngine`` itself cannot be imported here (``mbridge``, and ``areal.infra``'s OpenAI
 stack), so the engine is ``tests/adapters/_areal_fixture.StandInMegatronEngine``: its
@@ -18,7 +18,7 @@ import importlib.util
 
 import pytest
 
-from r3bridge.testing.suite import BaseMegatronTests
+from r3bridge.testing.kit.suite import BaseMegatronTests
 
 assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 
 assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
@@ -29,7 +29,7 @@ MB = {(1, 1, None): dict(n_mbs=2, ppo_n_minibatches=2), (2, 1, None): dict(n_mbs
 
 
 def _cell(ctx, workdir):
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
     from testlab.areal_runner import run_steps
 
     # 4 layers, layer 0 dense, 4 experts, top-2 (the model: the same, as a Qwen3-MoE through mbridge)

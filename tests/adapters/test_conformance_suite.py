@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from r3bridge import ParallelLayout, ReplayBatch
-from r3bridge.canonical import canonical_form, drop_final_invalid_rows
+from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows
 from r3bridge.megatron.phase import install_before_forward
 from r3bridge.protocols import BatchCodec
-from r3bridge.testing.conformance import (
+from r3bridge.testing.kit.conformance import (
     assert_same_batch,
     check_ingest,
     check_recorded_survives_split,
@@ -180,8 +180,13 @@ def _rank(errors=(), coverage=0.9, rows=8, agreement=1.0, diff=0.0, last_stage=T
 
 
 def test_megatron_decisions_fail_on_each_threshold():
-    from r3bridge.testing.conformance import LayoutResult, assert_megatron_checks, assert_r2_passes, assert_r3_passes
-    from r3bridge.testing.dist import Layout
+    from r3bridge.testing.harness.dist import Layout
+    from r3bridge.testing.kit.conformance import (
+        LayoutResult,
+        assert_megatron_checks,
+        assert_r2_passes,
+        assert_r3_passes,
+    )
 
     def result(*ranks):
         return LayoutResult(2, Layout(tp=2), list(ranks))
@@ -206,8 +211,8 @@ def test_megatron_decisions_fail_on_each_threshold():
 
 
 def test_defaults_agree_and_the_shape_builds_both():
-    from r3bridge.testing.models import ModelSpec
-    from r3bridge.testing.rollouts import ModelShape
+    from r3bridge.testing.harness.models import ModelSpec
+    from r3bridge.testing.kit.rollouts import ModelShape
 
     spec, shape, rollout = ModelSpec(), ModelShape(), make_rollout()
     assert (rollout.num_experts, rollout.topk, rollout.num_layers) == \
@@ -222,7 +227,7 @@ def test_defaults_agree_and_the_shape_builds_both():
 
 
 def test_pack_thd_and_unpack_rows():
-    from r3bridge.testing.runner import pack_thd, unpack_rows
+    from r3bridge.testing.kit.runner import pack_thd, unpack_rows
 
     packed = pack_thd([[5, 6, 7], [8]], vocab_size=100, align=4)
     assert packed.seq_lens == [3, 1] and packed.padded_lens == [4, 4]
@@ -247,7 +252,7 @@ def shifted_template_runner(rollout):
 
 @pytest.mark.slow
 def test_check4_fails_naming_sample_token_and_layer():
-    from r3bridge.testing.conformance import ONE_RANK, MegatronCase, assert_r3_passes, run_megatron_checks
+    from r3bridge.testing.kit.conformance import ONE_RANK, MegatronCase, assert_r3_passes, run_megatron_checks
 
     [result] = run_megatron_checks(MegatronCase(shifted_template_runner), ONE_RANK)
     with pytest.raises(AssertionError, match=r"check 4 on 1 rank, rank 0: layer [123], micro-batch 0: sample [03], "
@@ -257,8 +262,8 @@ def test_check4_fails_naming_sample_token_and_layer():
 
 
 def test_gpu_layouts_are_layouts_of_the_default_shape():
-    from r3bridge.testing.conformance import CPU_LAYOUTS, GPU_LAYOUTS, layout_name
-    from r3bridge.testing.rollouts import ModelShape
+    from r3bridge.testing.kit.conformance import CPU_LAYOUTS, GPU_LAYOUTS, layout_name
+    from r3bridge.testing.kit.rollouts import ModelShape
 
     shape = ModelShape()
     flags = [0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense)
@@ -274,9 +279,9 @@ def test_a_model_with_dense_layers_in_the_middle_fits_every_check():
     """Layers 1 and 4 of 6 dense: the shape builds the harness model and the rollouts alike, check 3
     derives its layouts from it, and checks 4-5's PP2 x VPP2 (6 layers do not split in 4) is
     replaced by PP2 x VPP3 and said before anything runs; a layout with no legal split is left out."""
-    from r3bridge.testing.conformance import TWO_RANK, LayoutNote, default_layouts, fit_layouts
-    from r3bridge.testing.dist import Layout
-    from r3bridge.testing.rollouts import ModelShape
+    from r3bridge.testing.harness.dist import Layout
+    from r3bridge.testing.kit.conformance import TWO_RANK, LayoutNote, default_layouts, fit_layouts
+    from r3bridge.testing.kit.rollouts import ModelShape
 
     shape = ModelShape(num_layers=6, moe_layers=(0, 2, 3, 5))
     assert shape.moe_layer_freq == [1, 0, 1, 1, 0, 1] and shape.model_spec().moe_layer_freq == [1, 0, 1, 1, 0, 1]
@@ -305,8 +310,8 @@ def test_a_model_with_dense_layers_in_the_middle_fits_every_check():
 def test_check4_coverage_is_measured_against_what_the_rollout_routes():
     """Aborted samples have no route to replay: the floor is a share of the rollout's own coverage;
     a rank holding no MoE layer has nothing to check."""
-    from r3bridge.testing.conformance import LayoutResult, assert_r3_passes
-    from r3bridge.testing.dist import Layout
+    from r3bridge.testing.harness.dist import Layout
+    from r3bridge.testing.kit.conformance import LayoutResult, assert_r3_passes
 
     def rank(coverage, expected, rows=10):
         return {"r3": {"errors": [], "checked_rows": rows, "metrics": {"r3bridge/coverage": coverage},

@@ -26,7 +26,7 @@ from _verl_batches import verl_batch
 
 from r3bridge import ReplayBatch
 from r3bridge.config import Phase, ReplayConfig, phase_plan
-from r3bridge.testing.conformance import assert_same_batch, check_same_targets, make_rollout
+from r3bridge.testing.kit.conformance import assert_same_batch, check_same_targets, make_rollout
 
 for mod in ("verl", "skyrl", "areal", "tensordict"):   # installed by `make install`: never skip
     assert importlib.util.find_spec(mod) is not None, f"{mod} is not installed: run `make install`"
@@ -121,7 +121,7 @@ def test_verl_codec_checks_1_to_3():
     R2 routes survive verl's own dynamic micro-batching, also after a permutation (2), and give
     the same rank targets as the canonical batch (3)."""
     from r3bridge.adapters.verl import VerlCodec
-    from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split
+    from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split
 
     rollout = make_rollout(4, batch_size=6, num_experts=8)
     codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

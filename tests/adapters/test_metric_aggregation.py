@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from r3bridge.agreement import AgreementCounter
 from r3bridge.metrics import WORST_LAYERS, summarize_layers, tag_phase
+from r3bridge.metrics.agreement import AgreementCounter
 
 PREFIX = "r3bridge/"
 LAYERS = list(range(1, 49))          # 48 MoE layers, as in the count of 118 keys

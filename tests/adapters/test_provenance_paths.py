@@ -22,7 +22,7 @@ import importlib.util
 import pytest
 import skyrl  # noqa: F401  (installed by `make install`: never skipped)
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 assert importlib.util.find_spec("areal") is not None, "areal is not installed: run `make install`"
 
@@ -32,7 +32,7 @@ PHASES = ("compute_log_prob", "update")
 
 
 def _spec():
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
 
     return ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity")
 
@@ -55,8 +55,8 @@ def _skyrl(ctx, rollout) -> dict:
 
     from r3bridge.adapters.skyrl.codec import provenance_fields, provenance_pairing
     from r3bridge.adapters.skyrl.rollout import call_provenance
-    from r3bridge.testing.conformance import GROUPS
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
+    from r3bridge.testing.kit.conformance import GROUPS
 
     res = {}
     for name, check, bad in CASES:
@@ -96,8 +96,8 @@ def _areal(ctx, rollout) -> dict:
         model_info,
     )
 
-    from r3bridge.testing.conformance import GROUPS
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
+    from r3bridge.testing.kit.conformance import GROUPS
 
     class RetractingSGLang(FakeSGLang):
         """The fake server, its meta_info as SGLang's scheduler fills it (id, weight_version, num_retractions)."""
@@ -137,7 +137,7 @@ def _areal(ctx, rollout) -> dict:
 
 
 def _scenarios(ctx) -> dict:
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
 
     spec = _spec()
     rollout = make_rollout(3, batch_size=8, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk)

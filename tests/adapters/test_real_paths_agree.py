@@ -29,7 +29,7 @@ import importlib.util
 
 import pytest
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 from testlab.dispatch_records import DispatchRecords, compare_dispatch, with_route_changed
 from testlab.real_paths import rollout as _rollout
 from testlab.real_paths import run_areal, run_skyrl, run_verl
@@ -156,7 +156,7 @@ def test_a_token_missing_from_one_framework_is_named(runs):
 
 # ---------------------------------------------------------------------- the record format (fast)
 def _layout(tp=2):
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
 
     return ParallelLayout(4, [0, 1, 1, 1], tp=tp)
 

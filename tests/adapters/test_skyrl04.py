@@ -73,7 +73,7 @@ def check_ingest_byte_identical():
     """SkyRL 0.4's batch reads back as the canonical ReplayBatch (the one verl's and AReaL's match)."""
     import torch
 
-    from r3bridge.testing.conformance import check_ingest, make_rollout
+    from r3bridge.testing.kit.conformance import check_ingest, make_rollout
     for seed in range(4):
         rollout = make_rollout(seed, batch_size=6)
         batch = _batch04(rollout)
@@ -83,14 +83,14 @@ def check_ingest_byte_identical():
         # its micro-batches too (what the worker hands the wrapper), also re-indexed
         for part, ids in _codec(rollout).split(batch, 3, order=[5, 0, 3, 1, 4, 2]):
             got = _codec(rollout).to_replay_batch(part)
-            from r3bridge.testing.conformance import assert_same_batch
+            from r3bridge.testing.kit.conformance import assert_same_batch
             assert_same_batch(got, rollout.expected().select(ids), f"0.4 micro-batch {ids}")
 
 
 def check_padding_rows_are_skyrls():
     """Rows without a captured route carry SkyRL's own distinct padding row and are masked."""
 
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
     rollout = make_rollout(3, batch_size=6)
     batch = _batch04(rollout)
     pt, mask, attn = batch["rollout_expert_indices"], batch["router_padding_mask"], batch["attention_mask"].bool()
@@ -105,8 +105,8 @@ def check_recorded_written_back_in_04_layout():
     re-indexing and batch padding, sample for sample."""
     import torch
 
-    from r3bridge.schema import ReplayBatch
-    from r3bridge.testing.conformance import (
+    from r3bridge.batch.schema import ReplayBatch
+    from r3bridge.testing.kit.conformance import (
         assert_same_batch,
         check_recorded_survives_split,
         make_rollout,
@@ -130,7 +130,7 @@ def check_recorded_written_back_in_04_layout():
 
 
 def check_refusals():
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
     rollout = make_rollout(1, batch_size=3)
     batch = _batch04(rollout)
     batch["router_padding_mask"] = None

@@ -24,8 +24,8 @@ from r3bridge.adapters.skyrl import (
     training_batch_fields,
 )
 from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
-from r3bridge.testing.conformance import check_ingest, check_recorded_survives_split, make_rollout
-from r3bridge.testing.suite import BaseIngestTests
+from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout
+from r3bridge.testing.kit.suite import BaseIngestTests
 
 make_router_padding_mask = sk.make_router_padding_mask     # SkyRL main's (0.3.0 lacks it): test-side
 

@@ -1,6 +1,6 @@
 """SkyRL adapter on a real megatron-core model (CPU harness): SkyRL's own ``MegatronModelWrapper``
 code runs the schedule; r3bridge's subclass installs the routes (conformance checks 4 and 5,
-:class:`r3bridge.testing.suite.BaseMegatronTests`).
+:class:`r3bridge.testing.kit.suite.BaseMegatronTests`).
 
 THD (``remove_microbatch_padding``) on TP2 + SP, CP2 and PP2 x VPP2 (every chunk replays; SkyRL's
 own BSHD path un-pads hidden states of non-last virtual stages: a SkyRL VPP bug, not ours), BSHD
@@ -15,8 +15,8 @@ import pytest
 import skyrl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from _skyrl_fixture import SkyRLFixtures
 
-from r3bridge.testing.conformance import TWO_RANK
-from r3bridge.testing.suite import BaseMegatronTests
+from r3bridge.testing.kit.conformance import TWO_RANK
+from r3bridge.testing.kit.suite import BaseMegatronTests
 
 
 class SkyRLMetricsTests:

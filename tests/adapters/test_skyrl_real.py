@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import skyrl  # noqa: F401  (installed by `make install`: never skipped)
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 
 PERMUTE = [5, 1, 0, 4, 2, 7, 3, 6]     # the update sees the samples in another order, re-partitioned
 
 
 def _cell(ctx, cells):
-    from r3bridge.testing.conformance import make_rollout
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
+    from r3bridge.testing.kit.conformance import make_rollout
     from testlab.skyrl_real import StepSpec, reference_roles, run_steps
 
     thd, spec_kw, step_kw = cells[(ctx.tp, ctx.pp)]

@@ -11,8 +11,8 @@ from r3bridge.adapters._template.conformance_tests import (  # noqa: F401  (coll
     TestTemplateMegatron,
     framework_batch,
 )
-from r3bridge.testing.conformance import check_ingest
-from r3bridge.testing.rollouts import CanonicalRollout, make_rollout
+from r3bridge.testing.kit.conformance import check_ingest
+from r3bridge.testing.kit.rollouts import CanonicalRollout, make_rollout
 
 
 def test_last_seen_batch_fails_check_ingest():
@@ -35,9 +35,9 @@ def test_a_micro_batch_of_aborted_samples_keeps_the_models_topk_or_is_named():
     the first router call)."""
     import numpy as np
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.errors import ReplayStateError, RouteShapeError
     from r3bridge.megatron.replay_pass import _check_topk
-    from r3bridge.schema import ReplayBatch
 
     rollout = make_rollout(2, batch_size=6, aborted=(4, 5))
     codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 from testlab.dispatch_records import DispatchRecords
 
 for _mod in ("verl", "skyrl", "areal"):         # installed by `make install`: never skipped
@@ -36,7 +36,7 @@ PHASE_TAG = {"compute_log_prob": "old_log_prob", "update": "update"}
 
 
 def _rollout():
-    from r3bridge.testing.conformance import make_rollout
+    from r3bridge.testing.kit.conformance import make_rollout
 
     return make_rollout(7, batch_size=8, num_experts=8, topk=2, num_layers=4, moe_layer_ids=[1, 2, 3], vocab=64,
                         max_prompt=24)
@@ -57,7 +57,7 @@ def _verl(ctx, model_dir, rollout, trace_dir):
 
 
 def _skyrl(ctx, rollout, trace_dir):
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
     from testlab.skyrl_real import StepSpec, run_steps
 
     spec = ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_moe_experts=8, moe_router_topk=2,

@@ -60,8 +60,8 @@ def test_call_provenance_from_verl_token_outputs():
     from verl.workers.rollout.replica import TokenOutput
 
     from r3bridge.adapters.verl.rollout import call_provenance
+    from r3bridge.batch.provenance import RouteProvenance
     from r3bridge.errors import ProvenanceError
-    from r3bridge.provenance import RouteProvenance
 
     preempted = TokenOutput(token_ids=[1], num_preempted=2, extra_fields={"global_steps": 7, "min_global_steps": 6})
     later = TokenOutput(token_ids=[2], num_preempted=0, extra_fields={"global_steps": 8})

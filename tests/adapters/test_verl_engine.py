@@ -5,7 +5,7 @@ only verl's schedule call and the model-running body of ``forward_step`` are sto
 driver is the real :class:`r3bridge.megatron.Replayer` attached by the engine's own
 ``r3_attach``; verl's ``prepare_micro_batches`` (dynamic batch size: samples re-ordered),
 batch generator, THD packing and ``postprocess_batch_func`` run. Assertions are about what really
-happened: what every router dispatched (:class:`r3bridge.testing.probe.RoutingProbe`), the
+happened: what every router dispatched (:class:`r3bridge.testing.harness.probe.RoutingProbe`), the
 driver's metrics as verl's output carries them, the R2 recording verl gets back.
 
 One pair of processes: PP 2 x VPP 2 (every micro-batch crosses two chunks per rank; the first
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import verl  # noqa: F401  (installed by `make install`: never skipped)
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 
 SEED, BATCH = 11, 8
 MAX_TOKENS = (30, 24)           # verl's max_token_len_per_gpu of the two passes: different re-orderings
@@ -27,7 +27,7 @@ MAX_TOKENS = (30, 24)           # verl's max_token_len_per_gpu of the two passes
 
 # ---------------------------------------------------------------------------------- rank helpers
 def _spec():
-    from r3bridge.testing.models import ModelSpec
+    from r3bridge.testing.harness.models import ModelSpec
 
     return ModelSpec(num_layers=4, moe_layer_freq=[0, 1, 1, 1], attention="identity",
                      moe_token_dispatcher_type="alltoall", extra_config={"variable_seq_lengths": True})
@@ -39,8 +39,8 @@ def _setup(ctx, mode: str, *, reference: bool = False, **options):
     from _verl_batches import verl_batch
     from _verl_runner import INDEX_KEY, build_engine
 
-    from r3bridge.testing.conformance import make_rollout
-    from r3bridge.testing.models import build_model_chunks
+    from r3bridge.testing.harness.models import build_model_chunks
+    from r3bridge.testing.kit.conformance import make_rollout
 
     spec = _spec()
     rollout = make_rollout(SEED, batch_size=BATCH, num_experts=spec.num_moe_experts, topk=spec.moe_router_topk)
@@ -55,7 +55,7 @@ def _run(eng, td, *, forward_only: bool, max_tokens: int = MAX_TOKENS[0]):
     dynamic batch size; returns (verl's output, the probe of every router call)."""
     from verl.utils import tensordict_utils as tu
 
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.testing.harness.probe import RoutingProbe
 
     tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)
     for c in eng.module:                            # verl's EngineEvalModeCtx / EngineTrainModeCtx
@@ -81,7 +81,7 @@ def _fed_by_chunk(eng) -> dict[int, list]:
 def _dispatch_errors(ctx, eng, probe, expected) -> tuple[list[str], int]:
     """Compare every router call with ``expected`` (sample order) sharded for the micro-batch
     verl fed that chunk: (errors, valid rows checked)."""
-    from r3bridge.sharding import shard
+    from r3bridge.parallel.sharding import shard
 
     layout = eng.r3.replayer.layout
     fed = _fed_by_chunk(eng)
@@ -359,7 +359,7 @@ def _router_log_ratio(ctx) -> dict:
 
     from r3bridge.adapters.verl.codec import ROUTES_KEY, WEIGHTS_KEY, VerlCodec
     from r3bridge.errors import ConfigError
-    from r3bridge.sharding import shard
+    from r3bridge.parallel.sharding import shard
 
     rollout, eng, td = _setup(ctx, "R3", router_log_ratio=True)
     routes = td[ROUTES_KEY]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from r3bridge import ParallelLayout, ReplayBatch, shard
-from r3bridge.packing import PackPlan
+from r3bridge.parallel.packing import PackPlan
 
 
 @contextlib.contextmanager

@@ -28,11 +28,11 @@ from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.verl.codec import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import ReplayConfig  # noqa: E402
-from r3bridge.testing.data import align_for, make_packed_batch  # noqa: E402
-from r3bridge.testing.dist import Layout, spawn_layouts  # noqa: E402
-from r3bridge.testing.models import ModelSpec, build_model_chunks  # noqa: E402
-from r3bridge.testing.probe import RoutingProbe  # noqa: E402
-from r3bridge.testing.schedule import make_forward_step, run_schedule  # noqa: E402
+from r3bridge.testing.harness.data import align_for, make_packed_batch  # noqa: E402
+from r3bridge.testing.harness.dist import Layout, spawn_layouts  # noqa: E402
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks  # noqa: E402
+from r3bridge.testing.harness.probe import RoutingProbe  # noqa: E402
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule  # noqa: E402
 
 # the driver grid's route builder and probe check (r3bridge's own test scenarios, tests/megatron)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))

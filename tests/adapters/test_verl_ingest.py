@@ -25,7 +25,7 @@ from r3bridge.adapters.verl.codec import (  # noqa: E402
     routes_to_nested,
 )
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
-from r3bridge.testing.suite import BaseIngestTests  # noqa: E402
+from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 
 
 class TestVerlIngest(BaseIngestTests, VerlFixtures):
@@ -168,7 +168,7 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
     the tool loop's provenance is read from there; samples of verl's single-turn loop carry none and
     are counted unchecked (checked + unchecked = the batch's samples; issue 39: both stayed 0)."""
     from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, provenance_pairing
-    from r3bridge.provenance import RouteProvenance
+    from r3bridge.batch.provenance import RouteProvenance
 
     same = RouteProvenance("hf_r3", "req-1", 3, 0)
     later = RouteProvenance("hf_r3", "req-2", 3, 1)

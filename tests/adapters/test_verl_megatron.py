@@ -1,5 +1,5 @@
 """verl adapter on a real megatron-core model (CPU harness), conformance checks 4 and 5
-(:class:`r3bridge.testing.suite.BaseMegatronTests`).
+(:class:`r3bridge.testing.kit.suite.BaseMegatronTests`).
 
 The engine is the adapter's ``R3BridgeMegatronEngine`` with only verl's schedule call and model
 forward stood in for (``tests/adapters/_verl_runner.py``): verl's own micro-batching, batch
@@ -14,8 +14,8 @@ import pytest
 import verl  # noqa: F401  (installed by `make install`: never skipped)
 from _verl_runner import VerlFixtures
 
-from r3bridge.testing.conformance import REGROUPED
-from r3bridge.testing.suite import BaseMegatronTests
+from r3bridge.testing.kit.conformance import REGROUPED
+from r3bridge.testing.kit.suite import BaseMegatronTests
 
 
 def r3_update_after_checks(ctx, runners) -> dict:

@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 from testlab import verl_job as vj
 
 ENGINE = "R3BridgeMegatronEngine"

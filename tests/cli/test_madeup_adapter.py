@@ -31,7 +31,7 @@ def test_the_made_up_adapter_passes_checks_1_to_5(tmp_path):
 
     root = tmp_path / "madeup"
     shutil.copytree(PROJECT, root, ignore=shutil.ignore_patterns("__pycache__"))
-    run = _pytest(root, "-W", "always::r3bridge.testing.conformance.LayoutNote", timeout=1500)
+    run = _pytest(root, "-W", "always::r3bridge.testing.kit.conformance.LayoutNote", timeout=1500)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert re.search(r"\b14 passed\b", out), out[-2000:]     # 3 seeds x 4 ingest tests + checks 4, 5

@@ -24,7 +24,7 @@ for name in sys.argv[1].split(","):
     sys.modules[name] = None
 from r3bridge.cli.main import main
 code = main(sys.argv[2:])
-print("spawn-machinery-imported=" + str("r3bridge.testing.dist" in sys.modules or "r3bridge.demo.job" in sys.modules))
+print("spawn-machinery-imported=" + str("r3bridge.testing.harness.dist" in sys.modules or "r3bridge.demo.job" in sys.modules))
 raise SystemExit(code)
 """
 

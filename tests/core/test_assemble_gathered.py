@@ -8,8 +8,8 @@ import torch
 
 from r3bridge import ParallelLayout, ReplayBatch, shard
 from r3bridge.errors import ReplayError
-from r3bridge.packing import PackPlan
-from r3bridge.unsharding import assemble_gathered
+from r3bridge.parallel.packing import PackPlan
+from r3bridge.parallel.unsharding import assemble_gathered
 
 from ._reference import random_routes
 

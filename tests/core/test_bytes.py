@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3bridge import PayloadError, ReplayBatch, ReplayError
-from r3bridge.provenance import RouteProvenance
+from r3bridge.batch.provenance import RouteProvenance
 
 from ._reference import random_routes
 

@@ -1,7 +1,7 @@
 """Degenerate routes (issue 38 item 1, vLLM #54730): inside the rows an engine returned, a row whose
 ids repeat is refused by default or routed natively and counted, never read as "no route"; rows
 past what the engine captured, and padding samples, are "no route". The one reader decides it
-(`r3bridge.reader`), the same way for every transport."""
+(docs/architecture.md, "One reader"), the same way for every transport."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,10 @@ import torch
 
 from r3bridge import ParallelLayout
 from r3bridge.errors import DegenerateRouteError, RouteValueError
-from r3bridge.reader import HandedRoutes, RankRows, engine_row_report, read_targets
+from r3bridge.ingest.engine_report import engine_row_report
+from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.rank_rows import RankRows
+from r3bridge.parallel.read import read_targets
 
 E, K, LAYERS = 8, 2, 3           # layer 0 dense (zero columns), layers 1, 2 MoE
 MOE = [1, 2]
@@ -90,7 +93,7 @@ def test_engine_row_report_counts_and_refuses_the_54730_signature():
 def test_device_check_equals_the_host_network(dtype):
     """The check the reader runs where the targets go (a sort on the router's device) finds what
     the host's sorting network finds, (row, layer) by (row, layer); run here on CPU tensors."""
-    from r3bridge.reader import _any_fault, _faults, _faults_torch
+    from r3bridge.engines.route_checks import _any_fault, _faults, _faults_torch
 
     g = torch.Generator().manual_seed(7)
     ids = torch.stack([torch.randperm(E, generator=g)[:K + 1] for _ in range(3 * 50)]).view(3, 50, K + 1).to(dtype)

@@ -23,7 +23,7 @@ from r3bridge import (
     unshard,
 )
 from r3bridge.config import ReplayConfig
-from r3bridge.decoders import moe_layers_of
+from r3bridge.engines.decoders import moe_layers_of
 
 from ._reference import random_routes
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import r3bridge
-from r3bridge.canonical import moe_layers_of
+from r3bridge.batch.canonical import moe_layers_of
+from r3bridge.engines.layer_ids import layers_from_mapping
 from r3bridge.errors import LayerMappingError, RouteShapeError, RouteValueError
-from r3bridge.layer_ids import layers_from_mapping
 
 MOE = [0, 2, 3, 5]          # 6 layers, 1 and 4 dense
 

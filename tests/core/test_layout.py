@@ -235,7 +235,7 @@ def test_from_megatron_never_takes_the_fp8_packing_from_the_model_config():
     lay = ParallelLayout.from_megatron(cfg)
     assert lay.fp8 is False and lay.align == 2 and lay.total_align == 1
     # 608 rows packed without FP8 padding: the plan is the 608 rows the router sees
-    from r3bridge.packing import PackPlan
+    from r3bridge.parallel.packing import PackPlan
     plan = PackPlan.build(lay, [200, 300, 108])
     assert int(plan.padded_lens.sum()) == 608
     fp8_plan = PackPlan.build(ParallelLayout.from_megatron(cfg, fp8=True), [200, 300, 108])

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
-from r3bridge.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
-from r3bridge.decoders import sglang_provenance, vllm_provenance
-from r3bridge.ingest import rollout_routes
-from r3bridge.provenance import check_pairing
+from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
+from r3bridge.batch.provenance import check_pairing, sglang_provenance, vllm_provenance
+from r3bridge.ingest.stitching import rollout_routes
 
 from ._reference import random_routes
 
@@ -192,7 +191,7 @@ def test_check_pairing_counts_refuses_and_passes():
 def test_every_sample_is_counted_also_when_no_side_is_known():
     """checked + unchecked = the pass's samples, also for a batch without any provenance field
     (verl's stock agent loops, SkyRL: both sides None): 8 unchecked, not 0 (issue 39)."""
-    from r3bridge.provenance import ProvenancePairing
+    from r3bridge.batch.provenance import ProvenancePairing
 
     for pairing in (ProvenancePairing(None, None, None, 8), ProvenancePairing(None, None, [f"s{i}" for i in range(8)])):
         c = pairing.check("count")
@@ -212,7 +211,7 @@ def test_recorded_and_trusted_batches_have_no_provenance():
 
 
 def test_versions_tensor_roundtrip_and_errors():
-    from r3bridge.provenance import ProvenancePairing, from_versions_tensor, versions_tensor
+    from r3bridge.batch.provenance import ProvenancePairing, from_versions_tensor, versions_tensor
 
     items = [RouteProvenance("sglang", "", 3, 1, 2), None, RouteProvenance("sglang", "", None, 0)]
     t = versions_tensor(items)
@@ -233,9 +232,9 @@ def test_a_retry_never_stands_in_for_another_attempt():
     """NeMo RL #4057: attempts of one sample are told apart. Routes of attempt 1 paired with log-probs
     of attempt 0 differ in ``attempt``: counted or refused per provenance_check; stitching refuses
     to let a retry's rows fill or follow another attempt's; the attempt survives the wire."""
+    from r3bridge.batch.provenance import check_pairing
     from r3bridge.errors import StitchError
-    from r3bridge.ingest import stitch
-    from r3bridge.provenance import check_pairing
+    from r3bridge.ingest.stitching import stitch
 
     first, retry = RouteProvenance("vllm", "r1", 4, 0, 0), RouteProvenance("vllm", "r1", 4, 0, 1)
     assert retry.differences(first) == ("attempt",) and "attempt=1" in str(retry)

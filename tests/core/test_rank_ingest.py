@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from r3bridge import ParallelLayout, ReplayBatch, rank_targets, shard
-from r3bridge.engine_pack import allocate
+from r3bridge.engines.engine_pack import allocate
+from r3bridge.engines.route_scan import duplicate_rows, row_faults, sorting_network
 from r3bridge.errors import CoverageError, LayerMappingError, ReplayError, ReplayMemoryError, RouteValueError
-from r3bridge.route_scan import duplicate_rows, row_faults, sorting_network
 
 
 def _engine_routes(rng, lens, num_layers, dense, topk, experts, dtype):

@@ -21,8 +21,8 @@ from r3bridge import (
     stitch,
     unshard,
 )
-from r3bridge.canonical import canonical_form, with_empty_sequences
-from r3bridge.packing import PackPlan, rank_positions
+from r3bridge.batch.canonical import canonical_form, with_empty_sequences
+from r3bridge.parallel.packing import PackPlan, rank_positions
 
 E, K = 16, 2
 

@@ -6,7 +6,7 @@ import torch
 
 from r3bridge import ParallelLayout
 from r3bridge.errors import ReplayError
-from r3bridge.packing import PackPlan, rank_positions, token_owners
+from r3bridge.parallel.packing import PackPlan, rank_positions, token_owners
 
 
 @pytest.mark.parametrize("tp,cp,sp,fmt", [(1, 1, False, "thd"), (2, 1, True, "thd"), (2, 1, False, "thd"),

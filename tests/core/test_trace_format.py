@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch
-from r3bridge.sharding import shard
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.parallel.sharding import shard
 from r3bridge.trace import (
     TraceError,
     append_index,

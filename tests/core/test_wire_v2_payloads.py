@@ -47,8 +47,8 @@ V3_PROVENANCE = bytes.fromhex(
 
 
 def test_v3_payload_decodes_with_attempts_unknown():
-    from r3bridge.provenance import RouteProvenance
-    from r3bridge.wire import VERSION
+    from r3bridge.batch.provenance import RouteProvenance
+    from r3bridge.batch.wire import VERSION
 
     rb = ReplayBatch.from_bytes(V3_PROVENANCE)
     assert rb.rows_per_seq == [2, 1] and rb.layer_ids == (1, 3) and rb.source == "vllm"

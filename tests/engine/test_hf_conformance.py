@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 from testlab.hf_checks import conformance_rank
 
 LAYOUTS = {"1rank": (1, Layout()), "tp2": (2, Layout(tp=2)), "pp2_vpp2": (2, Layout(pp=2, vpp=2)),

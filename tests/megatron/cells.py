@@ -1,7 +1,7 @@
 """Ready-made "cells": build a model, run forward-only / train / step / forward-only, probe.
 
 A cell is one (ModelSpec, micro-batch shapes) pair run under whatever layout the rank is in;
-:func:`run_cells` is a rank function for :func:`r3bridge.testing.dist.spawn_layouts` taking a
+:func:`run_cells` is a rank function for :func:`r3bridge.testing.harness.dist.spawn_layouts` taking a
 ``{Layout: [Cell, ...]}`` plan, so many cells share one set of processes. Every result is
 picklable (plain python + CPU tensors) so the test process can compare layouts.
 
@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from r3bridge.testing.data import PackedBatch, align_for, make_packed_batch
-from r3bridge.testing.models import (
+from r3bridge.testing.harness.data import PackedBatch, align_for, make_packed_batch
+from r3bridge.testing.harness.models import (
     ModelSpec,
     build_model_chunks,
     canonical_state_dict,
     load_reference_state,
 )
-from r3bridge.testing.probe import RoutingProbe, topk_indices
-from r3bridge.testing.schedule import (
+from r3bridge.testing.harness.probe import RoutingProbe, topk_indices
+from r3bridge.testing.harness.schedule import (
     make_forward_step,
     make_optimizer,
     optimizer_step,
@@ -33,7 +33,7 @@ from r3bridge.testing.schedule import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.testing.dist import Layout, RankContext
+    from r3bridge.testing.harness.dist import Layout, RankContext
 
 
 @dataclass

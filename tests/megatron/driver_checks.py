@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 from replay_grid import _install_step, make_routes
 
-from r3bridge.testing.data import make_packed_batch
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule, zero_grads
+from r3bridge.testing.harness.data import make_packed_batch
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule, zero_grads
 
 GUARDED_OPTIONS: dict[str, tuple[str, Any]] = {
     "fused_router": ("moe_router_fusion", True),
@@ -197,7 +197,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     # and one where the engine returned nothing usable at all (vLLM #54730)
     import torch
 
-    from r3bridge.reader import HandedRoutes
+    from r3bridge.ingest.handed import HandedRoutes
     clean = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
 
     def zero_transport(values):
@@ -242,7 +242,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     late_rep.detach()
 
     # --- a layout that disagrees with the built model (e.g. an HF config read wrongly)
-    from r3bridge.layout import ParallelLayout
+    from r3bridge.parallel.layout import ParallelLayout
     out["layout_mismatch"] = _outcome(lambda: Replayer(chunks, ParallelLayout(spec.num_layers, 2)))
 
     # --- chunks wrapped in megatron's Float16Module (what a trainer hands over): found and replayed
@@ -335,8 +335,8 @@ def _off_topk_replay(ctx: RankContext) -> dict[str, Any]:
     loss, so the router's gradient flows only through the replayed experts' probs."""
     import torch
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.megatron import Replayer
-    from r3bridge.schema import ReplayBatch
 
     # router_init_std small: the left-out experts keep a visible share of the dense softmax
     spec = ModelSpec(moe_aux_loss_coeff=0.0, router_init_std=0.05, extra_config={"moe_router_pre_softmax": True})

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from r3bridge.testing.models import ModelSpec, _identity_attention, _swap_norms, deterministic_init, make_config
+from r3bridge.testing.harness.models import ModelSpec, _identity_attention, _swap_norms, deterministic_init, make_config
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
 HARNESS_SYMBOLS = {"E", "-"}
 
@@ -49,7 +49,7 @@ def build_hybrid_model(spec: ModelSpec, ctx: "RankContext", pattern: str) -> tor
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from r3bridge.megatron.compat import reset_moe_metrics_tracker
-    from r3bridge.testing import cpu_shim
+    from r3bridge.testing.harness import cpu_shim
 
     bad = set(pattern) - HARNESS_SYMBOLS
     if bad or ctx.pp != 1 or ctx.vpp:
@@ -98,12 +98,12 @@ def run_hybrid_check(ctx: "RankContext", pattern: str) -> dict[str, Any]:
     """R3 training step on a hybrid model fed engine-style routes; every router call checked."""
     from replay_grid import _check_probe
 
+    from r3bridge.batch.schema import ReplayBatch
     from r3bridge.errors import ReplayError
-    from r3bridge.layout import ParallelLayout
     from r3bridge.megatron import Replayer
-    from r3bridge.schema import ReplayBatch
-    from r3bridge.testing.data import local_inputs, make_packed_batch, packed_seq_params
-    from r3bridge.testing.probe import RoutingProbe
+    from r3bridge.parallel.layout import ParallelLayout
+    from r3bridge.testing.harness.data import local_inputs, make_packed_batch, packed_seq_params
+    from r3bridge.testing.harness.probe import RoutingProbe
 
     spec = ModelSpec()
     model = build_hybrid_model(spec, ctx, pattern)

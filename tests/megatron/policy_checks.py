@@ -12,11 +12,11 @@ import torch
 from replay_grid import _install_step, make_routes
 
 from r3bridge import shard
-from r3bridge.testing.data import make_packed_batch
-from r3bridge.testing.dist import RankContext
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness.data import make_packed_batch
+from r3bridge.testing.harness.dist import RankContext
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
 def _router_inputs(chunks) -> tuple[dict[int, Any], list[Any]]:

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from r3bridge.layout import ParallelLayout
-from r3bridge.schema import ReplayBatch
-from r3bridge.testing.data import PackedBatch, align_for, batch_to, make_packed_batch, router_row_index
-from r3bridge.testing.dist import Layout, RankContext
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.parallel.layout import ParallelLayout
+from r3bridge.testing.harness.data import PackedBatch, align_for, batch_to, make_packed_batch, router_row_index
+from r3bridge.testing.harness.dist import Layout, RankContext
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 SEQ_LENS = [[13, 7, 20], [9, 15, 11], [21, 5, 8]]   # 3 micro-batches, distinct routes each
 

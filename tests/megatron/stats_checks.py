@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from replay_grid import _install_step, expected_rows, make_routes
 
-from r3bridge.testing.data import make_packed_batch
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness.data import make_packed_batch
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.testing.dist import RankContext
+    from r3bridge.testing.harness.dist import RankContext
 
 
 def stats_spec(expert_bias: bool = False, **kw: Any) -> ModelSpec:

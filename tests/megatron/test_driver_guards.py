@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from driver_checks import GUARDED_OPTIONS, run_driver_checks
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,16 @@ import pytest
 import torch
 from cells import Cell, CellResult, run_cells
 
-from r3bridge.testing import dist
-from r3bridge.testing.data import (
+from r3bridge.testing.harness import dist
+from r3bridge.testing.harness.data import (
     align_for,
     cp_zigzag_index,
     make_packed_batch,
     real_token_positions,
     router_row_index,
 )
-from r3bridge.testing.dist import Layout
-from r3bridge.testing.models import ModelSpec
+from r3bridge.testing.harness.dist import Layout
+from r3bridge.testing.harness.models import ModelSpec
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from hybrid import run_hybrid_check
 
 from r3bridge.megatron.discovery import hybrid_pattern
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 pytestmark = pytest.mark.slow
 PATTERN = "E-EE-E"

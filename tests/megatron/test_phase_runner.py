@@ -2,7 +2,7 @@
 
 Real harness models (megatron-core GPT with MoE layers, identity attention so that packed THD
 micro-batches run on CPU and every token's routing depends on that token alone), megatron's own
-schedules, :class:`r3bridge.testing.probe.RoutingProbe` for what each router dispatched. One rank
+schedules, :class:`r3bridge.testing.harness.probe.RoutingProbe` for what each router dispatched. One rank
 runs every single-chunk scenario in one spawn; one 2-rank spawn (PP2 x VPP2, forward-only) runs
 the per-chunk install hooks under the interleaved schedule, the R2 gather across stages and a
 micro-batch whose sequence count differs between the chunks. The rank functions return picklable
@@ -21,11 +21,11 @@ from replay_grid import make_routes
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
 from r3bridge.megatron.phase import PhaseResult, PhaseRunner, phase_tag
 from r3bridge.metrics import tag_phase
-from r3bridge.testing import dist
-from r3bridge.testing.data import PackedBatch, make_packed_batch
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness import dist
+from r3bridge.testing.harness.data import PackedBatch, make_packed_batch
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 V, E, K = 128, 8, 2
 BASE = dict(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=V, num_moe_experts=E,

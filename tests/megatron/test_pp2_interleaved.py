@@ -18,16 +18,16 @@ import traceback
 import pytest
 
 from r3bridge import ConfigError
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 
 
 def _losses(ctx, batch_p2p: bool) -> dict:
     try:
         from r3bridge.config import ReplayConfig
         from r3bridge.megatron import Replayer
-        from r3bridge.testing.data import make_packed_batch
-        from r3bridge.testing.models import ModelSpec, build_model_chunks
-        from r3bridge.testing.schedule import make_forward_step, run_schedule
+        from r3bridge.testing.harness.data import make_packed_batch
+        from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+        from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
         spec = ModelSpec(num_layers=4, extra_config={"batch_p2p_comm": batch_p2p, "overlap_p2p_comm": not batch_p2p})
         chunks = build_model_chunks(spec, ctx)

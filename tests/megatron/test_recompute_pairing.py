@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 from replay_grid import expected_rows, make_routes
 
-from r3bridge.testing import dist
-from r3bridge.testing.data import make_packed_batch
-from r3bridge.testing.models import ModelSpec, build_model_chunks
-from r3bridge.testing.probe import RoutingProbe
-from r3bridge.testing.schedule import make_forward_step, run_schedule
+from r3bridge.testing.harness import dist
+from r3bridge.testing.harness.data import make_packed_batch
+from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 BASE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128,
             num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.0)

@@ -10,7 +10,7 @@ import pytest
 import replay_grid as grid
 
 from r3bridge import ReplayBatch
-from r3bridge.testing.dist import spawn_layouts
+from r3bridge.testing.harness.dist import spawn_layouts
 
 CELLS = grid.default_cells()
 

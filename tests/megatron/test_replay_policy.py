@@ -7,7 +7,7 @@ import pytest
 import torch
 from policy_checks import run_policy_checks
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 PREFIX = "r3bridge/replay/"
 
@@ -73,10 +73,10 @@ def test_a_replay_step_sums_its_counts_in_one_all_reduce_per_metrics_group(runs)
 def test_the_losss_per_token_log_ratio_reuses_the_plan_built_at_install():
     """``per_token`` runs inside the loss of every micro-batch: it reads the pack plan install built
     (a record whose packing fields could not even build one passes), never rebuilds it."""
-    from r3bridge.layout import ParallelLayout
     from r3bridge.megatron.installed import InstalledMicroBatch
     from r3bridge.megatron.policy_stats import per_token
-    from r3bridge.packing import PackPlan
+    from r3bridge.parallel.layout import ParallelLayout
+    from r3bridge.parallel.packing import PackPlan
 
     layout = ParallelLayout(2, 1)
     mb = InstalledMicroBatch(0, 0, 5, 5, [3, 2], {"format": "not a format"}, [0, 1],

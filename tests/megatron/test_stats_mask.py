@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from stats_checks import run_stats_checks
 
-from r3bridge.testing.dist import spawn
+from r3bridge.testing.harness.dist import spawn
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 
 from r3bridge import ConfigError
 from r3bridge.megatron import check_config
-from r3bridge.testing.models import ModelSpec, _full_init_value, canonical_name, make_config, require_te
+from r3bridge.testing.harness.models import ModelSpec, _full_init_value, canonical_name, make_config, require_te
 
 ROOT = Path(__file__).resolve().parents[2]
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None

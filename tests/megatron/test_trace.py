@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from r3bridge.testing.dist import Layout, spawn_layouts
+from r3bridge.testing.harness.dist import Layout, spawn_layouts
 
 V, E, K = 128, 8, 2
 BASE = dict(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=V, num_moe_experts=E,
@@ -34,10 +34,10 @@ def _job(ctx, root: str) -> dict:
 
     from r3bridge.config import Phase, ReplayConfig
     from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
-    from r3bridge.testing.data import make_packed_batch
-    from r3bridge.testing.models import ModelSpec, build_model_chunks
-    from r3bridge.testing.probe import RoutingProbe
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import make_packed_batch
+    from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+    from r3bridge.testing.harness.probe import RoutingProbe
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     serial = ctx.pp == 1
     where = f"{root}/{'serial' if serial else 'pp2'}"
@@ -115,7 +115,7 @@ def _passes(res):
 
 
 def test_trace_holds_what_the_routers_dispatched(job):
-    from r3bridge.schema import ReplayBatch
+    from r3bridge.batch.schema import ReplayBatch
 
     _, _, serial = job
     for r in serial:
@@ -288,9 +288,9 @@ def _budget(ctx, root: str, max_bytes: int, every: int) -> dict:
 
     from r3bridge.config import Phase, ReplayConfig
     from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
-    from r3bridge.testing.data import make_packed_batch
-    from r3bridge.testing.models import ModelSpec, build_model_chunks
-    from r3bridge.testing.schedule import make_forward_step, run_schedule
+    from r3bridge.testing.harness.data import make_packed_batch
+    from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
+    from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
     chunks = build_model_chunks(ModelSpec(**BASE, num_layers=2), ctx)
     fstep = make_forward_step(ctx, thd=True)

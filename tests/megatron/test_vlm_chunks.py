@@ -27,11 +27,11 @@ import pytest
 import torch
 from replay_grid import make_routes
 
-from r3bridge.testing import dist
-from r3bridge.testing.cpu_shim import tensor_cuda_is_identity
-from r3bridge.testing.models import ModelSpec, make_config
-from r3bridge.testing.probe import topk_indices
-from r3bridge.testing.schedule import run_schedule
+from r3bridge.testing.harness import dist
+from r3bridge.testing.harness.cpu_shim import tensor_cuda_is_identity
+from r3bridge.testing.harness.models import ModelSpec, make_config
+from r3bridge.testing.harness.probe import topk_indices
+from r3bridge.testing.harness.schedule import run_schedule
 
 E, K, VOCAB = 8, 2, 128
 TEXT, IMAGE_TOKEN = 20, -200        # 20 text positions, one of them the image; 28x28 px, 14 px patches

@@ -21,10 +21,10 @@ _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-in
 
 # what the product and the kit must ship (wheel paths)
 PRODUCT = [
-    "r3bridge/__init__.py", "r3bridge/py.typed", "r3bridge/schema.py", "r3bridge/config.py",
+    "r3bridge/__init__.py", "r3bridge/py.typed", "r3bridge/batch/schema.py", "r3bridge/config.py",
     "r3bridge/megatron/__init__.py", "r3bridge/cli/main.py", "r3bridge/cli/demo.py",
     "r3bridge/demo/hf_engine.py", "r3bridge/demo/hf_to_mcore.py", "r3bridge/demo/job.py",
-    "r3bridge/testing/conformance.py", "r3bridge/testing/dist.py", "r3bridge/testing/cpu_shim.py",
+    "r3bridge/testing/kit/conformance.py", "r3bridge/testing/harness/dist.py", "r3bridge/testing/harness/cpu_shim.py",
     "r3bridge/adapters/__init__.py", "r3bridge/adapters/verl/__init__.py",
     "r3bridge/adapters/skyrl/__init__.py", "r3bridge/adapters/areal/__init__.py",
     "r3bridge/adapters/_template/__init__.py", "r3bridge/configs/__init__.py", "r3bridge/configs/r3bridge.yaml",

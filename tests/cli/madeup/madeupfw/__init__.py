@@ -11,7 +11,7 @@ The files import each other relatively, so the package works under any name. Rul
 * subclass or wrap the framework's classes; never monkey-patch a class or module attribute;
 * "no route" is said explicitly (a validity field, or an in-band value no expert id takes:
   :func:`r3bridge.padded_routes`); never infer it from lengths, and from zeros only through
-  :func:`r3bridge.canonical.nonzero_rows` for a transport that has no other way (``codec.py``);
+  :func:`r3bridge.batch.canonical.nonzero_rows` for a transport that has no other way (``codec.py``);
 * every problem raises a ``r3bridge.ReplayError`` subclass (ConfigError for set-up problems);
 * the reference model never replays; R2 updates replay only routes with ``source="recorded"``.
 

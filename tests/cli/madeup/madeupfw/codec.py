@@ -1,5 +1,5 @@
 """Trainer side: madeup_framework's training batch <-> ReplayBatch, in the canonical form
-(:mod:`r3bridge.canonical`).
+(:mod:`r3bridge.batch.canonical`).
 
 madeup_framework's batch: ``tokens`` / ``mask`` ``[B, S]`` left-padded, ``routes`` a per-sample list
 of ``{layer_number: [rows, K]}`` (MoE layers only, 1-based numbers, rows from the first token;
@@ -13,11 +13,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.canonical import drop_final_invalid_rows
-from r3bridge.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.canonical import drop_final_invalid_rows
+from r3bridge.batch.dense import NO_ROUTE, padded_routes
+from r3bridge.batch.schema import ReplayBatch, route_dtype
+from r3bridge.engines.layer_ids import layers_from_mapping
 from r3bridge.errors import CoverageError
-from r3bridge.layer_ids import layers_from_mapping
-from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "MadeupfwCodec"]
 

@@ -20,10 +20,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
 from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
-from r3bridge.schema import ReplayBatch
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, MadeupfwCodec
 from .config import replay_config

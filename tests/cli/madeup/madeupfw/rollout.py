@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from r3bridge.ingest import stitch
-from r3bridge.layer_ids import layers_from_mapping
-from r3bridge.schema import ReplayBatch
+from r3bridge.batch.schema import ReplayBatch
+from r3bridge.engines.layer_ids import layers_from_mapping
+from r3bridge.ingest.stitching import stitch
 
 __all__ = ["MadeupfwRollout"]
 

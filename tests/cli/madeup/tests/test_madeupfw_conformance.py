@@ -1,5 +1,5 @@
 """Conformance checks 1-5 of the madeupfw adapter, run with ``python -m pytest`` in this project
-(:mod:`r3bridge.testing.suite`: checks 1-3 in seconds, checks 4-5 start CPU ranks of a real
+(:mod:`r3bridge.testing.kit.suite`: checks 1-3 in seconds, checks 4-5 start CPU ranks of a real
 megatron-core model: a few minutes).
 
 The model is the made-up framework's: 6 decoder layers, layers 1 and 4 (0-based) dense, 4 experts,
@@ -15,12 +15,12 @@ import torch
 from madeup_framework import LAYER_BASE, Completion, Trajectory, collate, select
 from madeupfw import SAMPLE_KEY, MadeupfwCodec, MadeupfwEngineMixin, MadeupfwRollout
 
-from r3bridge.canonical import canonical_form
+from r3bridge.batch.canonical import canonical_form
 from r3bridge.config import Phase, ReplayConfig
-from r3bridge.testing.conformance import TWO_RANK, assert_same_batch
-from r3bridge.testing.rollouts import CanonicalRollout, ModelShape
-from r3bridge.testing.runner import align_for, pack_thd, record_packing, unpack_rows
-from r3bridge.testing.suite import AdapterFixtures, BaseIngestTests, BaseMegatronTests
+from r3bridge.testing.kit.conformance import TWO_RANK, assert_same_batch
+from r3bridge.testing.kit.rollouts import CanonicalRollout, ModelShape
+from r3bridge.testing.kit.runner import align_for, pack_thd, record_packing, unpack_rows
+from r3bridge.testing.kit.suite import AdapterFixtures, BaseIngestTests, BaseMegatronTests
 
 SHAPE = ModelShape(num_experts=4, topk=2, num_layers=6, moe_layers=(0, 2, 3, 5))
 
@@ -49,7 +49,7 @@ class MadeupEngine:
         self.chunks, self.ctx = chunks, ctx
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False):
-        from r3bridge.testing.schedule import make_forward_step, run_schedule
+        from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
         vocab = self.chunks[0].vocab_size
         align = align_for(self.ctx.tp, self.ctx.cp)
@@ -65,7 +65,7 @@ class R3MadeupEngine(MadeupfwEngineMixin, MadeupEngine):
 
 # ---------------------------------------------------------------------------------- the runner of checks 4-5
 class MadeupfwRunner:
-    """:class:`r3bridge.testing.runner.MegatronRunner` of the adapter on madeup_framework's engine."""
+    """:class:`r3bridge.testing.kit.runner.MegatronRunner` of the adapter on madeup_framework's engine."""
 
     def __init__(self, rollout: CanonicalRollout) -> None:
         self.codec = MadeupfwCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

@@ -1,0 +1,10 @@
+"""What a framework hands over -> the routes the trainer reads.
+
+* ``handed``        - ``HandedRoutes``: one micro-batch's routes as the framework hands them over,
+                      viewed (no copy, no id read), metadata checked once; the whole-batch form
+* ``gather``        - reading rows of those buffers (one gather, or one copy per run of engine rows)
+* ``stitching``     - multi-turn / resubmit engine calls -> one sequence per sample, first-seen rows
+* ``engine_report`` - engine payloads classified row by row as the reader does (degenerate rows)
+
+The one reader continues in :mod:`r3bridge.parallel` (``rank_rows``, ``read``): one rank's targets.
+"""

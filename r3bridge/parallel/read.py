@@ -1,0 +1,104 @@
+"""The read: one rank's targets of one chunk's MoE layers, from a micro-batch's handed routes and
+this rank's row map. The last step of the one reader (docs/architecture.md, "One reader"):
+gather the rank's rows of the stage's layers in the source dtype (:mod:`r3bridge.ingest.gather`),
+move them to the router's device, check every id read once there
+(:func:`r3bridge.engines.route_checks.check_read`), write fillers into rows without a route and
+widen to int64. :class:`ReadStats` counts what a driver read over its life.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from r3bridge.engines.layer_ids import shifted_layer_ids_hint
+from r3bridge.engines.route_checks import DEGENERATE_CHOICES, check_read
+from r3bridge.errors import LayerMappingError, RouteShapeError
+from r3bridge.ingest.gather import gather_rows, read_weights, unrouted_rows
+from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.rank_rows import RankRows
+from r3bridge.parallel.targets import ShardedTargets
+
+__all__ = ["read_targets", "ReadCounts", "ReadStats"]
+
+
+@dataclass
+class ReadStats:
+    """How a driver read its routes, over its life (a trace of the path, cheap enough to keep on):
+    ``reads`` (:func:`read_targets` calls: one per chunk and micro-batch, plus late recomputes),
+    ``row_maps`` (:class:`RankRows` built: one per micro-batch, whatever its chunks), ``routes``
+    (micro-batches' handed routes read: one per micro-batch) and ``forms`` (how many of those
+    came in each (storage form, "no route" kind, route kind): what the adapters handed over)."""
+
+    reads: int = 0
+    row_maps: int = 0
+    routes: int = 0
+    forms: dict = field(default_factory=dict)
+
+    def saw(self, routes: HandedRoutes) -> None:
+        self.routes += 1
+        key = f"{routes.form}/{routes.no_route}/{routes.route_kind}"
+        self.forms[key] = self.forms.get(key, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {"reads": self.reads, "row_maps": self.row_maps, "routes": self.routes, "forms": dict(self.forms)}
+
+
+@dataclass
+class ReadCounts:
+    """What one read saw, per sequence of the micro-batch (this rank's rows of the layers read):
+    rows replayed, and rows whose route was degenerate (routed natively under ``"native"``)."""
+
+    replayed: np.ndarray            # int64 [num_seqs]
+    degenerate: np.ndarray          # int64 [num_seqs]
+
+
+def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[int], *,
+                 device: Optional[torch.device] = None, degenerate: str = "refuse",
+                 counts: Optional[list] = None, where: str = "this rank",
+                 model_layers: Optional[Sequence[int]] = None) -> ShardedTargets:
+    """This rank's targets of ``layer_ids`` for the micro-batch ``routes`` (``rank_rows`` already
+    :meth:`RankRows.cover`-ed with them). ``counts`` (a list) receives a :class:`ReadCounts`."""
+    if degenerate not in DEGENERATE_CHOICES:
+        raise RouteShapeError(f"degenerate must be one of {DEGENERATE_CHOICES}, got {degenerate!r}")
+    want = [int(x) for x in layer_ids]
+    pos_of = {lid: j for j, lid in enumerate(routes.layer_ids)}
+    missing = [x for x in want if x not in pos_of]
+    if missing:
+        hint = "" if model_layers is None else shifted_layer_ids_hint(routes.layer_ids, model_layers)
+        raise LayerMappingError(f"{where} needs MoE layers {missing}, but the batch only has "
+                                f"layers {list(routes.layer_ids)}{hint}")
+    dev = device if device is not None else routes.device
+    k, n = routes.topk, routes.num_seqs
+    covered = rank_rows.covered.copy()
+    degenerate_rows = np.zeros(0, dtype=np.int64)
+    if not want:
+        if counts is not None:
+            counts.append(ReadCounts(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)))
+        return ShardedTargets({}, torch.from_numpy(covered).to(dev), (), k, int(covered.sum()),
+                              {} if routes.has_weights else None)
+    cols = [pos_of[x] for x in want]
+    compact = gather_rows(routes, rank_rows.seq, rank_rows.src, covered, cols)   # [nl, T, K], source dtype
+    compact = compact.to(dev, non_blocking=True)
+    covered &= ~unrouted_rows(compact, routes, covered)
+    if not routes.trusted and covered.any():
+        covered, degenerate_rows = check_read(compact, covered, seq=rank_rows.seq, row=rank_rows.src,
+                                              starts=routes.starts, layer_ids=want,
+                                              num_experts=routes.num_experts, degenerate=degenerate,
+                                              names=routes.names)
+    valid_t = torch.from_numpy(covered)
+    out = torch.empty(compact.shape, dtype=torch.int64, device=dev)
+    out.copy_(compact)
+    if not covered.all():
+        invalid = torch.from_numpy(np.flatnonzero(~covered)).to(dev)
+        out[:, invalid] = torch.arange(k, dtype=torch.int64, device=dev)
+    weights = (read_weights(routes, rank_rows.seq, rank_rows.src, covered, cols, want, dev) if routes.has_weights
+               else None)
+    if counts is not None:
+        seq = rank_rows.seq
+        counts.append(ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * len(want),
+                                 np.bincount(seq[degenerate_rows], minlength=n)[:n] * len(want)))
+    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t.to(dev), tuple(want), k,
+                          int(covered.sum()), weights)
