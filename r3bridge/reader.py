@@ -32,9 +32,11 @@ With top-1 an expert-0 row cannot be told from a zero row: zero rows stay "no ro
 """
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,9 +46,11 @@ from r3bridge.batch_meta import check_coverage, checked_meta
 from r3bridge.decoders import decode_vllm_routes, decode_vllm_weights
 from r3bridge.engine_pack import allocate, check_shapes, host_array, layer_columns
 from r3bridge.errors import (
+    ConfigError,
     CoverageError,
     LayerMappingError,
     LayoutError,
+    ReplayError,
     RouteShapeError,
     RouteWeightsError,
 )
@@ -57,7 +61,8 @@ from r3bridge.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 from r3bridge.route_scan import block_rows, row_faults, run_blocks
 
 __all__ = ["HandedRoutes", "RankRows", "ShardedTargets", "ReadCounts", "ReadStats", "read_targets", "rank_targets",
-           "checked_rank_args", "engine_row_report", "EngineRowReport", "DEGENERATE_CHOICES", "NO_ROUTE_KINDS"]
+           "checked_rank_args", "engine_row_report", "EngineRowReport", "DEGENERATE_CHOICES", "NO_ROUTE_KINDS",
+           "naming_samples"]
 
 DEGENERATE_CHOICES = ("refuse", "native")
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
@@ -187,6 +192,8 @@ class HandedRoutes:
     mask: Optional[torch.Tensor] = None            # "mask": bool [B, S] of the grid (True = a route)
     sentinel: Optional[int] = None                 # "sentinel": the no-route value
     names: Optional[list[str]] = None              # how errors name each sequence
+    # whose names they are: errors then lead with "<framework> sample <name>: " (the adapters')
+    framework: Optional[str] = None
     weights_grid: Optional[torch.Tensor] = None    # routing weights, the routes' storage and shape
     weights_arrays: Optional[list[np.ndarray]] = None
     _captured: Optional[np.ndarray] = field(default=None, repr=False)
@@ -209,7 +216,7 @@ class HandedRoutes:
     def from_engine(cls, items: Sequence[Any], *, num_experts: int, moe_layer_ids: Optional[Sequence[int]] = None,
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
                     weights: Optional[Sequence[Any]] = None, source: str = "rollout",
-                    names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                    names: Optional[Sequence[str]] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """vLLM-style per-sequence engine outputs (any transport
         :func:`r3bridge.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
         handed row a route; ``moe_layer_ids`` selects the MoE layers by id."""
@@ -242,13 +249,13 @@ class HandedRoutes:
                                             f"{tuple(arrays[i].shape)}")
                 w.append(wi)
         return cls(rows, starts, layer_ids, cols, num_experts, k, "none", source, False, "engine", arrays=arrays,
-                   names=None if names is None else list(names), weights_arrays=w)
+                   names=None if names is None else list(names), framework=framework, weights_arrays=w)
 
     @classmethod
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, source: str = "rollout", names: Optional[Sequence[str]] = None,
-                    weights: Any = None) -> "HandedRoutes":
+                    weights: Any = None, framework: Optional[str] = None) -> "HandedRoutes":
         """One packed buffer ``[sum rows, L_src, K]`` (verl's nested values, SkyRL 0.4's
         ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``."""
         v = _int_tensor(values, what="routes")
@@ -265,13 +272,13 @@ class HandedRoutes:
             m = m[None]
         w = None if weights is None else _weights_tensor(weights, v)[None]
         return cls._checked("packed", v[None], np.zeros(len(rows), dtype=np.int64), offs[:-1], rows, None,
-                            num_experts, layer_ids, columns, no_route, m, sentinel, source, names, w)
+                            num_experts, layer_ids, columns, no_route, m, sentinel, source, names, w, framework)
 
     @classmethod
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, source: str = "rollout",
-                    names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                    names: Optional[Sequence[str]] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """A padded ``[B, S, L_src, K]`` field and its ``[B, S]`` mask (left or right padding): one
         row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``."""
         r = _int_tensor(routes, what="padded routes")
@@ -289,12 +296,12 @@ class HandedRoutes:
                 raise RouteShapeError(f"valid mask shape {tuple(m.shape)} does not match attention_mask "
                                       f"{tuple(attn.shape)}")
         return cls._checked("padded", r, np.arange(len(lens), dtype=np.int64), first, lens, None, num_experts,
-                            layer_ids, columns, no_route, m, sentinel, source, names, None)
+                            layer_ids, columns, no_route, m, sentinel, source, names, None, framework)
 
     @classmethod
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                            layer_ids: Sequence[int], sentinel: int, source: str = "rollout",
-                           names: Optional[Sequence[str]] = None) -> "HandedRoutes":
+                           names: Optional[Sequence[str]] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last: AReaL's trajectories), tokens
         ``[0, lens[i])`` of each, ``sentinel`` where a token has no route."""
         t = _int_tensor(routes, what="routes")
@@ -310,11 +317,11 @@ class HandedRoutes:
         if bad:
             raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
         return cls._checked("sequence_last", t.permute(0, 3, 1, 2), b, np.zeros(len(n), dtype=np.int64), n, None,
-                            num_experts, layer_ids, None, "sentinel", None, sentinel, source, names, None)
+                            num_experts, layer_ids, None, "sentinel", None, sentinel, source, names, None, framework)
 
     @classmethod
     def _checked(cls, form, grid, seq_b, seq_s0, rows, starts, num_experts, layer_ids, columns, no_route, mask,
-                 sentinel, source, names, weights_grid) -> "HandedRoutes":
+                 sentinel, source, names, weights_grid, framework=None) -> "HandedRoutes":
         if no_route not in NO_ROUTE_KINDS:
             raise RouteShapeError(f"no_route must be one of {NO_ROUTE_KINDS}, got {no_route!r}")
         if (no_route == "mask") != (mask is not None):
@@ -330,7 +337,8 @@ class HandedRoutes:
             (sum(int(r) for r in rows), nl, int(grid.shape[3])), list(rows), num_experts, ids, starts, None)
         return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, source, False, form, grid=grid,
                    seq_b=np.asarray(seq_b, dtype=np.int64), seq_s0=np.asarray(seq_s0, dtype=np.int64), mask=mask,
-                   sentinel=sentinel, names=None if names is None else list(names), weights_grid=weights_grid)
+                   sentinel=sentinel, names=None if names is None else list(names), framework=framework,
+                   weights_grid=weights_grid)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -346,7 +354,9 @@ class HandedRoutes:
         return self.weights_grid is not None or self.weights_arrays is not None
 
     def name(self, i: int) -> str:
-        return f"sequence {i}" if not self.names or i >= len(self.names) else self.names[i]
+        if not self.names or i >= len(self.names):
+            return f"sequence {i}"
+        return self.names[i] if self.framework is None else f"{self.framework} sample {self.names[i]}"
 
     def with_empty_sequences(self, seq_lens: Sequence[int]) -> "HandedRoutes":
         """These routes followed by one sequence without any route per entry of ``seq_lens``
@@ -418,12 +428,31 @@ class HandedRoutes:
         return end
 
     # ------------------------------------------------------------------ the whole batch
-    def to_batch(self, *, degenerate: str = "refuse", drop_final_invalid: bool = True) -> Any:
+    def to_batch(self, *, degenerate: str = "refuse", drop_final_invalid: Optional[bool] = None,
+                 invalid_rows: str = "native") -> Any:
         """Every handed row as a canonical :class:`r3bridge.ReplayBatch` (where a framework needs
-        the whole batch: R2 write-backs, the conformance checks), by the reader's rules: ids
-        checked once, "no route" from the transport (explicit mask, captured range, sentinel),
-        degenerate rows refused or (``"native"``) marked without a route; a sequence's final row
-        without a route dropped (the last sampled token is never fed forward)."""
+        the whole batch: R2 write-backs, a codec's ``to_replay_batch``, the conformance checks), by
+        the reader's rules: ids checked once, "no route" from the transport (explicit mask,
+        captured range, sentinel), degenerate rows refused or (``"native"``) marked without a
+        route; a sequence's final row without a route dropped (the last sampled token is never fed
+        forward; default: for rollout routes, recorded ones route every token).
+        ``invalid_rows="error"``: a row without a usable route (a degenerate one too) is refused,
+        naming the sequence and its token (``ReplayConfig.invalid_rows``' rule, for the whole
+        batch). With a ``framework``, every error leads with the framework's name of the sample."""
+        if invalid_rows not in ("native", "error"):
+            raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
+        drop = self.source != "recorded" if drop_final_invalid is None else drop_final_invalid
+        names = [self.name(i) for i in range(self.num_seqs)] if self.framework is not None and self.names else []
+        with naming_samples(names):
+            batch = self._whole_batch("native" if invalid_rows == "error" else degenerate, drop)
+            if invalid_rows == "error" and not bool(batch.valid.all()):
+                bad = int((~batch.valid).nonzero()[0])
+                seq = int((batch.offsets[1:] <= bad).sum())
+                token = batch.start_rows[seq] + bad - int(batch.offsets[seq])
+                raise CoverageError(f"sequence {seq}: token {token} has no route and r3bridge.invalid_rows='error'")
+        return batch
+
+    def _whole_batch(self, degenerate: str, drop_final_invalid: bool) -> Any:
         from r3bridge.schema import ReplayBatch, route_dtype
 
         if self.arrays is not None and self.no_route == "none" and self.weights_arrays is None:
@@ -830,10 +859,29 @@ def _check(compact: torch.Tensor, covered: np.ndarray, routes: HandedRoutes, rr:
 
 
 def _named(err: Exception, routes: HandedRoutes, i: int) -> Exception:
-    if routes.names and i < len(routes.names):
-        msg = str(err).replace(f"sequence {i}", routes.names[i], 1)
-        return type(err)(msg)
-    return err
+    if not routes.names or i >= len(routes.names):
+        return err
+    if routes.framework is not None:            # an adapter's sample: its name first
+        return type(err)(f"{routes.name(i)}: " + str(err).replace(f"sequence {i}", "", 1).lstrip(", :"))
+    return type(err)(str(err).replace(f"sequence {i}", routes.names[i], 1))
+
+
+_SEQUENCE = re.compile(r"\bsequence (\d+)")
+
+
+@contextlib.contextmanager
+def naming_samples(names: Sequence[str]) -> Iterator[None]:
+    """Inside the block, a :class:`~r3bridge.ReplayError` naming "sequence i" (the core's name:
+    the position in the batch it was given) is raised again, same class, chained, leading with
+    ``names[i]`` (how the framework knows the sample) instead."""
+    try:
+        yield
+    except ReplayError as e:
+        msg = str(e)
+        hit = _SEQUENCE.search(msg)
+        if hit is None or int(hit.group(1)) >= len(names):
+            raise
+        raise type(e)(f"{names[int(hit.group(1))]}: " + _SEQUENCE.sub("", msg, count=1).lstrip(", :")) from e
 
 
 def _faults_torch(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

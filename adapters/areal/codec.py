@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.dense import token_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "ArealCodec", "trajectory_tensor", "handed_routes", "replay_batch_from_batch", "replay_batch_from_tensor", "batch_tensor",
+           "ArealCodec", "trajectory_tensor", "handed_routes", "batch_handed_routes", "batch_tensor",
            "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
@@ -70,23 +70,8 @@ def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, 
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     _, none = sentinel_dtype(num_experts)
     return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, source=source,
-                                           names=[f"AReaL sample batch row {int(r)}" for r in rows])
-
-
-def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                             moe_layer_ids: Sequence[int], source: str = "rollout",
-                             topk: Optional[int] = None) -> ReplayBatch:
-    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), -> canonical ReplayBatch in that order: the reader's whole-batch
-    form of :func:`handed_routes`, on the host. Route errors name the sample by its row of ``t``
-    (AReaL's trajectory in the batch) and its token; ``topk`` (the model's) refuses routes of
-    another width here, naming both."""
-    handed = handed_routes(torch.as_tensor(t).cpu(), rows, lens, num_experts=num_experts,
-                           moe_layer_ids=moe_layer_ids, source=source, topk=topk)
-    handed.names = None                 # the core names "sequence i"; naming_samples names AReaL's row
-    with naming_samples("AReaL", [f"batch row {int(r)}" for r in rows]):
-        return handed.to_batch(drop_final_invalid=source != "recorded")
+                                           sentinel=none, source=source, names=[f"batch row {int(r)}" for r in rows],
+                                           framework="AReaL")
 
 
 def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
@@ -98,16 +83,16 @@ def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
     return lens.tolist()
 
 
-def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
-                            source: str = "rollout", topk: Optional[int] = None) -> ReplayBatch:
-    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) ->
-    canonical ReplayBatch of its samples in batch order."""
+def batch_handed_routes(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
+                        source: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
+    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) as
+    :func:`handed_routes` of all its samples, in batch order."""
     t = data.get(key)
     if t is None:
         raise CoverageError(f"the batch has no {key!r}")
     lens = _right_padded_lens(data["attention_mask"])
-    return replay_batch_from_tensor(t, range(len(lens)), lens, num_experts=num_experts,
-                                    moe_layer_ids=moe_layer_ids, source=source, topk=topk)
+    return handed_routes(t, range(len(lens)), lens, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                         source=source, topk=topk)
 
 
 def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -124,9 +109,10 @@ class ArealCodec:
         self.model = model
 
     def to_replay_batch(self, native: dict, *, source: str = "rollout"):
+        """The reader's whole-batch form of :func:`batch_handed_routes`; errors name the batch's rows."""
         key = RECORDED_KEY if source == "recorded" else ROUTES_KEY
-        return replay_batch_from_batch(native, key=key, num_experts=self.model.num_experts,
-                                       moe_layer_ids=self.model.moe_layer_ids, source=source, topk=self.model.topk)
+        return batch_handed_routes(native, key=key, num_experts=self.model.num_experts, topk=self.model.topk,
+                                   moe_layer_ids=self.model.moe_layer_ids, source=source).to_batch()
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])

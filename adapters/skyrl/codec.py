@@ -19,9 +19,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.dense import token_rows
 from r3bridge.errors import ConfigError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import (
     LOGPROB_PROVENANCE_KEY,
@@ -34,7 +34,7 @@ from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch, route_dtype
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
+           "SkyRLCodec", "handed_routes", "training_batch_fields",
            "packed_training_batch_fields", "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
@@ -54,25 +54,6 @@ def _get(batch: Any, key: str) -> Any:
         return batch[key]
     except KeyError:
         return None
-
-
-def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
-                                     num_hidden_layers: Optional[int] = None, source: str = "rollout",
-                                     routes_key: str = ROUTES_KEY, topk: Optional[int] = None,
-                                     sample_ids: Optional[Sequence[int]] = None) -> ReplayBatch:
-    """A ``TrainingInputBatch`` (or worker micro-batch dict) -> ReplayBatch of its samples in batch
-    order, canonical form (r3bridge.protocols): one row per real token, start 0, uncaptured rows
-    invalid, a final row without a route dropped (``source="rollout"`` only): the reader's
-    whole-batch form of :func:`handed_routes`.
-
-    Route errors name the sample by its row of ``batch`` (``sample_ids[i]`` when given: e.g. the
-    mini-batch row of a micro-batch's row ``i``) and its token; ``topk`` (the model's) refuses
-    routes of another width here, naming both."""
-    handed = handed_routes(batch, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
-                           num_hidden_layers=num_hidden_layers, source=source, routes_key=routes_key, topk=topk)
-    handed.names = None                 # the core names "sequence i"; naming_samples names SkyRL's row
-    with naming_samples("SkyRL", _row_names(batch, sample_ids)):
-        return handed.to_batch(drop_final_invalid=source != "recorded")
 
 
 def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
@@ -101,7 +82,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if _get(batch, "sub_seq_lengths") is not None:
         raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
                           "r3bridge needs one sample per row")
-    names = [f"SkyRL sample {n}" for n in _row_names(batch, sample_ids)]
+    names = _row_names(batch, sample_ids)
     moe = [int(i) for i in moe_layer_ids]
     mask = _get(batch, MASK_KEY)
     if _is_packed(routes):
@@ -125,7 +106,8 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
         cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
         valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
         return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid.to(values.device), source=source, names=names)
+                                        no_route="mask", valid=valid.to(values.device), source=source, names=names,
+                                        framework="SkyRL")
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
@@ -135,14 +117,14 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if mask is not None:
         valid = attn_b & ~torch.as_tensor(mask).bool().to(attn_b.device)
         return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid, source=source, names=names)
+                                        no_route="mask", valid=valid, source=source, names=names, framework="SkyRL")
     # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
     # micro-batching too, whose first token is "real"), and its worker does not carry
     # router_padding_mask into micro-batches; recorded routes hold a route on every token (at
     # top-1 an expert-0 row is one)
     no_route = "none" if source == "recorded" and int(routes.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=names)
+                                    no_route=no_route, source=source, names=names, framework="SkyRL")
 
 
 def _columns(reported: int, moe: list[int], num_hidden_layers: Optional[int], field: str) -> Optional[list[int]]:
@@ -209,10 +191,10 @@ class SkyRLCodec:
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        return replay_batch_from_training_batch(
-            native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source,
-            topk=self.topk)
+        """The reader's whole-batch form of :func:`handed_routes`; errors name the batch's rows."""
+        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, source=source,
+                             num_hidden_layers=None if source == "recorded" else self.num_hidden_layers,
+                             topk=self.topk).to_batch()
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them

@@ -1,24 +1,10 @@
 """verl's ``routed_experts`` TensorDict field <-> :class:`r3bridge.ReplayBatch`.
 
-verl's transport (after ``left_right_2_no_padding``) is a nested jagged tensor
-``[batch, (tokens_i), L, K]``, one row per unmasked token of each sample:
-
-* rollout routes (R3): int16, ``L = num_hidden_layers`` (every decoder layer, dense ones zero);
-  row ``j`` is the route that fed token ``j``; the last token has none (its row is zero and is
-  dropped here, so a sample covers ``tokens - 1`` rows like vLLM's own output) and rows past what
-  the engine returned (multi-turn tails, padding samples) are zero;
-* recorded routes (R2, written by this adapter in verl's own R2 layout): int16,
-  ``L = len(moe_layer_ids)``, every token.
-
-Routing weights (optional, :data:`WEIGHTS_KEY`): the same nested layout as the rollout routes,
-float, ``[batch, (tokens_i), num_hidden_layers, K]``, the engine's gate weight of each id (SGLang
-#23999); they follow their rows into ``ReplayBatch.weights``.
-
-A zero row is never a route (top-k ids are distinct): rows past a sample's last non-zero row (the
-final token, multi-turn tails, padding samples) are ``valid = False`` and routed natively, while a
-zero row *before* it, inside the rows the engine returned, is a degenerate route (vLLM #54730),
-refused by default (``degenerate_routes``). With ``K == 1`` a rollout row of expert 0 in every
-MoE layer cannot be told from "no route" and is routed natively (counted in coverage).
+verl's transport (after ``left_right_2_no_padding``) is a nested jagged ``[batch, (tokens_i), L, K]``
+int16 tensor, one row per unmasked token: rollout routes (R3) with every decoder layer
+(``L = num_hidden_layers``, dense ones zero), recorded routes (R2, verl's own R2 layout) with the
+MoE layers only. "No route" is a zero row (the reader's ``no_route="zero"``); optional routing
+weights (:data:`WEIGHTS_KEY`) share the routes' layout. docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
@@ -26,15 +12,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.errors import LayerMappingError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.layer_axis import axis_columns
 from r3bridge.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, ProvenancePairing, pairing_from_fields
 from r3bridge.reader import HandedRoutes
 from r3bridge.schema import ReplayBatch
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
-           "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
+           "handed_routes", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
@@ -115,7 +101,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
         raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
     values, rows = _jagged(routes)
     check_topk(ROUTES_KEY, int(values.shape[-1]), topk)
-    names = sample_names(td) if hasattr(td, "get") else [f"micro-batch position {i}" for i in range(len(rows))]
+    names = sample_names(td) if hasattr(td, "get") else []
     if len(names) != len(rows):
         names = [f"micro-batch position {i}" for i in range(len(rows))]
     moe = [int(i) for i in moe_layer_ids]
@@ -142,34 +128,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
     # recorded routes hold a real route on every token: at top-1 an expert-0 row is a route
     no_route = "none" if source == "recorded" and int(values.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, source=source, names=[f"verl sample {n}" for n in names],
-                                    weights=weights)
-
-
-def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
-                                 source: str, num_hidden_layers: int | None = None,
-                                 invalid_rows: str = "native", topk: int | None = None,
-                                 layer_axis: str | None = None, degenerate: str = "refuse") -> ReplayBatch:
-    """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order: the
-    reader's whole-batch form of :func:`handed_routes` (see there for the layer axis and "no route").
-    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
-    Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
-    handed = handed_routes(td, moe_layer_ids=moe_layer_ids, num_experts=num_experts, source=source,
-                           num_hidden_layers=num_hidden_layers, topk=topk, layer_axis=layer_axis)
-    names = [n[len("verl sample "):] for n in handed.names]
-    handed.names = None                  # the core names "sequence i"; naming_samples names it verl's way
-    # invalid_rows="error" refuses every row without a usable route, a degenerate one included, as
-    # "no route" naming the sample and token
-    with naming_samples("verl", names):
-        rb = handed.to_batch(degenerate="native" if invalid_rows == "error" else degenerate,
-                             drop_final_invalid=source != "recorded")
-    if invalid_rows == "error" and not bool(rb.valid.all()):
-        bad = int((~rb.valid).nonzero()[0])
-        seq = int((rb.offsets[1:] <= bad).sum())
-        token = rb.start_rows[seq] + bad - int(rb.offsets[seq])
-        raise CoverageError(f"verl sample {names[seq]}: token {token} has no route (a zero row in "
-                            f"{ROUTES_KEY}) and r3bridge.invalid_rows='error'")
-    return rb
+                                    no_route=no_route, source=source, names=names, framework="verl", weights=weights)
 
 
 def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:
@@ -197,9 +156,10 @@ class VerlCodec:
         self.topk = None if topk is None else int(topk)
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        return replay_batch_from_tensordict(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts,
-                                            source=source, num_hidden_layers=self.num_hidden_layers,
-                                            invalid_rows=self.invalid_rows, topk=self.topk)
+        """The reader's whole-batch form of :func:`handed_routes`; errors name verl's samples."""
+        return handed_routes(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts, source=source,
+                             num_hidden_layers=self.num_hidden_layers,
+                             topk=self.topk).to_batch(invalid_rows=self.invalid_rows)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         native[ROUTES_KEY] = routes_to_nested(recorded)

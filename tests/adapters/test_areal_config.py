@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters._naming import check_topk
 from r3bridge.adapters.areal.config import check_routes_topk, parse_cli, section_of
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RouteShapeError
+from r3bridge.hf import check_topk
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "areal"
 LINE = [str(EXAMPLE / "gsm8k_r3bridge.py"), "--config", str(EXAMPLE / "gsm8k_megatron.yaml")]

@@ -25,7 +25,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.codec import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.codec import ROUTES_KEY, handed_routes  # noqa: E402
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import ReplayConfig  # noqa: E402
 from r3bridge.testing.data import align_for, make_packed_batch  # noqa: E402
@@ -170,8 +170,8 @@ def _rank(ctx):
         nested = rec["model_output"][ROUTES_KEY]
         out["r2_nested"] = (nested.is_nested, str(nested.dtype), [tuple(t.shape) for t in nested.unbind()])
         data[ROUTES_KEY] = nested
-        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3.model.moe_layer_ids, num_experts=4,
-                                                source="recorded")
+        recorded = handed_routes(data, moe_layer_ids=eng.r3.model.moe_layer_ids, num_experts=4,
+                                 source="recorded").to_batch()
         obj = [recorded.to_bytes()]
     else:
         obj = [None]
