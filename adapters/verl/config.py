@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from r3bridge.announce import announce
 from r3bridge.config import ENV_CONFIG as ENV_VAR
 from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, setting
+from r3bridge.launch import local_hf_config, local_ray_cpu_slots, merge_setting
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
            "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
@@ -149,52 +151,27 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
 
 def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
     """Refuse a job that would wait forever for Ray CPU slots before it trains (issue 39: a launch
-    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue in a
-    local Ray cluster: a controller and ``num_data_storage_units`` storage actors (8 by default)
-    holding one CPU slot each for the whole job, and Ray gives a local cluster as many slots as the
-    machine has cores unless ``ray_kwargs.ray_init.num_cpus`` says otherwise; with fewer slots the
-    remaining storage actors are never placed and nothing says so. Only a cluster the launcher
-    starts itself is checked (no ``address``, no ``RAY_ADDRESS``). ``cpus``: the machine's count
-    (default: Ray's own)."""
-    ray_init = setting(verl_cfg, "ray_kwargs.ray_init") or {}
-    if not setting(verl_cfg, "trainer.use_v1", True) or setting(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
-        return
+    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue: a
+    controller and ``num_data_storage_units`` storage actors (8 by default) holding one CPU slot each
+    for the whole job; a local Ray cluster with fewer slots never places the rest, and nothing says
+    so. Only a cluster the launcher starts itself is checked; ``cpus``: the machine's count."""
     units = setting(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
-    if setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
+    backend = setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage")
+    if not setting(verl_cfg, "trainer.use_v1", True) or backend != "SimpleStorage" or units is None:
         return
-    slots = setting(ray_init, "num_cpus")
-    given = slots is not None
-    if slots is None:
-        if cpus is None:
-            try:
-                from ray._private.utils import get_num_cpus
-                cpus = int(get_num_cpus())
-            except Exception:  # noqa: BLE001  (Ray's private helper moved: the machine's count)
-                cpus = os.cpu_count() or 1
-        slots = cpus
+    local = local_ray_cpu_slots(setting(verl_cfg, "ray_kwargs.ray_init") or {}, cpus)
     need = 1 + int(units)
-    if int(slots) < need:
-        where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
-        raise ConfigError(
-            f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
-            f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
-            f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
-            f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
-            f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
-            f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
-
-
-def _load_hf_config(verl_cfg: Any) -> Any:
-    path = setting(verl_cfg, "actor_rollout_ref.model.path")
-    if not path or not os.path.exists(os.path.expanduser(str(path))):
-        return None          # remote path: the engine checks the model in the workers
-    try:
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(
-            os.path.expanduser(str(path)),
-            trust_remote_code=bool(setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
-    except Exception:  # noqa: BLE001
-        return None
+    if local is None or local[0] >= need:
+        return
+    slots, given = local
+    where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
+    raise ConfigError(
+        f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
+        f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
+        f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
+        f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
+        f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
+        f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
 
 
 def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
@@ -203,38 +180,29 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
     (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
     make the workers import the adapter even with verl plugins disabled, and (replay on) register
-    the engine in this process too. ``announce_where``: log the startup line
-    (:func:`r3bridge.announce.announce`) naming it. ``worker_env``: more variables for the workers
-    only (the launcher's stall-watchdog id)."""
-    from omegaconf import OmegaConf, open_dict
+    the engine in this process too. ``announce_where``: log the startup line naming it.
+    ``worker_env``: more variables for the workers only (the launcher's stall-watchdog id)."""
+    from omegaconf import open_dict
 
     cfg, source = resolve_verl_options(verl_cfg)
-    validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg), cfg)
+    if hf_config is None:
+        hf_config = local_hf_config(setting(verl_cfg, "actor_rollout_ref.model.path"), trust_remote_code=bool(
+            setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
+    validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
-        from r3bridge.announce import announce
         announce(cfg, source, announce_where)
     forward = forward_env(cfg, announce_where or "verl launcher")
     with open_dict(verl_cfg):
         verl_cfg["r3bridge"] = cfg.as_dict()
-        if setting(verl_cfg, "ray_kwargs") is None:
-            verl_cfg["ray_kwargs"] = {}
-        ray_init = verl_cfg.ray_kwargs.get("ray_init") or OmegaConf.create({})
-        with open_dict(ray_init):
-            rt = ray_init.get("runtime_env") or OmegaConf.create({})
-            with open_dict(rt):
-                env = rt.get("env_vars") or OmegaConf.create({})
-                with open_dict(env):
-                    env.update({**forward, **(worker_env or {})})
-                rt["env_vars"] = env
-            ray_init["runtime_env"] = rt
-        verl_cfg.ray_kwargs["ray_init"] = ray_init
-        model = setting(verl_cfg, "actor_rollout_ref.model")
-        if cfg.replay_mode is not ReplayMode.OFF and model is not None:
-            # verl imports external_lib in every worker and, unlike its plugin loader, lets an
-            # import error fail the worker; it takes a list, so a user's own module stays
-            libs = model.get("external_lib")
-            libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
-            if ADAPTER_MODULE not in libs:
+    merge_setting(verl_cfg, "ray_kwargs.ray_init.runtime_env.env_vars", {**forward, **(worker_env or {})})
+    model = setting(verl_cfg, "actor_rollout_ref.model")
+    if cfg.replay_mode is not ReplayMode.OFF and model is not None:
+        # verl imports external_lib in every worker and, unlike its plugin loader, lets an import
+        # error fail the worker; it takes a list, so a user's own module stays
+        libs = model.get("external_lib")
+        libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
+        if ADAPTER_MODULE not in libs:
+            with open_dict(model):
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
     os.environ.update(forward)
     if cfg.replay_mode is not ReplayMode.OFF:

@@ -22,7 +22,6 @@ import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from r3bridge.adapters._ray_watch import report
 from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
@@ -37,6 +36,7 @@ from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 from r3bridge.metrics import logprob_mismatch
+from r3bridge.ray_watch import report
 from r3bridge.trace import token_uid
 
 __all__ = ["R3BridgeMegatronEngine"]
