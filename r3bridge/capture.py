@@ -7,6 +7,8 @@ a retry. Each call returns routes from row 0 of its own prompt; a later prefill 
 earlier tokens, possibly differently, so the rows that *sampled* each token are the first ones
 returned. What every adapter needs there, with its framework's objects mapped onto it:
 
+* :class:`StitchedRollout` - the :class:`~r3bridge.protocols.RolloutIngest` of a loop whose
+  calls return vLLM-style routes: each sample's calls stitched first-seen;
 * :class:`CallLog` - one sample's calls (routes, the engine's output for its provenance) and
   their attempts: a call whose prompt does not continue what the calls before it produced
   regenerates, so it starts the next attempt (NeMo RL #4057; verl's tool agent loop);
@@ -27,13 +29,44 @@ import numpy as np
 
 from r3bridge.decoders import select_layers
 from r3bridge.errors import PayloadError, RouteShapeError, StitchError
-from r3bridge.ingest import first_seen_rows
+from r3bridge.ingest import first_seen_rows, rollout_routes
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["CallLog", "checked_calls", "merge_first_seen", "trajectory_routes", "RequestAttempts",
+__all__ = ["StitchedRollout", "CallLog", "checked_calls", "merge_first_seen", "trajectory_routes", "RequestAttempts",
            "reprefill_metrics"]
 
 T = TypeVar("T")
+
+
+class StitchedRollout:
+    """``routes_from_rollout(engine_outputs, start_rows=None)``: ``engine_outputs[i][t]`` is what
+    engine call ``t`` of sample ``i`` returned (any vLLM transport,
+    :func:`r3bridge.decoders.decode_vllm_routes`; ``None``: the call was aborted), from row 0 of
+    its prompt unless ``start_rows[i][t]`` says otherwise -> one first-seen sequence per sample,
+    the MoE layers, ``source="rollout"``. A sample whose every call aborted trains without routes
+    (no rows, the model's ``topk``; without it, refused)."""
+
+    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], topk: Optional[int] = None) -> None:
+        self.num_experts = int(num_experts)
+        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
+        self.topk = None if topk is None else int(topk)
+
+    def routes_from_rollout(self, engine_outputs: Sequence[Sequence[Any]],
+                            start_rows: Optional[Sequence[Sequence[int]]] = None) -> ReplayBatch:
+        per_sample = []
+        for i, calls in enumerate(engine_outputs):
+            starts = list(start_rows[i]) if start_rows is not None else [0] * len(calls)
+            kept = [(c, s) for c, s in zip(calls, starts) if c is not None]
+            if not kept and self.topk is not None:      # every call aborted: no rows, the model's top-k
+                empty = np.zeros((0, len(self.moe_layer_ids), self.topk), dtype=np.uint8)
+                per_sample.append(ReplayBatch.from_ragged([empty], num_experts=self.num_experts,
+                                                          layer_ids=self.moe_layer_ids, source="rollout"))
+                continue
+            if not kept:
+                raise PayloadError(f"sample {i}: no engine call returned routes")
+            per_sample.append(rollout_routes([[c for c, _ in kept]], num_experts=self.num_experts,
+                                             moe_layer_ids=self.moe_layer_ids, start_rows=[[s for _, s in kept]]))
+        return ReplayBatch.concat(per_sample)
 
 
 class CallLog:

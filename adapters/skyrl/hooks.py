@@ -32,7 +32,7 @@ from r3bridge.adapters.skyrl.codec import (
     provenance_pairing,
 )
 from r3bridge.adapters.skyrl.config import replay_config
-from r3bridge.adapters.skyrl.rollout import merge_first_seen
+from r3bridge.capture import merge_first_seen
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo

@@ -25,9 +25,9 @@ __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PR
 ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
-SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.provenance): per-sample RouteProvenance
-# (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
+SAMPLE_KEY = "r3bridge_sample_index"     # per-sample int64 the engine adds: R2 records by it, errors name it
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample RouteProvenance (or None) the agent loop
+# writes into extra_fields, which verl carries as non-tensor fields
 
 
 def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -44,9 +44,8 @@ def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
 
 def sample_names(td: Any) -> list[str]:
-    """How verl knows each sample of a (micro-)batch: its index in the batch the engine received
-    (:data:`SAMPLE_KEY`, added by the engine before verl splits micro-batches) and, when the batch
-    carries it, verl's ``uid`` (the prompt group); the position in the micro-batch otherwise."""
+    """How verl knows each sample: its index in the engine's batch (:data:`SAMPLE_KEY`) and
+    verl's ``uid`` (the prompt group) where the batch has them, else its micro-batch position."""
     n = len(td) if hasattr(td, "__len__") else 0
     idx = td.get(SAMPLE_KEY, None) if hasattr(td, "get") else None
     names = [f"batch index {int(i)}" for i in idx.tolist()] if idx is not None else \
@@ -62,9 +61,8 @@ def sample_names(td: Any) -> list[str]:
 
 
 def _field(td: Any, key: str) -> Any:
-    """``key`` of each sample: a batch field of its own (verl's DataProto path flattens the agent
-    loop's ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl
-    0.9.1's V1 trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``); None: absent."""
+    """``key`` of each sample: a batch field (verl's DataProto path flattens ``extra_fields``) or
+    in each sample's ``extra_fields`` dict (verl 0.9.1's V1 trainer: ``agent_loop_tq.py:193``)."""
     value = td.get(key, None) if hasattr(td, "get") else None
     if value is not None:
         return value
@@ -76,9 +74,7 @@ def _field(td: Any, key: str) -> Any:
 
 
 def provenance_pairing(td: Any) -> ProvenancePairing:
-    """The batch's route and log-prob provenance (:data:`ROUTE_PROVENANCE_KEY`,
-    :data:`LOGPROB_PROVENANCE_KEY`; a missing field is unknown: its samples are counted unchecked)
-    and verl's names of its samples."""
+    """The batch's route and log-prob provenance (a missing field: unknown, counted unchecked)."""
     return pairing_from_fields(lambda key: _field(td, key), samples=len(td), names=sample_names(td),
                                engine="verl", framework="verl")
 
@@ -86,16 +82,10 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
 def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,
                   num_hidden_layers: int | None = None, topk: int | None = None,
                   layer_axis: str | None = None) -> HandedRoutes:
-    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (:mod:`r3bridge.reader`):
-    verl's nested values viewed, nothing copied or checked yet.
-
-    ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
-    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.layer_axis`): every decoder
-    layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
-    layers only (TensorRT-LLM). "No route" is a zero row (verl's transport): rows past a sample's
-    last non-zero row (the final token, multi-turn tails, padding samples); a zero row before it
-    is a degenerate route (vLLM #54730), refused or counted (``degenerate_routes``).
-    ``topk``: the model's top-k; routes of another width are refused here, naming both."""
+    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it: verl's nested values
+    viewed, nothing copied or checked yet. Recorded routes (R2) hold the MoE layers; rollout routes
+    the engine's layer axis (``layer_axis``: every decoder layer, or the MoE ones only, TensorRT-LLM).
+    ``topk``: the model's; routes of another width are refused here, naming both."""
     routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
     if routes is None:
         raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
@@ -132,8 +122,8 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
 
 
 def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:
-    """ReplayBatch (every row of each sample, start 0) -> verl's nested jagged
-    ``[batch, (rows_i), L, K]`` (invalid rows written as zeros, as verl marks "no route")."""
+    """ReplayBatch (every row of each sample, start 0) -> verl's nested jagged ``[batch, (rows_i),
+    L, K]``, rows without a route written as zeros (verl's "no route")."""
     if any(s != 0 for s in rb.start_rows):
         raise RouteShapeError("routes_to_nested needs routes starting at token 0 of every sample")
     values = rb.routes.to(dtype)
@@ -169,8 +159,7 @@ class VerlCodec:
         return native["input_ids"].offsets().diff().tolist()
 
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
-        """verl's own dynamic micro-batching (``prepare_micro_batches``: token-balanced, reorders
-        samples) into at least ``num_parts`` parts, after an optional sample permutation."""
+        """verl's own dynamic micro-batching (``prepare_micro_batches``: token-balanced, reorders)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.engine.utils import prepare_micro_batches
 

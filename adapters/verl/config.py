@@ -1,10 +1,8 @@
 """The ``r3bridge`` section of a verl config, its validation, and how it reaches the workers.
 
-verl hands each Ray worker only ``actor_rollout_ref`` (and its engine only the engine / model
-configs), so the section travels to the workers as the JSON environment variable
-``R3BRIDGE_CONFIG`` in Ray's runtime env; :func:`prepare_verl_config` (called by
-``python -m r3bridge.adapters.verl.main_ppo``) validates the whole job config and puts it there.
-The engine re-checks, at start, everything it can see itself (:func:`check_engine_config`).
+verl hands each Ray worker only ``actor_rollout_ref``, so the section travels as ``R3BRIDGE_CONFIG``
+in Ray's runtime env: :func:`prepare_verl_config` (the launcher) validates the whole job config and
+puts it there; the engine re-checks what it can see itself (:func:`check_engine_config`).
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
 from r3bridge.engine_settings import speculative_decoding_problem
 from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
-from r3bridge.job_check import JobCheck, setting
+from r3bridge.job_check import JobCheck, interpolated, setting
 from r3bridge.launch import local_hf_config, local_ray_cpu_slots, merge_setting
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
@@ -28,18 +26,6 @@ ADAPTER_MODULE = "r3bridge.adapters.verl"
 
 _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = "actor_rollout_ref.actor.megatron"
-
-
-def _interpolated(cfg: Any, parent: str, key: str) -> bool:
-    """Whether ``parent.key`` of an OmegaConf config is an interpolation (``${...}``)."""
-    try:
-        from omegaconf import OmegaConf
-        node = setting(cfg, parent)
-        return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
-    except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
-        return False
-
-
 SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in your YAML)"
 
 
@@ -55,8 +41,7 @@ def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
     return resolve_verl_options(verl_cfg)[0]
 
 
-def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
-    return ReplayConfig.from_env(environ)
+replay_config_from_env = ReplayConfig.from_env      # what a worker reads (the launcher's R3BRIDGE_CONFIG)
 
 
 def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
@@ -86,10 +71,8 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
 
 
 def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
-    """Validate a whole verl job config (driver side). Returns the options in force (``cfg``, else
-    :func:`replay_config_from_verl`); raises :class:`ConfigError` listing every problem.
-    ``hf_config``: the model's HF config (dict or ``PretrainedConfig``) for the MoE check; skipped
-    when None."""
+    """Validate a whole verl job config (driver side): the options in force (``cfg``, else the
+    job's), or one :class:`ConfigError` listing every problem. ``hf_config``: for the MoE check."""
     if cfg is None:
         cfg = replay_config_from_verl(verl_cfg)
     s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
@@ -112,18 +95,14 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
 
 
 def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
-    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it): the
-    MTP draft (``actor_rollout_ref.rollout.mtp``, by default ``actor_rollout_ref.model.mtp``:
-    ``enable`` and ``enable_rollout``), vLLM's ``engine_kwargs.vllm.speculative_config``, SGLang's
-    ``engine_kwargs.sglang.speculative_algorithm`` (verl's servers pass both on to the engine)."""
+    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it: the MTP
+    draft, vLLM's ``speculative_config``, SGLang's ``speculative_algorithm``)."""
     s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
     engine = s("actor_rollout_ref.rollout.name")
     engine = None if engine is None else str(engine).lower()
     out: dict[str, Any] = {}
-    # verl's servers read rollout.mtp; by default it is ${actor_rollout_ref.model.mtp}: name the key
-    # the user wrote
-    own = s("actor_rollout_ref.rollout.mtp") is not None and not _interpolated(verl_cfg, "actor_rollout_ref.rollout",
-                                                                                "mtp")
+    # verl's servers read rollout.mtp, by default ${actor_rollout_ref.model.mtp}: name the key the user wrote
+    own = s("actor_rollout_ref.rollout.mtp") is not None and not interpolated(verl_cfg, "actor_rollout_ref.rollout.mtp")
     mtp = "actor_rollout_ref.rollout.mtp" if own else "actor_rollout_ref.model.mtp"
     if bool(s(f"{mtp}.enable", False)) and bool(s(f"{mtp}.enable_rollout", False)):
         out[f"{mtp}.enable"] = out[f"{mtp}.enable_rollout"] = True

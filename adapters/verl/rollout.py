@@ -10,35 +10,29 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from r3bridge.capture import checked_calls
+from r3bridge.capture import StitchedRollout, checked_calls
 from r3bridge.errors import ProvenanceError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest import StitchReport, first_seen_rows, rollout_routes
+from r3bridge.ingest import StitchReport, first_seen_rows
 from r3bridge.provenance import RouteProvenance, reported_int
-from r3bridge.schema import ReplayBatch
 
 __all__ = ["VerlRollout", "call_provenance"]
 
 
-class VerlRollout:
-    """The :class:`r3bridge.protocols.RolloutIngest` of verl's agent loop."""
+class VerlRollout(StitchedRollout):
+    """The :class:`r3bridge.protocols.RolloutIngest` of verl's agent loop (its servers' calls of
+    each sample, stitched first-seen), and one agent-loop sample's calls in verl's own transport."""
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
                  topk: int | None = None) -> None:
-        self.num_experts, self.num_hidden_layers = int(num_experts), int(num_hidden_layers)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.topk = None if topk is None else int(topk)
+        super().__init__(num_experts=num_experts, moe_layer_ids=moe_layer_ids, topk=topk)
+        self.num_hidden_layers = int(num_hidden_layers)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "VerlRollout":
         info = ModelInfo.from_hf_config(hf_config)
         return cls(num_experts=info.num_experts, moe_layer_ids=info.moe_layer_ids, num_hidden_layers=info.num_layers,
                    topk=info.topk)
-
-    def routes_from_rollout(self, engine_outputs: Sequence[Sequence[Any]]) -> ReplayBatch:
-        """``engine_outputs[i]``: sample ``i``'s engine calls, each from row 0 -> one first-seen
-        sequence per sample, MoE layers."""
-        return rollout_routes(engine_outputs, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids)
 
     def agent_loop_routes(self, calls: Sequence[Any], *, sample: str = "") -> tuple[np.ndarray, StitchReport]:
         """One agent-loop sample's ``TokenOutput.routed_experts`` (``[rows, num_hidden_layers, K]``
