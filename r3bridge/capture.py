@@ -12,7 +12,8 @@ returned. What every adapter needs there, with its framework's objects mapped on
 * :class:`CallLog` - one sample's calls (routes, the engine's output for its provenance) and
   their attempts: a call whose prompt does not continue what the calls before it produced
   regenerates, so it starts the next attempt (NeMo RL #4057; verl's tool agent loop);
-* :func:`checked_calls` - each call's ``[rows, num_hidden_layers, K]`` shape, naming the sample;
+* :func:`checked_calls` / :func:`check_flat_topk` - each call's ``[rows, num_hidden_layers, K]``
+  shape, or a flat ``[rows, num_hidden_layers * K]`` one's top-k, naming the sample;
 * :func:`merge_first_seen` - a per-sample routes list accumulated over turns (SkyRL 0.3's);
 * :func:`trajectory_routes` - a trajectory's calls, each kept only as far as its tokens agree with
   the final trajectory (AReaL's parent-concat turns), stitched into one canonical sequence;
@@ -32,7 +33,7 @@ from r3bridge.errors import PayloadError, RouteShapeError, StitchError
 from r3bridge.ingest import first_seen_rows, rollout_routes
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["StitchedRollout", "CallLog", "checked_calls", "merge_first_seen", "trajectory_routes", "RequestAttempts",
+__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "trajectory_routes", "RequestAttempts",
            "reprefill_metrics"]
 
 T = TypeVar("T")
@@ -108,6 +109,24 @@ def checked_calls(calls: Sequence[Any], *, num_hidden_layers: int, topk: Optiona
         if topk is not None and shape[2] != topk:
             raise RouteShapeError(f"{where}server call {t} returned {what} with top-k {shape[2]}, "
                                   f"the model routes top-{topk} (num_experts_per_tok)")
+
+
+def check_flat_topk(routes: Any, *, num_layers: int, topk: int, sample: Any, turn: int = 0,
+                    framework: str = "") -> None:
+    """One call's routes decoded flat (``[token rows, num_layers * K]``: SGLang's, as AReaL keeps
+    them) against the model's top-k, before anything reshapes them: ``RouteShapeError`` naming the
+    sample, the turn, the first token and layer that cannot be read, and both top-k values."""
+    shape = tuple(getattr(routes, "shape", ()))
+    if len(shape) != 2:
+        return                                   # base64 or None: the decoder checks those
+    rows, width = int(shape[0]), int(shape[1])
+    if width == num_layers * topk:
+        return
+    theirs = f"top-{width // num_layers}" if width % num_layers == 0 else f"{width} ids per token row"
+    raise RouteShapeError(
+        f"{framework + ' ' if framework else ''}sample {sample}, turn {turn}: routes at token 0, layer 0 (and every one of the {rows} token rows) carry "
+        f"{theirs} ({width} ids per token for {num_layers} layers); the model's config says top-{topk} "
+        f"(num_experts_per_tok): the rollout engine serves another model or config")
 
 
 def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[list]:
