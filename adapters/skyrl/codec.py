@@ -1,17 +1,9 @@
 """SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (reading needs no skyrl import).
 
-SkyRL 0.4 (``PackedTensor``): ``rollout_expert_indices`` holds one segment per sample, one row per
-real token in order (``values [sum(seq_len_i), L_all, K]``, uint8 / int16 / int32, ``cu_seqlens``
-int32), rows past what the engine returned filled with SkyRL's ``replay_padding_row`` (``0..K-1``),
-and ``router_padding_mask`` ``[B, S]`` (True = left padding or no captured route) is required.
-
-SkyRL 0.3 (dense) trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
-``rollout_expert_indices`` ``[B, S, L_all, K]`` left-padded like ``sequences`` (uint8 / int16 /
-int32), rows past what the engine returned filled with dummy rows (``0..K-1`` in SkyRL main, zeros
-in 0.3.0), and, in SkyRL main, ``router_padding_mask`` ``[B, S]`` (True = no captured route).
-Without the mask (0.3.0) a row whose MoE-layer ids are all zero is "no route" (top-k ids are
-distinct, so a real row is never all zero when K > 1; with K == 1 expert-0 rows are routed natively
-and counted, as in the verl adapter).
+``rollout_expert_indices`` holds every decoder layer's routes: SkyRL 0.4 as a ``PackedTensor`` (one
+row per real token, ``router_padding_mask`` required), SkyRL 0.3 as ``[B, S, L_all, K]`` left-padded
+like ``sequences`` (``router_padding_mask`` in SkyRL main; 0.3.0 writes "no route" as zero rows).
+docs/use-with-skyrl.md, "Releases and transports".
 """
 from __future__ import annotations
 
@@ -40,10 +32,8 @@ __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOG
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.provenance's
-# provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
-# weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
-# no engine name or request id, so provenance names the engine ENGINE and no request.
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample int64 [B, 3] (provenance_fields); the batch
+# holds no engine name or request id, so provenance names the engine ENGINE and no request
 ENGINE = "skyrl"
 
 
@@ -68,10 +58,9 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                   num_hidden_layers: Optional[int] = None, source: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
     """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict) as the one reader reads
-    them (:mod:`r3bridge.reader`): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
-    padded field), nothing copied or checked yet. "No route": ``router_padding_mask`` where the
-    batch has it, else (SkyRL 0.3.0) zero rows past a sample's last non-zero row; a zero row
-    before it is a degenerate route (vLLM #54730)."""
+    them: SkyRL's own buffer viewed, nothing copied or checked yet. "No route":
+    ``router_padding_mask`` where the batch has it, else (SkyRL 0.3.0) zero rows. Samples are named
+    by their row of ``batch`` (``sample_ids[i]``: e.g. a micro-batch row's mini-batch row)."""
     routes = _get(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
@@ -138,10 +127,9 @@ def _is_packed(field: Any) -> bool:
 
 def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                                  packed_tensor: type, padding_row: Any) -> dict[str, Any]:
-    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL 0.4's fields:
-    ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` class (one row per real token,
-    ``num_hidden_layers`` wide, rows without a route and dense layers filled with SkyRL's
-    ``padding_row(topk, dtype=...)``) and ``router_padding_mask``."""
+    """R2 write-back, SkyRL 0.4: ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` (one row
+    per real token, every decoder layer, SkyRL's ``padding_row`` where there is no route) and
+    ``router_padding_mask``, for a ReplayBatch of one sequence per row of ``attention_mask``."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts)
     values, routed = token_rows(rb, lens, fill=torch.as_tensor(padding_row(rb.topk, dtype=dtype)), dtype=dtype,
@@ -162,10 +150,8 @@ def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Te
 
 def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL's fields:
-    ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` placed on the real (left- or
-    right-padded) tokens, dummy rows ``0..K-1`` everywhere else (dense layers included), and
-    ``router_padding_mask``. Used to return R2's recorded routes into the batch."""
+    """R2 write-back, SkyRL 0.3: ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` on the
+    real tokens, dummy rows ``0..K-1`` everywhere else, and ``router_padding_mask``."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts) if dtype is None else dtype
     dummy = torch.arange(rb.topk, dtype=dtype)
@@ -216,8 +202,7 @@ class SkyRLCodec:
         return native["attention_mask"].sum(-1).long().tolist()
 
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
-        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation
-        (what dynamic sampling / shuffling would do to the batch)."""
+        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation."""
         b = native.batch_size
         idx = list(range(b)) if order is None else [int(i) for i in order]
         src = native
@@ -231,8 +216,7 @@ class SkyRLCodec:
 
 
 def provenance_pairing(batch: Any) -> ProvenancePairing:
-    """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: unknown, its
-    samples counted unchecked), samples named by their row."""
+    """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: counted unchecked)."""
     n = int(_get(batch, "attention_mask").shape[0])
     return pairing_from_fields(lambda key: _get(batch, key), samples=n, names=_row_names(batch, None), engine=ENGINE,
                                framework="SkyRL")
