@@ -9,10 +9,10 @@ keeps its framework's keys, checks and entry point:
 * :func:`refuse` / :func:`refusing_section_errors`: one ``error: ...`` line per problem, exit
   status 2, before anything starts (a bad value or key of the section included);
 * :func:`section_overrides`: ``r3bridge.x=y`` on a hydra command line as ``++r3bridge.x=y``;
-* :func:`merge_setting`, :func:`local_hf_config`, :func:`local_ray_cpu_slots`,
+* :func:`forward_section`, :func:`merge_setting`, :func:`local_hf_config`, :func:`check_ray_cpu_slots`,
   :func:`ensure_folders`: writing the section (and the workers' environment) into an OmegaConf
-  job config, reading the model's HF config, counting the local Ray cluster's CPU slots,
-  creating the folders a launcher requires;
+  job config, reading the model's HF config, refusing a local Ray cluster too small for the
+  job's own actors, creating the folders a launcher requires;
 * :class:`RayJobWatch`: the stall watchdog over a Ray job (:mod:`r3bridge.watchdog`,
   :mod:`r3bridge.ray_watch`) and Ray's silent start failure explained;
 * :class:`ServerWait`: a launcher's wait for its inference servers to register, said every
@@ -29,13 +29,14 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
-from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.errors import ReplayError
+from r3bridge.config import ReplayConfig, ReplayMode, forward_env
+from r3bridge.errors import ConfigError, ReplayError
 from r3bridge.job_check import setting
 from r3bridge.watchdog import Stage, StallWatchdog
 
-__all__ = ["refuse", "refusing_section_errors", "section_overrides", "merge_setting", "local_hf_config",
-           "local_ray_cpu_slots", "ensure_folders", "RayJobWatch", "ServerWait", "running_processes",
+__all__ = ["refuse", "refusing_section_errors", "section_overrides", "merge_setting", "forward_section",
+           "local_hf_config",
+           "local_ray_cpu_slots", "check_ray_cpu_slots", "ensure_folders", "RayJobWatch", "ServerWait", "running_processes",
            "watch_servers"]
 
 logger = logging.getLogger("r3bridge")
@@ -92,6 +93,20 @@ def merge_setting(cfg: Any, path: str, values: Mapping[str, Any]) -> None:
         node.update(dict(values))
 
 
+def forward_section(job_cfg: Any, cfg: ReplayConfig, where: str, *, env_path: str,
+                    worker_env: Optional[Mapping[str, str]] = None, section: str = "r3bridge") -> None:
+    """Hand the resolved options to every worker of an OmegaConf job config: written back as its
+    ``section``, and as ``R3BRIDGE_CONFIG`` (plus ``worker_env``) into the workers' environment at
+    ``env_path`` and into this process's (for workers that see only part of the job config)."""
+    from omegaconf import open_dict
+
+    forward = forward_env(cfg, where)
+    with open_dict(job_cfg):
+        job_cfg[section] = cfg.as_dict()
+    merge_setting(job_cfg, env_path, {**forward, **(worker_env or {})})
+    os.environ.update(forward)
+
+
 def local_hf_config(path: Any, *, trust_remote_code: bool = False) -> Any:
     """The model's HF config when ``path`` is a local folder the launcher can read; ``None`` for a
     remote name or an unreadable config (the workers check the model when they build it)."""
@@ -120,6 +135,23 @@ def local_ray_cpu_slots(ray_init: Any, cpus: Optional[int] = None) -> Optional[t
         except Exception:  # noqa: BLE001  (Ray's private helper moved: the machine's count)
             cpus = os.cpu_count() or 1
     return int(cpus), False
+
+
+def check_ray_cpu_slots(need: int, ray_init: Any, *, holder: str, num_cpus_key: str, fewer: str,
+                        cpus: Optional[int] = None) -> None:
+    """Refuse a launch whose local Ray cluster has fewer CPU slots than ``need``, what ``holder``
+    takes for the whole job: Ray never places the rest and waits, silently (issue 39: a launch that
+    printed its config and hung). ``num_cpus_key``: the framework's key for Ray's ``num_cpus``;
+    ``fewer``: how to ask for fewer; ``cpus``: the machine's count (default: Ray's own)."""
+    local = local_ray_cpu_slots(ray_init, cpus)
+    if local is None or local[0] >= need:
+        return
+    slots, given = local
+    where = num_cpus_key if given else f"this machine's {slots} cores ({num_cpus_key} unset)"
+    raise ConfigError(f"{holder} needs {need} Ray CPU slots for itself, held for the whole job, but the local "
+                      f"Ray cluster gets {slots} from {where}: the job would wait forever for the rest. Set "
+                      f"{num_cpus_key} to at least {need} plus what your workers take (logical slots: more than "
+                      f"the machine's cores is fine), or {fewer}")
 
 
 def ensure_folders(where: str, folders: Mapping[str, Any]) -> None:

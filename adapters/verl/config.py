@@ -6,17 +6,15 @@ puts it there; the engine re-checks what it can see itself (:func:`check_engine_
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 from r3bridge.announce import announce
 from r3bridge.config import ENV_CONFIG as ENV_VAR
-from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
+from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
 from r3bridge.engine_settings import speculative_decoding_problem
-from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, interpolated, setting
-from r3bridge.launch import local_hf_config, local_ray_cpu_slots, merge_setting
+from r3bridge.launch import check_ray_cpu_slots, forward_section, local_hf_config
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
            "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
@@ -129,28 +127,16 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
 
 
 def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
-    """Refuse a job that would wait forever for Ray CPU slots before it trains (issue 39: a launch
-    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue: a
-    controller and ``num_data_storage_units`` storage actors (8 by default) holding one CPU slot each
-    for the whole job; a local Ray cluster with fewer slots never places the rest, and nothing says
-    so. Only a cluster the launcher starts itself is checked; ``cpus``: the machine's count."""
+    """verl 0.9.1's V1 trainer starts TransferQueue: a controller and ``num_data_storage_units``
+    storage actors (8 by default), one Ray CPU slot each (:func:`r3bridge.launch.check_ray_cpu_slots`)."""
     units = setting(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
     backend = setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage")
-    if not setting(verl_cfg, "trainer.use_v1", True) or backend != "SimpleStorage" or units is None:
-        return
-    local = local_ray_cpu_slots(setting(verl_cfg, "ray_kwargs.ray_init") or {}, cpus)
-    need = 1 + int(units)
-    if local is None or local[0] >= need:
-        return
-    slots, given = local
-    where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
-    raise ConfigError(
-        f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
-        f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
-        f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
-        f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
-        f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
-        f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
+    if setting(verl_cfg, "trainer.use_v1", True) and backend == "SimpleStorage" and units is not None:
+        check_ray_cpu_slots(1 + int(units), setting(verl_cfg, "ray_kwargs.ray_init") or {}, cpus=cpus,
+                            holder=f"verl's TransferQueue (a controller and transfer_queue.backend.SimpleStorage."
+                                   f"num_data_storage_units={units} storage actors, one slot each)",
+                            num_cpus_key="ray_kwargs.ray_init.num_cpus", fewer="fewer storage units "
+                            "(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
 
 
 def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
@@ -159,8 +145,8 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
     (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
     make the workers import the adapter even with verl plugins disabled, and (replay on) register
-    the engine in this process too. ``announce_where``: log the startup line naming it.
-    ``worker_env``: more variables for the workers only (the launcher's stall-watchdog id)."""
+    the engine here too. ``announce_where``: log the startup line naming it. ``worker_env``: more
+    variables for the workers only (the launcher's stall-watchdog id)."""
     from omegaconf import open_dict
 
     cfg, source = resolve_verl_options(verl_cfg)
@@ -170,10 +156,8 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
         announce(cfg, source, announce_where)
-    forward = forward_env(cfg, announce_where or "verl launcher")
-    with open_dict(verl_cfg):
-        verl_cfg["r3bridge"] = cfg.as_dict()
-    merge_setting(verl_cfg, "ray_kwargs.ray_init.runtime_env.env_vars", {**forward, **(worker_env or {})})
+    forward_section(verl_cfg, cfg, announce_where or "verl launcher", env_path="ray_kwargs.ray_init.runtime_env.env_vars",
+                    worker_env=worker_env)
     model = setting(verl_cfg, "actor_rollout_ref.model")
     if cfg.replay_mode is not ReplayMode.OFF and model is not None:
         # verl imports external_lib in every worker and, unlike its plugin loader, lets an import
@@ -183,8 +167,6 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
         if ADAPTER_MODULE not in libs:
             with open_dict(model):
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
-    os.environ.update(forward)
-    if cfg.replay_mode is not ReplayMode.OFF:
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)
     return cfg
