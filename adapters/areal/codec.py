@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from r3bridge.codec_base import HandedCodec
 from r3bridge.dense import token_rows
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
@@ -102,17 +103,16 @@ def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
     return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1]).to(attn.device)
 
 
-class ArealCodec:
+class ArealCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of AReaL's batched trajectory dicts."""
 
     def __init__(self, model: "ModelInfo") -> None:
+        super().__init__(num_experts=model.num_experts, moe_layer_ids=model.moe_layer_ids, topk=model.topk)
         self.model = model
 
-    def to_replay_batch(self, native: dict, *, source: str = "rollout"):
-        """The reader's whole-batch form of :func:`batch_handed_routes`; errors name the batch's rows."""
-        key = RECORDED_KEY if source == "recorded" else ROUTES_KEY
-        return batch_handed_routes(native, key=key, num_experts=self.model.num_experts, topk=self.model.topk,
-                                   moe_layer_ids=self.model.moe_layer_ids, source=source).to_batch()
+    def handed_routes(self, native: dict, *, source: str = "rollout") -> HandedRoutes:
+        return batch_handed_routes(native, key=RECORDED_KEY if source == "recorded" else ROUTES_KEY, source=source,
+                                   num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, topk=self.topk)
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from r3bridge.codec_base import HandedCodec
 from r3bridge.dense import token_rows
 from r3bridge.errors import ConfigError, RouteShapeError
 from r3bridge.hf import check_topk
@@ -163,24 +164,20 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
     return {ROUTES_KEY: out, MASK_KEY: mask}
 
 
-class SkyRLCodec:
-    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
+class SkyRLCodec(HandedCodec):
+    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``; ``release``: the
+    layout recorded routes are written back in (default: the installed release's; reading takes both)."""
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
                  release: Optional[str] = None, topk: Optional[int] = None) -> None:
         from r3bridge.adapters.skyrl._compat import skyrl_release
-        self.topk = None if topk is None else int(topk)
-        self.num_experts = int(num_experts)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.num_hidden_layers = int(num_hidden_layers)
-        # the layout recorded routes are written back in: the installed release's (reading takes both)
+        super().__init__(num_experts=num_experts, moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers,
+                         topk=topk)
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        """The reader's whole-batch form of :func:`handed_routes`; errors name the batch's rows."""
+    def handed_routes(self, native: Any, *, source: str = "rollout") -> HandedRoutes:
         return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, source=source,
-                             num_hidden_layers=None if source == "recorded" else self.num_hidden_layers,
-                             topk=self.topk).to_batch()
+                             num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them

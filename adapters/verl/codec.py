@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.codec_base import HandedCodec
 from r3bridge.errors import LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
 from r3bridge.layer_axis import axis_columns
@@ -134,22 +135,12 @@ def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
-class VerlCodec:
+class VerlCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of verl's no-padding ``TensorDict`` batch."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
-                 invalid_rows: str = "native", topk: int | None = None) -> None:
-        self.num_experts = int(num_experts)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.num_hidden_layers = int(num_hidden_layers)
-        self.invalid_rows = invalid_rows
-        self.topk = None if topk is None else int(topk)
-
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        """The reader's whole-batch form of :func:`handed_routes`; errors name verl's samples."""
+    def handed_routes(self, native: Any, *, source: str = "rollout") -> HandedRoutes:
         return handed_routes(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts, source=source,
-                             num_hidden_layers=self.num_hidden_layers,
-                             topk=self.topk).to_batch(invalid_rows=self.invalid_rows)
+                             num_hidden_layers=self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         native[ROUTES_KEY] = routes_to_nested(recorded)
