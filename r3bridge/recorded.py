@@ -4,10 +4,12 @@ After the compute_log_prob pass, :meth:`r3bridge.megatron.AdapterSession.recorde
 trainer's own routes, one sequence per sample in sample order, on every rank. A framework moves
 them with its samples in its own format (the adapter's codec writes that); what is not the
 framework's is here: per-sample payloads for frameworks that hand results around per sample
-(SkyRL's ``loss_fn_outputs``), and one batch back from them, built once.
+(SkyRL's ``loss_fn_outputs``), one batch back from them, built once, and the recording cut
+into the framework's parts (AReaL's list of batch dicts).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from r3bridge.errors import ReplayStateError
 from r3bridge.schema import ReplayBatch
 
-__all__ = ["per_sample_payloads", "from_payloads"]
+__all__ = ["per_sample_payloads", "from_payloads", "split_sizes"]
 
 
 def per_sample_payloads(recorded: ReplayBatch) -> list[bytes]:
@@ -43,3 +45,11 @@ def from_payloads(payloads: Sequence[bytes]) -> ReplayBatch:
     return ReplayBatch.from_trusted(routes, [r for d in parts for r in d.rows_per_seq],
                                     [s for d in parts for s in d.start_rows], valid, tuple(first.layer_ids),
                                     first.num_experts, "recorded")
+
+
+def split_sizes(recorded: ReplayBatch, sizes: Sequence[int]) -> list[ReplayBatch]:
+    """The recording cut into consecutive parts of ``sizes`` samples (views: no copy)."""
+    if sum(sizes) != recorded.num_seqs:
+        raise ReplayStateError(f"{recorded.num_seqs} recorded samples for parts of {list(sizes)}")
+    bounds = [0, *itertools.accumulate(int(n) for n in sizes)]
+    return [recorded.select_range(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -39,6 +39,7 @@ from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.provenance import ProvenancePairing, RouteProvenance, reported_int
+from r3bridge.recorded import split_sizes
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
@@ -164,11 +165,8 @@ class PPOActorMixin:
         out = super().compute_logp(data)
         if session is not None and session.mode is ReplayMode.R2 and session.replayer is not None:
             sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            rec = session.recorded_for(sum(sizes))
-            off = 0
-            for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
-                d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
-                off += g
+            for d, part in zip(data, split_sizes(session.recorded_for(sum(sizes)), sizes)):
+                d[RECORDED_KEY] = batch_tensor(part, d["attention_mask"])    # in place: the trainer passes them on
         return out
 
     def _compute_logp(self, data: dict) -> Any:
