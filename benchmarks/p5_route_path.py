@@ -311,7 +311,7 @@ def arm_r3bridge_verl(items, lens, w, mbs, lay, prepared):
         o = offs[a:b + 1]
         mb = torch.nested.nested_tensor_from_jagged(values[int(o[0]):int(o[-1])], offsets=o - o[0])
         return codec.handed_routes({codec.ROUTES_KEY: mb}, moe_layer_ids=lay.moe_layer_ids, num_experts=w["experts"],
-                                   source="rollout", num_hidden_layers=w["layers"], topk=w["topk"])
+                                   route_kind="rollout", num_hidden_layers=w["layers"], topk=w["topk"])
     return _drive(handed_of, mbs, lens, w, lay)
 
 

@@ -8,8 +8,8 @@ never replays; a vLLM / SGLang rollout reports every hidden layer. An adapter st
 to a :class:`JobCheck` and gets one :class:`~r3bridge.errors.ConfigError` listing every problem,
 each naming the framework key and the fix. Replay off never complains.
 
-Also here: :func:`setting` (a dotted key of a framework config, whatever its container) and
-:func:`with_replay_section` (a framework config class plus the ``r3bridge`` section, for
+Also here: :func:`setting` (a dotted key of a framework config, whatever its container),
+:func:`interpolated` and :func:`with_replay_section` (a framework config class plus the ``r3bridge`` section, for
 frameworks whose parser type-checks the job config).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError
 
-__all__ = ["JobCheck", "setting", "with_replay_section"]
+__all__ = ["JobCheck", "setting", "interpolated", "with_replay_section"]
 
 
 def setting(cfg: Any, path: str, default: Any = None, *, plain: bool = False) -> Any:
@@ -48,6 +48,18 @@ def setting(cfg: Any, path: str, default: Any = None, *, plain: bool = False) ->
     except ImportError:  # pragma: no cover
         pass
     return cur
+
+
+def interpolated(cfg: Any, path: str) -> bool:
+    """Whether the dotted key ``path`` of an OmegaConf config is an interpolation (``${...}``): its
+    value is another key's, which is the one the user wrote."""
+    parent, _, key = path.rpartition(".")
+    try:
+        from omegaconf import OmegaConf
+        node = setting(cfg, parent) if parent else cfg
+        return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
+    except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
+        return False
 
 
 def with_replay_section(base: type, name: Optional[str] = None, module: Optional[str] = None) -> type:

@@ -24,7 +24,7 @@ def verl(argv: list[str]) -> str:
     from hydra import compose, initialize_config_dir
 
     from r3bridge.adapters.verl.config import validate_verl_config
-    from r3bridge.adapters.verl.main_ppo import rewrite_overrides
+    from r3bridge.launch import section_overrides
 
     # the launcher itself, with hydra's --cfg job: it composes the config and prints it
     out = subprocess.run([sys.executable, "-m", "r3bridge.adapters.verl.main_ppo", *argv, "--cfg", "job"],
@@ -35,7 +35,7 @@ def verl(argv: list[str]) -> str:
     overrides = [a for a in argv if not a.startswith("--")]
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl_main.__file__), "config"),
                                version_base=None):
-        cfg = compose(config_name=names[0] if names else "ppo_trainer", overrides=rewrite_overrides(overrides))
+        cfg = compose(config_name=names[0] if names else "ppo_trainer", overrides=section_overrides(overrides))
     rc = validate_verl_config(cfg, hf_config=MOE_HF)         # the launcher's validation (model: a tiny MoE)
     return f"verl replay_mode={rc.replay_mode.value}"
 

@@ -113,7 +113,10 @@ def compose_job(model_dir: str, layout: JobLayout, mode: str, extra: tuple[str, 
     with initialize_config_dir(config_dir=d, version_base=None):
         cfg = compose(config_name="ppo_megatron_trainer", overrides=ov + list(extra))
     with open_dict(cfg):
-        cfg["r3bridge"] = {"replay_mode": mode, **(r3 or {})}
+        # the rollouts' rows without a route inside a sample (an untracked prefix, a canonical
+        # rollout's invalid rows) reach verl's field as zero rows, which the reader refuses by
+        # default as degenerate (vLLM #54730's signature): routed natively here, and counted
+        cfg["r3bridge"] = {"replay_mode": mode, "degenerate_routes": "native", **(r3 or {})}
     prepare_verl_config(cfg)
     return cfg
 

@@ -14,9 +14,9 @@ from r3bridge.adapters.areal.codec import (
     ROUTES_KEY,
     SAMPLE_KEY,
     ArealCodec,
+    batch_handed_routes,
     batch_tensor,
-    replay_batch_from_batch,
-    replay_batch_from_tensor,
+    handed_routes,
     trajectory_tensor,
 )
 from r3bridge.adapters.areal.config import ModelInfo, grpo_config_class, replay_config
@@ -41,7 +41,7 @@ from r3bridge.adapters.areal.rollout import (
 )
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_seen_rows", "routes_from_attempts",
-           "routes_from_responses", "trajectory_tensor", "replay_batch_from_batch", "replay_batch_from_tensor",
+           "routes_from_responses", "trajectory_tensor", "batch_handed_routes", "handed_routes",
            "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
            "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
            "trainer_class", "workflow_class", "grpo_config_class"]

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.batch.dense import token_rows
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
@@ -24,14 +23,16 @@ from r3bridge.batch.provenance import (
     provenance_fields,
 )
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
+from r3bridge.codec_base import HandedCodec
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.ingest.handed import HandedRoutes
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "ArealCodec", "trajectory_tensor", "handed_routes", "replay_batch_from_batch", "replay_batch_from_tensor", "batch_tensor",
+           "ArealCodec", "trajectory_tensor", "handed_routes", "batch_handed_routes", "batch_tensor",
            "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
@@ -57,9 +58,9 @@ def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[
 
 
 def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                  moe_layer_ids: Sequence[int], source: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
+                  moe_layer_ids: Sequence[int], route_kind: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
     """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), as the one reader reads them (docs/architecture.md, "One reader"): AReaL's own
+    batches are right-padded), as the one reader reads them (:mod:`r3bridge.ingest.handed`): AReaL's own
     tensor viewed where it lies (the trainer's GPU in a GPU job), nothing copied or checked yet;
     the sentinel marks tokens without a route. Samples are named by their row of ``t``."""
     t = torch.as_tensor(t)
@@ -70,23 +71,8 @@ def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, 
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     _, none = sentinel_dtype(num_experts)
     return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, route_kind=source,
-                                           names=[f"AReaL sample batch row {int(r)}" for r in rows])
-
-
-def replay_batch_from_tensor(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                             moe_layer_ids: Sequence[int], source: str = "rollout",
-                             topk: Optional[int] = None) -> ReplayBatch:
-    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), -> canonical ReplayBatch in that order: the reader's whole-batch
-    form of :func:`handed_routes`, on the host. Route errors name the sample by its row of ``t``
-    (AReaL's trajectory in the batch) and its token; ``topk`` (the model's) refuses routes of
-    another width here, naming both."""
-    handed = handed_routes(torch.as_tensor(t).cpu(), rows, lens, num_experts=num_experts,
-                           moe_layer_ids=moe_layer_ids, source=source, topk=topk)
-    handed.names = None                 # the core names "sequence i"; naming_samples names AReaL's row
-    with naming_samples("AReaL", [f"batch row {int(r)}" for r in rows]):
-        return handed.to_batch(drop_final_invalid=source != "recorded")
+                                           sentinel=none, route_kind=route_kind, names=[f"batch row {int(r)}" for r in rows],
+                                           framework="AReaL")
 
 
 def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
@@ -98,16 +84,16 @@ def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
     return lens.tolist()
 
 
-def replay_batch_from_batch(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
-                            source: str = "rollout", topk: Optional[int] = None) -> ReplayBatch:
-    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) ->
-    canonical ReplayBatch of its samples in batch order."""
+def batch_handed_routes(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
+                        route_kind: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
+    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) as
+    :func:`handed_routes` of all its samples, in batch order."""
     t = data.get(key)
     if t is None:
         raise CoverageError(f"the batch has no {key!r}")
     lens = _right_padded_lens(data["attention_mask"])
-    return replay_batch_from_tensor(t, range(len(lens)), lens, num_experts=num_experts,
-                                    moe_layer_ids=moe_layer_ids, source=source, topk=topk)
+    return handed_routes(t, range(len(lens)), lens, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                         route_kind=route_kind, topk=topk)
 
 
 def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -117,16 +103,16 @@ def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
     return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1]).to(attn.device)
 
 
-class ArealCodec:
+class ArealCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of AReaL's batched trajectory dicts."""
 
     def __init__(self, model: "ModelInfo") -> None:
+        super().__init__(num_experts=model.num_experts, moe_layer_ids=model.moe_layer_ids, topk=model.topk)
         self.model = model
 
-    def to_replay_batch(self, native: dict, *, source: str = "rollout"):
-        key = RECORDED_KEY if source == "recorded" else ROUTES_KEY
-        return replay_batch_from_batch(native, key=key, num_experts=self.model.num_experts,
-                                       moe_layer_ids=self.model.moe_layer_ids, source=source, topk=self.model.topk)
+    def handed_routes(self, native: dict, *, route_kind: str = "rollout") -> HandedRoutes:
+        return batch_handed_routes(native, key=RECORDED_KEY if route_kind == "recorded" else ROUTES_KEY, route_kind=route_kind,
+                                   num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, topk=self.topk)
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])

@@ -1,18 +1,15 @@
 """AReaL hooks: mixins for AReaL's own classes (subclass, never patch); the driver owns the set-up
 (:class:`r3bridge.megatron.AdapterSession`).
 
-Rollout: :class:`SGLangEngineMixin` (``RemoteSGLangEngine``) and :class:`WorkflowMixin` (any
-workflow whose ``arun_episode`` calls ``engine.agenerate``): every attempt's SGLang response seen,
-resubmits and parent-concat turns stitched first-seen, ``r3bridge_routes`` (one ``[1, L_moe, K, S]``
-tensor) added to the trajectory. Trainer: :class:`PPOActorMixin` (``PPOActor``: phases, the
-batch-level sample id, R2 write-back), :class:`MegatronEngineMixin` (``MegatronEngine``: attach,
-one ``MicroBatch`` in each padded micro-batch, AReaL's schedule inside the session's pass),
-:class:`RoleEngineMixin` (reference / teacher engines: declared their role, never replay).
-docs/use-with-areal.md ("What happens where") says what each override does and why.
+Rollout: :class:`SGLangEngineMixin` / :class:`WorkflowMixin` see every attempt's SGLang response,
+stitch resubmits and parent-concat turns first-seen and add ``r3bridge_routes`` to the trajectory.
+Trainer: :class:`PPOActorMixin` (phases, sample ids, R2 write-back), :class:`MegatronEngineMixin`
+(attach, one ``MicroBatch`` per padded micro-batch, AReaL's schedule inside the session's pass),
+:class:`RoleEngineMixin` (reference / teacher engines never replay).
+docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Optional
 
 import torch
@@ -30,9 +27,10 @@ from r3bridge.adapters.areal.codec import (
     provenance_pairing,
     trajectory_tensor,
 )
-from r3bridge.adapters.areal.config import ModelInfo, check_routes_topk, replay_config, section_of
+from r3bridge.adapters.areal.config import ModelInfo, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
 from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int, sglang_provenance
+from r3bridge.capture import RequestAttempts, check_flat_topk
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.engines.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
@@ -41,23 +39,23 @@ from r3bridge.job_check import JobCheck
 from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.trace import token_uid
+from r3bridge.recorded import split_sizes
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
-           "RoleEngineMixin", "megatron_role_engine_class", "areal_role", "megatron_ppo_actor_class", "trainer_class", "workflow_class"]
+           "RoleEngineMixin", "megatron_role_engine_class", "megatron_ppo_actor_class", "trainer_class",
+           "workflow_class", "log_areal_metrics", "response_provenance"]
 
 MB_KEY = "r3bridge_mb"          # in each padded micro-batch: its r3bridge.megatron.MicroBatch
-# what supplies the routes of each source
+# what supplies the routes of each kind
 _PROVIDE = {"rollout": "InferenceEngineConfig.return_routed_experts + WorkflowMixin",
             "recorded": "R2 routes are written back by PPOActorMixin.compute_logp"}
-_ATTEMPTS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("r3bridge_attempts", default=None)
+_ATTEMPTS = RequestAttempts()   # each attempt's SGLang meta_info, per agenerate call
 
 
 # ------------------------------------------------------------------------------------ rollout
 class RecordingBackend:
-    """Delegates to AReaL's backend; keeps each parsed response's ``meta_info`` for the current
-    ``agenerate`` call (a context variable: concurrent requests never see each other's)."""
+    """AReaL's backend, keeping each parsed response's ``meta_info`` for the current request."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -67,33 +65,24 @@ class RecordingBackend:
 
     def parse_generation_response(self, response: dict) -> Any:
         out = self.inner.parse_generation_response(response)
-        attempts = _ATTEMPTS.get()
-        if attempts is not None:
-            attempts.append(response.get("meta_info", {}))
+        _ATTEMPTS.record(response.get("meta_info", {}))
         return out
 
 
 async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
-    """One ``agenerate`` with every attempt's SGLang response seen (``RecordingBackend``, installed
-    on the engine instance's backend attribute: composition, no class patch) and AReaL's blind
-    ``np.concatenate`` of resubmitted attempts replaced by first-seen rows."""
+    """One ``agenerate`` with every attempt's SGLang response seen (``RecordingBackend`` on the
+    engine instance's backend: composition, no class patch) and AReaL's concatenation of
+    resubmitted attempts replaced by first-seen rows."""
     core = getattr(inner_engine, "_engine", inner_engine)          # RemoteSGLangEngine -> RemoteInfEngine
     if hasattr(core, "backend") and not isinstance(core.backend, RecordingBackend):
         core.backend = RecordingBackend(core.backend)
-    if _ATTEMPTS.get() is not None:                                # an outer layer already records
-        return await agenerate(req)
-    token = _ATTEMPTS.set([])
-    try:
-        resp = await agenerate(req)
-        attempts = _ATTEMPTS.get()
-    finally:
-        _ATTEMPTS.reset(token)
-    with_routes = [m for m in attempts if m.get("routed_experts") is not None]
+    resp, attempts = await _ATTEMPTS.around(lambda: agenerate(req))
+    with_routes = [m for m in attempts or () if m.get("routed_experts") is not None]
     if with_routes and getattr(resp, "routed_experts", None) is not None:
         # the engine does not know the model: AReaL's own [tokens - 1, L_all*K] int32 rows
-        calls = [decode_sglang_routes(m["routed_experts"], rows=sglang_rows(m, seq=0)) for m in with_routes]
-        rows, report = first_seen_rows(calls)
-        resp.routed_experts = rows                 # deduplicated
+        rows, report = first_seen_rows([decode_sglang_routes(m["routed_experts"], rows=sglang_rows(m, seq=0))
+                                        for m in with_routes])
+        resp.routed_experts = rows
         resp.r3bridge_resubmits = len(with_routes) - 1
         resp.r3bridge_disagreeing_rows = report.total_disagreeing
         resp.r3bridge_provenance = response_provenance(with_routes[0], resp)
@@ -101,21 +90,17 @@ async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
 
 
 def response_provenance(meta_info: dict, resp: Any) -> tuple[RouteProvenance, RouteProvenance]:
-    """(route provenance, log-prob provenance) of a response whose first-seen rows came from the
-    attempt of ``meta_info``: the routes are that attempt's pass (SGLang's ``num_retractions``: a
-    retracted request is re-prefilled and returns the re-prefill's routes, miles #3277; its numeric
-    ``weight_version``); the log-probs of its first tokens were sampled in the first pass (epoch 0)
-    under AReaL's version of the first output token (``ModelResponse.output_versions``)."""
+    """(route, log-prob provenance) of a response whose first-seen rows came from the attempt of
+    ``meta_info``: the routes are that attempt's pass (SGLang's ``num_retractions``, numeric
+    ``weight_version``: miles #3277); its first tokens' log-probs were sampled in the first pass
+    (epoch 0) under AReaL's version of the first output token (``output_versions``)."""
     routes = sglang_provenance(meta_info, engine=ENGINE)
-    # the first known version: stop there (output_versions has one entry per output token)
     first = next((v for v in (getattr(resp, "output_versions", None) or []) if reported_int(v) is not None), None)
-    logprobs = RouteProvenance(ENGINE, routes.request_id, first, None if routes.epoch is None else 0)
-    return routes, logprobs
+    return routes, RouteProvenance(ENGINE, routes.request_id, first, None if routes.epoch is None else 0)
 
 
 class SGLangEngineMixin:
-    """``class E(SGLangEngineMixin, RemoteSGLangEngine)``: resubmit dedupe in the engine itself
-    (:class:`WorkflowMixin` does the same per episode for a stock engine)."""
+    """``class E(SGLangEngineMixin, RemoteSGLangEngine)``: resubmits deduplicated in the engine."""
 
     async def agenerate(self, req: Any) -> Any:
         return await _generate_deduped(super().agenerate, self, req)
@@ -135,8 +120,8 @@ class _RecordingInferenceEngine:
 
 
 class WorkflowMixin:
-    """Adds ``r3bridge_routes`` to the trajectory dict of any workflow whose ``arun_episode`` calls
-    ``engine.agenerate`` and returns ``input_ids`` ``[1, S]`` (RLVR, multi-turn)."""
+    """Adds ``r3bridge_routes`` (and the provenance fields) to the trajectory of any workflow whose
+    ``arun_episode`` calls ``engine.agenerate`` and returns ``input_ids`` ``[1, S]`` (RLVR, multi-turn)."""
 
     r3_model: Optional[ModelInfo] = None
 
@@ -148,11 +133,10 @@ class WorkflowMixin:
         ids = out["input_ids"]
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ConfigError("WorkflowMixin handles one trajectory per episode ([1, S] input_ids)")
-        tokens = ids[0].tolist()
-        m = self.r3_model
+        tokens, m = ids[0].tolist(), self.r3_model
         for turn, r in enumerate(responses):     # before anything reshapes them: a clear top-k error
-            check_routes_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
-                              sample=_sample_name(data, len(tokens)), turn=turn)
+            check_flat_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
+                            sample=_sample_name(data, len(tokens)), turn=turn, framework="AReaL")
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
@@ -164,10 +148,9 @@ class WorkflowMixin:
 
 def _sample_name(data: Any, num_tokens: int) -> str:
     """How an error names the episode's sample: the dataset's id when it has one."""
-    if isinstance(data, dict):
-        for key in ("query_id", "id", "uid", "index"):
-            if data.get(key) is not None:
-                return f"{key}={data[key]!r}"
+    for key in ("query_id", "id", "uid", "index"):
+        if isinstance(data, dict) and data.get(key) is not None:
+            return f"{key}={data[key]!r}"
     return f"(the episode of {num_tokens} tokens)"
 
 
@@ -182,11 +165,8 @@ class PPOActorMixin:
         out = super().compute_logp(data)
         if session is not None and session.mode is ReplayMode.R2 and session.replayer is not None:
             sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            rec = session.recorded_for(sum(sizes))
-            off = 0
-            for d, g in zip(data, sizes):       # in place: the trainer passes these dicts on
-                d[RECORDED_KEY] = batch_tensor(rec.select(range(off, off + g)), d["attention_mask"])
-                off += g
+            for d, part in zip(data, split_sizes(session.recorded_for(sum(sizes)), sizes)):
+                d[RECORDED_KEY] = batch_tensor(part, d["attention_mask"])    # in place: the trainer passes them on
         return out
 
     def _compute_logp(self, data: dict) -> Any:
@@ -235,9 +215,8 @@ class MegatronEngineMixin:
         return out
 
     def r3_attach(self, model: ModelInfo, layout=None, role: Optional[str] = None) -> None:
-        """``role``: what AReaL's trainer initialised this engine as (``initialize(role=...)``);
-        the Replayer refuses anything but the actor, naming both roles. AReaL's stats tracker
-        exports compute_logp's stats with the step: nothing to carry."""
+        """``role``: what AReaL's trainer initialised this engine as (the Replayer refuses anything
+        but the actor). AReaL's stats tracker exports compute_logp's stats with the step."""
         self.r3 = AdapterSession("areal", self.r3_config, where="AReaL Megatron actor", provide=_PROVIDE)
         self.r3_config = self.r3.config
         check = JobCheck(self.r3.config, "r3bridge", "AReaL engine").all_hidden_layers("SGLang")
@@ -246,13 +225,11 @@ class MegatronEngineMixin:
                           ("use_padded_seq", "padded (BSHD) models are not wired")):
             check.refuse(getattr(self, flag, False), f"r3bridge + AReaL: {flag} is not supported ({why})")
         check.raise_if_any()
-        self.r3.attach(list(self.model), model, layout=layout, role=areal_role(role))
+        self.r3.attach(list(self.model), model, layout=layout, role=Role.of(role or "actor"))
 
     def _r3_log(self, result: Optional[PhaseResult]) -> None:
-        """Into AReaL's own stats tracker, exported and logged with the actor's stats of the step, under
-        the documented names (``r3bridge/update/coverage``): outside the actor's scope
-        (``ppo_actor/update/``), whose phase the tag already carries. Scalars: AReaL averages them over
-        the step's passes and ranks, as verl and SkyRL do (docs/metrics.md, "Aggregation")."""
+        """Into AReaL's stats tracker, logged with the actor's stats of the step under the documented
+        names (``r3bridge/update/coverage``, outside the actor's scope: the tag carries the phase)."""
         tracker = import_areal("areal.utils.stats_tracker")
         log_areal_metrics(tracker, averaged(self.r3.metrics_to_log(result)), device=getattr(self, "device", None))
 
@@ -279,19 +256,16 @@ class MegatronEngineMixin:
         fwd = mb_list.forward_indices or list(range(len(gid_of_row)))
         off = 0
         for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs):
-            n = int(mb["cu_seqlens"].numel()) - 1
+            cu = mb["cu_seqlens"].tolist()
+            n = len(cu) - 1
             gids: list[Optional[int]] = [gid_of_row[r] for r in fwd[off:off + n]]
             off += n
-            lens = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+            lens = [b - a for a, b in zip(cu, cu[1:])]
             routes = None
             if plan.action is Action.REPLAY:     # this micro-batch's samples of AReaL's tensor, viewed
                 routes = handed_routes(carried[key], gids, lens, num_experts=self.r3.model.num_experts,
-                                       moe_layer_ids=self.r3.model.moe_layer_ids,
-                                       source="recorded" if key == RECORDED_KEY else "rollout")
-            uids = None
-            if self.r3.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
-                cu = mb["cu_seqlens"].tolist()
-                uids = [token_uid(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]]) for j in range(n)]
+                                       moe_layer_ids=self.r3.model.moe_layer_ids, route_kind=plan.route_kind)
+            uids = self.r3.sample_uids(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]] for j in range(n))
             if int(pmb["cu_seqlens"].numel()) - 1 > n:
                 # AReaL's trailing page-padding "sequence": all packing padding, declared as a
                 # 1-token sequence without routes (no sample), so coverage counts no missing route
@@ -321,23 +295,10 @@ class MegatronEngineMixin:
         return out
 
 
-# AReaL's trainer initialises each engine with role "actor", "critic", "ref" or "teacher"
-_AREAL_ROLES = {None: Role.ACTOR, "actor": Role.ACTOR, "critic": Role.CRITIC, "ref": Role.REFERENCE,
-                "teacher": Role.TEACHER}
-
-
-def areal_role(name: Optional[str]) -> Role:
-    try:
-        return _AREAL_ROLES[name]
-    except KeyError:
-        return Role.of(name)           # raises a RoleError naming the unknown role
-
-
 class RoleEngineMixin:
     """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference,
-    teacher; :func:`trainer_class` builds them): after ``initialize(role=...)`` the model is
-    declared that role (:mod:`r3bridge.megatron.roles`), and re-checked before every pass, so a
-    replay object on any of its routers raises a ``RoleError`` naming both roles."""
+    teacher): the model is declared its role after ``initialize(role=...)`` and re-checked before
+    every pass, so a replay object on any of its routers raises a ``RoleError`` naming both roles."""
 
     r3: Optional[AdapterSession] = None
 
@@ -347,7 +308,7 @@ class RoleEngineMixin:
         return out
 
     def r3_declare_role(self, role: Optional[str]) -> None:
-        declared = areal_role(role if role is not None else "ref")
+        declared = Role.of(role or "ref")
         if declared is Role.ACTOR:
             raise RoleError("RoleEngineMixin is for AReaL's other engines (ref, teacher); the actor replays "
                             "through r3bridge's MegatronEngineMixin")
@@ -361,11 +322,9 @@ class RoleEngineMixin:
 
 
 def log_areal_metrics(tracker: Any, values: dict, device: Any = None) -> None:
-    """``values`` into AReaL's stats tracker ``tracker`` (the module ``areal.utils.stats_tracker``),
-    unscoped. ``*_min`` keys as MIN stats (the minimum over the step's passes and ranks, as verl and
-    SkyRL reduce them by name), with AReaL's own ``<key>__count`` as their denominator; every other
-    key as a scalar (AReaL averages scalars and adds ``<key>__count``). ``device``: the engine's
-    (``MegatronEngine.device``); the MIN stats live there because ``export_stats`` all-reduces them
+    """``values`` into AReaL's stats tracker (``areal.utils.stats_tracker``), unscoped: ``*_min`` keys
+    as MIN stats over the step's passes and ranks (as verl and SkyRL reduce them by name), every other
+    as a scalar (AReaL averages those). ``device``: the engine's: ``export_stats`` all-reduces MIN stats
     over the data-parallel group, which NCCL does only for GPU tensors (None: the host)."""
     mins = {k: v for k, v in values.items() if k.endswith("_min")}
     rest = {k: v for k, v in values.items() if k not in mins}
@@ -420,7 +379,6 @@ def trainer_class(config=None):
             if actor_config is not getattr(getattr(self, "config", None), "actor", None) or alloc.backend != "megatron":
                 return super()._create_train_engine(actor_config, alloc)
             if rl.is_single_controller():
-                from r3bridge.errors import ConfigError
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             actor = actor_cls(config=actor_config)
             section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section

@@ -15,8 +15,8 @@ from r3bridge.adapters.skyrl.codec import (
     ROUTES_KEY,
     ROUTES_MARK,
     SkyRLCodec,
+    handed_routes,
     packed_training_batch_fields,
-    replay_batch_from_training_batch,
     training_batch_fields,
 )
 from r3bridge.adapters.skyrl.config import parse_cli, prepare_skyrl_config, replay_config, skyrl_config_class
@@ -38,6 +38,6 @@ from r3bridge.adapters.skyrl.rollout import SkyRLRollout, decode_routed_experts,
 SKYRL_RELEASE = skyrl_release()
 
 __all__ = ["SKYRL_RELEASE", "SUPPORTED_RELEASES", "skyrl_release", "packed_training_batch_fields", "ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "RECORDED_KEY", "decode_routed_experts", "rollout_routes",
-           "merge_first_seen", "replay_batch_from_training_batch", "training_batch_fields",
+           "merge_first_seen", "handed_routes", "training_batch_fields",
            "record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "replay_config", "skyrl_config_class", "parse_cli", "prepare_skyrl_config", "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "SkyRLCodec", "SkyRLRollout"]

@@ -1,18 +1,11 @@
 """Importing SkyRL 0.3.x / 0.4.x modules, and telling the two releases apart.
 
-SkyRL's package ``__init__`` chains (``skyrl.backends`` -> ``backend.py`` -> ``skyrl.tinker.types``;
-``skyrl.train.generators`` -> the VLM generator -> ``skyrl.backends.renderer`` -> the same types)
-defines pydantic models over ``typing.TypedDict``, which pydantic refuses on Python < 3.12
-("Please use typing_extensions.TypedDict"). The modules this adapter uses do not need that chain.
-:func:`import_skyrl` imports normally and, only if that fails *in the chain*, skips the
-``__init__`` of ``skyrl.backends`` and of any parent package of the requested module that fails
-(:func:`r3bridge.versions.import_skipping_inits`) and retries. SkyRL 0.4's chain also imports packages its
-``--no-deps`` install lacks (``skyrl.backends.backend`` -> ``cloudpathlib``): a missing module
-raised from inside that chain is handled the same way. Anything else is raised.
-
-:func:`skyrl_release` reads the installed distribution's version: ``"0.3"`` or ``"0.4"`` (the
-transports differ), ``None`` when SkyRL is not installed; any other release is refused with a
-:class:`r3bridge.errors.ConfigError` when the adapter is imported.
+SkyRL's package ``__init__`` chains define pydantic models over ``typing.TypedDict``, which pydantic
+refuses on Python < 3.12, and SkyRL 0.4's import packages its ``--no-deps`` install lacks; the
+modules this adapter uses need neither. :func:`import_skyrl` imports normally and, only if that
+fails *in the chain*, skips the failing package ``__init__`` s and retries
+(:func:`r3bridge.versions.import_skipping_inits`). :func:`skyrl_release`: ``"0.3"`` / ``"0.4"``
+(the transports differ), ``None`` when not installed; any other release is refused.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (reading needs no skyrl import).
 
-SkyRL 0.4 (``PackedTensor``): ``rollout_expert_indices`` holds one segment per sample, one row per
-real token in order (``values [sum(seq_len_i), L_all, K]``, uint8 / int16 / int32, ``cu_seqlens``
-int32), rows past what the engine returned filled with SkyRL's ``replay_padding_row`` (``0..K-1``),
-and ``router_padding_mask`` ``[B, S]`` (True = left padding or no captured route) is required.
-
-SkyRL 0.3 (dense) trainer side (``TrainingInputBatch`` or one of the worker's micro-batch dicts):
-``rollout_expert_indices`` ``[B, S, L_all, K]`` left-padded like ``sequences`` (uint8 / int16 /
-int32), rows past what the engine returned filled with dummy rows (``0..K-1`` in SkyRL main, zeros
-in 0.3.0), and, in SkyRL main, ``router_padding_mask`` ``[B, S]`` (True = no captured route).
-Without the mask (0.3.0) a row whose MoE-layer ids are all zero is "no route" (top-k ids are
-distinct, so a real row is never all zero when K > 1; with K == 1 expert-0 rows are routed natively
-and counted, as in the verl adapter).
+``rollout_expert_indices`` holds every decoder layer's routes: SkyRL 0.4 as a ``PackedTensor`` (one
+row per real token, ``router_padding_mask`` required), SkyRL 0.3 as ``[B, S, L_all, K]`` left-padded
+like ``sequences`` (``router_padding_mask`` in SkyRL main; 0.3.0 writes "no route" as zero rows).
+docs/use-with-skyrl.md, "Releases and transports".
 """
 from __future__ import annotations
 
@@ -19,7 +11,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.batch.dense import token_rows
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
@@ -29,21 +20,21 @@ from r3bridge.batch.provenance import (
     provenance_fields,
 )
 from r3bridge.batch.schema import ReplayBatch, route_dtype
+from r3bridge.codec_base import HandedCodec
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import ConfigError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "SkyRLCodec", "handed_routes", "replay_batch_from_training_batch", "training_batch_fields",
+           "SkyRLCodec", "handed_routes", "training_batch_fields",
            "packed_training_batch_fields", "provenance_fields", "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# Per-sample provenance (ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY, r3bridge.batch.provenance's
-# provenance_fields): int64 [B, 3] (weight version, re-prefill epoch, attempt), -1 = unknown. SkyRL's
-# weight version is its inference client's ``weight_version`` (one per weight sync); the batch holds
-# no engine name or request id, so provenance names the engine ENGINE and no request.
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample int64 [B, 3] (provenance_fields); the batch
+# holds no engine name or request id, so provenance names the engine ENGINE and no request
 ENGINE = "skyrl"
 
 
@@ -56,25 +47,6 @@ def _get(batch: Any, key: str) -> Any:
         return None
 
 
-def replay_batch_from_training_batch(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
-                                     num_hidden_layers: Optional[int] = None, source: str = "rollout",
-                                     routes_key: str = ROUTES_KEY, topk: Optional[int] = None,
-                                     sample_ids: Optional[Sequence[int]] = None) -> ReplayBatch:
-    """A ``TrainingInputBatch`` (or worker micro-batch dict) -> ReplayBatch of its samples in batch
-    order, canonical form (r3bridge.protocols): one row per real token, start 0, uncaptured rows
-    invalid, a final row without a route dropped (``source="rollout"`` only): the reader's
-    whole-batch form of :func:`handed_routes`.
-
-    Route errors name the sample by its row of ``batch`` (``sample_ids[i]`` when given: e.g. the
-    mini-batch row of a micro-batch's row ``i``) and its token; ``topk`` (the model's) refuses
-    routes of another width here, naming both."""
-    handed = handed_routes(batch, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
-                           num_hidden_layers=num_hidden_layers, source=source, routes_key=routes_key, topk=topk)
-    handed.names = None                 # the core names "sequence i"; naming_samples names SkyRL's row
-    with naming_samples("SkyRL", _row_names(batch, sample_ids)):
-        return handed.to_batch(drop_final_invalid=source != "recorded")
-
-
 def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
     if sample_ids is not None:
         return [f"batch row {int(i)}" for i in sample_ids]
@@ -84,13 +56,12 @@ def _row_names(batch: Any, sample_ids: Optional[Sequence[int]]) -> list[str]:
 
 
 def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
-                  num_hidden_layers: Optional[int] = None, source: str = "rollout", routes_key: str = ROUTES_KEY,
+                  num_hidden_layers: Optional[int] = None, route_kind: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
     """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict) as the one reader reads
-    them (docs/architecture.md, "One reader"): SkyRL's own buffer viewed (0.4's ``PackedTensor`` values, 0.3's
-    padded field), nothing copied or checked yet. "No route": ``router_padding_mask`` where the
-    batch has it, else (SkyRL 0.3.0) zero rows past a sample's last non-zero row; a zero row
-    before it is a degenerate route (vLLM #54730)."""
+    them: SkyRL's own buffer viewed, nothing copied or checked yet. "No route":
+    ``router_padding_mask`` where the batch has it, else (SkyRL 0.3.0) zero rows. Samples are named
+    by their row of ``batch`` (``sample_ids[i]``: e.g. a micro-batch row's mini-batch row)."""
     routes = _get(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
@@ -101,7 +72,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if _get(batch, "sub_seq_lengths") is not None:
         raise ConfigError("SkyRL sub-sequence packing (sub_seq_lengths) carries several samples per row; "
                           "r3bridge needs one sample per row")
-    names = [f"SkyRL sample {n}" for n in _row_names(batch, sample_ids)]
+    names = _row_names(batch, sample_ids)
     moe = [int(i) for i in moe_layer_ids]
     mask = _get(batch, MASK_KEY)
     if _is_packed(routes):
@@ -125,7 +96,8 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
         cols = _columns(int(values.shape[1]), moe, num_hidden_layers, routes_key)
         valid = torch.from_numpy(~mask_b[attn_b])       # real tokens in row order == packed row order
         return HandedRoutes.from_packed(values, lens, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid.to(values.device), route_kind=source, names=names)
+                                        no_route="mask", valid=valid.to(values.device), route_kind=route_kind, names=names,
+                                        framework="SkyRL")
     routes = torch.as_tensor(routes)
     if routes.dim() != 4:
         raise RouteShapeError(f"{routes_key} must be [batch, seq, layers, topk], got {tuple(routes.shape)}")
@@ -135,14 +107,14 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
     if mask is not None:
         valid = attn_b & ~torch.as_tensor(mask).bool().to(attn_b.device)
         return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                        no_route="mask", valid=valid, route_kind=source, names=names)
+                                        no_route="mask", valid=valid, route_kind=route_kind, names=names, framework="SkyRL")
     # SkyRL 0.3.0 marks "no route" with zero rows (its own padding micro-batches of token-based
     # micro-batching too, whose first token is "real"), and its worker does not carry
     # router_padding_mask into micro-batches; recorded routes hold a route on every token (at
     # top-1 an expert-0 row is one)
-    no_route = "none" if source == "recorded" and int(routes.shape[-1]) == 1 else "zero"
+    no_route = "none" if route_kind == "recorded" and int(routes.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_padded(routes, attn_b, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, route_kind=source, names=names)
+                                    no_route=no_route, route_kind=route_kind, names=names, framework="SkyRL")
 
 
 def _columns(reported: int, moe: list[int], num_hidden_layers: Optional[int], field: str) -> Optional[list[int]]:
@@ -156,10 +128,9 @@ def _is_packed(field: Any) -> bool:
 
 def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                                  packed_tensor: type, padding_row: Any) -> dict[str, Any]:
-    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL 0.4's fields:
-    ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` class (one row per real token,
-    ``num_hidden_layers`` wide, rows without a route and dense layers filled with SkyRL's
-    ``padding_row(topk, dtype=...)``) and ``router_padding_mask``."""
+    """R2 write-back, SkyRL 0.4: ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` (one row
+    per real token, every decoder layer, SkyRL's ``padding_row`` where there is no route) and
+    ``router_padding_mask``, for a ReplayBatch of one sequence per row of ``attention_mask``."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts)
     values, routed = token_rows(rb, lens, fill=torch.as_tensor(padding_row(rb.topk, dtype=dtype)), dtype=dtype,
@@ -180,10 +151,8 @@ def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Te
 
 def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """ReplayBatch (one sequence per row of ``attention_mask``) -> SkyRL's fields:
-    ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` placed on the real (left- or
-    right-padded) tokens, dummy rows ``0..K-1`` everywhere else (dense layers included), and
-    ``router_padding_mask``. Used to return R2's recorded routes into the batch."""
+    """R2 write-back, SkyRL 0.3: ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` on the
+    real tokens, dummy rows ``0..K-1`` everywhere else, and ``router_padding_mask``."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts) if dtype is None else dtype
     dummy = torch.arange(rb.topk, dtype=dtype)
@@ -195,24 +164,20 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
     return {ROUTES_KEY: out, MASK_KEY: mask}
 
 
-class SkyRLCodec:
-    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``."""
+class SkyRLCodec(HandedCodec):
+    """The :class:`r3bridge.protocols.BatchCodec` of SkyRL's ``TrainingInputBatch``; ``release``: the
+    layout recorded routes are written back in (default: the installed release's; reading takes both)."""
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
                  release: Optional[str] = None, topk: Optional[int] = None) -> None:
         from r3bridge.adapters.skyrl._compat import skyrl_release
-        self.topk = None if topk is None else int(topk)
-        self.num_experts = int(num_experts)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.num_hidden_layers = int(num_hidden_layers)
-        # the layout recorded routes are written back in: the installed release's (reading takes both)
+        super().__init__(num_experts=num_experts, moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers,
+                         topk=topk)
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        return replay_batch_from_training_batch(
-            native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
-            num_hidden_layers=None if source == "recorded" else self.num_hidden_layers, source=source,
-            topk=self.topk)
+    def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
+        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, route_kind=route_kind,
+                             num_hidden_layers=None if route_kind == "recorded" else self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them
@@ -234,8 +199,7 @@ class SkyRLCodec:
         return native["attention_mask"].sum(-1).long().tolist()
 
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
-        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation
-        (what dynamic sampling / shuffling would do to the batch)."""
+        """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation."""
         b = native.batch_size
         idx = list(range(b)) if order is None else [int(i) for i in order]
         src = native
@@ -249,8 +213,7 @@ class SkyRLCodec:
 
 
 def provenance_pairing(batch: Any) -> ProvenancePairing:
-    """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: unknown, its
-    samples counted unchecked), samples named by their row."""
+    """A ``TrainingInputBatch``'s route and log-prob provenance (a missing field: counted unchecked)."""
     n = int(_get(batch, "attention_mask").shape[0])
     return pairing_from_fields(lambda key: _get(batch, key), samples=n, names=_row_names(batch, None), engine=ENGINE,
                                framework="SkyRL")

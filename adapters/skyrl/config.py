@@ -1,17 +1,10 @@
 """The ``r3bridge`` section for SkyRL, on SkyRL's own command line: ``trainer.r3bridge.replay_mode=R3``.
 
-SkyRL 0.3's documented way for an integration to add config fields is a config subclass parsed in
-the integration's entry point (``trainer.override_entrypoint=...``; ``make_config`` /
-``SkyRLTrainConfig.from_cli_overrides``). :func:`skyrl_config_class` is that subclass: SkyRL's
-``TrainerConfig`` plus a field ``r3bridge`` of type :class:`r3bridge.ReplayConfig` (``None`` unless the
-command line sets one of its keys), so SkyRL's own
-strict parser accepts (and type-checks) ``trainer.r3bridge.<option>=...`` and refuses unknown keys.
-:func:`parse_cli` parses a SkyRL command line with it; :func:`prepare_skyrl_config` makes the parsed
-config pass SkyRL's own checks with r3bridge replaying (see there).
-
-``R3BRIDGE_CONFIG`` (JSON) / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves unset
-(:meth:`r3bridge.ReplayConfig.resolve_with_origin`; a key set differently in both is refused); with
-neither, replay is off, and the adapter says so at startup.
+:func:`skyrl_config_class` is SkyRL's config with an ``r3bridge`` field of type
+:class:`r3bridge.ReplayConfig` in its ``TrainerConfig`` (SkyRL's documented ``make_config``
+extension), so SkyRL's strict parser type-checks ``trainer.r3bridge.<option>=...`` and refuses
+unknown keys. ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves
+unset. docs/use-with-skyrl.md, "Configuration".
 """
 from __future__ import annotations
 
@@ -55,10 +48,9 @@ def parse_cli(argv: Sequence[str]) -> Any:
 
 
 def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> tuple[ReplayConfig, str]:
-    """The section of a parsed SkyRL config and where it came from: the command line's
-    ``trainer.r3bridge.*`` keys merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (a key set
-    differently in both is refused), else the environment, else the default. ``argv``: the command
-    line, which tells the keys it set (without it, a key left at its default counts as unset)."""
+    """The section of a parsed SkyRL config merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``
+    (a key set differently in both is refused), and where it came from. ``argv``: the command line,
+    which tells the keys it set (without it, a key left at its default counts as unset)."""
     section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
     prefix = f"{SECTION}."
     named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
@@ -69,13 +61,10 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
 
 
 def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
-    """Fill ``trainer.r3bridge`` (command line, else environment) and make SkyRL's checks pass.
-
-    SkyRL 0.3's ``validate_cfg`` insists on ``trainer.policy.megatron_config.moe_enable_routing_replay=true``
-    whenever ``generator.inference_engine.enable_return_routed_experts=true`` (its own R3). With
-    r3bridge replaying that flag means nothing: r3bridge's ``PolicyWorkerMixin`` always builds the
-    model with megatron's own replay off and drives its own hook. So under R3 this sets it for the
-    check, and the user never writes it. Contradictions are refused (``ConfigError`` naming both keys)."""
+    """Fill ``trainer.r3bridge`` (command line, else environment), refuse contradictions
+    (``ConfigError`` naming both keys) and make SkyRL's checks pass: SkyRL's ``validate_cfg`` wants
+    ``moe_enable_routing_replay=true`` with routed experts on (its own R3); r3bridge's worker keeps
+    megatron's replay off and drives its own hook, so under R3 it is set for the check only."""
     rc, _ = replay_config_from_skyrl(cfg)
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
@@ -101,11 +90,9 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
 
 
 def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on (SkyRL rolls out with
-    vLLM only): ``generator.inference_engine.speculative_config``, ``trainer.mtp.enabled`` (SkyRL's
-    ``validate_cfg`` then writes an MTP ``speculative_config``, unless ``SKYRL_DISABLE_SPEC=1``), and a
-    ``speculative_config`` passed through ``engine_init_kwargs`` / ``prefill_init_kwargs`` /
-    ``decode_init_kwargs`` (applied last, over SkyRL's own engine args)."""
+    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on: ``speculative_config``,
+    ``trainer.mtp.enabled`` (unless ``SKYRL_DISABLE_SPEC=1``), and a ``speculative_config`` passed
+    through ``engine_init_kwargs`` / ``prefill_init_kwargs`` / ``decode_init_kwargs``."""
     import os
 
     env = os.environ if environ is None else environ

@@ -1,17 +1,11 @@
 """SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched); the driver
 owns the set-up (:class:`SkyRLReplay` wraps an :class:`r3bridge.megatron.AdapterSession`).
 
-* :func:`model_wrapper_class` (``MegatronModelWrapper``): its compute_log_prob ``forward`` and
-  ``forward_backward_mini_batch`` run SkyRL's schedule inside the session's pass; each (chunk,
-  micro-batch) is installed from a forward pre-hook (SkyRL's ``forward_step`` is a closure), with
-  SkyRL's real packing;
-* :class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (``MegatronPolicyWorkerBase`` /
-  ``MegatronRefWorkerBase``): flags, the wrapper swap, R2 sample ids and recorded routes; the
-  reference model declared the reference;
-* :class:`TrainerMixin` (``RayPPOTrainer``): R2's recorded routes written back into the batch;
-* :class:`FirstSeenRoutesMixin` (``SkyRLGymGenerator``, 0.3): multi-turn routes kept first-seen.
-
-docs/use-with-skyrl.md ("Hook points") says what each override does and why.
+:func:`model_wrapper_class` (``MegatronModelWrapper``: SkyRL's schedule inside the session's pass,
+each (chunk, micro-batch) installed from a forward pre-hook with SkyRL's real packing),
+:class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (the workers), :class:`TrainerMixin` (R2's
+recorded routes back into the batch), :class:`FirstSeenRoutesMixin` (0.3's generator).
+docs/use-with-skyrl.md, "Formats and hook points".
 """
 from __future__ import annotations
 
@@ -32,19 +26,19 @@ from r3bridge.adapters.skyrl.codec import (
     provenance_pairing,
 )
 from r3bridge.adapters.skyrl.config import replay_config
-from r3bridge.adapters.skyrl.rollout import merge_first_seen
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.schema import ReplayBatch
+from r3bridge.capture import merge_first_seen
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.trace import token_uid
+from r3bridge.recorded import from_payloads, per_sample_payloads
 from r3bridge.versions import check_internals, checked_subclass
 
-__all__ = ["record_ids_field", "recorded_from_payloads", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
@@ -53,28 +47,6 @@ _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
 _ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
-
-
-def recorded_from_payloads(payloads: Sequence[bytes]) -> ReplayBatch:
-    """The workers' per-sample R2 payloads (batch order) -> one recorded batch, built once. The
-    ids are the routers' own top-k (distinct, in range by construction) and each payload's CRCs
-    guard the transport, so they are not validated here: the update's read (the one reader)
-    checks every id it reads, once."""
-    from r3bridge.batch import wire
-
-    parts = [wire.decode(bytes(p)) for p in payloads]
-    if not parts:
-        raise ReplayStateError("R2: the policy forward returned no recorded routes")
-    first = parts[0]
-    for j, d in enumerate(parts[1:], 1):
-        if (d.layer_ids, d.num_experts, tuple(d.routes.shape[1:])) != (first.layer_ids, first.num_experts,
-                                                                       tuple(first.routes.shape[1:])):
-            raise ReplayStateError(f"R2 payload of sample {j} has another schema than sample 0's")
-    routes = torch.cat([d.routes for d in parts]) if len(parts) > 1 else first.routes
-    valid = torch.cat([d.valid for d in parts]) if len(parts) > 1 else first.valid
-    return ReplayBatch.from_trusted(routes, [r for d in parts for r in d.rows_per_seq],
-                                    [s for d in parts for s in d.start_rows], valid, tuple(first.layer_ids),
-                                    first.num_experts, "recorded")
 
 
 def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
@@ -115,9 +87,8 @@ class SkyRLReplay:
         return None if self.session.result is None else self.session.result.recorded
 
     def add_metrics(self, metrics_list: Any) -> Any:
-        """Put the tagged metrics (``r3bridge/update/coverage``, ...) into each micro-batch's metrics
-        dict that ``forward_backward_mini_batch`` returns: SkyRL averages them over micro-batches
-        and data-parallel ranks and logs them with its own."""
+        """The tagged metrics into each micro-batch's metrics dict ``forward_backward_mini_batch``
+        returns: SkyRL averages them over micro-batches and data-parallel ranks and logs them."""
         if isinstance(metrics_list, list):
             for m in metrics_list:
                 if isinstance(m, dict):
@@ -141,10 +112,9 @@ class SkyRLReplay:
         if plan is None:
             return call(mbs)
         targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
-        if session.runner.tracer is not None:   # traced: samples named by their tokens (`r3bridge diff` pairs them)
-            targets = [dataclasses.replace(mb, uids=[token_uid(s[a.bool()]) for s, a in
-                                                     zip(m["sequences"], m["attention_mask"])])
-                       for mb, m in zip(targets, mbs)]
+        targets = [dataclasses.replace(mb, uids=session.sample_uids(s[a.bool()] for s, a in
+                                                                    zip(m["sequences"], m["attention_mask"])))
+                   for mb, m in zip(targets, mbs)]
         # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
         with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
                          packing_from_forward=True):
@@ -158,9 +128,9 @@ class SkyRLReplay:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         session = self.session
         if plan.action is Action.REPLAY:
-            kind = plan.route_kind
-            if self.route_kind is not None and self.route_kind != kind:
-                raise ConfigError(f"replay_mode={session.mode.value} replays {kind} routes, the batch "
+            route_kind = plan.route_kind
+            if self.route_kind is not None and self.route_kind != route_kind:
+                raise ConfigError(f"replay_mode={session.mode.value} replays {route_kind} routes, the batch "
                                   f"carries {self.route_kind} routes")
             session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
@@ -168,7 +138,8 @@ class SkyRLReplay:
             m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if kind == "recorded" else m.num_layers, source=kind)
+                                   num_hidden_layers=None if route_kind == "recorded" else m.num_layers,
+                                   route_kind=route_kind)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
@@ -212,12 +183,8 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
 class RefWorkerMixin:
     """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: the reference model never
-    replays. SkyRL's reference worker builds its model with ``trainer.ref.megatron_config.
-    moe_enable_routing_replay`` and then hands ``rollout_expert_indices`` to SkyRL's replay_utils,
-    which drive megatron's process-global ``RouterReplay``: the actor's rollout routes would be
-    replayed in the reference (NeMo RL #4083). The model is declared the reference
-    (:mod:`r3bridge.megatron.roles`): any replay object on its routers raises a ``RoleError``
-    naming both roles, after the build and before every forward."""
+    replays (SkyRL's own replay would replay the actor's rollout routes there, NeMo RL #4083): it
+    is declared the reference, and a replay object on its routers raises a ``RoleError``."""
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
@@ -283,9 +250,9 @@ class PolicyWorkerMixin:
         from megatron.core import parallel_state as mpu
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
-        rec = session.recorded_for(len(out.loss_fn_outputs))
-        for i, o in enumerate(out.loss_fn_outputs):     # per sample, as SkyRL carries outputs: views
-            o[RECORDED_KEY] = rec.select_range(i, i + 1).to_bytes()
+        payloads = per_sample_payloads(session.recorded_for(len(out.loss_fn_outputs)))
+        for o, payload in zip(out.loss_fn_outputs, payloads):     # per sample, as SkyRL carries outputs
+            o[RECORDED_KEY] = payload
         return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
@@ -314,7 +281,7 @@ class TrainerMixin:
                 outputs.extend(self.dispatch.forward_from_staged(model, refs).loss_fn_outputs)
         else:
             outputs = list(self.dispatch.forward(model, data_fwd_pass).loss_fn_outputs)
-        self._r3_recorded = recorded_from_payloads([o.pop(RECORDED_KEY) for o in outputs])
+        self._r3_recorded = from_payloads([o.pop(RECORDED_KEY) for o in outputs])
         return to_tensor(outputs, key=key)
 
     def fwd_logprobs_values_reward(self, training_input):
@@ -339,12 +306,9 @@ class TrainerMixin:
 
 class FirstSeenRoutesMixin:
     """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: SkyRL 0.3.0 replaces a
-    sample's routes with each turn's (``agent_loop_state.rollout_expert_indices =
-    turn_output.rollout_expert_indices``); this keeps the rows earlier turns returned (the routes
-    that sampled those tokens) and appends only the new rows. SkyRL 0.4's generator does this
-    itself (``RoutedExpertTrace``: each call asks the engine for rows from
-    ``routed_experts_prompt_start`` and appends them; tests/adapters/test_skyrl04.py checks its
-    result equals r3bridge's first-seen stitch), so under 0.4 the mixin is refused."""
+    sample's routes with each turn's; this keeps the rows earlier turns returned (the routes that
+    sampled those tokens) and appends only new rows. SkyRL 0.4's generator does this itself
+    (``RoutedExpertTrace``, tests/adapters/test_skyrl04.py), so under 0.4 the mixin is refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from r3bridge.adapters.skyrl._compat import skyrl_release

@@ -1,22 +1,18 @@
-"""SkyRL 0.3 entry point with r3bridge: SkyRL's own ``main_base`` with three subclasses swapped in and
-the ``trainer.r3bridge`` section on SkyRL's command line.
+"""SkyRL 0.3 / 0.4 entry point with r3bridge: SkyRL's own ``main_base`` with three subclasses swapped in
+and the ``trainer.r3bridge`` section on SkyRL's command line.
 
     python -m r3bridge.adapters.skyrl.main trainer.r3bridge.replay_mode=R3 <SkyRL's overrides>
-    # or SkyRL's own dispatch (its main_base imports on Python >= 3.12 only):
-    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=r3bridge.adapters.skyrl.main ...
 
-The command line is parsed by SkyRL's parser into :func:`~r3bridge.adapters.skyrl.config.skyrl_config_class`
-(``trainer.r3bridge.*`` is a typed field); :func:`~r3bridge.adapters.skyrl.config.prepare_skyrl_config`
-fills it (environment fallback) and makes SkyRL's own checks pass. The section reaches the Ray workers
-inside the policy worker class (:func:`policy_worker_class`), not through the environment.
-
-Before Ray starts, the launcher refuses in one line (exit status 2): a bad ``trainer.r3bridge`` value or
-key, and an environment where SkyRL's Megatron workers cannot start (:func:`cannot_start`: Python < 3.12,
-no Megatron-Bridge), which would otherwise surface as a traceback in every Ray worker.
+The command line is parsed by SkyRL's parser (:func:`~r3bridge.adapters.skyrl.config.skyrl_config_class`),
+the section filled and announced, SkyRL's own checks run; before Ray starts, a bad section and an
+environment where SkyRL's Megatron workers cannot start (:func:`cannot_start`) are refused in one
+line (exit status 2). The section reaches the workers inside the policy worker class.
+docs/use-with-skyrl.md, "What runs where".
 """
 from __future__ import annotations
 
 import importlib.util
+import platform
 import sys
 from typing import Any, Optional
 
@@ -26,7 +22,7 @@ from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_w
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
-from r3bridge.errors import ReplayError
+from r3bridge.launch import refuse, refusing_section_errors
 
 # the generator first: on Python 3.11 import_skyrl must skip skyrl.train.generators' __init__ (its
 # VLM generator's pydantic chain), which main_base imports from
@@ -88,7 +84,7 @@ def cannot_start(cfg: Any) -> Optional[str]:
     if sys.version_info < (3, 12):
         # skyrl.backends' __init__ -> skyrl.tinker.types: pydantic models over typing.TypedDict, which
         # pydantic refuses before 3.12; every Ray worker imports SkyRL's classes the normal way
-        reasons.append(f"SkyRL's package does not import on Python {sys.version.split()[0]} (pydantic: \"Please use "
+        reasons.append(f"SkyRL's package does not import on Python {platform.python_version()} (pydantic: \"Please use "
                        "typing_extensions.TypedDict instead of typing.TypedDict on Python < 3.12\", from "
                        "skyrl.tinker.types), and its Ray workers import it")
     if importlib.util.find_spec("megatron.bridge") is None:
@@ -102,23 +98,12 @@ def cannot_start(cfg: Any) -> Optional[str]:
             "training environment (pip install \"skyrl[megatron]\"); docs/use-with-skyrl.md, \"Install\"")
 
 
-def _refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def main() -> None:
-    try:
+    with refusing_section_errors(SECTION):     # a bad trainer.r3bridge key or value: one line, before Ray
         cfg = config_from_argv(sys.argv[1:])
-    except ReplayError as e:            # a bad value in trainer.r3bridge, a contradiction: one line, before Ray
-        _refuse(f"{type(e).__name__}: {e}" if SECTION in str(e) else f"{type(e).__name__}: {SECTION}: {e}")
-    except ValueError as e:
-        if "ReplayConfig" not in str(e):    # SkyRL's own keys: SkyRL's message as it raises it
-            raise
-        _refuse(f"{SECTION}: {e}")          # SkyRL's parser, on a mistyped key of the section
     problem = cannot_start(cfg)
     if problem:
-        _refuse(problem)
+        refuse(problem)
     main_base.initialize_ray(cfg)
     ray.get(entrypoint.remote(cfg))
 

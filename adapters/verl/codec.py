@@ -1,24 +1,10 @@
 """verl's ``routed_experts`` TensorDict field <-> :class:`r3bridge.ReplayBatch`.
 
-verl's transport (after ``left_right_2_no_padding``) is a nested jagged tensor
-``[batch, (tokens_i), L, K]``, one row per unmasked token of each sample:
-
-* rollout routes (R3): int16, ``L = num_hidden_layers`` (every decoder layer, dense ones zero);
-  row ``j`` is the route that fed token ``j``; the last token has none (its row is zero and is
-  dropped here, so a sample covers ``tokens - 1`` rows like vLLM's own output) and rows past what
-  the engine returned (multi-turn tails, padding samples) are zero;
-* recorded routes (R2, written by this adapter in verl's own R2 layout): int16,
-  ``L = len(moe_layer_ids)``, every token.
-
-Routing weights (optional, :data:`WEIGHTS_KEY`): the same nested layout as the rollout routes,
-float, ``[batch, (tokens_i), num_hidden_layers, K]``, the engine's gate weight of each id (SGLang
-#23999); they follow their rows into ``ReplayBatch.weights``.
-
-A zero row is never a route (top-k ids are distinct): rows past a sample's last non-zero row (the
-final token, multi-turn tails, padding samples) are ``valid = False`` and routed natively, while a
-zero row *before* it, inside the rows the engine returned, is a degenerate route (vLLM #54730),
-refused by default (``degenerate_routes``). With ``K == 1`` a rollout row of expert 0 in every
-MoE layer cannot be told from "no route" and is routed natively (counted in coverage).
+verl's transport (after ``left_right_2_no_padding``) is a nested jagged ``[batch, (tokens_i), L, K]``
+int16 tensor, one row per unmasked token: rollout routes (R3) with every decoder layer
+(``L = num_hidden_layers``, dense ones zero), recorded routes (R2, verl's own R2 layout) with the
+MoE layers only. "No route" is a zero row (the reader's ``no_route="zero"``); optional routing
+weights (:data:`WEIGHTS_KEY`) share the routes' layout. docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
@@ -26,7 +12,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters._naming import check_topk, naming_samples
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
@@ -34,19 +19,21 @@ from r3bridge.batch.provenance import (
     pairing_from_fields,
 )
 from r3bridge.batch.schema import ReplayBatch
+from r3bridge.codec_base import HandedCodec
 from r3bridge.engines.layer_axis import axis_columns
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.errors import LayerMappingError, RouteShapeError
+from r3bridge.hf import check_topk
 from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
-           "handed_routes", "replay_batch_from_tensordict", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
+           "handed_routes", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
-SAMPLE_KEY = "r3bridge_sample_index"   # per-sample int64 added by the engine for R2 recording
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.batch.provenance): per-sample RouteProvenance
-# (or None), written by the agent loop into extra_fields, which verl carries as non-tensor fields
+SAMPLE_KEY = "r3bridge_sample_index"     # per-sample int64 the engine adds: R2 records by it, errors name it
+# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample RouteProvenance (or None) the agent loop
+# writes into extra_fields, which verl carries as non-tensor fields
 
 
 def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -63,9 +50,8 @@ def _jagged(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
 
 def sample_names(td: Any) -> list[str]:
-    """How verl knows each sample of a (micro-)batch: its index in the batch the engine received
-    (:data:`SAMPLE_KEY`, added by the engine before verl splits micro-batches) and, when the batch
-    carries it, verl's ``uid`` (the prompt group); the position in the micro-batch otherwise."""
+    """How verl knows each sample: its index in the engine's batch (:data:`SAMPLE_KEY`) and
+    verl's ``uid`` (the prompt group) where the batch has them, else its micro-batch position."""
     n = len(td) if hasattr(td, "__len__") else 0
     idx = td.get(SAMPLE_KEY, None) if hasattr(td, "get") else None
     names = [f"batch index {int(i)}" for i in idx.tolist()] if idx is not None else \
@@ -81,9 +67,8 @@ def sample_names(td: Any) -> list[str]:
 
 
 def _field(td: Any, key: str) -> Any:
-    """``key`` of each sample: a batch field of its own (verl's DataProto path flattens the agent
-    loop's ``extra_fields`` into the batch), or inside each sample's ``extra_fields`` dict (verl
-    0.9.1's V1 trainer keeps them nested in TransferQueue: ``agent_loop_tq.py:193``); None: absent."""
+    """``key`` of each sample: a batch field (verl's DataProto path flattens ``extra_fields``) or
+    in each sample's ``extra_fields`` dict (verl 0.9.1's V1 trainer: ``agent_loop_tq.py:193``)."""
     value = td.get(key, None) if hasattr(td, "get") else None
     if value is not None:
         return value
@@ -95,37 +80,29 @@ def _field(td: Any, key: str) -> Any:
 
 
 def provenance_pairing(td: Any) -> ProvenancePairing:
-    """The batch's route and log-prob provenance (:data:`ROUTE_PROVENANCE_KEY`,
-    :data:`LOGPROB_PROVENANCE_KEY`; a missing field is unknown: its samples are counted unchecked)
-    and verl's names of its samples."""
+    """The batch's route and log-prob provenance (a missing field: unknown, counted unchecked)."""
     return pairing_from_fields(lambda key: _field(td, key), samples=len(td), names=sample_names(td),
                                engine="verl", framework="verl")
 
 
-def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source: str,
+def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, route_kind: str,
                   num_hidden_layers: int | None = None, topk: int | None = None,
                   layer_axis: str | None = None) -> HandedRoutes:
-    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it (docs/architecture.md, "One reader"):
-    verl's nested values viewed, nothing copied or checked yet.
-
-    ``source="recorded"``: the layer axis is ``moe_layer_ids`` (R2). Otherwise the layer axis is
-    ``layer_axis`` (the ``r3bridge.layer_axis`` option; :mod:`r3bridge.engines.layer_axis`): every decoder
-    layer, ``num_hidden_layers`` of them, as vLLM / SGLang send (rollout routes, R3), or the MoE
-    layers only (TensorRT-LLM). "No route" is a zero row (verl's transport): rows past a sample's
-    last non-zero row (the final token, multi-turn tails, padding samples); a zero row before it
-    is a degenerate route (vLLM #54730), refused or counted (``degenerate_routes``).
-    ``topk``: the model's top-k; routes of another width are refused here, naming both."""
+    """``td[ROUTES_KEY]`` of a (micro-)batch as the one reader reads it: verl's nested values
+    viewed, nothing copied or checked yet. Recorded routes (R2) hold the MoE layers; rollout routes
+    the engine's layer axis (``layer_axis``: every decoder layer, or the MoE ones only, TensorRT-LLM).
+    ``topk``: the model's; routes of another width are refused here, naming both."""
     routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
     if routes is None:
         raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
     values, rows = _jagged(routes)
     check_topk(ROUTES_KEY, int(values.shape[-1]), topk)
-    names = sample_names(td) if hasattr(td, "get") else [f"micro-batch position {i}" for i in range(len(rows))]
+    names = sample_names(td) if hasattr(td, "get") else []
     if len(names) != len(rows):
         names = [f"micro-batch position {i}" for i in range(len(rows))]
     moe = [int(i) for i in moe_layer_ids]
     nl = int(values.shape[1])
-    if source == "recorded":
+    if route_kind == "recorded":
         if nl != len(moe):
             raise LayerMappingError(f"recorded {ROUTES_KEY} have {nl} layers, the model has {len(moe)} MoE "
                                     f"layers {moe}")
@@ -137,7 +114,7 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
         cols = axis_columns(nl, layer_axis=layer_axis, moe_layer_ids=moe, num_hidden_layers=num_hidden_layers,
                             field=f"rollout {ROUTES_KEY}")
     weights = None
-    raw_weights = td.get(WEIGHTS_KEY, None) if hasattr(td, "get") and source != "recorded" else None
+    raw_weights = td.get(WEIGHTS_KEY, None) if hasattr(td, "get") and route_kind != "recorded" else None
     if raw_weights is not None:
         w_values, w_rows = _jagged(raw_weights)
         if w_rows != rows or tuple(w_values.shape[1:]) != tuple(values.shape[1:]):
@@ -145,41 +122,14 @@ def handed_routes(td, *, moe_layer_ids: Sequence[int], num_experts: int, source:
                                   f"{tuple(values.shape)} rows {rows}")
         weights = w_values
     # recorded routes hold a real route on every token: at top-1 an expert-0 row is a route
-    no_route = "none" if source == "recorded" and int(values.shape[-1]) == 1 else "zero"
+    no_route = "none" if route_kind == "recorded" and int(values.shape[-1]) == 1 else "zero"
     return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=moe, columns=cols,
-                                    no_route=no_route, route_kind=source, names=[f"verl sample {n}" for n in names],
-                                    weights=weights)
-
-
-def replay_batch_from_tensordict(td, *, moe_layer_ids: Sequence[int], num_experts: int,
-                                 source: str, num_hidden_layers: int | None = None,
-                                 invalid_rows: str = "native", topk: int | None = None,
-                                 layer_axis: str | None = None, degenerate: str = "refuse") -> ReplayBatch:
-    """``td[ROUTES_KEY]`` of a (micro-)batch -> ReplayBatch of its samples, in batch order: the
-    reader's whole-batch form of :func:`handed_routes` (see there for the layer axis and "no route").
-    ``invalid_rows="error"``: refuse any row without a route inside a sample's covered range.
-    Errors name the sample as verl knows it (:func:`sample_names`) and its token."""
-    handed = handed_routes(td, moe_layer_ids=moe_layer_ids, num_experts=num_experts, source=source,
-                           num_hidden_layers=num_hidden_layers, topk=topk, layer_axis=layer_axis)
-    names = [n[len("verl sample "):] for n in handed.names]
-    handed.names = None                  # the core names "sequence i"; naming_samples names it verl's way
-    # invalid_rows="error" refuses every row without a usable route, a degenerate one included, as
-    # "no route" naming the sample and token
-    with naming_samples("verl", names):
-        rb = handed.to_batch(degenerate="native" if invalid_rows == "error" else degenerate,
-                             drop_final_invalid=source != "recorded")
-    if invalid_rows == "error" and not bool(rb.valid.all()):
-        bad = int((~rb.valid).nonzero()[0])
-        seq = int((rb.offsets[1:] <= bad).sum())
-        token = rb.start_rows[seq] + bad - int(rb.offsets[seq])
-        raise CoverageError(f"verl sample {names[seq]}: token {token} has no route (a zero row in "
-                            f"{ROUTES_KEY}) and r3bridge.invalid_rows='error'")
-    return rb
+                                    no_route=no_route, route_kind=route_kind, names=names, framework="verl", weights=weights)
 
 
 def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:
-    """ReplayBatch (every row of each sample, start 0) -> verl's nested jagged
-    ``[batch, (rows_i), L, K]`` (invalid rows written as zeros, as verl marks "no route")."""
+    """ReplayBatch (every row of each sample, start 0) -> verl's nested jagged ``[batch, (rows_i),
+    L, K]``, rows without a route written as zeros (verl's "no route")."""
     if any(s != 0 for s in rb.start_rows):
         raise RouteShapeError("routes_to_nested needs routes starting at token 0 of every sample")
     values = rb.routes.to(dtype)
@@ -190,21 +140,12 @@ def routes_to_nested(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
-class VerlCodec:
+class VerlCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of verl's no-padding ``TensorDict`` batch."""
 
-    def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
-                 invalid_rows: str = "native", topk: int | None = None) -> None:
-        self.num_experts = int(num_experts)
-        self.moe_layer_ids = [int(i) for i in moe_layer_ids]
-        self.num_hidden_layers = int(num_hidden_layers)
-        self.invalid_rows = invalid_rows
-        self.topk = None if topk is None else int(topk)
-
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
-        return replay_batch_from_tensordict(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts,
-                                            source=source, num_hidden_layers=self.num_hidden_layers,
-                                            invalid_rows=self.invalid_rows, topk=self.topk)
+    def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
+        return handed_routes(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts, route_kind=route_kind,
+                             num_hidden_layers=self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         native[ROUTES_KEY] = routes_to_nested(recorded)
@@ -214,8 +155,7 @@ class VerlCodec:
         return native["input_ids"].offsets().diff().tolist()
 
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
-        """verl's own dynamic micro-batching (``prepare_micro_batches``: token-balanced, reorders
-        samples) into at least ``num_parts`` parts, after an optional sample permutation."""
+        """verl's own dynamic micro-batching (``prepare_micro_batches``: token-balanced, reorders)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.engine.utils import prepare_micro_batches
 

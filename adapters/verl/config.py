@@ -1,22 +1,20 @@
 """The ``r3bridge`` section of a verl config, its validation, and how it reaches the workers.
 
-verl hands each Ray worker only ``actor_rollout_ref`` (and its engine only the engine / model
-configs), so the section travels to the workers as the JSON environment variable
-``R3BRIDGE_CONFIG`` in Ray's runtime env; :func:`prepare_verl_config` (called by
-``python -m r3bridge.adapters.verl.main_ppo``) validates the whole job config and puts it there.
-The engine re-checks, at start, everything it can see itself (:func:`check_engine_config`).
+verl hands each Ray worker only ``actor_rollout_ref``, so the section travels as ``R3BRIDGE_CONFIG``
+in Ray's runtime env: :func:`prepare_verl_config` (the launcher) validates the whole job config and
+puts it there; the engine re-checks what it can see itself (:func:`check_engine_config`).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
+from r3bridge.announce import announce
 from r3bridge.config import ENV_CONFIG as ENV_VAR
-from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode, forward_env
+from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
-from r3bridge.errors import ConfigError
 from r3bridge.hf import moe_layer_ids_from_hf_config
-from r3bridge.job_check import JobCheck, setting
+from r3bridge.job_check import JobCheck, interpolated, setting
+from r3bridge.launch import check_ray_cpu_slots, forward_section, local_hf_config
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
            "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
@@ -26,18 +24,6 @@ ADAPTER_MODULE = "r3bridge.adapters.verl"
 
 _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = "actor_rollout_ref.actor.megatron"
-
-
-def _interpolated(cfg: Any, parent: str, key: str) -> bool:
-    """Whether ``parent.key`` of an OmegaConf config is an interpolation (``${...}``)."""
-    try:
-        from omegaconf import OmegaConf
-        node = setting(cfg, parent)
-        return OmegaConf.is_config(node) and OmegaConf.is_interpolation(node, key)
-    except Exception:  # noqa: BLE001  (a plain dict / dataclass: no interpolation)
-        return False
-
-
 SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in your YAML)"
 
 
@@ -53,8 +39,7 @@ def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
     return resolve_verl_options(verl_cfg)[0]
 
 
-def replay_config_from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
-    return ReplayConfig.from_env(environ)
+replay_config_from_env = ReplayConfig.from_env      # what a worker reads (the launcher's R3BRIDGE_CONFIG)
 
 
 def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
@@ -84,10 +69,8 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
 
 
 def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
-    """Validate a whole verl job config (driver side). Returns the options in force (``cfg``, else
-    :func:`replay_config_from_verl`); raises :class:`ConfigError` listing every problem.
-    ``hf_config``: the model's HF config (dict or ``PretrainedConfig``) for the MoE check; skipped
-    when None."""
+    """Validate a whole verl job config (driver side): the options in force (``cfg``, else the
+    job's), or one :class:`ConfigError` listing every problem. ``hf_config``: for the MoE check."""
     if cfg is None:
         cfg = replay_config_from_verl(verl_cfg)
     s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
@@ -110,18 +93,14 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
 
 
 def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
-    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it): the
-    MTP draft (``actor_rollout_ref.rollout.mtp``, by default ``actor_rollout_ref.model.mtp``:
-    ``enable`` and ``enable_rollout``), vLLM's ``engine_kwargs.vllm.speculative_config``, SGLang's
-    ``engine_kwargs.sglang.speculative_algorithm`` (verl's servers pass both on to the engine)."""
+    """(the rollout engine, the verl 0.9 settings that turn speculative decoding on in it: the MTP
+    draft, vLLM's ``speculative_config``, SGLang's ``speculative_algorithm``)."""
     s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
     engine = s("actor_rollout_ref.rollout.name")
     engine = None if engine is None else str(engine).lower()
     out: dict[str, Any] = {}
-    # verl's servers read rollout.mtp; by default it is ${actor_rollout_ref.model.mtp}: name the key
-    # the user wrote
-    own = s("actor_rollout_ref.rollout.mtp") is not None and not _interpolated(verl_cfg, "actor_rollout_ref.rollout",
-                                                                                "mtp")
+    # verl's servers read rollout.mtp, by default ${actor_rollout_ref.model.mtp}: name the key the user wrote
+    own = s("actor_rollout_ref.rollout.mtp") is not None and not interpolated(verl_cfg, "actor_rollout_ref.rollout.mtp")
     mtp = "actor_rollout_ref.rollout.mtp" if own else "actor_rollout_ref.model.mtp"
     if bool(s(f"{mtp}.enable", False)) and bool(s(f"{mtp}.enable_rollout", False)):
         out[f"{mtp}.enable"] = out[f"{mtp}.enable_rollout"] = True
@@ -148,53 +127,16 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
 
 
 def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
-    """Refuse a job that would wait forever for Ray CPU slots before it trains (issue 39: a launch
-    printed verl's config and hung silently). verl 0.9.1's V1 trainer starts TransferQueue in a
-    local Ray cluster: a controller and ``num_data_storage_units`` storage actors (8 by default)
-    holding one CPU slot each for the whole job, and Ray gives a local cluster as many slots as the
-    machine has cores unless ``ray_kwargs.ray_init.num_cpus`` says otherwise; with fewer slots the
-    remaining storage actors are never placed and nothing says so. Only a cluster the launcher
-    starts itself is checked (no ``address``, no ``RAY_ADDRESS``). ``cpus``: the machine's count
-    (default: Ray's own)."""
-    ray_init = setting(verl_cfg, "ray_kwargs.ray_init") or {}
-    if not setting(verl_cfg, "trainer.use_v1", True) or setting(ray_init, "address") or os.environ.get("RAY_ADDRESS"):
-        return
+    """verl 0.9.1's V1 trainer starts TransferQueue: a controller and ``num_data_storage_units``
+    storage actors (8 by default), one Ray CPU slot each (:func:`r3bridge.launch.check_ray_cpu_slots`)."""
     units = setting(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
-    if setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage") != "SimpleStorage" or units is None:
-        return
-    slots = setting(ray_init, "num_cpus")
-    given = slots is not None
-    if slots is None:
-        if cpus is None:
-            try:
-                from ray._private.utils import get_num_cpus
-                cpus = int(get_num_cpus())
-            except Exception:  # noqa: BLE001  (Ray's private helper moved: the machine's count)
-                cpus = os.cpu_count() or 1
-        slots = cpus
-    need = 1 + int(units)
-    if int(slots) < need:
-        where = "ray_kwargs.ray_init.num_cpus" if given else f"this machine's {slots} cores (ray_kwargs.ray_init.num_cpus unset)"
-        raise ConfigError(
-            f"verl's TransferQueue needs {need} Ray CPU slots for itself (a controller and "
-            f"transfer_queue.backend.SimpleStorage.num_data_storage_units={units} storage actors, one slot each, "
-            f"held for the whole job), but the local Ray cluster gets {slots} from {where}: the job would "
-            f"wait forever for the rest. Set ray_kwargs.ray_init.num_cpus to at least {need} plus what your "
-            f"workers take (logical slots: more than the machine's cores is fine), or fewer storage units "
-            f"(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
-
-
-def _load_hf_config(verl_cfg: Any) -> Any:
-    path = setting(verl_cfg, "actor_rollout_ref.model.path")
-    if not path or not os.path.exists(os.path.expanduser(str(path))):
-        return None          # remote path: the engine checks the model in the workers
-    try:
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(
-            os.path.expanduser(str(path)),
-            trust_remote_code=bool(setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
-    except Exception:  # noqa: BLE001
-        return None
+    backend = setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage")
+    if setting(verl_cfg, "trainer.use_v1", True) and backend == "SimpleStorage" and units is not None:
+        check_ray_cpu_slots(1 + int(units), setting(verl_cfg, "ray_kwargs.ray_init") or {}, cpus=cpus,
+                            holder=f"verl's TransferQueue (a controller and transfer_queue.backend.SimpleStorage."
+                                   f"num_data_storage_units={units} storage actors, one slot each)",
+                            num_cpus_key="ray_kwargs.ray_init.num_cpus", fewer="fewer storage units "
+                            "(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
 
 
 def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
@@ -203,41 +145,28 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
     (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
     make the workers import the adapter even with verl plugins disabled, and (replay on) register
-    the engine in this process too. ``announce_where``: log the startup line
-    (:func:`r3bridge.announce.announce`) naming it. ``worker_env``: more variables for the workers
-    only (the launcher's stall-watchdog id)."""
-    from omegaconf import OmegaConf, open_dict
+    the engine here too. ``announce_where``: log the startup line naming it. ``worker_env``: more
+    variables for the workers only (the launcher's stall-watchdog id)."""
+    from omegaconf import open_dict
 
     cfg, origin = resolve_verl_options(verl_cfg)
-    validate_verl_config(verl_cfg, hf_config if hf_config is not None else _load_hf_config(verl_cfg), cfg)
+    if hf_config is None:
+        hf_config = local_hf_config(setting(verl_cfg, "actor_rollout_ref.model.path"), trust_remote_code=bool(
+            setting(verl_cfg, "actor_rollout_ref.model.trust_remote_code", False)))
+    validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
-        from r3bridge.announce import announce
         announce(cfg, origin, announce_where)
-    forward = forward_env(cfg, announce_where or "verl launcher")
-    with open_dict(verl_cfg):
-        verl_cfg["r3bridge"] = cfg.as_dict()
-        if setting(verl_cfg, "ray_kwargs") is None:
-            verl_cfg["ray_kwargs"] = {}
-        ray_init = verl_cfg.ray_kwargs.get("ray_init") or OmegaConf.create({})
-        with open_dict(ray_init):
-            rt = ray_init.get("runtime_env") or OmegaConf.create({})
-            with open_dict(rt):
-                env = rt.get("env_vars") or OmegaConf.create({})
-                with open_dict(env):
-                    env.update({**forward, **(worker_env or {})})
-                rt["env_vars"] = env
-            ray_init["runtime_env"] = rt
-        verl_cfg.ray_kwargs["ray_init"] = ray_init
-        model = setting(verl_cfg, "actor_rollout_ref.model")
-        if cfg.replay_mode is not ReplayMode.OFF and model is not None:
-            # verl imports external_lib in every worker and, unlike its plugin loader, lets an
-            # import error fail the worker; it takes a list, so a user's own module stays
-            libs = model.get("external_lib")
-            libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
-            if ADAPTER_MODULE not in libs:
+    forward_section(verl_cfg, cfg, announce_where or "verl launcher", env_path="ray_kwargs.ray_init.runtime_env.env_vars",
+                    worker_env=worker_env)
+    model = setting(verl_cfg, "actor_rollout_ref.model")
+    if cfg.replay_mode is not ReplayMode.OFF and model is not None:
+        # verl imports external_lib in every worker and, unlike its plugin loader, lets an import
+        # error fail the worker; it takes a list, so a user's own module stays
+        libs = model.get("external_lib")
+        libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
+        if ADAPTER_MODULE not in libs:
+            with open_dict(model):
                 model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
-    os.environ.update(forward)
-    if cfg.replay_mode is not ReplayMode.OFF:
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)
     return cfg

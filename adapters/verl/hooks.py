@@ -1,17 +1,12 @@
 """The engine r3bridge registers (only when the job asks for replay): verl's
 ``MegatronEngineWithLMHead`` plus the driver (:class:`r3bridge.megatron.AdapterSession`).
 
-Overrides (everything else is verl's): ``initialize`` (attach to the actor's chunks; the
-reference engine's model is declared the reference), ``forward_backward_batch`` (one pass:
-verl's own schedule inside the session's pass; R2's recorded routes returned in
-``model_output["routed_experts"]``, r3bridge's metrics in ``output["metrics"]``, compute_log_prob's
-with the next update), ``forward_step`` (installs the (chunk, micro-batch)'s targets; with
-``router_log_ratio`` the micro-batch's TensorDict carries ``router_log_ratio`` for verl's loss) and
-``disable_adapter`` (a LoRA "reference in actor" pass never replays).
-
-Phases: the reference engine (``engine_config.forward_only``) and passes with the LoRA adapter
-disabled are ``ref_log_prob``; other forward-only passes ``compute_log_prob``; passes with a
-backward ``update``. docs/use-with-verl.md has the details.
+It overrides ``initialize`` (attach), ``forward_backward_batch`` (one pass: verl's schedule inside
+the session's pass, R2's recorded routes and the metrics into verl's output), ``forward_step``
+(install each (chunk, micro-batch)) and ``disable_adapter`` (a LoRA reference pass never replays).
+Phases: the reference engine and passes with the LoRA adapter disabled are ``ref_log_prob``,
+other forward-only passes ``compute_log_prob``, passes with a backward ``update``.
+docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from r3bridge.adapters._ray_watch import report
 from r3bridge.adapters.verl.codec import (
     LOG_RATIO_KEY,
     ROUTES_KEY,
@@ -37,7 +31,7 @@ from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 from r3bridge.metrics import logprob_mismatch
-from r3bridge.trace import token_uid
+from r3bridge.ray_watch import report
 
 __all__ = ["R3BridgeMegatronEngine"]
 
@@ -55,9 +49,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             check_engine_config(self.r3.config, self.engine_config, hf_config=self.model_config.hf_config)
 
     def r3_init_state(self, cfg) -> None:
-        """The session (r3bridge.megatron.AdapterSession): the reference engine's model is
-        declared the reference and never replays; verl's trainer drops compute_log_prob metrics,
-        so they are logged with the update."""
+        """The session: the reference engine's model is declared the reference; verl's trainer
+        drops compute_log_prob's metrics, so they are logged with the update."""
         ref = bool(getattr(self.engine_config, "forward_only", False))
         self.r3 = AdapterSession("verl", cfg, where="verl reference engine" if ref else "verl engine",
                                  role=Role.REFERENCE if ref else Role.ACTOR, provide=_PROVIDE,
@@ -73,9 +66,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             report("engine_ready")      # the launcher's stall watchdog: this stage is done
 
     def r3_attach(self) -> None:
-        """Check the built model against the HF config and attach the driver (actor only; the
-        reference engine's model is declared the reference: a replay object on any of its
-        routers is refused, naming both roles)."""
+        """Check the engine's settings and attach the session to the built model."""
         hf = self.model_config.hf_config
         if self.r3.replays:
             check_engine_config(self.r3.config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
@@ -174,14 +165,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             # reads this rank's rows once per micro-batch, whichever chunk installs first
             m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
-                                   source=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers, topk=m.topk,
+                                   route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers, topk=m.topk,
                                    layer_axis=self.r3.config.layer_axis)
-        # traced: each sample named by its tokens, so `r3bridge diff` pairs it across passes (verl
-        # numbers the samples of each pass anew, an update's mini-batch shuffled)
-        uids = [token_uid(t) for t in input_ids.unbind()] if self.r3.runner.tracer is not None else None
         return self._r3_pass.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
                                                        cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
-                                                       uids=uids))
+                                                       uids=self.r3.sample_uids(input_ids.unbind())))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""
@@ -196,9 +184,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
 
 def log_ratio_field(per_seq: Optional[list[torch.Tensor]], input_ids: torch.Tensor) -> torch.Tensor:
-    """The loss's ``router_log_ratio``: nested ``[batch, (tokens)]`` float32 like verl's jagged
-    ``input_ids``. ``per_seq`` ``None`` (the chunk has no MoE layer, so no router replayed anything
-    with weights): zeros, no router correction, rather than a ``TypeError`` inside the loss."""
+    """The loss's ``router_log_ratio``, nested like verl's jagged ``input_ids``; zeros where the
+    chunk replayed nothing with weights (``per_seq`` ``None``: no MoE layer), not a loss error."""
     device = input_ids.values().device
     if per_seq is None:
         per_seq = [torch.zeros(int(n), dtype=torch.float32) for n in input_ids.offsets().diff().tolist()]
@@ -206,8 +193,7 @@ def log_ratio_field(per_seq: Optional[list[torch.Tensor]], input_ids: torch.Tens
 
 
 def _padded(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-response field as ``like``'s padded ``[batch, max_response]`` (TransferQueue mode keeps
-    responses nested)."""
+    """A per-response field as ``like``'s padded ``[batch, max_response]`` (TransferQueue keeps it nested)."""
     x = x.to(like.device)
     if getattr(x, "is_nested", False):
         x = x.to_padded_tensor(0, output_size=tuple(like.shape))

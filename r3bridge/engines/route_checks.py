@@ -117,7 +117,8 @@ def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: 
 # ------------------------------------------------------------------ a read's ids
 def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, row: np.ndarray,
                starts: Sequence[int], layer_ids: Sequence[int], num_experts: int, degenerate: str,
-               names: Optional[Sequence[str]] = None) -> tuple[np.ndarray, np.ndarray]:
+               names: Optional[Sequence[str]] = None,
+               framework: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
     """Range and distinct-within-row of every covered (row, layer) of a read's ids ``compact``
     (``[nl, T, K]``, layer-major: the gathered rows of ``layer_ids``; read row ``t`` is row
     ``row[t]`` of sequence ``seq[t]``), one sweep where the ids are (the device: a sort of the K
@@ -134,7 +135,7 @@ def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, r
         i, j = int(seq[r]), int(row[r])
         raise _named(route_value_error("range", seq=i, row=j, tok=starts[i] + j, layer=layer_ids[c],
                                        values=compact[c, r].tolist(), num_experts=num_experts,
-                                       total=int(rng.sum())), names, i)
+                                       total=int(rng.sum())), names, i, framework)
     bad_rows = np.flatnonzero(dup.any(1))
     if bad_rows.size and degenerate == "refuse":
         r = int(bad_rows[0])
@@ -142,19 +143,21 @@ def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, r
         i, j = int(seq[r]), int(row[r])
         raise _named(route_value_error("duplicate", seq=i, row=j, tok=starts[i] + j, layer=layer_ids[c],
                                        values=compact[c, r].tolist(), num_experts=num_experts,
-                                       total=int(dup.sum())), names, i)
+                                       total=int(dup.sum())), names, i, framework)
     if bad_rows.size:
         covered = covered.copy()
         covered[bad_rows] = False
     return covered, bad_rows
 
 
-def _named(err: Exception, names: Optional[Sequence[str]], i: int) -> Exception:
-    """``err`` naming sequence ``i`` as the framework does (``names[i]``)."""
-    if names and i < len(names):
-        msg = str(err).replace(f"sequence {i}", names[i], 1)
-        return type(err)(msg)
-    return err
+def _named(err: Exception, names: Optional[Sequence[str]], i: int, framework: Optional[str] = None) -> Exception:
+    """``err`` naming sequence ``i`` as the framework does (``names[i]``); with a ``framework``,
+    the adapter's sample name leads the message."""
+    if not names or i >= len(names):
+        return err
+    if framework is not None:
+        return type(err)(f"{framework} sample {names[i]}: " + str(err).replace(f"sequence {i}", "", 1).lstrip(", :"))
+    return type(err)(str(err).replace(f"sequence {i}", names[i], 1))
 
 
 def _faults_torch(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

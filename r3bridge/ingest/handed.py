@@ -24,9 +24,11 @@ With top-1 an expert-0 row cannot be told from a zero row: zero rows stay "no ro
 """
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,10 +42,17 @@ from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
 from r3bridge.engines.engine_pack import check_shapes, host_array
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
 from r3bridge.engines.route_checks import check_read
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteWeightsError
+from r3bridge.errors import (
+    ConfigError,
+    CoverageError,
+    LayerMappingError,
+    ReplayError,
+    RouteShapeError,
+    RouteWeightsError,
+)
 from r3bridge.ingest.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
 
-__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "padded_spans"]
+__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "padded_spans", "naming_samples"]
 
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
 # explicit per-row mask; "zero" rows past the sample's last non-zero row (verl, SkyRL 0.3);
@@ -78,6 +87,8 @@ class HandedRoutes:
     mask: Optional[torch.Tensor] = None            # "mask": bool [B, S] of the grid (True = a route)
     sentinel: Optional[int] = None                 # "sentinel": the no-route value
     names: Optional[list[str]] = None              # how errors name each sequence
+    # whose names they are: errors then lead with "<framework> sample <name>: " (the adapters')
+    framework: Optional[str] = None
     weights_grid: Optional[torch.Tensor] = None    # routing weights, the routes' storage and shape
     weights_arrays: Optional[list[np.ndarray]] = None
     engine: Optional[str] = None                   # rollout routes: the engine that produced them, if said
@@ -102,7 +113,7 @@ class HandedRoutes:
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
                     weights: Optional[Sequence[Any]] = None, route_kind: str = "rollout",
                     names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                    source: Optional[str] = None) -> "HandedRoutes":
+                    source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """vLLM-style per-sequence engine outputs (any transport
         :func:`r3bridge.engines.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
         handed row a route; ``moe_layer_ids`` selects the MoE layers by id. ``source``: deprecated
@@ -137,13 +148,14 @@ class HandedRoutes:
                                             f"{tuple(arrays[i].shape)}")
                 w.append(wi)
         return cls(rows, starts, layer_ids, cols, num_experts, k, "none", route_kind, False, "engine", arrays=arrays,
-                   names=None if names is None else list(names), weights_arrays=w, engine=engine)
+                   names=None if names is None else list(names), framework=framework, weights_arrays=w, engine=engine)
 
     @classmethod
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
-                    weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None) -> "HandedRoutes":
+                    weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None,
+                    framework: Optional[str] = None) -> "HandedRoutes":
         """One packed buffer ``[sum rows, L_src, K]`` (verl's nested values, SkyRL 0.4's
         ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
         ``source``: deprecated (``route_kind`` and ``engine`` in one word)."""
@@ -162,14 +174,14 @@ class HandedRoutes:
             m = m[None]
         w = None if weights is None else _weights_tensor(weights, v)[None]
         return cls._checked("packed", v[None], np.zeros(len(rows), dtype=np.int64), offs[:-1], rows, None,
-                            num_experts, layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, w)
+                            num_experts, layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, w, framework)
 
     @classmethod
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout",
                     names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                    source: Optional[str] = None) -> "HandedRoutes":
+                    source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """A padded ``[B, S, L_src, K]`` field and its ``[B, S]`` mask (left or right padding): one
         row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``. ``source``: deprecated
         (``route_kind`` and ``engine`` in one word)."""
@@ -189,13 +201,13 @@ class HandedRoutes:
                 raise RouteShapeError(f"valid mask shape {tuple(m.shape)} does not match attention_mask "
                                       f"{tuple(attn.shape)}")
         return cls._checked("padded", r, np.arange(len(lens), dtype=np.int64), first, lens, None, num_experts,
-                            layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, None)
+                            layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, None, framework)
 
     @classmethod
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                            layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
                            names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                           source: Optional[str] = None) -> "HandedRoutes":
+                           source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
         """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last: AReaL's trajectories), tokens
         ``[0, lens[i])`` of each, ``sentinel`` where a token has no route. ``source``: deprecated
         (``route_kind`` and ``engine`` in one word)."""
@@ -213,11 +225,11 @@ class HandedRoutes:
         if bad:
             raise CoverageError(f"sequence of {bad[0]} tokens, routes tensor holds {t.shape[3]}")
         return cls._checked("sequence_last", t.permute(0, 3, 1, 2), b, np.zeros(len(n), dtype=np.int64), n, None,
-                            num_experts, layer_ids, None, "sentinel", None, sentinel, route_kind, engine, names, None)
+                            num_experts, layer_ids, None, "sentinel", None, sentinel, route_kind, engine, names, None, framework)
 
     @classmethod
     def _checked(cls, form, grid, seq_b, seq_s0, rows, starts, num_experts, layer_ids, columns, no_route, mask,
-                 sentinel, route_kind, engine, names, weights_grid) -> "HandedRoutes":
+                 sentinel, route_kind, engine, names, weights_grid, framework=None) -> "HandedRoutes":
         if no_route not in NO_ROUTE_KINDS:
             raise RouteShapeError(f"no_route must be one of {NO_ROUTE_KINDS}, got {no_route!r}")
         if (no_route == "mask") != (mask is not None):
@@ -236,8 +248,8 @@ class HandedRoutes:
                                   f"goes in engine=)")
         return cls(rows, starts, layer_ids, cols, num_experts, k, no_route, route_kind, False, form, grid=grid,
                    seq_b=np.asarray(seq_b, dtype=np.int64), seq_s0=np.asarray(seq_s0, dtype=np.int64), mask=mask,
-                   sentinel=sentinel, names=None if names is None else list(names), weights_grid=weights_grid,
-                   engine=engine)
+                   sentinel=sentinel, names=None if names is None else list(names), framework=framework,
+                   weights_grid=weights_grid, engine=engine)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -261,7 +273,9 @@ class HandedRoutes:
         return self.weights_grid is not None or self.weights_arrays is not None
 
     def name(self, i: int) -> str:
-        return f"sequence {i}" if not self.names or i >= len(self.names) else self.names[i]
+        if not self.names or i >= len(self.names):
+            return f"sequence {i}"
+        return self.names[i] if self.framework is None else f"{self.framework} sample {self.names[i]}"
 
     def with_empty_sequences(self, seq_lens: Sequence[int]) -> "HandedRoutes":
         """These routes followed by one sequence without any route per entry of ``seq_lens``
@@ -333,12 +347,31 @@ class HandedRoutes:
         return end
 
     # ------------------------------------------------------------------ the whole batch
-    def to_batch(self, *, degenerate: str = "refuse", drop_final_invalid: bool = True) -> Any:
+    def to_batch(self, *, degenerate: str = "refuse", drop_final_invalid: Optional[bool] = None,
+                 invalid_rows: str = "native") -> Any:
         """Every handed row as a canonical :class:`r3bridge.ReplayBatch` (where a framework needs
-        the whole batch: R2 write-backs, the conformance checks), by the reader's rules: ids
-        checked once, "no route" from the transport (explicit mask, captured range, sentinel),
-        degenerate rows refused or (``"native"``) marked without a route; a sequence's final row
-        without a route dropped (the last sampled token is never fed forward)."""
+        the whole batch: R2 write-backs, a codec's ``to_replay_batch``, the conformance checks), by
+        the reader's rules: ids checked once, "no route" from the transport (explicit mask,
+        captured range, sentinel), degenerate rows refused or (``"native"``) marked without a
+        route; a sequence's final row without a route dropped (the last sampled token is never fed
+        forward; default: for rollout routes, recorded ones route every token).
+        ``invalid_rows="error"``: a row without a usable route (a degenerate one too) is refused,
+        naming the sequence and its token (``ReplayConfig.invalid_rows``' rule, for the whole
+        batch). With a ``framework``, every error leads with the framework's name of the sample."""
+        if invalid_rows not in ("native", "error"):
+            raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
+        drop = self.route_kind != "recorded" if drop_final_invalid is None else drop_final_invalid
+        names = [self.name(i) for i in range(self.num_seqs)] if self.framework is not None and self.names else []
+        with naming_samples(names):
+            batch = self._whole_batch("native" if invalid_rows == "error" else degenerate, drop)
+            if invalid_rows == "error" and not bool(batch.valid.all()):
+                bad = int((~batch.valid).nonzero()[0])
+                seq = int((batch.offsets[1:] <= bad).sum())
+                token = batch.start_rows[seq] + bad - int(batch.offsets[seq])
+                raise CoverageError(f"sequence {seq}: token {token} has no route and r3bridge.invalid_rows='error'")
+        return batch
+
+    def _whole_batch(self, degenerate: str, drop_final_invalid: bool) -> Any:
         if self.arrays is not None and self.no_route == "none" and self.weights_arrays is None:
             return ReplayBatch._from_host(self.arrays, self.columns, num_experts=self.num_experts,
                                           layer_ids=self.layer_ids, start_rows=self.starts, route_kind=self.route_kind,
@@ -357,7 +390,8 @@ class HandedRoutes:
         covered &= ~unrouted_rows(compact, self, covered)
         if not self.trusted and covered.any():
             covered, _ = check_read(compact, covered, seq=seq, row=j, starts=self.starts, layer_ids=self.layer_ids,
-                                    num_experts=self.num_experts, degenerate=degenerate, names=self.names)
+                                    num_experts=self.num_experts, degenerate=degenerate, names=self.names,
+                                    framework=self.framework)
         routes = compact.permute(1, 0, 2).to(route_dtype(self.num_experts))     # exact: checked in range
         weights = None
         if self.has_weights:
@@ -457,3 +491,21 @@ def _weights_tensor(w: Any, like: torch.Tensor) -> torch.Tensor:
         raise RouteWeightsError(f"weights have shape {tuple(t.shape)}, routes {tuple(like.shape)}: one weight per "
                                 f"(row, layer, k)")
     return t
+
+
+_SEQUENCE = re.compile(r"\bsequence (\d+)")
+
+
+@contextlib.contextmanager
+def naming_samples(names: Sequence[str]) -> Iterator[None]:
+    """Inside the block, a :class:`~r3bridge.ReplayError` naming "sequence i" (the core's name:
+    the position in the batch it was given) is raised again, same class, chained, leading with
+    ``names[i]`` (how the framework knows the sample) instead."""
+    try:
+        yield
+    except ReplayError as e:
+        msg = str(e)
+        hit = _SEQUENCE.search(msg)
+        if hit is None or int(hit.group(1)) >= len(names):
+            raise
+        raise type(e)(f"{names[int(hit.group(1))]}: " + _SEQUENCE.sub("", msg, count=1).lstrip(", :")) from e

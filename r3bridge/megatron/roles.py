@@ -45,6 +45,10 @@ class Role(str, Enum):
     DRAFT = "draft"              # MTP / speculative layers: in the actor's model, never replayed
 
     @classmethod
+    def _missing_(cls, value: object) -> Optional["Role"]:
+        return {"ref": cls.REFERENCE}.get(value) if isinstance(value, str) else None   # AReaL's name
+
+    @classmethod
     def of(cls, value: "Role | str") -> "Role":
         try:
             return cls(value)

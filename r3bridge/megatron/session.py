@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -185,6 +185,15 @@ class AdapterSession:
                              packing_from_forward=packing_from_forward) as phase_pass:
             yield phase_pass
         self.result = None if phase_pass is None else phase_pass.result
+
+    def sample_uids(self, token_lists: Iterable[Any]) -> Optional[list[str]]:
+        """Each sample's name from its tokens (:func:`r3bridge.trace.token_uid`) when the pass is
+        traced, for ``MicroBatch.uids``: ``r3bridge diff`` pairs samples by it across passes whose
+        order the framework shuffles; ``None`` when untraced (nothing computed)."""
+        if self.runner.tracer is None:
+            return None
+        from r3bridge.trace import token_uid
+        return [token_uid(t) for t in token_lists]
 
     # ------------------------------------------------------------------------------ after the pass
     def metrics_to_log(self, result: Optional[PhaseResult] = None,

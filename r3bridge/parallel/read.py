@@ -87,7 +87,7 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
         covered, degenerate_rows = check_read(compact, covered, seq=rank_rows.seq, row=rank_rows.src,
                                               starts=routes.starts, layer_ids=want,
                                               num_experts=routes.num_experts, degenerate=degenerate,
-                                              names=routes.names)
+                                              names=routes.names, framework=routes.framework)
     valid_t = torch.from_numpy(covered)
     out = torch.empty(compact.shape, dtype=torch.int64, device=dev)
     out.copy_(compact)

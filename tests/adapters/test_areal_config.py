@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters._naming import check_topk
-from r3bridge.adapters.areal.config import check_routes_topk, parse_cli, section_of
+from r3bridge.adapters.areal.config import parse_cli, section_of
+from r3bridge.capture import check_flat_topk
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RouteShapeError
+from r3bridge.hf import check_topk
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "areal"
 LINE = [str(EXAMPLE / "gsm8k_r3bridge.py"), "--config", str(EXAMPLE / "gsm8k_megatron.yaml")]
@@ -47,9 +48,9 @@ def test_without_section_the_trainer_falls_back_to_the_environment(tmp_path):
 
 def test_topk_mismatch_at_ingest_names_sample_token_layer_and_both_topks():
     rows = np.zeros((9, 16), dtype=np.int32)          # 4 layers x top-4, the model says top-2
-    check_routes_topk(np.zeros((9, 8), dtype=np.int32), num_layers=4, topk=2, sample="query_id='q7'")
+    check_flat_topk(np.zeros((9, 8), dtype=np.int32), num_layers=4, topk=2, sample="query_id='q7'")
     with pytest.raises(RouteShapeError) as ei:
-        check_routes_topk(rows, num_layers=4, topk=2, sample="query_id='q7'", turn=1)
+        check_flat_topk(rows, num_layers=4, topk=2, sample="query_id='q7'", turn=1)
     msg = str(ei.value)
     for part in ("query_id='q7'", "turn 1", "token 0", "layer 0", "top-4", "top-2"):
         assert part in msg, (part, msg)

@@ -26,9 +26,9 @@ from r3bridge.adapters.areal import (  # noqa: E402
     ROUTES_KEY,
     ArealCodec,
     RecordingBackend,
+    batch_handed_routes,
     decode_sglang,
     first_seen_rows,
-    replay_batch_from_batch,
     routes_from_attempts,
     trajectory_tensor,
 )
@@ -147,8 +147,8 @@ def test_trajectory_tensor_sentinel_and_dtypes():
     t = trajectory_tensor(rb, [4])
     assert t.dtype == torch.uint8 and t.shape == (1, 1, 2, 4)
     assert t[0, 0, :, 1].tolist() == [255, 255] and t[0, 0, :, 3].tolist() == [255, 255]
-    back = replay_batch_from_batch({ROUTES_KEY: t, "attention_mask": torch.ones(1, 4, dtype=torch.bool)},
-                                   key=ROUTES_KEY, num_experts=8, moe_layer_ids=[2])
+    back = batch_handed_routes({ROUTES_KEY: t, "attention_mask": torch.ones(1, 4, dtype=torch.bool)},
+                               key=ROUTES_KEY, num_experts=8, moe_layer_ids=[2]).to_batch()
     assert back.rows_per_seq == [3] and back.valid.tolist() == [True, False, True]
     big = ReplayBatch.from_ragged([torch.tensor([[[300, 2]]])], num_experts=512, layer_ids=[0])
     assert trajectory_tensor(big, [1]).dtype == torch.int16

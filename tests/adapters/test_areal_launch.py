@@ -90,12 +90,12 @@ def test_a_missing_section_is_announced_at_launch_and_a_typo_refused_in_one_line
 
 
 def test_the_wait_for_inference_servers_says_what_it_waits_for_and_stops_when_they_died():
-    from r3bridge.adapters.areal.launch import SERVER_MODULES, ServerWait
+    from r3bridge.adapters.areal.launch import SERVER_MODULES, server_wait
 
     now = [0.0]
     running = {"areal.infra.launcher.sglang_server": 0, SERVER_MODULES["sglang"]: 0}
     registered = [3]                                   # left over from an earlier run: not counted before the wrapper
-    wait = ServerWait("sglang", 1, lambda: registered[0], running.get, "/f/llm_server.log", clock=lambda: now[0])
+    wait = server_wait("sglang", 1, lambda: registered[0], "/f/llm_server.log", running=running.get, clock=lambda: now[0])
     assert wait.poll() is None and not wait.done
     running["areal.infra.launcher.sglang_server"] = 1
     registered[0] = 0
@@ -112,5 +112,5 @@ def test_the_wait_for_inference_servers_says_what_it_waits_for_and_stops_when_th
     running["areal.infra.launcher.sglang_server"] = 0
     line = wait.poll()
     assert wait.failed and line.startswith("the sglang server process(es) exited before registering (70 s")
-    ok = ServerWait("sglang", 2, lambda: 2, lambda module: 1, "/f/llm_server.log", clock=lambda: 5.0)
+    ok = server_wait("sglang", 2, lambda: 2, "/f/llm_server.log", running=lambda module: 1, clock=lambda: 5.0)
     assert ok.poll() == "2 sglang server(s) registered after 0 s" and ok.done

@@ -3,7 +3,7 @@ byte-identical ReplayBatches and identical per-rank targets for several parallel
 
 * verl 0.9.1: the padded ``routed_experts`` its agent loop builds (engine rows placed from the
   prompt start, zero rows elsewhere), converted by verl's own ``left_right_2_no_padding`` into the
-  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.codec.replay_batch_from_tensordict``
+  nested jagged TensorDict field, read by ``r3bridge.adapters.verl.codec.handed_routes``
   (the verl adapter's ingest function);
 * SkyRL 0.3.0: every vLLM call's payload (SkyRL's JSON lists) accumulated first-seen, then SkyRL's
   own ``convert_prompts_responses_to_batch_tensors`` -> ``TrainingInputBatch`` -> the SkyRL codec;
@@ -37,12 +37,12 @@ def ingest_all(rollout) -> dict[str, ReplayBatch]:
     import _skyrl_fixture as sk
 
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
+    from r3bridge.adapters.verl.codec import handed_routes
 
     return {
-        "verl": replay_batch_from_tensordict(verl_batch(rollout), moe_layer_ids=rollout.moe_layer_ids,
-                                             num_experts=rollout.num_experts, source="rollout",
-                                             num_hidden_layers=rollout.num_layers),
+        "verl": handed_routes(verl_batch(rollout), moe_layer_ids=rollout.moe_layer_ids,
+                              num_experts=rollout.num_experts, route_kind="rollout",
+                              num_hidden_layers=rollout.num_layers).to_batch(),
         "skyrl": sk.codec(rollout).to_replay_batch(sk.training_batch(rollout)),
         "skyrl_main": sk.codec(rollout).to_replay_batch(sk.training_batch(rollout, fmt="main", transport="npy_b64")),
         "areal": ArealCodec(ac.model_info(rollout)).to_replay_batch(ac.batch(rollout)),
@@ -81,7 +81,7 @@ def test_recorded_routes_same_in_every_framework():
     import _skyrl_fixture as sk
 
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict, routes_to_nested
+    from r3bridge.adapters.verl.codec import handed_routes, routes_to_nested
 
     rollout = make_rollout(8, batch_size=5, num_experts=8)
     lens = [len(t) for t in rollout.tokens]
@@ -90,7 +90,7 @@ def test_recorded_routes_same_in_every_framework():
                                   num_experts=8, layer_ids=[1, 2, 3], source="recorded")
     td = verl_batch(rollout)
     td["routed_experts"] = routes_to_nested(rec)
-    got = {"verl": replay_batch_from_tensordict(td, moe_layer_ids=[1, 2, 3], num_experts=8, source="recorded")}
+    got = {"verl": handed_routes(td, moe_layer_ids=[1, 2, 3], num_experts=8, route_kind="recorded").to_batch()}
     sky = sk.codec(rollout)
     got["skyrl"] = sky.to_replay_batch(sky.write_recorded(sk.training_batch(rollout), rec), source="recorded")
     ar = ArealCodec(ac.model_info(rollout))

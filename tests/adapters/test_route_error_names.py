@@ -40,10 +40,10 @@ def _verl_micro_batch(lens: list[int], batch_index: list[int] | None, *, bad: tu
 
 
 def _verl_ingest(td, topk: int | None = K):
-    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
+    from r3bridge.adapters.verl.codec import handed_routes
 
-    return replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                        num_hidden_layers=NUM_LAYERS, topk=topk)
+    return handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                         num_hidden_layers=NUM_LAYERS, topk=topk).to_batch()
 
 
 def test_verl_route_error_names_batch_index_and_token():
@@ -67,13 +67,13 @@ def test_verl_without_batch_index_names_micro_batch_position():
 
 
 def test_verl_invalid_rows_error_names_sample_and_token():
-    from r3bridge.adapters.verl.codec import replay_batch_from_tensordict
+    from r3bridge.adapters.verl.codec import handed_routes
 
     td = _verl_micro_batch([5, 6], [7, 3])
     td["routed_experts"].values()[5 + 2] = 0      # sample 3's token 2: no route
     with pytest.raises(CoverageError, match=r"verl sample batch index 3: token 2 has no route"):
-        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS, invalid_rows="error")
+        handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS).to_batch(invalid_rows="error")
 
 
 def test_verl_topk_mismatch_refused_at_ingest_naming_both():
@@ -119,15 +119,15 @@ def _skyrl_batch(lens: list[int], *, bad: tuple[int, int] | None = None, topk: i
 
 
 def test_skyrl_route_error_names_batch_row_and_token():
-    from r3bridge.adapters.skyrl.codec import replay_batch_from_training_batch
+    from r3bridge.adapters.skyrl.codec import handed_routes
 
     with pytest.raises(RouteValueError, match=r"^SkyRL sample batch row 1: .*token 4\b.*layer 2"):
-        replay_batch_from_training_batch(_skyrl_batch([5, 7], bad=(1, 4)), num_experts=E, moe_layer_ids=MOE,
-                                         num_hidden_layers=NUM_LAYERS)
+        handed_routes(_skyrl_batch([5, 7], bad=(1, 4)), num_experts=E, moe_layer_ids=MOE,
+                      num_hidden_layers=NUM_LAYERS).to_batch()
     # a micro-batch of mini-batch rows 6 and 9
     with pytest.raises(RouteValueError, match=r"^SkyRL sample batch row 9: "):
-        replay_batch_from_training_batch(_skyrl_batch([5, 7], bad=(1, 4)), num_experts=E, moe_layer_ids=MOE,
-                                         num_hidden_layers=NUM_LAYERS, sample_ids=[6, 9])
+        handed_routes(_skyrl_batch([5, 7], bad=(1, 4)), num_experts=E, moe_layer_ids=MOE,
+                      num_hidden_layers=NUM_LAYERS, sample_ids=[6, 9]).to_batch()
 
 
 def test_skyrl_topk_mismatch_refused_naming_both():
@@ -155,17 +155,17 @@ def _areal_tensor(lens: list[int], *, bad: tuple[int, int] | None = None, topk: 
 
 
 def test_areal_route_error_names_batch_row_and_token():
-    from r3bridge.adapters.areal.codec import replay_batch_from_tensor
+    from r3bridge.adapters.areal.codec import handed_routes
 
     # a micro-batch of AReaL's trajectories 3 and 1 (token-balanced re-ordering)
     t = _areal_tensor([4, 6, 5, 7], bad=(3, 2))
     with pytest.raises(RouteValueError, match=r"^AReaL sample batch row 3: .*token 2\b.*layer 2"):
-        replay_batch_from_tensor(t, [3, 1], [7, 6], num_experts=E, moe_layer_ids=MOE)
+        handed_routes(t, [3, 1], [7, 6], num_experts=E, moe_layer_ids=MOE).to_batch()
 
 
 def test_areal_topk_mismatch_refused_naming_both():
-    from r3bridge.adapters.areal.codec import replay_batch_from_tensor
+    from r3bridge.adapters.areal.codec import handed_routes
 
     with pytest.raises(RouteShapeError, match=r"routes carries 3 expert ids .* top-2"):
-        replay_batch_from_tensor(_areal_tensor([4, 6], topk=K + 1), [0, 1], [4, 6], num_experts=E,
-                                 moe_layer_ids=MOE, topk=K)
+        handed_routes(_areal_tensor([4, 6], topk=K + 1), [0, 1], [4, 6], num_experts=E,
+                      moe_layer_ids=MOE, topk=K).to_batch()

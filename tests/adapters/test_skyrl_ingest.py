@@ -18,8 +18,8 @@ from r3bridge.adapters.skyrl import (
     MASK_KEY,
     ROUTES_KEY,
     decode_routed_experts,
+    handed_routes,
     merge_first_seen,
-    replay_batch_from_training_batch,
     rollout_routes,
     training_batch_fields,
 )
@@ -126,8 +126,8 @@ def test_training_fields_roundtrip_left_padded():
     f = training_batch_fields(rec, attn, num_hidden_layers=4)
     assert f[ROUTES_KEY].shape == (2, 6, 4, 2) and f[ROUTES_KEY].dtype == torch.uint8
     assert f[ROUTES_KEY][0, 0, 0].tolist() == [0, 1]                 # dummy rows 0..K-1, never zero rows
-    back = replay_batch_from_training_batch({**f, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1, 3],
-                                            source="recorded")
+    back = handed_routes({**f, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1, 3],
+                         route_kind="recorded").to_batch()
     assert back.to_bytes() == rec.to_bytes()
 
 
@@ -135,32 +135,32 @@ def test_trainer_side_errors():
     attn = torch.ones(1, 4, dtype=torch.long)
     routes = torch.zeros(1, 4, 4, 2, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="rollout_expert_indices"):
-        replay_batch_from_training_batch({"attention_mask": attn}, num_experts=8, moe_layer_ids=[1])
+        handed_routes({"attention_mask": attn}, num_experts=8, moe_layer_ids=[1]).to_batch()
     with pytest.raises(LayerMappingError, match="num_hidden_layers"):
-        replay_batch_from_training_batch({ROUTES_KEY: routes, "attention_mask": attn}, num_experts=8,
-                                         moe_layer_ids=[1], num_hidden_layers=6)
+        handed_routes({ROUTES_KEY: routes, "attention_mask": attn}, num_experts=8,
+                      moe_layer_ids=[1], num_hidden_layers=6).to_batch()
     with pytest.raises(ConfigError, match="sub_seq_lengths"):
-        replay_batch_from_training_batch({ROUTES_KEY: routes, "attention_mask": attn, "sub_seq_lengths": [[2, 2]]},
-                                         num_experts=8, moe_layer_ids=[1])
+        handed_routes({ROUTES_KEY: routes, "attention_mask": attn, "sub_seq_lengths": [[2, 2]]},
+                      num_experts=8, moe_layer_ids=[1]).to_batch()
     bad = routes.clone()
     bad[0, :3, 1] = torch.tensor([3, 3], dtype=torch.uint8)          # duplicate ids in a real row
     with pytest.raises(RouteValueError, match="duplicate"):
-        replay_batch_from_training_batch({ROUTES_KEY: bad, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1])
+        handed_routes({ROUTES_KEY: bad, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1]).to_batch()
 
 
 def test_zero_rows_without_mask_are_invalid_and_k1_counts_expert0_as_missing():
     attn = torch.ones(1, 3, dtype=torch.long)
     r = torch.zeros(1, 3, 2, 2, dtype=torch.uint8)
     r[0, 0, 1] = torch.tensor([2, 5])
-    rb = replay_batch_from_training_batch({ROUTES_KEY: r, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1])
+    rb = handed_routes({ROUTES_KEY: r, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1]).to_batch()
     assert rb.rows_per_seq == [2] and rb.valid.tolist() == [True, False]   # final invalid row dropped
     # with a mask, a row the mask calls captured must hold a real route: zeros are refused loudly
     with_mask = {ROUTES_KEY: r, "attention_mask": attn, MASK_KEY: torch.tensor([[False, False, True]])}
     with pytest.raises(RouteValueError, match="duplicate"):
-        replay_batch_from_training_batch(with_mask, num_experts=8, moe_layer_ids=[1])
+        handed_routes(with_mask, num_experts=8, moe_layer_ids=[1]).to_batch()
     k1 = torch.zeros(1, 3, 2, 1, dtype=torch.uint8)
     k1[0, 1, 1] = 4
-    rb3 = replay_batch_from_training_batch({ROUTES_KEY: k1, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1])
+    rb3 = handed_routes({ROUTES_KEY: k1, "attention_mask": attn}, num_experts=8, moe_layer_ids=[1]).to_batch()
     assert rb3.valid.tolist() == [False, True]        # K == 1: expert 0 reads as "no route" (as in verl)
 
 
@@ -189,11 +189,11 @@ def test_r2_update_through_skyrl_padding_microbatch():
     it.data = data
     pad = it._create_padding_microbatch()
     assert pad[ROUTES_KEY].abs().sum() == 0 and pad["attention_mask"].sum() > 0
-    got = replay_batch_from_training_batch({ROUTES_KEY: pad[ROUTES_KEY].to(torch.int32),
-                                            "attention_mask": pad["attention_mask"]},
-                                           num_experts=e, moe_layer_ids=[1, 2, 3], source="recorded")
+    got = handed_routes({ROUTES_KEY: pad[ROUTES_KEY].to(torch.int32),
+                         "attention_mask": pad["attention_mask"]},
+                        num_experts=e, moe_layer_ids=[1, 2, 3], route_kind="recorded").to_batch()
     assert not bool(got.valid.any())
     # the real samples' recorded routes still come back whole, without the mask as well
-    real = replay_batch_from_training_batch({ROUTES_KEY: data[ROUTES_KEY], "attention_mask": attn},
-                                            num_experts=e, moe_layer_ids=[1, 2, 3], source="recorded")
+    real = handed_routes({ROUTES_KEY: data[ROUTES_KEY], "attention_mask": attn},
+                         num_experts=e, moe_layer_ids=[1, 2, 3], route_kind="recorded").to_batch()
     assert real.equals(rec)

@@ -11,9 +11,9 @@ import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from r3bridge.adapters.verl import config as vc  # noqa: E402
-from r3bridge.adapters.verl.main_ppo import rewrite_overrides  # noqa: E402
 from r3bridge.config import ENV_FROM, ReplayConfig, ReplayMode  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
+from r3bridge.launch import section_overrides  # noqa: E402
 
 MOE_HF = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
           "mlp_only_layers": []}
@@ -195,7 +195,7 @@ def test_engine_side_checks_with_verl_dataclass(base_cfg):
 
 
 def test_launcher_passes_r3bridge_overrides_with_double_plus():
-    assert rewrite_overrides(["r3bridge.replay_mode=R3", "+r3bridge.agreement=false", "++r3bridge.min_coverage=0.5",
+    assert section_overrides(["r3bridge.replay_mode=R3", "+r3bridge.agreement=false", "++r3bridge.min_coverage=0.5",
                               "trainer.n=1", "+trainer.x=1"]) == \
         ["++r3bridge.replay_mode=R3", "++r3bridge.agreement=false", "++r3bridge.min_coverage=0.5",
          "trainer.n=1", "+trainer.x=1"]
@@ -213,7 +213,7 @@ def test_rewritten_overrides_compose_with_hydra_with_or_without_a_section(existi
     d = os.path.join(os.path.dirname(m.__file__), "config")
     with initialize_config_dir(config_dir=d, version_base=None):
         cfg = compose(config_name="ppo_megatron_trainer",
-                      overrides=existing + rewrite_overrides(["r3bridge.replay_mode=R3", "r3bridge.min_coverage=0.5"]))
+                      overrides=existing + section_overrides(["r3bridge.replay_mode=R3", "r3bridge.min_coverage=0.5"]))
         assert vc.replay_config_from_verl(cfg) == ReplayConfig(replay_mode="R3", min_coverage=0.5)
         if existing:
             with pytest.raises(ConfigCompositionException):
@@ -239,7 +239,7 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
 def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeypatch):
     """Ray says only "The current node timed out during startup"; the launcher adds the raylet's own
     FATAL line (Ray #65983: a loaded machine starts the dashboard agent too slowly)."""
-    from r3bridge.adapters._ray_watch import ray_start_failure
+    from r3bridge.ray_watch import ray_start_failure
 
     logs = tmp_path / "session_latest" / "logs"
     logs.mkdir(parents=True)

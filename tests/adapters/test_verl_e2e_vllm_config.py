@@ -18,12 +18,12 @@ def _compose(cmd: list[str]):
     import verl.trainer.main_ppo as verl_main
     from hydra import compose, initialize_config_dir
 
-    from r3bridge.adapters.verl.main_ppo import rewrite_overrides
+    from r3bridge.launch import section_overrides
 
     assert cmd[1:3] == ["-m", "r3bridge.adapters.verl.main_ppo"] and cmd[3].startswith("--config-name=")
     config_dir = os.path.join(os.path.dirname(verl_main.__file__), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name=cmd[3].split("=", 1)[1], overrides=rewrite_overrides(cmd[4:]))
+        return compose(config_name=cmd[3].split("=", 1)[1], overrides=section_overrides(cmd[4:]))
 
 
 def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
@@ -33,6 +33,9 @@ def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
 
     monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
     monkeypatch.setenv("R3E2E_PREFIX_CACHE", "0")
+    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):     # recorded: prepare()'s os.environ writes are undone
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
                                            "agent_calls", "metrics", "lab")}
     cfg = _compose(E.job_command(paths, "R3"))

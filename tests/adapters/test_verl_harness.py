@@ -25,7 +25,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.codec import ROUTES_KEY, replay_batch_from_tensordict  # noqa: E402
+from r3bridge.adapters.verl.codec import ROUTES_KEY, handed_routes  # noqa: E402
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine  # noqa: E402
 from r3bridge.config import ReplayConfig  # noqa: E402
 from r3bridge.testing.harness.data import align_for, make_packed_batch  # noqa: E402
@@ -106,7 +106,7 @@ def _mini_batch(batches, routes=None):
     return TensorDict(fields, batch_size=[len(lens)])
 
 
-def _engine(ctx, chunks, batches, mode, hf=HF):
+def _engine(ctx, chunks, batches, mode, hf=HF, **options):
     eng = Engine.__new__(Engine)
     eng.engine_config = SimpleNamespace(forward_only=False, use_remove_padding=True, pad_to_length=False,
                                         dynamic_context_parallel=False, router_replay=SimpleNamespace(mode="disabled"))
@@ -115,7 +115,7 @@ def _engine(ctx, chunks, batches, mode, hf=HF):
     eng.module = chunks
     eng.ctx, eng.packed = ctx, batches
     eng.inner = make_forward_step(ctx, thd=False)
-    eng.r3_init_state(ReplayConfig(replay_mode=mode))
+    eng.r3_init_state(ReplayConfig(replay_mode=mode, **options))
     eng.r3_attach()
     return eng
 
@@ -143,8 +143,10 @@ def _rank(ctx):
     except Exception as e:  # noqa: BLE001
         out["hf_mismatch"] = f"{type(e).__name__}: {e}"
 
-    # R3: compute_log_prob (forward only) and update (forward + backward) replay the rollout routes
-    eng = _engine(ctx, chunks, batches, "R3")
+    # R3: compute_log_prob (forward only) and update (forward + backward) replay the rollout routes.
+    # verl's transport has no per-row validity: the harness's invalid rows are zero rows inside a
+    # sample, which the reader refuses by default (vLLM #54730's signature); routed natively here
+    eng = _engine(ctx, chunks, batches, "R3", degenerate_routes="native")
     layout = eng.r3.replayer.layout
     routes = [grid.make_routes(layout, lens, SPEC.num_moe_experts, SPEC.moe_router_topk, 7 + m,
                                invalid_every=7 if m == 1 else 0) for m, lens in enumerate(SEQ_LENS)]
@@ -170,8 +172,8 @@ def _rank(ctx):
         nested = rec["model_output"][ROUTES_KEY]
         out["r2_nested"] = (nested.is_nested, str(nested.dtype), [tuple(t.shape) for t in nested.unbind()])
         data[ROUTES_KEY] = nested
-        recorded = replay_batch_from_tensordict(data, moe_layer_ids=eng.r3.model.moe_layer_ids, num_experts=4,
-                                                source="recorded")
+        recorded = handed_routes(data, moe_layer_ids=eng.r3.model.moe_layer_ids, num_experts=4,
+                                 route_kind="recorded").to_batch()
         obj = [recorded.to_bytes()]
     else:
         obj = [None]

@@ -21,7 +21,7 @@ from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.verl.codec import (  # noqa: E402
     ROUTES_KEY,
     SAMPLE_KEY,
-    replay_batch_from_tensordict,
+    handed_routes,
     routes_to_nested,
 )
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
@@ -50,8 +50,8 @@ def test_left_right_2_no_padding_batch_converts_exactly():
     pl, rl = [6, 3, 4], [5, 2, 1]
     td, engine = make_verl_batch(pl, rl)
     assert td[ROUTES_KEY].is_nested and td[ROUTES_KEY].dtype == torch.int16
-    rb = replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                      num_hidden_layers=NUM_LAYERS)
+    rb = handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                       num_hidden_layers=NUM_LAYERS).to_batch()
     exp = expected_rollout_batch(engine, pl, rl)
     assert rb.equals(exp)
     assert rb.routes.dtype == torch.uint8 and rb.source == "rollout"
@@ -65,8 +65,8 @@ def test_zero_tail_rows_are_invalid_never_replayed():
     # multi-turn: the engine stopped recording 3 rows early; a padding sample has no routes at all
     pl, rl = [5, 4, 2], [4, 3, 2]
     td, engine = make_verl_batch(pl, rl, returned_rows=[None, 3, 0])
-    rb = replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                      num_hidden_layers=NUM_LAYERS)
+    rb = handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                       num_hidden_layers=NUM_LAYERS).to_batch()
     assert rb.equals(expected_rollout_batch(engine, pl, rl))
     _, v1 = rb.sequence(1)
     assert v1.tolist() == [True] * 3 + [False] * 3
@@ -74,24 +74,24 @@ def test_zero_tail_rows_are_invalid_never_replayed():
     assert not bool(v2.any())
     assert r2.tolist() == [[[0, 1]] * len(MOE)] * 3       # canonical distinct fillers, never duplicates
     with pytest.raises(CoverageError, match="verl sample micro-batch position 1: token 3 has no route"):
-        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS, invalid_rows="error")
+        handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS).to_batch(invalid_rows="error")
 
 
 def test_layer_count_and_layout_errors():
     td, _ = make_verl_batch([3], [2])
     with pytest.raises(LayerMappingError, match="num_hidden_layers"):
-        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS + 1)
+        handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS + 1).to_batch()
     with pytest.raises(LayerMappingError, match="recorded"):
-        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="recorded")
+        handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="recorded").to_batch()
     dense = TensorDict({ROUTES_KEY: torch.zeros(1, 4, NUM_LAYERS, K, dtype=torch.int16)}, batch_size=[1])
     with pytest.raises(RouteShapeError, match="nested"):
-        replay_batch_from_tensordict(dense, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS)
+        handed_routes(dense, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS).to_batch()
     with pytest.raises(RouteShapeError, match="no 'routed_experts'"):
-        replay_batch_from_tensordict(TensorDict({}, batch_size=[1]), moe_layer_ids=MOE, num_experts=E,
-                                     source="rollout", num_hidden_layers=NUM_LAYERS)
+        handed_routes(TensorDict({}, batch_size=[1]), moe_layer_ids=MOE, num_experts=E,
+                      route_kind="rollout", num_hidden_layers=NUM_LAYERS).to_batch()
 
 
 def test_moe_only_routes_need_layer_axis():
@@ -103,10 +103,10 @@ def test_moe_only_routes_need_layer_axis():
     narrow = torch.nested.nested_tensor_from_jagged(wide.values()[:, MOE].contiguous(), wide.offsets())
     moe_only = TensorDict({ROUTES_KEY: narrow}, batch_size=[len(pl)])
     with pytest.raises(LayerMappingError, match="set layer_axis='moe_only'"):
-        replay_batch_from_tensordict(moe_only, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS)
-    rb = replay_batch_from_tensordict(moe_only, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                      num_hidden_layers=NUM_LAYERS, layer_axis="moe_only")
+        handed_routes(moe_only, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS).to_batch()
+    rb = handed_routes(moe_only, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                       num_hidden_layers=NUM_LAYERS, layer_axis="moe_only").to_batch()
     assert rb.equals(expected_rollout_batch(engine, pl, rl))
 
 
@@ -115,17 +115,17 @@ def test_corrupt_row_with_duplicates_raises():
     v = td[ROUTES_KEY].values()
     v[0, 2] = torch.tensor([5, 5], dtype=torch.int16)    # duplicate ids in a valid row
     with pytest.raises(RouteValueError):
-        replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="rollout",
-                                     num_hidden_layers=NUM_LAYERS)
+        handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="rollout",
+                      num_hidden_layers=NUM_LAYERS).to_batch()
 
 
 def test_top1_zero_rows():
     routes = torch.nested.nested_tensor_from_jagged(
         torch.tensor([[[3]], [[0]], [[0]]], dtype=torch.int16), offsets=torch.tensor([0, 3]))
     td = TensorDict({ROUTES_KEY: routes}, batch_size=[1])
-    rb = replay_batch_from_tensordict(td, moe_layer_ids=[0], num_experts=4, source="rollout", num_hidden_layers=1)
+    rb = handed_routes(td, moe_layer_ids=[0], num_experts=4, route_kind="rollout", num_hidden_layers=1).to_batch()
     assert rb.rows_per_seq == [2] and rb.valid.tolist() == [True, False]   # expert-0 row: ambiguous -> native
-    rec = replay_batch_from_tensordict(td, moe_layer_ids=[0], num_experts=4, source="recorded")
+    rec = handed_routes(td, moe_layer_ids=[0], num_experts=4, route_kind="recorded").to_batch()
     assert rec.rows_per_seq == [3] and bool(rec.valid.all())                # recorded rows are always real
 
 
@@ -145,7 +145,7 @@ def test_recorded_round_trip_survives_dynamic_micro_batching():
     rec = _recorded(seq_lens)
     td[ROUTES_KEY] = routes_to_nested(rec)
     assert td[ROUTES_KEY].dtype == torch.int16 and td[ROUTES_KEY].values().shape[1:] == (len(MOE), K)
-    assert replay_batch_from_tensordict(td, moe_layer_ids=MOE, num_experts=E, source="recorded").equals(rec)
+    assert handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="recorded").to_batch().equals(rec)
     td[SAMPLE_KEY] = torch.arange(len(seq_lens))
     tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=14)
     micro, idx = prepare_micro_batches(td, dp_group=None, same_micro_num_in_dp=False)
@@ -154,7 +154,7 @@ def test_recorded_round_trip_survives_dynamic_micro_batching():
     for mb in micro:
         ids = mb[SAMPLE_KEY].tolist()
         seen += ids
-        got = replay_batch_from_tensordict(mb, moe_layer_ids=MOE, num_experts=E, source="recorded")
+        got = handed_routes(mb, moe_layer_ids=MOE, num_experts=E, route_kind="recorded").to_batch()
         for j, sid in enumerate(ids):
             r, v = got.sequence(j)
             r0, v0 = rec.sequence(sid)

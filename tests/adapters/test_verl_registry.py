@@ -16,7 +16,7 @@ def test_registry_resolves_to_adapter_engine(monkeypatch):
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "nvidia")
     from verl.workers.engine import EngineRegistry, MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    import r3bridge.adapters.verl as adapter
+    import r3bridge.adapters.verl.registry as adapter
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
     assert adapter.register() and adapter.LOADED and adapter.LOAD_ERROR is None
@@ -35,7 +35,7 @@ def test_registry_resolves_to_adapter_engine(monkeypatch):
 def test_failed_registration_is_logged_not_hidden(caplog, monkeypatch):
     from verl.workers.engine.base import EngineRegistry
 
-    import r3bridge.adapters.verl as adapter
+    import r3bridge.adapters.verl.registry as adapter
 
     slot = EngineRegistry._engines["language_model"]["megatron"]
     monkeypatch.setitem(slot, ("cuda", "nvidia"), object)
@@ -54,7 +54,7 @@ def test_failed_registration_fails_the_worker_when_replay_was_asked_for(monkeypa
     # verl's external_lib import lets this ImportError fail the worker instead of training without replay
     from verl.workers.engine.base import EngineRegistry
 
-    import r3bridge.adapters.verl as adapter
+    import r3bridge.adapters.verl.registry as adapter
 
     slot = EngineRegistry._engines["language_model"]["megatron"]
     monkeypatch.setitem(slot, ("cuda", "nvidia"), object)
@@ -74,7 +74,7 @@ _PROBE = (
     "if not loaded:\n"
     "    from verl.utils.import_utils import import_external_libs\n"
     "    import_external_libs('r3bridge.adapters.verl')\n"
-    "import r3bridge.adapters.verl as a\n"
+    "import r3bridge.adapters.verl.registry as a\n"
     "from verl.workers.engine import EngineRegistry\n"
     "print('PLUGIN', loaded, a.LOADED, EngineRegistry.get_engine_cls('language_model', 'megatron').__name__)\n"
 )
@@ -103,8 +103,9 @@ _IMPORT_COST = (
     "import verl\n"
     "seconds = time.perf_counter() - t\n"
     "a = sys.modules.get('r3bridge.adapters.verl')\n"
+    "r = sys.modules.get('r3bridge.adapters.verl.registry')\n"
     "print('PROBE', a is not None, 'megatron.core' in sys.modules, 'r3bridge.adapters.verl.hooks' in sys.modules,\n"
-    "      bool(a and a.LOADED), f'{seconds:.2f}')\n"
+    "      bool(r and r.LOADED), f'{seconds:.2f}')\n"
 )
 
 

@@ -34,5 +34,5 @@ def test_the_made_up_adapter_passes_checks_1_to_5(tmp_path):
     run = _pytest(root, "-W", "always::r3bridge.testing.kit.conformance.LayoutNote", timeout=1500)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    assert re.search(r"\b14 passed\b", out), out[-2000:]     # 3 seeds x 4 ingest tests + checks 4, 5
+    assert re.search(r"\b15 passed\b", out), out[-2000:]     # 3 seeds x 4 ingest tests + checks 4 (two), 5
     assert "2 ranks pp=2 vpp=2" in out and "ran 2 ranks pp=2 vpp=3 instead" in out, out[-3000:]

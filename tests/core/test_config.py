@@ -132,6 +132,7 @@ def test_structured_config_refuses_unknown_keys_and_bad_modes():
 def test_resolve_with_source_names_where_the_section_came_from(monkeypatch):
     monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
     monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)
+    monkeypatch.delenv("R3BRIDGE_CONFIG_FROM", raising=False)
     assert ReplayConfig.resolve_with_source(None) == (ReplayConfig(), "default")
     assert ReplayConfig.resolve_with_source({"replay_mode": "R2"})[1] == "config"
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R3")

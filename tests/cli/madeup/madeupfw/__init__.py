@@ -13,7 +13,7 @@ The files import each other relatively, so the package works under any name. Rul
   :func:`r3bridge.padded_routes`); never infer it from lengths, and from zeros only through
   :func:`r3bridge.batch.canonical.nonzero_rows` for a transport that has no other way (``codec.py``);
 * every problem raises a ``r3bridge.ReplayError`` subclass (ConfigError for set-up problems);
-* the reference model never replays; R2 updates replay only routes with ``source="recorded"``.
+* the reference model never replays; R2 updates replay only routes with ``route_kind="recorded"``.
 
 Files, in the order data flows (the same in every adapter):
 

@@ -44,7 +44,7 @@ class MadeupfwCodec:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")
             valid = (recorded != NO_ROUTE).flatten(-2).any(-1)
             return ReplayBatch.from_padded(recorded, mask, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                           valid=valid, source="recorded")
+                                           valid=valid, route_kind="recorded")
         per_sample = native.get(ROUTES_KEY)
         if per_sample is None:
             raise CoverageError(f"the batch has no {ROUTES_KEY!r}: did the engine return routes?")
@@ -63,7 +63,7 @@ class MadeupfwCodec:
             dense[i, start:start + rows.shape[0]] = torch.from_numpy(rows.astype("int64")).to(dense.dtype)
             valid[i, start:start + rows.shape[0]] = True
         batch = ReplayBatch.from_padded(dense, mask, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                        valid=valid, source="rollout")
+                                        valid=valid, route_kind="rollout")
         return drop_final_invalid_rows(batch)
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:

@@ -80,7 +80,7 @@ class MadeupfwEngineMixin:
         if plan.action is Action.REPLAY:
             key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
             self.r3_runner.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}", provide=_PROVIDE)
-            routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, source=plan.source)
+            routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, source=plan.route_kind)
             return MicroBatch(seq_lens, routes)
         if SAMPLE_KEY not in mb:
             raise ConfigError(f"R2 recording needs {SAMPLE_KEY!r} (the batch-level sample index) in every "

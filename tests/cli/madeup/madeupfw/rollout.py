@@ -35,7 +35,7 @@ class MadeupfwRollout:
             rows = layers_from_mapping({int(k) - LAYER_BASE: v for k, v in routes.items()}, self.moe_layer_ids,
                                        field=what, topk=self.topk)
         return ReplayBatch.from_ragged([rows], num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
-                                       source="rollout")
+                                       route_kind="rollout")
 
     def routes_from_rollout(self, engine_outputs: Sequence[Any]) -> ReplayBatch:
         """``engine_outputs[i]``: sample ``i``'s ``madeup_framework.Completion`` objects, in call order."""

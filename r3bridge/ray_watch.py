@@ -1,4 +1,4 @@
-"""The Ray half of :mod:`r3bridge.watchdog`, for adapters whose launcher starts a Ray job (verl).
+"""The Ray half of :mod:`r3bridge.watchdog`, for launchers that start a Ray job (verl's).
 
 * Workers :func:`report` a progress key (``engine_ready``, ``first_pass``) into Ray's key-value
   store, under the job's watch id (``R3BRIDGE_WATCH``, which the launcher hands every worker with
@@ -10,6 +10,7 @@
   totals. That is the usual reason a job that printed its config never starts on a small machine:
   Ray's scheduler waits, silently, for CPU slots that never free (verl's TransferQueue asks for one
   per storage unit, 8 by default, plus one for its controller) or for GPUs the cluster does not have.
+  What to change is the framework's: the launcher passes its ``hints`` per resource.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import logging
 import os
 import tempfile
 import uuid
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 __all__ = ["WATCH_ENV", "new_watch_id", "report", "progress", "describe_cluster", "ray_start_failure"]
 
@@ -73,8 +74,9 @@ def _counted(items: list[str]) -> list[str]:
     return [f"{n} x {it}" if n > 1 else it for it, n in out.items()]
 
 
-def describe_cluster() -> str:
-    """What Ray cannot place yet, and the cluster's totals; '' before Ray is up."""
+def describe_cluster(hints: Optional[Mapping[str, str]] = None) -> str:
+    """What Ray cannot place yet, and the cluster's totals; '' before Ray is up. ``hints``: what
+    to change when a resource is short (``{"CPU": ..., "GPU": ...}``, in the framework's keys)."""
     import ray
 
     if not ray.is_initialized():
@@ -121,13 +123,7 @@ def describe_cluster() -> str:
         head += f" Starting: {', '.join(starting)}."
     if not waiting:
         return head + ("" if starting else " Ray has placed everything it was asked for: the wait is inside the workers.")
-    hint = []
-    if "CPU" in short:
-        hint.append("give Ray more CPU slots (verl: ray_kwargs.ray_init.num_cpus=N; logical slots, more than "
-                    "the machine's cores is fine) or ask for fewer (verl's TransferQueue takes one per storage "
-                    "unit: transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
-    if "GPU" in short:
-        hint.append("the job asks for more GPUs than the cluster has (verl: trainer.n_gpus_per_node x trainer.nnodes)")
+    hint = [text for resource, text in (hints or {}).items() if resource in short]
     return (head + f" Cannot be placed until resources free: {'; '.join(waiting)}."
             + (f" To fix: {'; '.join(hint)}." if hint else ""))
 
