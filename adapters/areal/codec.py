@@ -23,9 +23,9 @@ from r3bridge.batch.provenance import (
     provenance_fields,
 )
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
-from r3bridge.codec_base import HandedCodec
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
+from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 
 if TYPE_CHECKING:  # pragma: no cover

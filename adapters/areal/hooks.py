@@ -30,16 +30,16 @@ from r3bridge.adapters.areal.codec import (
 from r3bridge.adapters.areal.config import ModelInfo, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
 from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int, sglang_provenance
-from r3bridge.capture import RequestAttempts, check_flat_topk
+from r3bridge.batch.recorded import split_sizes
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.engines.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
+from r3bridge.ingest.capture import RequestAttempts, check_flat_topk
 from r3bridge.ingest.stitching import first_seen_rows
 from r3bridge.job_check import JobCheck
 from r3bridge.megatron.phase import MicroBatch, PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.recorded import split_sizes
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",

@@ -3,7 +3,7 @@
 SGLang returns each request's routes from row 0 (``meta_info["routed_experts"]``); AReaL 1.0.4
 concatenates a resubmitted request's attempts (the prefix twice, AReaL #1207) and re-routes a
 parent-concat workflow's whole context on every turn. Both are stitched first-seen here
-(:mod:`r3bridge.capture`, :mod:`r3bridge.ingest.stitching`). docs/use-with-areal.md, "What happens where".
+(:mod:`r3bridge.ingest.capture`, :mod:`r3bridge.ingest.stitching`). docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.capture import trajectory_routes
 from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError
+from r3bridge.ingest.capture import trajectory_routes
 from r3bridge.ingest.stitching import first_seen_rows, stitch
 
 __all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
@@ -56,7 +56,7 @@ def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, nu
                           num_layers: int, topk: int, moe_layer_ids: Sequence[int]) -> ReplayBatch:
     """One trajectory from its ``ModelResponse``s (one per turn, root first) and its final tokens:
     each response's ``routed_experts`` (``[rows, L_all*K]``, deduplicated across resubmits) covers
-    its own ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.capture.trajectory_routes`)."""
+    its own ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.ingest.capture.trajectory_routes`)."""
     calls = []
     for t, r in enumerate(responses):
         rows = getattr(r, "routed_experts", None)

@@ -20,10 +20,10 @@ from r3bridge.batch.provenance import (
     provenance_fields,
 )
 from r3bridge.batch.schema import ReplayBatch, route_dtype
-from r3bridge.codec_base import HandedCodec
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import ConfigError, RouteShapeError
 from r3bridge.hf import check_topk
+from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",

@@ -27,15 +27,15 @@ from r3bridge.adapters.skyrl.codec import (
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.batch.provenance import ProvenancePairing
+from r3bridge.batch.recorded import from_payloads, per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.capture import merge_first_seen
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
+from r3bridge.ingest.capture import merge_first_seen
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
-from r3bridge.recorded import from_payloads, per_sample_payloads
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",

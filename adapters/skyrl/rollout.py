@@ -12,8 +12,8 @@ from typing import Optional
 
 from r3bridge.adapters.skyrl.codec import ENGINE
 from r3bridge.batch.provenance import RouteProvenance
-from r3bridge.capture import StitchedRollout, merge_first_seen
 from r3bridge.engines.decoders import decode_vllm_routes
+from r3bridge.ingest.capture import StitchedRollout, merge_first_seen
 from r3bridge.ingest.stitching import rollout_routes
 
 __all__ = ["SkyRLRollout", "decode_routed_experts", "rollout_routes", "merge_first_seen", "call_provenance"]

@@ -21,7 +21,7 @@ from r3bridge.adapters.verl.config import (
 from r3bridge.adapters.verl.registry import ENGINE_KEY, register
 from r3bridge.adapters.verl.rollout import VerlRollout
 from r3bridge.announce import ensure_visible
-from r3bridge.plugin_load import requested_mode
+from r3bridge.launch.plugin_load import requested_mode
 
 ensure_visible()        # the INFO lines reach a handler (verl's root logger sits at WARNING)
 if requested_mode() != "off":       # opt-in: replay off imports nothing more and registers nothing

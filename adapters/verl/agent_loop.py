@@ -3,7 +3,7 @@
 :class:`FirstSeenToolAgentLoop` is verl's ``ToolAgentLoop`` with one change: after every server
 call the sample's ``routed_experts`` are its calls stitched first-seen, and ``extra_fields`` gains
 the re-prefill counts (:data:`OVERLAP_KEY`, :data:`DISAGREE_KEY`; as metrics:
-:func:`r3bridge.capture.reprefill_metrics`) and the sample's route / log-prob provenance, with
+:func:`r3bridge.ingest.capture.reprefill_metrics`) and the sample's route / log-prob provenance, with
 attempts numbered. Registered through verl's agent loop config (``_target_:
 r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop``): docs/use-with-verl.md, "Multi-turn".
 """
@@ -15,7 +15,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLo
 
 from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
 from r3bridge.adapters.verl.rollout import VerlRollout, call_provenance
-from r3bridge.capture import CallLog
+from r3bridge.ingest.capture import CallLog
 
 __all__ = ["FirstSeenToolAgentLoop", "OVERLAP_KEY", "DISAGREE_KEY"]
 

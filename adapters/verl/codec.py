@@ -19,10 +19,10 @@ from r3bridge.batch.provenance import (
     pairing_from_fields,
 )
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.codec_base import HandedCodec
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
+from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",

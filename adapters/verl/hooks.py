@@ -27,11 +27,11 @@ from r3bridge.adapters.verl.codec import (
 )
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.config import Action, Phase
+from r3bridge.launch.ray_watch import report
 from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 from r3bridge.metrics import logprob_mismatch
-from r3bridge.ray_watch import report
 
 __all__ = ["R3BridgeMegatronEngine"]
 

@@ -12,13 +12,13 @@ import os
 import sys
 
 from r3bridge.launch import RayJobWatch, section_overrides
-from r3bridge.watchdog import Stage
+from r3bridge.launch.watchdog import Stage
 
 __all__ = ["main", "STAGES", "WHERE"]
 
 WHERE = "verl launcher"
 # what verl's job does between the launch and r3bridge's first pass, as the workers report it
-# (r3bridge.ray_watch.report in the engine)
+# (r3bridge.launch.ray_watch.report in the engine)
 STAGES = (
     Stage("worker start", "Ray to place verl's TaskRunner, TransferQueue and worker groups, and verl's actor worker "
           "to build the model with r3bridge's engine (engine_ready)", "engine_ready"),

@@ -2,7 +2,7 @@
 
 verl imports the adapter as a plugin (``verl.plugins`` entry point, ``external_lib``) in the driver
 and every Ray worker, and swallows plugin import errors: :func:`register` checks the registry then
-resolves the key to r3bridge's engine, and :func:`r3bridge.plugin_load.load_plugin` logs the outcome
+resolves the key to r3bridge's engine, and :func:`r3bridge.launch.plugin_load.load_plugin` logs the outcome
 (ERROR on failure) and fails the worker of a job that asked for replay.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from r3bridge.plugin_load import load_plugin
+from r3bridge.launch.plugin_load import load_plugin
 
 __all__ = ["ENGINE_KEY", "LOADED", "LOAD_ERROR", "register"]
 

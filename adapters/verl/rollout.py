@@ -2,7 +2,7 @@
 
 verl 0.9.1's tool agent loop keeps only the last server call's ``routed_experts``, whose rows for
 earlier turns' tokens are the re-prefill's routes; r3bridge keeps the rows that sampled each
-token (:mod:`r3bridge.capture`, :mod:`r3bridge.ingest.stitching`). docs/use-with-verl.md, "Multi-turn".
+token (:mod:`r3bridge.ingest.capture`, :mod:`r3bridge.ingest.stitching`). docs/use-with-verl.md, "Multi-turn".
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from r3bridge.batch.provenance import RouteProvenance, reported_int
-from r3bridge.capture import StitchedRollout, checked_calls
 from r3bridge.errors import ProvenanceError
 from r3bridge.hf import ModelInfo
+from r3bridge.ingest.capture import StitchedRollout, checked_calls
 from r3bridge.ingest.stitching import StitchReport, first_seen_rows
 
 __all__ = ["VerlRollout", "call_provenance"]
@@ -48,7 +48,7 @@ def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = ""
     tokens: the routes are its pass (weight version ``extra_fields["global_steps"]``, epoch
     ``num_preempted``: each vLLM preemption re-prefills, vLLM #39917); the first tokens' log-probs
     were sampled in its first pass (epoch 0, ``min_global_steps`` when verl's resuming client
-    reports it). ``attempts`` (the :class:`~r3bridge.capture.CallLog`'s): the routes are the first
+    reports it). ``attempts`` (the :class:`~r3bridge.ingest.capture.CallLog`'s): the routes are the first
     call's attempt, the log-probs (and tokens) the last call's; ``None``: unknown."""
     if not outputs:
         raise ProvenanceError(f"sample {request_id or '?'}: no server call to take provenance from")

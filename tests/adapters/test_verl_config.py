@@ -239,7 +239,7 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
 def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeypatch):
     """Ray says only "The current node timed out during startup"; the launcher adds the raylet's own
     FATAL line (Ray #65983: a loaded machine starts the dashboard agent too slowly)."""
-    from r3bridge.ray_watch import ray_start_failure
+    from r3bridge.launch.ray_watch import ray_start_failure
 
     logs = tmp_path / "session_latest" / "logs"
     logs.mkdir(parents=True)

@@ -9,7 +9,7 @@ line repeats every bound while the stage stays stuck; nothing is stopped or fail
 load is not an error), and the job's own errors stay the job's.
 
 Core module: no Ray, no framework. Progress arrives through ``progress()``, a callable returning
-the keys the workers reported so far (:mod:`r3bridge.ray_watch` for Ray jobs).
+the keys the workers reported so far (:mod:`r3bridge.launch.ray_watch` for Ray jobs).
 """
 from __future__ import annotations
 

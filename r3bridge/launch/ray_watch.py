@@ -1,4 +1,4 @@
-"""The Ray half of :mod:`r3bridge.watchdog`, for launchers that start a Ray job (verl's).
+"""The Ray half of :mod:`r3bridge.launch.watchdog`, for launchers that start a Ray job (verl's).
 
 * Workers :func:`report` a progress key (``engine_ready``, ``first_pass``) into Ray's key-value
   store, under the job's watch id (``R3BRIDGE_WATCH``, which the launcher hands every worker with

@@ -13,8 +13,8 @@ keeps its framework's keys, checks and entry point:
   :func:`ensure_folders`: writing the section (and the workers' environment) into an OmegaConf
   job config, reading the model's HF config, refusing a local Ray cluster too small for the
   job's own actors, creating the folders a launcher requires;
-* :class:`RayJobWatch`: the stall watchdog over a Ray job (:mod:`r3bridge.watchdog`,
-  :mod:`r3bridge.ray_watch`) and Ray's silent start failure explained;
+* :class:`RayJobWatch`: the stall watchdog over a Ray job (:mod:`r3bridge.launch.watchdog`,
+  :mod:`r3bridge.launch.ray_watch`) and Ray's silent start failure explained;
 * :class:`ServerWait`: a launcher's wait for its inference servers to register, said every
   minute, and stopped once every server process has exited without registering.
 """
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequenc
 from r3bridge.config import ReplayConfig, ReplayMode, forward_env
 from r3bridge.errors import ConfigError, ReplayError
 from r3bridge.job_check import setting
-from r3bridge.watchdog import Stage, StallWatchdog
+from r3bridge.launch.watchdog import Stage, StallWatchdog
 
 __all__ = ["refuse", "refusing_section_errors", "section_overrides", "merge_setting", "forward_section",
            "local_hf_config",
@@ -167,10 +167,10 @@ def ensure_folders(where: str, folders: Mapping[str, Any]) -> None:
 class RayJobWatch:
     """A launcher's watch over the Ray job it starts. :attr:`worker_env` (hand it to every worker
     with the section) names the job the workers report progress under
-    (:func:`r3bridge.ray_watch.report`); :meth:`start`, once the options are known, runs the stall
+    (:func:`r3bridge.launch.ray_watch.report`); :meth:`start`, once the options are known, runs the stall
     watchdog over ``stages`` (replay on, ``stall_warning_s`` > 0). As a context manager around the
     framework's main it stops the watchdog and, when Ray failed to start with its generic message,
-    logs the cause from the raylet's log (:func:`r3bridge.ray_watch.ray_start_failure`).
+    logs the cause from the raylet's log (:func:`r3bridge.launch.ray_watch.ray_start_failure`).
     ``hints``: what to change when Ray lacks a resource (``{"CPU": ..., "GPU": ...}``)."""
 
     def __init__(self, where: str, stages: Sequence[Stage], hints: Optional[Mapping[str, str]] = None) -> None:
@@ -182,7 +182,7 @@ class RayJobWatch:
 
     @property
     def worker_env(self) -> dict[str, str]:
-        from r3bridge.ray_watch import WATCH_ENV
+        from r3bridge.launch.ray_watch import WATCH_ENV
         return {WATCH_ENV: self.watch_id}
 
     def start(self, cfg: ReplayConfig) -> Optional[StallWatchdog]:
@@ -202,7 +202,7 @@ class RayJobWatch:
         if self.watchdog is not None:
             self.watchdog.stop()
         if error is not None:
-            from r3bridge.ray_watch import ray_start_failure
+            from r3bridge.launch.ray_watch import ray_start_failure
 
             why = ray_start_failure(error)             # Ray's own message names no cause
             if why:
