@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 41's runs on a machine with 2 or 4 GPUs, as a few device calls (the order, carry lists and
-# times: scripts/gpu/PLAN_multigpu.md). Needs the bundle's sets installed (bundle.sh install: base, te,
+# Issue 41's runs on a machine with 2 or 4 GPUs, as a few device calls (the order and carry lists:
+# docs/gpu.md, "Two and four GPUs"). Needs the bundle's sets installed (bundle.sh install: base, te,
 # ray, verl into the interpreter; mcore19, skyrl04, areal into /tmp/site-SET). Every run has its own
 # `timeout` and writes into $OUT/<stage>/ as soon as it ends, so a call cut short keeps what finished.
 #
