@@ -1,11 +1,5 @@
-"""The ``r3bridge`` section for SkyRL, on SkyRL's own command line: ``trainer.r3bridge.replay_mode=R3``.
-
-:func:`skyrl_config_class` is SkyRL's config with an ``r3bridge`` field of type
-:class:`r3bridge.ReplayConfig` in its ``TrainerConfig`` (SkyRL's documented ``make_config``
-extension), so SkyRL's strict parser type-checks ``trainer.r3bridge.<option>=...`` and refuses
-unknown keys. ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves
-unset. docs/use-with-skyrl.md, "Configuration".
-"""
+"""The ``r3bridge`` section on SkyRL's own command line (``trainer.r3bridge.replay_mode=R3``), and the
+job's settings checked. docs/use-with-skyrl.md, "Configuration"."""
 from __future__ import annotations
 
 import functools
@@ -30,8 +24,7 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
 
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
-    """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (SkyRL's
-    ``make_config(trainer_cls=...)``; ``None``: not on the command line, the environment applies)."""
+    """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (``make_config``)."""
     from r3bridge.adapters.skyrl._compat import import_skyrl
 
     sk = import_skyrl("skyrl.train.config.config")
@@ -41,16 +34,14 @@ def skyrl_config_class() -> type:
 
 
 def parse_cli(argv: Sequence[str]) -> Any:
-    """A SkyRL command line (``key.path=value`` overrides) parsed by SkyRL's own parser into
-    :func:`skyrl_config_class`; ``trainer.override_entrypoint=...`` is SkyRL's dispatch key and is
-    dropped, as SkyRL's own ``main`` does before its strict parse."""
+    """A SkyRL command line parsed by SkyRL's parser into :func:`skyrl_config_class`, without the
+    dispatch key ``trainer.override_entrypoint=...`` (as SkyRL's own ``main`` drops it)."""
     return skyrl_config_class().from_cli_overrides([a for a in argv if not a.startswith(_ENTRYPOINT)])
 
 
 def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> tuple[ReplayConfig, str]:
-    """The section of a parsed SkyRL config merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``
-    (a key set differently in both is refused), and where it came from. ``argv``: the command line,
-    which tells the keys it set (without it, a key left at its default counts as unset)."""
+    """The parsed section merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, and where it came
+    from; ``argv`` tells the keys the command line set (else a key at its default counts as unset)."""
     section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
     prefix = f"{SECTION}."
     named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
@@ -61,10 +52,8 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
 
 
 def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
-    """Fill ``trainer.r3bridge`` (command line, else environment), refuse contradictions
-    (``ConfigError`` naming both keys) and make SkyRL's checks pass: SkyRL's ``validate_cfg`` wants
-    ``moe_enable_routing_replay=true`` with routed experts on (its own R3); r3bridge's worker keeps
-    megatron's replay off and drives its own hook, so under R3 it is set for the check only."""
+    """Fill ``trainer.r3bridge``, refuse contradictions (``ConfigError`` naming both keys), and set
+    ``moe_enable_routing_replay`` under R3 for SkyRL's ``validate_cfg`` only (docs, "Configuration")."""
     rc, _ = replay_config_from_skyrl(cfg)
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
@@ -90,9 +79,7 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
 
 
 def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on: ``speculative_config``,
-    ``trainer.mtp.enabled`` (unless ``SKYRL_DISABLE_SPEC=1``), and a ``speculative_config`` passed
-    through ``engine_init_kwargs`` / ``prefill_init_kwargs`` / ``decode_init_kwargs``."""
+    """The SkyRL settings that turn vLLM speculative decoding on (docs, "Speculative decoding")."""
     import os
 
     env = os.environ if environ is None else environ

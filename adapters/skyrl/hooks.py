@@ -1,12 +1,5 @@
-"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched); the driver
-owns the set-up (:class:`SkyRLReplay` wraps an :class:`r3bridge.megatron.AdapterSession`).
-
-:func:`model_wrapper_class` (``MegatronModelWrapper``: SkyRL's schedule inside the session's pass,
-each (chunk, micro-batch) installed from a forward pre-hook with SkyRL's real packing),
-:class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (the workers), :class:`TrainerMixin` (R2's
-recorded routes back into the batch), :class:`FirstSeenRoutesMixin` (0.3's generator).
-docs/use-with-skyrl.md, "Formats and hook points".
-"""
+"""Subclasses / mixins of SkyRL's classes (nothing is monkey-patched) around one
+:class:`r3bridge.megatron.AdapterSession` per model. docs/use-with-skyrl.md, "Formats and hook points"."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +19,7 @@ from r3bridge.adapters.skyrl.codec import (
     provenance_pairing,
 )
 from r3bridge.adapters.skyrl.config import replay_config
+from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.recorded import from_payloads, per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch
@@ -46,15 +40,9 @@ RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's l
 _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
-_ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
-
-
-def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
-    """R2 record pass: the sample ids travel in ``rollout_expert_indices`` (the one per-sample field
-    SkyRL copies into its micro-batches, also through token-based re-batching and padding), as an
-    ``[n, S, 1, 1]`` int32 of ``id + 1`` (SkyRL's padding samples are zeros)."""
-    ids = torch.as_tensor(list(sample_ids), dtype=torch.int32) + _ID_BIAS
-    return ids.view(-1, 1, 1, 1).expand(ids.numel(), int(seq_len), 1, 1).contiguous()
+# R2 record pass: the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL
+# copies into its micro-batches (r3bridge.batch.id_field)
+record_ids_field = sample_id_field
 
 
 class SkyRLReplay:
@@ -77,18 +65,15 @@ class SkyRLReplay:
         return self.session.replayer
 
     @property
-    def metrics(self) -> dict[str, float]:
-        """The last schedule run's metrics, as the driver names them."""
+    def metrics(self) -> dict[str, float]:      # the last schedule run's, as the driver names them
         return {} if self.session.result is None else dict(self.session.result.metrics)
 
     @property
-    def recorded(self) -> Optional[ReplayBatch]:
-        """The last schedule run's R2 recording (real samples, sample-id order)."""
+    def recorded(self) -> Optional[ReplayBatch]:    # the last run's R2 recording (sample-id order)
         return None if self.session.result is None else self.session.result.recorded
 
     def add_metrics(self, metrics_list: Any) -> Any:
-        """The tagged metrics into each micro-batch's metrics dict ``forward_backward_mini_batch``
-        returns: SkyRL averages them over micro-batches and data-parallel ranks and logs them."""
+        """Into each micro-batch's metrics dict: SkyRL averages them over micro-batches and ranks."""
         if isinstance(metrics_list, list):
             for m in metrics_list:
                 if isinstance(m, dict):
@@ -143,18 +128,14 @@ class SkyRLReplay:
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
-        r = torch.as_tensor(r)
-        # PolicyWorkerMixin's sample ids are [n, S, 1, 1]; anything else is rollout routes
-        session.check_routes(plan, tuple(r.shape[2:]) != (1, 1), field=ROUTES_KEY, where=f"micro-batch {k}")
-        # the sample ids PolicyWorkerMixin put in ROUTES_KEY; SkyRL's padding samples are zeros
-        raw = r.reshape(len(seq_lens), -1).max(1).values.long() - _ID_BIAS
-        return MicroBatch(seq_lens, sample_ids=[int(x) if x >= 0 else None for x in raw.tolist()])
+        # PolicyWorkerMixin's sample ids; anything else in ROUTES_KEY is rollout routes
+        session.check_routes(plan, not is_sample_id_field(r), field=ROUTES_KEY, where=f"micro-batch {k}")
+        return MicroBatch(seq_lens, sample_ids=sample_ids_from_field(r, len(seq_lens)))
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
-    """``MegatronModelWrapper`` (or ``base``) subclass whose compute_log_prob ``forward`` and
-    ``forward_backward_mini_batch`` run inside the replay's pass. Construct it like SkyRL's, plus
-    ``r3_replay=SkyRLReplay(...)``."""
+    """``MegatronModelWrapper`` (or ``base``) running its passes in the replay; constructed like
+    SkyRL's, plus ``r3_replay=SkyRLReplay(...)``."""
     base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
     check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
@@ -182,9 +163,8 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
 
 class RefWorkerMixin:
-    """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: the reference model never
-    replays (SkyRL's own replay would replay the actor's rollout routes there, NeMo RL #4083): it
-    is declared the reference, and a replay object on its routers raises a ``RoleError``."""
+    """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: declared the reference, never
+    replays (NeMo RL #4083); a replay object on its routers raises a ``RoleError``."""
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
@@ -249,7 +229,7 @@ class PolicyWorkerMixin:
             data[ROUTES_KEY] = None
         from megatron.core import parallel_state as mpu
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
-            return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
+            return out      # a [1, 1] placeholder here; SkyRL's dispatcher reads the last stage's outputs
         payloads = per_sample_payloads(session.recorded_for(len(out.loss_fn_outputs)))
         for o, payload in zip(out.loss_fn_outputs, payloads):     # per sample, as SkyRL carries outputs
             o[RECORDED_KEY] = payload
@@ -292,23 +272,17 @@ class TrainerMixin:
             if rec is None:
                 raise ReplayStateError("replay_mode=R2 but the policy forward recorded no routes (skipped forward? "
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
-            from r3bridge.hf import num_hidden_layers_from_hf_config
-            n = num_hidden_layers_from_hf_config(self._r3_hf_config())
+            n = ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path).num_layers
             # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
             SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
                        num_hidden_layers=n).write_recorded(training_input, rec)
         return out
 
-    def _r3_hf_config(self):
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(self.cfg.trainer.policy.model.path, trust_remote_code=True)
-
 
 class FirstSeenRoutesMixin:
-    """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: SkyRL 0.3.0 replaces a
-    sample's routes with each turn's; this keeps the rows earlier turns returned (the routes that
-    sampled those tokens) and appends only new rows. SkyRL 0.4's generator does this itself
-    (``RoutedExpertTrace``, tests/adapters/test_skyrl04.py), so under 0.4 the mixin is refused."""
+    """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: each turn's routes merged
+    first-seen into earlier turns' rows (SkyRL 0.3.0 replaces them); refused under 0.4, whose
+    generator does it itself (``RoutedExpertTrace``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from r3bridge.adapters.skyrl._compat import skyrl_release
@@ -347,8 +321,7 @@ def policy_worker_class(config=None, num_gpus: int = 1):
 
 
 def ref_worker_class(num_gpus: int = 1):
-    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker`` (SkyRL's own is
-    ``ray.remote(num_gpus=1)(MegatronRefWorkerBase)``)."""
+    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker``."""
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase
