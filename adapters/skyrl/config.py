@@ -9,6 +9,7 @@ from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
+from r3bridge.launch.steps import section_keys
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "SECTION"]
@@ -43,9 +44,7 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
     """The parsed section merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, and where it came
     from; ``argv`` tells the keys the command line set (else a key at its default counts as unset)."""
     section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
-    prefix = f"{SECTION}."
-    named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
-                                       if a.lstrip("+").startswith(prefix)]
+    named = None if argv is None else section_keys(argv, SECTION)
     # the environment (R3BRIDGE_CONFIG) merges with the command line's keys (r3bridge.config)
     return ReplayConfig.resolve_with_origin(section if isinstance(section, ReplayConfig) else None,
                                             section_name=f"{SECTION} (command line)", set_keys=named)
@@ -59,11 +58,11 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
     ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
+    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false")
     # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
-    JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").reference_replay(
-        "trainer.ref.megatron_config.moe_enable_routing_replay", getattr(ref_mc, "moe_enable_routing_replay", False),
-        off=False).raise_if_any(RoleError)
-    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").all_hidden_layers("vLLM")
+    check.reference_replay("trainer.ref.megatron_config.moe_enable_routing_replay",
+                           getattr(ref_mc, "moe_enable_routing_replay", False), off=False).raise_if_any(RoleError)
+    check.all_hidden_layers("vLLM")
     spec = speculative_decoding_problem(rc.replay_mode.value, "vllm", speculative_settings(cfg),
                                         configured_version=rc.engine_version)
     check.refuse(spec, spec)

@@ -2,7 +2,6 @@
 :class:`r3bridge.megatron.AdapterSession` per model. docs/use-with-skyrl.md, "Formats and hook points"."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
@@ -20,16 +19,15 @@ from r3bridge.adapters.skyrl.codec import (
 )
 from r3bridge.adapters.skyrl.config import replay_config
 from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
-from r3bridge.batch.provenance import ProvenancePairing
-from r3bridge.batch.recorded import from_payloads, per_sample_payloads
-from r3bridge.batch.schema import ReplayBatch
+from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import merge_first_seen
+from r3bridge.megatron.model_replay import ModelReplay
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.megatron.session import AdapterSession
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
@@ -45,54 +43,25 @@ _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=
 record_ids_field = sample_id_field
 
 
-class SkyRLReplay:
-    """One policy model's :class:`r3bridge.megatron.AdapterSession` plus SkyRL's micro-batch conventions."""
+class SkyRLReplay(ModelReplay):
+    """One policy model's replay (:class:`r3bridge.megatron.model_replay.ModelReplay`) with SkyRL's
+    micro-batch conventions."""
 
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
         # SkyRL logs no compute_log_prob metrics: the session reports them with the update
-        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True)
+        super().__init__(AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True))
         self.session.attach(actor_module, model, layout=layout)
-        self.route_kind: Optional[str] = None   # which routes the batch carries (set by the worker from its metadata)
-        # the next pass's route / log-prob provenance (set by the worker from the whole batch,
-        # before SkyRL cuts it into micro-batches, which carry only routes); used once
-        self.provenance: Optional[ProvenancePairing] = None
-        # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
-        self.log_metrics: dict[str, float] = self.session.replay_mode_metric
-
-    @property
-    def replayer(self) -> Any:
-        return self.session.replayer
-
-    @property
-    def metrics(self) -> dict[str, float]:      # the last schedule run's, as the driver names them
-        return {} if self.session.result is None else dict(self.session.result.metrics)
-
-    @property
-    def recorded(self) -> Optional[ReplayBatch]:    # the last run's R2 recording (sample-id order)
-        return None if self.session.result is None else self.session.result.recorded
-
-    def add_metrics(self, metrics_list: Any) -> Any:
-        """Into each micro-batch's metrics dict: SkyRL averages them over micro-batches and ranks."""
-        if isinstance(metrics_list, list):
-            for m in metrics_list:
-                if isinstance(m, dict):
-                    m.update(self.log_metrics)
-        return metrics_list
 
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
         session = self.session
         plan = session.plan(phase)
-        pairing, self.provenance = self.provenance, None
-        mbs = [dict(m) for m in micro_batches]
-        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
-        for m in mbs:
-            # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
-            # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
-            for key in (ROUTES_KEY, MASK_KEY):
-                if key in m:
-                    m[key] = None
+        pairing = self.take_provenance()
+        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in micro_batches]
+        # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
+        # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+        mbs = [{k: None if k in (ROUTES_KEY, MASK_KEY) else v for k, v in m.items()} for m in micro_batches]
         session.result = None
         if plan is None:
             return call(mbs)
@@ -104,27 +73,22 @@ class SkyRLReplay:
         with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
                          packing_from_forward=True):
             out = call(mbs)
-        logged = session.metrics_to_log(session.result)     # compute_log_prob's are held for the update
-        if phase is Phase.UPDATE:
-            self.log_metrics = averaged(logged)
+        self.log_pass(phase)
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         session = self.session
         if plan.action is Action.REPLAY:
-            route_kind = plan.route_kind
-            if self.route_kind is not None and self.route_kind != route_kind:
-                raise ConfigError(f"replay_mode={session.mode.value} replays {route_kind} routes, the batch "
-                                  f"carries {self.route_kind} routes")
+            self.check_route_kind(plan)
             session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
             m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if route_kind == "recorded" else m.num_layers,
-                                   route_kind=route_kind)
+                                   num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers,
+                                   route_kind=plan.route_kind)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
@@ -151,8 +115,7 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
                                         loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
-            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update;
-            # kwargs: SkyRL 0.4's return_per_token_outputs (passed through as its worker gives it)
+            # forward_only: SkyRL's loss-only evaluation (the update's routes); kwargs: 0.4's return_per_token_outputs
             sup = super().forward_backward_mini_batch
             return self.r3.add_metrics(self.r3.run(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
@@ -205,21 +168,16 @@ class PolicyWorkerMixin:
         with self._r3_provenance(data):
             return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
 
-    @contextlib.contextmanager
-    def _r3_provenance(self, data):
-        """The pass's route / log-prob provenance (R3), for this call only: never a later pass's."""
-        r3 = self.model.r3
-        r3.provenance = provenance_pairing(data) if replay_config(self.r3_config).replay_mode is ReplayMode.R3 else None
-        try:
-            yield
-        finally:
-            r3.provenance = None
+    def _r3_provenance(self, data):     # the pass's route / log-prob provenance (R3), for this call only
+        r3 = replay_config(self.r3_config).replay_mode is ReplayMode.R3
+        return self.model.r3.providing(provenance_pairing(data) if r3 else None)
 
     def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        session = self.model.r3.session
+        r3 = self.model.r3
+        session = r3.session
         session.check_routes(session.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
@@ -227,12 +185,7 @@ class PolicyWorkerMixin:
             out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         finally:
             data[ROUTES_KEY] = None
-        from megatron.core import parallel_state as mpu
-        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
-            return out      # a [1, 1] placeholder here; SkyRL's dispatcher reads the last stage's outputs
-        payloads = per_sample_payloads(session.recorded_for(len(out.loss_fn_outputs)))
-        for o, payload in zip(out.loss_fn_outputs, payloads):     # per sample, as SkyRL carries outputs
-            o[RECORDED_KEY] = payload
+        r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
         return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
@@ -292,18 +245,18 @@ class FirstSeenRoutesMixin:
         super().__init__(*args, **kwargs)
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
-        prev = agent_loop_state.rollout_expert_indices
         sup = super()._update_agent_loop_state_with_multiturn_chat_template
-        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
+        return _first_seen(sup, agent_loop_state, turn_output)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
-        prev = agent_loop_state.rollout_expert_indices
         sup = super()._update_agent_loop_state_with_singleturn_chat_template
-        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
+        return _first_seen(sup, agent_loop_state, turn_output)
 
 
-def _first_seen(state, previous, turn_output):
-    """``state`` with the turn's routes merged first-seen into the rows earlier turns returned."""
+def _first_seen(update, state, turn_output):
+    """``update(state, turn_output)`` with the turn's routes merged first-seen into earlier turns' rows."""
+    previous = state.rollout_expert_indices
+    state = update(state, turn_output)
     if state.rollout_expert_indices is not None:
         state.rollout_expert_indices = merge_first_seen(previous, turn_output.rollout_expert_indices)
     return state
