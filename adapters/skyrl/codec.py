@@ -1,16 +1,12 @@
-"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (reading needs no skyrl import).
-
-``rollout_expert_indices`` holds every decoder layer's routes: SkyRL 0.4 as a ``PackedTensor`` (one
-row per real token, ``router_padding_mask`` required), SkyRL 0.3 as ``[B, S, L_all, K]`` left-padded
-like ``sequences`` (``router_padding_mask`` in SkyRL main; 0.3.0 writes "no route" as zero rows).
-docs/use-with-skyrl.md, "Releases and transports".
-"""
+"""SkyRL's training batch <-> :class:`r3bridge.ReplayBatch` (reading needs no skyrl import): 0.4's
+packed, 0.3's padded ``rollout_expert_indices``. docs/use-with-skyrl.md, "Releases and transports"."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
 from r3bridge.batch.masked import masked_packed_routes, masked_padded_routes
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
@@ -32,18 +28,14 @@ __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOG
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
 ROUTES_MARK = "r3bridge_routes"        # TrainingInputBatch.metadata: which routes the batch carries
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample int64 [B, 3] (provenance_fields); the batch
-# holds no engine name or request id, so provenance names the engine ENGINE and no request
-ENGINE = "skyrl"
+ENGINE = "skyrl"     # the provenance fields (per-sample int64 [B, 3]) hold no engine name nor request id
 
 
 def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                   num_hidden_layers: Optional[int] = None, route_kind: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
-    """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict), viewed for the one
-    reader (:func:`r3bridge.ingest.masked_fields.masked_field_routes`). "No route":
-    ``router_padding_mask`` where the batch has it, else (SkyRL 0.3.0) zero rows. Samples are named
-    by their row of ``batch`` (``sample_ids[i]``: e.g. a micro-batch row's mini-batch row)."""
+    """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict), viewed for the one reader
+    (:mod:`r3bridge.ingest.masked_fields`); samples named by their row (or ``sample_ids[i]``)."""
     routes = batch_field(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."
@@ -92,7 +84,6 @@ class SkyRLCodec(HandedCodec):
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], num_hidden_layers: int,
                  release: Optional[str] = None, topk: Optional[int] = None) -> None:
-        from r3bridge.adapters.skyrl._compat import skyrl_release
         super().__init__(num_experts=num_experts, moe_layer_ids=moe_layer_ids, num_hidden_layers=num_hidden_layers,
                          topk=topk)
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
@@ -103,7 +94,6 @@ class SkyRLCodec(HandedCodec):
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them
-            from r3bridge.adapters.skyrl._compat import import_skyrl
             fields = packed_training_batch_fields(
                 recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers,
                 packed_tensor=import_skyrl("skyrl.backends.skyrl_train.utils.packed_tensor").PackedTensor,

@@ -3,6 +3,7 @@ job's settings checked. docs/use-with-skyrl.md, "Configuration"."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
@@ -79,19 +80,10 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
 
 def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The SkyRL settings that turn vLLM speculative decoding on (docs, "Speculative decoding")."""
-    import os
-
     env = os.environ if environ is None else environ
-    ie = cfg.generator.inference_engine
-    base = "generator.inference_engine"
-    out: dict[str, Any] = {}
-    if getattr(ie, "speculative_config", None):
-        out[f"{base}.speculative_config"] = setting(ie, "speculative_config", plain=True)
-    mtp = getattr(cfg.trainer, "mtp", None)
-    if mtp is not None and bool(getattr(mtp, "enabled", False)) and env.get("SKYRL_DISABLE_SPEC") != "1":
-        out["trainer.mtp.enabled"] = True
-    for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
-        passed = setting(ie, kw, {}, plain=True)
-        if passed.get("speculative_config"):
-            out[f"{base}.{kw}.speculative_config"] = passed["speculative_config"]
-    return out
+    ie = "generator.inference_engine"
+    kwargs = ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs")     # passed through to vLLM
+    paths = [f"{ie}.speculative_config", "trainer.mtp.enabled", *(f"{ie}.{kw}.speculative_config" for kw in kwargs)]
+    if env.get("SKYRL_DISABLE_SPEC") == "1":     # SkyRL then writes no MTP speculative_config
+        paths.remove("trainer.mtp.enabled")
+    return {p: v for p in paths if (v := setting(cfg, p, plain=True))}

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
 from r3bridge.adapters.skyrl.codec import (
     MASK_KEY,
     ROUTES_KEY,
@@ -44,8 +44,7 @@ record_ids_field = sample_id_field
 
 
 class SkyRLReplay(ModelReplay):
-    """One policy model's replay (:class:`r3bridge.megatron.model_replay.ModelReplay`) with SkyRL's
-    micro-batch conventions."""
+    """One policy model's :class:`r3bridge.megatron.model_replay.ModelReplay`, SkyRL's micro-batches."""
 
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
@@ -238,7 +237,6 @@ class FirstSeenRoutesMixin:
     generator does it itself (``RoutedExpertTrace``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from r3bridge.adapters.skyrl._compat import skyrl_release
         if skyrl_release() == "0.4":
             raise ConfigError("SkyRL 0.4's generator keeps first-seen multi-turn routes itself (RoutedExpertTrace); "
                               "use SkyRLGymGenerator without r3bridge's FirstSeenRoutesMixin")

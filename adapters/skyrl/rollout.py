@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from r3bridge.adapters.skyrl.codec import ENGINE
-from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.provenance import RouteProvenance, first_call_provenance
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.ingest.capture import StitchedRollout, merge_first_seen
 from r3bridge.ingest.stitching import rollout_routes
@@ -21,10 +21,5 @@ class SkyRLRollout(StitchedRollout):
 
 def call_provenance(version_at_submit: Optional[int], version_at_return: Optional[int], *,
                     epoch: Optional[int] = None) -> tuple[RouteProvenance, RouteProvenance]:
-    """(route, log-prob) provenance of a sample's first engine call from the inference client's
-    ``weight_version`` at submit and at return: a weight sync in between may have re-prefilled it
-    (miles #3277), routes from the newer version, log-probs from the older. ``epoch``: the engine's
-    re-prefill count where it reports one."""
-    routes = RouteProvenance(ENGINE, "", version_at_return, epoch)
-    logprobs = RouteProvenance(ENGINE, "", version_at_submit, None if epoch is None else 0)
-    return routes, logprobs
+    """:func:`r3bridge.batch.provenance.first_call_provenance` from SkyRL's inference client ``weight_version``."""
+    return first_call_provenance(ENGINE, version_at_submit, version_at_return, epoch=epoch)

@@ -37,7 +37,7 @@ from r3bridge.launch.watchdog import Stage, StallWatchdog
 __all__ = ["refuse", "refusing_section_errors", "section_overrides", "merge_setting", "forward_section",
            "local_hf_config",
            "local_ray_cpu_slots", "check_ray_cpu_slots", "ensure_folders", "RayJobWatch", "ServerWait", "running_processes",
-           "watch_servers"]
+           "watch_servers", "section_keys"]
 
 logger = logging.getLogger("r3bridge")
 
