@@ -1,12 +1,5 @@
-"""r3bridge for SkyRL 0.3.x / 0.4.x: ``replay_mode: R2 | R3 | off`` on SkyRL's Megatron backend.
-
-Files as in every adapter (docs/porting.md): ``config.py`` (``trainer.r3bridge.*`` on SkyRL's own
-command line), ``rollout.py`` (every vLLM call's routes, stitched first-seen), ``codec.py``
-(``rollout_expert_indices`` + ``router_padding_mask`` <-> ReplayBatch), ``hooks.py`` (subclasses
-of SkyRL's classes), plus ``main.py`` (the entry point) and ``_compat.py`` (SkyRL's modules on
-Python 3.11, the installed release). What SkyRL lacks and this adds: R2, VPP, first-seen
-multi-turn routes, validity instead of zero rows. See docs/use-with-skyrl.md.
-"""
+"""r3bridge for SkyRL 0.3.x / 0.4.x: ``replay_mode: R2 | R3 | off`` on SkyRL's Megatron backend
+(files as in docs/porting.md, "The seam"; docs/use-with-skyrl.md)."""
 from __future__ import annotations
 
 from r3bridge.adapters.skyrl._compat import SUPPORTED_RELEASES, skyrl_release

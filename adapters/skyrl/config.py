@@ -1,20 +1,16 @@
-"""The ``r3bridge`` section for SkyRL, on SkyRL's own command line: ``trainer.r3bridge.replay_mode=R3``.
-
-:func:`skyrl_config_class` is SkyRL's config with an ``r3bridge`` field of type
-:class:`r3bridge.ReplayConfig` in its ``TrainerConfig`` (SkyRL's documented ``make_config``
-extension), so SkyRL's strict parser type-checks ``trainer.r3bridge.<option>=...`` and refuses
-unknown keys. ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` fill the keys the command line leaves
-unset. docs/use-with-skyrl.md, "Configuration".
-"""
+"""The ``r3bridge`` section on SkyRL's own command line (``trainer.r3bridge.replay_mode=R3``), and the
+job's settings checked. docs/use-with-skyrl.md, "Configuration"."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
+from r3bridge.launch.steps import section_keys
 
 __all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "SECTION"]
@@ -30,8 +26,7 @@ def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> Replay
 
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
-    """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (SkyRL's
-    ``make_config(trainer_cls=...)``; ``None``: not on the command line, the environment applies)."""
+    """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (``make_config``)."""
     from r3bridge.adapters.skyrl._compat import import_skyrl
 
     sk = import_skyrl("skyrl.train.config.config")
@@ -41,40 +36,34 @@ def skyrl_config_class() -> type:
 
 
 def parse_cli(argv: Sequence[str]) -> Any:
-    """A SkyRL command line (``key.path=value`` overrides) parsed by SkyRL's own parser into
-    :func:`skyrl_config_class`; ``trainer.override_entrypoint=...`` is SkyRL's dispatch key and is
-    dropped, as SkyRL's own ``main`` does before its strict parse."""
+    """A SkyRL command line parsed by SkyRL's parser into :func:`skyrl_config_class`, without the
+    dispatch key ``trainer.override_entrypoint=...`` (as SkyRL's own ``main`` drops it)."""
     return skyrl_config_class().from_cli_overrides([a for a in argv if not a.startswith(_ENTRYPOINT)])
 
 
 def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> tuple[ReplayConfig, str]:
-    """The section of a parsed SkyRL config merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``
-    (a key set differently in both is refused), and where it came from. ``argv``: the command line,
-    which tells the keys it set (without it, a key left at its default counts as unset)."""
+    """The parsed section merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, and where it came
+    from; ``argv`` tells the keys the command line set (else a key at its default counts as unset)."""
     section = getattr(getattr(cfg, "trainer", None), "r3bridge", None)
-    prefix = f"{SECTION}."
-    named = None if argv is None else [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv
-                                       if a.lstrip("+").startswith(prefix)]
+    named = None if argv is None else section_keys(argv, SECTION)
     # the environment (R3BRIDGE_CONFIG) merges with the command line's keys (r3bridge.config)
     return ReplayConfig.resolve_with_origin(section if isinstance(section, ReplayConfig) else None,
                                             section_name=f"{SECTION} (command line)", set_keys=named)
 
 
 def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
-    """Fill ``trainer.r3bridge`` (command line, else environment), refuse contradictions
-    (``ConfigError`` naming both keys) and make SkyRL's checks pass: SkyRL's ``validate_cfg`` wants
-    ``moe_enable_routing_replay=true`` with routed experts on (its own R3); r3bridge's worker keeps
-    megatron's replay off and drives its own hook, so under R3 it is set for the check only."""
+    """Fill ``trainer.r3bridge``, refuse contradictions (``ConfigError`` naming both keys), and set
+    ``moe_enable_routing_replay`` under R3 for SkyRL's ``validate_cfg`` only (docs, "Configuration")."""
     rc, _ = replay_config_from_skyrl(cfg)
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config
     ref_mc = getattr(getattr(cfg.trainer, "ref", None), "megatron_config", None)
+    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false")
     # SkyRL's reference worker would replay the actor's rollout routes (NeMo RL #4083's teacher)
-    JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").reference_replay(
-        "trainer.ref.megatron_config.moe_enable_routing_replay", getattr(ref_mc, "moe_enable_routing_replay", False),
-        off=False).raise_if_any(RoleError)
-    check = JobCheck(rc, SECTION, "SkyRL config", true="true", false="false").all_hidden_layers("vLLM")
+    check.reference_replay("trainer.ref.megatron_config.moe_enable_routing_replay",
+                           getattr(ref_mc, "moe_enable_routing_replay", False), off=False).raise_if_any(RoleError)
+    check.all_hidden_layers("vLLM")
     spec = speculative_decoding_problem(rc.replay_mode.value, "vllm", speculative_settings(cfg),
                                         configured_version=rc.engine_version)
     check.refuse(spec, spec)
@@ -90,22 +79,11 @@ def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
 
 
 def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The SkyRL 0.3 / 0.4 settings that turn vLLM speculative decoding on: ``speculative_config``,
-    ``trainer.mtp.enabled`` (unless ``SKYRL_DISABLE_SPEC=1``), and a ``speculative_config`` passed
-    through ``engine_init_kwargs`` / ``prefill_init_kwargs`` / ``decode_init_kwargs``."""
-    import os
-
+    """The SkyRL settings that turn vLLM speculative decoding on (docs, "Speculative decoding")."""
     env = os.environ if environ is None else environ
-    ie = cfg.generator.inference_engine
-    base = "generator.inference_engine"
-    out: dict[str, Any] = {}
-    if getattr(ie, "speculative_config", None):
-        out[f"{base}.speculative_config"] = setting(ie, "speculative_config", plain=True)
-    mtp = getattr(cfg.trainer, "mtp", None)
-    if mtp is not None and bool(getattr(mtp, "enabled", False)) and env.get("SKYRL_DISABLE_SPEC") != "1":
-        out["trainer.mtp.enabled"] = True
-    for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
-        passed = setting(ie, kw, {}, plain=True)
-        if passed.get("speculative_config"):
-            out[f"{base}.{kw}.speculative_config"] = passed["speculative_config"]
-    return out
+    ie = "generator.inference_engine"
+    kwargs = ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs")     # passed through to vLLM
+    paths = [f"{ie}.speculative_config", "trainer.mtp.enabled", *(f"{ie}.{kw}.speculative_config" for kw in kwargs)]
+    if env.get("SKYRL_DISABLE_SPEC") == "1":     # SkyRL then writes no MTP speculative_config
+        paths.remove("trainer.mtp.enabled")
+    return {p: v for p in paths if (v := setting(cfg, p, plain=True))}

@@ -1,22 +1,14 @@
-"""SkyRL hooks: subclasses / mixins of SkyRL's own classes (nothing is monkey-patched); the driver
-owns the set-up (:class:`SkyRLReplay` wraps an :class:`r3bridge.megatron.AdapterSession`).
-
-:func:`model_wrapper_class` (``MegatronModelWrapper``: SkyRL's schedule inside the session's pass,
-each (chunk, micro-batch) installed from a forward pre-hook with SkyRL's real packing),
-:class:`PolicyWorkerMixin` / :class:`RefWorkerMixin` (the workers), :class:`TrainerMixin` (R2's
-recorded routes back into the batch), :class:`FirstSeenRoutesMixin` (0.3's generator).
-docs/use-with-skyrl.md, "Formats and hook points".
-"""
+"""Subclasses / mixins of SkyRL's classes (nothing is monkey-patched) around one
+:class:`r3bridge.megatron.AdapterSession` per model. docs/use-with-skyrl.md, "Formats and hook points"."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
 from r3bridge.adapters.skyrl.codec import (
     MASK_KEY,
     ROUTES_KEY,
@@ -26,16 +18,16 @@ from r3bridge.adapters.skyrl.codec import (
     provenance_pairing,
 )
 from r3bridge.adapters.skyrl.config import replay_config
-from r3bridge.batch.provenance import ProvenancePairing
-from r3bridge.batch.recorded import from_payloads, per_sample_payloads
-from r3bridge.batch.schema import ReplayBatch
+from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
+from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import merge_first_seen
+from r3bridge.megatron.model_replay import ModelReplay
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.megatron.session import AdapterSession
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
@@ -46,68 +38,29 @@ RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's l
 _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
-_ID_BIAS = 1                           # R2 record pass: sample i travels as id i + 1 (0 = SkyRL padding)
+# R2 record pass: the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL
+# copies into its micro-batches (r3bridge.batch.id_field)
+record_ids_field = sample_id_field
 
 
-def record_ids_field(sample_ids, seq_len: int) -> torch.Tensor:
-    """R2 record pass: the sample ids travel in ``rollout_expert_indices`` (the one per-sample field
-    SkyRL copies into its micro-batches, also through token-based re-batching and padding), as an
-    ``[n, S, 1, 1]`` int32 of ``id + 1`` (SkyRL's padding samples are zeros)."""
-    ids = torch.as_tensor(list(sample_ids), dtype=torch.int32) + _ID_BIAS
-    return ids.view(-1, 1, 1, 1).expand(ids.numel(), int(seq_len), 1, 1).contiguous()
-
-
-class SkyRLReplay:
-    """One policy model's :class:`r3bridge.megatron.AdapterSession` plus SkyRL's micro-batch conventions."""
+class SkyRLReplay(ModelReplay):
+    """One policy model's :class:`r3bridge.megatron.model_replay.ModelReplay`, SkyRL's micro-batches."""
 
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
         # SkyRL logs no compute_log_prob metrics: the session reports them with the update
-        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True)
+        super().__init__(AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True))
         self.session.attach(actor_module, model, layout=layout)
-        self.route_kind: Optional[str] = None   # which routes the batch carries (set by the worker from its metadata)
-        # the next pass's route / log-prob provenance (set by the worker from the whole batch,
-        # before SkyRL cuts it into micro-batches, which carry only routes); used once
-        self.provenance: Optional[ProvenancePairing] = None
-        # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
-        self.log_metrics: dict[str, float] = self.session.replay_mode_metric
-
-    @property
-    def replayer(self) -> Any:
-        return self.session.replayer
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The last schedule run's metrics, as the driver names them."""
-        return {} if self.session.result is None else dict(self.session.result.metrics)
-
-    @property
-    def recorded(self) -> Optional[ReplayBatch]:
-        """The last schedule run's R2 recording (real samples, sample-id order)."""
-        return None if self.session.result is None else self.session.result.recorded
-
-    def add_metrics(self, metrics_list: Any) -> Any:
-        """The tagged metrics into each micro-batch's metrics dict ``forward_backward_mini_batch``
-        returns: SkyRL averages them over micro-batches and data-parallel ranks and logs them."""
-        if isinstance(metrics_list, list):
-            for m in metrics_list:
-                if isinstance(m, dict):
-                    m.update(self.log_metrics)
-        return metrics_list
 
     def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
         """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
         session = self.session
         plan = session.plan(phase)
-        pairing, self.provenance = self.provenance, None
-        mbs = [dict(m) for m in micro_batches]
-        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in mbs]
-        for m in mbs:
-            # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
-            # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
-            for key in (ROUTES_KEY, MASK_KEY):
-                if key in m:
-                    m[key] = None
+        pairing = self.take_provenance()
+        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in micro_batches]
+        # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
+        # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+        mbs = [{k: None if k in (ROUTES_KEY, MASK_KEY) else v for k, v in m.items()} for m in micro_batches]
         session.result = None
         if plan is None:
             return call(mbs)
@@ -119,42 +72,33 @@ class SkyRLReplay:
         with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
                          packing_from_forward=True):
             out = call(mbs)
-        logged = session.metrics_to_log(session.result)     # compute_log_prob's are held for the update
-        if phase is Phase.UPDATE:
-            self.log_metrics = averaged(logged)
+        self.log_pass(phase)
         return out
 
     def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
         seq_lens = mb["attention_mask"].sum(-1).long().tolist()
         session = self.session
         if plan.action is Action.REPLAY:
-            route_kind = plan.route_kind
-            if self.route_kind is not None and self.route_kind != route_kind:
-                raise ConfigError(f"replay_mode={session.mode.value} replays {route_kind} routes, the batch "
-                                  f"carries {self.route_kind} routes")
+            self.check_route_kind(plan)
             session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
             fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
                       "sub_seq_lengths": mb.get("sub_seq_lengths")}
             m = session.model
             # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
             routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if route_kind == "recorded" else m.num_layers,
-                                   route_kind=route_kind)
+                                   num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers,
+                                   route_kind=plan.route_kind)
             return MicroBatch(seq_lens, routes)
         if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
             return MicroBatch(seq_lens)
-        r = torch.as_tensor(r)
-        # PolicyWorkerMixin's sample ids are [n, S, 1, 1]; anything else is rollout routes
-        session.check_routes(plan, tuple(r.shape[2:]) != (1, 1), field=ROUTES_KEY, where=f"micro-batch {k}")
-        # the sample ids PolicyWorkerMixin put in ROUTES_KEY; SkyRL's padding samples are zeros
-        raw = r.reshape(len(seq_lens), -1).max(1).values.long() - _ID_BIAS
-        return MicroBatch(seq_lens, sample_ids=[int(x) if x >= 0 else None for x in raw.tolist()])
+        # PolicyWorkerMixin's sample ids; anything else in ROUTES_KEY is rollout routes
+        session.check_routes(plan, not is_sample_id_field(r), field=ROUTES_KEY, where=f"micro-batch {k}")
+        return MicroBatch(seq_lens, sample_ids=sample_ids_from_field(r, len(seq_lens)))
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
-    """``MegatronModelWrapper`` (or ``base``) subclass whose compute_log_prob ``forward`` and
-    ``forward_backward_mini_batch`` run inside the replay's pass. Construct it like SkyRL's, plus
-    ``r3_replay=SkyRLReplay(...)``."""
+    """``MegatronModelWrapper`` (or ``base``) running its passes in the replay; constructed like
+    SkyRL's, plus ``r3_replay=SkyRLReplay(...)``."""
     base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
     check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
 
@@ -170,8 +114,7 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
                                         loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
-            # forward_only here is SkyRL's loss-only evaluation of a training batch: same routes as the update;
-            # kwargs: SkyRL 0.4's return_per_token_outputs (passed through as its worker gives it)
+            # forward_only: SkyRL's loss-only evaluation (the update's routes); kwargs: 0.4's return_per_token_outputs
             sup = super().forward_backward_mini_batch
             return self.r3.add_metrics(self.r3.run(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
@@ -182,9 +125,8 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
 
 class RefWorkerMixin:
-    """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: the reference model never
-    replays (SkyRL's own replay would replay the actor's rollout routes there, NeMo RL #4083): it
-    is declared the reference, and a replay object on its routers raises a ``RoleError``."""
+    """``class MyRefWorker(RefWorkerMixin, MegatronRefWorkerBase)``: declared the reference, never
+    replays (NeMo RL #4083); a replay object on its routers raises a ``RoleError``."""
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
@@ -225,21 +167,16 @@ class PolicyWorkerMixin:
         with self._r3_provenance(data):
             return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
 
-    @contextlib.contextmanager
-    def _r3_provenance(self, data):
-        """The pass's route / log-prob provenance (R3), for this call only: never a later pass's."""
-        r3 = self.model.r3
-        r3.provenance = provenance_pairing(data) if replay_config(self.r3_config).replay_mode is ReplayMode.R3 else None
-        try:
-            yield
-        finally:
-            r3.provenance = None
+    def _r3_provenance(self, data):     # the pass's route / log-prob provenance (R3), for this call only
+        r3 = replay_config(self.r3_config).replay_mode is ReplayMode.R3
+        return self.model.r3.providing(provenance_pairing(data) if r3 else None)
 
     def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
         mode = replay_config(self.r3_config).replay_mode
         if mode is not ReplayMode.R2 or loss_fn is not None:
             return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        session = self.model.r3.session
+        r3 = self.model.r3
+        session = r3.session
         session.check_routes(session.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY)
         attn = data["attention_mask"]
         data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
@@ -247,12 +184,7 @@ class PolicyWorkerMixin:
             out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
         finally:
             data[ROUTES_KEY] = None
-        from megatron.core import parallel_state as mpu
-        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
-            return out      # SkyRL returns a [1, 1] placeholder here; its dispatcher reads the last stage's outputs
-        payloads = per_sample_payloads(session.recorded_for(len(out.loss_fn_outputs)))
-        for o, payload in zip(out.loss_fn_outputs, payloads):     # per sample, as SkyRL carries outputs
-            o[RECORDED_KEY] = payload
+        r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
         return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
@@ -292,44 +224,37 @@ class TrainerMixin:
             if rec is None:
                 raise ReplayStateError("replay_mode=R2 but the policy forward recorded no routes (skipped forward? "
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
-            from r3bridge.hf import num_hidden_layers_from_hf_config
-            n = num_hidden_layers_from_hf_config(self._r3_hf_config())
+            n = ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path).num_layers
             # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
             SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
                        num_hidden_layers=n).write_recorded(training_input, rec)
         return out
 
-    def _r3_hf_config(self):
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(self.cfg.trainer.policy.model.path, trust_remote_code=True)
-
 
 class FirstSeenRoutesMixin:
-    """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: SkyRL 0.3.0 replaces a
-    sample's routes with each turn's; this keeps the rows earlier turns returned (the routes that
-    sampled those tokens) and appends only new rows. SkyRL 0.4's generator does this itself
-    (``RoutedExpertTrace``, tests/adapters/test_skyrl04.py), so under 0.4 the mixin is refused."""
+    """``class MyGenerator(FirstSeenRoutesMixin, SkyRLGymGenerator)``: each turn's routes merged
+    first-seen into earlier turns' rows (SkyRL 0.3.0 replaces them); refused under 0.4, whose
+    generator does it itself (``RoutedExpertTrace``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from r3bridge.adapters.skyrl._compat import skyrl_release
         if skyrl_release() == "0.4":
             raise ConfigError("SkyRL 0.4's generator keeps first-seen multi-turn routes itself (RoutedExpertTrace); "
                               "use SkyRLGymGenerator without r3bridge's FirstSeenRoutesMixin")
         super().__init__(*args, **kwargs)
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
-        prev = agent_loop_state.rollout_expert_indices
         sup = super()._update_agent_loop_state_with_multiturn_chat_template
-        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
+        return _first_seen(sup, agent_loop_state, turn_output)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
-        prev = agent_loop_state.rollout_expert_indices
         sup = super()._update_agent_loop_state_with_singleturn_chat_template
-        return _first_seen(sup(agent_loop_state, turn_output), prev, turn_output)
+        return _first_seen(sup, agent_loop_state, turn_output)
 
 
-def _first_seen(state, previous, turn_output):
-    """``state`` with the turn's routes merged first-seen into the rows earlier turns returned."""
+def _first_seen(update, state, turn_output):
+    """``update(state, turn_output)`` with the turn's routes merged first-seen into earlier turns' rows."""
+    previous = state.rollout_expert_indices
+    state = update(state, turn_output)
     if state.rollout_expert_indices is not None:
         state.rollout_expert_indices = merge_first_seen(previous, turn_output.rollout_expert_indices)
     return state
@@ -347,8 +272,7 @@ def policy_worker_class(config=None, num_gpus: int = 1):
 
 
 def ref_worker_class(num_gpus: int = 1):
-    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker`` (SkyRL's own is
-    ``ray.remote(num_gpus=1)(MegatronRefWorkerBase)``)."""
+    """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker``."""
     import ray
 
     base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase

@@ -1,17 +1,11 @@
-"""SkyRL's generator side: each engine call's routes -> :class:`r3bridge.ReplayBatch`, stitched.
-
-SkyRL 0.3 hands each call's ``rollout_expert_indices`` (``[prompt + generated - 1,
-num_hidden_layers, K]``, any vLLM transport) around and *overwrites* a sample's routes with each
-new turn's; r3bridge stitches the calls first-seen instead (:class:`SkyRLRollout`; in the generator,
-:func:`merge_first_seen` on SkyRL's list format: ``hooks.FirstSeenRoutesMixin``).
-docs/use-with-skyrl.md, "Formats and hook points".
-"""
+"""SkyRL's generator side: each engine call's routes, stitched first-seen (SkyRL 0.3 overwrites a
+sample's routes with each new turn's). docs/use-with-skyrl.md, "Formats and hook points"."""
 from __future__ import annotations
 
 from typing import Optional
 
 from r3bridge.adapters.skyrl.codec import ENGINE
-from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.provenance import RouteProvenance, first_call_provenance
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.ingest.capture import StitchedRollout, merge_first_seen
 from r3bridge.ingest.stitching import rollout_routes
@@ -27,11 +21,5 @@ class SkyRLRollout(StitchedRollout):
 
 def call_provenance(version_at_submit: Optional[int], version_at_return: Optional[int], *,
                     epoch: Optional[int] = None) -> tuple[RouteProvenance, RouteProvenance]:
-    """(route provenance, log-prob provenance) of a sample's first engine call from SkyRL's
-    inference client ``weight_version`` read when the call was submitted and when it returned: a
-    weight sync in between may have re-prefilled the request under the new weights (miles #3277),
-    so its routes come from the newer version, its first tokens' log-probs from the older.
-    ``epoch``: the engine's re-prefill count where it reports one (SGLang ``num_retractions``)."""
-    routes = RouteProvenance(ENGINE, "", version_at_return, epoch)
-    logprobs = RouteProvenance(ENGINE, "", version_at_submit, None if epoch is None else 0)
-    return routes, logprobs
+    """:func:`r3bridge.batch.provenance.first_call_provenance` from SkyRL's inference client ``weight_version``."""
+    return first_call_provenance(ENGINE, version_at_submit, version_at_return, epoch=epoch)

@@ -52,6 +52,7 @@ __all__ = [
     "route_label",
     "parse_route_label",
     "kind_and_engine",
+    "first_call_provenance",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -430,3 +431,14 @@ def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[
     epoch = reported_int(meta_info.get("num_retractions"))
     version = weight_version if weight_version is not None else _version_number(meta_info.get("weight_version"))
     return RouteProvenance(engine, str(meta_info.get("id") or ""), version, epoch)
+
+
+def first_call_provenance(engine: str, version_at_submit: Optional[int], version_at_return: Optional[int], *,
+                          epoch: Optional[int] = None, request_id: str = "") -> tuple[RouteProvenance, RouteProvenance]:
+    """(route, log-prob) provenance of a sample's first engine call from the client's weight version
+    read when the call was submitted and when it returned: a weight sync in between may have
+    re-prefilled the request under the new weights (miles #3277), so its routes come from the newer
+    version, its first tokens' log-probs from the older (epoch 0). ``epoch``: the engine's re-prefill
+    count where it reports one (SGLang ``num_retractions``)."""
+    routes = RouteProvenance(engine, request_id, version_at_return, epoch)
+    return routes, RouteProvenance(engine, request_id, version_at_submit, None if epoch is None else 0)

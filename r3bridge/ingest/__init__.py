@@ -5,6 +5,7 @@
 * ``gather``        - reading rows of those buffers (one gather, or one copy per run of engine rows)
 * ``stitching``     - multi-turn / resubmit engine calls -> one sequence per sample, first-seen rows
 * ``engine_report`` - engine payloads classified row by row as the reader does (degenerate rows)
+* ``masked_fields`` - a routes field over a padded [B, S] batch with its own no-route mask, viewed
 
 The one reader continues in :mod:`r3bridge.parallel` (``rank_rows``, ``read``): one rank's targets.
 """

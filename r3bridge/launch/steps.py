@@ -37,7 +37,7 @@ from r3bridge.launch.watchdog import Stage, StallWatchdog
 __all__ = ["refuse", "refusing_section_errors", "section_overrides", "merge_setting", "forward_section",
            "local_hf_config",
            "local_ray_cpu_slots", "check_ray_cpu_slots", "ensure_folders", "RayJobWatch", "ServerWait", "running_processes",
-           "watch_servers"]
+           "watch_servers", "section_keys"]
 
 logger = logging.getLogger("r3bridge")
 
@@ -286,3 +286,9 @@ def watch_servers(wait: ServerWait, where: str, interval: float = 2.0) -> thread
 
     threading.Thread(target=watch, name="r3bridge-server-wait", daemon=True).start()
     return stop
+
+
+def section_keys(argv: Sequence[str], section: str = "r3bridge") -> list[str]:
+    """The keys of ``section`` a command line sets (``section.x=y``, ``+section.x=y``, ``++section.x=y``)."""
+    prefix = f"{section}."
+    return [a.lstrip("+").split("=", 1)[0][len(prefix):] for a in argv if a.lstrip("+").startswith(prefix)]
