@@ -30,7 +30,8 @@ from r3bridge.adapters.areal.hooks import (
 )
 from r3bridge.adapters.areal.rollout import ArealRollout, routes_from_responses
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "routes_from_responses", "trajectory_tensor", "batch_handed_routes", "handed_routes",
-           "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
-           "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
-           "trainer_class", "workflow_class", "grpo_config_class"]
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "routes_from_responses", "trajectory_tensor",
+           "batch_handed_routes", "handed_routes", "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend",
+           "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class",
+           "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class", "trainer_class", "workflow_class",
+           "grpo_config_class"]

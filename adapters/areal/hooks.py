@@ -26,7 +26,8 @@ from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance
 from r3bridge.batch.recorded import split_sizes
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
-from r3bridge.ingest.capture import RequestAttempts, check_flat_topk
+from r3bridge.ingest.capture import RequestAttempts, check_flat_topk, sample_name
+from r3bridge.ingest.forwarding import Forwarding
 from r3bridge.ingest.sglang_attempts import attempt_provenance, first_seen_attempts
 from r3bridge.job_check import JobCheck
 from r3bridge.megatron.packed_micro_batch import thd_micro_batch
@@ -47,14 +48,8 @@ _ATTEMPTS = RequestAttempts()   # each attempt's SGLang meta_info, per agenerate
 
 
 # ------------------------------------------------------------------------------------ rollout
-class RecordingBackend:
+class RecordingBackend(Forwarding):
     """AReaL's backend, keeping each parsed response's ``meta_info`` for the current request."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def parse_generation_response(self, response: dict) -> Any:
         out = self.inner.parse_generation_response(response)
@@ -92,15 +87,13 @@ class SGLangEngineMixin:
         return await _generate_deduped(super().agenerate, self, req)
 
 
-class _RecordingInferenceEngine:
+class _RecordingInferenceEngine(Forwarding):
     def __init__(self, engine: Any, responses: list) -> None:
-        self._inner, self._responses = engine, responses
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().__init__(engine)
+        self._responses = responses
 
     async def agenerate(self, req: Any) -> Any:
-        resp = await _generate_deduped(self._inner.agenerate, self._inner, req)
+        resp = await _generate_deduped(self.inner.agenerate, self.inner, req)
         self._responses.append(resp)
         return resp
 
@@ -122,7 +115,7 @@ class WorkflowMixin:
         tokens, m = ids[0].tolist(), self.r3_model
         for turn, r in enumerate(responses):     # before anything reshapes them: a clear top-k error
             check_flat_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
-                            sample=_sample_name(data, len(tokens)), turn=turn, framework="AReaL")
+                            sample=sample_name(data, len(tokens)), turn=turn, framework="AReaL")
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
@@ -130,14 +123,6 @@ class WorkflowMixin:
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
         out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
         return out
-
-
-def _sample_name(data: Any, num_tokens: int) -> str:
-    """How an error names the episode's sample: the dataset's id when it has one."""
-    for key in ("query_id", "id", "uid", "index"):
-        if isinstance(data, dict) and data.get(key) is not None:
-            return f"{key}={data[key]!r}"
-    return f"(the episode of {num_tokens} tokens)"
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -274,9 +259,8 @@ class MegatronEngineMixin:
 
 
 class RoleEngineMixin:
-    """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference,
-    teacher): the model is declared its role after ``initialize(role=...)`` and re-checked before
-    every pass, so a replay object on any of its routers raises a ``RoleError`` naming both roles."""
+    """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference, teacher):
+    the model declared its role, re-checked before every pass (docs/use-with-areal.md, "Roles")."""
 
     r3: Optional[AdapterSession] = None
 

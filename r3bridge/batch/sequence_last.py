@@ -49,4 +49,5 @@ def right_padded_routes(batch: ReplayBatch, attention_mask: torch.Tensor, *,
     """``batch`` (one sequence per row, batch order) -> ``[B, L, K, S]`` for a right-padded
     ``attention_mask``, on its device (an R2 write-back beside the batch's other fields)."""
     attn = torch.as_tensor(attention_mask)
-    return sequence_last_routes(batch, right_padded_lens(attn, framework=framework), width=attn.shape[-1]).to(attn.device)
+    lens = right_padded_lens(attn, framework=framework)
+    return sequence_last_routes(batch, lens, width=attn.shape[-1]).to(attn.device)

@@ -30,8 +30,8 @@ def sequence_last_handed(t: Any, rows: Sequence[int], lens: Sequence[int], *, nu
         raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
     _, none = sentinel_dtype(num_experts)
     return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, route_kind=route_kind, names=[f"batch row {int(r)}" for r in rows],
-                                           framework=framework)
+                                           sentinel=none, route_kind=route_kind,
+                                           names=[f"batch row {int(r)}" for r in rows], framework=framework)
 
 
 def right_padded_handed(data: Any, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],

@@ -34,8 +34,9 @@ def routes_from_attempts(meta_infos: Sequence[dict], *, num_experts: int, num_la
     """All SGLang responses of one request -> one sequence, the MoE layers, duplicates removed
     first-seen."""
     moe = list(moe_layer_ids)
-    pieces = [ReplayBatch.from_ragged([select_layers(decode_sglang(m, num_layers=num_layers, topk=topk), moe, 0, "SGLang")],
-                                      num_experts=num_experts, layer_ids=moe, route_kind="rollout") for m in meta_infos]
+    decoded = [select_layers(decode_sglang(m, num_layers=num_layers, topk=topk), moe, 0, "SGLang") for m in meta_infos]
+    pieces = [ReplayBatch.from_ragged([d], num_experts=num_experts, layer_ids=moe, route_kind="rollout")
+              for d in decoded]
     return stitch(pieces)[0]
 
 
