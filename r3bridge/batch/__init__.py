@@ -7,6 +7,7 @@
 * ``wire``          - the bytes: versioned header, raw buffers, CRCs (no import of ``schema``)
 * ``canonical``     - the canonical trainer-side form every adapter produces, and its small edits
 * ``dense``         - a batch back in a framework's dense per-sample layout ("no route" explicit)
+* ``sequence_last`` - a batch as one sequence-last ``[B, L, K, S]`` field (sentinel "no route")
 
 Built on :mod:`r3bridge.engines`; read to ranks by :mod:`r3bridge.ingest` and :mod:`r3bridge.parallel`.
 """
