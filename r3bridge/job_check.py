@@ -146,3 +146,12 @@ class JobCheck:
         if isinstance(value, bool):
             return self.true if value else self.false
         return repr(value)
+
+
+def replay_section(holder: Any, name: str = "r3bridge") -> Optional[ReplayConfig]:
+    """The section a parsed framework config carries in the field :func:`with_replay_section`
+    added (a mapping is parsed; ``None``: not set)."""
+    section = getattr(holder, name, None)
+    if section is None:
+        return None
+    return section if isinstance(section, ReplayConfig) else ReplayConfig.from_mapping(section)

@@ -1,11 +1,7 @@
 """r3bridge for AReaL 1.0.x: ``replay_mode: R2 | R3 | off`` on AReaL's Megatron engine.
 
-Files as in every adapter (docs/porting.md): ``config.py`` (the ``r3bridge:`` section in AReaL's
-YAML, :func:`grpo_config_class`), ``rollout.py`` (SGLang responses -> ReplayBatch, stitched
-first-seen), ``codec.py`` (the per-trajectory routes tensor <-> ReplayBatch), ``hooks.py`` (the
-mixins and class factories), ``_compat.py`` (importing AReaL without its agent stack), plus
-``launch.py`` (the launch line: AReaL's local launcher after r3bridge's checks). See
-docs/use-with-areal.md.
+The files of every adapter (docs/porting.md, "The seam"), plus ``launch.py`` (AReaL's local
+launcher after r3bridge's checks). See docs/use-with-areal.md.
 """
 from __future__ import annotations
 
@@ -32,16 +28,10 @@ from r3bridge.adapters.areal.hooks import (
     trainer_class,
     workflow_class,
 )
-from r3bridge.adapters.areal.rollout import (
-    ArealRollout,
-    decode_sglang,
-    first_seen_rows,
-    routes_from_attempts,
-    routes_from_responses,
-)
+from r3bridge.adapters.areal.rollout import ArealRollout, routes_from_responses
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "decode_sglang", "first_seen_rows", "routes_from_attempts",
-           "routes_from_responses", "trajectory_tensor", "batch_handed_routes", "handed_routes",
-           "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin",
-           "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class", "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class",
-           "trainer_class", "workflow_class", "grpo_config_class"]
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "routes_from_responses", "trajectory_tensor",
+           "batch_handed_routes", "handed_routes", "batch_tensor", "ModelInfo", "SGLangEngineMixin", "RecordingBackend",
+           "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "RoleEngineMixin", "megatron_role_engine_class",
+           "replay_config", "ArealCodec", "ArealRollout", "megatron_ppo_actor_class", "trainer_class", "workflow_class",
+           "grpo_config_class"]

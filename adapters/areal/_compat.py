@@ -1,10 +1,5 @@
-"""Importing AReaL 1.0.x modules without its whole agent stack.
-
-``import areal`` runs ``areal/__init__`` -> ``areal.infra`` -> workflow executor -> the OpenAI
-agent client (``openai``, ``litellm``, ...), which this adapter never uses. :func:`import_areal`
-imports normally and, if that fails, skips the ``__init__`` of ``areal`` and ``areal.infra``
-(:func:`r3bridge.versions.import_skipping_inits`) and retries.
-"""
+"""Importing AReaL 1.0.x modules without its agent stack (``import areal`` imports the OpenAI agent
+client, which this adapter never uses): docs/frameworks.md, "How the modules are imported"."""
 from __future__ import annotations
 
 import importlib
@@ -23,5 +18,5 @@ def _workflow_context() -> None:
 
 
 def import_areal(name: str):
-    """Import ``name`` (see the module docstring)."""
+    """Import ``name``; if that fails, again with the ``__init__`` of ``areal`` and ``areal.infra`` skipped."""
     return import_skipping_inits(name, ("areal", "areal.infra"), skipped=_workflow_context)

@@ -1,20 +1,16 @@
-"""AReaL's training batch <-> :class:`r3bridge.ReplayBatch` (pure torch: no areal import).
+"""AReaL's training batch <-> r3bridge (pure torch: no areal import).
 
-AReaL's batches are dicts of ``[B, S, ...]`` tensors that its own utilities concat,
-split (``split_padded_tensor_dict_into_mb_list`` moves only tensors with ``B*S`` elements), unpad
-(``split_and_unpad_tensor`` trims the *last* dim to the sequence length) and deep-copy non-tensor
-values into every trajectory. Routes therefore travel as one tensor per trajectory,
-``[g, L_moe, K, S]`` (sequence last, so trimming is exact), ids in the narrowest dtype and a
-sentinel where a token has no route (``r3bridge.batch.schema.sentinel_dtype``); the engine slices them per micro-batch explicitly
-by sample id.
+Routes travel as one sequence-last tensor per trajectory, ``[g, L_moe, K, S]``
+(:mod:`r3bridge.batch.sequence_last`: what AReaL's concat / split / unpad keep exactly); the engine
+slices them per micro-batch by sample id. docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+import functools
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from r3bridge.batch.dense import token_rows
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
@@ -22,11 +18,10 @@ from r3bridge.batch.provenance import (
     pairing_from_fields,
     provenance_fields,
 )
-from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
-from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
-from r3bridge.hf import check_topk
+from r3bridge.batch.sequence_last import right_padded_routes, sequence_last_routes
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.ingest.sequence_last import right_padded_handed, sequence_last_handed
 
 if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
@@ -45,62 +40,11 @@ ENGINE = "sglang"
 PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 
 
-def trajectory_tensor(rb: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
-    """ReplayBatch -> ``[n, L_moe, K, width]`` (sequence last), the sentinel where there is no route."""
-    dtype, none = sentinel_dtype(rb.num_experts)
-    lens = [int(x) for x in seq_lens]
-    rows, _ = token_rows(rb, lens, fill=none, dtype=dtype)
-    out = torch.full((rb.num_seqs, rb.num_layers, rb.topk, max(lens) if width is None else int(width)), none,
-                     dtype=dtype, device=rows.device)
-    tokens = torch.arange(out.shape[-1], device=rows.device)[None, :] < torch.tensor(lens, device=rows.device)[:, None]
-    out.permute(0, 3, 1, 2)[tokens] = rows          # [n, S, L, K] view: each sequence's tokens in order
-    return out
-
-
-def handed_routes(t: torch.Tensor, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
-                  moe_layer_ids: Sequence[int], route_kind: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
-    """Rows ``rows`` of a ``[B, L_moe, K, S]`` routes tensor, tokens ``[0, lens[i])`` of each (AReaL
-    batches are right-padded), as the one reader reads them (:mod:`r3bridge.ingest.handed`): AReaL's own
-    tensor viewed where it lies (the trainer's GPU in a GPU job), nothing copied or checked yet;
-    the sentinel marks tokens without a route. Samples are named by their row of ``t``."""
-    t = torch.as_tensor(t)
-    if t.dim() != 4:
-        raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
-    check_topk("routes", int(t.shape[2]), topk)
-    if t.shape[1] != len(moe_layer_ids):
-        raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
-    _, none = sentinel_dtype(num_experts)
-    return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
-                                           sentinel=none, route_kind=route_kind, names=[f"batch row {int(r)}" for r in rows],
-                                           framework="AReaL")
-
-
-def _right_padded_lens(attention_mask: torch.Tensor) -> list[int]:
-    attn = torch.as_tensor(attention_mask).bool().cpu()   # on the GPU in a GPU job: a host check
-    lens = attn.sum(-1).long()
-    pos = torch.arange(attn.shape[-1])[None, :]
-    if not bool((attn == (pos < lens[:, None])).all()):
-        raise CoverageError("AReaL batches are right-padded; this attention_mask is not")
-    return lens.tolist()
-
-
-def batch_handed_routes(data: dict, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
-                        route_kind: str = "rollout", topk: Optional[int] = None) -> HandedRoutes:
-    """A batched AReaL dict (``attention_mask`` ``[B, S]``, ``key`` ``[B, L_moe, K, S]``) as
-    :func:`handed_routes` of all its samples, in batch order."""
-    t = data.get(key)
-    if t is None:
-        raise CoverageError(f"the batch has no {key!r}")
-    lens = _right_padded_lens(data["attention_mask"])
-    return handed_routes(t, range(len(lens)), lens, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
-                         route_kind=route_kind, topk=topk)
-
-
-def batch_tensor(rb: ReplayBatch, attention_mask: torch.Tensor) -> torch.Tensor:
-    """R2 write-back: recorded ReplayBatch (batch order) -> ``[B, L_moe, K, S]`` for a right-padded
-    ``attention_mask``, on its device (the batch's other fields are on the trainer's GPU)."""
-    attn = torch.as_tensor(attention_mask)
-    return trajectory_tensor(rb, _right_padded_lens(attn), width=attn.shape[-1]).to(attn.device)
+trajectory_tensor = sequence_last_routes     # ReplayBatch -> [n, L_moe, K, S], the sentinel where there is no route
+# rows ``rows`` of a [B, L_moe, K, S] routes tensor, tokens [0, lens[i]) of each, viewed (nothing copied or checked)
+handed_routes = functools.partial(sequence_last_handed, framework="AReaL")
+batch_handed_routes = functools.partial(right_padded_handed, framework="AReaL")   # a batched dict, batch order
+batch_tensor = functools.partial(right_padded_routes, framework="AReaL")    # R2 write-back, on the mask's device
 
 
 class ArealCodec(HandedCodec):

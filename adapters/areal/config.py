@@ -1,9 +1,5 @@
-"""The ``r3bridge`` section for AReaL: an ``r3bridge:`` section in AReaL's own YAML / command line.
-
-:func:`grpo_config_class` is AReaL's experiment config (``GRPOConfig``) plus a field ``r3bridge`` of
-type :class:`r3bridge.ReplayConfig`, AReaL's documented way to add config fields, so AReaL's parser
-type-checks the section and refuses unknown keys. ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``
-fill the keys it leaves unset (the actor's session merges them). docs/use-with-areal.md, "Configuration".
+"""The ``r3bridge:`` section in AReaL's own YAML / command line: :func:`grpo_config_class` adds it
+to AReaL's experiment config as a typed field. docs/use-with-areal.md, "Configuration".
 """
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig
 from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
-from r3bridge.job_check import with_replay_section
+from r3bridge.job_check import replay_section, with_replay_section
 
 __all__ = ["replay_config", "grpo_config_class", "parse_cli", "section_of", "ModelInfo"]
 
@@ -50,7 +46,4 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> Any:
 
 def section_of(experiment_config: Any) -> Optional[ReplayConfig]:
     """The ``r3bridge`` section of a parsed AReaL experiment config (``None``: not set)."""
-    section = getattr(experiment_config, "r3bridge", None)
-    if section is None:
-        return None
-    return section if isinstance(section, ReplayConfig) else ReplayConfig.from_mapping(section)
+    return replay_section(experiment_config)

@@ -1,12 +1,5 @@
-"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch); the driver owns the set-up
-(:class:`r3bridge.megatron.AdapterSession`).
-
-Rollout: :class:`SGLangEngineMixin` / :class:`WorkflowMixin` see every attempt's SGLang response,
-stitch resubmits and parent-concat turns first-seen and add ``r3bridge_routes`` to the trajectory.
-Trainer: :class:`PPOActorMixin` (phases, sample ids, R2 write-back), :class:`MegatronEngineMixin`
-(attach, one ``MicroBatch`` per padded micro-batch, AReaL's schedule inside the session's pass),
-:class:`RoleEngineMixin` (reference / teacher engines never replay).
-docs/use-with-areal.md, "What happens where".
+"""AReaL hooks: mixins for AReaL's own classes (subclass, never patch) around the driver's
+:class:`r3bridge.megatron.AdapterSession`. docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
@@ -29,15 +22,16 @@ from r3bridge.adapters.areal.codec import (
 )
 from r3bridge.adapters.areal.config import ModelInfo, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance, reported_int, sglang_provenance
+from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance
 from r3bridge.batch.recorded import split_sizes
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.engines.decoders import decode_sglang_routes, sglang_rows
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
-from r3bridge.ingest.capture import RequestAttempts, check_flat_topk
-from r3bridge.ingest.stitching import first_seen_rows
+from r3bridge.ingest.capture import RequestAttempts, check_flat_topk, sample_name
+from r3bridge.ingest.forwarding import Forwarding
+from r3bridge.ingest.sglang_attempts import attempt_provenance, first_seen_attempts
 from r3bridge.job_check import JobCheck
-from r3bridge.megatron.phase import MicroBatch, PhaseResult
+from r3bridge.megatron.packed_micro_batch import thd_micro_batch
+from r3bridge.megatron.phase import PhaseResult
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.versions import check_internals, check_release, checked_subclass
@@ -54,14 +48,8 @@ _ATTEMPTS = RequestAttempts()   # each attempt's SGLang meta_info, per agenerate
 
 
 # ------------------------------------------------------------------------------------ rollout
-class RecordingBackend:
+class RecordingBackend(Forwarding):
     """AReaL's backend, keeping each parsed response's ``meta_info`` for the current request."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def parse_generation_response(self, response: dict) -> Any:
         out = self.inner.parse_generation_response(response)
@@ -77,26 +65,19 @@ async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
     if hasattr(core, "backend") and not isinstance(core.backend, RecordingBackend):
         core.backend = RecordingBackend(core.backend)
     resp, attempts = await _ATTEMPTS.around(lambda: agenerate(req))
-    with_routes = [m for m in attempts or () if m.get("routed_experts") is not None]
-    if with_routes and getattr(resp, "routed_experts", None) is not None:
-        # the engine does not know the model: AReaL's own [tokens - 1, L_all*K] int32 rows
-        rows, report = first_seen_rows([decode_sglang_routes(m["routed_experts"], rows=sglang_rows(m, seq=0))
-                                        for m in with_routes])
-        resp.routed_experts = rows
-        resp.r3bridge_resubmits = len(with_routes) - 1
-        resp.r3bridge_disagreeing_rows = report.total_disagreeing
-        resp.r3bridge_provenance = response_provenance(with_routes[0], resp)
+    stitched = first_seen_attempts(attempts) if getattr(resp, "routed_experts", None) is not None else None
+    if stitched is not None:     # AReaL's own [tokens - 1, L_all*K] int32 rows
+        resp.routed_experts = stitched.rows
+        resp.r3bridge_resubmits = stitched.resubmits
+        resp.r3bridge_disagreeing_rows = stitched.disagreeing_rows
+        resp.r3bridge_provenance = response_provenance(stitched.first, resp)
     return resp
 
 
 def response_provenance(meta_info: dict, resp: Any) -> tuple[RouteProvenance, RouteProvenance]:
     """(route, log-prob provenance) of a response whose first-seen rows came from the attempt of
-    ``meta_info``: the routes are that attempt's pass (SGLang's ``num_retractions``, numeric
-    ``weight_version``: miles #3277); its first tokens' log-probs were sampled in the first pass
-    (epoch 0) under AReaL's version of the first output token (``output_versions``)."""
-    routes = sglang_provenance(meta_info, engine=ENGINE)
-    first = next((v for v in (getattr(resp, "output_versions", None) or []) if reported_int(v) is not None), None)
-    return routes, RouteProvenance(ENGINE, routes.request_id, first, None if routes.epoch is None else 0)
+    ``meta_info``, AReaL's ``output_versions`` its tokens' versions (:func:`attempt_provenance`)."""
+    return attempt_provenance(meta_info, getattr(resp, "output_versions", None), engine=ENGINE)
 
 
 class SGLangEngineMixin:
@@ -106,15 +87,13 @@ class SGLangEngineMixin:
         return await _generate_deduped(super().agenerate, self, req)
 
 
-class _RecordingInferenceEngine:
+class _RecordingInferenceEngine(Forwarding):
     def __init__(self, engine: Any, responses: list) -> None:
-        self._inner, self._responses = engine, responses
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().__init__(engine)
+        self._responses = responses
 
     async def agenerate(self, req: Any) -> Any:
-        resp = await _generate_deduped(self._inner.agenerate, self._inner, req)
+        resp = await _generate_deduped(self.inner.agenerate, self.inner, req)
         self._responses.append(resp)
         return resp
 
@@ -136,7 +115,7 @@ class WorkflowMixin:
         tokens, m = ids[0].tolist(), self.r3_model
         for turn, r in enumerate(responses):     # before anything reshapes them: a clear top-k error
             check_flat_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
-                            sample=_sample_name(data, len(tokens)), turn=turn, framework="AReaL")
+                            sample=sample_name(data, len(tokens)), turn=turn, framework="AReaL")
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids)
         out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
@@ -144,14 +123,6 @@ class WorkflowMixin:
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
         out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
         return out
-
-
-def _sample_name(data: Any, num_tokens: int) -> str:
-    """How an error names the episode's sample: the dataset's id when it has one."""
-    for key in ("query_id", "id", "uid", "index"):
-        if isinstance(data, dict) and data.get(key) is not None:
-            return f"{key}={data[key]!r}"
-    return f"(the episode of {num_tokens} tokens)"
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -266,15 +237,7 @@ class MegatronEngineMixin:
                 routes = handed_routes(carried[key], gids, lens, num_experts=self.r3.model.num_experts,
                                        moe_layer_ids=self.r3.model.moe_layer_ids, route_kind=plan.route_kind)
             uids = self.r3.sample_uids(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]] for j in range(n))
-            if int(pmb["cu_seqlens"].numel()) - 1 > n:
-                # AReaL's trailing page-padding "sequence": all packing padding, declared as a
-                # 1-token sequence without routes (no sample), so coverage counts no missing route
-                # for it; the plan still takes its padded length from cu_seqlens, which is what
-                # the CP zigzag and the SP split use.
-                lens, gids = lens + [1], gids + [None]
-                uids = None if uids is None else uids + [None]
-            pmb[MB_KEY] = MicroBatch(lens, routes, gids, format="thd", cu_seqlens_padded=pmb["cu_seqlens"].cpu(),
-                                     uids=uids)
+            pmb[MB_KEY] = thd_micro_batch(lens, pmb["cu_seqlens"], routes=routes, sample_ids=gids, uids=uids)
         if self.r3_provenance is not None:      # this pass's samples: a mini-batch of the actor's batch
             self.r3_pass_provenance = self.r3_provenance.select([gid_of_row[r] for r in fwd])
         return mb_list
@@ -296,9 +259,8 @@ class MegatronEngineMixin:
 
 
 class RoleEngineMixin:
-    """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference,
-    teacher): the model is declared its role after ``initialize(role=...)`` and re-checked before
-    every pass, so a replay object on any of its routers raises a ``RoleError`` naming both roles."""
+    """``class M(RoleEngineMixin, MegatronPPOActor)`` for AReaL's other engines (reference, teacher):
+    the model declared its role, re-checked before every pass (docs/use-with-areal.md, "Roles")."""
 
     r3: Optional[AdapterSession] = None
 
@@ -370,22 +332,18 @@ def trainer_class(config=None):
 
     class R3BridgePPOTrainer(rl.PPOTrainer):
         def _create_train_engine(self, actor_config, alloc):
-            if alloc.backend == "megatron" and not rl.is_single_controller() and \
-                    actor_config is not getattr(getattr(self, "config", None), "actor", None):
-                # the reference / teacher engine: AReaL's class, its model's role declared
-                engine = megatron_role_engine_class()(config=actor_config)
-                engine.create_process_group(parallel_strategy=alloc.parallel)
-                return engine
-            if actor_config is not getattr(getattr(self, "config", None), "actor", None) or alloc.backend != "megatron":
+            is_actor = actor_config is getattr(getattr(self, "config", None), "actor", None)
+            if alloc.backend != "megatron" or (rl.is_single_controller() and not is_actor):
                 return super()._create_train_engine(actor_config, alloc)
             if rl.is_single_controller():
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
-            actor = actor_cls(config=actor_config)
-            section = section_of(getattr(self, "config", None))   # the YAML's r3bridge: section
+            # a reference / teacher engine: AReaL's class, its model's role declared
+            engine = actor_cls(config=actor_config) if is_actor else megatron_role_engine_class()(config=actor_config)
+            section = section_of(getattr(self, "config", None)) if is_actor else None   # the YAML's r3bridge:
             if section is not None:     # the actor's session merges it with R3BRIDGE_CONFIG
-                actor.r3_config = section
-            actor.create_process_group(parallel_strategy=alloc.parallel)
-            return actor
+                engine.r3_config = section
+            engine.create_process_group(parallel_strategy=alloc.parallel)
+            return engine
 
     return R3BridgePPOTrainer
 
@@ -393,7 +351,4 @@ def trainer_class(config=None):
 def workflow_class(base: type, hf_config) -> type:
     """``base`` (e.g. ``RLVRWorkflow``, ``MultiTurnWorkflow``) with :class:`WorkflowMixin`, for the
     model described by ``hf_config`` (a ``PretrainedConfig``, a config dict, or a path)."""
-    if isinstance(hf_config, str):
-        from transformers import AutoConfig
-        hf_config = AutoConfig.from_pretrained(hf_config, trust_remote_code=True)
     return type(f"R3Bridge{base.__name__}", (WorkflowMixin, base), {"r3_model": ModelInfo.from_hf_config(hf_config)})

@@ -1,9 +1,6 @@
-"""AReaL's rollout side: SGLang responses -> :class:`r3bridge.ReplayBatch` (no areal import).
-
-SGLang returns each request's routes from row 0 (``meta_info["routed_experts"]``); AReaL 1.0.4
-concatenates a resubmitted request's attempts (the prefix twice, AReaL #1207) and re-routes a
-parent-concat workflow's whole context on every turn. Both are stitched first-seen here
-(:mod:`r3bridge.ingest.capture`, :mod:`r3bridge.ingest.stitching`). docs/use-with-areal.md, "What happens where".
+"""AReaL's rollout side: a trajectory's SGLang responses -> :class:`r3bridge.ReplayBatch` (no areal
+import), stitched first-seen (:mod:`r3bridge.ingest.capture`; one request's resubmits:
+:mod:`r3bridge.ingest.sglang_attempts`). docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
@@ -12,12 +9,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
 from r3bridge.errors import PayloadError
 from r3bridge.ingest.capture import trajectory_routes
-from r3bridge.ingest.stitching import first_seen_rows, stitch
 
-__all__ = ["ArealRollout", "decode_sglang", "first_seen_rows", "routes_from_attempts", "routes_from_responses"]
+__all__ = ["ArealRollout", "routes_from_responses"]
 
 
 class ArealRollout:
@@ -32,24 +27,6 @@ class ArealRollout:
         responses, tokens = engine_outputs
         return routes_from_responses(responses, tokens, num_experts=self.num_experts, num_layers=self.num_layers,
                                      topk=self.topk, moe_layer_ids=self.moe_layer_ids)
-
-
-def decode_sglang(meta_info: dict, *, num_layers: int, topk: int, seq: int = 0) -> np.ndarray:
-    """One SGLang response's ``meta_info`` -> int32 ``[prompt + completion - 1, L_all, K]`` (the
-    row count checked when the response reports its token counts). Also accepts AReaL's already
-    decoded ``[rows, L_all*K]`` array as ``routed_experts``."""
-    rows = sglang_rows(meta_info, seq=seq) if {"prompt_tokens", "completion_tokens"} <= set(meta_info) else None
-    return decode_sglang_routes(meta_info.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=seq)
-
-
-def routes_from_attempts(meta_infos: Sequence[dict], *, num_experts: int, num_layers: int, topk: int,
-                         moe_layer_ids: Sequence[int]) -> ReplayBatch:
-    """All SGLang responses of one request (first submit, then every resubmit after an
-    interruption) -> one sequence, duplicates removed first-seen."""
-    moe = list(moe_layer_ids)
-    pieces = [ReplayBatch.from_ragged([select_layers(decode_sglang(m, num_layers=num_layers, topk=topk), moe, 0, "SGLang")],
-                                      num_experts=num_experts, layer_ids=moe, route_kind="rollout") for m in meta_infos]
-    return stitch(pieces)[0]
 
 
 def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, num_experts: int,

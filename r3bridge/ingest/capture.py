@@ -206,3 +206,12 @@ def reprefill_metrics(overlap: Sequence[Any], disagreeing: Sequence[Any],
     return {f"{prefix}reprefill_rows": total_overlap, f"{prefix}reprefill_disagreeing_rows": total_disagreeing,
             f"{prefix}reprefill_disagreement": total_disagreeing / total_overlap if total_overlap else 0.0}
 
+
+
+def sample_name(data: Any, num_tokens: int, keys: Sequence[str] = ("query_id", "id", "uid", "index")) -> str:
+    """How an error names an episode's sample: the dataset's id (the first of ``keys`` a dict
+    ``data`` holds), else its token count."""
+    for key in keys:
+        if isinstance(data, dict) and data.get(key) is not None:
+            return f"{key}={data[key]!r}"
+    return f"(the episode of {num_tokens} tokens)"

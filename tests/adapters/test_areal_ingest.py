@@ -27,12 +27,11 @@ from r3bridge.adapters.areal import (  # noqa: E402
     ArealCodec,
     RecordingBackend,
     batch_handed_routes,
-    decode_sglang,
-    first_seen_rows,
-    routes_from_attempts,
     trajectory_tensor,
 )
 from r3bridge.errors import PayloadError  # noqa: E402
+from r3bridge.ingest.sglang_attempts import decode_sglang, routes_from_attempts  # noqa: E402
+from r3bridge.ingest.stitching import first_seen_rows  # noqa: E402
 from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
 from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 from testlab.areal_env import import_areal  # noqa: E402
