@@ -20,7 +20,7 @@ from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.config import Action, Phase
 from r3bridge.ingest.nested import nested_like, nested_routes
 from r3bridge.launch.ray_watch import report
-from r3bridge.megatron.adapter_pass import checked_plan, extend_metrics, loss_after_routers
+from r3bridge.megatron.adapter_pass import check_route_width, checked_plan, extend_metrics, loss_after_routers
 from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
@@ -87,6 +87,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         plan = checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
+        if plan.action is Action.REPLAY:
+            self._r3_check_topk(data, phase)
         # the batch-level sample index travels with each sample through verl's micro-batching:
         # R2 records by it, and route errors name the sample by it (not its micro-batch position)
         data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
@@ -114,6 +116,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
                                              prefix=f"{self.r3.config.metrics_prefix}{phase_tag(phase)}/")
         extend_metrics(output.setdefault("metrics", {}), self.r3.metrics_to_log(self.r3.result, extra))
         return output
+
+    def _r3_check_topk(self, data, phase: Phase) -> None:
+        check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY, where=f"the {phase.value} batch")
 
     # ------------------------------------------------------------------------------ per micro-batch
     def forward_step(self, batch_iter: Iterator, model, logits_processor_func, postprocess_micro_batch_func):

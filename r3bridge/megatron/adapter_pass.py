@@ -11,7 +11,7 @@ import torch
 
 from r3bridge.config import Action, Phase, PhasePlan
 
-__all__ = ["checked_plan", "route_width", "loss_after_routers", "extend_metrics"]
+__all__ = ["checked_plan", "route_width", "check_route_width", "loss_after_routers", "extend_metrics"]
 
 
 def route_width(routes: Any) -> int:
@@ -20,16 +20,20 @@ def route_width(routes: Any) -> int:
     return int(values.shape[-1])
 
 
+def check_route_width(session: Any, routes: Any, *, field: str, where: str) -> None:
+    """Routes (``None``: none) of another width than the model's top-k refused before the schedule
+    starts, not at the first router (``session.check_topk``)."""
+    if routes is not None:
+        session.check_topk(field, route_width(routes), where=where)
+
+
 def checked_plan(session: Any, phase: Phase, routes: Any, *, field: str, where: str) -> Optional[PhasePlan]:
     """``session.plan(phase)`` (``None``: route natively), with the pass's ``routes`` (``None``:
-    the batch has no ``field``) present exactly when the plan needs them and, to replay, of the
-    model's top-k: refused before the schedule starts (``session.check_routes`` / ``check_topk``)."""
+    the batch has no ``field``) present exactly when the plan needs them (``session.check_routes``);
+    to replay, check their width too (:func:`check_route_width`)."""
     plan = session.plan(phase)
-    if plan is None:
-        return None
-    session.check_routes(plan, routes is not None, field=field, where=where)
-    if plan.action is Action.REPLAY and routes is not None:
-        session.check_topk(field, route_width(routes), where=where)
+    if plan is not None:
+        session.check_routes(plan, routes is not None, field=field, where=where)
     return plan
 
 
