@@ -1,11 +1,7 @@
-"""r3bridge for verl 0.9: ``replay_mode: R2 | R3 | off`` in an existing Megatron job.
+"""r3bridge for verl 0.9: ``replay_mode: R2 | R3 | off`` in an existing Megatron job (docs/use-with-verl.md).
 
-Loaded in the driver and every Ray worker through verl's plugin entry points (``verl.plugins``) or
-``actor_rollout_ref.model.external_lib``. Opt-in: only when the mode the launcher hands every
-worker (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``) is R2 or R3 is r3bridge's engine registered
-(``registry.py``); replay off leaves verl untouched. Files as in every adapter (docs/porting.md),
-plus ``main_ppo.py`` (the launcher) and ``agent_loop.py`` (the first-seen tool agent loop).
-docs/use-with-verl.md.
+Loaded in the driver and every Ray worker (verl's plugin entry points or ``external_lib``); opt-in:
+r3bridge's engine is registered (``registry.py``) only when the launcher's mode is R2 or R3.
 """
 from __future__ import annotations
 

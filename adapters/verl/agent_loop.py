@@ -1,10 +1,7 @@
 """verl 0.9's tool agent loop with first-seen routes: each token keeps the route that sampled it.
 
-:class:`FirstSeenToolAgentLoop` is verl's ``ToolAgentLoop`` with one change: after every server
-call the sample's ``routed_experts`` are its calls stitched first-seen, and ``extra_fields`` gains
-the re-prefill counts (:data:`OVERLAP_KEY`, :data:`DISAGREE_KEY`; as metrics:
-:func:`r3bridge.ingest.capture.reprefill_metrics`) and the sample's route / log-prob provenance, with
-attempts numbered. Registered through verl's agent loop config (``_target_:
+After every server call a sample's ``routed_experts`` are its calls stitched first-seen, and
+``extra_fields`` gains the re-prefill counts and the route / log-prob provenance (``_target_:
 r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop``): docs/use-with-verl.md, "Multi-turn".
 """
 from __future__ import annotations
@@ -15,28 +12,12 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLo
 
 from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
 from r3bridge.adapters.verl.rollout import VerlRollout, call_provenance
-from r3bridge.ingest.capture import CallLog
+from r3bridge.ingest.call_capture import CapturingClient
 
 __all__ = ["FirstSeenToolAgentLoop", "OVERLAP_KEY", "DISAGREE_KEY"]
 
 OVERLAP_KEY = "r3bridge_reprefill_rows"
 DISAGREE_KEY = "r3bridge_reprefill_disagreeing_rows"
-
-
-class _RouteCapture(CallLog):
-    """The agent loop's server client, forwarding every call and logging it (routes, output, attempt)."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self._inner = inner
-
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        out = await self._inner.generate(*args, **kwargs)
-        self.record(kwargs.get("prompt_ids"), getattr(out, "token_ids", None), out.routed_experts, out)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class FirstSeenToolAgentLoop(ToolAgentLoop):
@@ -46,7 +27,7 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.server_manager = _RouteCapture(self.server_manager)
+        self.server_manager = CapturingClient(self.server_manager)
         self._r3_rollout: VerlRollout | None = None
 
     def _rollout(self) -> VerlRollout:

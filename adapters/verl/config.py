@@ -15,6 +15,7 @@ from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, interpolated, setting
 from r3bridge.launch import check_ray_cpu_slots, forward_section, local_hf_config
+from r3bridge.launch.worker_imports import ensure_listed
 
 __all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
            "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
@@ -141,14 +142,10 @@ def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
 
 def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
                         worker_env: Mapping[str, str] | None = None) -> ReplayConfig:
-    """Driver side: resolve the options (the job's section merged with ``R3BRIDGE_CONFIG``),
-    validate, fill the ``r3bridge`` section with them, and forward it to every Ray worker
-    (``ray_kwargs.ray_init.runtime_env.env_vars.R3BRIDGE_CONFIG`` and this process's environment);
-    make the workers import the adapter even with verl plugins disabled, and (replay on) register
-    the engine here too. ``announce_where``: log the startup line naming it. ``worker_env``: more
-    variables for the workers only (the launcher's stall-watchdog id)."""
-    from omegaconf import open_dict
-
+    """Driver side: resolve and validate the options, forward them to every Ray worker
+    (:func:`r3bridge.launch.forward_section`), make the workers import the adapter even with verl
+    plugins off and (replay on) register the engine here too. ``announce_where``: log the startup
+    line naming it. ``worker_env``: variables for the workers only (the stall-watchdog id)."""
     cfg, origin = resolve_verl_options(verl_cfg)
     if hf_config is None:
         hf_config = local_hf_config(setting(verl_cfg, "actor_rollout_ref.model.path"), trust_remote_code=bool(
@@ -162,11 +159,7 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     if cfg.replay_mode is not ReplayMode.OFF and model is not None:
         # verl imports external_lib in every worker and, unlike its plugin loader, lets an import
         # error fail the worker; it takes a list, so a user's own module stays
-        libs = model.get("external_lib")
-        libs = [] if not libs else [libs] if isinstance(libs, str) else list(libs)
-        if ADAPTER_MODULE not in libs:
-            with open_dict(model):
-                model["external_lib"] = libs + [ADAPTER_MODULE] if libs else ADAPTER_MODULE
+        ensure_listed(model, "external_lib", ADAPTER_MODULE)
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)
     return cfg

@@ -1,37 +1,30 @@
 """The engine r3bridge registers (only when the job asks for replay): verl's
-``MegatronEngineWithLMHead`` plus the driver (:class:`r3bridge.megatron.AdapterSession`).
-
-It overrides ``initialize`` (attach), ``forward_backward_batch`` (one pass: verl's schedule inside
-the session's pass, R2's recorded routes and the metrics into verl's output), ``forward_step``
-(install each (chunk, micro-batch)) and ``disable_adapter`` (a LoRA reference pass never replays).
-Phases: the reference engine and passes with the LoRA adapter disabled are ``ref_log_prob``,
-other forward-only passes ``compute_log_prob``, passes with a backward ``update``.
+``MegatronEngineWithLMHead`` translating each batch for the driver (:class:`r3bridge.megatron.AdapterSession`).
+Phases: the reference engine and LoRA-adapter-disabled passes are ``ref_log_prob``, other
+forward-only passes ``compute_log_prob``, passes with a backward ``update``.
 docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
+from verl.models.mcore.util import preprocess_thd_engine
+from verl.utils.megatron_utils import unwrap_model
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from r3bridge.adapters.verl.codec import (
-    LOG_RATIO_KEY,
-    ROUTES_KEY,
-    SAMPLE_KEY,
-    handed_routes,
-    provenance_pairing,
-    routes_to_nested,
-)
+from r3bridge.adapters.verl.codec import LOG_RATIO_KEY, ROUTES_KEY, SAMPLE_KEY, handed_routes, provenance_pairing
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.config import Action, Phase
+from r3bridge.ingest.nested import nested_like, nested_routes
 from r3bridge.launch.ray_watch import report
+from r3bridge.megatron.adapter_pass import check_route_width, checked_plan, extend_metrics, loss_after_routers
 from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
-from r3bridge.metrics import logprob_mismatch
+from r3bridge.metrics.mismatch import padded_response_mismatch
 
 __all__ = ["R3BridgeMegatronEngine"]
 
@@ -70,11 +63,17 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         hf = self.model_config.hf_config
         if self.r3.replays:
             check_engine_config(self.r3.config, self.engine_config, hf_config=hf, tf_config=self.tf_config,
-                                cp_layout=self._get_context_parallel_layout(_unwrap(self.module[0])))
+                                cp_layout=self._get_context_parallel_layout(unwrap_model(self.module[0])))
         self.r3.attach(self.module, hf)
 
+    @contextlib.contextmanager
     def disable_adapter(self):
-        return _counting(self, super().disable_adapter())
+        self._r3_adapter_off += 1       # a LoRA reference pass: routes natively
+        try:
+            with super().disable_adapter():
+                yield
+        finally:
+            self._r3_adapter_off -= 1
 
     # ------------------------------------------------------------------------------ phases
     def r3_phase(self, forward_only: bool) -> Phase:
@@ -84,11 +83,10 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
         phase = self.r3_phase(forward_only)
-        plan = self.r3.plan(phase)
+        routes = data.get(ROUTES_KEY, None)
+        plan = checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        self.r3.check_routes(plan, data.get(ROUTES_KEY, None) is not None, field=ROUTES_KEY,
-                             where=f"the {phase.value} batch")
         if plan.action is Action.REPLAY:
             self._r3_check_topk(data, phase)
         # the batch-level sample index travels with each sample through verl's micro-batching:
@@ -108,32 +106,19 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         if not output:                                  # not the last pipeline stage
             return output
         if plan.action is Action.RECORD:
-            output.setdefault("model_output", {})[ROUTES_KEY] = routes_to_nested(self.r3.recorded_for(len(data)))
-        extra = self._r3_logprob_metrics(output, data, phase_tag(phase))
-        for k, v in self.r3.metrics_to_log(self.r3.result, extra).items():
-            output.setdefault("metrics", {}).setdefault(k, []).extend(v)
+            output.setdefault("model_output", {})[ROUTES_KEY] = nested_routes(self.r3.recorded_for(len(data)))
+        logp = (output.get("model_output") or {}).get("log_probs")
+        extra = {}
+        if logp is not None and data.get("rollout_log_probs", None) is not None:
+            # trainer-vs-rollout log-prob mismatch, in verl's padded response layout
+            extra = padded_response_mismatch(no_padding_2_padding(logp, data), data["rollout_log_probs"],
+                                             data["response_mask"],
+                                             prefix=f"{self.r3.config.metrics_prefix}{phase_tag(phase)}/")
+        extend_metrics(output.setdefault("metrics", {}), self.r3.metrics_to_log(self.r3.result, extra))
         return output
 
     def _r3_check_topk(self, data, phase: Phase) -> None:
-        routes = data.get(ROUTES_KEY, None)
-        if routes is not None:
-            width = int(routes.values().shape[-1] if getattr(routes, "is_nested", False) else routes.shape[-1])
-            self.r3.check_topk(ROUTES_KEY, width, where=f"the {phase.value} batch")
-
-    def _r3_logprob_metrics(self, output: dict, data, tag: str) -> dict[str, float]:
-        """Trainer-vs-rollout log-prob mismatch of this pass, in verl's padded response layout."""
-        prefix = self.r3.config.metrics_prefix
-        out: dict[str, float] = {}
-        logp = (output.get("model_output") or {}).get("log_probs")
-        if logp is not None and data.get("rollout_log_probs", None) is not None:
-            train = no_padding_2_padding(logp, data).float()
-            rollout = _padded(data["rollout_log_probs"], train).float()
-            mask = _padded(data["response_mask"], train).bool()
-            if train.shape == rollout.shape == mask.shape:
-                # verl's padded response layout: column j is response token j for both, the last
-                # sampled token included (its logits come from the row before): nothing to drop.
-                out.update(logprob_mismatch(train, rollout, mask, exclude_last=False, prefix=f"{prefix}{tag}/"))
-        return out
+        check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY, where=f"the {phase.value} batch")
 
     # ------------------------------------------------------------------------------ per micro-batch
     def forward_step(self, batch_iter: Iterator, model, logits_processor_func, postprocess_micro_batch_func):
@@ -142,15 +127,10 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         batch = next(batch_iter)
         index = self.r3_install(batch, model)
         output, loss = super().forward_step(iter((batch,)), model, logits_processor_func, postprocess_micro_batch_func)
-        if not (self.r3.config.router_log_ratio and self._r3_pass.action is Action.REPLAY):
-            return output, loss
-        phase_pass = self._r3_pass
 
-        def loss_with_log_ratio(*args: Any, **kwargs: Any) -> Any:
-            # the loss runs after this chunk's forward: every router of the micro-batch has run
-            batch[LOG_RATIO_KEY] = log_ratio_field(phase_pass.router_log_ratio_tokens(model, index), batch["input_ids"])
-            return loss(*args, **kwargs)
-        return output, loss_with_log_ratio
+        def hand_over(per_seq) -> None:        # the loss's router_log_ratio, nested like input_ids
+            batch[LOG_RATIO_KEY] = nested_like(per_seq, batch["input_ids"])
+        return output, loss_after_routers(loss, self._r3_pass, model, index, hand_over)
 
     def r3_install(self, batch, model) -> int:
         """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
@@ -173,44 +153,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""
-        from verl.models.mcore.util import preprocess_thd_engine
-
-        unwrapped = _unwrap(model)
+        unwrapped = unwrap_model(model)
         fp8 = getattr(unwrapped.config, "fp8", None)
         _, params, _ = preprocess_thd_engine(input_ids, pre_process=False,
                                              use_fp8_padding=fp8 in ("e4m3", "hybrid"),
                                              cp_layout=self._get_context_parallel_layout(unwrapped))
         return params.cu_seqlens_q_padded.cpu()
-
-
-def log_ratio_field(per_seq: Optional[list[torch.Tensor]], input_ids: torch.Tensor) -> torch.Tensor:
-    """The loss's ``router_log_ratio``, nested like verl's jagged ``input_ids``; zeros where the
-    chunk replayed nothing with weights (``per_seq`` ``None``: no MoE layer), not a loss error."""
-    device = input_ids.values().device
-    if per_seq is None:
-        per_seq = [torch.zeros(int(n), dtype=torch.float32) for n in input_ids.offsets().diff().tolist()]
-    return torch.nested.as_nested_tensor([t.to(device) for t in per_seq], layout=torch.jagged)
-
-
-def _padded(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-response field as ``like``'s padded ``[batch, max_response]`` (TransferQueue keeps it nested)."""
-    x = x.to(like.device)
-    if getattr(x, "is_nested", False):
-        x = x.to_padded_tensor(0, output_size=tuple(like.shape))
-    return x
-
-
-def _unwrap(model):
-    from verl.utils.megatron_utils import unwrap_model
-    return unwrap_model(model)
-
-
-@contextlib.contextmanager
-def _counting(engine: R3BridgeMegatronEngine, ctx):
-    engine._r3_adapter_off += 1
-    try:
-        with ctx:
-            yield
-    finally:
-        engine._r3_adapter_off -= 1
-

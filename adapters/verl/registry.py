@@ -1,9 +1,7 @@
 """r3bridge's engine in verl's ``EngineRegistry`` for ``(language_model, megatron, cuda, nvidia)``.
 
-verl imports the adapter as a plugin (``verl.plugins`` entry point, ``external_lib``) in the driver
-and every Ray worker, and swallows plugin import errors: :func:`register` checks the registry then
-resolves the key to r3bridge's engine, and :func:`r3bridge.launch.plugin_load.load_plugin` logs the outcome
-(ERROR on failure) and fails the worker of a job that asked for replay.
+verl's plugin loader swallows import errors: :func:`r3bridge.launch.plugin_load.load_plugin` logs
+the outcome (ERROR on failure) and fails the worker of a job that asked for replay.
 """
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ class RayJobWatch:
     ``hints``: what to change when Ray lacks a resource (``{"CPU": ..., "GPU": ...}``)."""
 
     def __init__(self, where: str, stages: Sequence[Stage], hints: Optional[Mapping[str, str]] = None) -> None:
-        from r3bridge import ray_watch
+        from r3bridge.launch import ray_watch
 
         self.where, self.stages, self.hints = where, list(stages), dict(hints or {})
         self.watch_id = ray_watch.new_watch_id()
@@ -188,7 +188,7 @@ class RayJobWatch:
     def start(self, cfg: ReplayConfig) -> Optional[StallWatchdog]:
         if cfg.replay_mode is ReplayMode.OFF or not cfg.stall_warning_s:
             return None
-        from r3bridge import ray_watch
+        from r3bridge.launch import ray_watch
 
         self.watchdog = StallWatchdog(self.where, self.stages, cfg.stall_warning_s,
                                       progress=lambda: ray_watch.progress(self.watch_id),

@@ -16,7 +16,7 @@ import torch
 from r3bridge.errors import ReplayError
 
 __all__ = ["MetricsInputError", "logprob_mismatch", "logprob_mismatch_packed", "logprob_mismatch_sums",
-           "mismatch_from_sums", "DEFAULT_TAUS"]
+           "mismatch_from_sums", "padded_response_mismatch", "DEFAULT_TAUS"]
 
 DEFAULT_TAUS: tuple[float, ...] = (2.0, 5.0)
 
@@ -200,3 +200,22 @@ def logprob_mismatch_packed(
     sums = logprob_mismatch_sums(train_logp, rollout_logp, mask, cu_seqlens=cu_seqlens,
                                  exclude_last=exclude_last, taus=taus)
     return mismatch_from_sums(sums, taus=taus, prefix=prefix)
+
+
+def padded_response_mismatch(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *,
+                             prefix: str = "r3bridge/") -> dict[str, float]:
+    """:func:`logprob_mismatch` in a padded ``[B, max_response]`` response layout where column ``j``
+    is response token ``j`` for both sides, the last sampled token included (its logits come from
+    the row before: nothing to drop). ``rollout_logp`` / ``mask`` may be nested jagged (a framework
+    that keeps responses unpadded): padded to ``train_logp``'s shape. Shapes that still differ
+    give ``{}`` (nothing comparable)."""
+    train = train_logp.float()
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(train.device)
+        return x.to_padded_tensor(0, output_size=tuple(train.shape)) if getattr(x, "is_nested", False) else x
+
+    rollout, keep = padded(rollout_logp).float(), padded(mask).bool()
+    if not train.shape == rollout.shape == keep.shape:
+        return {}
+    return logprob_mismatch(train, rollout, keep, exclude_last=False, prefix=prefix)

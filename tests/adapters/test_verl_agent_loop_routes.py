@@ -86,8 +86,8 @@ def test_a_regenerated_turn_starts_the_next_attempt():
 
     from verl.workers.rollout.replica import TokenOutput
 
-    from r3bridge.adapters.verl.agent_loop import _RouteCapture
     from r3bridge.adapters.verl.rollout import call_provenance
+    from r3bridge.ingest.call_capture import CapturingClient
 
     class Server:
         def __init__(self):
@@ -98,7 +98,7 @@ def test_a_regenerated_turn_starts_the_next_attempt():
             return TokenOutput(token_ids=[100 + self.n, 200 + self.n], routed_experts=_call(len(prompt_ids) + 1, self.n),
                                extra_fields={"global_steps": 3})
 
-    capture = _RouteCapture(Server())
+    capture = CapturingClient(Server())
 
     async def loop():
         first = await capture.generate("r", prompt_ids=[1, 2, 3], sampling_params={})

@@ -192,7 +192,7 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
 def test_the_losss_router_log_ratio_field_when_the_chunk_replayed_nothing_with_weights():
     """verl's loss wrapper: a chunk without MoE layers has no router log-ratio (``None``); the field
     the loss reads is then zeros in verl's jagged layout (was a ``TypeError`` inside the loss)."""
-    from r3bridge.adapters.verl.hooks import log_ratio_field
+    from r3bridge.ingest.nested import nested_like as log_ratio_field
 
     ids = torch.nested.nested_tensor([torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.int64)],
                                      layout=torch.jagged)
