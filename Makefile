@@ -66,7 +66,9 @@ install: venv
 
 test: install
 	$(PY) -m ruff check .
-	R3BRIDGE_SKYRL04="$(SKYRL04)" $(PY) -m pytest -q
+	@# two workers, whole files each (--dist loadfile: a module's shared Megatron runs start once):
+	@# most of the suite is single-threaded Python (imports, schedules, gloo), so CI's 2 cores both work
+	R3BRIDGE_SKYRL04="$(SKYRL04)" $(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: install
 	$(PY) -m r3bridge.cli.main demo
