@@ -62,6 +62,8 @@ def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
 
 def test_hf_job_keeps_its_backend(monkeypatch, tmp_path):
     monkeypatch.delenv("R3E2E_ROLLOUT", raising=False)
+    # job_env starts from this process's environment: another test's vLLM import may have set it
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
                                            "agent_calls", "metrics", "lab")}
     cmd = E.job_command(paths, "R2")
