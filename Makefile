@@ -67,7 +67,7 @@ install: venv
 test: install
 	$(PY) -m ruff check .
 	@# two workers, whole files each (--dist loadfile: a module's shared Megatron runs start once):
-	@# most of the suite is single-threaded Python (imports, schedules, gloo), so CI's 2 cores both work
+	@# one worker keeps CI's second core busy while the other waits on a subprocess, a Ray start or a timeout
 	R3BRIDGE_SKYRL04="$(SKYRL04)" $(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: install
