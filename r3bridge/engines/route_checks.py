@@ -94,24 +94,26 @@ def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
 def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
                         layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
     """Device tensors: the same checks in torch (a sort of the rows on the device)."""
+    on_rows = valid[:, None].to(routes.device)
     lo, hi = int(routes.min()), int(routes.max())
     if lo < 0 or hi >= num_experts:
-        bad = ((routes < 0) | (routes >= num_experts)).any(-1) & valid[:, None].to(routes.device)
-        hits = bad.nonzero()
-        if hits.numel():
-            r, l = int(hits[0, 0]), int(hits[0, 1])
-            seq, row, tok = locate(offsets, starts, r)
-            raise route_value_error("range", seq=seq, row=row, tok=tok, layer=layer_ids[l],
-                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(bad.sum()))
+        _raise_first("range", ((routes < 0) | (routes >= num_experts)).any(-1) & on_rows, routes, num_experts,
+                     layer_ids, offsets, starts)
     if routes.shape[2] > 1:
         s = routes.sort(dim=-1).values
-        dup = (s[..., 1:] == s[..., :-1]).any(-1) & valid[:, None].to(routes.device)
-        hits = dup.nonzero()
-        if hits.numel():
-            r, l = int(hits[0, 0]), int(hits[0, 1])
-            seq, row, tok = locate(offsets, starts, r)
-            raise route_value_error("duplicate", seq=seq, row=row, tok=tok, layer=layer_ids[l],
-                                    values=routes[r, l].tolist(), num_experts=num_experts, total=int(dup.sum()))
+        _raise_first("duplicate", (s[..., 1:] == s[..., :-1]).any(-1) & on_rows, routes, num_experts, layer_ids,
+                     offsets, starts)
+
+
+def _raise_first(kind: str, bad: torch.Tensor, routes: torch.Tensor, num_experts: int, layer_ids: Sequence[int],
+                 offsets: torch.Tensor, starts: Sequence[int]) -> None:
+    """Raise ``kind``'s error at the first (row, layer) of ``bad`` (``[rows, L]``), if any."""
+    hits = bad.nonzero()
+    if hits.numel():
+        r, l = int(hits[0, 0]), int(hits[0, 1])
+        seq, row, tok = locate(offsets, starts, r)
+        raise route_value_error(kind, seq=seq, row=row, tok=tok, layer=layer_ids[l], values=routes[r, l].tolist(),
+                                num_experts=num_experts, total=int(bad.sum()))
 
 
 # ------------------------------------------------------------------ a read's ids
