@@ -158,8 +158,14 @@ def _named(err: Exception, names: Optional[Sequence[str]], i: int, framework: Op
     if not names or i >= len(names):
         return err
     if framework is not None:
-        return type(err)(f"{framework} sample {names[i]}: " + str(err).replace(f"sequence {i}", "", 1).lstrip(", :"))
+        return led_by_name(err, i, f"{framework} sample {names[i]}")
     return type(err)(str(err).replace(f"sequence {i}", names[i], 1))
+
+
+def led_by_name(err: Exception, i: int, name: str) -> Exception:
+    """``err`` (a core error naming "sequence i") as the same class, its message led by ``name`` (how
+    a framework knows the sample) instead."""
+    return type(err)(f"{name}: " + str(err).replace(f"sequence {i}", "", 1).lstrip(", :"))
 
 
 def _faults_torch(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

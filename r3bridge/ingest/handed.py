@@ -41,7 +41,7 @@ from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
 from r3bridge.engines.engine_pack import check_shapes, host_array
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, axis_columns, check_layer_axis
-from r3bridge.engines.route_checks import check_read
+from r3bridge.engines.route_checks import check_read, led_by_name
 from r3bridge.errors import (
     ConfigError,
     CoverageError,
@@ -504,8 +504,8 @@ def naming_samples(names: Sequence[str]) -> Iterator[None]:
     try:
         yield
     except ReplayError as e:
-        msg = str(e)
-        hit = _SEQUENCE.search(msg)
+        hit = _SEQUENCE.search(str(e))
         if hit is None or int(hit.group(1)) >= len(names):
             raise
-        raise type(e)(f"{names[int(hit.group(1))]}: " + _SEQUENCE.sub("", msg, count=1).lstrip(", :")) from e
+        i = int(hit.group(1))
+        raise led_by_name(e, i, names[i]) from e
