@@ -6,14 +6,7 @@ r3bridge's engine is registered (``registry.py``) only when the launcher's mode 
 from __future__ import annotations
 
 from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, VerlCodec
-from r3bridge.adapters.verl.config import (
-    ENV_VAR,
-    check_engine_config,
-    prepare_verl_config,
-    replay_config_from_env,
-    replay_config_from_verl,
-    validate_verl_config,
-)
+from r3bridge.adapters.verl.config import prepare_verl_config, validate_verl_config
 from r3bridge.adapters.verl.registry import ENGINE_KEY, register
 from r3bridge.adapters.verl.rollout import VerlRollout
 from r3bridge.announce import ensure_visible
@@ -23,6 +16,5 @@ ensure_visible()        # the INFO lines reach a handler (verl's root logger sit
 if requested_mode() != "off":       # opt-in: replay off imports nothing more and registers nothing
     register()
 
-__all__ = ["ENGINE_KEY", "ENV_VAR", "ROUTES_KEY", "SAMPLE_KEY", "VerlCodec", "VerlRollout", "register",
-           "replay_config_from_env", "replay_config_from_verl", "validate_verl_config", "check_engine_config",
+__all__ = ["ENGINE_KEY", "ROUTES_KEY", "SAMPLE_KEY", "VerlCodec", "VerlRollout", "register", "validate_verl_config",
            "prepare_verl_config"]

@@ -6,12 +6,13 @@ r3bridge.adapters.verl.agent_loop.FirstSeenToolAgentLoop``): docs/use-with-verl.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
 
-from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
 from r3bridge.adapters.verl.rollout import VerlRollout, call_provenance
+from r3bridge.batch.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
 from r3bridge.ingest.call_capture import CapturingClient
 
 __all__ = ["FirstSeenToolAgentLoop", "OVERLAP_KEY", "DISAGREE_KEY"]
@@ -28,17 +29,12 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.server_manager = CapturingClient(self.server_manager)
-        self._r3_rollout: VerlRollout | None = None
 
-    def _rollout(self) -> VerlRollout:
-        if self._r3_rollout is None:
-            from transformers import AutoConfig
-
-            model = self.config.actor_rollout_ref.model
-            hf = AutoConfig.from_pretrained(model.get("local_path") or model.path,
-                                            trust_remote_code=bool(model.get("trust_remote_code", False)))
-            self._r3_rollout = VerlRollout.from_hf_config(hf)
-        return self._r3_rollout
+    @functools.cached_property
+    def _r3_rollout(self) -> VerlRollout:
+        model = self.config.actor_rollout_ref.model
+        return VerlRollout.from_pretrained(model.get("local_path") or model.path,
+                                           trust_remote_code=bool(model.get("trust_remote_code", False)))
 
     async def _handle_generating_state(self, agent_data: Any, sampling_params: dict[str, Any],
                                        ignore_termination: bool = False) -> AgentState:
@@ -46,11 +42,12 @@ class FirstSeenToolAgentLoop(ToolAgentLoop):
         log = self.server_manager
         if log.calls and self.first_seen:
             sample = str(agent_data.request_id)
-            routes, report = self._rollout().agent_loop_routes(log.calls, sample=sample)
+            routes, report = self._r3_rollout.sample_rows(log.calls, sample=sample)
             agent_data.routed_experts = routes
             engine = str(self.config.actor_rollout_ref.rollout.name or "verl")
             routes_from, logprobs_from = call_provenance(log.outputs, engine=engine, request_id=sample,
                                                          attempts=log.attempts)
+            # per-sample RouteProvenance objects: verl carries extra_fields as non-tensor batch fields
             agent_data.extra_fields.update({
                 OVERLAP_KEY: int(sum(report.overlap_rows)), DISAGREE_KEY: int(report.total_disagreeing),
                 ROUTE_PROVENANCE_KEY: routes_from, LOGPROB_PROVENANCE_KEY: logprobs_from})

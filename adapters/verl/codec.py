@@ -11,12 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.batch.provenance import (
-    LOGPROB_PROVENANCE_KEY,
-    ROUTE_PROVENANCE_KEY,
-    ProvenancePairing,
-    pairing_from_fields,
-)
+from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import RouteShapeError
 from r3bridge.ingest.codec_base import HandedCodec
@@ -24,16 +19,13 @@ from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.nested import handed_from_nested, nested_routes
 from r3bridge.ingest.sample_fields import indexed_names, sample_field
 
-__all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY",
-           "handed_routes", "routes_to_nested", "sample_names", "provenance_pairing", "VerlCodec"]
+__all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "handed_routes", "sample_names",
+           "provenance_pairing", "VerlCodec"]
 
 ROUTES_KEY = "routed_experts"
 WEIGHTS_KEY = "routed_experts_weights"   # optional rollout routing weights, ROUTES_KEY's layout
 LOG_RATIO_KEY = "router_log_ratio"       # per-token router log-ratio the adapter hands the loss
 SAMPLE_KEY = "r3bridge_sample_index"     # per-sample int64 the engine adds: R2 records by it, errors name it
-# ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY: per-sample RouteProvenance (or None) the agent loop
-# writes into extra_fields, which verl carries as non-tensor fields
-routes_to_nested = nested_routes         # R2's recorded routes in verl's transport ("no route": zero rows)
 
 
 def sample_names(td: Any) -> list[str]:
@@ -72,7 +64,7 @@ class VerlCodec(HandedCodec):
                              num_hidden_layers=self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
-        native[ROUTES_KEY] = routes_to_nested(recorded)
+        native[ROUTES_KEY] = nested_routes(recorded)    # R2's routes in verl's transport ("no route": zero rows)
         return native
 
     def seq_lens(self, native: Any) -> list[int]:

@@ -9,17 +9,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from r3bridge.announce import announce
-from r3bridge.config import ENV_CONFIG as ENV_VAR
-from r3bridge.config import ENV_MODE, ReplayConfig, ReplayMode
+from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, interpolated, setting
 from r3bridge.launch import check_ray_cpu_slots, forward_section, local_hf_config
 from r3bridge.launch.worker_imports import ensure_listed
 
-__all__ = ["ENV_VAR", "ENV_MODE", "replay_config_from_verl", "resolve_verl_options", "check_local_ray_slots",
-           "replay_config_from_env", "validate_verl_config", "check_engine_config", "prepare_verl_config",
-           "speculative_settings"]
+__all__ = ["resolve_verl_options", "check_local_ray_slots", "validate_verl_config", "check_engine_config",
+           "prepare_verl_config", "speculative_settings"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
@@ -33,14 +31,6 @@ def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None
     merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_origin`)."""
     return ReplayConfig.resolve_with_origin(setting(verl_cfg, "r3bridge", None, plain=True), environ,
                                             section_name=SECTION_NAME)
-
-
-def replay_config_from_verl(verl_cfg: Any) -> ReplayConfig:
-    """:func:`resolve_verl_options` without the origin."""
-    return resolve_verl_options(verl_cfg)[0]
-
-
-replay_config_from_env = ReplayConfig.from_env      # what a worker reads (the launcher's R3BRIDGE_CONFIG)
 
 
 def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
@@ -73,7 +63,7 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
     """Validate a whole verl job config (driver side): the options in force (``cfg``, else the
     job's), or one :class:`ConfigError` listing every problem. ``hf_config``: for the MoE check."""
     if cfg is None:
-        cfg = replay_config_from_verl(verl_cfg)
+        cfg = resolve_verl_options(verl_cfg)[0]
     s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
     _check(cfg, {
         "strategy": s(f"{_ACTOR}.strategy"),

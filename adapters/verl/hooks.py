@@ -20,11 +20,9 @@ from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.config import Action, Phase
 from r3bridge.ingest.nested import nested_like, nested_routes
 from r3bridge.launch.ray_watch import report
-from r3bridge.megatron.adapter_pass import check_route_width, checked_plan, extend_metrics, loss_after_routers
-from r3bridge.megatron.phase import MicroBatch, phase_tag
+from r3bridge.megatron import adapter_pass
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
-from r3bridge.metrics.mismatch import padded_response_mismatch
 
 __all__ = ["R3BridgeMegatronEngine"]
 
@@ -84,7 +82,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
         phase = self.r3_phase(forward_only)
         routes = data.get(ROUTES_KEY, None)
-        plan = checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
+        plan = adapter_pass.checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
         if plan.action is Action.REPLAY:
@@ -108,17 +106,16 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         if plan.action is Action.RECORD:
             output.setdefault("model_output", {})[ROUTES_KEY] = nested_routes(self.r3.recorded_for(len(data)))
         logp = (output.get("model_output") or {}).get("log_probs")
-        extra = {}
-        if logp is not None and data.get("rollout_log_probs", None) is not None:
-            # trainer-vs-rollout log-prob mismatch, in verl's padded response layout
-            extra = padded_response_mismatch(no_padding_2_padding(logp, data), data["rollout_log_probs"],
-                                             data["response_mask"],
-                                             prefix=f"{self.r3.config.metrics_prefix}{phase_tag(phase)}/")
-        extend_metrics(output.setdefault("metrics", {}), self.r3.metrics_to_log(self.r3.result, extra))
+        rollout_logp = data.get("rollout_log_probs", None)
+        # the trainer-vs-rollout log-prob mismatch, in verl's padded response layout
+        padded = None if logp is None or rollout_logp is None else no_padding_2_padding(logp, data)
+        adapter_pass.extend_pass_metrics(output.setdefault("metrics", {}), self.r3, phase, log_probs=padded,
+                                         rollout_log_probs=rollout_logp, response_mask=data.get("response_mask", None))
         return output
 
     def _r3_check_topk(self, data, phase: Phase) -> None:
-        check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY, where=f"the {phase.value} batch")
+        adapter_pass.check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY,
+                                       where=f"the {phase.value} batch")
 
     # ------------------------------------------------------------------------------ per micro-batch
     def forward_step(self, batch_iter: Iterator, model, logits_processor_func, postprocess_micro_batch_func):
@@ -130,16 +127,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
         def hand_over(per_seq) -> None:        # the loss's router_log_ratio, nested like input_ids
             batch[LOG_RATIO_KEY] = nested_like(per_seq, batch["input_ids"])
-        return output, loss_after_routers(loss, self._r3_pass, model, index, hand_over)
+        return output, adapter_pass.loss_after_routers(loss, self._r3_pass, model, index, hand_over)
 
     def r3_install(self, batch, model) -> int:
         """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
-        input_ids = batch["input_ids"]
-        seq_lens = input_ids.offsets().diff().tolist()
         routes = None
-        # every pass carries the batch-level sample index: R2 records by it, traces and route
-        # errors name samples by it
-        sample_ids = batch[SAMPLE_KEY].tolist()
         if self._r3_pass.action is Action.REPLAY:
             # verl's nested values viewed (nothing copied or checked here): the driver's reader
             # reads this rank's rows once per micro-batch, whichever chunk installs first
@@ -147,9 +139,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
                                    route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers, topk=m.topk,
                                    layer_axis=self.r3.config.layer_axis)
-        return self._r3_pass.install(model, MicroBatch(seq_lens, routes, sample_ids, format="thd",
-                                                       cu_seqlens_padded=self.r3_cu_seqlens_padded(input_ids, model),
-                                                       uids=self.r3.sample_uids(input_ids.unbind())))
+        # every pass carries the batch-level sample index: R2 records by it, traces and route
+        # errors name samples by it
+        return self._r3_pass.install(model, adapter_pass.nested_micro_batch(
+            self.r3, batch["input_ids"], routes=routes, sample_ids=batch[SAMPLE_KEY].tolist(),
+            cu_seqlens_padded=self.r3_cu_seqlens_padded(batch["input_ids"], model)))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""

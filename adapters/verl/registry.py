@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from r3bridge.launch.plugin_load import load_plugin
+from r3bridge.launch.plugin_load import load_plugin, register_once
 
 __all__ = ["ENGINE_KEY", "LOADED", "LOAD_ERROR", "register"]
 
@@ -19,7 +19,7 @@ LOAD_ERROR: Optional[str] = None
 
 
 def _install() -> str:
-    """Register the engine (idempotent); the registry must then resolve ENGINE_KEY to it."""
+    """Register the engine at ENGINE_KEY (:func:`~r3bridge.launch.plugin_load.register_once`)."""
     from verl.workers.engine.base import EngineRegistry
 
     from r3bridge.versions import check_internals, check_release
@@ -29,14 +29,9 @@ def _install() -> str:
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 
     model_type, backend, device, vendor = ENGINE_KEY
-    got = EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))
-    if got is None:
-        EngineRegistry.register(model_type=model_type, backend=backend, device=device, vendor=vendor)(
-            R3BridgeMegatronEngine)
-        got = EngineRegistry._engines[model_type][backend][(device, vendor)]
-    if got is not R3BridgeMegatronEngine:
-        raise RuntimeError(f"EngineRegistry holds {got!r} for {ENGINE_KEY}, not the r3bridge engine")
-    return f"{R3BridgeMegatronEngine.__name__} registered for {ENGINE_KEY}"
+    decorator = EngineRegistry.register(model_type=model_type, backend=backend, device=device, vendor=vendor)
+    return register_once(R3BridgeMegatronEngine, "EngineRegistry", ENGINE_KEY, register=decorator, lookup=lambda: (
+        EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))))
 
 
 def _record(error: Optional[str]) -> None:
@@ -44,12 +39,8 @@ def _record(error: Optional[str]) -> None:
     LOADED, LOAD_ERROR = error is None, error
 
 
-def _register() -> None:
-    load_plugin("verl", _install, logger, _record)
-
-
 def register() -> bool:
     """Register r3bridge's engine in verl's ``EngineRegistry`` (idempotent). Returns :data:`LOADED`."""
     if not LOADED:
-        _register()
+        load_plugin("verl", _install, logger, _record)
     return LOADED

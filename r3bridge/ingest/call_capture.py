@@ -1,20 +1,21 @@
 """A rollout client's engine calls captured per sample, one sample's calls as its first-seen rows,
 and where a sample stitched from them got its routes and its log-probs (:mod:`r3bridge.ingest.capture`,
-"Route provenance" in docs/architecture.md).
+"Route provenance" in docs/architecture.md), read from its engine outputs by the names the
+framework's output type spells (:func:`outputs_provenance`).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from r3bridge.batch.provenance import RouteProvenance
+from r3bridge.batch.provenance import RouteProvenance, reported_int
 from r3bridge.errors import ProvenanceError
 from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import CallLog, StitchedRollout, checked_calls
 from r3bridge.ingest.stitching import StitchReport, first_seen_rows
 
-__all__ = ["CapturingClient", "FirstSeenCalls", "first_seen_provenance"]
+__all__ = ["CapturingClient", "FirstSeenCalls", "first_seen_provenance", "outputs_provenance", "output_reading"]
 
 
 class CapturingClient(CallLog):
@@ -53,6 +54,13 @@ class FirstSeenCalls(StitchedRollout):
         return cls(num_experts=info.num_experts, moe_layer_ids=info.moe_layer_ids, num_hidden_layers=info.num_layers,
                    topk=info.topk)
 
+    @classmethod
+    def from_pretrained(cls, path: str, *, trust_remote_code: bool = False) -> Any:
+        """:meth:`from_hf_config` of the HF config at ``path`` (a model folder or hub name)."""
+        from transformers import AutoConfig
+
+        return cls.from_hf_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
     def sample_rows(self, calls: Sequence[Any], *, sample: str = "") -> tuple[np.ndarray, StitchReport]:
         """One sample's calls' routes (``[rows, num_hidden_layers, K]`` each, from row 0), checked
         -> its first-seen rows in the same layout and the stitch report."""
@@ -78,3 +86,26 @@ def first_seen_provenance(engine: str, request_id: Any, *, calls: int, version: 
     sampled = version if sampled_version is None else sampled_version
     logprobs = RouteProvenance(engine, str(request_id), sampled, 0, last)
     return routes, logprobs
+
+
+def output_reading(output: Any, path: str) -> Optional[int]:
+    """An engine output's ``path`` (an attribute, or ``attr.key`` into a mapping attribute) as a
+    reported int (:func:`~r3bridge.batch.provenance.reported_int`); missing anywhere: ``None``."""
+    value = output
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
+        if value is None:
+            return None
+    return reported_int(value)
+
+
+def outputs_provenance(outputs: Sequence[Any], *, engine: str, request_id: Any, version: str, epoch: str,
+                       sampled_version: str, attempts: Optional[Sequence[int]] = None,
+                       ) -> tuple[RouteProvenance, RouteProvenance]:
+    """:func:`first_seen_provenance` of one sample's engine outputs (in call order), the weight
+    ``version``, ``epoch`` and ``sampled_version`` read from the first output at those paths
+    (:func:`output_reading`)."""
+    first = outputs[0] if outputs else None
+    return first_seen_provenance(engine, request_id, calls=len(outputs), version=output_reading(first, version),
+                                 epoch=output_reading(first, epoch),
+                                 sampled_version=output_reading(first, sampled_version), attempts=attempts)

@@ -86,7 +86,7 @@ def nested_routes(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Te
     """ReplayBatch (every row of each sample, start 0) -> nested jagged ``[batch, (rows_i), L, K]``,
     rows without a route written as zeros (the zero-row transport's "no route")."""
     if any(s != 0 for s in rb.start_rows):
-        raise RouteShapeError("routes_to_nested needs routes starting at token 0 of every sample")
+        raise RouteShapeError("nested_routes needs routes starting at token 0 of every sample")
     values = rb.routes.to(dtype)
     if not bool(rb.valid.all()):
         values = values.clone()

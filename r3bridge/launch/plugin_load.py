@@ -7,16 +7,18 @@ outcome (INFO, or ERROR naming the error), and, when the job asked for replay
 (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, which the launcher hands every worker), fails
 with an ``ImportError`` instead of training without it. :func:`requested_mode` is the opt-in: an
 adapter whose job did not ask for replay imports nothing of its framework's internals.
+:func:`register_once` puts the adapter's engine class into the framework's registry and checks that
+the registry then resolves to it.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from r3bridge.config import ReplayConfig
 
-__all__ = ["load_plugin", "requested_mode"]
+__all__ = ["load_plugin", "requested_mode", "register_once"]
 
 
 def requested_mode(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -49,3 +51,17 @@ def load_plugin(adapter: str, register: Callable[[], str], logger: logging.Logge
     logger.info("r3bridge %s adapter loaded (pid %d): %s; replay config: %s", adapter, os.getpid(), registered,
                 ReplayConfig.from_env().as_dict())
     return True
+
+
+def register_once(engine: type, registry: str, key: Any, *, lookup: Callable[[], Any],
+                  register: Callable[[type], Any]) -> str:
+    """``register(engine)`` unless ``lookup()`` (what ``registry`` holds at ``key``, ``None``: nothing)
+    already returns it; the registry must then resolve to ``engine``, else a ``RuntimeError`` names
+    what it holds. Returns what was registered, for :func:`load_plugin`'s log line."""
+    got = lookup()
+    if got is None:
+        register(engine)
+        got = lookup()
+    if got is not engine:
+        raise RuntimeError(f"{registry} holds {got!r} for {key}, not the r3bridge engine")
+    return f"{engine.__name__} registered for {key}"

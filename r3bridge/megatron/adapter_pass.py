@@ -1,7 +1,9 @@
 """What an adapter calls around one pass of its :class:`~r3bridge.megatron.AdapterSession` when it
 holds the pass's routes field before the schedule runs (docs/driver-api.md): the phase's plan with
-the field checked against it, the router log-ratio handed to each micro-batch's loss, and the
-metrics to log merged into the framework's per-key lists.
+the field checked against it, each micro-batch of nested jagged ``input_ids`` as the
+:class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each micro-batch's
+loss, and the metrics to log (with the trainer-vs-rollout log-prob mismatch) merged into the
+framework's per-key lists.
 """
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, Phase, PhasePlan
+from r3bridge.megatron.phase import MicroBatch, phase_tag
+from r3bridge.metrics.mismatch import padded_response_mismatch
 
-__all__ = ["checked_plan", "route_width", "check_route_width", "loss_after_routers", "extend_metrics"]
+__all__ = ["checked_plan", "route_width", "check_route_width", "nested_micro_batch", "loss_after_routers",
+           "extend_metrics", "extend_pass_metrics"]
 
 
 def route_width(routes: Any) -> int:
@@ -37,6 +42,14 @@ def checked_plan(session: Any, phase: Phase, routes: Any, *, field: str, where: 
     return plan
 
 
+def nested_micro_batch(session: Any, input_ids: torch.Tensor, *, routes: Any, sample_ids: Sequence[int],
+                       cu_seqlens_padded: Any) -> MicroBatch:
+    """The THD micro-batch of nested jagged ``input_ids`` (one sequence per sample, in order), named
+    for traces by its tokens (``session.sample_uids``)."""
+    return MicroBatch(input_ids.offsets().diff().tolist(), routes, sample_ids, format="thd",
+                      cu_seqlens_padded=cu_seqlens_padded, uids=session.sample_uids(input_ids.unbind()))
+
+
 def loss_after_routers(loss: Callable, phase_pass: Any, model: torch.nn.Module, index: int,
                        hand_over: Callable[[Optional[list[torch.Tensor]]], None]) -> Callable:
     """A micro-batch's loss callable (Megatron's ``forward_step`` contract: it runs after the chunk's
@@ -57,3 +70,15 @@ def extend_metrics(target: MutableMapping[str, list], metrics: Mapping[str, Sequ
     """``metrics`` (``AdapterSession.metrics_to_log``'s lists) appended to ``target``'s list per key."""
     for key, values in metrics.items():
         target.setdefault(key, []).extend(values)
+
+
+def extend_pass_metrics(target: MutableMapping[str, list], session: Any, phase: Phase, *, log_probs: Any = None,
+                        rollout_log_probs: Any = None, response_mask: Any = None) -> None:
+    """The pass's metrics (``session.metrics_to_log`` of ``session.result``) appended to ``target``
+    (:func:`extend_metrics`), with the trainer-vs-rollout log-prob mismatch when both log-probs are
+    given (padded ``[B, T]`` response layout: :func:`~r3bridge.metrics.mismatch.padded_response_mismatch`)."""
+    extra = {}
+    if log_probs is not None and rollout_log_probs is not None:
+        extra = padded_response_mismatch(log_probs, rollout_log_probs, response_mask,
+                                         prefix=f"{session.config.metrics_prefix}{phase_tag(phase)}/")
+    extend_metrics(target, session.metrics_to_log(session.result, extra))

@@ -81,7 +81,8 @@ def test_recorded_routes_same_in_every_framework():
     import _skyrl_fixture as sk
 
     from r3bridge.adapters.areal import ArealCodec
-    from r3bridge.adapters.verl.codec import handed_routes, routes_to_nested
+    from r3bridge.adapters.verl.codec import handed_routes
+    from r3bridge.ingest.nested import nested_routes
 
     rollout = make_rollout(8, batch_size=5, num_experts=8)
     lens = [len(t) for t in rollout.tokens]
@@ -89,7 +90,7 @@ def test_recorded_routes_same_in_every_framework():
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
                                   num_experts=8, layer_ids=[1, 2, 3], source="recorded")
     td = verl_batch(rollout)
-    td["routed_experts"] = routes_to_nested(rec)
+    td["routed_experts"] = nested_routes(rec)
     got = {"verl": handed_routes(td, moe_layer_ids=[1, 2, 3], num_experts=8, route_kind="recorded").to_batch()}
     sky = sk.codec(rollout)
     got["skyrl"] = sky.to_replay_batch(sky.write_recorded(sk.training_batch(rollout), rec), source="recorded")

@@ -1,4 +1,4 @@
-"""``VerlRollout.agent_loop_routes``: one agent-loop sample's server calls -> first-seen rows in
+"""``VerlRollout.sample_rows``: one agent-loop sample's server calls -> first-seen rows in
 verl's transport, re-prefill disagreements counted (what ``FirstSeenToolAgentLoop`` stores; the
 whole loop runs in tests/adapters/test_verl_e2e.py)."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_first_seen_rows_win_and_disagreements_are_counted():
     second = np.concatenate([first, _call(4, 1)])          # turn 2 re-sends turn 1's 6 rows
     # the re-prefill routed token 2 elsewhere in layer 1
     second[2, 1] = [e for e in range(E) if e not in set(first[2, 1].tolist())][:K]
-    routes, report = _rollout().agent_loop_routes([first, second], sample="abc")
+    routes, report = _rollout().sample_rows([first, second], sample="abc")
     assert routes.shape == (10, LAYERS, K) and routes.dtype == first.dtype
     assert np.array_equal(routes[:6], first)                # first-seen: the rows that sampled the tokens
     assert np.array_equal(routes[6:], second[6:])
@@ -41,9 +41,9 @@ def test_first_seen_rows_win_and_disagreements_are_counted():
 
 def test_call_shape_and_topk_are_checked_naming_the_sample():
     with pytest.raises(RouteShapeError, match=r"sample abc: server call 1 .* num_hidden_layers=3"):
-        _rollout().agent_loop_routes([_call(4, 0), np.zeros((6, 2, K), np.uint8)], sample="abc")
+        _rollout().sample_rows([_call(4, 0), np.zeros((6, 2, K), np.uint8)], sample="abc")
     with pytest.raises(RouteShapeError, match=r"server call 0 returned routed_experts with top-k 3, the model routes top-2"):
-        _rollout().agent_loop_routes([np.zeros((4, LAYERS, 3), np.uint8)])
+        _rollout().sample_rows([np.zeros((4, LAYERS, 3), np.uint8)])
 
 
 def test_from_hf_config():

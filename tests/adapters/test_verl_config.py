@@ -11,7 +11,7 @@ import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from r3bridge.adapters.verl import config as vc  # noqa: E402
-from r3bridge.config import ENV_FROM, ReplayConfig, ReplayMode  # noqa: E402
+from r3bridge.config import ENV_CONFIG, ENV_FROM, ENV_MODE, ReplayConfig, ReplayMode  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
 from r3bridge.launch import section_overrides  # noqa: E402
 
@@ -95,38 +95,38 @@ def test_bad_section(base_cfg):
 
 
 def test_prepare_forwards_section_to_workers(base_cfg, monkeypatch):
-    for var in (vc.ENV_VAR, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
+    for var in (ENV_CONFIG, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     cfg = job(base_cfg, "R3", **{"r3bridge.min_coverage": 0.5})
     got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
     assert got == ReplayConfig(replay_mode="R3", min_coverage=0.5)
-    payload = cfg.ray_kwargs.ray_init.runtime_env.env_vars[vc.ENV_VAR]
-    assert json.loads(payload) == got.as_dict() and os.environ[vc.ENV_VAR] == payload
+    payload = cfg.ray_kwargs.ray_init.runtime_env.env_vars[ENV_CONFIG]
+    assert json.loads(payload) == got.as_dict() and os.environ[ENV_CONFIG] == payload
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars[ENV_FROM] == os.environ[ENV_FROM] == "verl launcher"
     assert cfg.ray_kwargs.ray_init.runtime_env.py_executable is None          # verl's own keys kept
     assert cfg.actor_rollout_ref.model.external_lib == "r3bridge.adapters.verl"
     assert cfg.r3bridge.agreement is True                                      # defaults filled in
-    assert vc.replay_config_from_env() == got                                  # what a worker reads
+    assert ReplayConfig.from_env() == got                                      # what a worker reads
 
 
 def test_prepare_merges_the_users_environment_or_refuses_a_clash(base_cfg, monkeypatch, tmp_path):
     """The documented trace recipe (R3BRIDGE_CONFIG in the environment) next to the guide's
     ``r3bridge.replay_mode=R3``: merged, announced, forwarded; the same key set twice differently
     is refused naming both places (issue 39: it was dropped silently)."""
-    for var in (vc.ENV_VAR, ENV_FROM):
+    for var in (ENV_CONFIG, ENV_FROM):
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
-    monkeypatch.setenv(vc.ENV_VAR, json.dumps({"trace_dir": str(tmp_path / "routes"), "trace_every": 2}))
+    monkeypatch.setenv(ENV_CONFIG, json.dumps({"trace_dir": str(tmp_path / "routes"), "trace_every": 2}))
     cfg = job(base_cfg, "R3")
     got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
     assert (got.replay_mode, got.trace_dir, got.trace_every) == (ReplayMode.R3, str(tmp_path / "routes"), 2)
-    assert json.loads(cfg.ray_kwargs.ray_init.runtime_env.env_vars[vc.ENV_VAR]) == got.as_dict()
+    assert json.loads(cfg.ray_kwargs.ray_init.runtime_env.env_vars[ENV_CONFIG]) == got.as_dict()
     # the forwarded section is not merged a second time in this process
     assert vc.prepare_verl_config(job(base_cfg, "R2", **{"actor_rollout_ref.rollout.enable_rollout_routing_replay":
                                                          False}), hf_config=MOE_HF).trace_dir is None
     monkeypatch.delenv(ENV_FROM)
-    monkeypatch.setenv(vc.ENV_VAR, '{"replay_mode": "R2"}')
+    monkeypatch.setenv(ENV_CONFIG, '{"replay_mode": "R2"}')
     with pytest.raises(ConfigError, match=r"replay_mode='R3' in the job's r3bridge section .* and "
                                           r"replay_mode='R2' in R3BRIDGE_CONFIG"):
         vc.prepare_verl_config(job(base_cfg, "R3"), hf_config=MOE_HF)
@@ -151,7 +151,7 @@ def test_a_job_that_would_wait_forever_for_ray_cpu_slots_is_refused(base_cfg, mo
 
 def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
     # verl's HFModelConfig.external_lib takes a list; the adapter must still load with plugins off
-    for var in (vc.ENV_VAR, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
+    for var in (ENV_CONFIG, ENV_FROM):      # recorded, so prepare()'s os.environ writes are undone
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     cfg = job(base_cfg, "R2", **{"actor_rollout_ref.model.external_lib": "my_models",
@@ -163,14 +163,14 @@ def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
 
 
 def test_env_parsing():
-    assert vc.replay_config_from_env({}) == ReplayConfig()
-    assert vc.replay_config_from_env({vc.ENV_MODE: "r2"}).replay_mode is ReplayMode.R2
-    assert vc.replay_config_from_env({vc.ENV_VAR: '{"replay_mode": "R3", "agreement": false}'}) == \
+    assert ReplayConfig.from_env({}) == ReplayConfig()
+    assert ReplayConfig.from_env({ENV_MODE: "r2"}).replay_mode is ReplayMode.R2
+    assert ReplayConfig.from_env({ENV_CONFIG: '{"replay_mode": "R3", "agreement": false}'}) == \
         ReplayConfig(replay_mode="R3", agreement=False)
     with pytest.raises(ConfigError, match="not valid JSON"):
-        vc.replay_config_from_env({vc.ENV_VAR: "{R3"})
+        ReplayConfig.from_env({ENV_CONFIG: "{R3"})
     with pytest.raises(ConfigError, match="disagree"):
-        vc.replay_config_from_env({vc.ENV_VAR: '{"replay_mode": "R3"}', vc.ENV_MODE: "R2"})
+        ReplayConfig.from_env({ENV_CONFIG: '{"replay_mode": "R3"}', ENV_MODE: "R2"})
 
 
 def test_engine_side_checks_with_verl_dataclass(base_cfg):
@@ -214,7 +214,7 @@ def test_rewritten_overrides_compose_with_hydra_with_or_without_a_section(existi
     with initialize_config_dir(config_dir=d, version_base=None):
         cfg = compose(config_name="ppo_megatron_trainer",
                       overrides=existing + section_overrides(["r3bridge.replay_mode=R3", "r3bridge.min_coverage=0.5"]))
-        assert vc.replay_config_from_verl(cfg) == ReplayConfig(replay_mode="R3", min_coverage=0.5)
+        assert vc.resolve_verl_options(cfg)[0] == ReplayConfig(replay_mode="R3", min_coverage=0.5)
         if existing:
             with pytest.raises(ConfigCompositionException):
                 compose(config_name="ppo_megatron_trainer", overrides=existing + ["+r3bridge.replay_mode=R3"])

@@ -410,8 +410,9 @@ def _provenance(ctx) -> dict:
     from verl.utils import tensordict_utils as tu
     from verl.workers.rollout.replica import TokenOutput
 
-    from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, SAMPLE_KEY
+    from r3bridge.adapters.verl.codec import SAMPLE_KEY
     from r3bridge.adapters.verl.rollout import call_provenance
+    from r3bridge.batch.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
     from r3bridge.errors import ProvenanceError
 
     res = {}

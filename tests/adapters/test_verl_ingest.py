@@ -18,13 +18,9 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.verl.codec import (  # noqa: E402
-    ROUTES_KEY,
-    SAMPLE_KEY,
-    handed_routes,
-    routes_to_nested,
-)
+from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, handed_routes  # noqa: E402
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
+from r3bridge.ingest.nested import nested_routes  # noqa: E402
 from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 
 
@@ -143,7 +139,7 @@ def test_recorded_round_trip_survives_dynamic_micro_batching():
     td, _ = make_verl_batch(pl, rl, seed=3)
     seq_lens = td["input_ids"].offsets().diff().tolist()
     rec = _recorded(seq_lens)
-    td[ROUTES_KEY] = routes_to_nested(rec)
+    td[ROUTES_KEY] = nested_routes(rec)
     assert td[ROUTES_KEY].dtype == torch.int16 and td[ROUTES_KEY].values().shape[1:] == (len(MOE), K)
     assert handed_routes(td, moe_layer_ids=MOE, num_experts=E, route_kind="recorded").to_batch().equals(rec)
     td[SAMPLE_KEY] = torch.arange(len(seq_lens))
@@ -167,8 +163,8 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
     """verl 0.9.1's V1 trainer (TransferQueue) keeps the agent loop's extra_fields nested per sample:
     the tool loop's provenance is read from there; samples of verl's single-turn loop carry none and
     are counted unchecked (checked + unchecked = the batch's samples; issue 39: both stayed 0)."""
-    from r3bridge.adapters.verl.codec import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, provenance_pairing
-    from r3bridge.batch.provenance import RouteProvenance
+    from r3bridge.adapters.verl.codec import provenance_pairing
+    from r3bridge.batch.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY, RouteProvenance
 
     same = RouteProvenance("hf_r3", "req-1", 3, 0)
     later = RouteProvenance("hf_r3", "req-2", 3, 1)

@@ -45,7 +45,7 @@ def test_failed_registration_is_logged_not_hidden(caplog, monkeypatch):
     monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
     monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)       # replay off: logged, not raised
     with caplog.at_level(logging.ERROR, logger="r3bridge.adapters.verl"):
-        adapter._register()
+        adapter.register()
     assert not adapter.LOADED and "not the r3bridge engine" in adapter.LOAD_ERROR
     assert any("NOT loaded" in r.getMessage() for r in caplog.records)
 
@@ -62,9 +62,9 @@ def test_failed_registration_fails_the_worker_when_replay_was_asked_for(monkeypa
     monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R3")
     with pytest.raises(ImportError, match="replay_mode=R3: RuntimeError: EngineRegistry holds"):
-        adapter._register()
+        adapter.register()
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "off")
-    adapter._register()                                      # replay off: logged only
+    adapter.register()                                      # replay off: logged only
     assert not adapter.LOADED
 
 
