@@ -13,10 +13,9 @@ import torch
 
 from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.errors import RouteShapeError
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.ingest.nested import handed_from_nested, nested_routes
+from r3bridge.ingest.nested import handed_from_batch, nested_routes
 from r3bridge.ingest.sample_fields import indexed_names, sample_field
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "handed_routes", "sample_names",
@@ -45,15 +44,10 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
 def handed_routes(td, *, moe_layer_ids, num_experts: int, route_kind: str, num_hidden_layers: int | None = None,
                   topk: int | None = None, layer_axis: str | None = None) -> HandedRoutes:
     """``td[ROUTES_KEY]`` of a (micro-)batch (or the field itself) as the one reader reads it
-    (:func:`r3bridge.ingest.nested.handed_from_nested`: ``layer_axis``, ``topk``)."""
-    routes = td.get(ROUTES_KEY, None) if hasattr(td, "get") else td
-    if routes is None:
-        raise RouteShapeError(f"the batch has no {ROUTES_KEY!r} field")
-    return handed_from_nested(routes, num_experts=num_experts, moe_layer_ids=moe_layer_ids, route_kind=route_kind,
-                              field=ROUTES_KEY, names=sample_names(td) if hasattr(td, "get") else [],
-                              framework="verl", weights=td.get(WEIGHTS_KEY, None) if hasattr(td, "get") else None,
-                              weights_field=WEIGHTS_KEY, num_hidden_layers=num_hidden_layers, topk=topk,
-                              layer_axis=layer_axis)
+    (:func:`r3bridge.ingest.nested.handed_from_batch`: ``layer_axis``, ``topk``)."""
+    return handed_from_batch(td, field=ROUTES_KEY, weights_field=WEIGHTS_KEY, names=sample_names, framework="verl",
+                             num_experts=num_experts, moe_layer_ids=moe_layer_ids, route_kind=route_kind,
+                             num_hidden_layers=num_hidden_layers, topk=topk, layer_axis=layer_axis)
 
 
 class VerlCodec(HandedCodec):

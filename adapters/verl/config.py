@@ -27,14 +27,13 @@ SECTION_NAME = "the job's r3bridge section (r3bridge.* on the command line or in
 
 
 def resolve_verl_options(verl_cfg: Any, environ: Mapping[str, str] | None = None) -> tuple[ReplayConfig, str]:
-    """The options in force for a verl job and where they came from: its ``r3bridge`` section
-    merged with ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` (:meth:`ReplayConfig.resolve_with_origin`)."""
+    """The options in force for a verl job and their origin (:meth:`ReplayConfig.resolve_with_origin`)."""
     return ReplayConfig.resolve_with_origin(setting(verl_cfg, "r3bridge", None, plain=True), environ,
                                             section_name=SECTION_NAME)
 
 
-def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
-    """Everything that makes exact replay impossible, given the facts ``f`` (None: unknown)."""
+def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str, hf_config: Any = None) -> None:
+    """Everything that makes exact replay impossible, given the facts ``f`` and ``hf_config`` (None: unknown)."""
     check = JobCheck(cfg, "r3bridge", where)
     check.refuse(f.get("strategy") not in (None, "megatron"), f"{_ACTOR}.strategy={f.get('strategy')!r}: the r3bridge "
                  f"verl adapter drives Megatron only (set it to 'megatron')")
@@ -56,7 +55,7 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str) -> None:
     check.refuse(f.get("cp_layout") not in (None, "zigzag"), f"context-parallel layout {f.get('cp_layout')!r}: "
                  f"only verl's zigzag CP layout is supported")
     check.refuse(f.get("speculative"), f.get("speculative"))
-    check.moe_model(f.get("moe_layer_ids")).raise_if_any()
+    check.moe_model(None if hf_config is None else moe_layer_ids_from_hf_config(hf_config)).raise_if_any()
 
 
 def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig | None = None) -> ReplayConfig:
@@ -75,11 +74,10 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
         "pad_to_length": s(f"{_MEGATRON}.pad_to_length"),
         "router_fusion": s(f"{_MEGATRON}.override_transformer_config.moe_router_fusion"),
         "dynamic_cp": s(f"{_MEGATRON}.dynamic_context_parallel"),
-        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
         # R3 + a speculative draft on an engine release that lets it overwrite the routes (engine_settings)
         "speculative": speculative_decoding_problem(cfg.replay_mode.value, *speculative_settings(verl_cfg),
                                                     configured_version=cfg.engine_version),
-    }, "verl config")
+    }, "verl config", hf_config)
     return cfg
 
 
@@ -113,8 +111,7 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
         "dynamic_cp": setting(engine_config, "dynamic_context_parallel"),
         "router_fusion": getattr(tf_config, "moe_router_fusion", None) if tf_config is not None else None,
         "cp_layout": cp_layout,
-        "moe_layer_ids": None if hf_config is None else moe_layer_ids_from_hf_config(hf_config),
-    }, "Megatron engine config")
+    }, "Megatron engine config", hf_config)
 
 
 def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:

@@ -9,9 +9,9 @@ stall watchdog over :data:`STAGES` (:class:`r3bridge.launch.RayJobWatch`). docs/
 from __future__ import annotations
 
 import os
-import sys
 
-from r3bridge.launch import RayJobWatch, section_overrides
+from r3bridge.launch import RayJobWatch
+from r3bridge.launch.hydra_job import run_hydra_job
 from r3bridge.launch.watchdog import Stage
 
 __all__ = ["main", "STAGES", "WHERE"]
@@ -35,7 +35,6 @@ RAY_HINTS = {
 
 
 def main() -> None:
-    import hydra
     import verl.trainer.main_ppo as verl_main
 
     from r3bridge.adapters.verl.config import check_local_ray_slots, prepare_verl_config
@@ -44,17 +43,14 @@ def main() -> None:
     check_release("verl", what="'s verl launcher")
     # verl's main body, without its own @hydra.main wrapper (this launcher composes the config)
     check_internals("verl", [("verl.trainer.main_ppo.main.__wrapped__", verl_main.main, "__wrapped__")])
-    config_dir = os.path.join(os.path.dirname(verl_main.__file__), "config")
 
-    @hydra.main(config_path=config_dir, config_name="ppo_trainer", version_base=None)
-    def _main(config) -> None:
+    def run(config) -> None:
         with RayJobWatch(WHERE, STAGES, RAY_HINTS) as watch:
             check_local_ray_slots(config)        # a job that would wait forever for Ray CPU slots
             watch.start(prepare_verl_config(config, announce_where=WHERE, worker_env=watch.worker_env))
             verl_main.main.__wrapped__(config)   # verl's main body, on the already-composed config
 
-    sys.argv = [sys.argv[0], *section_overrides(sys.argv[1:])]
-    _main()
+    run_hydra_job(os.path.join(os.path.dirname(verl_main.__file__), "config"), "ppo_trainer", run)
 
 
 if __name__ == "__main__":

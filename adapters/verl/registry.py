@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from r3bridge.launch.plugin_load import load_plugin, register_once
+from r3bridge.launch.plugin_load import load_plugin, outcome_recorder, register_once
 
 __all__ = ["ENGINE_KEY", "LOADED", "LOAD_ERROR", "register"]
 
@@ -34,13 +34,8 @@ def _install() -> str:
         EngineRegistry._engines.get(model_type, {}).get(backend, {}).get((device, vendor))))
 
 
-def _record(error: Optional[str]) -> None:
-    global LOADED, LOAD_ERROR
-    LOADED, LOAD_ERROR = error is None, error
-
-
 def register() -> bool:
     """Register r3bridge's engine in verl's ``EngineRegistry`` (idempotent). Returns :data:`LOADED`."""
     if not LOADED:
-        load_plugin("verl", _install, logger, _record)
+        load_plugin("verl", _install, logger, outcome_recorder(globals()))
     return LOADED

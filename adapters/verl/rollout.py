@@ -21,10 +21,9 @@ class VerlRollout(FirstSeenCalls):
 
 def call_provenance(outputs: Sequence[Any], *, engine: str, request_id: str = "",
                     attempts: Sequence[int] | None = None) -> tuple[RouteProvenance, RouteProvenance]:
-    """One sample's server calls (verl ``TokenOutput``s, in call order) -> (where its routes came
-    from, where its log-probs came from) (:func:`r3bridge.ingest.call_capture.outputs_provenance`):
-    weight version ``extra_fields["global_steps"]`` (``min_global_steps`` for the first tokens'
-    log-probs when verl's resuming client reports it), epoch ``num_preempted`` (each vLLM
+    """:func:`r3bridge.ingest.call_capture.outputs_provenance` of one sample's verl ``TokenOutput``s (in
+    call order): weight version ``extra_fields["global_steps"]`` (``min_global_steps`` for the first
+    tokens' log-probs when verl's resuming client reports it), epoch ``num_preempted`` (each vLLM
     preemption re-prefills, vLLM #39917)."""
     return outputs_provenance(outputs, engine=engine, request_id=request_id, attempts=attempts,
                               version="extra_fields.global_steps", epoch="num_preempted",

@@ -8,7 +8,7 @@ the engine's axis (:func:`layer_columns`). Field names are the caller's, for the
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -18,8 +18,8 @@ from r3bridge.errors import LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
 from r3bridge.ingest.handed import HandedRoutes
 
-__all__ = ["jagged_parts", "layer_columns", "zero_row_rule", "handed_from_nested", "nested_routes",
-           "nested_like"]
+__all__ = ["jagged_parts", "layer_columns", "zero_row_rule", "handed_from_nested", "handed_from_batch",
+           "nested_routes", "nested_like"]
 
 
 def jagged_parts(x: Any, field: str) -> tuple[torch.Tensor, list[int]]:
@@ -80,6 +80,20 @@ def handed_from_nested(routes: Any, *, num_experts: int, moe_layer_ids: Sequence
     return HandedRoutes.from_packed(values, rows, num_experts=num_experts, layer_ids=[int(i) for i in moe_layer_ids],
                                     columns=cols, no_route=zero_row_rule(route_kind, values.shape[-1]),
                                     route_kind=route_kind, names=names, framework=framework, weights=w_values)
+
+
+def handed_from_batch(batch: Any, *, field: str, weights_field: str, names: Callable[[Any], Sequence[str]],
+                      **read: Any) -> HandedRoutes:
+    """:func:`handed_from_nested` (``read``: its other arguments) of a batch's ``field``, with its
+    ``weights_field`` when the batch has one and ``names(batch)``; or of the field itself when
+    ``batch`` is no mapping (samples named by position). A batch without ``field`` is refused."""
+    if not hasattr(batch, "get"):
+        return handed_from_nested(batch, field=field, names=[], weights_field=weights_field, **read)
+    routes = batch.get(field, None)
+    if routes is None:
+        raise RouteShapeError(f"the batch has no {field!r} field")
+    return handed_from_nested(routes, field=field, names=names(batch), weights=batch.get(weights_field, None),
+                              weights_field=weights_field, **read)
 
 
 def nested_routes(rb: ReplayBatch, dtype: torch.dtype = torch.int16) -> torch.Tensor:

@@ -8,17 +8,17 @@ outcome (INFO, or ERROR naming the error), and, when the job asked for replay
 with an ``ImportError`` instead of training without it. :func:`requested_mode` is the opt-in: an
 adapter whose job did not ask for replay imports nothing of its framework's internals.
 :func:`register_once` puts the adapter's engine class into the framework's registry and checks that
-the registry then resolves to it.
+the registry then resolves to it; :func:`outcome_recorder` keeps the outcome where the adapter reads it.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from r3bridge.config import ReplayConfig
 
-__all__ = ["load_plugin", "requested_mode", "register_once"]
+__all__ = ["load_plugin", "requested_mode", "register_once", "outcome_recorder"]
 
 
 def requested_mode(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -65,3 +65,11 @@ def register_once(engine: type, registry: str, key: Any, *, lookup: Callable[[],
     if got is not engine:
         raise RuntimeError(f"{registry} holds {got!r} for {key}, not the r3bridge engine")
     return f"{engine.__name__} registered for {key}"
+
+
+def outcome_recorder(namespace: MutableMapping[str, Any]) -> Callable[[Optional[str]], None]:
+    """A :func:`load_plugin` ``record`` keeping the outcome in ``namespace`` (an adapter module's
+    ``globals()``): ``LOADED`` (whether it registered) and ``LOAD_ERROR`` (``None`` or the error)."""
+    def record(error: Optional[str]) -> None:
+        namespace.update(LOADED=error is None, LOAD_ERROR=error)
+    return record
