@@ -16,9 +16,8 @@ from r3bridge.batch.provenance import (
     ROUTE_PROVENANCE_KEY,
     ProvenancePairing,
     pairing_from_fields,
-    provenance_fields,
 )
-from r3bridge.batch.sequence_last import right_padded_routes, sequence_last_routes
+from r3bridge.batch.sequence_last import right_padded_routes
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.sequence_last import right_padded_handed, sequence_last_handed
@@ -27,8 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from r3bridge.adapters.areal.config import ModelInfo
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "ArealCodec", "trajectory_tensor", "handed_routes", "batch_handed_routes", "batch_tensor",
-           "provenance_fields", "provenance_pairing"]
+           "ArealCodec", "handed_routes", "batch_handed_routes", "batch_tensor", "provenance_pairing"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
@@ -40,7 +38,6 @@ ENGINE = "sglang"
 PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 
 
-trajectory_tensor = sequence_last_routes     # ReplayBatch -> [n, L_moe, K, S], the sentinel where there is no route
 # rows ``rows`` of a [B, L_moe, K, S] routes tensor, tokens [0, lens[i]) of each, viewed (nothing copied or checked)
 handed_routes = functools.partial(sequence_last_handed, framework="AReaL")
 batch_handed_routes = functools.partial(right_padded_handed, framework="AReaL")   # a batched dict, batch order

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters.areal.config import parse_cli, section_of
+from r3bridge.adapters.areal.config import parse_cli
+from r3bridge.job_check import replay_section as section_of
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import check_topk

@@ -194,7 +194,10 @@ def test_areal_retracted_routes_are_counted_refused_or_pass(results):
 def test_areal_response_provenance_takes_the_first_known_output_version():
     from types import SimpleNamespace
 
-    from r3bridge.adapters.areal.hooks import response_provenance
+    from r3bridge.ingest.sglang_attempts import attempt_provenance
+
+    def response_provenance(meta_info, resp):      # what the AReaL hook reads: the response's output_versions
+        return attempt_provenance(meta_info, resp.output_versions, engine="sglang")
 
     meta = {"id": "r1", "num_retractions": 2, "weight_version": "7"}
     routes, logprobs = response_provenance(meta, SimpleNamespace(output_versions=[-1, True, 5, 6]))
