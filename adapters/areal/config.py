@@ -6,10 +6,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Sequence
 
-from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
 from r3bridge.job_check import with_replay_section
 
-__all__ = ["grpo_config_class", "parse_cli", "ModelInfo"]
+__all__ = ["grpo_config_class", "parse_cli"]
 
 
 @functools.lru_cache(maxsize=None)

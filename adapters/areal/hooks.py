@@ -8,24 +8,14 @@ from typing import Any, Optional
 
 import torch
 
+from r3bridge.adapters.areal import codec
 from r3bridge.adapters.areal._compat import import_areal
-from r3bridge.adapters.areal.codec import (
-    ENGINE,
-    PROVENANCE_KEYS,
-    RECORDED_KEY,
-    ROUTES_KEY,
-    SAMPLE_KEY,
-    batch_tensor,
-    handed_routes,
-    provenance_pairing,
-)
-from r3bridge.adapters.areal.config import ModelInfo
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.batch.provenance import ProvenancePairing, provenance_fields
-from r3bridge.batch.recorded import split_sizes
-from r3bridge.batch.sequence_last import sequence_last_routes
+from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields, provenance_fields
+from r3bridge.batch.sequence_last import per_token_sample_ids, sequence_last_routes, write_right_padded
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import sample_name
 from r3bridge.ingest.forwarding import RecordingCalls
 from r3bridge.ingest.sglang_attempts import attempt_provenance, generate_first_seen
@@ -57,8 +47,7 @@ async def _generate_deduped(agenerate, req: Any, inner_engine: Any) -> Any:
         resp.routed_experts = stitched.rows          # AReaL's own [tokens - 1, L_all*K] int32 rows
         resp.r3bridge_resubmits = stitched.resubmits
         resp.r3bridge_disagreeing_rows = stitched.disagreeing_rows
-        resp.r3bridge_provenance = attempt_provenance(stitched.first, getattr(resp, "output_versions", None),
-                                                      engine=ENGINE)
+        resp.r3bridge_provenance = attempt_provenance(stitched.first, getattr(resp, "output_versions", None))
     return resp
 
 
@@ -87,7 +76,7 @@ class WorkflowMixin:
         tokens, m = ids[0].tolist(), self.r3_model
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
                                    topk=m.topk, moe_layer_ids=m.moe_layer_ids, sample=sample_name(data, len(tokens)))
-        out[ROUTES_KEY] = sequence_last_routes(rb, [len(tokens)])
+        out[codec.ROUTES_KEY] = sequence_last_routes(rb, [len(tokens)])
         # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
         out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
@@ -104,9 +93,8 @@ class PPOActorMixin:
             session.result = None                       # never a previous step's recording
         out = super().compute_logp(data)
         if session is not None and session.mode is ReplayMode.R2 and session.replayer is not None:
-            sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            for d, part in zip(data, split_sizes(session.recorded_for(sum(sizes)), sizes)):
-                d[RECORDED_KEY] = batch_tensor(part, d["attention_mask"])    # in place: the trainer passes them on
+            # each of AReaL's dicts in place: its trainer passes them on
+            write_right_padded(session.recorded_for, data, codec.RECORDED_KEY, framework="AReaL")
         return out
 
     def _compute_logp(self, data: dict) -> Any:
@@ -117,8 +105,7 @@ class PPOActorMixin:
 
     def _r3_phase(self, phase: Phase, data: dict, fn):
         eng = self.engine
-        attn = data["attention_mask"]
-        for key in (ROUTES_KEY, RECORDED_KEY):
+        for key in (codec.ROUTES_KEY, codec.RECORDED_KEY):
             t = data.get(key)
             if t is not None and t.shape[1] * t.shape[2] == 1:
                 # [B, 1, 1, S] has B*S elements: AReaL's splitter would cut it like a per-token field
@@ -127,17 +114,18 @@ class PPOActorMixin:
             if t is not None and getattr(eng, "r3", None) is not None:
                 eng.r3.check_topk(repr(key), int(t.shape[2]), where="AReaL batch (every sample)")
         # on the batch's device, like every field AReaL's splitter and engine move with it
-        data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64,
-                                        device=attn.device)[:, None].expand(attn.shape).contiguous()
+        data[codec.SAMPLE_KEY] = per_token_sample_ids(data["attention_mask"])
         eng.r3_phase = phase
-        # per batch row; the engine keeps each pass's samples (by sample id) for the R3 check
-        eng.r3_provenance = provenance_pairing(data)
+        # per batch row (named so); the engine keeps each pass's samples (by sample id) for the R3 check
+        rows = int(data["attention_mask"].shape[0])
+        eng.r3_provenance = pairing_from_fields(data.get, samples=rows, names=[f"batch row {i}" for i in range(rows)],
+                                                engine=codec.ENGINE, framework="AReaL")
         try:
             return fn()
         finally:
             eng.r3_phase = None
             eng.r3_provenance = None
-            data.pop(SAMPLE_KEY, None)
+            data.pop(codec.SAMPLE_KEY, None)
 
 
 class MegatronEngineMixin:
@@ -180,23 +168,24 @@ class MegatronEngineMixin:
 
     def _prepare_mb_list(self, input_: dict) -> Any:
         input_ = dict(input_)
-        carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY, *PROVENANCE_KEYS) if k in input_}
+        keys = (codec.ROUTES_KEY, codec.RECORDED_KEY, codec.SAMPLE_KEY, *codec.PROVENANCE_KEYS)
+        carried = {k: input_.pop(k) for k in keys if k in input_}
         mb_list = super()._prepare_mb_list(input_)
         self.r3_pass_provenance = None
         plan = self._r3_plan()
         if plan is None:
             return mb_list
-        sample = carried.get(SAMPLE_KEY)
+        sample = carried.get(codec.SAMPLE_KEY)
         if sample is None:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
-        key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
+        key = codec.RECORDED_KEY if plan.route_kind == "recorded" else codec.ROUTES_KEY
         if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
             self.r3.check_routes(plan, key in carried, field=key)
         gid_of_row = sample[:, 0].tolist()
         order = [gid_of_row[r] for r in (mb_list.forward_indices or range(len(gid_of_row)))]   # AReaL's packing
         routes = None
         if plan.action is Action.REPLAY:     # each micro-batch's samples of AReaL's tensor, viewed
-            routes = functools.partial(handed_routes, carried[key], num_experts=self.r3.model.num_experts,
+            routes = functools.partial(codec.handed_routes, carried[key], num_experts=self.r3.model.num_experts,
                                        moe_layer_ids=self.r3.model.moe_layer_ids, route_kind=plan.route_kind)
         packed = [(mb["cu_seqlens"], pmb["cu_seqlens"], mb["input_ids"])
                   for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs)]
@@ -267,11 +256,11 @@ def megatron_ppo_actor_class(config=None):
     ppo = import_areal("areal.trainer.ppo.actor").PPOActor
     actor_cls = checked_subclass("areal", "R3BridgePPOActor", PPOActorMixin, ppo,
                                  ("compute_logp", "_compute_logp", "_ppo_update"))
+    section = None if config is None else ReplayConfig.resolve(config)
 
     def __init__(self, config):
         super(engine_cls, self).__init__(config)
         self.actor = actor_cls(config, self)
-    section = None if config is None else ReplayConfig.resolve(config)
     engine_cls = checked_subclass("areal", "R3BridgeMegatronPPOActor", MegatronEngineMixin,
                                   import_areal("areal.engine.megatron_engine").MegatronPPOActor,
                                   ("initialize", "_prepare_mb_list", "forward_backward_batch"),

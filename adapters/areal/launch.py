@@ -2,12 +2,10 @@
 
     python3 -m r3bridge.adapters.areal.launch SCRIPT --config YAML [key=value ...]
 
-It takes exactly the arguments of ``python3 -m areal.infra.launcher.local`` and then runs that
-launcher unchanged. Before, the config is parsed as the script parses it (a bad ``r3bridge`` value
-or key refused in one line, the mode in force announced), what AReaL 1.0.4's launcher would fail
-on late or wait for without a word is refused (:func:`problems`), and the folders it requires are
-created; while it waits for its inference servers, :func:`server_wait` says what it waits for
-(:mod:`r3bridge.launch`). docs/use-with-areal.md, "What runs where".
+It takes exactly the arguments of ``python3 -m areal.infra.launcher.local`` and runs that launcher
+unchanged, after the steps of :mod:`r3bridge.launch` with AReaL's parser, what AReaL 1.0.4's launcher
+would fail on late or wait for without a word (:func:`problems`), its folders and its server wait
+(:func:`server_wait`). docs/use-with-areal.md, "What runs where".
 """
 from __future__ import annotations
 

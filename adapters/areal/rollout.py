@@ -29,9 +29,8 @@ class ArealRollout:
 def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, num_experts: int, num_layers: int,
                           topk: int, moe_layer_ids: Sequence[int], sample: Optional[str] = None) -> ReplayBatch:
     """One trajectory from its ``ModelResponse``s (one per turn, root first) and its final tokens:
-    each response's ``routed_experts`` (``[rows, L_all*K]``, deduplicated across resubmits) covers
-    its own ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.ingest.capture.flat_trajectory_routes`;
-    ``sample``: the trajectory's name, its turns' top-k checked first)."""
+    each one's ``routed_experts`` (``[rows, L_all*K]``, deduplicated across resubmits) covers its own
+    ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.ingest.capture.flat_trajectory_routes`)."""
     calls = [(getattr(r, "routed_experts", None), list(r.input_tokens) + list(r.output_tokens)) for r in responses]
     return flat_trajectory_routes(calls, tokens, num_experts=num_experts, num_layers=num_layers, topk=topk,
                                   moe_layer_ids=moe_layer_ids, sample=sample, framework="AReaL")
