@@ -57,7 +57,7 @@ def test_release_series_keeps_prereleases():
 
 
 def test_skyrl_release_uses_the_helper():
-    from r3bridge.adapters.skyrl import skyrl_release
+    from r3bridge.adapters.skyrl._compat import skyrl_release
     assert skyrl_release("0.3.0") == "0.3" and skyrl_release("0.4.0rc1") == "0.4"
     with pytest.raises(ConfigError, match=re.escape("skyrl<0.5,>=0.3")):
         skyrl_release("0.5.0")
