@@ -12,8 +12,8 @@ from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
 from r3bridge.launch.steps import section_keys
 
-__all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config", "speculative_settings",
-           "SECTION"]
+__all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
+           "speculative_settings", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -47,26 +47,24 @@ class _Configured:
 class SkyRLReplay(ModelReplay):
     """One policy model's :class:`r3bridge.megatron.model_replay.ModelReplay`, SkyRL's micro-batches."""
 
+    # SkyRL's own replay never runs; its route keys stay, as None: SkyRL 0.4's forward reads
+    # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+    route_keys = (ROUTES_KEY, MASK_KEY)
+    tokens_key = "sequences"
+    # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
+    packing_from_forward = True
+
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
         # SkyRL logs no compute_log_prob metrics: the session reports them with the update
         super().__init__(AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True))
         self.session.attach(actor_module, model, layout=layout)
 
-    def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
-        """SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``
-        (:meth:`~r3bridge.megatron.model_replay.ModelReplay.run_micro_batches`). SkyRL's own replay
-        never runs; its route keys stay, as None: SkyRL 0.4's forward reads
-        batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560). SkyRL
-        packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)."""
-        return self.run_micro_batches(phase, micro_batches, forward_only=forward_only, call=call,
-                                      route_keys=(ROUTES_KEY, MASK_KEY), read=self._routes, tokens_key="sequences",
-                                      packing_from_forward=True)
-
-    def _routes(self, mb: dict, plan) -> Any:
+    def read_routes(self, fields: dict, plan) -> Any:
         """SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once."""
         m = self.session.model
-        return handed_routes(mb, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids, route_kind=plan.route_kind,
+        return handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                             route_kind=plan.route_kind,
                              num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
 
 
@@ -83,14 +81,14 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
         def forward(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0):
             sup = super().forward
-            return self.r3.run(Phase.OLD_LOG_PROB, micro_batches, forward_only=True,
-                               call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
+            return self.r3.run_micro_batches(Phase.OLD_LOG_PROB, micro_batches, forward_only=True,
+                                             call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
                                         loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
             # forward_only: SkyRL's loss-only evaluation (the update's routes); kwargs: 0.4's return_per_token_outputs
             sup = super().forward_backward_mini_batch
-            return self.r3.add_metrics(self.r3.run(
+            return self.r3.add_metrics(self.r3.run_micro_batches(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
                 call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
                                      loss_fn_config=loss_fn_config, forward_only=forward_only, **kwargs)))
@@ -240,5 +238,5 @@ def policy_worker_class(config=None, num_gpus: int = 1):
 
 def ref_worker_class(num_gpus: int = 1):
     """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker``."""
-    return _worker_class("R3BridgeMegatronRefWorker", RefWorkerMixin, "MegatronRefWorkerBase", ("init_model", "forward"),
-                         num_gpus)
+    return _worker_class("R3BridgeMegatronRefWorker", RefWorkerMixin, "MegatronRefWorkerBase",
+                         ("init_model", "forward"), num_gpus)

@@ -5,6 +5,7 @@
 * ``watchdog``    - which stage a launched job is stuck in, said instead of a silent hang
 * ``ray_watch``   - the watchdog's Ray half: workers report progress keys, the launcher reads them
 * ``plugin_load`` - an adapter registering itself where a framework imports it as a plugin, loudly
+* ``requirements`` - the Python release and modules a launcher's workers need, checked before they start
 
 Nothing here runs inside a training step; the data path starts at :mod:`r3bridge.ingest`.
 """

@@ -29,7 +29,18 @@ __all__ = ["ModelReplay"]
 
 
 class ModelReplay:
-    """One model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried between calls."""
+    """One model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried between calls.
+
+    A subclass for a schedule over micro-batch dicts (:meth:`run_micro_batches`) names the dicts'
+    keys (``route_keys``: the routes fields, the routes field first; ``tokens_key`` and
+    ``attention_key``: each ``[B, S]`` row's tokens and real-token mask), says whether the trainer's
+    packing is read from each chunk's forward (``packing_from_forward``), and reads the routes
+    (:meth:`read_routes`)."""
+
+    route_keys: tuple[str, ...] = ()
+    tokens_key: str = "input_ids"
+    attention_key: str = "attention_mask"
+    packing_from_forward: bool = False
 
     def __init__(self, session: AdapterSession) -> None:
         self.session = session
@@ -102,44 +113,43 @@ class ModelReplay:
                     m.update(self.log_metrics)
         return metrics_list
 
+    def read_routes(self, fields: dict, plan: PhasePlan) -> HandedRoutes:
+        """REPLAY: one micro-batch dict's routes (``fields`` with the ``route_keys`` back in) viewed
+        for the driver's one reader."""
+        raise NotImplementedError(f"{type(self).__name__} reads no micro-batch routes")
+
     def run_micro_batches(self, phase: Phase, micro_batches: Sequence[Mapping[str, Any]], *, forward_only: bool,
-                          call: Callable[[list[dict]], Any], route_keys: Sequence[str],
-                          read: Callable[[dict, PhasePlan], HandedRoutes], tokens_key: str,
-                          attention_key: str = "attention_mask", packing_from_forward: bool = False) -> Any:
+                          call: Callable[[list[dict]], Any]) -> Any:
         """The framework's schedule ``call(micro_batches)`` under the plan of ``phase``, one target
-        per micro-batch dict of ``[B, S]`` rows (``tokens_key`` over ``attention_key``). The
-        ``route_keys`` (the routes field first) are taken out of every dict and stay as ``None``,
-        so the framework's own replay never runs; REPLAY reads them through ``read(fields, plan)``
-        (the dict with the taken keys back), RECORD takes the sample ids the routes field may carry
-        (:meth:`sample_ids_in`), else micro-batch order. The update's metrics become
-        :attr:`log_metrics`."""
+        per micro-batch dict. The ``route_keys`` are taken out of every dict and stay as ``None``,
+        so the framework's own replay never runs; REPLAY reads them (:meth:`read_routes`), RECORD
+        takes the sample ids the routes field may carry (:meth:`sample_ids_in`), else micro-batch
+        order. An update's metrics become :attr:`log_metrics`."""
         session = self.session
         plan = session.plan(phase)
         pairing = self.take_provenance()
-        carried = [{k: m.get(k) for k in route_keys} for m in micro_batches]
-        mbs = [{k: None if k in route_keys else v for k, v in m.items()} for m in micro_batches]
+        carried = [{k: m.get(k) for k in self.route_keys} for m in micro_batches]
+        mbs = [{k: None if k in self.route_keys else v for k, v in m.items()} for m in micro_batches]
         session.result = None
         if plan is None:
             return call(mbs)
-        targets = [self._micro_batch(plan, k, m, r, read, tokens_key, attention_key)
-                   for k, (m, r) in enumerate(zip(mbs, carried))]
+        targets = [self._micro_batch(plan, k, m, r) for k, (m, r) in enumerate(zip(mbs, carried))]
         with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
-                         packing_from_forward=packing_from_forward):
+                         packing_from_forward=self.packing_from_forward):
             out = call(mbs)
         self.log_pass(phase)
         return out
 
-    def _micro_batch(self, plan: PhasePlan, k: int, mb: dict, carried: dict, read: Callable[[dict, PhasePlan], Any],
-                     tokens_key: str, attention_key: str) -> MicroBatch:
-        attn = mb[attention_key]
+    def _micro_batch(self, plan: PhasePlan, k: int, mb: dict, carried: dict) -> MicroBatch:
+        attn = mb[self.attention_key]
         seq_lens = attn.sum(-1).long().tolist()
-        uids = self.session.sample_uids(s[a.bool()] for s, a in zip(mb[tokens_key], attn))
+        uids = self.session.sample_uids(s[a.bool()] for s, a in zip(mb[self.tokens_key], attn))
         field, routes = next(iter(carried.items()))
         where = f"micro-batch {k}"
         if plan.action is Action.REPLAY:
             self.check_route_kind(plan)
             self.session.check_routes(plan, routes is not None, field=field, where=where)
-            return MicroBatch(seq_lens, read({**mb, **carried}, plan), uids=uids)
+            return MicroBatch(seq_lens, self.read_routes({**mb, **carried}, plan), uids=uids)
         if routes is None:          # RECORD without sample ids: micro-batch order
             return MicroBatch(seq_lens, uids=uids)
         # sample ids (sample_ids_in); anything else in the routes field is rollout routes

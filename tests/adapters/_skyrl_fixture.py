@@ -186,7 +186,8 @@ class SkyRLRunner:
                 s, b = mbs[0]["sequences"].shape[1], mbs[0]["sequences"].shape[0]
                 w.eval()
                 with torch.no_grad():
-                    lp = w.r3.run(Phase.UPDATE, mbs, forward_only=True, call=lambda m: base.forward(w, m, s, b))
+                    lp = w.r3.run_micro_batches(Phase.UPDATE, mbs, forward_only=True,
+                                                call=lambda m: base.forward(w, m, s, b))
         finally:
             for h in hs:
                 h.remove()

@@ -53,8 +53,8 @@ def _phases(runner, target, mbs, forwards, after_refusal) -> dict:
 def _skyrl(ctx, rollout) -> dict:
     from _skyrl_fixture import SkyRLRunner, training_batch
 
-    from r3bridge.adapters.skyrl.codec import ENGINE, provenance_fields, provenance_pairing
-    from r3bridge.batch.provenance import first_call_provenance
+    from r3bridge.adapters.skyrl.codec import ENGINE, provenance_pairing
+    from r3bridge.batch.provenance import first_call_provenance, provenance_fields
     from r3bridge.testing.harness.models import build_model_chunks
     from r3bridge.testing.kit.conformance import GROUPS
 
