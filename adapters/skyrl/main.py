@@ -3,10 +3,8 @@ and the ``trainer.r3bridge`` section on SkyRL's command line.
 
     python -m r3bridge.adapters.skyrl.main trainer.r3bridge.replay_mode=R3 <SkyRL's overrides>
 
-The command line is parsed by SkyRL's parser (:func:`~r3bridge.adapters.skyrl.config.skyrl_config_class`),
-the section filled and announced, SkyRL's own checks run; before Ray starts, a bad section and an
-environment where SkyRL's Megatron workers cannot start (:func:`cannot_start`) are refused in one
-line (exit status 2). The section reaches the workers inside the policy worker class.
+The launcher's steps (:mod:`r3bridge.launch.steps`) with SkyRL's parser (:func:`.config.skyrl_config_class`),
+SkyRL's own checks and :func:`cannot_start`; the section reaches the workers inside the policy worker class.
 docs/use-with-skyrl.md, "What runs where".
 """
 from __future__ import annotations
