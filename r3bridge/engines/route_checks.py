@@ -119,15 +119,17 @@ def _raise_first(kind: str, bad: torch.Tensor, routes: torch.Tensor, num_experts
 # ------------------------------------------------------------------ a read's ids
 def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, row: np.ndarray,
                starts: Sequence[int], layer_ids: Sequence[int], num_experts: int, degenerate: str,
-               names: Optional[Sequence[str]] = None,
-               framework: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
+               names: Optional[Sequence[str]] = None, framework: Optional[str] = None,
+               covered_on_device: Optional[torch.Tensor] = None) -> tuple[np.ndarray, np.ndarray]:
     """Range and distinct-within-row of every covered (row, layer) of a read's ids ``compact``
     (``[nl, T, K]``, layer-major: the gathered rows of ``layer_ids``; read row ``t`` is row
     ``row[t]`` of sequence ``seq[t]``), one sweep where the ids are (the device: a sort of the K
     ids; the host: a sorting network). Raises on an id out of range; a row whose ids repeat is
     degenerate: refused (raises) or routed natively (returned: ``covered`` without it, and the
-    degenerate read rows). Errors name the sequence by ``names`` where given."""
-    if compact.device.type != "cpu" and not _any_fault(compact, covered, num_experts):
+    degenerate read rows). Errors name the sequence by ``names`` where given. ``covered_on_device``:
+    ``covered`` already on ``compact``'s device (saves a copy); ``covered`` itself is returned when
+    every covered row is sound."""
+    if compact.device.type != "cpu" and not _any_fault(compact, covered, num_experts, covered_on_device):
         return covered, np.zeros(0, dtype=np.int64)       # the usual case: one scalar back from the device
     rng, dup = _faults(compact, num_experts)                   # bool [T, nl] on the host
     rng &= covered[:, None]
@@ -181,14 +183,16 @@ def _faults_torch(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, 
     return both[0], both[1]
 
 
-def _any_fault(compact: torch.Tensor, covered: np.ndarray, num_experts: int) -> bool:
+def _any_fault(compact: torch.Tensor, covered: np.ndarray, num_experts: int,
+               covered_on_device: Optional[torch.Tensor] = None) -> bool:
     """Whether any covered (row, layer) of a device tensor ``[nl, T, K]`` is out of range or repeats
     an id: min / max and a sort of the K ids on the device, one host sync."""
     bad = (compact.amin(-1) < 0) | (compact.amax(-1) >= num_experts)
     if compact.shape[-1] > 1:
         s = compact.sort(-1).values
         bad |= (s[..., 1:] == s[..., :-1]).any(-1)
-    return bool((bad & torch.from_numpy(covered).to(compact.device)[None]).any())
+    on = covered_on_device if covered_on_device is not None else torch.from_numpy(covered).to(compact.device)
+    return bool((bad & on[None]).any())
 
 
 def _faults(compact: torch.Tensor, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

@@ -83,22 +83,25 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     compact = gather_rows(routes, rank_rows.seq, rank_rows.src, covered, cols)   # [nl, T, K], source dtype
     compact = compact.to(dev, non_blocking=True)
     covered &= ~unrouted_rows(compact, routes, covered)
+    # the mask goes to the device once: the check and the fill below share it (per micro-batch,
+    # each extra host-to-device copy and sync is a measurable part of P5 on the device host)
+    valid_t = torch.from_numpy(covered).to(dev, non_blocking=True)
     if not routes.trusted and covered.any():
-        covered, degenerate_rows = check_read(compact, covered, seq=rank_rows.seq, row=rank_rows.src,
+        checked, degenerate_rows = check_read(compact, covered, seq=rank_rows.seq, row=rank_rows.src,
                                               starts=routes.starts, layer_ids=want,
                                               num_experts=routes.num_experts, degenerate=degenerate,
-                                              names=routes.names, framework=routes.framework)
-    valid_t = torch.from_numpy(covered)
-    out = torch.empty(compact.shape, dtype=torch.int64, device=dev)
-    out.copy_(compact)
-    if not covered.all():
-        invalid = torch.from_numpy(np.flatnonzero(~covered)).to(dev)
-        out[:, invalid] = torch.arange(k, dtype=torch.int64, device=dev)
+                                              names=routes.names, framework=routes.framework,
+                                              covered_on_device=valid_t)
+        if checked is not covered:          # degenerate rows routed natively: a new mask
+            covered = checked
+            valid_t = torch.from_numpy(covered).to(dev)
+    # widened to int64, fillers 0..K-1 where there is no route: one kernel
+    out = torch.where(valid_t[None, :, None], compact, torch.arange(k, dtype=torch.int64, device=dev))
     weights = (read_weights(routes, rank_rows.seq, rank_rows.src, covered, cols, want, dev) if routes.has_weights
                else None)
     if counts is not None:
         seq = rank_rows.seq
         counts.append(ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * len(want),
                                  np.bincount(seq[degenerate_rows], minlength=n)[:n] * len(want)))
-    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t.to(dev), tuple(want), k,
+    return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t, tuple(want), k,
                           int(covered.sum()), weights)
