@@ -12,16 +12,11 @@ from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
 from r3bridge.launch.steps import section_keys
 
-__all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
+__all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="
-
-
-def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    return ReplayConfig.resolve(cfg)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,15 +3,12 @@ and the ``trainer.r3bridge`` section on SkyRL's command line.
 
     python -m r3bridge.adapters.skyrl.main trainer.r3bridge.replay_mode=R3 <SkyRL's overrides>
 
-The command line is parsed by SkyRL's parser (:func:`~r3bridge.adapters.skyrl.config.skyrl_config_class`),
-the section filled and announced, SkyRL's own checks run; before Ray starts, a bad section and an
-environment where SkyRL's Megatron workers cannot start (:func:`cannot_start`) are refused in one
-line (exit status 2). The section reaches the workers inside the policy worker class.
+The launcher's steps (:mod:`r3bridge.launch.steps`) with SkyRL's parser (:func:`.config.skyrl_config_class`),
+SkyRL's own checks and :func:`cannot_start`; the section reaches the workers inside the policy worker class.
 docs/use-with-skyrl.md, "What runs where".
 """
 from __future__ import annotations
 
-import importlib.util
 import platform
 import sys
 from typing import Any, Optional
@@ -23,6 +20,7 @@ from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
 from r3bridge.launch import refuse, refusing_section_errors
+from r3bridge.launch.requirements import Requirement, unmet
 
 # the generator first: on Python 3.11 import_skyrl must skip skyrl.train.generators' __init__ (its
 # VLM generator's pydantic chain), which main_base imports from
@@ -75,27 +73,26 @@ def config_from_argv(argv: list[str]):
     return cfg
 
 
+_WORKERS_NEED = (
+    # skyrl.backends' __init__ -> skyrl.tinker.types: pydantic models over typing.TypedDict, which
+    # pydantic refuses before 3.12; every Ray worker imports SkyRL's classes the normal way
+    Requirement(f"SkyRL's package does not import on Python {platform.python_version()} (pydantic: \"Please use "
+                "typing_extensions.TypedDict instead of typing.TypedDict on Python < 3.12\", from "
+                "skyrl.tinker.types), and its Ray workers import it", python=(3, 12)),
+    # megatron_worker.py imports AutoBridge at module level; SkyRL 0.3/0.4's megatron extra declares
+    # megatron-bridge for Python >= 3.12 only
+    Requirement("SkyRL's Megatron worker imports megatron.bridge (Megatron-Bridge), which is not installed; "
+                "SkyRL's `megatron` extra installs it on Python >= 3.12 only", module="megatron.bridge"),
+)
+
+
 def cannot_start(cfg: Any) -> Optional[str]:
     """Why SkyRL's Megatron workers cannot start in this environment (``None``: they can), said in the
     launcher before Ray starts them: otherwise each Ray worker dies on its first SkyRL import."""
     if cfg.trainer.strategy != "megatron":
         return None
-    reasons = []
-    if sys.version_info < (3, 12):
-        # skyrl.backends' __init__ -> skyrl.tinker.types: pydantic models over typing.TypedDict, which
-        # pydantic refuses before 3.12; every Ray worker imports SkyRL's classes the normal way
-        reasons.append(f"SkyRL's package does not import on Python {platform.python_version()} (pydantic: \"Please use "
-                       "typing_extensions.TypedDict instead of typing.TypedDict on Python < 3.12\", from "
-                       "skyrl.tinker.types), and its Ray workers import it")
-    if importlib.util.find_spec("megatron.bridge") is None:
-        # megatron_worker.py imports AutoBridge at module level; SkyRL 0.3/0.4's megatron extra declares
-        # megatron-bridge for Python >= 3.12 only
-        reasons.append("SkyRL's Megatron worker imports megatron.bridge (Megatron-Bridge), which is not installed; "
-                       "SkyRL's `megatron` extra installs it on Python >= 3.12 only")
-    if not reasons:
-        return None
-    return ("SkyRL's Megatron job cannot start here: " + "; ".join(reasons) + ". Run it on Python 3.12 in SkyRL's "
-            "training environment (pip install \"skyrl[megatron]\"); docs/use-with-skyrl.md, \"Install\"")
+    return unmet(_WORKERS_NEED, lead="SkyRL's Megatron job cannot start here", remedy="Run it on Python 3.12 in "
+                 "SkyRL's training environment (pip install \"skyrl[megatron]\"); docs/use-with-skyrl.md, \"Install\"")
 
 
 def main() -> None:

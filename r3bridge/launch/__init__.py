@@ -7,6 +7,7 @@
 * ``plugin_load`` - an adapter registering itself where a framework imports it as a plugin, loudly
 * ``parse_and_run`` - a launcher's first and last step: the job config parsed and the section
                     announced (or refused), then the framework's own launcher run
+* ``requirements`` - the Python release and modules a launcher's workers need, checked before they start
 
 Nothing here runs inside a training step; the data path starts at :mod:`r3bridge.ingest`.
 """
