@@ -22,8 +22,8 @@ from r3bridge.ingest.sglang_attempts import attempt_provenance, generate_first_s
 from r3bridge.job_check import JobCheck, replay_section
 from r3bridge.megatron.packed_micro_batch import packed_micro_batches
 from r3bridge.megatron.phase import PhaseResult
-from r3bridge.megatron.roles import Role, declared_session
-from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.megatron.roles import Role
+from r3bridge.megatron.session import AdapterSession, averaged, declared_session
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY", "RoleEngineMixin",

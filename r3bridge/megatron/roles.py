@@ -153,24 +153,3 @@ def check_actor(routers: dict[int, torch.nn.Module], hooks: dict[int, Any]) -> N
 
 
 __all__ = ["Role", "ROLE_ATTR", "declare_role", "check_declared", "check_actor", "role_of", "model_role", "model_routers"]
-
-
-def declared_session(framework: str, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role: Role | str, *,
-                     actor_refused: str) -> Any:
-    """The role guard of a model a framework built for another role than the actor (reference,
-    teacher, critic): an :class:`~r3bridge.megatron.AdapterSession` of that role, the model declared
-    now (:func:`declare_role`: no replay object may reach it). Call the session's ``check_role()``
-    before each of the model's passes (or ``plan()``, which does): it re-checks that nothing gave the
-    model a replay object since. ``actor_refused``: the :class:`RoleError` when ``role`` is the actor,
-    which replays through the adapter's own actor engine instead."""
-    declared = Role.of(role)
-    if declared is Role.ACTOR:
-        raise RoleError(actor_refused)
-    from r3bridge.megatron.session import AdapterSession  # the session declares roles through this module
-
-    session = AdapterSession(framework, where=None, role=declared)
-    session.attach(model_chunks)
-    return session
-
-
-__all__ += ["declared_session"]
