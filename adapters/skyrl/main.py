@@ -16,9 +16,10 @@ from typing import Any, Optional
 import ray
 
 from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class, ref_worker_class
-from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
 from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config, replay_config_from_skyrl
 from r3bridge.announce import announce
+from r3bridge.errors import ConfigError
 from r3bridge.launch import refuse, refusing_section_errors
 from r3bridge.launch.requirements import Requirement, unmet
 
@@ -44,6 +45,11 @@ class Trainer(TrainerMixin, main_base.RayPPOTrainer):
 
 class Exp(main_base.BasePPOExp):
     def get_generator(self, cfg, tokenizer, inference_engine_client):
+        if skyrl_release() == "0.4":     # its own generator keeps first-seen routes (RoutedExpertTrace)
+            return super().get_generator(cfg, tokenizer, inference_engine_client)
+        if cfg.generator.vision_language_generator:
+            raise ConfigError("SkyRL 0.3's VLM generator overwrites earlier turns' routes and r3bridge's first-seen "
+                              "generator is its text one: generator.vision_language_generator needs SkyRL 0.4")
         return Generator(generator_cfg=cfg.generator, skyrl_gym_cfg=cfg.environment.skyrl_gym,
                          inference_engine_client=inference_engine_client, tokenizer=tokenizer,
                          policy_model_name=resolve_policy_model_name(cfg))
