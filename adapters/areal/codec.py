@@ -53,9 +53,6 @@ class ArealCodec(HandedCodec):
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])
         return native
 
-    def seq_lens(self, native: dict) -> list[int]:
-        return native["attention_mask"].sum(-1).long().tolist()
-
     def split(self, native: dict, num_parts: int, order: Optional[list] = None):
         """AReaL's own ``split_padded_tensor_dict_into_mb_list`` (token-balanced, reorders samples),
         the routes carried as the engine carries them (:func:`split_carrying`)."""

@@ -93,9 +93,6 @@ class SkyRLCodec(HandedCodec):
         native.metadata[ROUTES_MARK] = "recorded"
         return native
 
-    def seq_lens(self, native: Any) -> list[int]:
-        return native["attention_mask"].sum(-1).long().tolist()
-
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
         """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation."""
         b = native.batch_size

@@ -6,6 +6,7 @@ import functools
 import os
 from typing import Any, Mapping, Optional, Sequence
 
+from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
@@ -46,10 +47,14 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
                                             section_name=f"{SECTION} (command line)", set_keys=named)
 
 
-def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
-    """Fill ``trainer.r3bridge``, refuse contradictions (``ConfigError`` naming both keys), and set
+def prepare_skyrl_config(cfg: Any, argv: Optional[Sequence[str]] = None, *,
+                         announce_where: Optional[str] = None) -> ReplayConfig:
+    """Fill ``trainer.r3bridge`` (``argv``: :func:`replay_config_from_skyrl`'s), announce it in
+    ``announce_where``, refuse contradictions (``ConfigError`` naming both keys), and set
     ``moe_enable_routing_replay`` under R3 for SkyRL's ``validate_cfg`` only (docs, "Configuration")."""
-    rc, _ = replay_config_from_skyrl(cfg)
+    rc, origin = replay_config_from_skyrl(cfg, argv)
+    if announce_where is not None:
+        announce(rc, origin, announce_where)
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config

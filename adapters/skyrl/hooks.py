@@ -20,10 +20,10 @@ from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.capture import merge_first_seen
+from r3bridge.ingest.capture import first_seen_update
 from r3bridge.megatron.model_replay import ModelReplay
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession
+from r3bridge.megatron.session import AdapterSession, declared_session
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
@@ -102,8 +102,7 @@ class RefWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        self.r3 = AdapterSession("skyrl", where=None, role=Role.REFERENCE)
-        self.r3.attach(self.actor_module)
+        self.r3 = declared_session("skyrl", self.actor_module, Role.REFERENCE)
         return out
 
     def forward(self, data, *args, **kwargs):
@@ -206,20 +205,11 @@ class FirstSeenRoutesMixin:
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_multiturn_chat_template
-        return _first_seen(sup, agent_loop_state, turn_output)
+        return first_seen_update(sup, agent_loop_state, turn_output, ROUTES_KEY)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_singleturn_chat_template
-        return _first_seen(sup, agent_loop_state, turn_output)
-
-
-def _first_seen(update, state, turn_output):
-    """``update(state, turn_output)`` with the turn's routes merged first-seen into earlier turns' rows."""
-    previous = state.rollout_expert_indices
-    state = update(state, turn_output)
-    if state.rollout_expert_indices is not None:
-        state.rollout_expert_indices = merge_first_seen(previous, turn_output.rollout_expert_indices)
-    return state
+        return first_seen_update(sup, agent_loop_state, turn_output, ROUTES_KEY)
 
 
 def _worker_class(name: str, mixin: type, base: str, methods: Sequence[str], num_gpus: int, attrs=None):

@@ -17,8 +17,7 @@ import ray
 
 from r3bridge.adapters.skyrl import FirstSeenRoutesMixin, TrainerMixin, policy_worker_class, ref_worker_class
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
-from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config, replay_config_from_skyrl
-from r3bridge.announce import announce
+from r3bridge.adapters.skyrl.config import SECTION, parse_cli, prepare_skyrl_config
 from r3bridge.errors import ConfigError
 from r3bridge.launch import refuse, refusing_section_errors
 from r3bridge.launch.requirements import Requirement, unmet
@@ -71,10 +70,7 @@ def entrypoint(cfg):
 def config_from_argv(argv: list[str]):
     """SkyRL's parsed, validated config with the ``trainer.r3bridge`` section in force."""
     cfg = parse_cli(argv)
-    rc, origin = replay_config_from_skyrl(cfg, argv)     # the command line merged with R3BRIDGE_CONFIG
-    announce(rc, origin, "SkyRL launcher")
-    cfg.trainer.r3bridge = rc
-    prepare_skyrl_config(cfg)
+    prepare_skyrl_config(cfg, argv, announce_where="SkyRL launcher")    # the command line merged with R3BRIDGE_CONFIG
     main_base.validate_cfg(cfg)
     return cfg
 

@@ -33,7 +33,7 @@ from r3bridge.engines.decoders import select_layers
 from r3bridge.errors import PayloadError, RouteShapeError, StitchError
 from r3bridge.ingest.stitching import first_seen_rows, rollout_routes
 
-__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "trajectory_routes", "RequestAttempts",
+__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "first_seen_update", "trajectory_routes", "RequestAttempts",
            "reprefill_metrics"]
 
 T = TypeVar("T")
@@ -137,6 +137,17 @@ def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[
     if previous is None or len(previous) == 0:
         return list(new)
     return first_seen_rows([previous, new])[0].tolist()
+
+
+def first_seen_update(update: Callable[[Any, Any], Any], state: Any, turn: Any, field: str) -> Any:
+    """``update(state, turn)``, a framework's per-turn update that replaces ``state.<field>`` with
+    ``turn.<field>`` (a sample's routes from row 0), with the turn's routes merged first-seen into
+    the earlier turns' rows instead (:func:`merge_first_seen`)."""
+    previous = getattr(state, field)
+    state = update(state, turn)
+    if getattr(state, field) is not None:
+        setattr(state, field, merge_first_seen(previous, getattr(turn, field)))
+    return state
 
 
 def _agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:

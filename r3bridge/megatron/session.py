@@ -220,7 +220,7 @@ def averaged(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
 
 
 def declared_session(framework: str, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role: Role | str, *,
-                     actor_refused: str) -> Any:
+                     actor_refused: str = "the actor replays through the adapter's actor engine") -> Any:
     """The role guard of a model a framework built for another role than the actor (reference,
     teacher, critic): an :class:`~r3bridge.megatron.AdapterSession` of that role, the model declared
     now (:func:`declare_role`: no replay object may reach it). Call the session's ``check_role()``
