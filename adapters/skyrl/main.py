@@ -67,14 +67,6 @@ def entrypoint(cfg):
     Exp(cfg).run()
 
 
-def config_from_argv(argv: list[str]):
-    """SkyRL's parsed, validated config with the ``trainer.r3bridge`` section in force."""
-    cfg = parse_cli(argv)
-    prepare_skyrl_config(cfg, argv, announce_where="SkyRL launcher")    # the command line merged with R3BRIDGE_CONFIG
-    main_base.validate_cfg(cfg)
-    return cfg
-
-
 _WORKERS_NEED = (
     # skyrl.backends' __init__ -> skyrl.tinker.types: pydantic models over typing.TypedDict, which
     # pydantic refuses before 3.12; every Ray worker imports SkyRL's classes the normal way
@@ -98,8 +90,11 @@ def cannot_start(cfg: Any) -> Optional[str]:
 
 
 def main() -> None:
+    argv = sys.argv[1:]
     with refusing_section_errors(SECTION):     # a bad trainer.r3bridge key or value: one line, before Ray
-        cfg = config_from_argv(sys.argv[1:])
+        cfg = parse_cli(argv)
+        prepare_skyrl_config(cfg, argv, announce_where="SkyRL launcher")   # merged with R3BRIDGE_CONFIG
+        main_base.validate_cfg(cfg)
     problem = cannot_start(cfg)
     if problem:
         refuse(problem)
