@@ -46,8 +46,9 @@ class ArealCodec(HandedCodec):
         self.model = model
 
     def handed_routes(self, native: dict, *, route_kind: str = "rollout") -> HandedRoutes:
-        return batch_handed_routes(native, key=RECORDED_KEY if route_kind == "recorded" else ROUTES_KEY, route_kind=route_kind,
-                                   num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, topk=self.topk)
+        key = RECORDED_KEY if route_kind == "recorded" else ROUTES_KEY
+        return batch_handed_routes(native, key=key, route_kind=route_kind, num_experts=self.num_experts,
+                                   moe_layer_ids=self.moe_layer_ids, topk=self.topk)
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])

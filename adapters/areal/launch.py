@@ -66,9 +66,8 @@ def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any
 def _folders(cluster: Any) -> None:
     """``cluster.fileroot`` and the NFS name-resolve root (AReaL's ``ClusterSpecConfig``): AReaL's
     launcher requires them to exist."""
-    nfs = cluster.name_resolve.type == "nfs"
-    ensure_folders(WHERE, {"cluster.fileroot": cluster.fileroot,
-                           "cluster.name_resolve.nfs_record_root": cluster.name_resolve.nfs_record_root if nfs else None})
+    nfs_root = cluster.name_resolve.nfs_record_root if cluster.name_resolve.type == "nfs" else None
+    ensure_folders(WHERE, {"cluster.fileroot": cluster.fileroot, "cluster.name_resolve.nfs_record_root": nfs_root})
 
 
 def server_wait(backend: str, expected: int, registered: Callable[[], int], log_path: str, **kwargs: Any) -> ServerWait:

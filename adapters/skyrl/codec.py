@@ -74,8 +74,9 @@ class SkyRLCodec(HandedCodec):
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
     def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
-        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, route_kind=route_kind,
-                             num_hidden_layers=None if route_kind == "recorded" else self.num_hidden_layers, topk=self.topk)
+        layers = None if route_kind == "recorded" else self.num_hidden_layers
+        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                             route_kind=route_kind, num_hidden_layers=layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them

@@ -6,6 +6,7 @@ import functools
 import os
 from typing import Any, Mapping, Optional, Sequence
 
+from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
@@ -23,8 +24,6 @@ _ENTRYPOINT = "trainer.override_entrypoint="
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
     """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (``make_config``)."""
-    from r3bridge.adapters.skyrl._compat import import_skyrl
-
     sk = import_skyrl("skyrl.train.config.config")
     # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
     import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")

@@ -7,15 +7,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters.skyrl import codec
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
-from r3bridge.adapters.skyrl.codec import (
-    MASK_KEY,
-    ROUTES_KEY,
-    ROUTES_MARK,
-    SkyRLCodec,
-    handed_routes,
-    provenance_pairing,
-)
 from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
@@ -49,7 +42,7 @@ class SkyRLReplay(ModelReplay):
 
     # SkyRL's own replay never runs; its route keys stay, as None: SkyRL 0.4's forward reads
     # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
-    route_keys = (ROUTES_KEY, MASK_KEY)
+    route_keys = (codec.ROUTES_KEY, codec.MASK_KEY)
     tokens_key = "sequences"
     # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
     packing_from_forward = True
@@ -63,7 +56,7 @@ class SkyRLReplay(ModelReplay):
     def read_routes(self, fields: dict, plan) -> Any:
         """SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once."""
         m = self.session.model
-        return handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+        return codec.handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
                              route_kind=plan.route_kind,
                              num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
 
@@ -71,8 +64,10 @@ class SkyRLReplay(ModelReplay):
 def model_wrapper_class(base: Optional[type] = None) -> type:
     """``MegatronModelWrapper`` (or ``base``) running its passes in the replay; constructed like
     SkyRL's, plus ``r3_replay=SkyRLReplay(...)``."""
-    base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
-    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
+    module = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
+    base = base or import_skyrl(module).MegatronModelWrapper
+    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m)
+                              for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, r3_replay: SkyRLReplay, **kwargs: Any) -> None:
@@ -135,24 +130,21 @@ class PolicyWorkerMixin(_Configured):
     def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         # kwargs: SkyRL 0.4's return_per_token_outputs, passed through
         with self._r3_provenance(data):
-            return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
+            if self.r3_mode is not ReplayMode.R2 or loss_fn is not None:
+                return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
+            r3 = self.model.r3
+            # the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL copies into
+            # its micro-batches
+            with r3.sample_ids_in(data, codec.ROUTES_KEY, *data["attention_mask"].shape):
+                out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
+            r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
+            return out
 
     def _r3_provenance(self, data):     # the pass's route / log-prob provenance (R3), for this call only
-        return self.model.r3.providing(provenance_pairing(data) if self.r3_mode is ReplayMode.R3 else None)
-
-    def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
-        if self.r3_mode is not ReplayMode.R2 or loss_fn is not None:
-            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        r3 = self.model.r3
-        # the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL copies into
-        # its micro-batches
-        with r3.sample_ids_in(data, ROUTES_KEY, *data["attention_mask"].shape):
-            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
-        return out
+        return self.model.r3.providing(codec.provenance_pairing(data) if self.r3_mode is ReplayMode.R3 else None)
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
-        mark = (data.metadata or {}).get(ROUTES_MARK)
+        mark = (data.metadata or {}).get(codec.ROUTES_MARK)
         if self.r3_mode is ReplayMode.R2 and mark != "recorded":
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
@@ -187,7 +179,7 @@ class TrainerMixin(_Configured):
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
             n = ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path).num_layers
             # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
-            SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
+            codec.SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
                        num_hidden_layers=n).write_recorded(training_input, rec)
         return out
 
@@ -205,11 +197,11 @@ class FirstSeenRoutesMixin:
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_multiturn_chat_template
-        return first_seen_update(sup, agent_loop_state, turn_output, ROUTES_KEY)
+        return first_seen_update(sup, agent_loop_state, turn_output, codec.ROUTES_KEY)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_singleturn_chat_template
-        return first_seen_update(sup, agent_loop_state, turn_output, ROUTES_KEY)
+        return first_seen_update(sup, agent_loop_state, turn_output, codec.ROUTES_KEY)
 
 
 def _worker_class(name: str, mixin: type, base: str, methods: Sequence[str], num_gpus: int, attrs=None):
