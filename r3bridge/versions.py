@@ -157,3 +157,19 @@ def _bare_package(name: str) -> None:
     package.__spec__.submodule_search_locations = list(package.__path__)
     package.__r3bridge_shim__ = True            # type: ignore[attr-defined]
     sys.modules[name] = package
+
+
+def supported_series(distribution: str, version: Optional[str], series: Sequence[str], *, what: str,
+                     knows: str) -> Optional[str]:
+    """The ``major.minor`` series (:func:`release_series`) of ``version`` (default: the installed one)
+    after :func:`check_release`; ``None`` when not installed. ``ConfigError`` unless it is one of
+    ``series``, the releases whose ``knows`` (e.g. "the route transport of X") the adapter has:
+    the supported range and the adapter's code must agree."""
+    checked = check_release(distribution, version, what=what)
+    if checked is None:
+        return None
+    release = release_series(checked)
+    if release not in series:
+        raise ConfigError(f"{distribution} {version or checked} is installed; r3bridge{what} knows {knows} "
+                          f"{' and '.join(r + '.x' for r in series)} only")
+    return release

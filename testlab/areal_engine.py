@@ -88,7 +88,7 @@ def initialize_on_cpu(engine: Any, models: list, *, total_train_steps: int = 4, 
 
     me = import_areal("areal.engine.megatron_engine")
     api = import_areal("areal.api")
-    from r3bridge.adapters.areal import ModelInfo
+    from r3bridge.hf import ModelInfo
 
     if device == "cpu":
         _shim_optimizer()
@@ -167,7 +167,7 @@ def build_through_mbridge(engine: Any, hf_config: Any, workdir: str, *, device: 
 def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mbs: int = 2,
                ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None,
                device: str = "cpu", role: str = "actor", engine_class: Any = None) -> Any:
-    """r3bridge's ``MegatronPPOActor`` subclass (``r3bridge.adapters.areal.megatron_ppo_actor_class``)
+    """r3bridge's ``MegatronPPOActor`` subclass (``r3bridge.adapters.areal.hooks.megatron_ppo_actor_class``)
     with ``replay_mode=mode``: process groups through AReaL's ``create_process_group`` (the spawned
     rank already holds megatron's parallel state, as under AReaL's launcher), the model through
     mbridge as AReaL builds it (:func:`build_through_mbridge`, checkpoint config in ``workdir``),
@@ -175,8 +175,8 @@ def make_actor(ctx: Any, mode: str, workdir: str, *, hf_config: Any = None, n_mb
     ``gradient_checkpointing`` (full, uniform, 1 layer: its defaults). ``device``: "cpu" (the CPU
     harness) or "cuda" (a real GPU: the same model, spec and steps, no CPU shims). ``role`` /
     ``engine_class``: the role AReaL's trainer initialises the engine as, and another class than
-    r3bridge's actor (e.g. ``r3bridge.adapters.areal.megatron_role_engine_class()`` for the reference)."""
-    from r3bridge.adapters.areal import megatron_ppo_actor_class
+    r3bridge's actor (e.g. ``r3bridge.adapters.areal.hooks.megatron_role_engine_class()`` for the reference)."""
+    from r3bridge.adapters.areal.hooks import megatron_ppo_actor_class
     from r3bridge.config import ReplayConfig
 
     if device == "cuda":
@@ -211,7 +211,7 @@ def reference_roles(ctx: Any, workdir: str) -> dict:
     r3bridge's actor engine initialised as ``role="ref"`` refuses to attach. Each error, or "no error"."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from r3bridge.adapters.areal import megatron_role_engine_class
+    from r3bridge.adapters.areal.hooks import megatron_role_engine_class
     from r3bridge.megatron.roles import model_routers, role_of
 
     def outcome(fn) -> str:

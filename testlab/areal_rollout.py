@@ -116,7 +116,8 @@ class _Episode:
 
 def trajectories(rollout: CanonicalRollout) -> list[dict]:
     """One AReaL trajectory dict per sample, ``r3bridge_routes`` added by ``WorkflowMixin``."""
-    from r3bridge.adapters.areal import ModelInfo, WorkflowMixin
+    from r3bridge.adapters.areal import WorkflowMixin
+    from r3bridge.hf import ModelInfo
 
     class Episode(WorkflowMixin, _Episode):
         r3_model = ModelInfo(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,

@@ -66,7 +66,7 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
     ``convert_prompts_responses_to_batch_tensors`` (left-padded sequences, the generator's routes
     accumulated first-seen as r3bridge's ``FirstSeenRoutesMixin`` leaves them), plus the fields the
     update reads (advantages; old / base log-probs are filled in after compute_log_prob)."""
-    from r3bridge.adapters.skyrl import merge_first_seen
+    from r3bridge.ingest.capture import merge_first_seen
 
     if _release() == "0.4":
         return _training_input04(rollout, seed=seed)
@@ -94,7 +94,7 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
 
 
 def _release() -> Optional[str]:
-    from r3bridge.adapters.skyrl import skyrl_release
+    from r3bridge.adapters.skyrl._compat import skyrl_release
     return skyrl_release()
 
 
@@ -483,7 +483,8 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     through SkyRL's wrapper with r3bridge's adapter, under the routing probe. Picklable result."""
     from megatron.core import parallel_state as ps
 
-    from r3bridge.adapters.skyrl import RECORDED_KEY, PolicyWorkerMixin, SkyRLCodec
+    from r3bridge.adapters.skyrl import PolicyWorkerMixin, SkyRLCodec
+    from r3bridge.adapters.skyrl.hooks import RECORDED_KEY
     from r3bridge.config import ReplayConfig
     from r3bridge.testing.harness.models import build_model_chunks
     from r3bridge.testing.harness.probe import RoutingProbe

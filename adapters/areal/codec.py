@@ -7,28 +7,20 @@ slices them per micro-batch by sample id. docs/use-with-areal.md, "What happens 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional
-
-import torch
+from typing import Optional
 
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
-    ProvenancePairing,
-    pairing_from_fields,
-    provenance_fields,
 )
-from r3bridge.batch.sequence_last import right_padded_routes, sequence_last_routes
+from r3bridge.batch.sequence_last import right_padded_routes, split_carrying
+from r3bridge.hf import ModelInfo
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.sequence_last import right_padded_handed, sequence_last_handed
 
-if TYPE_CHECKING:  # pragma: no cover
-    from r3bridge.adapters.areal.config import ModelInfo
-
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "ArealCodec", "trajectory_tensor", "handed_routes", "batch_handed_routes", "batch_tensor",
-           "provenance_fields", "provenance_pairing"]
+           "ArealCodec", "handed_routes", "batch_handed_routes", "batch_tensor"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
@@ -40,7 +32,6 @@ ENGINE = "sglang"
 PROVENANCE_KEYS = (ROUTE_PROVENANCE_KEY, LOGPROB_PROVENANCE_KEY)
 
 
-trajectory_tensor = sequence_last_routes     # ReplayBatch -> [n, L_moe, K, S], the sentinel where there is no route
 # rows ``rows`` of a [B, L_moe, K, S] routes tensor, tokens [0, lens[i]) of each, viewed (nothing copied or checked)
 handed_routes = functools.partial(sequence_last_handed, framework="AReaL")
 batch_handed_routes = functools.partial(right_padded_handed, framework="AReaL")   # a batched dict, batch order
@@ -50,45 +41,25 @@ batch_tensor = functools.partial(right_padded_routes, framework="AReaL")    # R2
 class ArealCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of AReaL's batched trajectory dicts."""
 
-    def __init__(self, model: "ModelInfo") -> None:
+    def __init__(self, model: ModelInfo) -> None:
         super().__init__(num_experts=model.num_experts, moe_layer_ids=model.moe_layer_ids, topk=model.topk)
         self.model = model
 
     def handed_routes(self, native: dict, *, route_kind: str = "rollout") -> HandedRoutes:
-        return batch_handed_routes(native, key=RECORDED_KEY if route_kind == "recorded" else ROUTES_KEY, route_kind=route_kind,
-                                   num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, topk=self.topk)
+        key = RECORDED_KEY if route_kind == "recorded" else ROUTES_KEY
+        return batch_handed_routes(native, key=key, route_kind=route_kind, num_experts=self.num_experts,
+                                   moe_layer_ids=self.moe_layer_ids, topk=self.topk)
 
     def write_recorded(self, native: dict, recorded) -> dict:
         native[RECORDED_KEY] = batch_tensor(recorded, native["attention_mask"])
         return native
 
-    def seq_lens(self, native: dict) -> list[int]:
-        return native["attention_mask"].sum(-1).long().tolist()
-
     def split(self, native: dict, num_parts: int, order: Optional[list] = None):
         """AReaL's own ``split_padded_tensor_dict_into_mb_list`` (token-balanced, reorders samples),
-        with the routes tensor carried whole and sliced by the per-token sample ids, as the engine
-        does."""
+        the routes carried as the engine carries them (:func:`split_carrying`)."""
         from r3bridge.adapters.areal._compat import import_areal
         data_mod = import_areal("areal.utils.data")
-        spec_mod = import_areal("areal.api.cli_args")
-        d = dict(native)
-        attn = d["attention_mask"]
-        d[SAMPLE_KEY] = torch.arange(attn.shape[0])[:, None].expand(attn.shape).contiguous()
-        carried = {k: d.pop(k) for k in (ROUTES_KEY, RECORDED_KEY) if k in d}
-        mbl = data_mod.split_padded_tensor_dict_into_mb_list(d, spec_mod.MicroBatchSpec(n_mbs=num_parts))
-        out = []
-        for mb in mbl.mbs:
-            ids = mb[SAMPLE_KEY][:, 0].tolist()
-            part = {k: v for k, v in mb.items() if k != SAMPLE_KEY}
-            part.update({k: v[torch.tensor(ids)] for k, v in carried.items()})
-            out.append((part, ids))
-        return out
+        spec = import_areal("areal.api.cli_args").MicroBatchSpec(n_mbs=num_parts)
+        return split_carrying(native, lambda fields: data_mod.split_padded_tensor_dict_into_mb_list(fields, spec).mbs,
+                              carried=(ROUTES_KEY, RECORDED_KEY), sample_key=SAMPLE_KEY)
 
-
-def provenance_pairing(data: dict) -> ProvenancePairing:
-    """A batched AReaL dict's route and log-prob provenance, one per trajectory (a missing field:
-    unknown, its samples counted unchecked), named by batch row."""
-    n = int(data["attention_mask"].shape[0])
-    return pairing_from_fields(data.get, samples=n, names=[f"batch row {i}" for i in range(n)], engine=ENGINE,
-                               framework="AReaL")

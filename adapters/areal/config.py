@@ -4,18 +4,11 @@ to AReaL's experiment config as a typed field. docs/use-with-areal.md, "Configur
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from r3bridge.config import ReplayConfig
-from r3bridge.hf import ModelInfo  # what the adapter needs to know about the model (re-exported)
-from r3bridge.job_check import replay_section, with_replay_section
+from r3bridge.job_check import with_replay_section
 
-__all__ = ["replay_config", "grpo_config_class", "parse_cli", "section_of", "ModelInfo"]
-
-
-def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    return ReplayConfig.resolve(cfg)
+__all__ = ["grpo_config_class", "parse_cli"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,8 +35,3 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> Any:
     finally:   # AReaL initialises hydra globally and leaves it so: a later hydra user would fail
         GlobalHydra.instance().clear()
     return OmegaConf.to_object(cli_args.to_structured_cfg(cfg, config_cls=config_cls or grpo_config_class()))
-
-
-def section_of(experiment_config: Any) -> Optional[ReplayConfig]:
-    """The ``r3bridge`` section of a parsed AReaL experiment config (``None``: not set)."""
-    return replay_section(experiment_config)

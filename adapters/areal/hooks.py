@@ -3,99 +3,59 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 
+from r3bridge.adapters.areal import codec
 from r3bridge.adapters.areal._compat import import_areal
-from r3bridge.adapters.areal.codec import (
-    ENGINE,
-    PROVENANCE_KEYS,
-    RECORDED_KEY,
-    ROUTES_KEY,
-    SAMPLE_KEY,
-    batch_tensor,
-    handed_routes,
-    provenance_fields,
-    provenance_pairing,
-    trajectory_tensor,
-)
-from r3bridge.adapters.areal.config import ModelInfo, replay_config, section_of
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.batch.provenance import ProvenancePairing, RouteProvenance
-from r3bridge.batch.recorded import split_sizes
+from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields, provenance_fields
+from r3bridge.batch.sequence_last import per_token_sample_ids, sequence_last_routes, write_right_padded
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError, ReplayStateError, RoleError
-from r3bridge.ingest.capture import RequestAttempts, check_flat_topk, sample_name
-from r3bridge.ingest.forwarding import Forwarding
-from r3bridge.ingest.sglang_attempts import attempt_provenance, first_seen_attempts
-from r3bridge.job_check import JobCheck
-from r3bridge.megatron.packed_micro_batch import thd_micro_batch
+from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.hf import ModelInfo
+from r3bridge.ingest.capture import sample_name
+from r3bridge.ingest.forwarding import RecordingCalls
+from r3bridge.ingest.sglang_attempts import attempt_provenance, generate_first_seen
+from r3bridge.job_check import JobCheck, replay_section
+from r3bridge.megatron.packed_micro_batch import packed_micro_batches
 from r3bridge.megatron.phase import PhaseResult
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.megatron.session import AdapterSession, averaged, declared_session
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
-__all__ = ["SGLangEngineMixin", "RecordingBackend", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY",
-           "RoleEngineMixin", "megatron_role_engine_class", "megatron_ppo_actor_class", "trainer_class",
-           "workflow_class", "log_areal_metrics", "response_provenance"]
+__all__ = ["SGLangEngineMixin", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY", "RoleEngineMixin",
+           "megatron_role_engine_class", "megatron_ppo_actor_class", "trainer_class", "workflow_class",
+           "log_areal_metrics"]
 
 MB_KEY = "r3bridge_mb"          # in each padded micro-batch: its r3bridge.megatron.MicroBatch
 # what supplies the routes of each kind
 _PROVIDE = {"rollout": "InferenceEngineConfig.return_routed_experts + WorkflowMixin",
             "recorded": "R2 routes are written back by PPOActorMixin.compute_logp"}
-_ATTEMPTS = RequestAttempts()   # each attempt's SGLang meta_info, per agenerate call
 
 
 # ------------------------------------------------------------------------------------ rollout
-class RecordingBackend(Forwarding):
-    """AReaL's backend, keeping each parsed response's ``meta_info`` for the current request."""
-
-    def parse_generation_response(self, response: dict) -> Any:
-        out = self.inner.parse_generation_response(response)
-        _ATTEMPTS.record(response.get("meta_info", {}))
-        return out
-
-
-async def _generate_deduped(agenerate, inner_engine: Any, req: Any) -> Any:
-    """One ``agenerate`` with every attempt's SGLang response seen (``RecordingBackend`` on the
-    engine instance's backend: composition, no class patch) and AReaL's concatenation of
-    resubmitted attempts replaced by first-seen rows."""
+async def _generate_deduped(agenerate, req: Any, inner_engine: Any) -> Any:
+    """One ``agenerate`` with AReaL's concatenation of resubmitted attempts' routes replaced by their
+    first-seen rows (:func:`generate_first_seen`, through the engine instance's ``SGLangBackend``'s
+    ``parse_generation_response``); provenance: the first attempt's, AReaL's ``output_versions``."""
     core = getattr(inner_engine, "_engine", inner_engine)          # RemoteSGLangEngine -> RemoteInfEngine
-    if hasattr(core, "backend") and not isinstance(core.backend, RecordingBackend):
-        core.backend = RecordingBackend(core.backend)
-    resp, attempts = await _ATTEMPTS.around(lambda: agenerate(req))
-    stitched = first_seen_attempts(attempts) if getattr(resp, "routed_experts", None) is not None else None
-    if stitched is not None:     # AReaL's own [tokens - 1, L_all*K] int32 rows
-        resp.routed_experts = stitched.rows
+    resp, stitched = await generate_first_seen(lambda: agenerate(req), core, parse="parse_generation_response")
+    if stitched is not None and getattr(resp, "routed_experts", None) is not None:
+        resp.routed_experts = stitched.rows          # AReaL's own [tokens - 1, L_all*K] int32 rows
         resp.r3bridge_resubmits = stitched.resubmits
         resp.r3bridge_disagreeing_rows = stitched.disagreeing_rows
-        resp.r3bridge_provenance = response_provenance(stitched.first, resp)
+        resp.r3bridge_provenance = attempt_provenance(stitched.first, getattr(resp, "output_versions", None))
     return resp
-
-
-def response_provenance(meta_info: dict, resp: Any) -> tuple[RouteProvenance, RouteProvenance]:
-    """(route, log-prob provenance) of a response whose first-seen rows came from the attempt of
-    ``meta_info``, AReaL's ``output_versions`` its tokens' versions (:func:`attempt_provenance`)."""
-    return attempt_provenance(meta_info, getattr(resp, "output_versions", None), engine=ENGINE)
 
 
 class SGLangEngineMixin:
     """``class E(SGLangEngineMixin, RemoteSGLangEngine)``: resubmits deduplicated in the engine."""
 
     async def agenerate(self, req: Any) -> Any:
-        return await _generate_deduped(super().agenerate, self, req)
-
-
-class _RecordingInferenceEngine(Forwarding):
-    def __init__(self, engine: Any, responses: list) -> None:
-        super().__init__(engine)
-        self._responses = responses
-
-    async def agenerate(self, req: Any) -> Any:
-        resp = await _generate_deduped(self.inner.agenerate, self.inner, req)
-        self._responses.append(resp)
-        return resp
+        return await _generate_deduped(super().agenerate, req, self)
 
 
 class WorkflowMixin:
@@ -105,20 +65,18 @@ class WorkflowMixin:
     r3_model: Optional[ModelInfo] = None
 
     async def arun_episode(self, engine: Any, data: Any) -> Any:
-        responses: list = []
-        out = await super().arun_episode(_RecordingInferenceEngine(engine, responses), data)
+        calls = RecordingCalls(engine, "agenerate", through=functools.partial(_generate_deduped, inner_engine=engine))
+        out = await super().arun_episode(calls, data)
+        responses = calls.results
         if out is None or self.r3_model is None:
             return out
         ids = out["input_ids"]
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ConfigError("WorkflowMixin handles one trajectory per episode ([1, S] input_ids)")
         tokens, m = ids[0].tolist(), self.r3_model
-        for turn, r in enumerate(responses):     # before anything reshapes them: a clear top-k error
-            check_flat_topk(getattr(r, "routed_experts", None), num_layers=m.num_layers, topk=m.topk,
-                            sample=sample_name(data, len(tokens)), turn=turn, framework="AReaL")
         rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
-                                   topk=m.topk, moe_layer_ids=m.moe_layer_ids)
-        out[ROUTES_KEY] = trajectory_tensor(rb, [len(tokens)])
+                                   topk=m.topk, moe_layer_ids=m.moe_layer_ids, sample=sample_name(data, len(tokens)))
+        out[codec.ROUTES_KEY] = sequence_last_routes(rb, [len(tokens)])
         # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
         out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory
@@ -135,9 +93,8 @@ class PPOActorMixin:
             session.result = None                       # never a previous step's recording
         out = super().compute_logp(data)
         if session is not None and session.mode is ReplayMode.R2 and session.replayer is not None:
-            sizes = [next(v for v in d.values() if isinstance(v, torch.Tensor)).shape[0] for d in data]
-            for d, part in zip(data, split_sizes(session.recorded_for(sum(sizes)), sizes)):
-                d[RECORDED_KEY] = batch_tensor(part, d["attention_mask"])    # in place: the trainer passes them on
+            # each of AReaL's dicts in place: its trainer passes them on
+            write_right_padded(session.recorded_for, data, codec.RECORDED_KEY, framework="AReaL")
         return out
 
     def _compute_logp(self, data: dict) -> Any:
@@ -148,8 +105,7 @@ class PPOActorMixin:
 
     def _r3_phase(self, phase: Phase, data: dict, fn):
         eng = self.engine
-        attn = data["attention_mask"]
-        for key in (ROUTES_KEY, RECORDED_KEY):
+        for key in (codec.ROUTES_KEY, codec.RECORDED_KEY):
             t = data.get(key)
             if t is not None and t.shape[1] * t.shape[2] == 1:
                 # [B, 1, 1, S] has B*S elements: AReaL's splitter would cut it like a per-token field
@@ -158,17 +114,18 @@ class PPOActorMixin:
             if t is not None and getattr(eng, "r3", None) is not None:
                 eng.r3.check_topk(repr(key), int(t.shape[2]), where="AReaL batch (every sample)")
         # on the batch's device, like every field AReaL's splitter and engine move with it
-        data[SAMPLE_KEY] = torch.arange(attn.shape[0], dtype=torch.int64,
-                                        device=attn.device)[:, None].expand(attn.shape).contiguous()
+        data[codec.SAMPLE_KEY] = per_token_sample_ids(data["attention_mask"])
         eng.r3_phase = phase
-        # per batch row; the engine keeps each pass's samples (by sample id) for the R3 check
-        eng.r3_provenance = provenance_pairing(data)
+        # per batch row (named so); the engine keeps each pass's samples (by sample id) for the R3 check
+        rows = int(data["attention_mask"].shape[0])
+        eng.r3_provenance = pairing_from_fields(data.get, samples=rows, names=[f"batch row {i}" for i in range(rows)],
+                                                engine=codec.ENGINE, framework="AReaL")
         try:
             return fn()
         finally:
             eng.r3_phase = None
             eng.r3_provenance = None
-            data.pop(SAMPLE_KEY, None)
+            data.pop(codec.SAMPLE_KEY, None)
 
 
 class MegatronEngineMixin:
@@ -211,35 +168,32 @@ class MegatronEngineMixin:
 
     def _prepare_mb_list(self, input_: dict) -> Any:
         input_ = dict(input_)
-        carried = {k: input_.pop(k) for k in (ROUTES_KEY, RECORDED_KEY, SAMPLE_KEY, *PROVENANCE_KEYS) if k in input_}
+        keys = (codec.ROUTES_KEY, codec.RECORDED_KEY, codec.SAMPLE_KEY, *codec.PROVENANCE_KEYS)
+        carried = {k: input_.pop(k) for k in keys if k in input_}
         mb_list = super()._prepare_mb_list(input_)
         self.r3_pass_provenance = None
         plan = self._r3_plan()
         if plan is None:
             return mb_list
-        sample = carried.get(SAMPLE_KEY)
+        sample = carried.get(codec.SAMPLE_KEY)
         if sample is None:
             raise ConfigError("r3bridge: the batch has no sample ids: wrap the actor in PPOActorMixin")
-        key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
+        key = codec.RECORDED_KEY if plan.route_kind == "recorded" else codec.ROUTES_KEY
         if plan.action is Action.REPLAY:        # R2 records into its own key: rollout routes never collide
             self.r3.check_routes(plan, key in carried, field=key)
         gid_of_row = sample[:, 0].tolist()
-        fwd = mb_list.forward_indices or list(range(len(gid_of_row)))
-        off = 0
-        for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs):
-            cu = mb["cu_seqlens"].tolist()
-            n = len(cu) - 1
-            gids: list[Optional[int]] = [gid_of_row[r] for r in fwd[off:off + n]]
-            off += n
-            lens = [b - a for a, b in zip(cu, cu[1:])]
-            routes = None
-            if plan.action is Action.REPLAY:     # this micro-batch's samples of AReaL's tensor, viewed
-                routes = handed_routes(carried[key], gids, lens, num_experts=self.r3.model.num_experts,
+        order = [gid_of_row[r] for r in (mb_list.forward_indices or range(len(gid_of_row)))]   # AReaL's packing
+        routes = None
+        if plan.action is Action.REPLAY:     # each micro-batch's samples of AReaL's tensor, viewed
+            routes = functools.partial(codec.handed_routes, carried[key], num_experts=self.r3.model.num_experts,
                                        moe_layer_ids=self.r3.model.moe_layer_ids, route_kind=plan.route_kind)
-            uids = self.r3.sample_uids(mb["input_ids"].reshape(-1)[cu[j]:cu[j + 1]] for j in range(n))
-            pmb[MB_KEY] = thd_micro_batch(lens, pmb["cu_seqlens"], routes=routes, sample_ids=gids, uids=uids)
+        packed = [(mb["cu_seqlens"], pmb["cu_seqlens"], mb["input_ids"])
+                  for mb, pmb in zip(mb_list.mbs, mb_list.padded_mbs)]
+        built = packed_micro_batches(packed, order, routes=routes, uids=self.r3.sample_uids)
+        for pmb, item in zip(mb_list.padded_mbs, built):
+            pmb[MB_KEY] = item
         if self.r3_provenance is not None:      # this pass's samples: a mini-batch of the actor's batch
-            self.r3_pass_provenance = self.r3_provenance.select([gid_of_row[r] for r in fwd])
+            self.r3_pass_provenance = self.r3_provenance.select(order)
         return mb_list
 
     def forward_backward_batch(self, mb_list: Any, process_output_fn: Any, forward_only: bool = False) -> Any:
@@ -270,12 +224,9 @@ class RoleEngineMixin:
         return out
 
     def r3_declare_role(self, role: Optional[str]) -> None:
-        declared = Role.of(role or "ref")
-        if declared is Role.ACTOR:
-            raise RoleError("RoleEngineMixin is for AReaL's other engines (ref, teacher); the actor replays "
-                            "through r3bridge's MegatronEngineMixin")
-        self.r3 = AdapterSession("areal", where=None, role=declared)
-        self.r3.attach(list(self.model))
+        self.r3 = declared_session("areal", list(self.model), role or "ref", actor_refused=(
+            "RoleEngineMixin is for AReaL's other engines (ref, teacher); the actor replays through r3bridge's "
+            "MegatronEngineMixin"))
 
     def forward_backward_batch(self, *args: Any, **kwargs: Any) -> Any:
         if self.r3 is not None:
@@ -305,6 +256,7 @@ def megatron_ppo_actor_class(config=None):
     ppo = import_areal("areal.trainer.ppo.actor").PPOActor
     actor_cls = checked_subclass("areal", "R3BridgePPOActor", PPOActorMixin, ppo,
                                  ("compute_logp", "_compute_logp", "_ppo_update"))
+    section = None if config is None else ReplayConfig.resolve(config)
 
     def __init__(self, config):
         super(engine_cls, self).__init__(config)
@@ -312,7 +264,7 @@ def megatron_ppo_actor_class(config=None):
     engine_cls = checked_subclass("areal", "R3BridgeMegatronPPOActor", MegatronEngineMixin,
                                   import_areal("areal.engine.megatron_engine").MegatronPPOActor,
                                   ("initialize", "_prepare_mb_list", "forward_backward_batch"),
-                                  {"r3_config": None if config is None else replay_config(config), "__init__": __init__})
+                                  {"r3_config": section, "__init__": __init__})
     return engine_cls
 
 
@@ -339,7 +291,7 @@ def trainer_class(config=None):
                 raise ConfigError("r3bridge + AReaL: the single-controller mode is not wired; run SPMD")
             # a reference / teacher engine: AReaL's class, its model's role declared
             engine = actor_cls(config=actor_config) if is_actor else megatron_role_engine_class()(config=actor_config)
-            section = section_of(getattr(self, "config", None)) if is_actor else None   # the YAML's r3bridge:
+            section = replay_section(getattr(self, "config", None)) if is_actor else None   # the YAML's r3bridge:
             if section is not None:     # the actor's session merges it with R3BRIDGE_CONFIG
                 engine.r3_config = section
             engine.create_process_group(parallel_strategy=alloc.parallel)

@@ -2,31 +2,28 @@
 
     python3 -m r3bridge.adapters.areal.launch SCRIPT --config YAML [key=value ...]
 
-It takes exactly the arguments of ``python3 -m areal.infra.launcher.local`` and then runs that
-launcher unchanged. Before, the config is parsed as the script parses it (a bad ``r3bridge`` value
-or key refused in one line, the mode in force announced), what AReaL 1.0.4's launcher would fail
-on late or wait for without a word is refused (:func:`problems`), and the folders it requires are
-created; while it waits for its inference servers, :func:`server_wait` says what it waits for
-(:mod:`r3bridge.launch`). docs/use-with-areal.md, "What runs where".
+It takes exactly the arguments of ``python3 -m areal.infra.launcher.local`` and runs that launcher
+unchanged, after the steps of :mod:`r3bridge.launch` with AReaL's parser, what AReaL 1.0.4's launcher
+would fail on late or wait for without a word (:func:`problems`), its folders and its server wait
+(:func:`server_wait`). docs/use-with-areal.md, "What runs where".
 """
 from __future__ import annotations
 
 import getpass
 import importlib.util
-import logging
 import os
 import sys
 from typing import Any, Callable, Optional
 
 from r3bridge.adapters.areal._compat import import_areal
-from r3bridge.adapters.areal.config import grpo_config_class, parse_cli, section_of
-from r3bridge.announce import announce
+from r3bridge.adapters.areal.config import grpo_config_class, parse_cli
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.launch import ServerWait, ensure_folders, refuse, refusing_section_errors, watch_servers
+from r3bridge.job_check import replay_section
+from r3bridge.launch import ServerWait, ensure_folders, refuse, watch_servers
+from r3bridge.launch.parse_and_run import parse_announced, run_framework_main
 
 __all__ = ["main", "problems", "server_wait", "SERVER_MODULES"]
 
-logger = logging.getLogger("r3bridge")
 WHERE = "AReaL launcher"
 # the inference server each backend's wrapper starts (AReaL 1.0.4: SGLangConfig / vLLMConfig.build_cmd_from_args)
 SERVER_MODULES = {"sglang": "areal.experimental.inference_service.sglang.launch_server",
@@ -45,7 +42,7 @@ def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any
     ``platform``: AReaL's ``current_platform``."""
     out = []
     if config is not None:
-        section, _ = ReplayConfig.resolve_with_origin(section_of(config))
+        section, _ = ReplayConfig.resolve_with_origin(replay_section(config))
         returns = bool(getattr(getattr(config, "rollout", None), "return_routed_experts", False))
         if section.replay_mode is ReplayMode.R3 and not returns:
             out.append("r3bridge.replay_mode=R3 replays SGLang's routes, but rollout.return_routed_experts is false: "
@@ -69,9 +66,8 @@ def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any
 def _folders(cluster: Any) -> None:
     """``cluster.fileroot`` and the NFS name-resolve root (AReaL's ``ClusterSpecConfig``): AReaL's
     launcher requires them to exist."""
-    nfs = cluster.name_resolve.type == "nfs"
-    ensure_folders(WHERE, {"cluster.fileroot": cluster.fileroot,
-                           "cluster.name_resolve.nfs_record_root": cluster.name_resolve.nfs_record_root if nfs else None})
+    nfs_root = cluster.name_resolve.nfs_record_root if cluster.name_resolve.type == "nfs" else None
+    ensure_folders(WHERE, {"cluster.fileroot": cluster.fileroot, "cluster.name_resolve.nfs_record_root": nfs_root})
 
 
 def server_wait(backend: str, expected: int, registered: Callable[[], int], log_path: str, **kwargs: Any) -> ServerWait:
@@ -80,27 +76,12 @@ def server_wait(backend: str, expected: int, registered: Callable[[], int], log_
                       server=SERVER_MODULES[backend], gives_up_after_s=AREAL_SERVER_WAIT_S, **kwargs)
 
 
-def _parse(argv: list[str]) -> Any:
-    """The config as the guide's script reads it (``GRPOConfig`` + the ``r3bridge`` section); ``None``
-    when the script's own config class has keys ``GRPOConfig`` lacks (said in one line)."""
-    try:
-        with refusing_section_errors("r3bridge"):
-            return parse_cli(argv, grpo_config_class())
-    except Exception as e:  # noqa: BLE001 - AReaL's parser (hydra, omegaconf) on another config class
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "r3bridge" in str(e):
-            refuse(f"r3bridge: {first}")
-        logger.warning("r3bridge (%s): the config is not GRPOConfig + r3bridge (%s); its r3bridge section is "
-                       "checked and announced by the actor", WHERE, first)
-    return None
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cli_args = import_areal("areal.api.cli_args")
-    config = _parse(argv)
-    if config is not None:
-        announce(*ReplayConfig.resolve_with_origin(section_of(config)), WHERE)
+    # as the guide's script reads it (GRPOConfig + the section); None: the script's own class has more keys
+    config = parse_announced(lambda: parse_cli(argv, grpo_config_class()), WHERE, config_class="GRPOConfig",
+                             checked_by="the actor")
     raw, _ = cli_args.parse_cli_args(argv)                # what AReaL's launcher reads
     alloc = import_areal("areal.api.alloc_mode")._AllocationMode.from_str(raw.allocation_mode)
     platform = import_areal("areal.infra.platforms").current_platform
@@ -119,14 +100,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                 "llm_server.log")
         stop = watch_servers(server_wait(alloc.gen_backend, alloc.gen.dp_size,
                                          lambda: len(name_resolve.get_subtree(key)), log_path), WHERE)
-    sys.argv = [local.__file__, *argv]
-    try:
-        local.main()                         # AReaL's launcher stops its jobs on KeyboardInterrupt
-    except KeyboardInterrupt:
-        raise SystemExit(1) from None
-    finally:
-        if stop is not None:
-            stop.set()
+    run_framework_main(local.main, local.__file__, argv, stop=stop)   # AReaL's launcher stops its jobs on ^C
 
 
 if __name__ == "__main__":

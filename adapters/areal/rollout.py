@@ -4,13 +4,10 @@ import), stitched first-seen (:mod:`r3bridge.ingest.capture`; one request's resu
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Optional, Sequence
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.errors import PayloadError
-from r3bridge.ingest.capture import trajectory_routes
+from r3bridge.ingest.capture import flat_trajectory_routes
 
 __all__ = ["ArealRollout", "routes_from_responses"]
 
@@ -29,15 +26,11 @@ class ArealRollout:
                                      topk=self.topk, moe_layer_ids=self.moe_layer_ids)
 
 
-def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, num_experts: int,
-                          num_layers: int, topk: int, moe_layer_ids: Sequence[int]) -> ReplayBatch:
+def routes_from_responses(responses: Sequence[Any], tokens: Sequence[int], *, num_experts: int, num_layers: int,
+                          topk: int, moe_layer_ids: Sequence[int], sample: Optional[str] = None) -> ReplayBatch:
     """One trajectory from its ``ModelResponse``s (one per turn, root first) and its final tokens:
-    each response's ``routed_experts`` (``[rows, L_all*K]``, deduplicated across resubmits) covers
-    its own ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.ingest.capture.trajectory_routes`)."""
-    calls = []
-    for t, r in enumerate(responses):
-        rows = getattr(r, "routed_experts", None)
-        if rows is None:
-            raise PayloadError(f"turn {t}: the response has no routed_experts (return_routed_experts off?)")
-        calls.append((np.asarray(rows).reshape(len(rows), num_layers, topk), list(r.input_tokens) + list(r.output_tokens)))
-    return trajectory_routes(calls, tokens, num_experts=num_experts, moe_layer_ids=moe_layer_ids)
+    each one's ``routed_experts`` (``[rows, L_all*K]``, deduplicated across resubmits) covers its own
+    ``input_tokens + output_tokens`` from row 0 (:func:`r3bridge.ingest.capture.flat_trajectory_routes`)."""
+    calls = [(getattr(r, "routed_experts", None), list(r.input_tokens) + list(r.output_tokens)) for r in responses]
+    return flat_trajectory_routes(calls, tokens, num_experts=num_experts, num_layers=num_layers, topk=topk,
+                                  moe_layer_ids=moe_layer_ids, sample=sample, framework="AReaL")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from r3bridge.errors import ConfigError
-from r3bridge.versions import check_release, import_skipping_inits, release_series
+from r3bridge.versions import import_skipping_inits, supported_series
 
 SUPPORTED_RELEASES = ("0.3", "0.4")
 
@@ -27,12 +26,6 @@ def import_skyrl(name: str):
 
 def skyrl_release(version: Optional[str] = None) -> Optional[str]:
     """``"0.3"`` / ``"0.4"`` for the installed SkyRL (or ``version``), ``None`` if not installed;
-    ``ConfigError`` for any other release."""
-    checked = check_release("skyrl", version, what="'s SkyRL adapter")
-    if checked is None:
-        return None
-    release = release_series(checked)
-    if release not in SUPPORTED_RELEASES:   # the extra's range and the known transports must agree
-        raise ConfigError(f"skyrl {version or checked} is installed; r3bridge's SkyRL adapter knows the route transport "
-                          f"of SkyRL {' and '.join(r + '.x' for r in SUPPORTED_RELEASES)} only")
-    return release
+    ``ConfigError`` for any other release (the extra's range and the known transports must agree)."""
+    return supported_series("skyrl", version, SUPPORTED_RELEASES, what="'s SkyRL adapter",
+                            knows="the route transport of SkyRL")

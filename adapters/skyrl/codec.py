@@ -8,22 +8,15 @@ import torch
 
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
 from r3bridge.batch.masked import masked_packed_routes, masked_padded_routes
-from r3bridge.batch.provenance import (
-    LOGPROB_PROVENANCE_KEY,
-    ROUTE_PROVENANCE_KEY,
-    ProvenancePairing,
-    pairing_from_fields,
-    provenance_fields,
-)
+from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import ConfigError, RouteShapeError
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.masked_fields import batch_field, masked_field_routes, row_names
 
-__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
-           "SkyRLCodec", "handed_routes", "training_batch_fields",
-           "packed_training_batch_fields", "provenance_fields", "provenance_pairing"]
+__all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ENGINE", "SkyRLCodec", "handed_routes", "training_batch_fields",
+           "provenance_pairing"]
 
 ROUTES_KEY = "rollout_expert_indices"
 MASK_KEY = "router_padding_mask"
@@ -62,14 +55,6 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                                framework="SkyRL")
 
 
-def packed_training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
-                                 packed_tensor: type, padding_row: Any) -> dict[str, Any]:
-    """R2 write-back, SkyRL 0.4: ``rollout_expert_indices`` as SkyRL's own ``packed_tensor`` (SkyRL's
-    ``padding_row`` where there is no route) and ``router_padding_mask``."""
-    values, cu, mask = masked_packed_routes(rb, attention_mask, num_hidden_layers=num_hidden_layers, fill=padding_row)
-    return {ROUTES_KEY: packed_tensor(values, cu), MASK_KEY: mask}
-
-
 def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """R2 write-back, SkyRL 0.3: ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` (dummy
@@ -89,15 +74,17 @@ class SkyRLCodec(HandedCodec):
         self.release = skyrl_release(release + ".0" if release else None) or "0.3"
 
     def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
-        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids, route_kind=route_kind,
-                             num_hidden_layers=None if route_kind == "recorded" else self.num_hidden_layers, topk=self.topk)
+        layers = None if route_kind == "recorded" else self.num_hidden_layers
+        return handed_routes(native, num_experts=self.num_experts, moe_layer_ids=self.moe_layer_ids,
+                             route_kind=route_kind, num_hidden_layers=layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them
-            fields = packed_training_batch_fields(
+            values, cu, mask = masked_packed_routes(
                 recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers,
-                packed_tensor=import_skyrl("skyrl.backends.skyrl_train.utils.packed_tensor").PackedTensor,
-                padding_row=import_skyrl("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row)
+                fill=import_skyrl("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row)
+            packed = import_skyrl("skyrl.backends.skyrl_train.utils.packed_tensor").PackedTensor
+            fields = {ROUTES_KEY: packed(values, cu), MASK_KEY: mask}
         else:
             fields = training_batch_fields(recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers)
         for k, v in fields.items():
@@ -106,9 +93,6 @@ class SkyRLCodec(HandedCodec):
             native.metadata = {}
         native.metadata[ROUTES_MARK] = "recorded"
         return native
-
-    def seq_lens(self, native: Any) -> list[int]:
-        return native["attention_mask"].sum(-1).long().tolist()
 
     def split(self, native: Any, num_parts: int, order: Optional[list[int]] = None) -> list[tuple[Any, list[int]]]:
         """SkyRL's ``TensorBatch.chunk`` (its micro-batching), after an optional sample permutation."""

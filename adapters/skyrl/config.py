@@ -6,29 +6,24 @@ import functools
 import os
 from typing import Any, Mapping, Optional, Sequence
 
+from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.errors import RoleError
 from r3bridge.job_check import JobCheck, setting, with_replay_section
 from r3bridge.launch.steps import section_keys
 
-__all__ = ["replay_config", "skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
+__all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="
 
 
-def replay_config(cfg: ReplayConfig | Mapping[str, Any] | None = None) -> ReplayConfig:
-    """An explicit config, else ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``, else off."""
-    return ReplayConfig.resolve(cfg)
-
-
 @functools.lru_cache(maxsize=None)
 def skyrl_config_class() -> type:
     """``SkyRLTrainConfig`` whose ``trainer`` has an ``r3bridge: ReplayConfig`` field (``make_config``)."""
-    from r3bridge.adapters.skyrl._compat import import_skyrl
-
     sk = import_skyrl("skyrl.train.config.config")
     # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
     import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")
@@ -51,10 +46,14 @@ def replay_config_from_skyrl(cfg: Any, argv: Optional[Sequence[str]] = None) -> 
                                             section_name=f"{SECTION} (command line)", set_keys=named)
 
 
-def prepare_skyrl_config(cfg: Any) -> ReplayConfig:
-    """Fill ``trainer.r3bridge``, refuse contradictions (``ConfigError`` naming both keys), and set
+def prepare_skyrl_config(cfg: Any, argv: Optional[Sequence[str]] = None, *,
+                         announce_where: Optional[str] = None) -> ReplayConfig:
+    """Fill ``trainer.r3bridge`` (``argv``: :func:`replay_config_from_skyrl`'s), announce it in
+    ``announce_where``, refuse contradictions (``ConfigError`` naming both keys), and set
     ``moe_enable_routing_replay`` under R3 for SkyRL's ``validate_cfg`` only (docs, "Configuration")."""
-    rc, _ = replay_config_from_skyrl(cfg)
+    rc, origin = replay_config_from_skyrl(cfg, argv)
+    if announce_where is not None:
+        announce(rc, origin, announce_where)
     cfg.trainer.r3bridge = rc
     ie = cfg.generator.inference_engine
     mc = cfg.trainer.policy.megatron_config

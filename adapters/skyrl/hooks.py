@@ -3,34 +3,23 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from r3bridge.adapters.skyrl import codec
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
-from r3bridge.adapters.skyrl.codec import (
-    MASK_KEY,
-    ROUTES_KEY,
-    ROUTES_MARK,
-    SkyRLCodec,
-    handed_routes,
-    provenance_pairing,
-)
-from r3bridge.adapters.skyrl.config import replay_config
-from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.recorded import from_payloads
-from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
+from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.capture import merge_first_seen
+from r3bridge.ingest.capture import first_seen_update
 from r3bridge.megatron.model_replay import ModelReplay
-from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession
+from r3bridge.megatron.session import AdapterSession, declared_session
 from r3bridge.versions import check_internals, checked_subclass
 
-__all__ = ["record_ids_field", "SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+__all__ = ["SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
@@ -38,13 +27,25 @@ RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's l
 _PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
             "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
             "off": "set generator.inference_engine.enable_return_routed_experts=False"}
-# R2 record pass: the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL
-# copies into its micro-batches (r3bridge.batch.id_field)
-record_ids_field = sample_id_field
+
+
+class _Configured:
+    r3_config: Optional[ReplayConfig] = None    # the launcher's section (None: R3BRIDGE_CONFIG, else off)
+
+    @property
+    def r3_mode(self) -> ReplayMode:
+        return ReplayConfig.resolve(self.r3_config).replay_mode
 
 
 class SkyRLReplay(ModelReplay):
     """One policy model's :class:`r3bridge.megatron.model_replay.ModelReplay`, SkyRL's micro-batches."""
+
+    # SkyRL's own replay never runs; its route keys stay, as None: SkyRL 0.4's forward reads
+    # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
+    route_keys = (codec.ROUTES_KEY, codec.MASK_KEY)
+    tokens_key = "sequences"
+    # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
+    packing_from_forward = True
 
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
@@ -52,55 +53,21 @@ class SkyRLReplay(ModelReplay):
         super().__init__(AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True))
         self.session.attach(actor_module, model, layout=layout)
 
-    def run(self, phase: Phase, micro_batches: list[dict], *, forward_only: bool, call: Callable[[list], Any]):
-        """Run SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``."""
-        session = self.session
-        plan = session.plan(phase)
-        pairing = self.take_provenance()
-        carried = [(m.get(ROUTES_KEY), m.get(MASK_KEY)) for m in micro_batches]
-        # SkyRL's own replay never runs. The keys stay, as None: SkyRL 0.4's forward reads
-        # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
-        mbs = [{k: None if k in (ROUTES_KEY, MASK_KEY) else v for k, v in m.items()} for m in micro_batches]
-        session.result = None
-        if plan is None:
-            return call(mbs)
-        targets = [self._micro_batch(k, m, r, mask, plan) for k, (m, (r, mask)) in enumerate(zip(mbs, carried))]
-        targets = [dataclasses.replace(mb, uids=session.sample_uids(s[a.bool()] for s, a in
-                                                                    zip(m["sequences"], m["attention_mask"])))
-                   for mb, m in zip(targets, mbs)]
-        # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
-        with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
-                         packing_from_forward=True):
-            out = call(mbs)
-        self.log_pass(phase)
-        return out
-
-    def _micro_batch(self, k: int, mb: dict, r: Any, mask: Any, plan) -> MicroBatch:
-        seq_lens = mb["attention_mask"].sum(-1).long().tolist()
-        session = self.session
-        if plan.action is Action.REPLAY:
-            self.check_route_kind(plan)
-            session.check_routes(plan, r is not None, field=ROUTES_KEY, where=f"micro-batch {k}")
-            fields = {ROUTES_KEY: r, MASK_KEY: mask, "attention_mask": mb["attention_mask"],
-                      "sub_seq_lengths": mb.get("sub_seq_lengths")}
-            m = session.model
-            # SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once
-            routes = handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                                   num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers,
-                                   route_kind=plan.route_kind)
-            return MicroBatch(seq_lens, routes)
-        if r is None:                 # RECORD without PolicyWorkerMixin's ids: micro-batch order
-            return MicroBatch(seq_lens)
-        # PolicyWorkerMixin's sample ids; anything else in ROUTES_KEY is rollout routes
-        session.check_routes(plan, not is_sample_id_field(r), field=ROUTES_KEY, where=f"micro-batch {k}")
-        return MicroBatch(seq_lens, sample_ids=sample_ids_from_field(r, len(seq_lens)))
+    def read_routes(self, fields: dict, plan) -> Any:
+        """SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once."""
+        m = self.session.model
+        return codec.handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                             route_kind=plan.route_kind,
+                             num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
     """``MegatronModelWrapper`` (or ``base``) running its passes in the replay; constructed like
     SkyRL's, plus ``r3_replay=SkyRLReplay(...)``."""
-    base = base or import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper").MegatronModelWrapper
-    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m) for m in ("forward", "forward_backward_mini_batch")])
+    module = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
+    base = base or import_skyrl(module).MegatronModelWrapper
+    check_internals("skyrl", [(f"MegatronModelWrapper.{m}", base, m)
+                              for m in ("forward", "forward_backward_mini_batch")])
 
     class R3BridgeMegatronModelWrapper(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, r3_replay: SkyRLReplay, **kwargs: Any) -> None:
@@ -109,14 +76,14 @@ def model_wrapper_class(base: Optional[type] = None) -> type:
 
         def forward(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0):
             sup = super().forward
-            return self.r3.run(Phase.OLD_LOG_PROB, micro_batches, forward_only=True,
-                               call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
+            return self.r3.run_micro_batches(Phase.OLD_LOG_PROB, micro_batches, forward_only=True,
+                                             call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature))
 
         def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size, temperature: float = 1.0,
                                         loss_fn=None, loss_fn_config=None, forward_only: bool = False, **kwargs):
             # forward_only: SkyRL's loss-only evaluation (the update's routes); kwargs: 0.4's return_per_token_outputs
             sup = super().forward_backward_mini_batch
-            return self.r3.add_metrics(self.r3.run(
+            return self.r3.add_metrics(self.r3.run_micro_batches(
                 Phase.UPDATE, micro_batches, forward_only=forward_only,
                 call=lambda mbs: sup(mbs, seq_len, micro_batch_size, temperature, loss_fn=loss_fn,
                                      loss_fn_config=loss_fn_config, forward_only=forward_only, **kwargs)))
@@ -130,8 +97,7 @@ class RefWorkerMixin:
 
     def init_model(self, *args, **kwargs):
         out = super().init_model(*args, **kwargs)
-        self.r3 = AdapterSession("skyrl", where=None, role=Role.REFERENCE)
-        self.r3.attach(self.actor_module)
+        self.r3 = declared_session("skyrl", self.actor_module, Role.REFERENCE)
         return out
 
     def forward(self, data, *args, **kwargs):
@@ -139,10 +105,9 @@ class RefWorkerMixin:
         return super().forward(data, *args, **kwargs)
 
 
-class PolicyWorkerMixin:
-    """``class MyPolicyWorker(PolicyWorkerMixin, MegatronPolicyWorkerBase)``."""
-
-    r3_config: Optional[ReplayConfig] = None      # set by policy_worker_class (the launcher's section)
+class PolicyWorkerMixin(_Configured):
+    """``class MyPolicyWorker(PolicyWorkerMixin, MegatronPolicyWorkerBase)``; ``r3_config``: set by
+    :func:`policy_worker_class`."""
 
     def init_configs(self, model_path, megatron_config, *args, **kwargs):
         mc = copy.copy(megatron_config)
@@ -165,32 +130,22 @@ class PolicyWorkerMixin:
     def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         # kwargs: SkyRL 0.4's return_per_token_outputs, passed through
         with self._r3_provenance(data):
-            return self._r3_forward(data, loss_fn, loss_fn_config, **kwargs)
+            if self.r3_mode is not ReplayMode.R2 or loss_fn is not None:
+                return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
+            r3 = self.model.r3
+            # the sample ids travel in rollout_expert_indices, the one per-sample field SkyRL copies into
+            # its micro-batches
+            with r3.sample_ids_in(data, codec.ROUTES_KEY, *data["attention_mask"].shape):
+                out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
+            r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
+            return out
 
     def _r3_provenance(self, data):     # the pass's route / log-prob provenance (R3), for this call only
-        r3 = replay_config(self.r3_config).replay_mode is ReplayMode.R3
-        return self.model.r3.providing(provenance_pairing(data) if r3 else None)
-
-    def _r3_forward(self, data, loss_fn, loss_fn_config, **kwargs):
-        mode = replay_config(self.r3_config).replay_mode
-        if mode is not ReplayMode.R2 or loss_fn is not None:
-            return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        r3 = self.model.r3
-        session = r3.session
-        session.check_routes(session.config.plan(Phase.OLD_LOG_PROB), data.get(ROUTES_KEY) is not None, field=ROUTES_KEY)
-        attn = data["attention_mask"]
-        data[ROUTES_KEY] = record_ids_field(range(attn.shape[0]), attn.shape[1])
-        try:
-            out = super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
-        finally:
-            data[ROUTES_KEY] = None
-        r3.record_into(lambda: out.loss_fn_outputs, RECORDED_KEY)     # per sample, as SkyRL carries outputs
-        return out
+        return self.model.r3.providing(codec.provenance_pairing(data) if self.r3_mode is ReplayMode.R3 else None)
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
-        mark = (data.metadata or {}).get(ROUTES_MARK)
-        mode = replay_config(self.r3_config).replay_mode
-        if mode is ReplayMode.R2 and mark != "recorded":
+        mark = (data.metadata or {}).get(codec.ROUTES_MARK)
+        if self.r3_mode is ReplayMode.R2 and mark != "recorded":
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.route_kind = "recorded" if mark == "recorded" else "rollout"
@@ -198,13 +153,11 @@ class PolicyWorkerMixin:
             return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
 
 
-class TrainerMixin:
+class TrainerMixin(_Configured):
     """``class MyTrainer(TrainerMixin, RayPPOTrainer)``: R2's recorded routes go back into the batch."""
 
-    r3_config: Optional[ReplayConfig] = None
-
     def _execute_forward_pass(self, model, data_fwd_pass, key, mini_batch_boundaries):
-        if model != "policy" or replay_config(self.r3_config).replay_mode is not ReplayMode.R2:
+        if model != "policy" or self.r3_mode is not ReplayMode.R2:
             return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
         to_tensor = import_skyrl("skyrl.backends.skyrl_train.distributed.dispatch").loss_fn_outputs_to_tensor
         outputs: list = []
@@ -220,13 +173,13 @@ class TrainerMixin:
         self._r3_recorded = None
         out = super().fwd_logprobs_values_reward(training_input)
         rec = self._r3_recorded
-        if replay_config(self.r3_config).replay_mode is ReplayMode.R2:
+        if self.r3_mode is ReplayMode.R2:
             if rec is None:
                 raise ReplayStateError("replay_mode=R2 but the policy forward recorded no routes (skipped forward? "
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
             n = ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path).num_layers
             # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
-            SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
+            codec.SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
                        num_hidden_layers=n).write_recorded(training_input, rec)
         return out
 
@@ -244,37 +197,28 @@ class FirstSeenRoutesMixin:
 
     def _update_agent_loop_state_with_multiturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_multiturn_chat_template
-        return _first_seen(sup, agent_loop_state, turn_output)
+        return first_seen_update(sup, agent_loop_state, turn_output, codec.ROUTES_KEY)
 
     def _update_agent_loop_state_with_singleturn_chat_template(self, agent_loop_state, turn_output):
         sup = super()._update_agent_loop_state_with_singleturn_chat_template
-        return _first_seen(sup, agent_loop_state, turn_output)
+        return first_seen_update(sup, agent_loop_state, turn_output, codec.ROUTES_KEY)
 
 
-def _first_seen(update, state, turn_output):
-    """``update(state, turn_output)`` with the turn's routes merged first-seen into earlier turns' rows."""
-    previous = state.rollout_expert_indices
-    state = update(state, turn_output)
-    if state.rollout_expert_indices is not None:
-        state.rollout_expert_indices = merge_first_seen(previous, turn_output.rollout_expert_indices)
-    return state
+def _worker_class(name: str, mixin: type, base: str, methods: Sequence[str], num_gpus: int, attrs=None):
+    import ray
+
+    module = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker")
+    return ray.remote(num_gpus=num_gpus)(checked_subclass("skyrl", name, mixin, getattr(module, base), methods, attrs))
 
 
 def policy_worker_class(config=None, num_gpus: int = 1):
     """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``PolicyWorker``."""
-    import ray
-
-    base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronPolicyWorkerBase
-    return ray.remote(num_gpus=num_gpus)(checked_subclass(
-        "skyrl", "R3BridgeMegatronPolicyWorker", PolicyWorkerMixin, base,
-        ("init_configs", "init_model", "forward", "forward_backward"),
-        {"r3_config": None if config is None else replay_config(config)}))
+    return _worker_class("R3BridgeMegatronPolicyWorker", PolicyWorkerMixin, "MegatronPolicyWorkerBase",
+                         ("init_configs", "init_model", "forward", "forward_backward"), num_gpus,
+                         {"r3_config": None if config is None else ReplayConfig.resolve(config)})
 
 
 def ref_worker_class(num_gpus: int = 1):
     """The Ray actor class to pass to ``RayPPOTrainer.build_models`` as ``RefWorker``."""
-    import ray
-
-    base = import_skyrl("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronRefWorkerBase
-    return ray.remote(num_gpus=num_gpus)(checked_subclass("skyrl", "R3BridgeMegatronRefWorker", RefWorkerMixin, base,
-                                                          ("init_model", "forward")))
+    return _worker_class("R3BridgeMegatronRefWorker", RefWorkerMixin, "MegatronRefWorkerBase",
+                         ("init_model", "forward"), num_gpus)

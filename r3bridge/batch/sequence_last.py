@@ -9,11 +9,12 @@ does not route. Read back by :meth:`r3bridge.ingest.handed.HandedRoutes.from_seq
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from r3bridge.batch.dense import token_rows
+from r3bridge.batch.recorded import split_sizes
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
 from r3bridge.errors import CoverageError
 
@@ -51,3 +52,46 @@ def right_padded_routes(batch: ReplayBatch, attention_mask: torch.Tensor, *,
     attn = torch.as_tensor(attention_mask)
     lens = right_padded_lens(attn, framework=framework)
     return sequence_last_routes(batch, lens, width=attn.shape[-1]).to(attn.device)
+
+
+def per_token_sample_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` int64: each token's batch row, on the mask's device (a per-token field that a
+    framework's own splitter and packer move with its sample, wherever they put it)."""
+    rows = torch.arange(attention_mask.shape[0], dtype=torch.int64, device=attention_mask.device)
+    return rows[:, None].expand(attention_mask.shape).contiguous()
+
+
+def split_carrying(native: dict, split: Callable[[dict], Iterable[dict]], *, carried: Sequence[str],
+                   sample_key: str) -> list[tuple[dict, list[int]]]:
+    """A right-padded batch dict split by the framework's own splitter ``split`` (which may reorder
+    samples and cut per-token fields, a ``[B, L, K, S]`` one included, along its last axes): the
+    sequence-last fields ``carried`` are carried whole and sliced by the per-token sample ids
+    (:func:`per_token_sample_ids`, under ``sample_key``) the splitter moves with each sample.
+    Returns each part and its samples' batch rows."""
+    fields = dict(native)
+    fields[sample_key] = per_token_sample_ids(fields["attention_mask"])
+    whole = {k: fields.pop(k) for k in carried if k in fields}
+    out = []
+    for part in split(fields):
+        ids = part[sample_key][:, 0].tolist()
+        kept = {k: v for k, v in part.items() if k != sample_key}
+        kept.update({k: v[torch.tensor(ids)] for k, v in whole.items()})
+        out.append((kept, ids))
+    return out
+
+
+__all__ += ["per_token_sample_ids", "split_carrying"]
+
+
+def write_right_padded(recorded_for: Callable[[int], ReplayBatch], batches: Sequence[dict], key: str, *,
+                       framework: str = "the framework's") -> None:
+    """R2's write-back into a framework's right-padded batch dicts (each with its ``attention_mask``),
+    in place: ``recorded_for(n)`` (e.g. ``AdapterSession.recorded_for``) is the recording of their
+    ``n`` samples in order; each dict gets its samples' ``[B, L, K, S]`` under ``key``, on its
+    mask's device (:func:`right_padded_routes`)."""
+    sizes = [int(batch["attention_mask"].shape[0]) for batch in batches]
+    for batch, part in zip(batches, split_sizes(recorded_for(sum(sizes)), sizes)):
+        batch[key] = right_padded_routes(part, batch["attention_mask"], framework=framework)
+
+
+__all__ += ["write_right_padded"]

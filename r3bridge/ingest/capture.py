@@ -33,7 +33,7 @@ from r3bridge.engines.decoders import select_layers
 from r3bridge.errors import PayloadError, RouteShapeError, StitchError
 from r3bridge.ingest.stitching import first_seen_rows, rollout_routes
 
-__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "trajectory_routes", "RequestAttempts",
+__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "first_seen_update", "trajectory_routes", "RequestAttempts",
            "reprefill_metrics"]
 
 T = TypeVar("T")
@@ -139,6 +139,17 @@ def merge_first_seen(previous: Optional[list], new: Optional[list]) -> Optional[
     return first_seen_rows([previous, new])[0].tolist()
 
 
+def first_seen_update(update: Callable[[Any, Any], Any], state: Any, turn: Any, field: str) -> Any:
+    """``update(state, turn)``, a framework's per-turn update that replaces ``state.<field>`` with
+    ``turn.<field>`` (a sample's routes from row 0), with the turn's routes merged first-seen into
+    the earlier turns' rows instead (:func:`merge_first_seen`)."""
+    previous = getattr(state, field)
+    state = update(state, turn)
+    if getattr(state, field) is not None:
+        setattr(state, field, merge_first_seen(previous, getattr(turn, field)))
+    return state
+
+
 def _agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     differ = np.asarray(a[:n]) != np.asarray(b[:n])
@@ -215,3 +226,24 @@ def sample_name(data: Any, num_tokens: int, keys: Sequence[str] = ("query_id", "
         if isinstance(data, dict) and data.get(key) is not None:
             return f"{key}={data[key]!r}"
     return f"(the episode of {num_tokens} tokens)"
+
+
+def flat_trajectory_routes(calls: Sequence[tuple[Any, Sequence[int]]], tokens: Sequence[int], *, num_experts: int,
+                           num_layers: int, topk: int, moe_layer_ids: Sequence[int], sample: Optional[str] = None,
+                           framework: str = "") -> ReplayBatch:
+    """:func:`trajectory_routes` of calls whose routes are flat, ``[rows, num_layers * K]`` (SGLang's
+    decoded rows): with ``sample`` (the trajectory's name, :func:`sample_name`), every call's top-k
+    is checked first, before anything reshapes them (:func:`check_flat_topk`: a clear error naming
+    the turn); a call without routes is refused naming its turn."""
+    if sample is not None:
+        for turn, (rows, _) in enumerate(calls):
+            check_flat_topk(rows, num_layers=num_layers, topk=topk, sample=sample, turn=turn, framework=framework)
+    shaped = []
+    for turn, (rows, own_tokens) in enumerate(calls):
+        if rows is None:
+            raise PayloadError(f"turn {turn}: the response has no routed_experts (return_routed_experts off?)")
+        shaped.append((np.asarray(rows).reshape(len(rows), num_layers, topk), own_tokens))
+    return trajectory_routes(shaped, tokens, num_experts=num_experts, moe_layer_ids=moe_layer_ids)
+
+
+__all__ += ["flat_trajectory_routes"]

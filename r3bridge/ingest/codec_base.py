@@ -5,7 +5,8 @@ An adapter's codec views its framework's batch as :class:`r3bridge.ingest.handed
 hook installs, micro-batch by micro-batch); :class:`HandedCodec` turns that into
 ``to_replay_batch`` (the reader's whole-batch form: R2 write-backs, the conformance checks), so
 there is one path from a framework's field to routes. A subclass writes ``handed_routes``,
-``write_recorded``, ``seq_lens`` and ``split`` (the framework's own partitioning).
+``write_recorded`` and ``split`` (the framework's own partitioning), and ``seq_lens`` where its
+batch has no ``[B, S]`` ``attention_mask``.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class HandedCodec:
     def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
         """The routes ``native`` carries, as the one reader reads them (nothing copied or checked)."""
         raise NotImplementedError
+
+    def seq_lens(self, native: Any) -> list[int]:
+        """Tokens per sample: the ones of the batch's padded ``[B, S]`` ``attention_mask`` (its
+        padding on either side)."""
+        return native["attention_mask"].sum(-1).long().tolist()
 
     def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
         """The routes ``native`` carries, one sequence per sample, in batch order (canonical form)."""

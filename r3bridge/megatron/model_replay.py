@@ -6,25 +6,41 @@ worker's batch metadata), the pass's provenance (from the whole batch, before th
 it into micro-batches that carry only routes), and it logs metrics only where it collects them
 (e.g. each update micro-batch's metrics dict). An adapter whose hooks sit at such separate calls
 holds them here (SkyRL's ``SkyRLReplay`` subclasses it); one whose single hook sees all of it
-calls the session directly.
+calls the session directly. A framework whose schedule takes a list of micro-batch dicts and
+copies only its routes fields into them runs each pass through :meth:`ModelReplay.run_micro_batches`
+(R2's recording pass carries its sample ids in the routes field: :meth:`ModelReplay.sample_ids_in`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, MutableMapping, Optional, Sequence
 
+from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.recorded import per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.config import Phase, PhasePlan
+from r3bridge.config import Action, Phase, PhasePlan
 from r3bridge.errors import ConfigError
+from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.session import AdapterSession, averaged
 
 __all__ = ["ModelReplay"]
 
 
 class ModelReplay:
-    """One model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried between calls."""
+    """One model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried between calls.
+
+    A subclass for a schedule over micro-batch dicts (:meth:`run_micro_batches`) names the dicts'
+    keys (``route_keys``: the routes fields, the routes field first; ``tokens_key`` and
+    ``attention_key``: each ``[B, S]`` row's tokens and real-token mask), says whether the trainer's
+    packing is read from each chunk's forward (``packing_from_forward``), and reads the routes
+    (:meth:`read_routes`)."""
+
+    route_keys: tuple[str, ...] = ()
+    tokens_key: str = "input_ids"
+    attention_key: str = "attention_mask"
+    packing_from_forward: bool = False
 
     def __init__(self, session: AdapterSession) -> None:
         self.session = session
@@ -96,3 +112,60 @@ class ModelReplay:
                 if isinstance(m, dict):
                     m.update(self.log_metrics)
         return metrics_list
+
+    def read_routes(self, fields: dict, plan: PhasePlan) -> HandedRoutes:
+        """REPLAY: one micro-batch dict's routes (``fields`` with the ``route_keys`` back in) viewed
+        for the driver's one reader."""
+        raise NotImplementedError(f"{type(self).__name__} reads no micro-batch routes")
+
+    def run_micro_batches(self, phase: Phase, micro_batches: Sequence[Mapping[str, Any]], *, forward_only: bool,
+                          call: Callable[[list[dict]], Any]) -> Any:
+        """The framework's schedule ``call(micro_batches)`` under the plan of ``phase``, one target
+        per micro-batch dict. The ``route_keys`` are taken out of every dict and stay as ``None``,
+        so the framework's own replay never runs; REPLAY reads them (:meth:`read_routes`), RECORD
+        takes the sample ids the routes field may carry (:meth:`sample_ids_in`), else micro-batch
+        order. An update's metrics become :attr:`log_metrics`."""
+        session = self.session
+        plan = session.plan(phase)
+        pairing = self.take_provenance()
+        carried = [{k: m.get(k) for k in self.route_keys} for m in micro_batches]
+        mbs = [{k: None if k in self.route_keys else v for k, v in m.items()} for m in micro_batches]
+        session.result = None
+        if plan is None:
+            return call(mbs)
+        targets = [self._micro_batch(plan, k, m, r) for k, (m, r) in enumerate(zip(mbs, carried))]
+        with session.run(phase, forward_only=forward_only, targets=targets, provenance=pairing,
+                         packing_from_forward=self.packing_from_forward):
+            out = call(mbs)
+        self.log_pass(phase)
+        return out
+
+    def _micro_batch(self, plan: PhasePlan, k: int, mb: dict, carried: dict) -> MicroBatch:
+        attn = mb[self.attention_key]
+        seq_lens = attn.sum(-1).long().tolist()
+        uids = self.session.sample_uids(s[a.bool()] for s, a in zip(mb[self.tokens_key], attn))
+        field, routes = next(iter(carried.items()))
+        where = f"micro-batch {k}"
+        if plan.action is Action.REPLAY:
+            self.check_route_kind(plan)
+            self.session.check_routes(plan, routes is not None, field=field, where=where)
+            return MicroBatch(seq_lens, self.read_routes({**mb, **carried}, plan), uids=uids)
+        if routes is None:          # RECORD without sample ids: micro-batch order
+            return MicroBatch(seq_lens, uids=uids)
+        # sample ids (sample_ids_in); anything else in the routes field is rollout routes
+        self.session.check_routes(plan, not is_sample_id_field(routes), field=field, where=where)
+        return MicroBatch(seq_lens, sample_ids=sample_ids_from_field(routes, len(seq_lens)), uids=uids)
+
+    @contextlib.contextmanager
+    def sample_ids_in(self, batch: MutableMapping[str, Any], field: str, rows: int, seq_len: int) -> Iterator[None]:
+        """R2's recording pass over ``batch``, whose routes ``field`` is the one per-sample field the
+        framework copies into its micro-batches: inside this block it carries each row's sample id
+        (:func:`r3bridge.batch.id_field.sample_id_field`), ``None`` after. ``ConfigError`` when the
+        batch already carries routes there (they would collide)."""
+        session = self.session
+        session.check_routes(session.config.plan(Phase.OLD_LOG_PROB), batch.get(field) is not None, field=field)
+        batch[field] = sample_id_field(range(rows), seq_len)
+        try:
+            yield
+        finally:
+            batch[field] = None

@@ -40,12 +40,12 @@ from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.hf import ModelInfo, check_topk
 from r3bridge.megatron.phase import PhasePass, PhaseResult, PhaseRunner, Targets
 from r3bridge.megatron.roles import Role, check_declared, declare_role
 
-__all__ = ["AdapterSession", "averaged"]
+__all__ = ["AdapterSession", "averaged", "declared_session"]
 
 logger = logging.getLogger("r3bridge")
 
@@ -217,3 +217,19 @@ def averaged(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """:meth:`AdapterSession.metrics_to_log`'s lists as one value per key (their mean), for
     frameworks that log scalars and average them over passes and ranks themselves."""
     return {k: sum(v) / len(v) for k, v in metrics.items() if len(v)}
+
+
+def declared_session(framework: str, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role: Role | str, *,
+                     actor_refused: str = "the actor replays through the adapter's actor engine") -> Any:
+    """The role guard of a model a framework built for another role than the actor (reference,
+    teacher, critic): an :class:`~r3bridge.megatron.AdapterSession` of that role, the model declared
+    now (:func:`declare_role`: no replay object may reach it). Call the session's ``check_role()``
+    before each of the model's passes (or ``plan()``, which does): it re-checks that nothing gave the
+    model a replay object since. ``actor_refused``: the :class:`RoleError` when ``role`` is the actor,
+    which replays through the adapter's own actor engine instead."""
+    declared = Role.of(role)
+    if declared is Role.ACTOR:
+        raise RoleError(actor_refused)
+    session = AdapterSession(framework, where=None, role=declared)
+    session.attach(model_chunks)
+    return session

@@ -25,19 +25,18 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters.areal import (
-    ROUTES_KEY,
-    ArealCodec,
+from r3bridge.adapters.areal.codec import ROUTES_KEY, ArealCodec
+from r3bridge.adapters.areal.hooks import (
+    MB_KEY,
     MegatronEngineMixin,
-    ModelInfo,
     PPOActorMixin,
     SGLangEngineMixin,
     WorkflowMixin,
-    routes_from_responses,
-    trajectory_tensor,
 )
-from r3bridge.adapters.areal.hooks import MB_KEY
+from r3bridge.adapters.areal.rollout import routes_from_responses
+from r3bridge.batch.sequence_last import sequence_last_routes as trajectory_tensor
 from r3bridge.config import ReplayConfig
+from r3bridge.hf import ModelInfo
 from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.kit.suite import AdapterFixtures
 from testlab.areal_env import import_areal

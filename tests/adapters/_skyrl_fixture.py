@@ -13,22 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge.adapters.skyrl import (
-    MASK_KEY,
-    ROUTES_KEY,
-    SkyRLCodec,
-    SkyRLReplay,
-    merge_first_seen,
-    model_wrapper_class,
-    record_ids_field,
-    training_batch_fields,
-)
+from r3bridge.adapters.skyrl import SkyRLCodec, SkyRLReplay, model_wrapper_class
 from r3bridge.adapters.skyrl._compat import import_skyrl
+from r3bridge.adapters.skyrl.codec import MASK_KEY, ROUTES_KEY, training_batch_fields
+from r3bridge.batch.id_field import sample_id_field as record_ids_field
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.engines.decoders import decode_vllm_routes
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import ModelInfo
+from r3bridge.ingest.capture import merge_first_seen
 from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout
 from r3bridge.testing.kit.suite import AdapterFixtures
 
@@ -192,7 +186,8 @@ class SkyRLRunner:
                 s, b = mbs[0]["sequences"].shape[1], mbs[0]["sequences"].shape[0]
                 w.eval()
                 with torch.no_grad():
-                    lp = w.r3.run(Phase.UPDATE, mbs, forward_only=True, call=lambda m: base.forward(w, m, s, b))
+                    lp = w.r3.run_micro_batches(Phase.UPDATE, mbs, forward_only=True,
+                                                call=lambda m: base.forward(w, m, s, b))
         finally:
             for h in hs:
                 h.remove()

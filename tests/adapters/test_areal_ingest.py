@@ -21,16 +21,10 @@ assert importlib.util.find_spec("areal") is not None, "areal is not installed: r
 import _areal_fixture as ac  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
-from r3bridge.adapters.areal import (  # noqa: E402
-    RECORDED_KEY,
-    ROUTES_KEY,
-    ArealCodec,
-    RecordingBackend,
-    batch_handed_routes,
-    trajectory_tensor,
-)
+from r3bridge.adapters.areal.codec import RECORDED_KEY, ROUTES_KEY, ArealCodec, batch_handed_routes  # noqa: E402
+from r3bridge.batch.sequence_last import sequence_last_routes as trajectory_tensor  # noqa: E402
 from r3bridge.errors import PayloadError  # noqa: E402
-from r3bridge.ingest.sglang_attempts import decode_sglang, routes_from_attempts  # noqa: E402
+from r3bridge.ingest.sglang_attempts import RecordingBackend, decode_sglang, routes_from_attempts  # noqa: E402
 from r3bridge.ingest.stitching import first_seen_rows  # noqa: E402
 from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
 from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
@@ -159,7 +153,7 @@ def test_parent_concat_keeps_only_agreeing_prefix():
     """A child turn whose prompt drops the parent's stop token: parent rows past the divergence are
     not the child's tokens and must not be replayed."""
     io = import_areal("areal.api.io_struct")
-    from r3bridge.adapters.areal import routes_from_responses
+    from r3bridge.adapters.areal.rollout import routes_from_responses
     parent_tokens = [5, 6, 7, 8, 99]                  # 99: stop token, stripped in the child
     child_prompt = [5, 6, 7, 8, 11, 12]
     a_parent, a_child = _arr(4, 3), _arr(8, 4)

@@ -102,8 +102,8 @@ def test_recorded_routes_same_in_every_framework():
 
 def test_same_replay_mode_key(monkeypatch):
     """Both adapters read the same ``r3bridge`` section (ReplayConfig) and plan phases alike."""
-    from r3bridge.adapters.areal import replay_config as areal_cfg
-    from r3bridge.adapters.skyrl import replay_config as skyrl_cfg
+    # both adapters' mixins resolve their section with ReplayConfig.resolve (no adapter wrapper)
+    skyrl_cfg = areal_cfg = ReplayConfig.resolve
 
     monkeypatch.setenv("R3BRIDGE_CONFIG", '{"replay_mode": "R2", "min_coverage": 0.5}')
     assert skyrl_cfg() == areal_cfg() == ReplayConfig(replay_mode="R2", min_coverage=0.5)

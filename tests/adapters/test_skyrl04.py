@@ -155,10 +155,24 @@ def check_first_seen_mixin_refused():
         Gen()
 
 
+def check_launcher_builds_skyrls_generator():
+    """The launcher's experiment builds SkyRL 0.4's own generator (the 0.3 mixin would refuse to
+    start), with a real tokenizer and no engine client (the generator only keeps it)."""
+    import tempfile
+
+    import r3bridge.adapters.skyrl.main as launcher
+    from r3bridge.adapters.skyrl.config import parse_cli
+    from testlab.verl_e2e import write_tokenizer
+
+    exp = object.__new__(launcher.Exp)      # BasePPOExp.__init__ loads datasets; get_generator needs none
+    gen = launcher.Exp.get_generator(exp, parse_cli([]), write_tokenizer(tempfile.mkdtemp()), None)
+    assert type(gen) is launcher.SkyRLGymGenerator, type(gen).__mro__
+
+
 # ------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("check", ["check_release", "check_ingest_byte_identical", "check_padding_rows_are_skyrls",
                                    "check_recorded_written_back_in_04_layout", "check_refusals",
-                                   "check_first_seen_mixin_refused"])
+                                   "check_first_seen_mixin_refused", "check_launcher_builds_skyrls_generator"])
 def test_skyrl04(check):
     _run(check)
 

@@ -73,3 +73,22 @@ def test_policy_worker_mixin_keeps_megatron_replay_off():
     w.init_configs("m", mc)
     assert w.enable_router_replay is False and w.seen.other == 1
     assert mc.moe_enable_routing_replay is True                    # the user's config object is untouched
+
+
+def test_launcher_generator_is_first_seen_on_03_and_refuses_its_vlm():
+    """SkyRL 0.3: the launcher's experiment builds r3bridge's first-seen generator (a real one, from
+    a real tokenizer; no engine client: it only keeps it); 0.3's VLM generator is refused, not
+    silently replaced by the text one. (0.4: tests/adapters/test_skyrl04.py, its own generator.)"""
+    import tempfile
+
+    import r3bridge.adapters.skyrl.main as launcher
+    from r3bridge.adapters.skyrl.config import parse_cli
+    from r3bridge.errors import ConfigError
+    from testlab.verl_e2e import write_tokenizer
+
+    exp = object.__new__(launcher.Exp)      # BasePPOExp.__init__ loads datasets; get_generator needs none
+    tok = write_tokenizer(tempfile.mkdtemp())
+    gen = launcher.Exp.get_generator(exp, parse_cli([]), tok, None)
+    assert isinstance(gen, FirstSeenRoutesMixin) and isinstance(gen, gen_mod.SkyRLGymGenerator)
+    with pytest.raises(ConfigError, match="vision_language_generator needs SkyRL 0.4"):
+        launcher.Exp.get_generator(exp, parse_cli(["generator.vision_language_generator=true"]), tok, None)

@@ -57,10 +57,28 @@ def test_release_series_keeps_prereleases():
 
 
 def test_skyrl_release_uses_the_helper():
-    from r3bridge.adapters.skyrl import skyrl_release
+    from r3bridge.adapters.skyrl._compat import skyrl_release
     assert skyrl_release("0.3.0") == "0.3" and skyrl_release("0.4.0rc1") == "0.4"
     with pytest.raises(ConfigError, match=re.escape("skyrl<0.5,>=0.3")):
         skyrl_release("0.5.0")
+
+
+def test_a_supported_release_outside_the_adapters_series_is_refused_naming_them(monkeypatch):
+    """supported_series: the range and the adapter's known series must agree; a series in the
+    range the adapter does not know is refused naming what it knows (r3bridge.launch.requirements'
+    one-line form is checked alongside: every unmet requirement, in order)."""
+    from r3bridge import versions
+    from r3bridge.launch import requirements as req
+
+    monkeypatch.setattr(versions, "supported_range", lambda d, package=None: SpecifierSet(">=0.3,<0.6"))
+    assert versions.supported_series("skyrl", "0.4.2", ("0.3", "0.4"), what="'s X", knows="the format of X") == "0.4"
+    with pytest.raises(ConfigError, match=re.escape("knows the format of X 0.3.x and 0.4.x only")):
+        versions.supported_series("skyrl", "0.5.0", ("0.3", "0.4"), what="'s X", knows="the format of X")
+    needs = [req.Requirement("a future Python", python=(99, 0)), req.Requirement("json", module="json"),
+             req.Requirement("no such module", module="r3bridge_no_such_module")]
+    assert req.unmet(needs, lead="X cannot start", remedy="Fix it.") == \
+        "X cannot start: a future Python; no such module. Fix it."
+    assert req.unmet(needs[1:2], lead="X", remedy="") is None
 
 
 def test_missing_internals_name_the_attribute_version_and_range():

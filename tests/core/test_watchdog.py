@@ -48,3 +48,23 @@ def test_a_broken_progress_or_describe_never_takes_the_job_down():
     assert "could not look at the cluster: RuntimeError: GCS unreachable" in dog.check()
     with pytest.raises(ValueError):
         StallWatchdog("x", STAGES, 0, progress=set)
+
+
+def test_the_frameworks_launcher_runs_as_python_m_and_an_interrupt_exits_1(monkeypatch):
+    """A launcher's last step (r3bridge.launch.parse_and_run): the framework's ``main`` sees ``sys.argv``
+    as ``python -m`` sets it; ^C ends it with exit status 1; the server watch is stopped."""
+    import sys
+    import threading
+
+    from r3bridge.launch.parse_and_run import run_framework_main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    seen, stop = [], threading.Event()
+
+    def interrupted():
+        seen.append(list(sys.argv))
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        run_framework_main(interrupted, "/x/local.py", ["--config", "a.yaml"], stop=stop)
+    assert exit_.value.code == 1 and seen == [["/x/local.py", "--config", "a.yaml"]] and stop.is_set()

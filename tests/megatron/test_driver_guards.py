@@ -154,6 +154,16 @@ def test_the_actor_model_cannot_be_declared_another_role(checks):
     _raised(checks["role_actor_declared_critic"], "RoleError", "actor", "critic")
 
 
+def test_the_role_guard_refuses_the_actor_in_the_adapters_words():
+    from r3bridge.errors import RoleError
+    from r3bridge.megatron.session import declared_session
+
+    with pytest.raises(RoleError, match="^the actor replays through the adapter's actor engine$"):
+        declared_session("fw", [], "actor", actor_refused="the actor replays through the adapter's actor engine")
+    with pytest.raises(RoleError, match="unknown model role 'judge'"):
+        declared_session("fw", [], "judge", actor_refused="unused")
+
+
 def test_actor_routes_never_reach_the_reference_model(checks):
     _raised(checks["role_routes_to_reference"], "RoleError", "actor", "reference")
 
