@@ -54,8 +54,8 @@ class VerlCodec(HandedCodec):
     """The :class:`r3bridge.protocols.BatchCodec` of verl's no-padding ``TensorDict`` batch."""
 
     def handed_routes(self, native: Any, *, route_kind: str = "rollout") -> HandedRoutes:
-        return handed_routes(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts, route_kind=route_kind,
-                             num_hidden_layers=self.num_hidden_layers, topk=self.topk)
+        return handed_routes(native, moe_layer_ids=self.moe_layer_ids, num_experts=self.num_experts,
+                             route_kind=route_kind, num_hidden_layers=self.num_hidden_layers, topk=self.topk)
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:
         native[ROUTES_KEY] = nested_routes(recorded)    # R2's routes in verl's transport ("no route": zero rows)

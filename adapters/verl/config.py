@@ -140,8 +140,8 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
         announce(cfg, origin, announce_where)
-    forward_section(verl_cfg, cfg, announce_where or "verl launcher", env_path="ray_kwargs.ray_init.runtime_env.env_vars",
-                    worker_env=worker_env)
+    forward_section(verl_cfg, cfg, announce_where or "verl launcher",
+                    env_path="ray_kwargs.ray_init.runtime_env.env_vars", worker_env=worker_env)
     model = setting(verl_cfg, "actor_rollout_ref.model")
     if cfg.replay_mode is not ReplayMode.OFF and model is not None:
         # verl imports external_lib in every worker and, unlike its plugin loader, lets an import

@@ -137,8 +137,8 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
             # reads this rank's rows once per micro-batch, whichever chunk installs first
             m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
-                                   route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers, topk=m.topk,
-                                   layer_axis=self.r3.config.layer_axis)
+                                   route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers,
+                                   topk=m.topk, layer_axis=self.r3.config.layer_axis)
         # every pass carries the batch-level sample index: R2 records by it, traces and route
         # errors name samples by it
         return self._r3_pass.install(model, adapter_pass.nested_micro_batch(
