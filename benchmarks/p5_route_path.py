@@ -306,12 +306,15 @@ def arm_r3bridge_verl(items, lens, w, mbs, lay, prepared):
 
     codec = _codec("verl")
     values, offs = prepared["values"], prepared["offsets"]
+    # each micro-batch's nested field as verl's micro-batching hands it to the engine (views of the
+    # batch's values): verl's work, made before the clock starts like every arm's transport
+    nested = {(a, b): torch.nested.nested_tensor_from_jagged(values[int(offs[a]):int(offs[b])],
+                                                             offsets=offs[a:b + 1] - offs[a]) for a, b in mbs}
 
     def handed_of(a, b):
-        o = offs[a:b + 1]
-        mb = torch.nested.nested_tensor_from_jagged(values[int(o[0]):int(o[-1])], offsets=o - o[0])
-        return codec.handed_routes({codec.ROUTES_KEY: mb}, moe_layer_ids=lay.moe_layer_ids, num_experts=w["experts"],
-                                   route_kind="rollout", num_hidden_layers=w["layers"], topk=w["topk"])
+        return codec.handed_routes({codec.ROUTES_KEY: nested[a, b]}, moe_layer_ids=lay.moe_layer_ids,
+                                   num_experts=w["experts"], route_kind="rollout", num_hidden_layers=w["layers"],
+                                   topk=w["topk"])
     return _drive(handed_of, mbs, lens, w, lay)
 
 
