@@ -18,6 +18,7 @@ from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import sample_name
 from r3bridge.ingest.forwarding import RecordingCalls
+from r3bridge.ingest.masked_fields import row_names
 from r3bridge.ingest.sglang_attempts import attempt_provenance, generate_first_seen
 from r3bridge.job_check import JobCheck, replay_section
 from r3bridge.megatron.packed_micro_batch import packed_micro_batches
@@ -118,8 +119,8 @@ class PPOActorMixin:
         eng.r3_phase = phase
         # per batch row (named so); the engine keeps each pass's samples (by sample id) for the R3 check
         rows = int(data["attention_mask"].shape[0])
-        eng.r3_provenance = pairing_from_fields(data.get, samples=rows, names=[f"batch row {i}" for i in range(rows)],
-                                                engine=codec.ENGINE, framework="AReaL")
+        eng.r3_provenance = pairing_from_fields(data.get, samples=rows, names=row_names(rows), engine=codec.ENGINE,
+                                                framework="AReaL")
         try:
             return fn()
         finally:

@@ -18,7 +18,8 @@ from r3bridge.batch.recorded import split_sizes
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
 from r3bridge.errors import CoverageError
 
-__all__ = ["sequence_last_routes", "right_padded_lens", "right_padded_routes"]
+__all__ = ["sequence_last_routes", "right_padded_lens", "right_padded_routes", "per_token_sample_ids", "split_carrying",
+           "write_right_padded"]
 
 
 def sequence_last_routes(batch: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
@@ -80,9 +81,6 @@ def split_carrying(native: dict, split: Callable[[dict], Iterable[dict]], *, car
     return out
 
 
-__all__ += ["per_token_sample_ids", "split_carrying"]
-
-
 def write_right_padded(recorded_for: Callable[[int], ReplayBatch], batches: Sequence[dict], key: str, *,
                        framework: str = "the framework's") -> None:
     """R2's write-back into a framework's right-padded batch dicts (each with its ``attention_mask``),
@@ -93,5 +91,3 @@ def write_right_padded(recorded_for: Callable[[int], ReplayBatch], batches: Sequ
     for batch, part in zip(batches, split_sizes(recorded_for(sum(sizes)), sizes)):
         batch[key] = right_padded_routes(part, batch["attention_mask"], framework=framework)
 
-
-__all__ += ["write_right_padded"]

@@ -13,30 +13,28 @@ from r3bridge.batch.provenance import RouteProvenance, reported_int
 from r3bridge.errors import ProvenanceError
 from r3bridge.hf import ModelInfo
 from r3bridge.ingest.capture import CallLog, StitchedRollout, checked_calls
+from r3bridge.ingest.forwarding import Forwarding
 from r3bridge.ingest.stitching import StitchReport, first_seen_rows
 
 __all__ = ["CapturingClient", "FirstSeenCalls", "first_seen_provenance", "outputs_provenance", "output_reading"]
 
 
-class CapturingClient(CallLog):
+class CapturingClient(Forwarding, CallLog):
     """An async engine client (``await client.generate(..., prompt_ids=...)``) forwarding every call
     and logging it: the prompt, the output's token ids and routes (attribute names as the
     framework's output type spells them) and the output itself."""
 
     def __init__(self, inner: Any, *, prompt_kwarg: str = "prompt_ids", tokens_attr: str = "token_ids",
                  routes_attr: str = "routed_experts") -> None:
-        super().__init__()
-        self._inner = inner
+        Forwarding.__init__(self, inner)
+        CallLog.__init__(self)
         self._names = (prompt_kwarg, tokens_attr, routes_attr)
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        out = await self._inner.generate(*args, **kwargs)
+        out = await self.inner.generate(*args, **kwargs)
         prompt, tokens, routes = self._names
         self.record(kwargs.get(prompt), getattr(out, tokens, None), getattr(out, routes), out)
         return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class FirstSeenCalls(StitchedRollout):

@@ -14,9 +14,11 @@ returned. What every adapter needs there, with its framework's objects mapped on
   regenerates, so it starts the next attempt (NeMo RL #4057; verl's tool agent loop);
 * :func:`checked_calls` / :func:`check_flat_topk` - each call's ``[rows, num_hidden_layers, K]``
   shape, or a flat ``[rows, num_hidden_layers * K]`` one's top-k, naming the sample;
-* :func:`merge_first_seen` - a per-sample routes list accumulated over turns (SkyRL 0.3's);
+* :func:`merge_first_seen` - a per-sample routes list accumulated over turns (SkyRL 0.3's), and
+  :func:`first_seen_update` - a framework's per-turn state update made first-seen with it;
 * :func:`trajectory_routes` - a trajectory's calls, each kept only as far as its tokens agree with
-  the final trajectory (AReaL's parent-concat turns), stitched into one canonical sequence;
+  the final trajectory (AReaL's parent-concat turns), stitched into one canonical sequence
+  (:func:`flat_trajectory_routes`: of flat ``[rows, L * K]`` calls, each turn's top-k checked);
 * :class:`RequestAttempts` - what each attempt of one request returned, per asyncio task
   (AReaL's resubmits after an interruption);
 * :func:`reprefill_metrics` - the per-sample re-prefill counts of a batch as metrics.
@@ -33,8 +35,8 @@ from r3bridge.engines.decoders import select_layers
 from r3bridge.errors import PayloadError, RouteShapeError, StitchError
 from r3bridge.ingest.stitching import first_seen_rows, rollout_routes
 
-__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "first_seen_update", "trajectory_routes", "RequestAttempts",
-           "reprefill_metrics"]
+__all__ = ["StitchedRollout", "CallLog", "checked_calls", "check_flat_topk", "merge_first_seen", "first_seen_update",
+           "trajectory_routes", "flat_trajectory_routes", "RequestAttempts", "reprefill_metrics", "sample_name"]
 
 T = TypeVar("T")
 
@@ -123,8 +125,9 @@ def check_flat_topk(routes: Any, *, num_layers: int, topk: int, sample: Any, tur
     if width == num_layers * topk:
         return
     theirs = f"top-{width // num_layers}" if width % num_layers == 0 else f"{width} ids per token row"
+    who = f"{framework} sample" if framework else "sample"
     raise RouteShapeError(
-        f"{framework + ' ' if framework else ''}sample {sample}, turn {turn}: routes at token 0, layer 0 (and every one of the {rows} token rows) carry "
+        f"{who} {sample}, turn {turn}: routes at token 0, layer 0 (and every one of the {rows} token rows) carry "
         f"{theirs} ({width} ids per token for {num_layers} layers); the model's config says top-{topk} "
         f"(num_experts_per_tok): the rollout engine serves another model or config")
 
@@ -218,7 +221,6 @@ def reprefill_metrics(overlap: Sequence[Any], disagreeing: Sequence[Any],
             f"{prefix}reprefill_disagreement": total_disagreeing / total_overlap if total_overlap else 0.0}
 
 
-
 def sample_name(data: Any, num_tokens: int, keys: Sequence[str] = ("query_id", "id", "uid", "index")) -> str:
     """How an error names an episode's sample: the dataset's id (the first of ``keys`` a dict
     ``data`` holds), else its token count."""
@@ -245,5 +247,3 @@ def flat_trajectory_routes(calls: Sequence[tuple[Any, Sequence[int]]], tokens: S
         shaped.append((np.asarray(rows).reshape(len(rows), num_layers, topk), own_tokens))
     return trajectory_routes(shaped, tokens, num_experts=num_experts, moe_layer_ids=moe_layer_ids)
 
-
-__all__ += ["flat_trajectory_routes"]

@@ -52,12 +52,18 @@ from r3bridge.errors import (
 )
 from r3bridge.ingest.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
 
-__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "padded_spans", "naming_samples"]
+__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples"]
 
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
 # explicit per-row mask; "zero" rows past the sample's last non-zero row (verl, SkyRL 0.3);
 # "sentinel" rows whose ids all equal a value no expert id takes (AReaL's trajectories).
 NO_ROUTE_KINDS = ("none", "mask", "zero", "sentinel")
+
+
+def zero_row_rule(route_kind: str, topk: int) -> str:
+    """A zero-row transport's ``no_route``: recorded routes hold a real route on every token, so at
+    top-1 an expert-0 row is a route (``"none"``); otherwise ``"zero"``."""
+    return "none" if route_kind == "recorded" and int(topk) == 1 else "zero"
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import torch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes, zero_row_rule
 
 __all__ = ["batch_field", "row_names", "masked_field_routes"]
 
@@ -78,7 +78,6 @@ def masked_field_routes(routes: Any, attention_mask: Any, no_route_mask: Any = N
     if no_route_mask is not None:
         valid = attn_b & ~torch.as_tensor(no_route_mask).bool().to(attn_b.device)
         return HandedRoutes.from_padded(routes, attn_b, columns=cols, no_route="mask", valid=valid, **common)
-    # no mask: zero rows say "no route"; recorded routes hold a route on every token (at top-1 an
-    # expert-0 row is one)
-    no_route = "none" if route_kind == "recorded" and int(routes.shape[-1]) == 1 else "zero"
-    return HandedRoutes.from_padded(routes, attn_b, columns=cols, no_route=no_route, **common)
+    # no mask: zero rows say "no route" (recorded top-1 routes excepted: zero_row_rule)
+    return HandedRoutes.from_padded(routes, attn_b, columns=cols, no_route=zero_row_rule(route_kind, routes.shape[-1]),
+                                    **common)

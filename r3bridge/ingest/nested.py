@@ -3,8 +3,9 @@ per token of each sample: e.g. verl's no-padding transport), read as :class:`Han
 back in that layout (R2's recorded routes, per-token fields for a loss).
 
 A transport without a validity field writes "no route" as a zero row (docs/porting.md, "No route"):
-:func:`zero_row_rule`. Layer axes: recorded routes (R2) hold the model's MoE layers, rollout routes
-the engine's axis (:func:`layer_columns`). Field names are the caller's, for the errors.
+:func:`~r3bridge.ingest.handed.zero_row_rule`. Layer axes: recorded routes (R2) hold the model's
+MoE layers, rollout routes the engine's axis (:func:`layer_columns`). Field names are the caller's,
+for the errors.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.ingest.handed import HandedRoutes, zero_row_rule
 
 __all__ = ["jagged_parts", "layer_columns", "zero_row_rule", "handed_from_nested", "handed_from_batch",
            "nested_routes", "nested_like"]
@@ -49,12 +50,6 @@ def layer_columns(num_layers: int, *, route_kind: str, moe_layer_ids: Sequence[i
                                 "decoder layer)")
     return axis_columns(num_layers, layer_axis=layer_axis, moe_layer_ids=moe, num_hidden_layers=num_hidden_layers,
                         field=f"rollout {field}")
-
-
-def zero_row_rule(route_kind: str, topk: int) -> str:
-    """A zero-row transport's ``no_route``: recorded routes hold a real route on every token, so at
-    top-1 an expert-0 row is a route (``"none"``); otherwise ``"zero"``."""
-    return "none" if route_kind == "recorded" and int(topk) == 1 else "zero"
 
 
 def handed_from_nested(routes: Any, *, num_experts: int, moe_layer_ids: Sequence[int], route_kind: str,

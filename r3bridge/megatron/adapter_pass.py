@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, Phase, PhasePlan
+from r3bridge.megatron.packed_micro_batch import thd_micro_batch
 from r3bridge.megatron.phase import MicroBatch, phase_tag
 from r3bridge.metrics.mismatch import padded_response_mismatch
 
@@ -44,10 +45,11 @@ def checked_plan(session: Any, phase: Phase, routes: Any, *, field: str, where: 
 
 def nested_micro_batch(session: Any, input_ids: torch.Tensor, *, routes: Any, sample_ids: Sequence[int],
                        cu_seqlens_padded: Any) -> MicroBatch:
-    """The THD micro-batch of nested jagged ``input_ids`` (one sequence per sample, in order), named
-    for traces by its tokens (``session.sample_uids``)."""
-    return MicroBatch(input_ids.offsets().diff().tolist(), routes, sample_ids, format="thd",
-                      cu_seqlens_padded=cu_seqlens_padded, uids=session.sample_uids(input_ids.unbind()))
+    """The THD micro-batch (:func:`~r3bridge.megatron.packed_micro_batch.thd_micro_batch`) of nested
+    jagged ``input_ids`` (one sequence per sample, in order), named for traces by its tokens
+    (``session.sample_uids``)."""
+    return thd_micro_batch(input_ids.offsets().diff().tolist(), cu_seqlens_padded, routes=routes,
+                           sample_ids=sample_ids, uids=session.sample_uids(input_ids.unbind()))
 
 
 def loss_after_routers(loss: Callable, phase_pass: Any, model: torch.nn.Module, index: int,
