@@ -17,6 +17,7 @@ from r3bridge.cli._common import (
 )
 from r3bridge.errors import ReplayError
 from r3bridge.metrics import AgreementReport, route_agreement
+from r3bridge.trace import VIEWS
 
 NAME = "diff"
 
@@ -40,10 +41,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="A's pass: compute_log_prob, update (= update.0), update.1, ...")
     g.add_argument("--vs-pass", dest="pass_b", default=None, metavar="PASS",
                    help="compare with this pass of the same step (default: the same pass)")
-    g.add_argument("--view", dest="view_a", choices=("replayed", "native", "dispatched"), default=None,
+    g.add_argument("--view", dest="view_a", choices=VIEWS, default=None,
                    help="A's routes: replayed (rollout / recorded), native (the router's own top-k under "
-                        "replay) or dispatched (replayed where there was a route, else native)")
-    g.add_argument("--vs-view", dest="view_b", choices=("replayed", "native", "dispatched"), default=None,
+                        "replay), dispatched (replayed where there was a route, else native) or handed (the "
+                        "routes as the framework handed them over: `--view dispatched --vs-view handed` checks "
+                        "that replay was exact)")
+    g.add_argument("--vs-view", dest="view_b", choices=VIEWS, default=None,
                    help="B's routes (defaults: one pass: replayed vs native; two passes: native; two traces: "
                         "dispatched)")
     g.add_argument("--lowest", type=int, default=5, help="how many lowest-agreement samples per comparison")

@@ -39,7 +39,7 @@ def _overall(passes: list[dict[str, Any]], route_kind: str) -> float:
     """Agreement over every replay pass of ``route_kind``, weighted by the pairs each compared."""
     agree = compared = 0
     for p in passes:
-        if p.get("source") == route_kind and p.get("action") == "replay":       # the index key: the route kind
+        if p.get("route_kind") == route_kind and p.get("action") == "replay":
             agree += sum(r.get("agree", 0) for r in p["per_layer"])
             compared += sum(r.get("compared", 0) for r in p["per_layer"])
     return agree / compared if compared else float("nan")
@@ -88,10 +88,11 @@ def render_trace(s: dict[str, Any]) -> str:
     lines.append("")
     lines.append("per pass (agreement: the router's own top-k set equals the replayed one, over replayed rows; "
                  "logged: what the driver reported)")
-    rows = [[p["step"], p["pass"], p["action"], p["source"] or "-", p["samples"], p["rows"], fmt_pct(p["coverage"]),
-             fmt_pct(p["agreement"]), fmt_pct(_logged(p, "agreement/mean"))] for p in s["passes"]]
-    lines.append(table(["step", "pass", "action", "source", "samples", "rows", "coverage", "agreement", "logged"],
-                       rows))
+    rows = [[p["step"], p["pass"], p["action"], p["route_kind"] or "-", p["samples"], p["rows"], fmt_pct(p["coverage"]),
+             fmt_pct(p["agreement"]), fmt_pct(_logged(p, "agreement/mean")), _exact(p["handed"])] for p in s["passes"]]
+    lines.append(table(["step", "pass", "action", "route kind", "samples", "tokens", "coverage", "agreement", "logged",
+                        "dispatched != handed"], rows))
+    lines.append(_exact_summary(s["passes"]))
     layers = s["moe_layer_ids"] or []
     lines.append("")
     lines.append("per-layer agreement")
@@ -114,6 +115,23 @@ def render_trace(s: dict[str, Any]) -> str:
     for note in s.get("notes", []):
         lines += ["", note]
     return "\n".join(lines)
+
+
+def _exact(h: Optional[dict[str, Any]]) -> str:
+    return "-" if h is None else f"{h['differing']} of {h['pairs']}"
+
+
+def _exact_summary(passes: list[dict[str, Any]]) -> str:
+    """One line: did the routers dispatch exactly the routes the framework handed over?"""
+    checked = [p["handed"] for p in passes if p.get("handed") is not None]
+    if not checked:
+        return ("replay exactness: not checked (no pass kept the handed routes: a recording-only trace, or replay "
+                "off)")
+    pairs = sum(h["pairs"] for h in checked)
+    bad = sum(h["differing"] for h in checked)
+    verdict = "exact" if bad == 0 else "NOT EXACT"
+    return (f"replay {verdict}: {bad} of {pairs} (token, layer) pairs with a handed route were dispatched otherwise, "
+            f"over {len(checked)} pass(es) (handed: the routes the framework gave the trainer, the engine's for R3)")
 
 
 def plot_trace(s: dict[str, Any], out: str) -> None:
@@ -203,13 +221,13 @@ def diff_traces(a: str, b: Optional[str], *, step: Optional[int], pass_a: Option
                 continue
         c = compare(merged(ta, p), va, merged(tb, q), vb, lowest=lowest)
         comps.append({"step": p.step, "pass_a": p.label, "pass_b": q.label, "view_a": va, "view_b": vb,
-                      "source": p.first.get("source"), **c})
+                      "route_kind": p.first.get("route_kind"), **c})
     if not comps:
         raise CliError(f"{a}: no replay pass to compare (a recording-only trace: use --vs-pass or a second trace)")
     notes = []
     if b is None and pass_b is None:            # replayed vs native: the same reading as inspect's
         for src in ("rollout", "recorded"):
-            done = [c for c in comps if not c.get("missing") and c.get("source") == src]
+            done = [c for c in comps if not c.get("missing") and c.get("route_kind") == src]
             pairs = sum(c["rows_compared"] * len(c["per_layer"]) for c in done)
             agree = sum(c["agreement"] * c["rows_compared"] * len(c["per_layer"]) for c in done)
             note = models_note(agree / pairs if pairs else float("nan"), route_kind=src)

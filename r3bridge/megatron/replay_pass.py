@@ -283,6 +283,8 @@ class ReplayPass:
             mb.batch_has_route = handed.any_route()
             mb.routes = handed
             mb.rank_rows = rows
+            if self.trace is not None and c == 0:
+                self.trace.handed_routes(mb, handed)
         elif routes is not None and self.action is not Action.NATIVE:
             raise ReplayStateError(f"chunk {c}: routes given to a {self.action.value} pass")
         mb.fwd_left = set(layers)

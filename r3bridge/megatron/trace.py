@@ -7,9 +7,12 @@ forward routed: the router's own top-k (computed under replay anyway for the agr
 and, in a replay pass, the replayed target. Everything stays on the device until the pass ends;
 then each rank writes its own rows and layers (format: :mod:`r3bridge.trace.format`) and one index line.
 
-Steps: the tracer counts RL steps itself: a compute_log_prob pass that follows an update starts
-the next step (frameworks that run no compute_log_prob stay in step 0; their update passes are
-numbered). Disk: each rank may write ``trace_max_bytes / world_size`` bytes; the pass that would
+Steps: the tracer counts RL steps itself, from 1 as the frameworks number them: a compute_log_prob
+pass that follows an update starts the next step (frameworks that run no compute_log_prob stay in
+step 1; their update passes are numbered). The routes the framework handed over for each sample (the
+engine's for R3, the recorded ones for R2) are written once per data-parallel group, by its rank at
+tp = cp = pp = 0 (view ``handed``), so ``r3bridge inspect`` can compare what the routers dispatched
+with them token by token. Disk: each rank may write ``trace_max_bytes / world_size`` bytes; the pass that would
 exceed it is not written, the rank writes a ``stopped`` index line, and every later pass counts
 in the ``trace/dropped_passes`` metric. Ranks of one model-parallel group decide together (one
 MAX all-reduce of a flag), so a pass is either written by all of them or by none.
@@ -45,6 +48,7 @@ class TracedReplayer(Protocol):
     tp_rank: int
     cp_rank: int
     pp_rank: int
+    degenerate_routes: str
     device: torch.device
     metrics_groups: Sequence[Any]
 
@@ -75,6 +79,17 @@ class PassTrace:
         self.native: dict[int, dict[int, torch.Tensor]] = {}
         self.replayed: dict[int, dict[int, torch.Tensor]] = {}
         self.valid: dict[int, torch.Tensor] = {}
+        # one rank per data-parallel group keeps what the framework handed over: every rank of the
+        # group was handed the same samples with every MoE layer
+        self.keeps_handed = replayer.tp_rank == 0 and replayer.cp_rank == 0 and replayer.pp_rank == 0
+        self.degenerate = replayer.degenerate_routes
+        self.handed: dict[int, ReplayBatch] = {}                       # micro-batch index -> its samples' routes
+
+    def handed_routes(self, mb: InstalledMicroBatch, routes: Any) -> None:
+        """The routes of micro-batch ``mb`` as the framework handed them over (a ``HandedRoutes``),
+        read by the reader's own rules (``degenerate_routes``), once per micro-batch."""
+        if self.keeps_handed and mb.index not in self.handed:
+            self.handed[mb.index] = routes.to_batch(degenerate=self.degenerate)
 
     def routed(self, mb: InstalledMicroBatch, layer: int, native: torch.Tensor, replayed: Optional[torch.Tensor],
                valid: Optional[torch.Tensor]) -> None:
@@ -117,7 +132,7 @@ class RunTracer:
         self.framework = framework
         self.mode = config.replay_mode.value
         self.prefix = config.metrics_prefix
-        self.step = 0
+        self.step = 1                           # RL steps counted from 1, as the frameworks log them
         self._update_seen = False
         self._pass_counts: dict[str, int] = {}
         self._seq = 0
@@ -137,7 +152,7 @@ class RunTracer:
         name = phase.value
         self._pass_index = self._pass_counts.get(name, 0)
         self._pass_counts[name] = self._pass_index + 1
-        if self.step % self.every:
+        if (self.step - 1) % self.every:
             return None
         if self.stopped:
             self.dropped_passes += 1
@@ -160,7 +175,8 @@ class RunTracer:
         res.tagged.update(tag_phase(extra, self.prefix, tag))
 
     # ------------------------------------------------------------------------------ writing
-    def _batches(self, ps: TracedPass, trace: PassTrace) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch]:
+    def _batches(self, ps: TracedPass, trace: PassTrace
+                 ) -> tuple[list[dict], Optional[ReplayBatch], ReplayBatch, Optional[tuple[ReplayBatch, list[int]]]]:
         rep = ps.replayer
         idx = sorted(trace.meta)
         mbs = []
@@ -178,24 +194,34 @@ class RunTracer:
         if trace.replayed:
             replayed = rank_batch(*args, [trace.replayed[k] for k in idx], [trace.valid[k] for k in idx],
                                   num_experts=rep.num_experts, route_kind=ps.plan.route_kind or "rollout")
-        return mbs, replayed, native
+        handed = None
+        if trace.handed and all(k in trace.handed for k in idx):
+            parts, samples = [], []
+            for k, mb in zip(idx, mbs):
+                keep = [i for i, s in enumerate(mb["sample_ids"]) if s is not None]    # padding sequences: no sample
+                parts.append(trace.handed[k].select(keep))
+                samples += [mb["sample_ids"][i] for i in keep]
+            handed = (ReplayBatch.concat(parts), samples)
+        return mbs, replayed, native, handed
 
     def _write(self, ps: TracedPass, trace: PassTrace) -> None:
         rep = ps.replayer
         rank, world = _world()
         payloads: dict[str, bytes] = {}
         if trace.meta:          # a pipeline stage without MoE layers routes nothing, yet takes part below
-            mbs, replayed, native = self._batches(ps, trace)
+            mbs, replayed, native, handed = self._batches(ps, trace)
             payloads["native"] = native.to_bytes()
             if replayed is not None:
                 payloads["replayed"] = replayed.to_bytes()
+            if handed is not None:
+                payloads["handed"] = handed[0].to_bytes()
         size = sum(len(b) for b in payloads.values())
         share = self.limit // world
         over = self.bytes_written + size > share
         if _any_rank(over, rep):
             self.stopped = True
             self.dropped_passes += 1
-            self._append(rank, {"kind": "stopped", "rank": rank, "step": self.step, "pass": ps.phase.value,
+            self._append(rank, {"kind": "stopped", "rank": rank, "step": self.step, "phase": ps.phase.value,
                                 "pass_index": self._pass_index, "bytes_written": self.bytes_written,
                                 "pass_bytes": size, "limit": self.limit, "rank_share": share,
                                 "reason": f"trace_max_bytes={self.limit} ({share} per rank of {world}) would be "
@@ -211,13 +237,14 @@ class RunTracer:
         self.bytes_written += size
         res = ps.result
         entry = {
-            "kind": "pass", "step": self.step, "pass": ps.phase.value, "pass_index": self._pass_index,
-            "seq": self._seq, "action": ps.plan.action.value, "source": ps.plan.route_kind, "mode": self.mode,
+            "kind": "pass", "step": self.step, "phase": ps.phase.value, "pass_index": self._pass_index,
+            "seq": self._seq, "action": ps.plan.action.value, "route_kind": ps.plan.route_kind, "mode": self.mode,
             "framework": self.framework, "rank": rank, "world_size": world, "dp_rank": _dp_rank(),
             "tp_rank": rep.tp_rank, "cp_rank": rep.cp_rank, "pp_rank": rep.pp_rank,
             "layout": layout_to_json(rep.layout), "moe_layer_ids": list(rep.layout.moe_layer_ids),
             "layer_ids": list(native.layer_ids), "num_experts": rep.num_experts, "topk": rep.topk,
             "micro_batches": mbs, "files": files, "bytes": size,
+            "handed_sample_ids": handed[1] if handed is not None else None,
             "metrics": {} if res is None else dict(res.metrics),
         }
         self._seq += 1

@@ -12,7 +12,7 @@ from r3bridge.metrics import expert_load, route_agreement, topk_sets_equal
 from r3bridge.trace.format import TraceError
 from r3bridge.trace.reading import MergedPass, TracePass
 
-__all__ = ["pass_summary", "compare", "finite"]
+__all__ = ["pass_summary", "compare", "handed_check", "finite"]
 
 
 def _nan_div(a: float, b: float) -> float:
@@ -48,9 +48,10 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
     disp = merged.dispatched
     load = expert_load(disp)
     K, E = nat.topk, nat.num_experts
-    out: dict[str, Any] = {"step": tp.step, "pass": tp.label, "action": e0["action"], "source": e0["source"],
+    out: dict[str, Any] = {"step": tp.step, "pass": tp.label, "action": e0["action"], "route_kind": e0["route_kind"],
                            "ranks": [int(rp.entry["rank"]) for rp in tp.ranks], "samples": nat.num_seqs,
                            "rows": rows, "logged": e0.get("metrics", {})}
+    out["handed"] = None if merged.handed is None else handed_check(disp, merged.handed)
     per_layer = []
     if rep is not None:
         eq = topk_sets_equal(nat.routes, rep.routes)                   # [rows, L]
@@ -76,6 +77,17 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
                           "unused_experts": int((counts == 0).sum()), "load": counts.tolist()})
     out["per_layer"] = per_layer
     return out
+
+
+def handed_check(dispatched: Any, handed: Any) -> dict[str, Any]:
+    """What the routers dispatched against the routes the framework handed over, on every (token,
+    layer) pair that had a handed route: ``differing`` should be 0 (replay exact)."""
+    rep = route_agreement(handed, dispatched)
+    pairs = rep.rows_compared * len(rep.layer_ids)
+    differing = pairs - sum(rep.agree)
+    return {"pairs": pairs, "differing": differing, "tokens": rep.rows_compared,
+            "layers_not_compared": sorted(set(rep.layers_only_reference) | set(rep.layers_only_other)),
+            "per_layer": {lid: rep.rows_compared - ag for lid, ag in zip(rep.layer_ids, rep.agree)}}
 
 
 def _pairs(a: MergedPass, b: MergedPass) -> tuple[list[int], list[int], int, int, str]:

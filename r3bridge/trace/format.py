@@ -5,14 +5,18 @@ A trace is a folder written by the Megatron driver when the ``r3bridge`` section
 routed (its layers, its token rows, in router order) and never touches another rank's files:
 
 * ``index.rank<NNNNN>.jsonl``: one JSON object per line, ``kind`` ``"pass"`` (one traced schedule
-  run: step, pass name and index, action, route kind, the rank's coordinates, the layout, the
-  framework, the model's MoE layer ids, every micro-batch's packing and sample ids, the files, the
-  driver's metrics of that pass) or ``"stopped"`` (the rank's share of ``trace_max_bytes`` is
-  spent: nothing more was written, and why);
-* ``step<SSSSSS>/<pass>.<index>/rank<NNNNN>.<view>.r3b``: ``ReplayBatch.to_bytes()`` payloads
-  (CRC-checked) whose "sequences" are the pass's micro-batches and whose rows are the rank's
-  router rows. Views: ``native`` (the router's own top-k under replay; valid on real-token rows)
-  and, in a replay pass, ``replayed`` (the routes dispatched where valid: rollout or recorded).
+  run: the RL step (from 1), the pass's ``phase`` and its index among that phase's passes of the
+  step, action, ``route_kind``, the rank's coordinates, the layout, the framework, the model's MoE
+  layer ids, every micro-batch's packing and sample ids, the files, the driver's metrics of that
+  pass) or ``"stopped"`` (the rank's share of ``trace_max_bytes`` is spent: nothing more was
+  written, and why);
+* ``step<SSSSSS>/<phase>.<index>/rank<NNNNN>.<view>.r3b``: ``ReplayBatch.to_bytes()`` payloads
+  (CRC-checked). Views ``native`` (the router's own top-k under replay; valid on real-token rows)
+  and, in a replay pass, ``replayed`` (the routes dispatched where valid: rollout or recorded):
+  "sequences" are the pass's micro-batches, rows the rank's router rows. View ``handed`` (a replay
+  pass, one rank per data-parallel group): the routes as the framework handed them over, one
+  sequence per sample (``handed_sample_ids`` in the index line), rows by token from each sample's
+  start row, every MoE layer: what the routers should have dispatched.
 
 Samples are named by :func:`token_uid` (their tokens) where the adapter passes names.
 """
@@ -28,7 +32,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from r3bridge.batch.provenance import kind_and_engine
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.errors import PayloadError
 from r3bridge.parallel.layout import ParallelLayout
@@ -37,8 +40,9 @@ from r3bridge.parallel.packing import PackPlan, rank_positions
 __all__ = ["TraceError", "FORMAT_VERSION", "VIEWS", "index_name", "payload_name", "layout_to_json",
            "layout_from_json", "micro_batch_entry", "rank_batch", "write_payload", "append_index", "token_uid"]
 
-FORMAT_VERSION = 1
-VIEWS = ("replayed", "native", "dispatched")
+# 2: the index keys "phase" and "route_kind" (were "pass" and "source"), steps from 1, the handed view
+FORMAT_VERSION = 2
+VIEWS = ("replayed", "native", "dispatched", "handed")
 
 
 class TraceError(PayloadError):
@@ -50,8 +54,8 @@ def index_name(rank: int) -> str:
     return f"index.rank{rank:05d}.jsonl"
 
 
-def payload_name(step: int, pass_name: str, pass_index: int, rank: int, view: str) -> str:
-    return f"step{step:06d}/{pass_name}.{pass_index}/rank{rank:05d}.{view}.r3b"
+def payload_name(step: int, phase: str, pass_index: int, rank: int, view: str) -> str:
+    return f"step{step:06d}/{phase}.{pass_index}/rank{rank:05d}.{view}.r3b"
 
 
 def layout_to_json(layout: ParallelLayout) -> dict[str, Any]:
@@ -87,13 +91,12 @@ def micro_batch_entry(seq_lens: Sequence[int], sample_ids: Sequence[Optional[int
 
 def rank_batch(layout: ParallelLayout, tp_rank: int, cp_rank: int, micro_batches: Sequence[dict[str, Any]],
                ids: Sequence[dict[int, torch.Tensor]], valid: Sequence[Optional[torch.Tensor]], *, num_experts: int,
-               route_kind: str = "rollout", source: Optional[str] = None) -> ReplayBatch:
+               route_kind: str = "rollout") -> ReplayBatch:
     """One rank's rows of one pass as a payload: sequence ``k`` = micro-batch ``k``'s router rows
     (``ids[k][layer]`` ``[rows, K]``), start row 0. A row is valid where it is a real token (packing
     padding never is) and, with ``valid[k]`` given, where that mask holds (rows that had a route).
     ``route_kind``: ``"native"`` (the router's own top-k) or the pass's (``"rollout"`` /
-    ``"recorded"``); ``source``: its deprecated spelling."""
-    route_kind, _ = kind_and_engine(route_kind, None, source, "rank_batch")
+    ``"recorded"``)."""
     layers = sorted({lid for per in ids for lid in per})
     dtype = route_dtype(num_experts)
     parts, masks = [], []

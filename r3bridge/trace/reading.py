@@ -33,7 +33,7 @@ class RankPass:
     def load(self, view: str) -> ReplayBatch:
         name = self.entry["files"].get(view)
         if name is None:
-            raise TraceError(f"{self.index_file}: step {self.entry['step']} {self.entry['pass']} has no "
+            raise TraceError(f"{self.index_file}: step {self.entry['step']} {self.entry['phase']} has no "
                              f"{view!r} routes (action {self.entry['action']})")
         path = self.root / name
         try:
@@ -44,6 +44,12 @@ class RankPass:
             batch = ReplayBatch.from_bytes(data)
         except ReplayError as e:
             raise TraceError(f"{path}: not a valid r3bridge route file: {e}") from None
+        if view == "handed":                    # one sequence per sample, not per micro-batch
+            samples = self.entry.get("handed_sample_ids") or []
+            if batch.num_seqs != len(samples):
+                raise TraceError(f"{path}: holds {batch.num_seqs} samples, its index {self.index_file.name} names "
+                                 f"{len(samples)}")
+            return batch
         mbs = self.entry["micro_batches"]
         if batch.rows_per_seq != [m["rows"] for m in mbs] or list(batch.layer_ids) != self.entry["layer_ids"]:
             raise TraceError(f"{path}: holds {batch.rows_per_seq} rows of layers {list(batch.layer_ids)}, its "
@@ -55,12 +61,14 @@ class RankPass:
 class MergedPass:
     """One pass, every rank merged: one sequence per sample (all its tokens, start row 0), samples
     in ``(dp_rank, sample id)`` order. ``native``: valid on every token; ``replayed``: valid where
-    a route was replayed (``None`` in a recording pass)."""
+    a route was replayed (``None`` in a recording pass); ``handed``: the routes as the framework
+    handed them over, rows from each sample's start row (``None`` where the pass wrote none)."""
 
     keys: list[tuple[int, int]]                 # (dp_rank, sample id) per sequence
     native: ReplayBatch
     replayed: Optional[ReplayBatch]
     uids: list[Optional[str]] = field(default_factory=list)   # the framework's sample names, if given
+    handed: Optional[ReplayBatch] = None
 
     @property
     def sample_ids(self) -> list[int]:
@@ -86,6 +94,11 @@ class MergedPass:
                 raise TraceError("a recording pass (R2 compute_log_prob) has no replayed routes: use "
                                  "the native view")
             return self.replayed
+        if name == "handed":
+            if self.handed is None:
+                raise TraceError("this pass has no handed routes (a recording pass replays none; a trace of a pass "
+                                 "whose handed routes were not kept)")
+            return self.handed
         raise TraceError(f"unknown view {name!r}; one of {list(VIEWS)}")
 
 
@@ -94,7 +107,7 @@ class TracePass:
     """One traced pass (a schedule run) and the ranks that wrote it."""
 
     step: int
-    name: str                                   # compute_log_prob / update
+    name: str                                   # its phase: compute_log_prob / update
     index: int                                  # the n-th pass of that name in the step
     ranks: list[RankPass] = field(default_factory=list)
 
@@ -119,8 +132,14 @@ class TracePass:
             by_dp.setdefault(int(rp.entry["dp_rank"]), []).append(rp)
         keyed: dict[tuple[int, int], tuple[ReplayBatch, Optional[ReplayBatch]]] = {}
         uid_of: dict[tuple[int, int], Optional[str]] = {}
+        handed_of: dict[tuple[int, int], ReplayBatch] = {}
         has_replay = "replayed" in e0["files"]
         for dp, rps in sorted(by_dp.items()):
+            for rp in rps:
+                if "handed" in rp.entry["files"]:
+                    hb = rp.load("handed")
+                    for i, sid in enumerate(rp.entry["handed_sample_ids"]):
+                        handed_of[(dp, int(sid))] = hb.select([i])
             loaded = [(rp, rp.load("native"), rp.load("replayed") if has_replay else None) for rp in rps]
             mbs = rps[0].entry["micro_batches"]
             for rp in rps[1:]:
@@ -161,7 +180,14 @@ class TracePass:
             raise TraceError(f"{self.ranks[0].index_file}: {where}: no sample was traced")
         native = ReplayBatch.concat([keyed[k][0] for k in keys])
         replayed = ReplayBatch.concat([keyed[k][1] for k in keys]) if has_replay else None  # type: ignore[misc]
-        return MergedPass(keys, native, replayed, [uid_of[k] for k in keys])
+        handed = None
+        if handed_of:
+            missing = [k for k in keys if k not in handed_of]
+            if missing:
+                raise TraceError(f"{self.ranks[0].root}: {where}: the handed routes lack samples {missing[:5]} "
+                                 f"((dp rank, sample id)) that the routers saw")
+            handed = ReplayBatch.concat([handed_of[k] for k in keys])
+        return MergedPass(keys, native, replayed, [uid_of[k] for k in keys], handed)
 
 
 @dataclass
@@ -217,7 +243,7 @@ def load_trace(path: str | Path) -> Trace:
                 if kind == "stopped":
                     stops.append(entry)
                     continue
-                key = (int(entry["step"]), str(entry["pass"]), int(entry["pass_index"]))
+                key = (int(entry["step"]), str(entry["phase"]), int(entry["pass_index"]))
                 seq = int(entry["seq"])
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceError(f"{f}: line {n} is not a valid trace index entry (truncated or corrupted): "

@@ -144,7 +144,7 @@ def test_trace_equals_what_the_routers_dispatched(runs, fw):
     records = DispatchRecords.merge([r["dispatch"] for r in per_rank])
     trace = load_trace(dirs[fw])
     assert trace.ranks == [0, 1]
-    assert [(p.step, p.label) for p in trace.passes] == [(0, "compute_log_prob.0"), (0, "update.0")]
+    assert [(p.step, p.label) for p in trace.passes] == [(1, "compute_log_prob.0"), (1, "update.0")]
     assert trace.meta["framework"] == fw and not trace.stops
     for p in trace.passes:
         assert sorted(int(rp.entry["rank"]) for rp in p.ranks) == [0, 1]
@@ -153,7 +153,7 @@ def test_trace_equals_what_the_routers_dispatched(runs, fw):
         assert sorted(samples) == list(range(8)), (fw, p.label, samples)
         disp = m.dispatched
         table: dict = {}
-        for key, ids in records.where(step=0, phase=p.name).table().items():
+        for key, ids in records.where(step=0, phase=p.name).table().items():    # the runner's steps count from 0
             _, _, _, s, t, layer = key
             prev = table.setdefault((s, t, layer), ids)
             assert torch.equal(prev, ids)          # first pass and recompute dispatched the same

@@ -169,8 +169,9 @@ def test_r3_guide_block_says_what_the_guide_promises(r3):
     assert "so the engine and the trainer are different models" in out        # the CPU harness, said so
     trace = load_trace(os.path.join(job, "routes"))
     assert trace.meta["framework"] == "verl" and trace.meta["mode"] == "R3"
-    assert {(p.step, p.name) for p in trace.passes} == {(s, n) for s in range(STEPS)
+    assert {(p.step, p.name) for p in trace.passes} == {(s, n) for s in range(1, STEPS + 1)   # verl's numbering
                                                         for n in ("compute_log_prob", "update")}
+    assert "replay exact: 0 of " in out        # the routers dispatched what verl handed over, pair by pair
 
 
 def test_r3_with_last_call_routes_fails_the_check(r3):

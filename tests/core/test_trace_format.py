@@ -59,15 +59,15 @@ def _write(root: Path, layout: ParallelLayout, mbs, natives, replays, sample_ids
                     rep_ids.append({lid: t for s in rt for lid, t in s.indices.items()})
                     rep_valid.append(rt[0].valid)
                 args = (layout, tp, cp, entries)
-                native = rank_batch(*args, nat_ids, [None] * len(mbs), num_experts=E, source="native")
-                replayed = rank_batch(*args, rep_ids, rep_valid, num_experts=E, source="rollout")
+                native = rank_batch(*args, nat_ids, [None] * len(mbs), num_experts=E, route_kind="native")
+                replayed = rank_batch(*args, rep_ids, rep_valid, num_experts=E, route_kind="rollout")
                 files = {}
                 for view, b in (("native", native), ("replayed", replayed)):
-                    files[view] = payload_name(0, "update", 0, rank, view)
+                    files[view] = payload_name(1, "update", 0, rank, view)
                     write_payload(root, files[view], b.to_bytes())
                 append_index(root, rank, {
-                    "kind": "pass", "step": 0, "pass": "update", "pass_index": 0, "seq": 0, "action": "replay",
-                    "source": "rollout", "mode": "R3", "framework": "test", "rank": rank,
+                    "kind": "pass", "step": 1, "phase": "update", "pass_index": 0, "seq": 0, "action": "replay",
+                    "route_kind": "rollout", "mode": "R3", "framework": "test", "rank": rank,
                     "world_size": layout.tp * layout.cp * layout.pp, "dp_rank": 0, "tp_rank": tp, "cp_rank": cp,
                     "pp_rank": pp, "layout": layout_to_json(layout), "moe_layer_ids": layout.moe_layer_ids,
                     "layer_ids": list(native.layer_ids), "num_experts": E, "topk": K, "micro_batches": entries,
@@ -127,7 +127,7 @@ def test_a_missing_rank_a_bad_payload_and_a_torn_index_are_refused_naming_the_fi
     mbs = [{"seq_lens": lens[0], "format": fmt, "seq_length": None}]
     _write(tmp_path, layout, mbs, [_batch(lens[0], layout.moe_layer_ids, 1)],
            [_batch(lens[0], layout.moe_layer_ids, 2, start_last=True)], [[0, 1, 2]])
-    payload = tmp_path / payload_name(0, "update", 0, 5, "native")
+    payload = tmp_path / payload_name(1, "update", 0, 5, "native")
     data = payload.read_bytes()
     payload.write_bytes(data[:-7])                                # truncated
     with pytest.raises(TraceError, match=str(payload)):
@@ -147,4 +147,4 @@ def test_a_missing_rank_a_bad_payload_and_a_torn_index_are_refused_naming_the_fi
     with pytest.raises(TraceError, match="format version 99"):
         load_trace(tmp_path)
     with pytest.raises(TraceError, match="no index"):
-        load_trace(tmp_path / "step000000")
+        load_trace(tmp_path / "step000001")

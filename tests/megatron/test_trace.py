@@ -88,10 +88,10 @@ def _job(ctx, root: str) -> dict:
         state: dict = {}
         for step in range(2):
             run(runner, mode, routes, state, Phase.OLD_LOG_PROB, [0, 1, 2, 3], forward_only=True,
-                label=f"{step}/compute_log_prob.0")
-            run(runner, mode, routes, state, Phase.UPDATE, [0, 1], forward_only=False, label=f"{step}/update.0")
+                label=f"{step + 1}/compute_log_prob.0")      # the trace counts RL steps from 1
+            run(runner, mode, routes, state, Phase.UPDATE, [0, 1], forward_only=False, label=f"{step + 1}/update.0")
             if step == 0:
-                run(runner, mode, routes, state, Phase.UPDATE, [2, 3], forward_only=False, label=f"{step}/update.1")
+                run(runner, mode, routes, state, Phase.UPDATE, [2, 3], forward_only=False, label=f"{step + 1}/update.1")
         rep.detach()
         out[mode] = {"routes": [r.to_bytes() for r in routes], "trace_dir": trace_dir}
     return out
@@ -136,13 +136,18 @@ def test_trace_holds_what_the_routers_dispatched(job):
                 # the replayed view is the rollout routes (rows with a route), whatever was native
                 routes = ReplayBatch.concat([ReplayBatch.from_bytes(b) for b in r["R3"]["routes"]])
                 rep = m.replayed
-                assert rep is not None and rep.source == "rollout"
+                assert rep is not None and rep.route_kind == "rollout"
+                # what the framework handed over is kept per sample: the routes, and the routers
+                # dispatched exactly them
+                assert m.handed is not None and m.handed.route_kind == "rollout"
                 for i, s in enumerate(m.sample_ids):
                     want, wv = routes.sequence(s)
                     got, gv = rep.sequence(i)
                     n = want.shape[0]
                     assert torch.equal(gv[:n], wv) and not bool(gv[n:].any()), (label, s)
                     assert torch.equal(got[:n][wv].sort(-1).values, want[wv].sort(-1).values), (label, s)
+                    hr, hv = m.handed.sequence(i)
+                    assert torch.equal(hv, wv[:hv.shape[0]]) and torch.equal(hr[hv], want[:hr.shape[0]][hv]), (label, s)
             else:
                 assert (m.replayed is None) == name.startswith("compute_log_prob"), label
 
@@ -150,9 +155,10 @@ def test_trace_holds_what_the_routers_dispatched(job):
 def test_r2_recording_pass_traces_the_native_routes_and_the_update_replays_them(job):
     _, _, serial = job
     r = serial[0]
-    rec = _merged(r["R2"]["trace_dir"], 0, "compute_log_prob.0")
-    upd = _merged(r["R2"]["trace_dir"], 0, "update.1")
-    assert rec.replayed is None and upd.replayed is not None and upd.replayed.source == "recorded"
+    rec = _merged(r["R2"]["trace_dir"], 1, "compute_log_prob.0")
+    upd = _merged(r["R2"]["trace_dir"], 1, "update.1")
+    assert rec.replayed is None and upd.replayed is not None and upd.replayed.route_kind == "recorded"
+    assert rec.handed is None and upd.handed is not None and upd.handed.route_kind == "recorded"
     # the update replays, for its samples, exactly what compute_log_prob's routers chose
     for i, s in enumerate(upd.sample_ids):
         got, gv = upd.replayed.sequence(i)
@@ -220,8 +226,12 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
     s = json.loads(r.stdout)
     assert s["ranks"] == [0, 1] and s["framework"] == "harness" and s["moe_layer_ids"] == [0, 1, 2, 3]
     labels = [(p["step"], p["pass"]) for p in s["passes"]]
-    assert labels == [(0, "compute_log_prob.0"), (0, "update.0"), (0, "update.1"), (1, "compute_log_prob.0"),
-                      (1, "update.0")]
+    assert labels == [(1, "compute_log_prob.0"), (1, "update.0"), (1, "update.1"), (2, "compute_log_prob.0"),
+                      (2, "update.0")]
+    # every pass compared what the routers dispatched with what the framework handed over: exact
+    for p in s["passes"]:
+        assert p["handed"]["differing"] == 0 and p["handed"]["pairs"] > 0, p["pass"]
+        assert p["handed"]["layers_not_compared"] == []
     for p in s["passes"]:
         logged = p["logged"]
         assert p["agreement"] == pytest.approx(logged["r3bridge/agreement/mean"], abs=1e-12)
@@ -236,6 +246,8 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
             {k: b[k] for k in ("agreement", "coverage", "per_layer", "samples", "rows")}
     text = _cli("inspect", d)
     assert text.returncode == 0 and "per-layer agreement" in text.stdout and "lowest agreement" in text.stdout
+    pairs = sum(p["handed"]["pairs"] for p in s["passes"])
+    assert f"replay exact: 0 of {pairs} (token, layer) pairs" in text.stdout
     # the routes replayed here are random, not the trainer's model's: inspect says the two are different
     # models (not a replay failure); a model served by the engine it trains agrees far more
     from r3bridge.cli.trace_view import models_note
@@ -250,7 +262,7 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
         assert c["view_a"] == "replayed" and c["view_b"] == "native"
         assert c["agreement"] == pytest.approx(p["agreement"], abs=1e-12)
     assert dd["notes"] == s["notes"]
-    r = _cli("diff", d, "--pass", "compute_log_prob", "--vs-pass", "update.1", "--step", "0", "--json")
+    r = _cli("diff", d, "--pass", "compute_log_prob", "--vs-pass", "update.1", "--step", "1", "--json")
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["comparisons"]
     assert len(c) == 1 and c[0]["samples"] == 4 and c[0]["view_a"] == c[0]["view_b"] == "native"
@@ -258,6 +270,37 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
     r = _cli("diff", d, serial[0]["R3"]["trace_dir"], "--json")
     assert r.returncode == 0, r.stderr
     assert all(c["agreement"] == 1.0 for c in json.loads(r.stdout)["comparisons"])
+    # dispatched vs handed through diff: the same pairs, none differing
+    r = _cli("diff", d, "--view", "dispatched", "--vs-view", "handed", "--json")
+    assert r.returncode == 0, r.stderr
+    comps = json.loads(r.stdout)["comparisons"]
+    assert [c["agreement"] for c in comps] == [1.0] * len(s["passes"])
+    assert [c["rows_compared"] for c in comps] == [p["handed"]["tokens"] for p in s["passes"]]
+
+
+def test_inspect_says_not_exact_when_the_dispatched_routes_differ_from_the_handed_ones(job, tmp_path):
+    import shutil
+
+    from r3bridge.batch.schema import ReplayBatch
+
+    _, pp, _ = job
+    d = tmp_path / "t"
+    shutil.copytree(pp[0]["R3"]["trace_dir"], d)
+    # one (token, layer) pair of the handed routes changed to an expert the row does not hold, as if
+    # the trainer had dispatched something else than the framework handed over
+    payload = sorted(d.glob("step000001/update.0/rank*.handed.r3b"))[0]
+    b = ReplayBatch.from_bytes(payload.read_bytes())
+    routes = b.routes.clone()
+    row = int(b.valid.nonzero()[0])
+    routes[row, 0, 0] = next(e for e in range(E) if e not in routes[row, 0].tolist())
+    payload.write_bytes(ReplayBatch(routes, b.valid, b.rows_per_seq, b.start_rows, b.layer_ids, b.num_experts,
+                                    b.topk, b.route_kind).to_bytes())
+    r = _cli("inspect", str(d), "--json")
+    s = json.loads(r.stdout)
+    bad = [(p["step"], p["pass"], p["handed"]["differing"]) for p in s["passes"] if p["handed"]["differing"]]
+    assert bad == [(1, "update.0", 1)], bad
+    text = _cli("inspect", str(d)).stdout
+    assert "replay NOT EXACT: 1 of" in text
 
 
 def test_a_corrupted_or_truncated_trace_file_is_refused_naming_it(job, tmp_path):
@@ -266,7 +309,7 @@ def test_a_corrupted_or_truncated_trace_file_is_refused_naming_it(job, tmp_path)
     _, pp, _ = job
     d = tmp_path / "t"
     shutil.copytree(pp[0]["R3"]["trace_dir"], d)
-    payload = sorted(d.glob("step000000/update.0/rank00001.native.r3b"))[0]
+    payload = sorted(d.glob("step000001/update.0/rank00001.native.r3b"))[0]
     data = bytearray(payload.read_bytes())
     data[-3] ^= 0xFF
     payload.write_bytes(bytes(data))
@@ -316,8 +359,8 @@ def test_disk_budget_stops_tracing_and_says_so(tmp_path):
     (a,), = spawn_layouts(_budget, world_size=1, layouts=[Layout()], args=(str(big), 1 << 30, 2), timeout=600)
     (b,), = spawn_layouts(_budget, world_size=1, layouts=[Layout()], args=(str(small), 2500, 1), timeout=600)
     t = load_trace(big)
-    assert [(p.step, p.label) for p in t.passes] == [(0, "compute_log_prob.0"), (0, "update.0"),
-                                                      (2, "compute_log_prob.0"), (2, "update.0")]
+    assert [(p.step, p.label) for p in t.passes] == [(1, "compute_log_prob.0"), (1, "update.0"),
+                                                      (3, "compute_log_prob.0"), (3, "update.0")]
     assert not t.stops
     t = load_trace(small)
     written = sum(f.stat().st_size for f in Path(small).rglob("*.r3b"))
