@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 41's runs on a machine with 2 or 4 GPUs, as a few device calls (the order and carry lists:
-# docs/gpu.md, "Two and four GPUs"). Needs the bundle's sets installed (bundle.sh install: base, te,
+# Issue 41's runs on a machine with 2 or 4 GPUs, as a few device calls (results and what they showed:
+# docs/gpu-results/multigpu_h200x2_2026-11-27/README.md). Carry: `bundle.sh prepare DIR base te ray verl
+# mcore19 skyrl04 areal`, stash every part but the last, then install and run back to back. Needs the bundle's sets installed (bundle.sh install: base, te,
 # ray, verl into the interpreter; mcore19, skyrl04, areal into /tmp/site-SET). Every run has its own
 # `timeout` and writes into $OUT/<stage>/ as soon as it ends, so a call cut short keeps what finished.
 #
