@@ -11,7 +11,7 @@
 #                                                 statuses, the warm start's stats, the figure and the table
 #
 # Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
-# the base and vllm sets (docs/gpu.md, "Real vLLM on the device"), which puts the vllm set in
+# the base and vllm sets (scripts/gpu/bundle.sh; scripts/gpu/wheels/vllm.txt), which puts the vllm set in
 # /tmp/site-vllm; EXTRA_PYTHONPATH overrides that folder. The run lives in $RUN (default
 # ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
 set -euo pipefail

@@ -16,9 +16,15 @@ independent packing reference, ``tests/megatron/replay_grid.py``):
 
 Pass = 0 mismatching router rows in R3 and R2, R2 logits bit-equal, no replay state left.
 
-Run on the device (megatron-bridge's wheel set + the TE set installed, see docs/gpu.md):
+Run on the device (megatron-bridge's wheel set + the TE set installed; results:
+docs/gpu-results/mbridge_h200_2026-11-26/). Here: ``bash scripts/gpu/bundle.sh prepare DIR te mbridge``;
+on the device ``bundle.sh stash DIR/qI`` per part but the last, then, back to back:
 
-    python scripts/gpu/mbridge_autobridge.py --out $OUT/mbridge [--dtype bf16|fp32]
+    bash scripts/gpu/bundle.sh install DIR/qN &&
+      export PYTHONPATH=$(bash scripts/gpu/bundle.sh pythonpath mbridge):$PWD NCCL_NVLS_ENABLE=0 &&
+      python scripts/gpu/mbridge_autobridge.py --out $OUT/mbridge [--dtype bf16|fp32] [--dense-layers none]
+
+(Megatron-Bridge needs megatron-core 0.19.x, which the mbridge set puts first on the path; Python 3.12 only.)
 
 Megatron-Bridge 0.6.2's ``Qwen3MoEBridge`` does not read ``mlp_only_layers`` /
 ``decoder_sparse_step`` (``models/qwen/qwen3_moe_bridge.py:38-56``; its mapping registry has no

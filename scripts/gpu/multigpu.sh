@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 41's runs on a machine with 2 or 4 GPUs, as a few device calls (the order and carry lists:
-# docs/gpu.md, "Two and four GPUs"). Needs the bundle's sets installed (bundle.sh install: base, te,
-# ray, verl into the interpreter; mcore19, skyrl04, areal into /tmp/site-SET). Every run has its own
-# `timeout` and writes into $OUT/<stage>/ as soon as it ends, so a call cut short keeps what finished.
+# Issue 41's runs on 2 or 4 GPUs as a few device calls (results: docs/gpu-results/multigpu_h200x2_2026-11-27/).
+# Carry: `bundle.sh prepare DIR base te ray verl mcore19 skyrl04 areal`, stash every part but the last, then install
+# and run back to back. Needs the bundle's sets installed (base, te, ray, verl into the interpreter; mcore19, skyrl04,
+# areal into /tmp/site-SET). Every run has its own `timeout` and writes into $OUT/<stage>/ as soon as it ends, so a
+# call cut short keeps what finished.
 #
 #   multigpu.sh p4          P4 on a quiet machine: --pp 2,4 (2 on two GPUs), verl's R2 path side by side,
 #                           4 dynamic-bsz micro-batches, then 1 micro-batch (the 2026-11-23 shape); <= 3 min

@@ -20,7 +20,7 @@ path, empty for the interpreter's megatron-core; bundle.sh installs 0.16.1 into 
 Writes ``<out>/nccl_grid.json`` (per release: the megatron-core version the lanes really imported,
 and per cell nccl_conformance's summary: pass, R3 / R2 rows checked and mismatching, R2 logits,
 seconds, or the failing rank and its traceback, or why it was skipped), ``<out>/nccl_grid.md`` (the
-table for docs/gpu.md) and each lane's log and JSON under ``<out>/lanes/``. Lanes still running at
+table of docs/gpu-results/*/grid/) and each lane's log and JSON under ``<out>/lanes/``. Lanes still running at
 ``--deadline`` seconds are killed (their cells are reported as not finished). Exit status 0 iff every
 cell that ran passed.
 

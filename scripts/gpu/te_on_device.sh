@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 + megatron-core 0.16.1 on the device machine (Python 3.12, torch 2.11+cu130),
-# for `nccl_conformance.py --spec te` and `p3_step_overhead.py --spec te` (docs/gpu.md, "Transformer Engine").
+# for `nccl_conformance.py --spec te` and `p3_step_overhead.py --spec te` (results: docs/gpu-results/te_cells/).
 # The project's version of the recipe in the shared field notes (section 14).
 #
 #   te_on_device.sh prepare DIR   here (CPU box, repo root): download every wheel into one tar

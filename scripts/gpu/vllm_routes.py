@@ -26,8 +26,16 @@ summary as ``$OUT/vllm_routes.json``. Exit 0 when every case is exact or refused
 
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site-vllm:$PWD python scripts/gpu/vllm_routes.py --out $OUT
 
-Needs the TE set (megatron-core 0.16.1 + Transformer Engine) and the vLLM set (docs/gpu.md).
-``--engine sglang`` is not available: SGLang does not fit the device (docs/gpu.md, "SGLang").
+Needs the TE set (megatron-core 0.16.1 + Transformer Engine) and the vLLM set. Carry: here
+``bash scripts/gpu/bundle.sh prepare .dev/b base te ray verl vllm`` (13 parts; check the import closure
+first with ``scripts/gpu/closure_static.py``); on the device ``bundle.sh stash .dev/b/qI`` per part but
+the last, then in the call carrying the last part, back to back (the machine keeps ~/stash only while warm):
+``bundle.sh install .dev/b/q12 && export PYTHONPATH=$(bash scripts/gpu/bundle.sh pythonpath vllm):$PWD
+VLLM_USE_FLASHINFER_SAMPLER=0 && timeout 240 python scripts/gpu/vllm_smoke.py --out $OUT/vllm;
+timeout 300 python scripts/gpu/vllm_routes.py --out $OUT/vllm``. Then, here, copy the ``.npz`` files into
+``tests/fixtures/vllm/`` and run ``tests/engine/test_vllm_payloads.py``. Results:
+docs/gpu-results/vllm_h100_2026-11-27/.
+``--engine sglang`` is not available: SGLang does not fit the device (scripts/gpu/wheels/sglang.txt).
 """
 from __future__ import annotations
 
