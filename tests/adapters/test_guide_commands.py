@@ -288,7 +288,7 @@ def test_areal_guide_says_its_megatron_engine_needs_python_312_as_areal_declares
     engine = dist.locate_file("areal/engine/megatron_engine.py").read_text()
     assert "\nfrom megatron.bridge import" in engine           # at module level, not inside a function
     assert "A real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
-    assert "AReaL 1.0.4: a real Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+    assert "3.12 for a real SkyRL or AReaL Megatron job" in " ".join((ROOT / "README.md").read_text().split())
 
 
 def test_skyrl_guide_says_a_megatron_job_needs_python_312_as_skyrl_declares():
@@ -308,7 +308,7 @@ def test_skyrl_guide_says_a_megatron_job_needs_python_312_as_skyrl_declares():
     worker = dist.locate_file("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py").read_text()
     assert "\nfrom megatron.bridge import AutoBridge" in worker        # at module level
     assert "A SkyRL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-skyrl.md").read_text()
-    assert "SkyRL 0.3 / 0.4: a Megatron job needs Python 3.12" in " ".join((ROOT / "README.md").read_text().split())
+    assert "3.12 for a real SkyRL or AReaL Megatron job" in " ".join((ROOT / "README.md").read_text().split())
 
 
 
