@@ -7,7 +7,7 @@
 A harness megatron-core GPT (4 layers, layer 0 dense, 8 experts top-2, identity attention, THD)
 stands for the trainer. The "rollout engine" is the same model one RL step behind: each step's
 rollout routes are the routes the model chose (an R2 recording pass, not traced) before the previous
-step's updates, so compute_log_prob of step 0 agrees fully and later passes show the router drifting
+step's updates, so compute_log_prob of step 1 agrees fully and later passes show the router drifting
 away from the engine's, layer by layer. Each step: compute_log_prob (4 micro-batches), then two
 update mini-batches of 2 micro-batches, each followed by an SGD step; R3 with ``trace_dir`` set.
 """
