@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     from r3bridge.demo import evidence
     from r3bridge.demo.evidence_config import GRPOOptions, RunConfig, make_arms
     from r3bridge.demo.task import AdditionTask
-    from r3bridge.demo.warmstart import ModelShape, WarmStartOptions
+    from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
 
     cuda = args.device == "cuda"
     try:
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
                            layer_spec=args.spec, checkpoint_every=args.checkpoint_every,
                            **({} if args.lr is None else {"lr": args.lr}))
         cfg = RunConfig(
-            shape=ModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
+            shape=EvidenceModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
             task=AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit),
             warm=WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
                                                        ("max_seconds", args.sft_seconds),

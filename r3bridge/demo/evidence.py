@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from r3bridge.demo.evidence_config import RunConfig
-from r3bridge.demo.warmstart import ModelShape
+from r3bridge.demo.warmstart import EvidenceModelShape
 
 
-def _write_model_dir(root: Path, shape: ModelShape) -> None:
+def _write_model_dir(root: Path, shape: EvidenceModelShape) -> None:
     cfg = shape.hf_config()
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     cfg.save_pretrained(root / "model")

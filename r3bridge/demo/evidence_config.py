@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from r3bridge.demo.task import AdditionTask
-from r3bridge.demo.warmstart import ModelShape, WarmStartOptions
+from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
 from r3bridge.errors import ReplayError
 
 MODES = ("off", "R2", "R3")
@@ -64,7 +64,7 @@ class EvidenceError(ReplayError, RuntimeError):
 
 @dataclass
 class RunConfig:
-    shape: ModelShape = field(default_factory=ModelShape)
+    shape: EvidenceModelShape = field(default_factory=EvidenceModelShape)
     task: AdditionTask = field(default_factory=AdditionTask)
     warm: WarmStartOptions = field(default_factory=WarmStartOptions)
     grpo: GRPOOptions = field(default_factory=GRPOOptions)
@@ -84,7 +84,7 @@ class RunConfig:
     @classmethod
     def load(cls, root: Path) -> "RunConfig":
         d = json.loads((root / "run.json").read_text())
-        return cls(shape=ModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
+        return cls(shape=EvidenceModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
                    grpo=GRPOOptions(**d["grpo"]), arms=[Arm(**a) for a in d["arms"]], deadline=d["deadline"],
                    resume=d["resume"])
 

@@ -25,7 +25,7 @@ from r3bridge.demo.hf_engine import tiny_qwen3_moe_config
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class EvidenceModelShape:
     """The evidence model. ``dense_first``: layer 0 is a dense MLP (DeepSeek / Moonlight style);
     else every layer is MoE (Qwen3-30B-A3B style). ``head_dim`` 64: every vLLM attention backend
     takes it."""
@@ -97,7 +97,7 @@ def greedy_accuracy(model: torch.nn.Module, task: task_mod.AdditionTask, n: int,
     return float((~wrong.any(-1)).float().mean())
 
 
-def warm_start(shape: ModelShape, task: task_mod.AdditionTask, opts: WarmStartOptions, *, device: str = "cpu",
+def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: WarmStartOptions, *, device: str = "cpu",
                log: Callable[[str], None] = lambda s: None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Train the HF model from scratch on the task; returns its fp32 state dict (CPU) and stats."""
     from transformers import AutoModelForCausalLM

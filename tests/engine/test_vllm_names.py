@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from r3bridge.demo.vllm_engine import EngineError, _import_vllm, checkpoint_names
-from r3bridge.demo.warmstart import ModelShape
+from r3bridge.demo.warmstart import EvidenceModelShape
 
 
 @pytest.mark.parametrize("dense_first", [False, True])
@@ -17,7 +17,7 @@ def test_checkpoint_names_are_what_transformers_saves(tmp_path, dense_first):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ModelShape(layers=2, dense_first=dense_first).hf_config())
+    model = AutoModelForCausalLM.from_config(EvidenceModelShape(layers=2, dense_first=dense_first).hf_config())
     model.save_pretrained(tmp_path)
     ours = dict(checkpoint_names(model.state_dict()))
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved:
