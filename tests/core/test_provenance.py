@@ -13,7 +13,7 @@ import torch
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
 from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
 from r3bridge.batch.provenance import check_pairing, sglang_provenance, vllm_provenance
-from r3bridge.ingest.stitching import rollout_routes
+from r3bridge.rollout.stitching import rollout_routes
 
 from ._reference import random_routes
 
@@ -234,7 +234,7 @@ def test_a_retry_never_stands_in_for_another_attempt():
     to let a retry's rows fill or follow another attempt's; the attempt survives the wire."""
     from r3bridge.batch.provenance import check_pairing
     from r3bridge.errors import StitchError
-    from r3bridge.ingest.stitching import stitch
+    from r3bridge.rollout.stitching import stitch
 
     first, retry = RouteProvenance("vllm", "r1", 4, 0, 0), RouteProvenance("vllm", "r1", 4, 0, 1)
     assert retry.differences(first) == ("attempt",) and "attempt=1" in str(retry)
