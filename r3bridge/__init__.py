@@ -24,12 +24,12 @@ from r3bridge.errors import (
     StitchError,
 )
 from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.ingest.stitching import StitchReport, stitch
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, rank_positions
 from r3bridge.parallel.sharding import rank_targets, shard
 from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.parallel.unsharding import unshard
+from r3bridge.rollout.stitching import StitchReport, stitch
 
 __version__ = "0.1.0"
 

@@ -20,9 +20,9 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import hf_to_mcore, packed_from_tokens, router_settings, spec_from_hf, zero_attention
-from r3bridge.ingest.stitching import stitch
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.parallel.sharding import shard
+from r3bridge.rollout.stitching import stitch
 from r3bridge.testing.harness.dist import RankContext
 from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
 from r3bridge.testing.harness.probe import RoutingProbe

@@ -66,7 +66,7 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
     ``convert_prompts_responses_to_batch_tensors`` (left-padded sequences, the generator's routes
     accumulated first-seen as r3bridge's ``FirstSeenRoutesMixin`` leaves them), plus the fields the
     update reads (advantages; old / base log-probs are filled in after compute_log_prob)."""
-    from r3bridge.ingest.capture import merge_first_seen
+    from r3bridge.adapters.skyrl.rollout import merge_first_seen
 
     if _release() == "0.4":
         return _training_input04(rollout, seed=seed)

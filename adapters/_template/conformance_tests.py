@@ -31,7 +31,7 @@ from r3bridge.adapters._template import (
 )
 from r3bridge.batch.canonical import canonical_form
 from r3bridge.config import Phase, ReplayConfig
-from r3bridge.ingest.stitching import first_seen_rows
+from r3bridge.rollout.stitching import first_seen_rows
 from r3bridge.testing.kit.conformance import CPU_LAYOUTS, assert_same_batch
 from r3bridge.testing.kit.rollouts import CanonicalRollout
 from r3bridge.testing.kit.runner import align_for, pack_thd, record_packing, unpack_rows

@@ -8,7 +8,5 @@ from __future__ import annotations
 from r3bridge.adapters.areal.codec import ArealCodec
 from r3bridge.adapters.areal.config import grpo_config_class
 from r3bridge.adapters.areal.hooks import SGLangEngineMixin, WorkflowMixin, trainer_class, workflow_class
-from r3bridge.adapters.areal.rollout import ArealRollout
 
-__all__ = ["grpo_config_class", "trainer_class", "workflow_class", "WorkflowMixin", "SGLangEngineMixin", "ArealCodec",
-           "ArealRollout"]
+__all__ = ["grpo_config_class", "trainer_class", "workflow_class", "WorkflowMixin", "SGLangEngineMixin", "ArealCodec"]

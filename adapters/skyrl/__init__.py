@@ -15,11 +15,10 @@ from r3bridge.adapters.skyrl.hooks import (
     policy_worker_class,
     ref_worker_class,
 )
-from r3bridge.adapters.skyrl.rollout import SkyRLRollout
 
 # SkyRL 0.3.x or 0.4.x (None: not installed); any other installed release is refused here, at import
 SKYRL_RELEASE = skyrl_release()
 
-__all__ = ["SKYRL_RELEASE", "SkyRLCodec", "SkyRLRollout", "skyrl_config_class", "FirstSeenRoutesMixin", "TrainerMixin",
+__all__ = ["SKYRL_RELEASE", "SkyRLCodec", "skyrl_config_class", "FirstSeenRoutesMixin", "TrainerMixin",
            "PolicyWorkerMixin", "RefWorkerMixin", "SkyRLReplay", "model_wrapper_class", "policy_worker_class",
            "ref_worker_class"]

@@ -9,11 +9,11 @@ import torch
 
 from r3bridge.adapters.skyrl import codec
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
+from r3bridge.adapters.skyrl.rollout import first_seen_update
 from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.capture import first_seen_update
 from r3bridge.megatron.model_replay import ModelReplay
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession, declared_session

@@ -11,9 +11,9 @@ from typing import Any
 
 from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
 
+from r3bridge.adapters.verl.calls import CapturingClient
 from r3bridge.adapters.verl.rollout import VerlRollout, call_provenance
 from r3bridge.batch.provenance import LOGPROB_PROVENANCE_KEY, ROUTE_PROVENANCE_KEY
-from r3bridge.ingest.call_capture import CapturingClient
 
 __all__ = ["FirstSeenToolAgentLoop", "OVERLAP_KEY", "DISAGREE_KEY"]
 

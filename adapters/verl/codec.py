@@ -11,12 +11,12 @@ from typing import Any, Optional
 
 import torch
 
+from r3bridge.adapters.verl.sample_fields import indexed_names, sample_field
 from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.ingest.codec_base import HandedCodec
 from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.ingest.nested import handed_from_batch, nested_routes
-from r3bridge.ingest.sample_fields import indexed_names, sample_field
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "handed_routes", "sample_names",
            "provenance_pairing", "VerlCodec"]

@@ -13,7 +13,7 @@ Attempts (NeMo RL #4057: routes keyed by weight version, task, rollout, attempt 
 a retry never overwrites an earlier attempt): a framework that generates a sample again from
 scratch (a retried turn, a re-run episode) numbers its attempts. A retry's routes never stand in
 for another attempt's: stitching refuses pieces of one sequence from different attempts
-(:func:`r3bridge.ingest.stitching.stitch`), and routes of one attempt paired with log-probs of another
+(:func:`r3bridge.rollout.stitching.stitch`), and routes of one attempt paired with log-probs of another
 differ in ``attempt``, counted or refused per ``provenance_check``. An epoch is different: the
 engine re-prefilled the *same* request (its tokens stay); an attempt regenerates them.
 """
@@ -52,7 +52,6 @@ __all__ = [
     "route_label",
     "parse_route_label",
     "kind_and_engine",
-    "first_call_provenance",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -120,7 +119,7 @@ class RouteProvenance:
 
     ``engine``: the engine or framework that produced them (``"vllm"``, ``"sglang"``, ...; never
     empty). ``request_id``: the engine's request id (``""``: unknown). ``weight_version``: the policy
-    weight version the engine held (verl ``global_steps``, SkyRL / AReaL weight version; ``None``:
+    weight version the engine held (the framework's policy version or step; ``None``:
     unknown). ``epoch``: how many times the engine re-prefilled the request (retraction,
     preemption, abort and resume) before this pass (``None``: the engine does not report it).
     ``attempt``: which of the framework's tries at generating the sample from scratch this is (0:
@@ -249,7 +248,7 @@ class ProvenancePairing:
         return ProvenancePairing(pick(self.routes), pick(self.logprobs), pick(self.names), len(idx))
 
 
-# Frameworks whose batches carry per-sample data only as tensors (SkyRL, AReaL) carry provenance as
+# Frameworks whose batches carry per-sample data only as tensors carry provenance as
 # an int64 [n, 3] tensor: (weight version, epoch, attempt), -1 = unknown, a row of -1s = no
 # provenance. The engine name is the adapter's and no request id travels. [n, 2] tensors (written
 # before attempts: weight version, epoch) are still read, their attempt unknown.
@@ -373,7 +372,7 @@ def pairing_from_fields(get: Callable[[str], Any], *, samples: int, names: Seque
     """A batch's two provenance fields (``get(key)``; ``None``: the batch has no such field, its
     samples are counted unchecked) -> the pass's :class:`ProvenancePairing`. A field is a
     :func:`versions_tensor` (its samples name ``engine``) or a per-sample sequence of
-    ``RouteProvenance`` / ``None`` (verl's non-tensor fields). Errors name ``framework``'s field."""
+    ``RouteProvenance`` / ``None`` (a framework's non-tensor fields). Errors name ``framework``'s field."""
 
     def column(key: str) -> Optional[list[Optional[RouteProvenance]]]:
         value = get(key)
@@ -383,7 +382,7 @@ def pairing_from_fields(get: Callable[[str], Any], *, samples: int, names: Seque
         if isinstance(value, torch.Tensor):
             return from_versions_tensor(value, engine=engine, what=what, samples=samples)
         items = value.tolist() if hasattr(value, "tolist") else list(value)
-        # a store that serialises the fields (verl's TransferQueue, msgspec) hands a RouteProvenance
+        # a store that serialises the fields (a framework's transfer store, msgspec) hands a RouteProvenance
         # back as its fields
         fields = set(RouteProvenance.__dataclass_fields__)
         items = [RouteProvenance(**x) if isinstance(x, dict) and set(x) <= fields else x for x in items]
@@ -405,18 +404,21 @@ def _version_number(value: Any) -> Optional[int]:
     return reported_int(value)
 
 
-def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None,
-                    engine: str = "vllm") -> RouteProvenance:
+def vllm_provenance(request_output: Any, *, weight_version: Optional[int] = None, engine: str = "vllm",
+                    request_id: Optional[str] = None) -> RouteProvenance:
     """Where a vLLM ``RequestOutput``'s routes came from: its ``request_id`` and, as the epoch, the
     number of times the scheduler preempted it (``num_preempted``, on the ``CompletionOutput`` or
     the request where the build reports it: a preempted request is re-prefilled, and vLLM #39917
-    drops its routes). vLLM does not know the policy's weight version: pass the framework's."""
+    drops its routes). vLLM does not know the policy's weight version: pass the framework's.
+    ``request_id``: the framework's name of the request, where its output type carries none;
+    ``None`` (no output at all) reads as unknown throughout."""
     completion = (getattr(request_output, "outputs", None) or [None])[0]
     preempted = getattr(completion, "num_preempted", None)
     if preempted is None:
         preempted = getattr(request_output, "num_preempted", None)
-    return RouteProvenance(engine, str(getattr(request_output, "request_id", "") or ""), weight_version,
-                           reported_int(preempted))
+    if request_id is None:
+        request_id = str(getattr(request_output, "request_id", "") or "")
+    return RouteProvenance(engine, request_id, weight_version, reported_int(preempted))
 
 
 def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[int] = None,
@@ -432,13 +434,3 @@ def sglang_provenance(meta_info: Mapping[str, Any], *, weight_version: Optional[
     version = weight_version if weight_version is not None else _version_number(meta_info.get("weight_version"))
     return RouteProvenance(engine, str(meta_info.get("id") or ""), version, epoch)
 
-
-def first_call_provenance(engine: str, version_at_submit: Optional[int], version_at_return: Optional[int], *,
-                          epoch: Optional[int] = None, request_id: str = "") -> tuple[RouteProvenance, RouteProvenance]:
-    """(route, log-prob) provenance of a sample's first engine call from the client's weight version
-    read when the call was submitted and when it returned: a weight sync in between may have
-    re-prefilled the request under the new weights (miles #3277), so its routes come from the newer
-    version, its first tokens' log-probs from the older (epoch 0). ``epoch``: the engine's re-prefill
-    count where it reports one (SGLang ``num_retractions``)."""
-    routes = RouteProvenance(engine, request_id, version_at_return, epoch)
-    return routes, RouteProvenance(engine, request_id, version_at_submit, None if epoch is None else 0)

@@ -1,7 +1,7 @@
 """Engine and trainer payloads -> integer arrays, before any `ReplayBatch` exists.
 
 The bottom of the ingest path: :mod:`r3bridge.batch.schema` builds batches from what these return
-(``ReplayBatch.from_vllm`` / ``from_sglang`` / ``from_padded``) and :mod:`r3bridge.ingest.stitching` stitches
+(``ReplayBatch.from_vllm`` / ``from_sglang`` / ``from_padded``) and :mod:`r3bridge.rollout.stitching` stitches
 engine calls; nothing here imports either. Formats (docs/frameworks.md):
 
 * vLLM ``CompletionOutput.routed_experts``: ``[prompt + generated - 1, num_hidden_layers, K]``

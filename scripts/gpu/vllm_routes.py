@@ -1,7 +1,7 @@
 """Routes straight from ``vllm.LLM.generate`` replayed in a megatron-core model (issue 36, item 4).
 
 No framework: real vLLM samples from an HF checkpoint saved here; its ``routed_experts`` go through
-``ReplayBatch.from_vllm`` (and ``r3bridge.ingest.stitching.rollout_routes`` for a turn returned from a
+``ReplayBatch.from_vllm`` (and ``r3bridge.rollout.stitching.rollout_routes`` for a turn returned from a
 prompt-start offset) into the rank targets of a megatron-core model built from the same checkpoint
 (``r3bridge.demo.hf_to_mcore``, Transformer Engine layer spec, bf16, one GPU), whose every router
 call is checked row by row against an independent packing reference (``RoutingProbe`` and
@@ -114,7 +114,7 @@ class Case:
         """The rollout's routes as r3bridge ingests them: one call per sample through
         ``ReplayBatch.from_vllm``; several (offset turns) through ``ingest.rollout_routes``."""
         from r3bridge.batch.schema import ReplayBatch
-        from r3bridge.ingest.stitching import rollout_routes
+        from r3bridge.rollout.stitching import rollout_routes
 
         if all(len(c) == 1 and s == [0] for c, s in zip(self.calls, self.starts)):
             return ReplayBatch.from_vllm([c[0] for c in self.calls], num_experts=facts["num_experts"],

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from r3bridge.adapters.areal.config import parse_cli
+from r3bridge.adapters.areal.rollout import check_flat_topk
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.ingest.capture import check_flat_topk
 from r3bridge.job_check import replay_section as section_of
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "areal"

@@ -6,7 +6,7 @@ its log-probs came from the first pass. ``count`` replays it and counts it, ``re
 anything is installed naming it and both provenances, matching provenance passes with 0 mismatches.
 
 * SkyRL: its own ``MegatronModelWrapper`` schedule under r3bridge's wrapper; provenance from SkyRL's
-  inference client ``weight_version`` at submit and return (``first_call_provenance``: sample 5 straddled
+  inference client ``weight_version`` at submit and return (``first_seen_provenance``: sample 5 straddled
   a weight sync, 3 -> 4), carried in SkyRL's real ``TrainingInputBatch`` and read per pass as
   ``PolicyWorkerMixin`` reads it.
 * AReaL: r3bridge's ``WorkflowMixin`` over AReaL's resubmit loop (stand-in engine, AReaL's own
@@ -54,7 +54,8 @@ def _skyrl(ctx, rollout) -> dict:
     from _skyrl_fixture import SkyRLRunner, training_batch
 
     from r3bridge.adapters.skyrl.codec import ENGINE, provenance_pairing
-    from r3bridge.batch.provenance import first_call_provenance, provenance_fields
+    from r3bridge.batch.provenance import RouteProvenance, provenance_fields
+    from r3bridge.rollout.provenance import first_seen_provenance
     from r3bridge.testing.harness.models import build_model_chunks
     from r3bridge.testing.kit.conformance import GROUPS
 
@@ -63,7 +64,9 @@ def _skyrl(ctx, rollout) -> dict:
         runner = SkyRLRunner(rollout, provenance_check=check)
         w = runner.attach(ctx, build_model_chunks(_spec(), ctx), "R3")
         batch = training_batch(rollout)
-        pairs = [first_call_provenance(ENGINE, 3, 4 if bad and i == BAD else 3) for i in range(rollout.batch_size)]
+        # routes: the version when the call returned (a sync in between re-prefilled it); log-probs: at submit
+        pairs = [first_seen_provenance(RouteProvenance(ENGINE, weight_version=4 if bad and i == BAD else 3),
+                                       sampled_version=3) for i in range(rollout.batch_size)]
         for key, value in provenance_fields([r for r, _ in pairs], [lp for _, lp in pairs]).items():
             batch[key] = value
         forwards: list = []
@@ -194,7 +197,7 @@ def test_areal_retracted_routes_are_counted_refused_or_pass(results):
 def test_areal_response_provenance_takes_the_first_known_output_version():
     from types import SimpleNamespace
 
-    from r3bridge.ingest.sglang_attempts import attempt_provenance
+    from r3bridge.adapters.areal.attempts import attempt_provenance
 
     def response_provenance(meta_info, resp):      # what the AReaL hook reads: the response's output_versions
         return attempt_provenance(meta_info, resp.output_versions, engine="sglang")

@@ -15,10 +15,10 @@ import torch
 
 from r3bridge import ReplayBatch
 from r3bridge.adapters.skyrl.codec import MASK_KEY, ROUTES_KEY, handed_routes, training_batch_fields
+from r3bridge.adapters.skyrl.rollout import merge_first_seen
 from r3bridge.engines.decoders import decode_vllm_routes as decode_routed_experts
 from r3bridge.errors import ConfigError, LayerMappingError, PayloadError, RouteShapeError, RouteValueError
-from r3bridge.ingest.capture import merge_first_seen
-from r3bridge.ingest.stitching import rollout_routes
+from r3bridge.rollout.stitching import rollout_routes
 from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout
 from r3bridge.testing.kit.suite import BaseIngestTests
 

@@ -86,8 +86,8 @@ def test_a_regenerated_turn_starts_the_next_attempt():
 
     from verl.workers.rollout.replica import TokenOutput
 
+    from r3bridge.adapters.verl.calls import CapturingClient
     from r3bridge.adapters.verl.rollout import call_provenance
-    from r3bridge.ingest.call_capture import CapturingClient
 
     class Server:
         def __init__(self):

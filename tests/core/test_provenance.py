@@ -13,7 +13,8 @@ import torch
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
 from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
 from r3bridge.batch.provenance import check_pairing, sglang_provenance, vllm_provenance
-from r3bridge.ingest.stitching import rollout_routes
+from r3bridge.rollout.provenance import first_seen_provenance
+from r3bridge.rollout.stitching import rollout_routes
 
 from ._reference import random_routes
 
@@ -103,6 +104,28 @@ def test_engine_provenance_helpers_read_what_the_engines_report():
     out = SimpleNamespace(request_id="cmpl-1", outputs=[SimpleNamespace(num_preempted=2)])
     assert vllm_provenance(out, weight_version=5) == RouteProvenance("vllm", "cmpl-1", 5, 2)
     assert vllm_provenance(SimpleNamespace(request_id="x", outputs=[])).epoch is None
+    # an output type without a request id (a framework's own): the framework names the request
+    assert vllm_provenance(SimpleNamespace(num_preempted=1), request_id="s7") == RouteProvenance("vllm", "s7", None, 1)
+
+
+def test_first_seen_provenance_is_one_rule_for_every_engine_reader():
+    """The one builder: the routes are the first call's pass (its attempt), the log-probs the same
+    request's first pass (epoch 0 where the engine reports epochs) under the sampled version and
+    the last call's attempt; fed by either engine reader."""
+    out = SimpleNamespace(request_id="cmpl-1", outputs=[SimpleNamespace(num_preempted=2)])
+    routes, logprobs = first_seen_provenance(vllm_provenance(out, weight_version=5), sampled_version=4, calls=3,
+                                             attempts=[0, 0, 1])
+    assert routes == RouteProvenance("vllm", "cmpl-1", 5, 2, 0)
+    assert logprobs == RouteProvenance("vllm", "cmpl-1", 4, 0, 1)
+    assert routes.differences(logprobs) == ("weight_version", "epoch", "attempt")
+    routes, logprobs = first_seen_provenance(sglang_provenance({"id": "r1", "weight_version": "7"}),
+                                             sampled_version=None)
+    assert (routes.weight_version, routes.epoch, routes.attempt) == (7, None, None)
+    assert (logprobs.request_id, logprobs.weight_version, logprobs.epoch, logprobs.attempt) == ("r1", None, None, None)
+    with pytest.raises(ProvenanceError, match="sample r1: no server call"):
+        first_seen_provenance(RouteProvenance("sglang", "r1"), sampled_version=None, calls=0)
+    with pytest.raises(ProvenanceError, match=r"sample \?: 1 attempts for 2 server calls"):
+        first_seen_provenance(RouteProvenance("vllm"), sampled_version=None, calls=2, attempts=[0])
 
 
 def test_stitch_keeps_the_first_pass_provenance():
@@ -234,7 +257,7 @@ def test_a_retry_never_stands_in_for_another_attempt():
     to let a retry's rows fill or follow another attempt's; the attempt survives the wire."""
     from r3bridge.batch.provenance import check_pairing
     from r3bridge.errors import StitchError
-    from r3bridge.ingest.stitching import stitch
+    from r3bridge.rollout.stitching import stitch
 
     first, retry = RouteProvenance("vllm", "r1", 4, 0, 0), RouteProvenance("vllm", "r1", 4, 0, 1)
     assert retry.differences(first) == ("attempt",) and "attempt=1" in str(retry)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from r3bridge import ParallelLayout, shard
-from r3bridge.ingest.stitching import rollout_routes
+from r3bridge.rollout.stitching import rollout_routes
 from testlab.vllm_payloads import load_payloads, route_dtype, vllm_format_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -162,11 +162,11 @@ def test_routes_script_ingests_each_case_as_the_gpu_run_does():
 def test_54730_rows_in_a_payload_are_degenerate_never_no_route(case):
     """Issue 36 item 5 / issue 38 item 1 on vLLM's own payload format: the payload reads clean;
     one sample's MoE ids zeroed inside the rows vLLM returned (vLLM #54730's signature) are counted
-    as degenerate by :func:`r3bridge.ingest.engine_report.engine_row_report` and refused by the reader, naming the
+    as degenerate by :func:`testlab.engine_report.engine_row_report` and refused by the reader, naming the
     sample, row, token and layer."""
     from r3bridge import rank_targets
     from r3bridge.errors import DegenerateRouteError
-    from r3bridge.ingest.engine_report import engine_row_report
+    from testlab.engine_report import engine_row_report
 
     pay = load(case)
     m = pay.meta

@@ -21,7 +21,7 @@ import numpy as np
 
 from r3bridge.batch.canonical import canonical_form
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.ingest.stitching import stitch
+from r3bridge.rollout.stitching import stitch
 
 __all__ = ["ModelShape", "CanonicalRollout", "make_rollout"]
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_ids import layers_from_mapping
-from r3bridge.ingest.stitching import stitch
+from r3bridge.rollout.stitching import stitch
 
 __all__ = ["MadeupfwRollout"]
 

@@ -1,15 +1,17 @@
 """One SGLang request's attempts (the first submit, then every resubmit after an interruption)
--> one sequence of first-seen routes.
+-> one sequence of first-seen routes, as AReaL's client makes them.
 
-SGLang returns each attempt's routes from row 0 (``meta_info["routed_experts"]``); a client that
-concatenates the attempts' arrays (AReaL 1.0.4, AReaL #1207) repeats the prefix. The attempts'
-``meta_info`` (:class:`r3bridge.ingest.capture.RequestAttempts` collects them) are stitched
-first-seen here instead (:mod:`r3bridge.ingest.stitching`). :func:`generate_first_seen` does the
-whole of it for one generate call of a client: its backend wrapped (:class:`RecordingBackend`), the
-attempts seen, stitched.
+SGLang returns each attempt's routes from row 0 (``meta_info["routed_experts"]``); AReaL 1.0.4's
+client concatenates the attempts' arrays (AReaL #1207), repeating the prefix. The attempts'
+``meta_info`` (:class:`RequestAttempts` collects them, recorded at AReaL's backend by the one call
+recorder, :class:`~r3bridge.rollout.forwarding.CallRecorder`) are stitched first-seen here instead
+(:mod:`r3bridge.rollout.stitching`). :func:`generate_first_seen` does the whole of it for one
+generate call of a client: its backend wrapped (:class:`RecordingBackend`), the attempts seen,
+stitched; their provenance is the one rule's (:func:`r3bridge.rollout.provenance.first_seen_provenance`).
 """
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
@@ -18,14 +20,43 @@ import numpy as np
 from r3bridge.batch.provenance import RouteProvenance, reported_int, sglang_provenance
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import decode_sglang_routes, select_layers, sglang_rows
-from r3bridge.ingest.capture import RequestAttempts
-from r3bridge.ingest.forwarding import Intercepting
-from r3bridge.ingest.stitching import first_seen_rows, stitch
+from r3bridge.rollout.forwarding import CallRecorder, RecordedCall
+from r3bridge.rollout.provenance import first_seen_provenance
+from r3bridge.rollout.stitching import first_seen_rows, stitch
 
-__all__ = ["decode_sglang", "routes_from_attempts", "AttemptRows", "first_seen_attempts", "attempt_provenance",
-           "RecordingBackend", "generate_first_seen"]
+__all__ = ["RequestAttempts", "decode_sglang", "routes_from_attempts", "AttemptRows", "first_seen_attempts",
+           "attempt_provenance", "RecordingBackend", "generate_first_seen"]
 
 T = TypeVar("T")
+
+
+class RequestAttempts:
+    """What every attempt of one engine request returned (a resubmit after an interruption sends
+    the request again): the engine's client :meth:`record` s each attempt's result while
+    :meth:`around` runs the request, in a context variable, so concurrent requests never see each
+    other's."""
+
+    def __init__(self, name: str = "r3bridge_attempts") -> None:
+        self._attempts: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(name, default=None)
+
+    def record(self, item: Any) -> None:
+        attempts = self._attempts.get()
+        if attempts is not None:
+            attempts.append(item)
+
+    async def around(self, request: Callable[[], Awaitable[T]]) -> tuple[T, Optional[list]]:
+        """``(request's result, what each of its attempts returned)``; ``None`` for the attempts
+        when an outer :meth:`around` already collects them (the outer one stitches)."""
+        if self._attempts.get() is not None:
+            return await request(), None
+        token = self._attempts.set([])
+        try:
+            result = await request()
+            return result, self._attempts.get()
+        finally:
+            self._attempts.reset(token)
+
+
 _ATTEMPTS = RequestAttempts("r3bridge_sglang_attempts")   # each attempt's meta_info, per generate call (per task)
 
 
@@ -75,28 +106,23 @@ def attempt_provenance(meta_info: dict, token_versions: Optional[Sequence[Any]],
     """(route, log-prob provenance) of first-seen rows from the attempt of ``meta_info``: the routes
     are that attempt's pass (:func:`r3bridge.batch.provenance.sglang_provenance`: SGLang's
     ``num_retractions``, numeric ``weight_version``; miles #3277); its first tokens' log-probs were
-    sampled in the first pass (epoch 0) under the first reported of ``token_versions`` (the
-    client's weight version of each output token; ``None``: unknown)."""
-    routes = sglang_provenance(meta_info, engine=engine)
+    sampled in the first pass (epoch 0) under the first reported of ``token_versions`` (AReaL's
+    weight version of each output token; ``None``: unknown)."""
     first = next((v for v in (token_versions or []) if reported_int(v) is not None), None)
-    return routes, RouteProvenance(engine, routes.request_id, first, None if routes.epoch is None else 0)
+    return first_seen_provenance(sglang_provenance(meta_info, engine=engine), sampled_version=first)
 
 
-class RecordingBackend(Intercepting):
+class RecordingBackend(CallRecorder):
     """A client's SGLang backend (``inner``) whose method named ``parse`` (one attempt's response
     JSON parsed) also records that response's ``meta_info`` for the generate call in flight
     (:func:`generate_first_seen`); every other attribute is ``inner``'s."""
 
     def __init__(self, inner: Any, parse: str) -> None:
-        super().__init__(inner, parse, _recording)
+        super().__init__(inner, parse, record=_record_meta_info)
 
 
-def _recording(parse: Callable[..., Any]) -> Callable[..., Any]:
-    def recording(response: dict, *args: Any, **kwargs: Any) -> Any:
-        out = parse(response, *args, **kwargs)
-        _ATTEMPTS.record(response.get("meta_info", {}))
-        return out
-    return recording
+def _record_meta_info(call: RecordedCall) -> None:
+    _ATTEMPTS.record(call.args[0].get("meta_info", {}))
 
 
 async def generate_first_seen(generate: Callable[[], Awaitable[T]], client: Any, *, parse: str,

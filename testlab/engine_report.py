@@ -1,4 +1,4 @@
-"""Engine payloads classified row by row as the one reader classifies them, without a trainer:
+"""Engine payloads classified row by row as the one reader classifies them, without a trainer (tests only):
 how many rows each sequence hands over and how many are degenerate (ids repeat inside a captured
 row: vLLM #54730), for checking recorded payloads (``r3bridge inspect``-style, docs/metrics.md)."""
 from __future__ import annotations
