@@ -45,6 +45,7 @@ from r3bridge.engines.decoders import (
 )
 from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
+from r3bridge.engines.layer_ids import check_dense_layers_empty
 from r3bridge.engines.route_checks import check_routes
 from r3bridge.engines.route_formats import decode_engine_routes, vllm_needs_format
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
@@ -316,6 +317,10 @@ class ReplayBatch:
             items, start_rows = [d.routes for d in decoded], [d.start_row for d in decoded]
             if any(d.layer_axis == MOE_ONLY for d in decoded):
                 layer_axis = MOE_ONLY            # 0.21's split lists hold the MoE layers only
+            elif engine_version is not None and moe_layer_ids is not None:
+                # the release's format writes dense layers as zeros: ids there mean another model
+                for i, a in enumerate(items):
+                    check_dense_layers_empty(a, list(moe_layer_ids), layer_dim=1, field=f"sequence {i}")
         batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
                                       start_rows=start_rows, provenance=provenance, layer_axis=layer_axis,
                                       route_kind=route_kind, engine=engine)
@@ -384,7 +389,9 @@ class ReplayBatch:
         from the meta_infos). ``engine_version``: the SGLang release (its format in
         :data:`r3bridge.engines.route_formats.ROUTE_FORMATS`: 0.5.11+ hands base64 on every path, and
         base64 encoded twice by a client is refused); the routes may sit in ``sgl_ext`` (OpenAI
-        endpoints) and ``routed_experts_dtype`` names a narrower wire (SGLang #31219)."""
+        endpoints) and ``routed_experts_dtype`` names a narrower wire (SGLang #31219). With the release
+        given, ids on a layer ``moe_layer_ids`` leaves out are refused: the format writes dense layers
+        as zeros, so the engine ran experts where the trainer's model has none (another model)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)
         topk = as_index(topk, what="topk", error=RouteShapeError)
@@ -399,6 +406,9 @@ class ReplayBatch:
             sglang_rows(mi, start=starts[i], seq=i)        # prompt / completion counts present and integers
             a = decode_engine_routes("sglang", mi, version=engine_version, seq=i, start_row=starts[i],
                                      num_hidden_layers=num_layers, topk=topk).routes
+            if engine_version is not None and moe_layer_ids is not None and axis == ALL_HIDDEN:
+                # the release's format writes dense layers as zeros: ids there mean another model
+                check_dense_layers_empty(a, moe_layer_ids, layer_dim=1, field=f"sequence {i}")
             arrays.append(select_layers(a, moe_layer_ids, i, "SGLang", axis))
             w = sglang_weights_of(mi)
             if w is not None:

@@ -27,7 +27,7 @@ summary as ``$OUT/vllm_routes.json``. Exit 0 when every case is exact or refused
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site-vllm:$PWD python scripts/gpu/vllm_routes.py --out $OUT
 
 Needs the TE set (megatron-core 0.16.1 + Transformer Engine) and the vLLM set (docs/gpu.md).
-``--engine sglang`` is not available: SGLang does not fit the device (docs/gpu.md, "SGLang").
+SGLang's counterpart is ``scripts/gpu/sglang_routes.py`` (SGLang 0.5.12 ran on the device, 2026-11-29).
 """
 from __future__ import annotations
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/r3b-vllm-routes")
     ap.add_argument("--gpu-mem", type=float, default=0.15)
     ap.add_argument("--engine", choices=("vllm",), default="vllm",
-                    help="SGLang 0.5.12 does not fit the device (docs/gpu.md, 'SGLang'): vllm only")
+                    help="vllm only; SGLang: scripts/gpu/sglang_routes.py")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)

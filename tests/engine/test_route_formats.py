@@ -20,7 +20,7 @@ from r3bridge.engines.route_formats import (
     decode_raw_routes,
     route_format,
 )
-from r3bridge.errors import CoverageError, RouteShapeError
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from testlab.sglang_payloads import FIXTURE_DIR, format_fixtures, load_format_fixture
 
 DECODED = ["vllm_0.21_split", "vllm_0.26_npy_base64", "vllm_0.31_auxoutput_emissions", "vllm_0.31_auxoutput_keys",
@@ -179,3 +179,15 @@ def test_sglang_wire_dtype_must_be_known():
     with pytest.raises(PayloadError, match=r"rows"):
         decode_engine_routes("sglang", short, version="0.5.12", num_hidden_layers=4, topk=4)
     assert base64.b64decode(fx["payload"]["routed_experts"])[:2] != b""
+
+
+def test_ids_on_a_dense_layer_are_refused_when_the_release_is_known():
+    """vLLM 0.24-0.26 and SGLang write dense layers as zero rows: with the release given, ids on a
+    layer the trainer's model has dense mean the engine served another model."""
+    fx = load_format_fixture("vllm_0.26_npy_base64")
+    m, r = fx["model"], fx["expected"].copy()                 # layer 0 dense: all zeros as recorded
+    assert not r[:, 0].any()
+    r[:, 0] = r[:, 1]
+    with pytest.raises(LayerMappingError, match=r"layers \[0\] are dense in the trainer's model"):
+        ReplayBatch.from_vllm([r], num_experts=m["num_experts"], moe_layer_ids=m["moe_layer_ids"], engine_version="0.26.0")
+    ReplayBatch.from_vllm([r], num_experts=m["num_experts"], moe_layer_ids=m["moe_layer_ids"])   # release unknown: as before
