@@ -24,7 +24,8 @@ import numpy as np
 
 from testlab.vllm_payloads import auxoutput_emissions, auxoutput_keys, load_payloads, npy_base64, split_v021
 
-__all__ = ["meta_info", "sglang_format_problems", "format_fixtures", "FIXTURE_DIR", "load_format_fixture"]
+__all__ = ["meta_info", "sglang_format_problems", "format_fixtures", "FIXTURE_DIR", "load_format_fixture",
+           "replay_recorded_rank"]
 
 FIXTURE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures",
                            "engine_formats")
@@ -155,6 +156,24 @@ def format_fixtures(out_dir: str = FIXTURE_DIR, vllm_dir: Optional[str] = None) 
             f.write("\n")
         written.append(path)
     return written
+
+
+def replay_recorded_rank(ctx: Any, cases: Sequence[str], seed: int) -> dict[str, dict]:
+    """A rank function (``spawn_layouts``): the recorded SGLang cases of one model replayed in the
+    megatron-core model converted from the HF model the engine served (``sglang_routes.replay_rank``)."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for p in (os.path.join(root, "scripts", "gpu"), os.path.join(root, "tests", "megatron")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import sglang_routes
+
+    payloads = []
+    for case in cases:
+        with open(os.path.join(os.path.dirname(FIXTURE_DIR), "sglang", f"sglang_routes_{case}.json")) as f:
+            payloads.append(json.load(f))
+    return sglang_routes.replay_rank(ctx, payloads, seed)
 
 
 if __name__ == "__main__":      # python -m testlab.sglang_payloads [tests/fixtures/engine_formats]

@@ -38,7 +38,7 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.abspath(os.path.join(_HERE, "..", ".."))
-for _p in (_ROOT, _HERE):
+for _p in (_ROOT, os.path.join(_ROOT, "tests", "megatron"), _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -234,6 +234,72 @@ def run(args: argparse.Namespace, res: dict) -> None:
         llm.shutdown()
     except Exception as e:  # noqa: BLE001 - what SGLang does with a dense layer is the result
         cases["e320_dense_middle"] = {"engine_error": f"{type(e).__name__}: {e}"[:2000]}
+
+
+# ------------------------------------------------------------------------------------ trainer side
+class RecordedCase:
+    """A recorded case (``$OUT/sglang_routes_<case>.json``) as ``vllm_routes.replay_case`` takes it:
+    each sample's full tokens and its routes through ``ReplayBatch.from_sglang`` (turns that start
+    later stitched after the turn before)."""
+
+    def __init__(self, payload: dict) -> None:
+        self.payload = payload
+        self.name = payload["case"]
+        p = payload
+        if p["case"] == "prompt_start":          # one sample, two turns
+            self.tokens = [p["prompts"][1] + p["outputs"][1]]
+        else:
+            self.tokens = [q + o for q, o in zip(p["prompts"], p["outputs"])]
+        self.facts = {k: p[k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
+
+    def replay_batch(self, facts: dict) -> Any:
+        from r3bridge.batch.schema import ReplayBatch
+        from r3bridge.engines.route_formats import decode_engine_routes
+        from r3bridge.ingest.stitching import rollout_routes
+
+        p = self.payload
+        if p["case"] != "prompt_start":
+            return ReplayBatch.from_sglang(p["meta_info"], num_experts=facts["num_experts"],
+                                           num_layers=facts["num_hidden_layers"], topk=facts["topk"],
+                                           moe_layer_ids=facts["moe_layer_ids"], start_rows=p["prompt_start"],
+                                           engine_version=p["version"])
+        turns = [decode_engine_routes("sglang", m, version=p["version"], seq=0, start_row=s,
+                                      num_hidden_layers=facts["num_hidden_layers"], topk=facts["topk"]).routes
+                 for m, s in zip(p["meta_info"], p["prompt_start"])]
+        return rollout_routes([turns], num_experts=facts["num_experts"], moe_layer_ids=facts["moe_layer_ids"],
+                              start_rows=[p["prompt_start"]])
+
+
+def replay_rank(ctx: Any, payloads: list[dict], seed: int) -> dict[str, dict]:
+    """In a rank of ``r3bridge.testing.harness.dist.spawn_layouts``: the megatron-core model converted
+    from the same HF model the engine served (local spec, fp32, the rank's device), every recorded
+    case replayed under R3 with every router row checked against the engine's routes
+    (``vllm_routes.replay_case``: a native pass for agreement, then an R3 forward)."""
+    import dataclasses
+
+    import torch
+    from vllm_routes import replay_case
+
+    from r3bridge.demo.hf_to_mcore import hf_to_mcore, spec_from_hf
+    from r3bridge.megatron import Replayer
+    from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+
+    facts = {k: payloads[0][k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
+    dense = tuple(i for i in range(facts["num_hidden_layers"]) if i not in facts["moe_layer_ids"])
+    cfg = hf_config(facts["num_experts"], dense)
+    state = {k: v.detach().clone() for k, v in build_reference(cfg, seed).state_dict().items()}
+    spec = spec_from_hf(cfg, attention="real")
+    spec = dataclasses.replace(spec, extra_config={**spec.extra_config, "params_dtype": torch.float32})
+    chunks = build_model_chunks(spec, ctx)
+    load_reference_state(chunks, hf_to_mcore(state, cfg, attention="real"), ctx)
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    chunks = [c.to(device) for c in chunks]
+    rep = Replayer(chunks)
+    out: dict[str, dict] = {}
+    for p in payloads:
+        out[p["case"]] = {}
+        replay_case(RecordedCase(p), chunks, rep, ctx, out[p["case"]], device=device, thd=False)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -240,8 +240,11 @@ def build_trainer(cfg: Any, state: dict, ctx: Any) -> list:
     return [c.to("cuda", dtype=torch.bfloat16) for c in chunks]
 
 
-def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any], device: str = "cuda") -> None:
-    """Native pass (agreement reported) and R3 forward-only pass (every router row checked)."""
+def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any], device: str = "cuda",
+                thd: bool = True) -> None:
+    """Native pass (agreement reported) and R3 forward-only pass (every router row checked).
+    ``thd``: packed sequences (TE attention); ``False`` for megatron-core's local attention (the CPU),
+    which takes no packed-sequence parameters."""
     from replay_grid import _check_probe, _install_step
 
     from r3bridge.demo.hf_to_mcore import packed_from_tokens
@@ -261,7 +264,7 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
     ids = {id(batch): list(range(len(case.tokens)))}
     layers = list(rep.layer_ids)
     out["replayer_layers"] = layers
-    fwd = make_forward_step(ctx, thd=True)
+    fwd = make_forward_step(ctx, thd=thd)
 
     def checked(action: str, source: Optional[str], route_map: dict) -> tuple[dict, list[str]]:
         for c in chunks:

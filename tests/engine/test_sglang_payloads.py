@@ -119,3 +119,19 @@ def test_sglangs_routes_are_the_hf_models_own_routing():
         agree, total = agree + int(eq.sum()), total + eq.size
         first_layer.append(eq[:, 0].mean())
     assert agree / total > 0.9 and min(first_layer) >= 0.95, (agree / total, first_layer)
+
+
+def test_sglangs_routes_replay_exactly_in_megatron():
+    """The recorded SGLang routes (model A's three cases) replayed under R3 in the megatron-core
+    model converted from the HF model the engine served (one gloo rank, local spec, fp32): every
+    router row dispatches exactly the engine's routes; the native pass is reported beside."""
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
+    from testlab.sglang_payloads import replay_recorded_rank
+
+    [[out]] = spawn_layouts(replay_recorded_rank, world_size=1, layouts=[Layout()],
+                            args=(MODEL_A_CASES, 11), timeout=600)
+    for case in MODEL_A_CASES:
+        o = out[case]
+        assert o["result"] == "exact", (case, o)
+        assert o["r3_rows"] > 0 and o["r3_mismatching_rows"] == 0 and not o["errors"], (case, o)
+        assert 0.5 < o["native_agreement"] <= 1.0, (case, o)
