@@ -159,8 +159,9 @@ def format_fixtures(out_dir: str = FIXTURE_DIR, vllm_dir: Optional[str] = None) 
 
 
 def replay_recorded_rank(ctx: Any, cases: Sequence[str], seed: int) -> dict[str, dict]:
-    """A rank function (``spawn_layouts``): the recorded SGLang cases of one model replayed in the
-    megatron-core model converted from the HF model the engine served (``sglang_routes.replay_rank``)."""
+    """A rank function (``spawn_layouts``): the recorded SGLang cases of one model (names of
+    ``tests/fixtures/sglang`` or paths of ``.json`` files) replayed in the megatron-core model
+    converted from the HF model the engine served (``sglang_routes.replay_rank``)."""
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +172,9 @@ def replay_recorded_rank(ctx: Any, cases: Sequence[str], seed: int) -> dict[str,
 
     payloads = []
     for case in cases:
-        with open(os.path.join(os.path.dirname(FIXTURE_DIR), "sglang", f"sglang_routes_{case}.json")) as f:
+        path = case if case.endswith(".json") else os.path.join(os.path.dirname(FIXTURE_DIR), "sglang",
+                                                                 f"sglang_routes_{case}.json")
+        with open(path) as f:
             payloads.append(json.load(f))
     return sglang_routes.replay_rank(ctx, payloads, seed)
 

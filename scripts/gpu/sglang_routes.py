@@ -302,15 +302,44 @@ def replay_rank(ctx: Any, payloads: list[dict], seed: int) -> dict[str, dict]:
     return out
 
 
+def replay_main(args: argparse.Namespace) -> int:
+    """``--replay DIR``: model A's recorded cases replayed on the GPU; ``$OUT/sglang_replay.json``."""
+    import torch
+
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
+    from testlab.sglang_payloads import replay_recorded_rank
+
+    paths = [os.path.join(args.replay, f"sglang_routes_{c}.json") for c in ("chunked_prefill", "radix_cache",
+                                                                         "prompt_start")]
+    gpu = torch.cuda.is_available()
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__}
+    t0 = time.monotonic()
+    try:
+        [[res["cases"]]] = spawn_layouts(replay_recorded_rank, world_size=1, layouts=[Layout()], args=(paths, 11),
+                                         timeout=400, backend="nccl" if gpu else "gloo")
+    except Exception as e:  # noqa: BLE001 - reported, exit 1
+        res["error"] = f"{type(e).__name__}: {e}"[-4000:]
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    with open(os.path.join(args.out, "sglang_replay.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(json.dumps(res, default=str)[-6000:])
+    ok = "cases" in res and all(c.get("result") == "exact" for c in res["cases"].values())
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out/sglang"))
     ap.add_argument("--work", default="/tmp/r3b-sglang-routes")
     ap.add_argument("--mem", type=float, default=0.2)
     ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--replay", metavar="DIR", help="no engine: replay model A's recorded cases in DIR "
+                    "(sglang_routes_<case>.json) in megatron-core on this machine's GPU (one NCCL rank)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
+    if args.replay:
+        return replay_main(args)
     res: dict[str, Any] = {"ran": False, "out": args.out}
     t0 = time.monotonic()
     try:
