@@ -23,7 +23,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Payloads", "save_payloads", "load_payloads", "vllm_format_problems", "route_dtype"]
+__all__ = ["Payloads", "save_payloads", "load_payloads", "vllm_format_problems", "route_dtype", "split_v021",
+           "npy_base64", "auxoutput_emissions", "auxoutput_keys"]
 
 
 def route_dtype(num_experts: int) -> np.dtype:
@@ -122,6 +123,57 @@ def load_payloads(path: str) -> Payloads:
         prompts = [z[f"prompt_{i}"].tolist() for i in range(n)]
         outputs = [z[f"output_{i}"].tolist() for i in range(n)]
     return Payloads(routes, prompts, outputs, meta)
+
+
+# ------------------------------------------------------------------------------------ the releases' formats
+# One request's routes (vLLM 0.24's array: [tokens - 1 - start, num_hidden_layers, K]) in the form
+# another vLLM release ships them, as its source defines it (r3bridge/engines/route_formats.py
+# names the releases; tests/fixtures/engine_formats/README.md what was read).
+
+def split_v021(routes: np.ndarray, prompt_len: int, moe_layer_ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM 0.21's split form as JSON: ``prompt_routed_experts`` (the prompt's rows) and the
+    choice's ``routed_experts`` (the generated tokens' rows but the last), int16 lists over the
+    MoE layers only."""
+    moe = np.asarray(routes)[:, [int(i) for i in moe_layer_ids]].astype(np.int16)
+    return {"prompt_routed_experts": moe[:prompt_len].tolist(), "routed_experts": moe[prompt_len:].tolist()}
+
+
+def npy_base64(routes: np.ndarray) -> str:
+    """vLLM's OpenAI serving form of the array: base64 of a ``.npy`` file (shape and dtype in its header)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(routes), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def auxoutput_emissions(routes: np.ndarray, prompt_len: int, start: int = 0) -> list[dict[str, Any]]:
+    """vLLM 0.31+'s AuxOutput rows as the scheduler hands them (``AuxOutputRequestOutput``): the
+    prefill step's accepted rows from ``routed_experts_prompt_start`` to the prompt's last token,
+    then one row per decode step at ``token_start = tokens - 1``."""
+    routes = np.asarray(routes)
+    first = max(0, prompt_len - start)
+    out = [{"token_start": start, "rows": routes[:first]}]
+    out += [{"token_start": start + r, "rows": routes[r:r + 1]} for r in range(first, routes.shape[0])]
+    return out
+
+
+def auxoutput_keys(routes: np.ndarray, block_size: int, namespace: str) -> tuple[list[str], dict[str, bytes]]:
+    """vLLM 0.31+'s by-reference form (the Mooncake backend's keys-only output): one store key per
+    full KV block of rows, ``vllm-artifact/<namespace>/<block hash hex>``, and the store's objects
+    (each block's C-order bytes). The hash here is a stand-in (sha256 of the block's token index
+    and rows): vLLM's is the KV block hash, which a reader never recomputes."""
+    import hashlib
+
+    routes = np.ascontiguousarray(routes)
+    keys, store = [], {}
+    for b in range(routes.shape[0] // block_size):
+        block = routes[b * block_size:(b + 1) * block_size]
+        key = f"vllm-artifact/{namespace}/" + hashlib.sha256(bytes([b % 256]) + block.tobytes()).hexdigest()[:32]
+        keys.append(key)
+        store[key] = block.tobytes(order="C")
+    return keys, store
 
 
 # ------------------------------------------------------------------------------------ stand-in fixtures

@@ -35,7 +35,6 @@ from r3bridge.batch.provenance import (
 )
 from r3bridge.batch.route_weights import as_weights_tensor, check_weights
 from r3bridge.engines.decoders import (
-    decode_sglang_routes,
     decode_sglang_weights,
     decode_vllm_routes,
     decode_vllm_weights,
@@ -46,7 +45,9 @@ from r3bridge.engines.decoders import (
 )
 from r3bridge.engines.engine_pack import allocate, check_shapes, host_array, layer_columns, pack_sequences
 from r3bridge.engines.layer_axis import ALL_HIDDEN, MOE_ONLY, check_layer_axis
+from r3bridge.engines.layer_ids import check_dense_layers_empty
 from r3bridge.engines.route_checks import check_routes
+from r3bridge.engines.route_formats import decode_engine_routes, vllm_needs_format
 from r3bridge.errors import CoverageError, LayerMappingError, PayloadError, RouteShapeError, RouteWeightsError
 
 __all__ = ["ReplayBatch", "route_dtype", "sentinel_dtype", "ragged_arange"]
@@ -291,16 +292,35 @@ class ReplayBatch:
                   start_rows: Sequence[int] | None = None,
                   provenance: Sequence[RouteProvenance | None] | None = None,
                   weights: Sequence | None = None, layer_axis: str = ALL_HIDDEN,
-                  engine: str | None = "vllm", source: str | None = None) -> "ReplayBatch":
+                  engine: str | None = "vllm", source: str | None = None,
+                  engine_version: str | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
         :func:`r3bridge.engines.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
         pass each came from (:func:`r3bridge.batch.provenance.vllm_provenance` builds it from request
         outputs). ``weights``: optional, one array per sequence in the routes' shape (every
         reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.engines.layer_axis`):
         vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
-        (routes and weights alike). Rollout routes of ``engine``; ``source``: deprecated."""
+        (routes and weights alike). Rollout routes of ``engine``; ``source``: deprecated.
+        ``engine_version``: the vLLM release that returned them; its format
+        (:data:`r3bridge.engines.route_formats.ROUTE_FORMATS`: 0.21's split int16 lists over MoE layers,
+        0.22-0.30's array, 0.31+'s AuxOutput emissions) decodes each item, and an item in another
+        format is refused naming the release. ``None``: read from each item's own fields."""
         route_kind, engine = kind_and_engine("rollout", engine, source, "ReplayBatch.from_vllm")
         layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
+        items = list(items)
+        if engine == "vllm" and (engine_version is not None or any(vllm_needs_format(it) for it in items)):
+            starts = [0] * len(items) if start_rows is None else list(_opt_ids(start_rows, "start_rows", CoverageError))
+            if len(starts) != len(items):
+                raise CoverageError(f"start_rows has {len(starts)} entries for {len(items)} sequences")
+            decoded = [decode_engine_routes("vllm", it, version=engine_version, seq=i, start_row=starts[i])
+                       for i, it in enumerate(items)]
+            items, start_rows = [d.routes for d in decoded], [d.start_row for d in decoded]
+            if any(d.layer_axis == MOE_ONLY for d in decoded):
+                layer_axis = MOE_ONLY            # 0.21's split lists hold the MoE layers only
+            elif engine_version is not None and moe_layer_ids is not None:
+                # the release's format writes dense layers as zeros: ids there mean another model
+                for i, a in enumerate(items):
+                    check_dense_layers_empty(a, list(moe_layer_ids), layer_dim=1, field=f"sequence {i}")
         batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
                                       start_rows=start_rows, provenance=provenance, layer_axis=layer_axis,
                                       route_kind=route_kind, engine=engine)
@@ -361,12 +381,17 @@ class ReplayBatch:
                     moe_layer_ids: Sequence[int] | None = None,
                     start_rows: Sequence[int] | None = None,
                     provenance: Sequence[RouteProvenance | None] | None = None,
-                    layer_axis: str = ALL_HIDDEN) -> "ReplayBatch":
+                    layer_axis: str = ALL_HIDDEN, engine_version: str | None = None) -> "ReplayBatch":
         """SGLang ``meta_info`` dicts (base64 flat int32 ``routed_experts``); rows = prompt +
         completion - 1 - start. Routing weights are read when the meta_infos carry them
         (:data:`r3bridge.engines.decoders.SGLANG_WEIGHTS_KEYS`, SGLang #23999): all of them or none.
         ``provenance``: one per meta_info (:func:`r3bridge.batch.provenance.sglang_provenance` reads it
-        from the meta_infos)."""
+        from the meta_infos). ``engine_version``: the SGLang release (its format in
+        :data:`r3bridge.engines.route_formats.ROUTE_FORMATS`: 0.5.11+ hands base64 on every path, and
+        base64 encoded twice by a client is refused); the routes may sit in ``sgl_ext`` (OpenAI
+        endpoints) and ``routed_experts_dtype`` names a narrower wire (SGLang #31219). With the release
+        given, ids on a layer ``moe_layer_ids`` leaves out are refused: the format writes dense layers
+        as zeros, so the engine ran experts where the trainer's model has none (another model)."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         num_layers = as_index(num_layers, what="num_layers", error=RouteShapeError)
         topk = as_index(topk, what="topk", error=RouteShapeError)
@@ -378,8 +403,12 @@ class ReplayBatch:
         arrays, weights = [], []
         for i, mi in enumerate(meta_infos):
             mi = _sglang_numbers(mi, i)
-            rows = sglang_rows(mi, start=starts[i], seq=i)
-            a = decode_sglang_routes(mi.get("routed_experts"), num_layers=num_layers, topk=topk, rows=rows, seq=i)
+            sglang_rows(mi, start=starts[i], seq=i)        # prompt / completion counts present and integers
+            a = decode_engine_routes("sglang", mi, version=engine_version, seq=i, start_row=starts[i],
+                                     num_hidden_layers=num_layers, topk=topk).routes
+            if engine_version is not None and moe_layer_ids is not None and axis == ALL_HIDDEN:
+                # the release's format writes dense layers as zeros: ids there mean another model
+                check_dense_layers_empty(a, moe_layer_ids, layer_dim=1, field=f"sequence {i}")
             arrays.append(select_layers(a, moe_layer_ids, i, "SGLang", axis))
             w = sglang_weights_of(mi)
             if w is not None:

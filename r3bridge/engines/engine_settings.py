@@ -16,6 +16,13 @@ engine may run in another environment, e.g. servers the trainer only talks to), 
 distribution installed in the trainer's environment (``importlib.metadata``: nothing is imported).
 When neither says, the version is unknown, and speculative decoding under R3 is refused with a
 message asking for ``engine_version`` (or speculative decoding off): never assumed fixed.
+
+Prefill / decode disaggregation and KV connectors (:func:`check_kv_transfer`): the decode node
+receives the prompt's KV cache and never runs the prompt forward, so the prompt's route rows are
+whatever the capture buffer held (llm-d-router #1473; no error, every shape valid). vLLM's newest
+releases refuse routed experts with a KV connector; older ones and SGLang's
+``disaggregation_mode`` do not. Under R3 any such setting is refused: R3 would replay garbage on
+exactly the prompt rows.
 """
 from __future__ import annotations
 
@@ -28,7 +35,17 @@ from packaging.version import InvalidVersion, Version
 from r3bridge.errors import ConfigError
 
 __all__ = ["SPECULATIVE_FIXED_IN", "EngineRelease", "engine_release", "check_engine_version_setting",
-           "speculative_decoding_problem", "check_speculative_decoding"]
+           "speculative_decoding_problem", "check_speculative_decoding", "KV_TRANSFER_SETTINGS",
+           "kv_transfer_problem", "check_kv_transfer"]
+
+# engine settings that serve a request through prefill / decode disaggregation or a KV connector,
+# and the values that mean "off"
+KV_TRANSFER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "kv_transfer_config": (),                     # vLLM: {"kv_connector": ..., "kv_role": ...}
+    "kv_connector": (),                           # vLLM's KVTransferConfig field, flattened by a framework
+    "disaggregation_mode": ("null", "none"),     # SGLang: "prefill" / "decode"
+    "disaggregation_transfer_backend": (),        # SGLang: set only with disaggregation
+}
 
 # engine -> (first release whose routes a speculative draft no longer corrupts, the fix)
 SPECULATIVE_FIXED_IN: dict[str, tuple[str, str]] = {
@@ -107,5 +124,37 @@ def check_speculative_decoding(mode: str, engine: Optional[str], speculative: Ma
                                configured_version: Optional[str] = None) -> None:
     """:func:`speculative_decoding_problem` as a ``ConfigError``."""
     problem = speculative_decoding_problem(mode, engine, speculative, configured_version=configured_version)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _kv_on(key: str, value: object) -> bool:
+    if value is None or value is False or value == "" or value == {} or value == []:
+        return False
+    off = KV_TRANSFER_SETTINGS.get(key, ())
+    return not (isinstance(value, str) and value.strip().lower() in off)
+
+
+def kv_transfer_problem(mode: str, engine: Optional[str], settings: Mapping[str, object]) -> Optional[str]:
+    """Why R3 cannot run with these rollout-engine settings (``None``: it can): a KV connector or
+    prefill / decode disaggregation serves the prompt's KV cache from another node, so the prompt's
+    route rows were never computed where they are returned. ``settings``: the engine settings the
+    framework shows (any of :data:`KV_TRANSFER_SETTINGS`; others are ignored)."""
+    if str(mode) != "R3":
+        return None
+    on = {k: v for k, v in settings.items() if k in KV_TRANSFER_SETTINGS and _kv_on(k, v)}
+    if not on:
+        return None
+    name = {"vllm": "vLLM", "sglang": "SGLang"}.get(str(engine), str(engine))
+    found = ", ".join(f"{k}={v!r}" for k, v in on.items())
+    return (f"r3bridge.replay_mode=R3 with the rollout served through a KV connector / prefill-decode "
+            f"disaggregation ({name}: {found}): the decode node never runs the prompt forward, so the prompt's "
+            f"route rows are whatever its capture buffer held (llm-d-router #1473: no error, valid shapes) and R3 "
+            f"would replay them; serve R3 rollouts without KV transfer, or use R2")
+
+
+def check_kv_transfer(mode: str, engine: Optional[str], settings: Mapping[str, object]) -> None:
+    """:func:`kv_transfer_problem` as a ``ConfigError``."""
+    problem = kv_transfer_problem(mode, engine, settings)
     if problem is not None:
         raise ConfigError(problem)

@@ -24,7 +24,8 @@ import torch
 
 from r3bridge.errors import LayerMappingError, RouteShapeError
 
-__all__ = ["CONVENTION", "shifted_layer_ids_hint", "check_dense_columns", "layers_from_mapping"]
+__all__ = ["CONVENTION", "shifted_layer_ids_hint", "check_dense_columns", "check_dense_layers_empty",
+           "layers_from_mapping"]
 
 CONVENTION = ("layer ids are 0-based global decoder layer indices (HF config index, Megatron layer_number - 1; "
               "vLLM / SGLang report every decoder layer, dense ones as zero rows)")
@@ -93,6 +94,42 @@ def check_dense_columns(routes: Any, cols: Sequence[int], *, layer_dim: int, fie
     raise LayerMappingError(
         f"{field}: MoE layer ids {empty} pick layers whose rows are all zero in {int(routed.sum())} sampled routed "
         f"rows (dense layers: engines report them as zeros), while layers {with_routes} hold routes{hint}")
+
+
+def check_dense_layers_empty(routes: Any, cols: Sequence[int], *, layer_dim: int, field: str) -> None:
+    """Refuse an every-layer id array whose columns of the trainer's dense layers (every column not
+    in ``cols``) hold ids on the sampled rows. vLLM and SGLang zero-initialise the capture buffer
+    and only MoE layers write it (vLLM ``routed_experts_capturer``, SGLang ``state_capturer/base.py``),
+    so ids there mean the engine ran experts on a layer the trainer's model has dense: it serves a
+    different model (seen: SGLang 0.5.12's Qwen3-MoE marks every layer sparse and ignores
+    ``mlp_only_layers``, so a checkpoint's dense layer ran as an MoE layer with experts the
+    checkpoint does not hold, 1 x H200, docs/gpu-results/sglang-0.5.12). R3 would replay the other
+    layers of that other model. A bounded sample of rows, as :func:`check_dense_columns`."""
+    view = _rows_view(routes, layer_dim)
+    if view is None or view.shape[0] == 0:
+        return
+    keep = {int(c) for c in cols}
+    dense = [c for c in range(view.shape[1]) if c not in keep]
+    if not dense:
+        return
+    if isinstance(view, torch.Tensor):
+        if view.is_floating_point() or view.is_nested:
+            return
+        sample = view[::max(1, view.shape[0] // _SAMPLE_ROWS)][:_SAMPLE_ROWS][:, dense].detach().cpu().numpy()
+    else:
+        sample = np.asarray(view)
+        if sample.dtype.kind not in "iu":
+            return
+        sample = sample[::max(1, sample.shape[0] // _SAMPLE_ROWS)][:_SAMPLE_ROWS][:, dense]
+    holds = sample.reshape(sample.shape[0], len(dense), -1).any(-1)          # [rows, dense layers]
+    routed = [d for d, h in zip(dense, holds.any(0)) if h]
+    if routed:
+        raise LayerMappingError(
+            f"{field}: layers {routed} are dense in the trainer's model (not in its MoE layers {sorted(keep)}), but the "
+            f"engine returned expert ids for them on {int(holds.any(1).sum())} of {sample.shape[0]} sampled rows "
+            f"(engines write dense layers as zeros): the engine ran experts there, so it serves a different model "
+            f"than the trainer's (SGLang 0.5.12's Qwen3-MoE ignores mlp_only_layers and treats every layer as MoE); "
+            f"{CONVENTION}")
 
 
 def layers_from_mapping(per_layer: Mapping[int, Any], moe_layer_ids: Sequence[int], *,

@@ -11,6 +11,7 @@ token, layer, the ids, the total), and two paths, each id checked once on each:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -19,9 +20,35 @@ import torch
 from r3bridge.engines.route_scan import block_rows, row_faults, run_blocks, scan_block
 from r3bridge.errors import DegenerateRouteError, RouteValueError
 
-__all__ = ["DEGENERATE_CHOICES", "locate", "route_value_error", "raise_findings", "check_routes", "check_read"]
+__all__ = ["DEGENERATE_CHOICES", "locate", "route_value_error", "raise_findings", "check_routes", "check_read",
+           "one_based_hint", "warn_if_no_expert_zero", "NO_ZERO_EXPECTED_PICKS"]
 
 DEGENERATE_CHOICES = ("refuse", "native")
+
+# expected picks of expert 0 (ids / num_experts) above which a batch without a single 0 is
+# suspicious: under any routing that uses expert 0 at all, 50 expected picks and none seen is
+# ~e^-50 by chance; a model whose expert 0 is dead is why this is a warning, not an error
+NO_ZERO_EXPECTED_PICKS = 50
+
+
+def one_based_hint(lowest: Optional[int], highest: Optional[int], num_experts: int) -> str:
+    """``"; ..."`` naming 1-based expert ids when no id is below 1 and one equals ``num_experts``
+    (ids counted from 1: ``[1, num_experts]``), else ``""``."""
+    if lowest is None or highest is None or lowest < 1 or highest != num_experts:
+        return ""
+    return (f"; no id is below 1 and one equals num_experts={num_experts}: the ids look 1-based (expert ids "
+            f"are 0-based, [0, {num_experts}); subtract 1 where the engine or adapter writes them)")
+
+
+def warn_if_no_expert_zero(lowest: Optional[int], ids: int, num_experts: int, where: str = "routes") -> None:
+    """Warn when ``ids`` route ids hold no expert 0 although ``ids / num_experts`` picks of it were
+    expected (:data:`NO_ZERO_EXPECTED_PICKS`): 1-based ids that never reached ``num_experts``.
+    A warning, not an error: a model may never pick expert 0."""
+    if lowest is None or lowest < 1 or num_experts < 1 or ids < NO_ZERO_EXPECTED_PICKS * num_experts:
+        return
+    warnings.warn(f"{where}: {ids} expert ids and not one 0 (the smallest is {lowest}; about {ids // num_experts} "
+                  f"picks of expert 0 were expected): are the ids 1-based? r3bridge's ids are 0-based, "
+                  f"[0, {num_experts}). (Or expert 0 is never chosen by this model.)", stacklevel=3)
 
 
 def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple[int, int, int]:
@@ -32,14 +59,17 @@ def locate(offsets: torch.Tensor, starts: Sequence[int], flat_row: int) -> tuple
 
 
 def route_value_error(kind: str, *, seq: int, row: int, tok: int, layer: int, values: list,
-                      num_experts: int, total: int) -> RouteValueError:
-    """The one message for a bad (row, layer): ``kind`` is "range" or "duplicate"."""
+                      num_experts: int, total: int, lowest: Optional[int] = None) -> RouteValueError:
+    """The one message for a bad (row, layer): ``kind`` is "range" or "duplicate". ``lowest``: the
+    smallest id of the checked batch where known (the 1-based hint; else the row's own)."""
     where = f"sequence {seq}, row {row} (token {tok}), layer {layer}: "
     if kind == "range":
+        low = min(values) if lowest is None and values else lowest
+        one_based = one_based_hint(low, max(values) if values else None, num_experts)
         # ids are logical (the router's, pre-EPLB): an engine's physical replica slots are not
         return RouteValueError(f"{where}expert ids {values} out of range [0, {num_experts}) "
-                               f"({total} bad (row, layer) pairs in total; ids must be logical expert ids, "
-                               f"pre-EPLB: map physical replica slots back first)")
+                               f"({total} bad (row, layer) pairs in total{one_based}; otherwise: ids must be logical "
+                               f"expert ids, pre-EPLB: map physical replica slots back first)")
     # a degenerate route: ids repeat inside the rows the engine returned (vLLM #54730's all-zero
     # rows), a row without a route read as one, or (all zeros) a dense layer's zero column picked
     # by an id off by one (engines report dense layers as zero rows)
@@ -55,7 +85,10 @@ def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int
                    where) -> None:
     """Raise the first finding of the blocks (range errors first, then duplicates), in row order,
     with the batch's total. ``block_row0[b]``: first packed row of block ``b``; ``values(row,
-    col)`` the ids of a (row, layer); ``where(row)`` -> (sequence, row in sequence, token)."""
+    col)`` the ids of a (row, layer); ``where(row)`` -> (sequence, row in sequence, token). Ids
+    that look 1-based are named (an error's hint; a warning when no 0 appears in a large batch)."""
+    lows = [f.lowest for f in findings]
+    lowest = min(lows) if lows and None not in lows else None
     for kind in ("range", "dup"):
         total = sum(getattr(f, f"{kind}_bad") for f in findings)
         if not total:
@@ -66,7 +99,8 @@ def raise_findings(findings, block_row0: Sequence[int], values, num_experts: int
         seq, srow, tok = where(row)
         raise route_value_error("range" if kind == "range" else "duplicate", seq=seq, row=srow, tok=tok,
                                 layer=layer_ids[col], values=values(row, col), num_experts=num_experts,
-                                total=total)
+                                total=total, lowest=lowest)
+    warn_if_no_expert_zero(lowest, sum(f.ids for f in findings), num_experts)
 
 
 def check_routes(routes: torch.Tensor, valid: torch.Tensor, num_experts: int,
@@ -95,10 +129,13 @@ def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: 
                         layer_ids: Sequence[int], offsets: torch.Tensor, starts: Sequence[int]) -> None:
     """Device tensors: the same checks in torch (a sort of the rows on the device)."""
     on_rows = valid[:, None].to(routes.device)
-    lo, hi = int(routes.min()), int(routes.max())
+    wide = routes.to(torch.int64) if routes.dtype in (torch.uint16, torch.uint32, torch.uint64) else routes
+    lo, hi = int(wide.min()), int(wide.max())
     if lo < 0 or hi >= num_experts:
         _raise_first("range", ((routes < 0) | (routes >= num_experts)).any(-1) & on_rows, routes, num_experts,
-                     layer_ids, offsets, starts)
+                     layer_ids, offsets, starts, lowest=lo)
+    if bool(valid.all()):
+        warn_if_no_expert_zero(lo, routes.numel(), num_experts)
     if routes.shape[2] > 1:
         s = routes.sort(dim=-1).values
         _raise_first("duplicate", (s[..., 1:] == s[..., :-1]).any(-1) & on_rows, routes, num_experts, layer_ids,
@@ -106,14 +143,14 @@ def _check_routes_torch(routes: torch.Tensor, valid: torch.Tensor, num_experts: 
 
 
 def _raise_first(kind: str, bad: torch.Tensor, routes: torch.Tensor, num_experts: int, layer_ids: Sequence[int],
-                 offsets: torch.Tensor, starts: Sequence[int]) -> None:
+                 offsets: torch.Tensor, starts: Sequence[int], lowest: Optional[int] = None) -> None:
     """Raise ``kind``'s error at the first (row, layer) of ``bad`` (``[rows, L]``), if any."""
     hits = bad.nonzero()
     if hits.numel():
         r, l = int(hits[0, 0]), int(hits[0, 1])
         seq, row, tok = locate(offsets, starts, r)
         raise route_value_error(kind, seq=seq, row=row, tok=tok, layer=layer_ids[l], values=routes[r, l].tolist(),
-                                num_experts=num_experts, total=int(bad.sum()))
+                                num_experts=num_experts, total=int(bad.sum()), lowest=lowest)
 
 
 # ------------------------------------------------------------------ a read's ids
@@ -137,9 +174,11 @@ def check_read(compact: torch.Tensor, covered: np.ndarray, *, seq: np.ndarray, r
     if rng.any():
         r, c = (int(x) for x in np.argwhere(rng)[0])
         i, j = int(seq[r]), int(row[r])
+        on = torch.from_numpy(np.asarray(covered, dtype=bool)).to(compact.device)
+        low = int(compact[:, on].to(torch.int64).min()) if bool(on.any()) else None   # the error path only
         raise _named(route_value_error("range", seq=i, row=j, tok=starts[i] + j, layer=layer_ids[c],
                                        values=compact[c, r].tolist(), num_experts=num_experts,
-                                       total=int(rng.sum())), names, i, framework)
+                                       total=int(rng.sum()), lowest=low), names, i, framework)
     bad_rows = np.flatnonzero(dup.any(1))
     if bad_rows.size and degenerate == "refuse":
         r = int(bad_rows[0])

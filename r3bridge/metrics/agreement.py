@@ -8,15 +8,62 @@ hook (counts stay on device, one ``[num_layers, 4]`` int64 tensor that can be al
 """
 from __future__ import annotations
 
+import statistics
+import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 from r3bridge.batch.schema import ReplayBatch, ragged_arange
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 
-__all__ = ["topk_sets_equal", "route_agreement", "AgreementReport", "AgreementCounter", "expert_load"]
+__all__ = ["topk_sets_equal", "route_agreement", "AgreementReport", "AgreementCounter", "expert_load",
+           "agreement_canaries"]
+
+# Canaries for silent engine corruptions that keep every shape valid (issue 46): thresholds far
+# from what routing noise gives (bf16 replay of a model's own routes agrees on ~0.97-1.0 of pairs,
+# field notes 12 and 16), so a warning means a different computation, not noise.
+COLLAPSED_AT_MOST = 0.25      # a layer whose agreement fell to this ...
+HOLDING_AT_LEAST = 0.75       # ... while the median of the other layers holds this
+PROMPT_FAR_WORSE = 4.0        # prompt rows differing this many times as often as generated rows ...
+PROMPT_DIFFERING_AT_LEAST = 0.5   # ... and on at least half the prompt rows
+CANARY_MIN_ROWS = 32          # rows a fraction needs before it is read
+
+
+def agreement_canaries(per_layer: Mapping[int, tuple[int, int]], *,
+                       prompt: Optional[tuple[int, int]] = None,
+                       generated: Optional[tuple[int, int]] = None) -> list[str]:
+    """Warnings naming the likely cause of two patterns routing noise does not make, from counts
+    already computed (no pass over tokens): ``per_layer`` ``{layer id: (agreeing, compared)}``;
+    ``prompt`` / ``generated``: ``(rows differing in any layer, rows compared)`` of prompt rows and
+    of generated rows.
+
+    * one layer near 0 while the others hold: that layer's rollout routes came from another
+      computation, typically a speculative-decoding draft model writing its own layer into the
+      capture (vLLM #48622, SGLang #26980);
+    * prompt rows disagreeing far more than generated rows: the prompt was never run forward where
+      its routes were captured (prefill / decode disaggregation or a KV connector, llm-d-router #1473).
+    """
+    out = []
+    frac = {lid: a / c for lid, (a, c) in per_layer.items() if c >= CANARY_MIN_ROWS}
+    if len(frac) >= 2:
+        for lid, f in frac.items():
+            others = statistics.median(v for k, v in frac.items() if k != lid)
+            if f <= COLLAPSED_AT_MOST and others >= HOLDING_AT_LEAST:
+                out.append(f"route agreement of layer {lid} collapsed to {f:.3f} while the other layers hold "
+                           f"{others:.3f} (median): that layer's rollout routes came from another computation, most "
+                           f"likely a speculative-decoding draft model writing its layer {lid} into the routes capture "
+                           f"(vLLM #48622 before 0.26.0, SGLang #26980 before 0.5.15), or that layer's ids are mapped "
+                           f"to the wrong layer")
+    if prompt and generated and prompt[1] >= CANARY_MIN_ROWS and generated[1] >= CANARY_MIN_ROWS:
+        p, g = prompt[0] / prompt[1], generated[0] / generated[1]
+        if p >= PROMPT_DIFFERING_AT_LEAST and p >= PROMPT_FAR_WORSE * g:
+            out.append(f"prompt rows differ from the trainer's routes on {p:.3f} of {prompt[1]} rows, generated rows "
+                       f"on {g:.3f} of {generated[1]}: the prompt's routes were not computed where they were "
+                       f"captured, most likely prefill / decode disaggregation or a KV connector serving the prompt's "
+                       f"KV cache (llm-d-router #1473: the prompt rows hold a stale buffer); R3 must not replay them")
+    return out
 
 
 def _nan_div(num: float, den: float) -> float:
@@ -50,6 +97,21 @@ class AgreementReport:
     rows_valid_only_other: int = 0      # in the overlap, valid in other only
     layers_only_reference: tuple[int, ...] = ()
     layers_only_other: tuple[int, ...] = ()
+    # with route_agreement(prompt_lens=...): compared rows of prompt tokens / of generated tokens,
+    # and how many of each differ in any layer
+    prompt_rows_compared: int = 0
+    prompt_rows_differing: int = 0
+    generated_rows_compared: int = 0
+    generated_rows_differing: int = 0
+
+    def canaries(self) -> list[str]:
+        """:func:`agreement_canaries` of this report (prompt vs generated only when
+        ``prompt_lens`` was given)."""
+        split = self.prompt_rows_compared + self.generated_rows_compared > 0
+        return agreement_canaries(
+            {lid: (a, self.rows_compared) for lid, a in zip(self.layer_ids, self.agree)},
+            prompt=(self.prompt_rows_differing, self.prompt_rows_compared) if split else None,
+            generated=(self.generated_rows_differing, self.generated_rows_compared) if split else None)
 
     @property
     def per_layer(self) -> dict[int, float]:
@@ -77,7 +139,8 @@ class AgreementReport:
         return out
 
 
-def route_agreement(reference: ReplayBatch, other: ReplayBatch) -> AgreementReport:
+def route_agreement(reference: ReplayBatch, other: ReplayBatch, *, prompt_lens: Optional[Sequence[int]] = None,
+                    warn: bool = True) -> AgreementReport:
     """Per-layer top-k set agreement of two route sets over the same sequences.
 
     Sequence ``i`` of both batches is the same sample; rows are matched by token position
@@ -85,6 +148,8 @@ def route_agreement(reference: ReplayBatch, other: ReplayBatch) -> AgreementRepo
     the prompt offset vs routes recorded from token 0) are compared on their overlap. A row counts
     when it is valid in both. Layers are the intersection of both batches' ``layer_ids``.
     Raises when the sequence counts, ``num_experts`` or ``topk`` differ, or no layer is shared.
+    ``prompt_lens`` (one per sequence): rows of tokens before it are prompt rows, counted apart from
+    generated rows. ``warn``: emit :meth:`AgreementReport.canaries` as warnings.
     """
     if reference.num_seqs != other.num_seqs:
         raise CoverageError(f"route_agreement: reference has {reference.num_seqs} sequences, "
@@ -119,7 +184,18 @@ def route_agreement(reference: ReplayBatch, other: ReplayBatch) -> AgreementRepo
     rb = b.routes.to(dev)[ib][both]
     eq = topk_sets_equal(ra, rb)                                   # [rows, L]
     agree = eq.sum(0).tolist() if eq.numel() else [0] * len(layers)
-    return AgreementReport(
+    split = {}
+    if prompt_lens is not None:
+        if len(prompt_lens) != a.num_seqs:
+            raise CoverageError(f"route_agreement: {len(prompt_lens)} prompt_lens for {a.num_seqs} sequences")
+        seq = torch.repeat_interleave(torch.arange(a.num_seqs), n)
+        pos = ragged_arange(lo, n)                                   # token position of each overlap row
+        is_prompt = (pos < torch.as_tensor([int(p) for p in prompt_lens], dtype=torch.int64)[seq]).to(dev)[both]
+        differ = (~eq).any(1) if eq.numel() else torch.zeros(0, dtype=torch.bool, device=dev)
+        split = dict(prompt_rows_compared=int(is_prompt.sum()), prompt_rows_differing=int((differ & is_prompt).sum()),
+                     generated_rows_compared=int((~is_prompt).sum()),
+                     generated_rows_differing=int((differ & ~is_prompt).sum()))
+    report = AgreementReport(
         layer_ids=tuple(layers),
         agree=tuple(int(x) for x in agree),
         rows_compared=int(both.sum()),
@@ -129,7 +205,12 @@ def route_agreement(reference: ReplayBatch, other: ReplayBatch) -> AgreementRepo
         rows_valid_only_other=int((vb & ~va).sum()),
         layers_only_reference=tuple(x for x in reference.layer_ids if x not in other_ids),
         layers_only_other=tuple(x for x in other.layer_ids if x not in ref_ids),
+        **split,
     )
+    if warn:
+        for message in report.canaries():
+            warnings.warn(message, stacklevel=2)
+    return report
 
 
 class AgreementCounter:
@@ -253,6 +334,9 @@ class AgreementCounter:
         * ``replayed_rows``, ``native_rows``  sums over layers ((row, layer) pairs)
         """
         t = self.totals()
+        # the layer-collapse canary, from the counts already on the host
+        for message in agreement_canaries({lid: (a, c) for lid, a, c in zip(self.layer_ids, t["agree"], t["compared"])}):
+            warnings.warn(message, stacklevel=2)
         agree, comp = sum(t["agree"]), sum(t["compared"])
         rep, nat = sum(t["replayed"]), sum(t["native"])
         out = {f"{prefix}agreement/mean": _nan_div(agree, comp)}

@@ -39,7 +39,8 @@ download_set() {  # download_set SET DEST
       python3 -m pip wheel -q --no-deps -w "$dest" "${spec#build:}" 2>&1 | grep -v -e '^WARNING: Location' || true; continue; fi
     python3 -m pip download -q --no-deps --python-version 3.12 --implementation cp --only-binary=:all: \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d "$dest" "$spec" 2>&1 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
+      --platform manylinux_2_34_x86_64 -d "$dest" "$spec" 2>&1 \
       | grep -v -e '^WARNING: Location' -e '^$' || true
     ls "$dest" | grep -qi "^$(echo "${spec%%==*}" | tr '-' '_' | tr 'A-Z' 'a-z')-\|^${spec%%==*}-" \
       || { echo "bundle: no wheel for $spec (set $set)" >&2; exit 1; }

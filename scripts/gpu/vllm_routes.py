@@ -35,7 +35,7 @@ VLLM_USE_FLASHINFER_SAMPLER=0 && timeout 240 python scripts/gpu/vllm_smoke.py --
 timeout 300 python scripts/gpu/vllm_routes.py --out $OUT/vllm``. Then, here, copy the ``.npz`` files into
 ``tests/fixtures/vllm/`` and run ``tests/engine/test_vllm_payloads.py``. Results:
 docs/gpu-results/vllm_h100_2026-11-27/.
-``--engine sglang`` is not available: SGLang does not fit the device (scripts/gpu/wheels/sglang.txt).
+SGLang's counterpart is ``scripts/gpu/sglang_routes.py`` (SGLang 0.5.12 ran on the device, 2026-11-29).
 """
 from __future__ import annotations
 
@@ -248,8 +248,11 @@ def build_trainer(cfg: Any, state: dict, ctx: Any) -> list:
     return [c.to("cuda", dtype=torch.bfloat16) for c in chunks]
 
 
-def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any], device: str = "cuda") -> None:
-    """Native pass (agreement reported) and R3 forward-only pass (every router row checked)."""
+def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any], device: str = "cuda",
+                thd: bool = True) -> None:
+    """Native pass (agreement reported) and R3 forward-only pass (every router row checked).
+    ``thd``: packed sequences (TE attention); ``False`` for megatron-core's local attention (the CPU),
+    which takes no packed-sequence parameters."""
     from replay_grid import _check_probe, _install_step
 
     from r3bridge.demo.hf_to_mcore import packed_from_tokens
@@ -269,7 +272,7 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
     ids = {id(batch): list(range(len(case.tokens)))}
     layers = list(rep.layer_ids)
     out["replayer_layers"] = layers
-    fwd = make_forward_step(ctx, thd=True)
+    fwd = make_forward_step(ctx, thd=thd)
 
     def checked(action: str, source: Optional[str], route_map: dict) -> tuple[dict, list[str]]:
         for c in chunks:
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/r3b-vllm-routes")
     ap.add_argument("--gpu-mem", type=float, default=0.15)
     ap.add_argument("--engine", choices=("vllm",), default="vllm",
-                    help="SGLang 0.5.12 does not fit the device (docs/gpu.md, 'SGLang'): vllm only")
+                    help="vllm only; SGLang: scripts/gpu/sglang_routes.py")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
