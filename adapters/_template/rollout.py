@@ -8,6 +8,11 @@ raise). Never concatenate or overwrite. vLLM payloads in any transport:
 then ``r3bridge.stitch``. An aborted call returned no routes (``None``): it is left out, and a
 sample with no routes at all gets no rows (every token invalid: routed natively), with the
 model's top-k.
+
+Routes by reference (``r3bridge.route_transport: handles``, docs/route-handles.md):
+:meth:`TemplateRollout.handles_from_rollout` writes each sample's stitched routes once to a
+:class:`r3bridge.handles.RouteStore` and returns one small handle per sample, what your
+framework's batch field carries instead of the route bytes.
 """
 from __future__ import annotations
 
@@ -46,3 +51,10 @@ class TemplateRollout:
             per_sample.append(rollout_routes([[c for c, _ in kept]], num_experts=self.num_experts,
                                              moe_layer_ids=self.moe_layer_ids, start_rows=[[s for _, s in kept]]))
         return ReplayBatch.concat(per_sample)
+
+    def handles_from_rollout(self, engine_outputs: Sequence[Sequence[Any]], store: Any, samples: Sequence[str], *,
+                             step: int, start_rows: Optional[Sequence[Sequence[int]]] = None) -> list:
+        """:meth:`routes_from_rollout`, each sample's stitched routes written once to ``store`` (a
+        :class:`r3bridge.handles.RouteStore`) for RL step ``step`` under ``samples[i]`` (your
+        framework's sample id): one :class:`r3bridge.handles.RouteHandle` per sample, batch order."""
+        return store.put_batch(self.routes_from_rollout(engine_outputs, start_rows), samples, step=step)
