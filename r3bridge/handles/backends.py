@@ -187,8 +187,10 @@ def _layer(handle: RouteHandle, position: int, raw: Any) -> np.ndarray:
 class RayRoutes:
     """Ray's object store: one object per layer (``ray.put`` of a ``[rows, K]`` array: a stage
     ``ray.get``s its layers only, zero-copy on the node that holds them) and one index object (the
-    digest table and the layers' references; the handle holds its reference). The writer keeps the
-    references until :meth:`delete` (the step's release) drops them."""
+    digest table and the layers' references; the handle holds its reference). Ray counts references:
+    :meth:`delete` (the step's release) drops the writer's, and Ray frees the objects once the
+    last handle (the step's batch) is dropped too; a later step never reads them (the reader
+    refuses a handle of another step)."""
 
     def __init__(self, *, name: str = "ray") -> None:
         import ray  # lazily: only jobs that store routes in Ray need it

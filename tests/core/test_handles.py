@@ -229,3 +229,38 @@ def test_lifetime_release_and_foreign_handles(tmp_path):
         kept_handles = _put(kept, samples, step=1)
     got = read_rank_targets(kept_handles, resolvers, layout, lens, run_id=kept.run_id, step=1)
     _same(got, r3bridge.shard(_batch(samples), layout, lens))
+
+
+def test_ray_object_store(tmp_path):
+    """Routes in Ray's object store: one object per layer, a stage fetches only its layers; a
+    handle whose digest does not match what Ray holds is refused; a released step's handles are
+    refused by a later step's read (Ray frees the objects when the last handle is dropped)."""
+    import dataclasses
+
+    import ray
+
+    from r3bridge.handles import RayRoutes
+
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
+             configure_logging=False)
+    try:
+        samples = _samples(5)
+        lens = [s[2] for s in samples]
+        store = RouteStore(RayRoutes(), block_rows=16)
+        handles = _put(store, samples, step=2)
+        assert len(pickle.dumps(handles[0])) < 800
+        handles = pickle.loads(pickle.dumps(handles))          # as they travel in a batch
+        resolvers = {"ray": store.backend}
+        layout = r3bridge.ParallelLayout(NUM_LAYERS, MOE, tp=2, cp=2, pp=2)
+        rb = _batch(samples)
+        for ranks in _ranks(layout):
+            got = read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=2, **ranks)
+            _same(got, r3bridge.shard(rb, layout, lens, **ranks))
+        forged = [dataclasses.replace(handles[0], digest=handles[0].digest ^ 1)] + handles[1:]
+        with pytest.raises(RouteHandleError, match=r"sample 's0'.*digest table does not match"):
+            read_rank_targets(forged, resolvers, layout, lens, run_id=store.run_id, step=2)
+        store.release(2)
+        with pytest.raises(RouteHandleError, match=r"sample 's0'.*step 3"):
+            read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=3)
+    finally:
+        ray.shutdown()
