@@ -264,3 +264,13 @@ def test_ray_object_store(tmp_path):
             read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=3)
     finally:
         ray.shutdown()
+
+
+def test_route_transport_setting():
+    from r3bridge.config import ReplayConfig
+    from r3bridge.errors import ConfigError
+
+    assert ReplayConfig().route_transport == "inline"                       # off by default
+    assert ReplayConfig.from_mapping({"route_transport": "handles"}).route_transport == "handles"
+    with pytest.raises(ConfigError, match="route_transport must be one of inline, handles, got 'bytes'"):
+        ReplayConfig(route_transport="bytes")
