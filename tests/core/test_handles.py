@@ -274,3 +274,26 @@ def test_route_transport_setting():
     assert ReplayConfig.from_mapping({"route_transport": "handles"}).route_transport == "handles"
     with pytest.raises(ConfigError, match="route_transport must be one of inline, handles, got 'bytes'"):
         ReplayConfig(route_transport="bytes")
+
+
+def test_recorded_routes_by_reference_and_flat_over_steps(tmp_path):
+    """R2's recorded routes are stored the same way (route kind kept, read back as shard reads
+    them); over many steps each released step leaves nothing behind."""
+    samples = _samples(6)
+    lens = [s[2] for s in samples]
+    recorded = r3bridge.ReplayBatch.from_ragged([s[0] for s in samples], num_experts=E, layer_ids=MOE_IDS,
+                                                start_rows=[s[1] for s in samples], route_kind="recorded")
+    layout = r3bridge.ParallelLayout(NUM_LAYERS, MOE, tp=2, cp=2, pp=2)
+    store = _store(tmp_path, "files", block_rows=8)
+    root = tmp_path / "routes"
+    for step in range(60):
+        with store.step(step):
+            handles = store.put_batch(recorded, [f"s{i}" for i in range(len(samples))], step=step)
+            assert {h.route_kind for h in handles} == {"recorded"}
+            if step % 20 == 0:
+                for ranks in _ranks(layout):
+                    got = read_rank_targets(handles, {"files": store.backend}, layout, lens, run_id=store.run_id,
+                                            step=step, **ranks)
+                    _same(got, r3bridge.shard(recorded, layout, lens, **ranks))
+        assert store.live_steps() == [] and store.live_bytes() == 0
+        assert not any(root.rglob("*.routes")) and not any(root.rglob("*.part"))
