@@ -162,10 +162,13 @@ def read_rank_targets(handles: Sequence[RouteHandle], resolvers: Mapping[str, Ro
     # one buffer per sample, layer-major, of which only this rank's rows are written: pages never
     # written are never committed, so a rank holds about its share of the routes
     buffers = [np.empty((len(want), r, k), dtype=h.dtype) for h, r in zip(handles, rows)]
-    routes = HandedRoutes(rows, starts, tuple(want), None, num_experts, k, "none",
-                          handles[0].route_kind if handles else "rollout", False, "handles",
-                          arrays=[b.transpose(1, 0, 2) for b in buffers], names=[h.sample for h in handles],
-                          framework=framework, _captured=np.array([h.rows for h in handles], dtype=np.int64))
+    # every row of the span is a route up to the handle's stored rows (the captured range, given:
+    # nothing is read to find it); the rows are checked where they go, as any engine's are
+    routes = HandedRoutes(rows=rows, starts=starts, layer_ids=tuple(want), columns=None, num_experts=num_experts,
+                          topk=k, no_route="none", route_kind=handles[0].route_kind if handles else "rollout",
+                          trusted=False, form="handles", arrays=[b.transpose(1, 0, 2) for b in buffers],
+                          names=[h.sample for h in handles], framework=framework,
+                          _captured=np.array([h.rows for h in handles], dtype=np.int64))
     rank_rows = RankRows.build(layout, lens, tp_rank=tp_rank, cp_rank=cp_rank, format=format,
                                cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length).cover(routes)
     if want:
