@@ -297,3 +297,23 @@ def test_recorded_routes_by_reference_and_flat_over_steps(tmp_path):
                     _same(got, r3bridge.shard(recorded, layout, lens, **ranks))
         assert store.live_steps() == [] and store.live_bytes() == 0
         assert not any(root.rglob("*.routes")) and not any(root.rglob("*.part"))
+
+
+@pytest.mark.parametrize("read", [dict(format="bshd", seq_length=96), dict(cu_seqlens_padded="trainer")],
+                         ids=["bshd", "cu_seqlens_padded"])
+def test_rank_read_follows_the_trainers_packing(tmp_path, read):
+    """The trainer's own packing (BSHD, or THD with its padded cu_seqlens) reaches the handles' read
+    as it reaches shard."""
+    layout = r3bridge.ParallelLayout(NUM_LAYERS, MOE, tp=2, cp=2, pp=2)
+    samples = _samples(9)
+    lens = [s[2] for s in samples]
+    if read.get("cu_seqlens_padded") == "trainer":      # each sequence padded to 16 (more than tp * cp * 2)
+        padded = [-(-n // 16) * 16 for n in lens]
+        read = dict(cu_seqlens_padded=np.concatenate([[0], np.cumsum(padded)]).tolist())
+    store = _store(tmp_path, "files", block_rows=8)
+    handles = _put(store, samples)
+    rb = _batch(samples)
+    for ranks in _ranks(layout):
+        got = read_rank_targets(handles, {"files": store.backend}, layout, lens, run_id=store.run_id, step=0,
+                                **read, **ranks)
+        _same(got, r3bridge.shard(rb, layout, lens, **read, **ranks))
