@@ -8,7 +8,8 @@ stage's layers, every byte read checked against its digest (docs/route-handles.m
 * ``backends`` - the resolver protocol and the stores: :class:`FileRoutes`, :class:`RayRoutes`,
   :class:`KeyValueRoutes` (the plug point for external stores)
 * ``store``    - :class:`RouteStore`: the writer, and the lifetime (released per RL step)
-* ``read``     - :func:`read_rank_targets` (one micro-batch, one rank) and :func:`resolve` (one handle)
+* ``read``     - :func:`handed_routes` (a micro-batch's handles as the one reader's ``HandedRoutes``: what an
+  adapter hands the driver), :func:`read_rank_targets` (one micro-batch, one rank), :func:`resolve` (one handle)
 """
 from r3bridge.handles.backends import (
     FileRoutes,
@@ -21,9 +22,9 @@ from r3bridge.handles.backends import (
     RouteResolver,
 )
 from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError
-from r3bridge.handles.read import HandleReads, read_rank_targets, resolve
+from r3bridge.handles.read import HandleReads, handed_routes, read_rank_targets, resolve
 from r3bridge.handles.store import RouteStore
 
 __all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "RouteResolver", "RouteBackend", "OpenRoutes",
            "FileRoutes", "RayRoutes", "KeyValueRoutes", "KeyValueStore", "LocalKeyValue", "RouteStore",
-           "HandleReads", "read_rank_targets", "resolve"]
+           "HandleReads", "handed_routes", "read_rank_targets", "resolve"]
