@@ -96,14 +96,18 @@ class _OpenFile:
             raise RouteHandleError(f"{handle.where()}: {path} is not an r3bridge route file")
         self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * 4],
                                    dtype=np.uint32).reshape(handle.num_layers, handle.num_blocks)
-        self._data = (np.memmap(path, dtype=np.dtype(handle.dtype), mode="r", offset=d0, shape=shape)
-                      if handle.nbytes else np.zeros(shape, dtype=handle.dtype))
+        self._path, self._offset, self._shape, self._dtype = path, d0, shape, np.dtype(handle.dtype)
 
     def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        # mapped per read and held only by what the read returns: an opened handle holds no file
+        # descriptor (a pass keeps every micro-batch's handles; a mapping holds a descriptor)
+        if not all(self._shape):
+            return np.zeros(self._shape, dtype=self._dtype)[list(layer_positions), lo:hi]
+        data = np.memmap(self._path, dtype=self._dtype, mode="r", offset=self._offset, shape=self._shape)
         pos = [int(p) for p in layer_positions]
         if pos and pos == list(range(pos[0], pos[0] + len(pos))):
-            return self._data[pos[0]:pos[0] + len(pos), lo:hi]          # a view of the mapping
-        return self._data[pos, lo:hi]
+            return data[pos[0]:pos[0] + len(pos), lo:hi]          # a view of the mapping
+        return data[pos, lo:hi]
 
 
 class FileRoutes:

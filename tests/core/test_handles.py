@@ -317,3 +317,26 @@ def test_rank_read_follows_the_trainers_packing(tmp_path, read):
         got = read_rank_targets(handles, {"files": store.backend}, layout, lens, run_id=store.run_id, step=0,
                                 **read, **ranks)
         _same(got, r3bridge.shard(rb, layout, lens, **read, **ranks))
+
+
+def test_opened_handles_hold_no_file_descriptor(tmp_path):
+    """A pass keeps every micro-batch's handed routes until it ends: an opened handle must not hold
+    a file (or a mapping's descriptor) open."""
+    from r3bridge.handles import handed_routes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    samples = _samples(11, n=12)
+    lens = [s[2] for s in samples]
+    layout = r3bridge.ParallelLayout(NUM_LAYERS, MOE)
+    store = _store(tmp_path, "files")
+    handles = _put(store, samples)
+    fds = len(os.listdir("/proc/self/fd"))
+    kept = []
+    for _ in range(3):
+        routes = handed_routes(handles, {"files": store.backend}, lens, run_id=store.run_id, step=0)
+        rows = RankRows.build(layout, lens, tp_rank=0, cp_rank=0).cover(routes)
+        got = read_targets(routes, rows, MOE_IDS)
+        kept.append(routes)
+    _same(got, r3bridge.shard(_batch(samples), layout, lens))
+    assert len(os.listdir("/proc/self/fd")) == fds
