@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,19 +161,19 @@ def test_missing_truncated_or_altered_routes_fail_closed(tmp_path, kind):
     victim = handles[2]
     pos = victim.layer_ids.index(stage1[0])
     if kind == "files":
-        path = store.backend.path(victim.key)
-        raw = bytearray(open(path, "rb").read())
+        path = Path(store.backend.path(victim.key))
+        raw = bytearray(path.read_bytes())
         data0 = len(raw) - victim.nbytes
         layer0 = data0 + victim.layer_ids.index(MOE_IDS[0]) * victim.rows * K   # a layer stage 1 never reads
         raw[layer0] ^= 1
-        open(path, "wb").write(bytes(raw))
+        path.write_bytes(bytes(raw))
         read()                                       # an unread block changed: nothing read is wrong
         raw[layer0] ^= 1
         raw[data0 + pos * victim.rows * K + 5 * K] ^= 1     # layer stage1[0], row 5
-        open(path, "wb").write(bytes(raw))
+        path.write_bytes(bytes(raw))
         with pytest.raises(RouteHandleError, match=rf"sample 's2'.*layer {stage1[0]} rows 0-8 do not match"):
             read()
-        open(path, "wb").write(bytes(raw[:-3]))
+        path.write_bytes(bytes(raw[:-3]))
         with pytest.raises(RouteHandleError, match=r"sample 's2'.*truncated"):
             read()
         os.unlink(path)
