@@ -144,6 +144,28 @@ class FileRoutes:
             raise
         return None
 
+    def remove_stale_runs(self, max_age_s: float, *, keep: Sequence[str] = ()) -> list[str]:
+        """Delete the folders of runs (other than ``keep``) that wrote nothing for ``max_age_s``
+        seconds: what a killed or preempted run left (in ``/dev/shm`` it holds memory until
+        removed; no later run reads it either way). Returns the run ids removed."""
+        import shutil
+        import time
+
+        removed = []
+        if not os.path.isdir(self.directory):
+            return removed
+        now = time.time()
+        for run in sorted(os.listdir(self.directory)):
+            folder = os.path.join(self.directory, run)
+            if run in keep or not os.path.isdir(folder):
+                continue
+            newest = max((os.path.getmtime(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files),
+                         default=os.path.getmtime(folder))
+            if now - newest >= max_age_s:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(urllib.parse.unquote(run))
+        return removed
+
     def delete(self, handle: RouteHandle) -> None:
         path = self.path(handle.key)
         if os.path.exists(path):

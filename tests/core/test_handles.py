@@ -341,3 +341,22 @@ def test_opened_handles_hold_no_file_descriptor(tmp_path):
         kept.append(routes)
     _same(got, r3bridge.shard(_batch(samples), layout, lens))
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_killed_runs_files_are_swept(tmp_path):
+    """A run killed mid-step (no release) leaves its files; a later run never reads them and can
+    sweep them (they hold memory under /dev/shm)."""
+    samples = _samples(12)
+    backend = FileRoutes(str(tmp_path / "routes"))
+    killed = RouteStore(backend)
+    old = _put(killed, samples, step=9)                       # never released: the process died
+    for p in (tmp_path / "routes").rglob("*.routes"):
+        os.utime(p, (1, 1))
+    later = RouteStore(backend)
+    fresh = _put(later, samples, step=0)
+    with pytest.raises(RouteHandleError, match="another run"):
+        read_rank_targets(old, {"files": backend}, r3bridge.ParallelLayout(NUM_LAYERS, MOE), [s[2] for s in samples],
+                          run_id=later.run_id, step=0)
+    assert backend.remove_stale_runs(3600, keep=[later.run_id]) == [killed.run_id]
+    assert not (tmp_path / "routes" / killed.run_id).exists()
+    assert resolve(fresh[0], {"files": backend}).shape == samples[0][0].shape
