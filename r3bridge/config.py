@@ -107,6 +107,10 @@ def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
     return _PLANS[(m, p)]
 
 
+# r3bridge.route_transport: the route bytes in the batch, or a handle per sample (r3bridge/handles/)
+ROUTE_TRANSPORTS = ("inline", "handles")
+
+
 @dataclass
 class ReplayConfig:
     """The ``r3bridge`` section of a job config. ``configs/r3bridge.yaml`` mirrors these defaults
@@ -180,6 +184,11 @@ class ReplayConfig:
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
     # set it when the engine runs elsewhere (when neither tells, such settings are refused).
     engine_version: Optional[str] = None
+    # How rollout routes reach the trainer's ranks (docs/route-handles.md): "inline" (the route bytes
+    # in the framework's batch field, as each framework moves them) or "handles" (each sample's
+    # routes written once to a store, the field carries a small r3bridge.handles.RouteHandle, and
+    # each rank reads only its rows of its stage's layers).
+    route_transport: str = "inline"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -202,6 +211,8 @@ class ReplayConfig:
                 or self.stall_warning_s < 0:
             raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
         check_engine_version_setting(self.engine_version)
+        if self.route_transport not in ROUTE_TRANSPORTS:
+            raise ConfigError(f"route_transport must be one of {', '.join(ROUTE_TRANSPORTS)}, got {self.route_transport!r}")
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

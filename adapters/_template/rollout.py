@@ -10,10 +10,15 @@ per call, then ``r3bridge.stitch``. An aborted call returned no routes (``None``
 and a sample with no routes at all gets no rows (every token invalid: routed natively), with the
 model's top-k. Where a sample's routes and log-probs came from:
 :func:`r3bridge.rollout.provenance.first_seen_provenance`, fed by the engine format's reader.
+
+Routes by reference (``r3bridge.route_transport: handles``, docs/route-handles.md):
+:meth:`TemplateRollout.handles_from_rollout` writes each sample's stitched routes once to a
+:class:`r3bridge.handles.RouteStore` and returns one small handle per sample, what your
+framework's batch field carries instead of the route bytes.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 from r3bridge.rollout.capture import StitchedRollout
 
@@ -28,3 +33,10 @@ class TemplateRollout(StitchedRollout):
 
     def __init__(self, *, num_experts: int, moe_layer_ids: Sequence[int], topk: int) -> None:
         super().__init__(num_experts=num_experts, moe_layer_ids=moe_layer_ids, topk=topk)
+
+    def handles_from_rollout(self, engine_outputs: Sequence[Sequence[Any]], store: Any, samples: Sequence[str], *,
+                             step: int, start_rows: Optional[Sequence[Sequence[int]]] = None) -> list:
+        """:meth:`routes_from_rollout`, each sample's stitched routes written once to ``store`` (a
+        :class:`r3bridge.handles.RouteStore`) for RL step ``step`` under ``samples[i]`` (your
+        framework's sample id): one :class:`r3bridge.handles.RouteHandle` per sample, batch order."""
+        return store.put_batch(self.routes_from_rollout(engine_outputs, start_rows), samples, step=step)

@@ -1,0 +1,318 @@
+"""Where route bytes live: the resolver protocol (the reader's side) and the stores that implement it.
+
+A **resolver** opens a handle (:meth:`RouteResolver.open`: its digest table, checked by the reader
+against the handle's digest) and reads rows ``[lo, hi)`` of some of its layers, layer-major
+``[nl, hi - lo, K]`` in the handle's dtype. A **backend** is a resolver that can also write and
+delete (:class:`r3bridge.handles.RouteStore` writes through one). Resolvers are held by whoever
+reads (the session passes a mapping store name -> resolver to the reader): nothing is registered
+on a class.
+
+* :class:`FileRoutes` - one file per sample under a directory, memory-mapped on read: a rank's
+  rows of a stage's layers are the only pages it touches. Node-local disk, a shared file system, or
+  shared memory (``/dev/shm/...``).
+* :class:`RayRoutes` - Ray's object store: one object per layer (Ray cannot read a slice of a
+  remote object, so a stage fetches its layers only) and a small index object (the digest table and
+  the layers' references); the handle holds the index's reference.
+* :class:`KeyValueRoutes` - the plug point for an external store (vLLM's Mooncake keys, a Redis, a
+  framework's own store): any object with ``put(key, bytes)``, ``get(key) -> bytes | None`` and
+  ``remove(key)``; one value per layer and one for the digest table. :class:`LocalKeyValue` is a
+  process-local one (single-process jobs, tests).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from r3bridge.handles.handle import RouteHandle, RouteHandleError
+
+__all__ = ["RouteResolver", "RouteBackend", "OpenRoutes", "FileRoutes", "RayRoutes", "KeyValueRoutes",
+           "KeyValueStore", "LocalKeyValue"]
+
+
+class OpenRoutes(Protocol):
+    """One handle's routes, opened: ``table`` (uint32 ``[L, blocks]``, as stored) and ``read``."""
+
+    table: np.ndarray
+
+    def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of the layers at ``layer_positions`` (of ``handle.layer_ids``),
+        ``[nl, hi - lo, K]`` in the handle's dtype (a view of the store where it can be)."""
+        ...
+
+
+@runtime_checkable
+class RouteResolver(Protocol):
+    """The reader's side of a store: ``name`` (what handles' ``store`` says) and ``open``."""
+
+    name: str
+
+    def open(self, handle: RouteHandle) -> OpenRoutes: ...
+
+
+@runtime_checkable
+class RouteBackend(RouteResolver, Protocol):
+    """A resolver that also stores (``write`` returns the reference the handle keeps, or None) and deletes."""
+
+    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> Optional[Any]: ...
+
+    def delete(self, handle: RouteHandle) -> None: ...
+
+
+def _missing(handle: RouteHandle, what: str) -> RouteHandleError:
+    return RouteHandleError(f"{handle.where()}: {what} (missing objects fail closed: the routes were released, "
+                            f"never written, or written by another run)")
+
+
+# ---------------------------------------------------------------------- files (memory-mapped)
+_MAGIC = b"R3RH0001"
+_ALIGN = 64
+
+
+def _layout(handle: RouteHandle) -> tuple[int, int, int]:
+    """(table offset, data offset, file size) of a handle's file."""
+    table_bytes = handle.num_layers * handle.num_blocks * 4
+    data = -(-(len(_MAGIC) + table_bytes) // _ALIGN) * _ALIGN
+    return len(_MAGIC), data, data + handle.nbytes
+
+
+class _OpenFile:
+    def __init__(self, handle: RouteHandle, path: str) -> None:
+        t0, d0, size = _layout(handle)
+        try:
+            actual = os.path.getsize(path)
+        except OSError as e:
+            raise _missing(handle, f"no route file {path}") from e
+        if actual != size:
+            raise RouteHandleError(f"{handle.where()}: route file {path} has {actual} bytes, the handle's shape "
+                                   f"needs {size} (truncated or written for another shape)")
+        shape = (handle.num_layers, handle.rows, handle.topk)
+        with open(path, "rb") as f:
+            head = f.read(d0)
+        if head[:t0] != _MAGIC:
+            raise RouteHandleError(f"{handle.where()}: {path} is not an r3bridge route file")
+        self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * 4],
+                                   dtype=np.uint32).reshape(handle.num_layers, handle.num_blocks)
+        self._path, self._offset, self._shape, self._dtype = path, d0, shape, np.dtype(handle.dtype)
+
+    def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        # mapped per read and held only by what the read returns: an opened handle holds no file
+        # descriptor (a pass keeps every micro-batch's handles; a mapping holds a descriptor)
+        if not all(self._shape):
+            return np.zeros(self._shape, dtype=self._dtype)[list(layer_positions), lo:hi]
+        data = np.memmap(self._path, dtype=self._dtype, mode="r", offset=self._offset, shape=self._shape)
+        pos = [int(p) for p in layer_positions]
+        if pos and pos == list(range(pos[0], pos[0] + len(pos))):
+            return data[pos[0]:pos[0] + len(pos), lo:hi]          # a view of the mapping
+        return data[pos, lo:hi]
+
+
+class FileRoutes:
+    """Route files under ``directory`` (``<run>/<step>/<sample>.routes``), memory-mapped on read.
+    Written to a temporary name and renamed: a crash mid-write leaves no file a reader could take.
+    Shared memory: ``FileRoutes("/dev/shm/r3bridge-routes")``."""
+
+    def __init__(self, directory: str, *, name: str = "files") -> None:
+        self.directory = os.path.abspath(directory)
+        self.name = name
+
+    def path(self, key: str) -> str:
+        parts = [urllib.parse.quote(p, safe="") for p in key.split("/")]
+        return os.path.join(self.directory, *parts) + ".routes"
+
+    def open(self, handle: RouteHandle) -> _OpenFile:
+        return _OpenFile(handle, self.path(handle.key))
+
+    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> None:
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        head = _MAGIC + np.ascontiguousarray(table, dtype=np.uint32).tobytes()
+        head += b"\0" * (-(-len(head) // _ALIGN) * _ALIGN - len(head))
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(head)
+                if layer_major.size:
+                    f.write(memoryview(np.ascontiguousarray(layer_major).reshape(-1)).cast("B"))
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return None
+
+    def remove_stale_runs(self, max_age_s: float, *, keep: Sequence[str] = ()) -> list[str]:
+        """Delete the folders of runs (other than ``keep``) that wrote nothing for ``max_age_s``
+        seconds: what a killed or preempted run left (in ``/dev/shm`` it holds memory until
+        removed; no later run reads it either way). Returns the run ids removed."""
+        import shutil
+        import time
+
+        removed = []
+        if not os.path.isdir(self.directory):
+            return removed
+        now = time.time()
+        for run in sorted(os.listdir(self.directory)):
+            folder = os.path.join(self.directory, run)
+            if run in keep or not os.path.isdir(folder):
+                continue
+            newest = max((os.path.getmtime(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files),
+                         default=os.path.getmtime(folder))
+            if now - newest >= max_age_s:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(urllib.parse.unquote(run))
+        return removed
+
+    def delete(self, handle: RouteHandle) -> None:
+        path = self.path(handle.key)
+        if os.path.exists(path):
+            os.unlink(path)
+        folder = os.path.dirname(path)            # the step's folder, once empty
+        while folder.startswith(self.directory + os.sep):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+
+
+# ---------------------------------------------------------------------- objects (Ray, key-value stores)
+class _OpenObjects:
+    """Per-layer objects: ``fetch(positions)`` returns each layer's ``[rows, K]`` array."""
+
+    def __init__(self, table: np.ndarray, fetch: Any) -> None:
+        self.table = table
+        self._fetch = fetch
+
+    def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        layers = self._fetch([int(p) for p in layer_positions])
+        return np.stack([a[lo:hi] for a in layers]) if layers else np.zeros((0, hi - lo, 0))
+
+
+def _table(handle: RouteHandle, raw: Any) -> np.ndarray:
+    table = np.asarray(raw, dtype=np.uint32)
+    if table.size != handle.num_layers * handle.num_blocks:
+        raise RouteHandleError(f"{handle.where()}: digest table of {table.size} entries, the handle's shape needs "
+                               f"{handle.num_layers * handle.num_blocks}")
+    return table.reshape(handle.num_layers, handle.num_blocks)
+
+
+def _layer(handle: RouteHandle, position: int, raw: Any) -> np.ndarray:
+    a = np.frombuffer(raw, dtype=np.dtype(handle.dtype)) if isinstance(raw, (bytes, bytearray, memoryview)) \
+        else np.asarray(raw)
+    if a.size != handle.rows * handle.topk or a.dtype != np.dtype(handle.dtype):
+        raise RouteHandleError(f"{handle.where()}: layer {handle.layer_ids[position]} holds {a.size} ids of "
+                               f"{a.dtype}, the handle says {handle.rows} x {handle.topk} of {handle.dtype} "
+                               f"(truncated or replaced)")
+    return a.reshape(handle.rows, handle.topk)
+
+
+class RayRoutes:
+    """Ray's object store: one object per layer (``ray.put`` of a ``[rows, K]`` array: a stage
+    ``ray.get``s its layers only, zero-copy on the node that holds them) and one index object (the
+    digest table and the layers' references; the handle holds its reference). Ray counts references:
+    :meth:`delete` (the step's release) drops the writer's, and Ray frees the objects once the
+    last handle (the step's batch) is dropped too; a later step never reads them (the reader
+    refuses a handle of another step)."""
+
+    def __init__(self, *, name: str = "ray") -> None:
+        import ray  # lazily: only jobs that store routes in Ray need it
+
+        self._ray = ray
+        self.name = name
+        self._held: dict[str, tuple[Any, list[Any]]] = {}
+
+    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> Any:
+        refs = [self._ray.put(np.ascontiguousarray(layer_major[j])) for j in range(layer_major.shape[0])]
+        index = self._ray.put((np.ascontiguousarray(table, dtype=np.uint32), refs))
+        self._held[key] = (index, refs)
+        return index
+
+    def open(self, handle: RouteHandle) -> _OpenObjects:
+        if handle.ref is None:
+            raise _missing(handle, "the handle holds no Ray object reference")
+        try:
+            table, refs = self._ray.get(handle.ref, timeout=60)
+        except Exception as e:      # ObjectLostError, OwnerDiedError, GetTimeoutError: all mean "gone"
+            raise _missing(handle, f"Ray could not get its index object ({type(e).__name__}: {e})") from e
+        if len(refs) != handle.num_layers:
+            raise RouteHandleError(f"{handle.where()}: index lists {len(refs)} layers, the handle {handle.num_layers}")
+
+        def fetch(positions: list[int]) -> list[np.ndarray]:
+            try:
+                got = self._ray.get([refs[p] for p in positions], timeout=60)
+            except Exception as e:
+                raise _missing(handle, f"Ray could not get its layer objects ({type(e).__name__}: {e})") from e
+            return [_layer(handle, p, a) for p, a in zip(positions, got)]
+
+        return _OpenObjects(_table(handle, table), fetch)
+
+    def delete(self, handle: RouteHandle) -> None:
+        self._held.pop(handle.key, None)      # the last reference gone: Ray frees the objects
+
+
+class KeyValueStore(Protocol):
+    """What :class:`KeyValueRoutes` needs of an external store."""
+
+    def put(self, key: str, value: bytes) -> Any: ...
+
+    def get(self, key: str) -> Optional[bytes]: ...
+
+    def remove(self, key: str) -> Any: ...
+
+
+class LocalKeyValue:
+    """A process-local :class:`KeyValueStore` (a dict of bytes)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def put(self, key: str, value: bytes) -> None:
+        self.values[key] = bytes(value)
+
+    def get(self, key: str) -> Optional[bytes]:
+        return self.values.get(key)
+
+    def remove(self, key: str) -> None:
+        self.values.pop(key, None)
+
+
+class KeyValueRoutes:
+    """Routes in an external key-value store ``kv``: ``<key>/table`` (the digest table) and
+    ``<key>/layer/<j>`` (layer ``j``'s ``[rows, K]`` bytes). The plug point for stores such as
+    vLLM's Mooncake backend: wrap the store's client in an object with ``put`` / ``get`` / ``remove``
+    and hand this resolver, under the store's ``name``, to the reader."""
+
+    def __init__(self, kv: KeyValueStore, *, name: str = "kv") -> None:
+        self.kv = kv
+        self.name = name
+
+    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> None:
+        for j in range(layer_major.shape[0]):
+            self.kv.put(f"{key}/layer/{j}", np.ascontiguousarray(layer_major[j]).tobytes())
+        self.kv.put(f"{key}/table", np.ascontiguousarray(table, dtype=np.uint32).tobytes())
+        return None
+
+    def open(self, handle: RouteHandle) -> _OpenObjects:
+        raw = self.kv.get(f"{handle.key}/table")
+        if raw is None:
+            raise _missing(handle, f"no value under {handle.key}/table in store {self.name!r}")
+
+        def fetch(positions: list[int]) -> list[np.ndarray]:
+            out = []
+            for p in positions:
+                value = self.kv.get(f"{handle.key}/layer/{p}")
+                if value is None:
+                    raise _missing(handle, f"no value under {handle.key}/layer/{p} (layer {handle.layer_ids[p]})")
+                out.append(_layer(handle, p, value))
+            return out
+
+        return _OpenObjects(_table(handle, np.frombuffer(raw, dtype=np.uint32)), fetch)
+
+    def delete(self, handle: RouteHandle) -> None:
+        for j in range(handle.num_layers):
+            self.kv.remove(f"{handle.key}/layer/{j}")
+        self.kv.remove(f"{handle.key}/table")

@@ -1,0 +1,136 @@
+"""A route handle: what a sample's batch field carries instead of its route bytes.
+
+The routes of one sample live once in a store, **layer-major** (``[L][rows][K]``: a pipeline stage
+reads its layers, a CP / SP rank its rows, without reading the rest). The handle says where they
+are (the store's name and a key, or an object reference), their shape, dtype, layer axis and start
+row, which run and RL step wrote them, and the digest of a small *digest table* the store keeps
+next to the bytes: one crc32 per (layer, block of ``block_rows`` rows), so that a reader that reads
+only some rows of some layers can still check every byte it read. The handle itself stays a few
+hundred bytes, JSON- and pickle-able.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from r3bridge.errors import PayloadError
+
+__all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "digest_table", "table_digest"]
+
+# Rows per digest block. A rank reads whole blocks (to check them), so a block's edges cost at most
+# 2 x block_rows extra rows per contiguous run a rank reads; the table is L x ceil(rows / block_rows)
+# crc32s (40 layers x 32k rows: 20 KB, read once per handle per micro-batch).
+DEFAULT_BLOCK_ROWS = 256
+
+
+class RouteHandleError(PayloadError):
+    """A route handle cannot be resolved exactly: its object is missing, truncated or changed (its
+    digest differs), it belongs to another run or RL step, or no resolver serves its store."""
+
+
+@dataclass(frozen=True)
+class RouteHandle:
+    """Where one sample's routes are and what they are (``rows`` rows from token ``start_row``, the
+    layers ``layer_ids`` in the store's layer order, top-``topk`` ids of ``num_experts`` experts in
+    ``dtype``). ``key``: the store's name for them (it carries ``run_id`` and ``step``); ``ref``: an
+    object reference for stores that hand one out (Ray), else None. ``digest``: crc32 of the
+    digest table (per (layer, row block) crc32s of the stored bytes)."""
+
+    store: str
+    key: str
+    run_id: str
+    step: int
+    sample: str
+    rows: int
+    start_row: int
+    layer_ids: tuple[int, ...]
+    topk: int
+    num_experts: int
+    dtype: str
+    block_rows: int
+    digest: int
+    route_kind: str = "rollout"
+    ref: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(int(x) for x in self.layer_ids))
+        bad = []
+        if self.rows < 0 or self.start_row < 0:
+            bad.append(f"rows {self.rows} / start_row {self.start_row} must be >= 0")
+        if self.topk < 1 or self.num_experts < self.topk:
+            bad.append(f"topk {self.topk} must be in 1..num_experts ({self.num_experts})")
+        if self.block_rows < 1:
+            bad.append(f"block_rows {self.block_rows} must be >= 1")
+        if np.dtype(self.dtype).kind not in "iu":
+            bad.append(f"dtype {self.dtype} is not an integer dtype")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            bad.append(f"layer_ids {list(self.layer_ids)} repeat")
+        if self.route_kind not in ("rollout", "recorded"):
+            bad.append(f"route_kind {self.route_kind!r} must be 'rollout' or 'recorded'")
+        if bad:
+            raise RouteHandleError(f"route handle of sample {self.sample!r} ({self.store}:{self.key}): "
+                                   + "; ".join(bad))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.rows // self.block_rows)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The stored route bytes (every row of every layer)."""
+        return self.rows * self.num_layers * self.topk * self.itemsize
+
+    def where(self) -> str:
+        """How errors name it: the sample and the handle."""
+        return f"sample {self.sample!r} (route handle {self.store}:{self.key}, run {self.run_id} step {self.step})"
+
+    def to_json(self) -> str:
+        """The handle as JSON (keyed stores only: an object reference does not travel as JSON)."""
+        if self.ref is not None:
+            raise RouteHandleError(f"{self.where()}: a handle holding an object reference travels pickled, not as JSON")
+        d = asdict(self)
+        d.pop("ref")
+        d["layer_ids"] = list(self.layer_ids)
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RouteHandle":
+        try:
+            d = json.loads(text)
+            return cls(**d)
+        except (ValueError, TypeError) as e:
+            raise RouteHandleError(f"not a route handle: {e}") from e
+
+
+def digest_table(layer_major: np.ndarray, block_rows: int) -> np.ndarray:
+    """uint32 ``[L, ceil(rows / block_rows)]``: crc32 of each (layer, row block) of a C-contiguous
+    ``[L, rows, K]`` array."""
+    num_layers, rows = layer_major.shape[:2]
+    nb = -(-rows // block_rows)
+    out = np.zeros((num_layers, nb), dtype=np.uint32)
+    for layer in range(num_layers):
+        for b in range(nb):
+            out[layer, b] = zlib.crc32(layer_major[layer, b * block_rows:(b + 1) * block_rows])
+    return out
+
+
+def table_digest(table: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(table, dtype=np.uint32).tobytes())
+
+
+def block_crc(block: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(block))
+
+
