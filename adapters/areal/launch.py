@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.config import grpo_config_class, parse_cli
+from r3bridge.adapters.areal.parse_and_run import parse_announced, run_framework_main
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.job_check import replay_section
 from r3bridge.launch import ServerWait, ensure_folders, refuse, watch_servers
-from r3bridge.launch.parse_and_run import parse_announced, run_framework_main
 
 __all__ = ["main", "problems", "server_wait", "SERVER_MODULES"]
 
