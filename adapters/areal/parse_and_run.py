@@ -1,41 +1,67 @@
-"""A launcher's first and last step around a framework's own launcher: the job config parsed as
-the framework's script parses it (the ``r3bridge`` section refused or announced), and the
-framework's launcher run as ``python -m`` runs it. The framework's parser, config class and
-launcher module stay in the adapter's launcher."""
+"""The AReaL launcher's first and last step around AReaL's own launcher: the job config parsed as the
+guide's script parses it (the ``r3bridge`` section refused or announced), and AReaL's launcher run as
+``python -m`` runs it. AReaL's parser, config class and launcher module stay in :mod:`.launch`."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig
-from r3bridge.job_check import replay_section
-from r3bridge.launch.steps import refuse, refusing_section_errors
+from r3bridge.errors import ReplayError
+from r3bridge.job_check import replay_section, section_key_problem
+from r3bridge.launch.steps import refuse
 
 __all__ = ["parse_announced", "run_framework_main"]
 
 logger = logging.getLogger("r3bridge")
 T = TypeVar("T")
+# omegaconf's ConfigKeyError: "Key 'x' not in 'Cls'\n    full_key: a.b.x ..."; hydra's override error
+_UNKNOWN_KEY = re.compile(r"Key '([^']+)' not in '([^']+)'(?:.*?full_key: (\S+))?", re.S)
+_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+
+
+def _section_problem(error: Exception, section: str) -> Optional[str]:
+    """The one line for a parse error about the section's keys (``None``: not about the section)."""
+    text = str(error)
+    unknown, override = _UNKNOWN_KEY.search(text), _OVERRIDE.search(text)
+    full_key = (unknown.group(3) or "") if unknown else (override.group(1) if override else "")
+    if not full_key.startswith(f"{section}."):
+        return None
+    key = full_key[len(section) + 1:]
+    problem = section_key_problem(key, section)
+    if problem is None and override:      # a valid key the YAML does not have: hydra wants it added
+        problem = (f"{full_key}: the YAML's {section} section has no key {key!r}, so hydra cannot override it: "
+                   f"write ++{full_key}=... (hydra's add-or-override)")
+    return problem or f"{section}: {text.splitlines()[0]}"
 
 
 def parse_announced(parse: Callable[[], T], where: str, *, config_class: str, checked_by: str,
                     section: str = "r3bridge") -> Optional[T]:
-    """``parse()`` (the framework's parser with ``config_class`` plus ``section``): a bad value or
-    key of the section refused in one line (:func:`~r3bridge.launch.refusing_section_errors`), the
-    mode in force announced in ``where``. Any other parse error (the script's own config class has
-    keys ``config_class`` lacks) is said in one WARNING line and gives ``None``: the section is
-    then checked and announced by ``checked_by``."""
+    """``parse()`` (AReaL's parser with ``config_class`` plus ``section``): a bad value or key of the
+    section refused in one line (a mistyped key with every valid key), the mode in force announced in
+    ``where``. A key ``config_class`` lacks outside the section (the script's own config class
+    extends it) is said in one WARNING line and gives ``None``: the section is then checked and
+    announced by ``checked_by``. Any other parse error (a missing file, YAML syntax, a value AReaL's
+    types refuse) is refused in one line: AReaL's own launcher would stop on it too."""
     try:
-        with refusing_section_errors(section):
-            config = parse()
-    except Exception as e:  # noqa: BLE001 - the framework's parser (hydra, omegaconf) on another config class
+        config = parse()
+    except ReplayError as e:      # a bad value of the section (ReplayConfig's own checks)
+        refuse(f"{type(e).__name__}: " + (str(e) if section in str(e) else f"{section}: {e}"))
+    except Exception as e:  # noqa: BLE001 - AReaL's parser (hydra, omegaconf, yaml, its asserts)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if section in str(e):
-            refuse(f"{section}: {first}")
-        logger.warning("r3bridge (%s): the config is not %s + %s (%s); its %s section is checked and announced "
-                       "by %s", where, config_class, section, first, section, checked_by)
+        problem = _section_problem(e, section)
+        if problem:
+            refuse(problem)
+        unknown = _UNKNOWN_KEY.search(str(e))
+        if unknown is None:
+            refuse(f"AReaL's parser cannot read this job config: {type(e).__name__}: {first}")
+        logger.warning("r3bridge (%s): the config has a key %s lacks (%s): the script's own config class reads it; "
+                       "its %s section is checked and announced by %s", where, config_class, first, section,
+                       checked_by)
         return None
     announce(*ReplayConfig.resolve_with_origin(replay_section(config, section)), where)
     return config
