@@ -174,3 +174,15 @@ def test_a_bad_setting_is_refused_naming_where_it_was_set(argv, env, want, monke
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
     assert line.startswith(want), line
     assert "trainer.r3bridge:" not in line
+
+
+def test_replay_off_is_announced_with_its_warning_level_in_a_bare_process():
+    """A Ray worker configures no logging: the 'replay is OFF' line still carries its level."""
+    import subprocess
+    import sys
+
+    code = ("from r3bridge.announce import announce; from r3bridge.config import ReplayConfig; "
+            "announce(ReplayConfig(), 'default', 'SkyRL policy worker')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    (line,) = [x for x in proc.stderr.splitlines() if "replay_mode=off" in x]
+    assert " r3bridge WARNING: r3bridge (SkyRL policy worker, pid " in line, proc.stderr
