@@ -39,11 +39,12 @@ def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
 
 def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
     """Log which replay mode is in force in ``where`` (e.g. ``"SkyRL policy worker"``) and where it
-    came from (``config``, ``environment (...)``, ``default``). Replay off is a WARNING (visible
-    without any logging set-up), saying whether a setting asked for it or none was found; returns
+    came from (``config``, ``environment (...)``, ``default``). Replay off is a WARNING (shown with
+    its level, :func:`ensure_visible`), saying whether a setting asked for it or none was found; returns
     the line."""
     mode = cfg.replay_mode
     line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {origin})"
+    ensure_visible()        # off too: a process without logging set-up would print it without its level
     if mode is ReplayMode.OFF:
         if origin == ORIGIN_DEFAULT:
             line += ("; no r3bridge setting was found, so routing replay is OFF (set the framework's r3bridge "
@@ -52,6 +53,5 @@ def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
             line += "; routing replay is OFF: the trainer routes natively (the baseline R2 / R3 are compared with)"
         logger.warning(line)
     else:
-        ensure_visible()
         logger.info(line)
     return line

@@ -8,19 +8,43 @@ never replays; a vLLM / SGLang rollout reports every hidden layer. An adapter st
 to a :class:`JobCheck` and gets one :class:`~r3bridge.errors.ConfigError` listing every problem,
 each naming the framework key and the fix. Replay off never complains.
 
-Also here: :func:`setting` (a dotted key of a framework config, whatever its container),
+Also here: :func:`environment_setting` (the r3bridge setting a process's environment carries,
+refused naming the variable), :func:`setting` (a dotted key of a framework config, whatever its container),
 :func:`interpolated` and :func:`with_replay_section` (a framework config class plus the ``r3bridge`` section, for
 frameworks whose parser type-checks the job config).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional
 
-from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.config import ENV_CONFIG, ENV_MODE, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError
 
-__all__ = ["JobCheck", "setting", "interpolated", "with_replay_section"]
+__all__ = ["JobCheck", "setting", "interpolated", "with_replay_section", "environment_setting", "section_key_problem"]
+
+
+def environment_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[ReplayConfig]:
+    """The section ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` set (``None``: neither is set),
+    read before a launcher reads its job config: a bad value is a :class:`ConfigError` naming the
+    variable(s) and their values, never blamed on the job config's section."""
+    env = os.environ if environ is None else environ
+    named = [f"{name}={env[name]!r}" for name in (ENV_CONFIG, ENV_MODE) if env.get(name)]
+    if not named:
+        return None
+    try:
+        return ReplayConfig.from_env(env)
+    except ConfigError as e:
+        raise ConfigError(f"environment ({', '.join(named)}): {e}") from None
+
+
+def section_key_problem(key: str, section: str = "r3bridge") -> Optional[str]:
+    """``None`` when ``key`` is an option of the section, else the line naming it and every valid key."""
+    known = [f.name for f in dataclasses.fields(ReplayConfig)]
+    if key in known:
+        return None
+    return f"{section}.{key} is not an r3bridge option; valid keys: {', '.join(known)}"
 
 
 def setting(cfg: Any, path: str, default: Any = None, *, plain: bool = False) -> Any:

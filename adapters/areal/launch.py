@@ -3,8 +3,11 @@
     python3 -m r3bridge.adapters.areal.launch SCRIPT --config YAML [key=value ...]
 
 It takes exactly the arguments of ``python3 -m areal.infra.launcher.local`` and runs that launcher
-unchanged, after the steps of :mod:`r3bridge.launch` with AReaL's parser, what AReaL 1.0.4's launcher
-would fail on late or wait for without a word (:func:`problems`), its folders and its server wait
+unchanged, after the steps of :mod:`r3bridge.launch` with AReaL's parser: a bad ``R3BRIDGE_*``
+variable, a missing SCRIPT or YAML (relative paths are the current folder's, as for AReaL's own
+launcher; they reach AReaL's launcher absolute), the section's keys and values, the section against
+AReaL's own settings (:func:`job_check`, SkyRL's words), what AReaL 1.0.4's launcher would fail on
+late or wait for without a word (:func:`problems`), its folders and its server wait
 (:func:`server_wait`). docs/use-with-areal.md, "What runs where".
 """
 from __future__ import annotations
@@ -17,12 +20,14 @@ from typing import Any, Callable, Optional
 
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.config import grpo_config_class, parse_cli
+from r3bridge.adapters.areal.parse_and_run import parse_announced, run_framework_main
+from r3bridge.announce import ensure_visible
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.job_check import replay_section
+from r3bridge.errors import ConfigError
+from r3bridge.job_check import JobCheck, environment_setting, replay_section
 from r3bridge.launch import ServerWait, ensure_folders, refuse, watch_servers
-from r3bridge.launch.parse_and_run import parse_announced, run_framework_main
 
-__all__ = ["main", "problems", "server_wait", "SERVER_MODULES"]
+__all__ = ["main", "problems", "job_check", "absolute_paths", "server_wait", "SERVER_MODULES"]
 
 WHERE = "AReaL launcher"
 # the inference server each backend's wrapper starts (AReaL 1.0.4: SGLangConfig / vLLMConfig.build_cmd_from_args)
@@ -33,20 +38,57 @@ _WRAPPERS = {"sglang": "areal.infra.launcher.sglang_server", "vllm": "areal.infr
 AREAL_SERVER_WAIT_S = 1200
 
 
+def absolute_paths(argv: list[str], cwd: Optional[str] = None) -> list[str]:
+    """The command line with its SCRIPT (a first argument ending in ``.py``) and ``--config`` YAML made
+    absolute against ``cwd`` (default: the current folder, where AReaL's own launcher reads them), so
+    the trainers AReaL starts read the same files whatever their folder; a missing one is refused in
+    one line naming the path and the folder it was looked for in."""
+    base = os.getcwd() if cwd is None else cwd
+    out, missing = list(argv), []
+    where = [0] if out and out[0].endswith(".py") else []
+    where += [i + 1 for i, a in enumerate(out[:-1]) if a == "--config"]
+    for i in where:
+        path = os.path.abspath(os.path.join(base, os.path.expanduser(out[i])))
+        if not os.path.isfile(path):
+            missing.append(f"{out[i]} does not exist (relative paths are taken from the current folder, {base}; "
+                           "the guide's example files are in r3bridge's checkout: $R3BRIDGE/examples/areal/)")
+        out[i] = path
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            path = os.path.abspath(os.path.join(base, os.path.expanduser(arg.split("=", 1)[1])))
+            out[i] = f"--config={path}"
+    if missing:
+        refuse(*missing)
+    return out
+
+
+def job_check(config: Any) -> JobCheck:
+    """The section against AReaL's own settings, in SkyRL's words (:class:`~r3bridge.job_check.JobCheck`):
+    R3 needs SGLang's routes; R2 records the trainer's own routes, so neither returned routes (they
+    would collide with them) nor a job that skips ``compute_logp`` (nothing recorded to replay)."""
+    section, _ = ReplayConfig.resolve_with_origin(replay_section(config))
+    check = JobCheck(section, "r3bridge", "AReaL config", true="true", false="false")
+    rollout, actor = getattr(config, "rollout", None), getattr(config, "actor", None)
+    check.rollout_routes("rollout.return_routed_experts", bool(getattr(rollout, "return_routed_experts", False)),
+                         engine="SGLang")
+    recomputes = getattr(actor, "should_compute_prox_logp", None)
+    if section.replay_mode is ReplayMode.R2 and recomputes is not None and not recomputes():
+        check.problems.append(
+            f"actor.recompute_logprob={check.false}, actor.use_decoupled_loss={str(actor.use_decoupled_loss).lower()}, "
+            f"actor.prox_logp_method={actor.prox_logp_method}: R2 records the trainer's own routes in compute_logp, "
+            f"which AReaL skips with these settings (PPOActorConfig.should_compute_prox_logp): set "
+            f"actor.recompute_logprob={check.true} (or use replay_mode=R3)")
+    return check
+
+
 def problems(config: Any, raw: Any, gen_backend: Optional[str], *, platform: Any) -> list[str]:
     """What stops AReaL 1.0.4's local launcher with this config on this machine, one line each.
 
     ``raw``: AReaL's unstructured config (what its launcher reads); ``config``: the same parsed with
     the ``r3bridge`` section (``None`` when the script's config class is not ``GRPOConfig``: the
-    section is then checked in the trainer); ``gen_backend``: the allocation's inference backend;
-    ``platform``: AReaL's ``current_platform``."""
+    section is then checked in the trainer; else checked by :func:`job_check` first); ``gen_backend``:
+    the allocation's inference backend; ``platform``: AReaL's ``current_platform``."""
     out = []
-    if config is not None:
-        section, _ = ReplayConfig.resolve_with_origin(replay_section(config))
-        returns = bool(getattr(getattr(config, "rollout", None), "return_routed_experts", False))
-        if section.replay_mode is ReplayMode.R3 and not returns:
-            out.append("r3bridge.replay_mode=R3 replays SGLang's routes, but rollout.return_routed_experts is false: "
-                       "set it to true (the actor would find no routes in the first rollout)")
     if not platform.device_control_env_var:
         # LocalLauncher.submit_array: f"{device_control_env_var}={ids}" -> "=0 stdbuf -oL torchrun ..."
         out.append(f"AReaL's local launcher needs an accelerator; on this machine AReaL picked its "
@@ -77,11 +119,21 @@ def server_wait(backend: str, expected: int, registered: Callable[[], int], log_
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    ensure_visible()                      # the mode line (replay off: a WARNING) with its level
+    try:
+        environment_setting()
+    except ConfigError as e:              # a bad R3BRIDGE_* variable, named as such
+        refuse(f"ConfigError: {e}")
+    argv = absolute_paths(list(sys.argv[1:] if argv is None else argv))
     cli_args = import_areal("areal.api.cli_args")
     # as the guide's script reads it (GRPOConfig + the section); None: the script's own class has more keys
     config = parse_announced(lambda: parse_cli(argv, grpo_config_class()), WHERE, config_class="GRPOConfig",
                              checked_by="the actor")
+    if config is not None:
+        try:
+            job_check(config).raise_if_any()
+        except ConfigError as e:
+            refuse(f"ConfigError: {e}")
     raw, _ = cli_args.parse_cli_args(argv)                # what AReaL's launcher reads
     alloc = import_areal("areal.api.alloc_mode")._AllocationMode.from_str(raw.allocation_mode)
     platform = import_areal("areal.infra.platforms").current_platform

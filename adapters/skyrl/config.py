@@ -10,12 +10,12 @@ from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import speculative_decoding_problem
-from r3bridge.errors import RoleError
-from r3bridge.job_check import JobCheck, setting, with_replay_section
+from r3bridge.errors import ConfigError, RoleError
+from r3bridge.job_check import JobCheck, environment_setting, section_key_problem, setting, with_replay_section
 from r3bridge.launch.steps import section_keys
 
 __all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
-           "speculative_settings", "SECTION"]
+           "speculative_settings", "command_line_section", "SECTION"]
 
 SECTION = "trainer.r3bridge"
 _ENTRYPOINT = "trainer.override_entrypoint="
@@ -28,6 +28,31 @@ def skyrl_config_class() -> type:
     # SkyRLTrainConfig.__post_init__ imports this module; on Python 3.11 only through import_skyrl
     import_skyrl("skyrl.backends.skyrl_train.inference_servers.utils")
     return sk.make_config(trainer_cls=with_replay_section(sk.TrainerConfig, "R3BridgeTrainerConfig", __name__))
+
+
+def command_line_section(argv: Sequence[str]) -> tuple[ReplayConfig, str]:
+    """The section a SkyRL command line sets (``trainer.r3bridge.<key>=<value>``, values read as YAML
+    scalars, as hydra reads them) merged with the environment, read without SkyRL: what the launcher
+    refuses (the variable named for a bad environment value, every valid key for a mistyped one) and
+    announces before it imports SkyRL. SkyRL's parser reads the same keys again into its config."""
+    import yaml
+
+    environment_setting()                        # a bad R3BRIDGE_* value: ConfigError naming the variable
+    prefix = f"{SECTION}."
+    keys: dict[str, Any] = {}
+    for arg in argv:
+        name, eq, value = arg.lstrip("+").partition("=")
+        if not (eq and name.startswith(prefix)):
+            continue
+        key = name[len(prefix):]
+        problem = section_key_problem(key, SECTION)
+        if problem:
+            raise ConfigError(problem)
+        try:
+            keys[key] = yaml.safe_load(value) if value else None
+        except yaml.YAMLError:
+            keys[key] = value
+    return ReplayConfig.resolve_with_origin(keys or None, section_name=f"{SECTION} (command line)")
 
 
 def parse_cli(argv: Sequence[str]) -> Any:

@@ -1,9 +1,10 @@
 """AReaL 1.0 GRPO on GSM8K with r3bridge (SPMD launch, Megatron actor, SGLang rollout).
 
-    python3 -m r3bridge.adapters.areal.launch examples/areal/gsm8k_r3bridge.py \
-        --config examples/areal/gsm8k_megatron.yaml [r3bridge.replay_mode=R2 ...]
+    python3 -m r3bridge.adapters.areal.launch "$R3BRIDGE/examples/areal/gsm8k_r3bridge.py" \
+        --config "$R3BRIDGE/examples/areal/gsm8k_megatron.yaml" [r3bridge.replay_mode=R2 ...]
 
-(r3bridge's launcher: AReaL's local launcher, unchanged, after r3bridge's checks.)
+(r3bridge's launcher: AReaL's local launcher, unchanged, after r3bridge's checks; from any folder,
+relative paths being the current folder's.)
 
 Differences from AReaL's own GSM8K example, all marked ``r3bridge``: the config class (AReaL's
 ``GRPOConfig`` plus the ``r3bridge:`` section), the trainer class, the workflow class, and (R3)

@@ -5,9 +5,6 @@
 * ``watchdog``    - which stage a launched job is stuck in, said instead of a silent hang
 * ``ray_watch``   - the watchdog's Ray half: workers report progress keys, the launcher reads them
 * ``plugin_load`` - an adapter registering itself where a framework imports it as a plugin, loudly
-* ``parse_and_run`` - a launcher's first and last step: the job config parsed and the section
-                    announced (or refused), then the framework's own launcher run
-* ``requirements`` - the Python release and modules a launcher's workers need, checked before they start
 * ``hydra_job``   - a launcher composing a framework's hydra job config with the section on its command line
 
 Nothing here runs inside a training step; the data path starts at :mod:`r3bridge.ingest`.

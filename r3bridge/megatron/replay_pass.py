@@ -110,6 +110,18 @@ def _as_key(x: Any) -> Any:
     return tuple(x.tolist()) if isinstance(x, torch.Tensor) else tuple(int(v) for v in x)
 
 
+def _sample_token_rows(rows: RankRows, ids: Sequence[int]) -> int:
+    """This rank's rows of the samples' real tokens: packing padding and the padding sequences a
+    trainer packs that are no sample (negative driver ids, :class:`~r3bridge.megatron.phase.PhasePass`;
+    AReaL's trailing page padding) are not tokens a route could cover, so coverage leaves them out
+    and equals what a route trace reports (``r3bridge inspect``)."""
+    padding = np.asarray(ids, dtype=np.int64) < 0
+    if not padding.any() or not rows.seq.size:
+        return rows.token_rows
+    real = rows.pos < rows.plan.seq_lens.numpy()[rows.seq]
+    return int((real & ~padding[rows.seq]).sum())
+
+
 def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: int) -> None:
     """``invalid_rows='error'``: a row of this rank without a route inside the rows its sequence
     was handed (the last token excepted: the last sampled token is never fed forward)."""
@@ -258,7 +270,8 @@ class ReplayPass:
         index = self._next_index[c]
         handed = None if routes is None or self.action is not Action.REPLAY else as_handed(routes)
         rows, handed = self._rank_rows(index, lens, pack, handed)
-        mb = InstalledMicroBatch(c, index, rows.num_rows, rows.token_rows, lens, pack, ids, plan=rows.plan)
+        token_rows = _sample_token_rows(rows, ids)
+        mb = InstalledMicroBatch(c, index, rows.num_rows, token_rows, lens, pack, ids, plan=rows.plan)
         if self.action is Action.REPLAY:
             if handed is None:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay pass without routes")
@@ -275,10 +288,10 @@ class ReplayPass:
             nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
                 # over this rank's real tokens: packing padding never has a route
-                cov = nvalid / rows.token_rows if rows.token_rows else 1.0
+                cov = nvalid / token_rows if token_rows else 1.0
                 if cov < rep.min_coverage:
                     raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
-                                        f"rank's {rows.token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                                        f"rank's {token_rows} token rows have a route (min_coverage={rep.min_coverage})")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = handed.any_route()
             mb.routes = handed

@@ -189,7 +189,8 @@ def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhe
         assert run == 'bash "$R3BRIDGE/examples/verl/run_cpu_rehearsal.sh"', run
         assert "python -m r3bridge.adapters.verl.main_ppo" in (ROOT / "examples/verl/run_cpu_rehearsal.sh").read_text()
         return
-    assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework}', run
+    # the CPU step, and (SkyRL, AReaL) its route trace read back: the guide's trace_dir, on a CPU
+    assert run == f'python "$R3BRIDGE/testlab/cpu_step.py" {framework} --trace-dir routes && r3bridge inspect routes', run
     from testlab.cpu_step import FRAMEWORKS
     assert framework in FRAMEWORKS
 
@@ -264,6 +265,9 @@ def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
                     continue
                 for version in pinned:
                     assert Version(version) in theirs.specifier or not theirs.specifier, (framework, arg, str(theirs))
+            if req.name == framework:          # the release the CPU step runs, pinned (SkyRL 0.4 on 3.12: not)
+                assert pinned == [dist.version], (arg, dist.version)
+                continue
             if framework == "skyrl" and req.name != "torch":   # what SkyRL's skyrl-train extra brings
                 extra = [r for r in own.get(req.name, []) if r.marker and r.marker.evaluate({"extra": "skyrl-train"})]
                 assert extra, f"{arg}: not in skyrl {dist.version}'s skyrl-train extra"
@@ -287,7 +291,7 @@ def test_areal_guide_says_its_megatron_engine_needs_python_312_as_areal_declares
     assert all(r.marker.evaluate({**env, "python_full_version": "3.12.3"}) for r in bridge)
     engine = dist.locate_file("areal/engine/megatron_engine.py").read_text()
     assert "\nfrom megatron.bridge import" in engine           # at module level, not inside a function
-    assert "A real AReaL Megatron job needs Python 3.12" in (ROOT / "docs" / "use-with-areal.md").read_text()
+    assert "A real AReaL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-areal.md").read_text()
     assert "3.12 for a real SkyRL or AReaL Megatron job" in " ".join((ROOT / "README.md").read_text().split())
 
 
@@ -307,7 +311,7 @@ def test_skyrl_guide_says_a_megatron_job_needs_python_312_as_skyrl_declares():
     assert all(r.marker.evaluate({**env, "python_version": "3.12"}) for r in bridge)
     worker = dist.locate_file("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py").read_text()
     assert "\nfrom megatron.bridge import AutoBridge" in worker        # at module level
-    assert "A SkyRL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-skyrl.md").read_text()
+    assert "A real SkyRL Megatron job needs **Python 3.12**" in (ROOT / "docs" / "use-with-skyrl.md").read_text()
     assert "3.12 for a real SkyRL or AReaL Megatron job" in " ".join((ROOT / "README.md").read_text().split())
 
 

@@ -160,7 +160,7 @@ def check_launcher_builds_skyrls_generator():
     start), with a real tokenizer and no engine client (the generator only keeps it)."""
     import tempfile
 
-    import r3bridge.adapters.skyrl.main as launcher
+    import r3bridge.adapters.skyrl.experiment as launcher
     from r3bridge.adapters.skyrl.config import parse_cli
     from testlab.verl_e2e import write_tokenizer
 

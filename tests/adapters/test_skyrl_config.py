@@ -107,3 +107,82 @@ def test_r3_with_speculative_decoding_needs_a_fixed_vllm(setting, monkeypatch):
         prepare_skyrl_config(parse_cli(R3_LINE + [setting]))
     assert prepare_skyrl_config(parse_cli(R3_LINE + [setting, "trainer.r3bridge.engine_version='0.26.0'"])
                                 ).engine_version == "0.26.0"
+
+
+# ------------------------------------------------------------------ the launcher's refusals come first (issue 50 item 7)
+_HIDDEN_IMPORTS = r"""
+import runpy, sys
+for name in ("aiohttp", "torchdata"):     # a virtualenv without them, as the guide's CPU block made: not importable
+    sys.modules[name] = None
+sys.argv = ["r3bridge.adapters.skyrl.main", *sys.argv[1:]]
+try:
+    runpy.run_module("r3bridge.adapters.skyrl.main", run_name="__main__")
+finally:
+    print("SKYRL-MODULES", sorted(m for m in sys.modules if m == "skyrl" or m.startswith("skyrl.")), file=sys.stderr)
+"""
+
+
+def test_the_launchers_refusals_come_before_skyrls_imports(tmp_path):
+    """Without aiohttp / torchdata, no WANDB key and no r3bridge setting: the mode line at WARNING
+    level, then one line naming everything the job lacks (SkyRL's imports, the WANDB key, Python 3.12
+    and Megatron-Bridge for its workers) before any SkyRL module is imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("R3BRIDGE_", "WANDB_"))}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, "-c", _HIDDEN_IMPORTS, "trainer.strategy=megatron"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    off = [x for x in lines if "r3bridge (SkyRL launcher, pid " in x]
+    assert off and "r3bridge WARNING: " in off[0] and "replay_mode=off (from default)" in off[0], lines
+    (error,) = [x for x in lines if x.startswith("error: ")]
+    assert error.startswith("error: SkyRL's Megatron job cannot start here: "), error
+    for needle in ("imports aiohttp, which is not installed", "imports torchdata, which is not installed",
+                   "WANDB_API_KEY", 'pip install "skyrl[megatron]" aiohttp torchdata'):
+        assert needle in error, (needle, error)
+    if sys.version_info < (3, 12):
+        assert "Python 3.11" in error and "megatron.bridge" in error
+    assert lines[-1] == "SKYRL-MODULES []", lines[-1]          # refused before SkyRL was imported
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    (["trainer.r3bridge.replay_mode=R3"], {"R3BRIDGE_REPLAY_MODE": "R4"},
+     "error: ConfigError: environment (R3BRIDGE_REPLAY_MODE='R4'): replay_mode must be one of off, R2, R3"),
+    ([], {"R3BRIDGE_CONFIG": '{"min_coverage": 2}'},
+     "error: ConfigError: environment (R3BRIDGE_CONFIG='{\"min_coverage\": 2}'): min_coverage must be in [0, 1]"),
+    (["trainer.r3bridge.replay_mod=R3"], {},
+     "error: ConfigError: trainer.r3bridge.replay_mod is not an r3bridge option; valid keys: replay_mode, agreement, "),
+])
+def test_a_bad_setting_is_refused_naming_where_it_was_set(argv, env, want, monkeypatch, capsys):
+    """A bad environment setting names the variable, not trainer.r3bridge; a mistyped key lists the valid ones."""
+    import sys
+
+    from r3bridge.adapters.skyrl import main as launcher
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["main", "trainer.strategy=megatron", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        launcher.main()
+    assert exit_.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert line.startswith(want), line
+    assert "trainer.r3bridge:" not in line
+
+
+def test_replay_off_is_announced_with_its_warning_level_in_a_bare_process():
+    """A Ray worker configures no logging: the 'replay is OFF' line still carries its level."""
+    import subprocess
+    import sys
+
+    code = ("from r3bridge.announce import announce; from r3bridge.config import ReplayConfig; "
+            "announce(ReplayConfig(), 'default', 'SkyRL policy worker')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    (line,) = [x for x in proc.stderr.splitlines() if "replay_mode=off" in x]
+    assert " r3bridge WARNING: r3bridge (SkyRL policy worker, pid " in line, proc.stderr

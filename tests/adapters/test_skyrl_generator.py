@@ -81,7 +81,7 @@ def test_launcher_generator_is_first_seen_on_03_and_refuses_its_vlm():
     silently replaced by the text one. (0.4: tests/adapters/test_skyrl04.py, its own generator.)"""
     import tempfile
 
-    import r3bridge.adapters.skyrl.main as launcher
+    import r3bridge.adapters.skyrl.experiment as launcher
     from r3bridge.adapters.skyrl.config import parse_cli
     from r3bridge.errors import ConfigError
     from testlab.verl_e2e import write_tokenizer

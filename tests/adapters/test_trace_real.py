@@ -193,6 +193,10 @@ def test_inspect_agreement_matches_the_logged_metrics(runs, fw):
             checked += 1
         assert 0.0 < p["agreement"] < 0.5          # R3 replays random rollout routes
     assert checked >= 3
+    if fw == "areal":    # coverage over the samples' tokens in both (issue 50: AReaL's page padding was
+        # counted by the driver only); AReaL's tracker averages the step's update passes
+        update = [p["coverage"] for p in s["passes"] if p["pass"].startswith("update")]
+        assert logged["r3bridge/update/coverage"] == pytest.approx(sum(update) / len(update), abs=1e-6), (logged, update)
     text = _cli("inspect", dirs[fw])
     assert text.returncode == 0 and f"framework {fw}" in text.stdout
     d = _cli("diff", dirs[fw], "--json")

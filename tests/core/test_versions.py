@@ -68,7 +68,7 @@ def test_a_supported_release_outside_the_adapters_series_is_refused_naming_them(
     range the adapter does not know is refused naming what it knows (r3bridge.launch.requirements'
     one-line form is checked alongside: every unmet requirement, in order)."""
     from r3bridge import versions
-    from r3bridge.launch import requirements as req
+    from r3bridge.adapters.skyrl import requirements as req
 
     monkeypatch.setattr(versions, "supported_range", lambda d, package=None: SpecifierSet(">=0.3,<0.6"))
     assert versions.supported_series("skyrl", "0.4.2", ("0.3", "0.4"), what="'s X", knows="the format of X") == "0.4"

@@ -56,7 +56,7 @@ def test_the_frameworks_launcher_runs_as_python_m_and_an_interrupt_exits_1(monke
     import sys
     import threading
 
-    from r3bridge.launch.parse_and_run import run_framework_main
+    from r3bridge.adapters.areal.parse_and_run import run_framework_main
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     seen, stop = [], threading.Event()

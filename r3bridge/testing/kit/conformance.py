@@ -425,7 +425,8 @@ def megatron_r3_check(ctx: Any, runner: MegatronRunner, rollout: CanonicalRollou
             where = f"layer {lid}, micro-batch {m}"
             plan = PackPlan.build(layout, seq_lens, **pk)
             seqs, pos = rank_positions(plan, layout, ctx.tp_rank, ctx.cp_rank)
-            token_rows += int((pos < plan.seq_lens[seqs]).sum()) if seqs.numel() else 0
+            # the samples' real tokens (not the framework's padding "sequences": no sample's, never counted)
+            token_rows += int(((pos < plan.seq_lens[seqs]) & (seqs < len(g))).sum()) if seqs.numel() else 0
             if got.shape != want.shape:
                 errors.append(f"{where}: router saw {tuple(got.shape)} rows, targets {tuple(want.shape)}")
             elif not torch.equal(got[v], want[v]):
