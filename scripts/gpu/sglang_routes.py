@@ -255,7 +255,7 @@ class RecordedCase:
     def replay_batch(self, facts: dict) -> Any:
         from r3bridge.batch.schema import ReplayBatch
         from r3bridge.engines.route_formats import decode_engine_routes
-        from r3bridge.ingest.stitching import rollout_routes
+        from r3bridge.rollout.stitching import rollout_routes
 
         p = self.payload
         if p["case"] != "prompt_start":

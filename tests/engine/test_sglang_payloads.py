@@ -20,7 +20,7 @@ import pytest
 from r3bridge import ReplayBatch
 from r3bridge.engines.route_formats import decode_engine_routes
 from r3bridge.errors import LayerMappingError
-from r3bridge.ingest.stitching import rollout_routes
+from r3bridge.rollout.stitching import rollout_routes
 from testlab.sglang_payloads import sglang_format_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
