@@ -1,9 +1,10 @@
-"""What an adapter calls around one pass of its :class:`~r3bridge.megatron.AdapterSession` when it
-holds the pass's routes field before the schedule runs (docs/driver-api.md): the phase's plan with
-the field checked against it, each micro-batch of nested jagged ``input_ids`` as the
-:class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each micro-batch's
-loss, and the metrics to log (with the trainer-vs-rollout log-prob mismatch) merged into the
-framework's per-key lists.
+"""What verl's engine (``hooks.py``) calls around one pass of its
+:class:`~r3bridge.megatron.AdapterSession`, holding the pass's routes field before the schedule
+runs: the phase's plan with the field checked against it (present, of the model's top-k: the
+session's checks, once per batch), each micro-batch of nested jagged ``input_ids`` as the
+:class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each
+micro-batch's loss, and the metrics to log (with the trainer-vs-rollout log-prob mismatch) merged
+into verl's per-key lists.
 """
 from __future__ import annotations
 
