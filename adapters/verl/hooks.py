@@ -130,20 +130,24 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         return output, engine_pass.loss_after_routers(loss, self._r3_pass, model, index, hand_over)
 
     def r3_install(self, batch, model) -> int:
-        """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
+        """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD). Under
+        VPP the micro-batch is decoded and its packing read by its first chunk's install only."""
+        return self._r3_pass.install(model, lambda: self.r3_micro_batch(batch, model))
+
+    def r3_micro_batch(self, batch, model):
+        """verl's micro-batch as the driver installs it, with its routes (REPLAY) and the
+        batch-level sample index (R2 records by it, traces and route errors name samples by it)."""
         routes = None
         if self._r3_pass.action is Action.REPLAY:
-            # verl's nested values viewed (nothing copied or checked here): the driver's reader
-            # reads this rank's rows once per micro-batch, whichever chunk installs first
+            # verl's nested values viewed (nothing copied; their width was checked for the whole
+            # batch before the schedule): the driver's reader reads this rank's rows once
             m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
                                    route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers,
-                                   topk=m.topk, layer_axis=self.r3.config.layer_axis)
-        # every pass carries the batch-level sample index: R2 records by it, traces and route
-        # errors name samples by it
-        return self._r3_pass.install(model, engine_pass.nested_micro_batch(
+                                   layer_axis=self.r3.config.layer_axis)
+        return engine_pass.nested_micro_batch(
             self.r3, batch["input_ids"], routes=routes, sample_ids=batch[SAMPLE_KEY].tolist(),
-            cu_seqlens_padded=self.r3_cu_seqlens_padded(batch["input_ids"], model)))
+            cu_seqlens_padded=self.r3_cu_seqlens_padded(batch["input_ids"], model))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""

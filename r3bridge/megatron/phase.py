@@ -101,6 +101,7 @@ class PhasePass:
         self.result: Optional[PhaseResult] = None
         self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
         self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
+        self._built: dict[int, list] = {}       # micro-batch -> [its MicroBatch, chunks yet to install it]
         self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
         self._next_id = 0
         self._next_pad = -1
@@ -110,13 +111,19 @@ class PhasePass:
     def action(self) -> Action:
         return self.plan.action
 
-    def install(self, model: torch.nn.Module, mb: MicroBatch, index: Optional[int] = None) -> int:
+    def install(self, model: torch.nn.Module, mb: MicroBatch | Callable[[], MicroBatch],
+                index: Optional[int] = None) -> int:
         """Install ``mb`` as the next micro-batch of ``model``'s chunk (call right before its forward).
+        ``mb``: the :class:`MicroBatch`, or a callable building it, called by the micro-batch's
+        first install only: under VPP every later chunk reuses it, so the framework's routes are
+        decoded and its packing read once per micro-batch, not once per chunk.
         ``index``: the micro-batch's position in the schedule (chunks after the first repeat it).
         Returns that position (what :meth:`router_log_ratio_tokens` takes)."""
         c = self.runner.replayer.chunk_index(model)
         k = self._installed.get(c, 0) if index is None else int(index)
         self._installed[c] = k + 1
+        if callable(mb):
+            mb = self._built_once(k, mb)
         lens = [int(x) for x in (mb.seq_lens.tolist() if isinstance(mb.seq_lens, torch.Tensor) else mb.seq_lens)]
         known = self._ids.get(k)
         if known is None:
@@ -148,6 +155,17 @@ class PhasePass:
         self.driver_pass.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
                           seq_length=mb.seq_length, sample_ids=driver_ids)
         return k
+
+    def _built_once(self, index: int, build: Callable[[], MicroBatch]) -> MicroBatch:
+        """Micro-batch ``index`` built by its first chunk's install and handed to every later
+        chunk's; dropped once every chunk installed it (the pass keeps no copy)."""
+        hit = self._built.get(index)
+        if hit is None:
+            hit = self._built[index] = [build(), len(self.runner.replayer.chunks)]
+        hit[1] -= 1
+        if hit[1] <= 0:
+            del self._built[index]
+        return hit[0]
 
     def router_log_ratio_tokens(self, model: torch.nn.Module, index: int) -> Optional[list[torch.Tensor]]:
         """The router log-ratio of micro-batch ``index`` (every MoE layer of ``model``'s chunk),
