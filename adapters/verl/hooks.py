@@ -46,7 +46,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         self.r3 = AdapterSession("verl", cfg, where="verl reference engine" if ref else "verl engine",
                                  role=Role.REFERENCE if ref else Role.ACTOR, provide=_PROVIDE,
                                  carry_log_prob_metrics=True)
-        self._r3_pass = None              # the open PhasePass while verl's schedule runs
+        self._r3_pass = None              # the open ReplayPass while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
 
     # ------------------------------------------------------------------------------ set-up

@@ -10,11 +10,11 @@ set-up (config, announce, replayer, runner, roles, metrics). See docs/driver-api
 from r3bridge.config import Action
 from r3bridge.megatron.compat import MIN_MEGATRON_CORE, check_megatron
 from r3bridge.megatron.guards import check_config
-from r3bridge.megatron.phase import MicroBatch, PhasePass, PhaseResult, PhaseRunner, install_before_forward
-from r3bridge.megatron.replay_pass import ReplayPass
+from r3bridge.megatron.phase import PhaseResult, PhaseRunner, install_before_forward
+from r3bridge.megatron.replay_pass import MicroBatch, ReplayPass
 from r3bridge.megatron.replayer import Replayer
 from r3bridge.megatron.session import AdapterSession
 
 __all__ = ["Replayer", "ReplayPass", "Action", "check_config", "check_megatron", "MIN_MEGATRON_CORE",
-           "PhaseRunner", "PhasePass", "PhaseResult", "MicroBatch", "install_before_forward", "AdapterSession"]
+           "PhaseRunner", "PhaseResult", "MicroBatch", "install_before_forward", "AdapterSession"]
 
