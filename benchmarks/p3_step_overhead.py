@@ -118,7 +118,7 @@ class Inputs:
             step.install(model, routes, self.seq_lens, format="bshd", seq_length=self.seq_lens[0])
 
     def micro_batch(self, routes):
-        """The same install as an adapter hands it to ``PhasePass.install``."""
+        """The same install as an adapter hands it to ``ReplayPass.install``."""
         from r3bridge.megatron import MicroBatch
 
         if self.te:

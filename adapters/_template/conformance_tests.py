@@ -6,15 +6,17 @@ So that it runs as it is, "your framework" here is a toy one. Replace, in this o
 
 1. :func:`framework_batch`: the toy framework's training batch. Yours: the batch your framework
    builds *with its own code* from what its engine returned for the rollout;
-2. :class:`ToyEngine`: the toy framework's engine, whose ``forward_backward`` packs each
+2. :class:`ToyEngine`: the toy framework's engine, whose phase methods (``compute_log_prob``,
+   ``update``) cut the batch into micro-batches and whose ``forward_backward`` packs each
    micro-batch (THD, alignment padding per sequence) and runs Megatron's schedule on the harness
-   chunks. Yours: your framework's engine class, with only the model-running body of its
-   forward step stood in for (:mod:`r3bridge.testing.kit.runner` says how);
+   chunks. Yours: your framework's engine (or actor) class, with only the model-running body of
+   its forward step stood in for (:mod:`r3bridge.testing.kit.runner` says how);
 3. :class:`TemplateRunner`: the :class:`r3bridge.testing.kit.runner.MegatronRunner` checks 4-5
-   drive: attach, cut micro-batches, run one pass, report.
+   drive: attach, cut micro-batches, run one pass *through the framework's phase method*, report.
 
 The adapter's classes are used unchanged: ``TemplateEngineMixin`` is put in front of the engine
-exactly as in a real job.
+exactly as in a real job, so its ``compute_log_prob`` / ``update`` overrides (the phase, the
+sample index, R2's write-back) run in checks 4-5: a broken override fails them.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import torch
 
 from r3bridge.adapters._template import (
     ROUTES_KEY,
-    SAMPLE_KEY,
     VALID_KEY,
     TemplateCodec,
     TemplateEngineMixin,
@@ -62,10 +63,22 @@ def framework_batch(rollout: CanonicalRollout) -> dict:
 
 
 class ToyEngine:
-    """The toy framework's engine: the method that runs Megatron's schedule once per pass."""
+    """The toy framework's engine: its phase methods and the method that runs Megatron's schedule
+    once per pass."""
 
     def __init__(self, chunks: list, ctx) -> None:
         self.chunks, self.ctx = chunks, ctx
+
+    def split(self, batch: dict, groups) -> list[dict]:
+        """The toy framework's micro-batching: the samples ``groups[m]`` of ``batch``, every field."""
+        return [{k: v[torch.tensor(list(g))] for k, v in batch.items()} for g in groups]
+
+    def compute_log_prob(self, batch: dict, groups) -> list:
+        return self.forward_backward(self.split(batch, groups), forward_only=True)
+
+    def update(self, batch: dict, groups) -> list:
+        # the toy's update computes its loss only (a real one runs backward and steps the optimizer)
+        return self.forward_backward(self.split(batch, groups), forward_only=True)
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False):
         from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
@@ -84,7 +97,11 @@ class R3ToyEngine(TemplateEngineMixin, ToyEngine):
 
 # ---------------------------------------------------------------------------------- the runner of checks 4-5
 class TemplateRunner:
-    """:class:`r3bridge.testing.kit.runner.MegatronRunner` of the adapter on the toy engine."""
+    """:class:`r3bridge.testing.kit.runner.MegatronRunner` of the adapter on the toy engine: each
+    pass runs through the framework's phase method (``engine_class``'s ``compute_log_prob`` /
+    ``update``, the adapter's overrides in front), never the schedule call directly."""
+
+    engine_class: type = R3ToyEngine
 
     def __init__(self, rollout: CanonicalRollout) -> None:
         self.codec = TemplateCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
@@ -92,34 +109,30 @@ class TemplateRunner:
         self.batch = framework_batch(rollout)
 
     def attach(self, ctx, chunks, mode):
-        engine = R3ToyEngine(chunks, ctx)
+        engine = self.engine_class(chunks, ctx)
         engine.r3_config = ReplayConfig(replay_mode=mode)
         engine.r3_attach(chunks, self.codec)
         engine.replayer = engine.r3.replayer
         return engine
 
     def micro_batches(self, rollout, groups, *, key):
-        out = []
-        for group in groups:
-            index = torch.tensor(list(group))
-            mb = {k: v[index] for k, v in self.batch.items()}
-            mb[SAMPLE_KEY] = index
-            out.append(mb)
-        return out
+        # the framework cuts its batch in its phase methods: hand them the samples of each micro-batch
+        return [list(g) for g in groups]
 
-    def run(self, engine, micro_batches, *, phase):
-        engine.r3_phase = Phase(phase)
+    def run(self, engine, groups, *, phase):
+        phase_method = engine.compute_log_prob if Phase(phase) is Phase.OLD_LOG_PROB else engine.update
         for chunk in engine.chunks:
             chunk.eval()
         with record_packing(engine.chunks[0]) as packing:
-            outputs = engine.forward_backward(micro_batches, forward_only=True)
+            outputs = phase_method(self.batch, groups)
         per_sample = [rows for out, packed in zip(outputs, engine.packed)     # last pipeline stage only
                       for rows in unpack_rows(out.logits, packed)]
         return {"logprobs": per_sample, "metrics": dict(engine.r3.result.metrics),
                 "recorded": engine.r3.result.recorded, "packing": packing}
 
     def write_recorded(self, rollout, recorded):
-        self.batch = self.codec.write_recorded(self.batch, recorded)
+        """Nothing to write: the adapter's ``compute_log_prob`` wrote the recording back into the
+        batch, as in a real job."""
 
 
 # ---------------------------------------------------------------------------------- checks 1-5

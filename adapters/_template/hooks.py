@@ -5,8 +5,11 @@ announced, the Replayer, the role guard, the phase's plan, the driver pass, the 
 micro-batch) install, padding sequences, metrics with ``r3bridge/replay_mode``, R2's recorded
 routes). The adapter only translates: one :class:`r3bridge.megatron.MicroBatch` per micro-batch.
 
-Where to hook: the framework method that calls Megatron's ``forward_backward_func`` once per
-mini-batch (or log-prob pass); here ``forward_backward(micro_batches, forward_only)``.
+Where to hook: the framework's phase methods (here ``compute_log_prob`` and ``update``: which
+phase a pass is, the batch-level sample index, R2's write-back) and the method that calls
+Megatron's ``forward_backward_func`` once per mini-batch (or log-prob pass; here
+``forward_backward(micro_batches, forward_only)``). Checks 4-5 run the phase methods, overrides
+included (``conformance_tests.py``), never the schedule call directly.
 
 * ``forward_step`` is a closure (SkyRL, AReaL, this toy): pass ``targets`` to ``session.run``
   with ``packing_from_forward=True``: each micro-batch's packing is read from the chunk's forward
@@ -36,8 +39,9 @@ _PROVIDE = {"rollout": "<your framework's option that makes the engine return ro
 
 class TemplateEngineMixin:
     """``class MyEngine(TemplateEngineMixin, FrameworkMegatronEngine)``. The framework engine
-    provides ``forward_backward(micro_batches, forward_only)``; its micro-batches are dicts in the
-    codec's format. Your actor sets ``r3_phase`` around compute_log_prob / update."""
+    provides its phase methods ``compute_log_prob(batch, groups)`` / ``update(batch, groups)``
+    (``groups``: the samples of each micro-batch) that cut ``batch`` into micro-batch dicts in the
+    codec's format and call ``forward_backward(micro_batches, forward_only)``."""
 
     r3_config: Optional[ReplayConfig] = None    # the r3bridge section (None: R3BRIDGE_CONFIG, else off)
     r3: Optional[AdapterSession] = None
@@ -49,6 +53,26 @@ class TemplateEngineMixin:
         self.r3_codec = codec
         # routes indexed by the HF config's MoE layers (yours: the model's HF config) must be the model's
         self.r3.attach(chunks, codec.model_info(), layout=layout)
+
+    def compute_log_prob(self, batch: dict, groups: Sequence[Sequence[int]]) -> Any:
+        """The compute_log_prob pass: each sample carries its batch-level index through the
+        framework's micro-batching (R2 records by it); under R2 the recording is written back into
+        ``batch``, in the framework's own transport, for the update to replay."""
+        self.r3_phase = Phase.OLD_LOG_PROB
+        n = len(batch["input_ids"])
+        batch[SAMPLE_KEY] = torch.arange(n)
+        try:
+            out = super().compute_log_prob(batch, groups)
+        finally:
+            batch.pop(SAMPLE_KEY, None)
+        if self.r3 is not None and self.r3.result is not None and self.r3.result.action is Action.RECORD:
+            self.r3_codec.write_recorded(batch, self.r3.recorded_for(n))
+        return out
+
+    def update(self, batch: dict, groups: Sequence[Sequence[int]]) -> Any:
+        """An update pass: it replays the rollout's routes (R3) or the recording (R2)."""
+        self.r3_phase = Phase.UPDATE
+        return super().update(batch, groups)
 
     def forward_backward(self, micro_batches: list[dict], forward_only: bool = False) -> Any:
         plan = None if self.r3 is None or self.r3_phase is None else self.r3.plan(self.r3_phase)

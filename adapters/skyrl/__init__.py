@@ -9,12 +9,12 @@ from r3bridge.adapters.skyrl.hooks import (
     FirstSeenRoutesMixin,
     PolicyWorkerMixin,
     RefWorkerMixin,
-    SkyRLReplay,
     TrainerMixin,
     model_wrapper_class,
     policy_worker_class,
     ref_worker_class,
 )
+from r3bridge.adapters.skyrl.replay import SkyRLReplay
 
 # SkyRL 0.3.x or 0.4.x (None: not installed); any other installed release is refused here, at import
 SKYRL_RELEASE = skyrl_release()

@@ -5,28 +5,22 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional, Sequence
 
-import torch
-
 from r3bridge.adapters.skyrl import codec
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
+from r3bridge.adapters.skyrl.replay import SkyRLReplay
 from r3bridge.adapters.skyrl.rollout import first_seen_update
 from r3bridge.batch.recorded import from_payloads
 from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
-from r3bridge.megatron.model_replay import ModelReplay
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession, declared_session
+from r3bridge.megatron.session import declared_session
 from r3bridge.versions import check_internals, checked_subclass
 
-__all__ = ["SkyRLReplay", "model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
+__all__ = ["model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",
            "FirstSeenRoutesMixin", "policy_worker_class", "ref_worker_class", "RECORDED_KEY"]
 
 RECORDED_KEY = "r3bridge_recorded"     # per-sample R2 payload in the worker's loss_fn_outputs
-# the SkyRL setting that supplies the routes of each kind, and the one that keeps rollout routes out
-_PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
-            "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
-            "off": "set generator.inference_engine.enable_return_routed_experts=False"}
 
 
 class _Configured:
@@ -35,30 +29,6 @@ class _Configured:
     @property
     def r3_mode(self) -> ReplayMode:
         return ReplayConfig.resolve(self.r3_config).replay_mode
-
-
-class SkyRLReplay(ModelReplay):
-    """One policy model's :class:`r3bridge.megatron.model_replay.ModelReplay`, SkyRL's micro-batches."""
-
-    # SkyRL's own replay never runs; its route keys stay, as None: SkyRL 0.4's forward reads
-    # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560)
-    route_keys = (codec.ROUTES_KEY, codec.MASK_KEY)
-    tokens_key = "sequences"
-    # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD)
-    packing_from_forward = True
-
-    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
-                 layout=None, *, where: Optional[str] = None) -> None:
-        # SkyRL logs no compute_log_prob metrics: the session reports them with the update
-        super().__init__(AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True))
-        self.session.attach(actor_module, model, layout=layout)
-
-    def read_routes(self, fields: dict, plan) -> Any:
-        """SkyRL's own micro-batch field viewed: the driver's reader reads this rank's rows once."""
-        m = self.session.model
-        return codec.handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
-                             route_kind=plan.route_kind,
-                             num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:

@@ -15,12 +15,12 @@ from verl.utils.megatron_utils import unwrap_model
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
+from r3bridge.adapters.verl import engine_pass
 from r3bridge.adapters.verl.codec import LOG_RATIO_KEY, ROUTES_KEY, SAMPLE_KEY, handed_routes, provenance_pairing
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.config import Action, Phase
 from r3bridge.ingest.nested import nested_like, nested_routes
 from r3bridge.launch.ray_watch import report
-from r3bridge.megatron import adapter_pass
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 
@@ -46,7 +46,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         self.r3 = AdapterSession("verl", cfg, where="verl reference engine" if ref else "verl engine",
                                  role=Role.REFERENCE if ref else Role.ACTOR, provide=_PROVIDE,
                                  carry_log_prob_metrics=True)
-        self._r3_pass = None              # the open PhasePass while verl's schedule runs
+        self._r3_pass = None              # the open ReplayPass while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
 
     # ------------------------------------------------------------------------------ set-up
@@ -82,7 +82,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
         phase = self.r3_phase(forward_only)
         routes = data.get(ROUTES_KEY, None)
-        plan = adapter_pass.checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
+        plan = engine_pass.checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
         if plan.action is Action.REPLAY:
@@ -109,12 +109,12 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         rollout_logp = data.get("rollout_log_probs", None)
         # the trainer-vs-rollout log-prob mismatch, in verl's padded response layout
         padded = None if logp is None or rollout_logp is None else no_padding_2_padding(logp, data)
-        adapter_pass.extend_pass_metrics(output.setdefault("metrics", {}), self.r3, phase, log_probs=padded,
+        engine_pass.extend_pass_metrics(output.setdefault("metrics", {}), self.r3, phase, log_probs=padded,
                                          rollout_log_probs=rollout_logp, response_mask=data.get("response_mask", None))
         return output
 
     def _r3_check_topk(self, data, phase: Phase) -> None:
-        adapter_pass.check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY,
+        engine_pass.check_route_width(self.r3, data.get(ROUTES_KEY, None), field=ROUTES_KEY,
                                        where=f"the {phase.value} batch")
 
     # ------------------------------------------------------------------------------ per micro-batch
@@ -127,23 +127,27 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
 
         def hand_over(per_seq) -> None:        # the loss's router_log_ratio, nested like input_ids
             batch[LOG_RATIO_KEY] = nested_like(per_seq, batch["input_ids"])
-        return output, adapter_pass.loss_after_routers(loss, self._r3_pass, model, index, hand_over)
+        return output, engine_pass.loss_after_routers(loss, self._r3_pass, model, index, hand_over)
 
     def r3_install(self, batch, model) -> int:
-        """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD)."""
+        """Install this (chunk, micro-batch)'s targets (REPLAY) or recording slot (RECORD). Under
+        VPP the micro-batch is decoded and its packing read by its first chunk's install only."""
+        return self._r3_pass.install(model, lambda: self.r3_micro_batch(batch, model))
+
+    def r3_micro_batch(self, batch, model):
+        """verl's micro-batch as the driver installs it, with its routes (REPLAY) and the
+        batch-level sample index (R2 records by it, traces and route errors name samples by it)."""
         routes = None
         if self._r3_pass.action is Action.REPLAY:
-            # verl's nested values viewed (nothing copied or checked here): the driver's reader
-            # reads this rank's rows once per micro-batch, whichever chunk installs first
+            # verl's nested values viewed (nothing copied; their width was checked for the whole
+            # batch before the schedule): the driver's reader reads this rank's rows once
             m = self.r3.model
             routes = handed_routes(batch, moe_layer_ids=m.moe_layer_ids, num_experts=m.num_experts,
                                    route_kind=self._r3_pass.plan.route_kind, num_hidden_layers=m.num_layers,
-                                   topk=m.topk, layer_axis=self.r3.config.layer_axis)
-        # every pass carries the batch-level sample index: R2 records by it, traces and route
-        # errors name samples by it
-        return self._r3_pass.install(model, adapter_pass.nested_micro_batch(
+                                   layer_axis=self.r3.config.layer_axis)
+        return engine_pass.nested_micro_batch(
             self.r3, batch["input_ids"], routes=routes, sample_ids=batch[SAMPLE_KEY].tolist(),
-            cu_seqlens_padded=self.r3_cu_seqlens_padded(batch["input_ids"], model)))
+            cu_seqlens_padded=self.r3_cu_seqlens_padded(batch["input_ids"], model))
 
     def r3_cu_seqlens_padded(self, input_ids, model) -> torch.Tensor:
         """The trainer's real THD packing: verl's own ``preprocess_thd_engine`` metadata."""

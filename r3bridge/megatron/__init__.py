@@ -7,26 +7,14 @@ replay, R2 recording with tensor-collective gathering, per-layer agreement metri
 runs one pass of a framework phase around the driver; `AdapterSession` is an adapter's whole
 set-up (config, announce, replayer, runner, roles, metrics). See docs/driver-api.md.
 """
-import warnings
-
 from r3bridge.config import Action
 from r3bridge.megatron.compat import MIN_MEGATRON_CORE, check_megatron
 from r3bridge.megatron.guards import check_config
-from r3bridge.megatron.phase import MicroBatch, PhasePass, PhaseResult, PhaseRunner, install_before_forward
-from r3bridge.megatron.replay_pass import ReplayPass
+from r3bridge.megatron.phase import PhaseResult, PhaseRunner, install_before_forward
+from r3bridge.megatron.replay_pass import MicroBatch, ReplayPass
 from r3bridge.megatron.replayer import Replayer
 from r3bridge.megatron.session import AdapterSession
 
 __all__ = ["Replayer", "ReplayPass", "Action", "check_config", "check_megatron", "MIN_MEGATRON_CORE",
-           "PhaseRunner", "PhasePass", "PhaseResult", "MicroBatch", "install_before_forward", "AdapterSession"]
+           "PhaseRunner", "PhaseResult", "MicroBatch", "install_before_forward", "AdapterSession"]
 
-# names docs/driver-api.md promised before "step" came to mean the RL step only
-_DEPRECATED = {"ReplayStep": "ReplayPass", "PhaseStep": "PhasePass"}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED:
-        warnings.warn(f"r3bridge.megatron.{name} is deprecated: use {_DEPRECATED[name]}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[_DEPRECATED[name]]
-    raise AttributeError(f"module 'r3bridge.megatron' has no attribute {name!r}")

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from r3bridge.megatron.phase import MicroBatch
+from r3bridge.megatron.replay_pass import MicroBatch
 
 __all__ = ["thd_micro_batch", "packed_micro_batches"]
 

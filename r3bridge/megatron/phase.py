@@ -2,15 +2,17 @@
 
 A framework adapter calls :meth:`PhaseRunner.run` around its own schedule call (one mini-batch
 update or one log-prob pass) and supplies only what is framework-specific: the targets of each
-micro-batch (:class:`MicroBatch`), where the metrics go, where recorded routes are written. The
-runner owns the rest, in this order:
+micro-batch (:class:`~r3bridge.megatron.MicroBatch`), where the metrics go, where recorded routes
+are written. The runner owns the rest, in this order (the pass itself is one object, the driver's
+:class:`~r3bridge.megatron.ReplayPass`):
 
 1. the plan of the phase (:meth:`r3bridge.ReplayConfig.plan`); replay off, the reference model
    and NATIVE phases run the framework's call untouched;
 2. one driver pass (:meth:`r3bridge.megatron.Replayer.open_pass`) around the call;
 3. the install of every (chunk, micro-batch) right before the chunk's forward, either from a
    prepended forward pre-hook (:func:`install_before_forward`: frameworks whose ``forward_step``
-   is a closure) or by the adapter's own ``forward_step`` override (:meth:`PhasePass.install`);
+   is a closure) or by the adapter's own ``forward_step`` override (the pass's
+   ``install(model, MicroBatch)``);
 4. padding sequences the trainer packs but that are no sample (``sample_ids`` entry ``None``):
    they get no routes and are left out of the recording, without any reserved id value;
 4b. R3: each sample's route provenance compared with its log-probs' (``ReplayConfig.provenance_check``,
@@ -33,36 +35,12 @@ import torch
 from r3bridge.batch.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
-from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.megatron.replay_pass import as_handed
+from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.megatron.replay_pass import MicroBatch, ReplayPass
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
 
-__all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
-           "phase_tag"]
-
-
-@dataclass
-class MicroBatch:
-    """What one micro-batch installs: its sequences as the trainer packs them.
-
-    ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
-    :class:`r3bridge.ingest.handed.HandedRoutes`: what the one reader reads) covers the leading
-    sequences (REPLAY; ``None`` when recording); trailing sequences
-    beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
-    sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
-    out, sequences are numbered in install order. The packing fields are
-    :meth:`r3bridge.megatron.ReplayPass.install`'s. ``uids``: the framework's own name of each
-    sequence's sample (``None`` for padding), written to route traces only."""
-
-    seq_lens: Sequence[int]
-    routes: Optional[Union[ReplayBatch, HandedRoutes]] = None
-    sample_ids: Optional[Sequence[Optional[int]]] = None
-    format: str = "thd"
-    cu_seqlens_padded: Any = None
-    seq_length: Optional[int] = None
-    uids: Optional[Sequence[Any]] = None
+__all__ = ["PhaseResult", "PhaseRunner", "install_before_forward", "forward_packing", "phase_tag", "Targets"]
 
 
 Targets = Union[Sequence[MicroBatch], Callable[[int, int, tuple, dict], MicroBatch]]
@@ -91,123 +69,6 @@ class PhaseResult:
             raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences for a batch "
                                    f"of {int(num_samples)} samples")
         return rec
-
-
-class PhasePass:
-    """One pass of a phase, open: :meth:`install` for adapters that override ``forward_step``."""
-
-    def __init__(self, runner: "PhaseRunner", phase: Phase, plan: PhasePlan, driver_pass: Any) -> None:
-        self.runner, self.phase, self.plan, self.driver_pass = runner, phase, plan, driver_pass
-        self.result: Optional[PhaseResult] = None
-        self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}   # micro-batch -> (sample ids, driver ids)
-        self._installed: dict[int, int] = {}    # chunk -> micro-batches installed
-        self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
-        self._next_id = 0
-        self._next_pad = -1
-        self.provenance: Optional[ProvenanceCount] = None     # R3: the pass's provenance check
-
-    @property
-    def action(self) -> Action:
-        return self.plan.action
-
-    def install(self, model: torch.nn.Module, mb: MicroBatch, index: Optional[int] = None) -> int:
-        """Install ``mb`` as the next micro-batch of ``model``'s chunk (call right before its forward).
-        ``index``: the micro-batch's position in the schedule (chunks after the first repeat it).
-        Returns that position (what :meth:`router_log_ratio_tokens` takes)."""
-        c = self.runner.replayer.chunk_index(model)
-        k = self._installed.get(c, 0) if index is None else int(index)
-        self._installed[c] = k + 1
-        lens = [int(x) for x in (mb.seq_lens.tolist() if isinstance(mb.seq_lens, torch.Tensor) else mb.seq_lens)]
-        known = self._ids.get(k)
-        if known is None:
-            known = self._ids[k] = self._sample_ids(mb, len(lens), k)
-            if mb.uids is not None:             # route traces name samples by them
-                self.uids[k] = [None if u is None else str(u) for u in mb.uids]
-        elif len(known[0]) != len(lens):
-            raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
-                                   f"{len(known[0])}")
-        elif mb.sample_ids is not None and [None if x is None else int(x) for x in mb.sample_ids] != known[0]:
-            raise ReplayStateError(f"chunk {c}, micro-batch {k}: sample ids {list(mb.sample_ids)}, another chunk "
-                                   f"installed {known[0]}")
-        ids, driver_ids = known
-        routes = mb.routes
-        if self.action is Action.REPLAY:
-            if routes is None:
-                raise ReplayStateError(f"chunk {c}, micro-batch {k} (samples {ids}): a "
-                                       f"{self.runner.config.replay_mode.value} replay without routes")
-            routes = as_handed(routes)          # a ReplayBatch is viewed, never copied
-            extra = len(lens) - routes.num_seqs
-            if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):
-                raise CoverageError(f"chunk {c}, micro-batch {k}: routes for {routes.num_seqs} sequences, "
-                                    f"{len(lens)} packed of which {sum(s is None for s in ids)} padding")
-            if extra:
-                routes = routes.with_empty_sequences(lens[routes.num_seqs:])
-        if self.runner.config.router_log_ratio and self.action is Action.REPLAY and not routes.has_weights:
-            raise ConfigError(f"chunk {c}, micro-batch {k}: router_log_ratio=true needs the rollout's routing "
-                              f"weights, and these routes carry none (SGLang: --enable-return-routed-expert-weights)")
-        self.driver_pass.install(model, routes, lens, cu_seqlens_padded=mb.cu_seqlens_padded, format=mb.format,
-                          seq_length=mb.seq_length, sample_ids=driver_ids)
-        return k
-
-    def router_log_ratio_tokens(self, model: torch.nn.Module, index: int) -> Optional[list[torch.Tensor]]:
-        """The router log-ratio of micro-batch ``index`` (every MoE layer of ``model``'s chunk),
-        one ``[seq_len]`` tensor per packed sequence, position ``j`` the routes at position ``j``
-        (:mod:`r3bridge.replay_policy`). ``None`` when its routes carry no weights. Call after the
-        chunk's forward of that micro-batch (from the loss)."""
-        return self.driver_pass.router_log_ratio_tokens(self.runner.replayer.chunk_index(model), index)
-
-    @property
-    def replayer(self) -> Any:
-        return self.runner.replayer
-
-    def installed_sample_ids(self, index: int) -> Optional[list[Optional[int]]]:
-        """The batch-level sample ids installed for micro-batch ``index`` (None: not installed)."""
-        known = self._ids.get(index)
-        return None if known is None else known[0]
-
-    def _sample_ids(self, mb: MicroBatch, n: int, k: int) -> tuple[list[Optional[int]], list[int]]:
-        """(sample ids, None for padding; the ids the driver gets). Padding sequences need ids
-        distinct from every sample's: negative ones, which no sample id is; the recording is
-        selected by the padding flags, never by an id's value."""
-        if mb.sample_ids is None:
-            ids: list[Optional[int]] = list(range(self._next_id, self._next_id + n))
-        else:
-            ids = [None if s is None else int(s) for s in mb.sample_ids]
-            if len(ids) != n:
-                raise CoverageError(f"micro-batch {k}: {len(ids)} sample ids for {n} sequences")
-            if any(s is not None and s < 0 for s in ids):
-                raise CoverageError(f"micro-batch {k}: negative sample id in {ids}")
-        real = [s for s in ids if s is not None]
-        self._next_id = max([self._next_id, *[s + 1 for s in real]])
-        driver = []
-        for s in ids:
-            if s is None:
-                s, self._next_pad = self._next_pad, self._next_pad - 1
-            driver.append(s)
-        return ids, driver
-
-    def _finish(self) -> PhaseResult:
-        driver_pass = self.driver_pass
-        cfg = self.runner.config
-        # per-layer agreement keys opt-in (ReplayConfig.per_layer_metrics), a compact summary by default
-        metrics = summarize_layers(driver_pass.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
-        if self.provenance is not None:
-            metrics.update(self.provenance.as_metrics(cfg.metrics_prefix))
-        res = PhaseResult(self.phase, self.action, metrics,
-                          tag_phase(metrics, self.runner.config.metrics_prefix, phase_tag(self.phase)))
-        if self.action is Action.RECORD:
-            res.recorded = self._select_recorded(driver_pass.recorded)
-        return res
-
-    def _select_recorded(self, rec: Optional[ReplayBatch]) -> ReplayBatch:
-        # the driver returns every installed sequence sorted by driver id; keep the samples
-        flat = [(d, s is not None) for k in sorted(self._ids) for s, d in zip(*self._ids[k])]
-        if rec is None or rec.num_seqs != len(flat):
-            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences, "
-                                   f"{len(flat)} were installed")
-        order = sorted(range(len(flat)), key=lambda i: flat[i][0])
-        keep = [pos for pos, i in enumerate(order) if flat[i][1]]
-        return rec if len(keep) == rec.num_seqs else rec.select(keep)
 
 
 class PhaseRunner:
@@ -256,13 +117,13 @@ class PhaseRunner:
             chunks: Optional[Sequence[torch.nn.Module]] = None,
             num_micro_batches: Optional[int] = None,
             provenance: Optional[ProvenancePairing] = None,
-            packing_from_forward: bool = False) -> Iterator[Optional[PhasePass]]:
+            packing_from_forward: bool = False) -> Iterator[Optional[ReplayPass]]:
         """Context around the framework's schedule call. Yields ``None`` for a native phase,
-        else the :class:`PhasePass`, whose ``result`` is set on a clean exit.
+        else the pass (:class:`~r3bridge.megatron.ReplayPass`), whose ``result`` is set on a clean exit.
 
         ``targets`` (a list indexed by micro-batch, or ``(chunk, k, args, kwargs) -> MicroBatch``)
         installs from forward pre-hooks on ``chunks`` (default: the replayer's); without it the
-        adapter calls :meth:`PhasePass.install` itself. ``packing_from_forward``: each target's
+        adapter calls the pass's ``install(model, MicroBatch)`` itself. ``packing_from_forward``: each target's
         packing is the one the chunk's forward gets (:func:`forward_packing`).
 
         ``provenance``: the pass's samples' route and log-prob provenance; under R3 they are
@@ -274,10 +135,9 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind) as driver_pass:
-            ps = PhasePass(self, phase, plan, driver_pass)
-            ps.provenance = checked
-            driver_pass.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
+        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind) as ps:
+            ps.serve(self, phase, plan, checked)
+            ps.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
                 yield ps
             else:
@@ -292,9 +152,22 @@ class PhaseRunner:
                     return lambda module: ps.install(module, mb, index=k)
                 with install_before_forward(mods, hook, n):
                     yield ps
-        ps.result = ps._finish()
+        ps.result = self._result(ps)
         if self.tracer is not None:
-            self.tracer.finish(ps, driver_pass.trace, phase_tag(phase))
+            self.tracer.finish(ps, ps.trace, phase_tag(phase))
+
+    def _result(self, ps: ReplayPass) -> PhaseResult:
+        """The pass's result: the driver's metrics summarised (per-layer agreement keys opt-in,
+        ``ReplayConfig.per_layer_metrics``), with the provenance counts, tagged by phase; R2's
+        recording of the real samples."""
+        cfg = self.config
+        metrics = summarize_layers(ps.metrics, cfg.metrics_prefix, per_layer=cfg.per_layer_metrics)
+        if ps.provenance is not None:
+            metrics.update(ps.provenance.as_metrics(cfg.metrics_prefix))
+        res = PhaseResult(ps.phase, ps.action, metrics, tag_phase(metrics, cfg.metrics_prefix, phase_tag(ps.phase)))
+        if ps.action is Action.RECORD:
+            res.recorded = ps.recorded_samples()
+        return res
 
     def _check_provenance(self, plan: PhasePlan, pairing: Optional[ProvenancePairing]) -> Optional[ProvenanceCount]:
         """R3's check of rollout routes against the log-probs they are paired with. R2 replays

@@ -1,6 +1,12 @@
 """The driver's state for one pass (one ``forward_backward_func`` call): targets keyed by
 (chunk, micro-batch), consumed exactly once in the forward and once in the recompute.
 
+One :class:`ReplayPass` is the whole pass between an adapter and the routers (megatron-core's
+model: one ``RouterReplay`` beside each router): a phase's pass
+(:meth:`r3bridge.megatron.PhaseRunner.run` yields it) installs the adapter's :class:`MicroBatch`
+records, whose sample ids, padding sequences and VPP repeats it keeps per micro-batch; a pass
+opened on the :class:`~r3bridge.megatron.Replayer` directly installs routes and lengths.
+
 Why keys and not megatron's per-router FIFO: a FIFO pairs forward and recompute correctly only if
 every (chunk, micro-batch) pushes exactly once to exactly its own routers and every micro-batch is
 recomputed alike; a forward-only pass or a skipped recompute leaves entries that the next pass
@@ -26,13 +32,15 @@ consumes (SkyRL #1908). Here:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
 
+from r3bridge.batch.provenance import ProvenanceCount
 from r3bridge.batch.schema import ReplayBatch, route_dtype
-from r3bridge.config import Action
+from r3bridge.config import Action, Phase, PhasePlan
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
 from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import stats_mask
@@ -46,6 +54,28 @@ from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.read import ReadStats, read_targets
 from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.replay_policy import threshold_select
+
+
+@dataclass
+class MicroBatch:
+    """What one micro-batch installs: its sequences as the trainer packs them.
+
+    ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
+    :class:`r3bridge.ingest.handed.HandedRoutes`: what the one reader reads) covers the leading
+    sequences (REPLAY; ``None`` when recording); trailing sequences
+    beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
+    sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left
+    out, sequences are numbered in install order. The packing fields are
+    :meth:`ReplayPass.install`'s. ``uids``: the framework's own name of each
+    sequence's sample (``None`` for padding), written to route traces only."""
+
+    seq_lens: Sequence[int]
+    routes: Optional[Union[ReplayBatch, HandedRoutes]] = None
+    sample_ids: Optional[Sequence[Optional[int]]] = None
+    format: str = "thd"
+    cu_seqlens_padded: Any = None
+    seq_length: Optional[int] = None
+    uids: Optional[Sequence[Any]] = None
 
 
 class PassHost(Protocol):
@@ -152,7 +182,9 @@ def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> No
 
 
 class ReplayPass:
-    """Created by :meth:`Replayer.open_pass`; use as a context manager."""
+    """Created by :meth:`Replayer.open_pass`; use as a context manager. A phase's pass
+    (:meth:`r3bridge.megatron.PhaseRunner.run`) also carries its ``phase``, ``plan``,
+    ``provenance`` check and, on a clean exit, its ``result`` (:class:`r3bridge.megatron.PhaseResult`)."""
 
     def __init__(self, replayer: PassHost, action: Action | str, *, forward_only: bool,
                  route_kind: str | None = None) -> None:
@@ -182,6 +214,19 @@ class ReplayPass:
         self.recorded: Optional[ReplayBatch] = None
         self.metrics: dict[str, float] = {}
         self.trace: Any = None                  # a PassTrace while the pass is traced (megatron/trace.py)
+        # a phase's pass (PhaseRunner.serve): its runner (the job's options), phase, plan, provenance, result
+        self.runner: Any = None
+        self.phase: Optional[Phase] = None
+        self.plan: Optional[PhasePlan] = None
+        self.provenance: Optional[ProvenanceCount] = None     # R3: the pass's provenance check
+        self.result: Any = None
+        # MicroBatch installs, per micro-batch index (every chunk's): (sample ids, the driver's ids)
+        self._ids: dict[int, tuple[list[Optional[int]], list[int]]] = {}
+        self._installed: dict[int, int] = {}    # chunk -> MicroBatch installs
+        self._built: dict[int, list] = {}       # micro-batch -> [its MicroBatch, chunks yet to install it]
+        self.uids: dict[int, list[Optional[str]]] = {}   # micro-batch -> MicroBatch.uids
+        self._next_id = 0
+        self._next_pad = -1
         dev = self.device = replayer.device     # fixed for this schedule run
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
@@ -229,6 +274,7 @@ class ReplayPass:
         self._pairings.clear()
         self._pair_mismatch.clear()
         self._reads.clear()
+        self._built.clear()
         self._sample_rows = []
         self.policy.clear()
         self._current = [None] * len(self._current)
@@ -237,16 +283,47 @@ class ReplayPass:
             self.replayer.active_pass = None
 
     # ---------------------------------------------------------------------------- install
-    def install(self, model: torch.nn.Module | int, routes: ReplayBatch | HandedRoutes | None, seq_lens: Sequence[int], *,
-                cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None, format: str = "thd",
-                seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
+    def install(self, model: torch.nn.Module | int,
+                routes: ReplayBatch | HandedRoutes | MicroBatch | Callable[[], MicroBatch] | None,
+                seq_lens: Sequence[int] | None = None, *, cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+                format: str = "thd", seq_length: int | None = None, sample_ids: Sequence[int] | None = None,
+                index: int | None = None) -> int | None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
-        ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
-        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md, "One reader").
+
+        An adapter's pass: ``install(model, MicroBatch(...))`` (or a callable building the
+        :class:`MicroBatch`, called by the micro-batch's first install only: under VPP every later
+        chunk reuses it, so the framework's routes are decoded and its packing read once per
+        micro-batch); ``index``: the micro-batch's position in the schedule (chunks after the first
+        repeat it). Returns that position (what :meth:`router_log_ratio_tokens` takes).
+
+        The driver's own form: ``install(model, routes, seq_lens, ...)``, ``routes`` a
+        :class:`r3bridge.ReplayBatch` or what the framework handed over
+        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md,
+        "One reader"); the sequences are numbered in install order unless ``sample_ids`` says.
 
         In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""
+        if isinstance(routes, MicroBatch) or callable(routes):
+            if seq_lens is not None:
+                raise TypeError("install(model, MicroBatch) takes the packing from the MicroBatch, not seq_lens")
+            return self._install_micro_batch(model, routes, index)
+        if seq_lens is None:
+            raise TypeError("install(model, routes, seq_lens, ...) needs seq_lens (or a MicroBatch)")
         c = self.replayer.chunk_index(model)
+        lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        # default: samples numbered in install order across this pass's micro-batches
+        first = self._next_sample[c]
+        ids = list(range(first, first + len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
+        if len(ids) != len(lens):
+            raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
+        self._install(c, routes, lens, dict(format=format, cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length),
+                      ids)
+        return None
+
+    def _install(self, c: int, routes: ReplayBatch | HandedRoutes | None, lens: list[int], pack: dict,
+                 ids: list[int]) -> None:
+        """The install both forms share: chunk ``c``'s next micro-batch, ``ids`` the driver's id
+        of each sequence (checked by the caller)."""
         if self.replayer.active_pass is not self:
             # outside its `with` block no router would ever see these targets: every router
             # would route natively and the pass would report nothing (verl's silent no-op)
@@ -259,13 +336,6 @@ class ReplayPass:
             raise ReplayStateError(f"chunk {c}: micro-batch {last.index} was installed but never ran forward "
                                    f"before the next install")
         rep = self.replayer
-        lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-        pack = dict(format=format, cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length)
-        # default: samples numbered in install order across this pass's micro-batches
-        first = self._next_sample[c]
-        ids = list(range(first, first + len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
-        if len(ids) != len(lens):
-            raise CoverageError(f"sample_ids has {len(ids)} entries for {len(lens)} sequences")
         layers = rep.chunks[c].layer_ids
         index = self._next_index[c]
         handed = None if routes is None or self.action is not Action.REPLAY else as_handed(routes)
@@ -305,6 +375,104 @@ class ReplayPass:
         self._next_sample[c] = max(self._next_sample[c], max(ids, default=-1) + 1)
         self._last[c] = mb
         self._live[(c, mb.index)] = mb
+
+    # ---------------------------------------------------------------------------- a phase's MicroBatch installs
+    def serve(self, runner: Any, phase: Phase, plan: PhasePlan, provenance: Optional[ProvenanceCount]) -> None:
+        """Make this the pass of ``phase`` (:meth:`r3bridge.megatron.PhaseRunner.run`): ``runner``
+        holds the job's options, ``provenance`` the R3 check made before the pass opened."""
+        self.runner, self.phase, self.plan, self.provenance = runner, Phase(phase), plan, provenance
+
+    def _install_micro_batch(self, model: torch.nn.Module | int, mb: MicroBatch | Callable[[], MicroBatch],
+                             index: Optional[int]) -> int:
+        c = self.replayer.chunk_index(model)
+        k = self._installed.get(c, 0) if index is None else int(index)
+        self._installed[c] = k + 1
+        if callable(mb):
+            mb = self._built_once(k, mb)
+        lens = [int(x) for x in (mb.seq_lens.tolist() if isinstance(mb.seq_lens, torch.Tensor) else mb.seq_lens)]
+        known = self._ids.get(k)
+        if known is None:
+            known = self._ids[k] = self._sample_ids(mb, len(lens), k)
+            if mb.uids is not None:             # route traces name samples by them
+                self.uids[k] = [None if u is None else str(u) for u in mb.uids]
+        elif len(known[0]) != len(lens):
+            raise ReplayStateError(f"chunk {c}, micro-batch {k}: {len(lens)} sequences, another chunk installed "
+                                   f"{len(known[0])}")
+        elif mb.sample_ids is not None and [None if x is None else int(x) for x in mb.sample_ids] != known[0]:
+            raise ReplayStateError(f"chunk {c}, micro-batch {k}: sample ids {list(mb.sample_ids)}, another chunk "
+                                   f"installed {known[0]}")
+        ids, driver_ids = known
+        routes = mb.routes
+        config = None if self.runner is None else self.runner.config
+        if self.action is Action.REPLAY:
+            if routes is None:
+                mode = self.action.value if config is None else config.replay_mode.value
+                raise ReplayStateError(f"chunk {c}, micro-batch {k} (samples {ids}): a {mode} replay without routes")
+            routes = as_handed(routes)          # a ReplayBatch is viewed, never copied
+            extra = len(lens) - routes.num_seqs
+            if extra < 0 or any(s is not None for s in ids[routes.num_seqs:]):
+                raise CoverageError(f"chunk {c}, micro-batch {k}: routes for {routes.num_seqs} sequences, "
+                                    f"{len(lens)} packed of which {sum(s is None for s in ids)} padding")
+            if extra:
+                routes = routes.with_empty_sequences(lens[routes.num_seqs:])
+            if config is not None and config.router_log_ratio and not routes.has_weights:
+                raise ConfigError(f"chunk {c}, micro-batch {k}: router_log_ratio=true needs the rollout's routing "
+                                  f"weights, and these routes carry none (SGLang: "
+                                  f"--enable-return-routed-expert-weights)")
+        self._install(c, routes, lens, dict(format=mb.format, cu_seqlens_padded=mb.cu_seqlens_padded,
+                                            seq_length=mb.seq_length), driver_ids)
+        return k
+
+    def _built_once(self, index: int, build: Callable[[], MicroBatch]) -> MicroBatch:
+        """Micro-batch ``index`` built by its first chunk's install and handed to every later
+        chunk's; dropped once every chunk installed it (the pass keeps no copy)."""
+        hit = self._built.get(index)
+        if hit is None:
+            hit = self._built[index] = [build(), len(self.replayer.chunks)]
+        hit[1] -= 1
+        if hit[1] <= 0:
+            del self._built[index]
+        return hit[0]
+
+    def _sample_ids(self, mb: MicroBatch, n: int, k: int) -> tuple[list[Optional[int]], list[int]]:
+        """(sample ids, None for padding; the ids the driver gets). Padding sequences need ids
+        distinct from every sample's: negative ones, which no sample id is; the recording is
+        selected by the padding flags, never by an id's value."""
+        if mb.sample_ids is None:
+            ids: list[Optional[int]] = list(range(self._next_id, self._next_id + n))
+        else:
+            ids = [None if s is None else int(s) for s in mb.sample_ids]
+            if len(ids) != n:
+                raise CoverageError(f"micro-batch {k}: {len(ids)} sample ids for {n} sequences")
+            if any(s is not None and s < 0 for s in ids):
+                raise CoverageError(f"micro-batch {k}: negative sample id in {ids}")
+        real = [s for s in ids if s is not None]
+        self._next_id = max([self._next_id, *[s + 1 for s in real]])
+        driver = []
+        for s in ids:
+            if s is None:
+                s, self._next_pad = self._next_pad, self._next_pad - 1
+            driver.append(s)
+        return ids, driver
+
+    def installed_sample_ids(self, index: int) -> Optional[list[Optional[int]]]:
+        """The batch-level sample ids installed for micro-batch ``index`` by :class:`MicroBatch`
+        installs (None: not installed)."""
+        known = self._ids.get(index)
+        return None if known is None else known[0]
+
+    def recorded_samples(self) -> ReplayBatch:
+        """RECORD, after the pass: :attr:`recorded` of the real samples only (no padding
+        sequence), in sample-id order."""
+        rec = self.recorded
+        # the driver returns every installed sequence sorted by driver id; keep the samples
+        flat = [(d, s is not None) for k in sorted(self._ids) for s, d in zip(*self._ids[k])]
+        if rec is None or rec.num_seqs != len(flat):
+            raise ReplayStateError(f"R2 recorded {None if rec is None else rec.num_seqs} sequences, "
+                                   f"{len(flat)} were installed")
+        order = sorted(range(len(flat)), key=lambda i: flat[i][0])
+        keep = [pos for pos, i in enumerate(order) if flat[i][1]]
+        return rec if len(keep) == rec.num_seqs else rec.select(keep)
 
     def _rank_rows(self, index: int, lens: list[int], pack: dict, handed: Optional[HandedRoutes]
                    ) -> tuple[RankRows, Optional[HandedRoutes]]:
@@ -453,8 +621,6 @@ class ReplayPass:
         if target is None:
             raise ReplayStateError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index}: no target left "
                                    f"(consumed already?)")
-        if target.shape[1] != topk:
-            raise ReplayStateError(f"layer {layer}: target top-k {target.shape[1]} != router top-k {topk}")
         idx = target
         threshold = self.replayer.replay_policy == "threshold"
         need_native = not mb.all_valid or threshold or ((self.replayer.agreement or self.trace is not None) and count)
@@ -507,9 +673,13 @@ class ReplayPass:
         carry no weights). Complete once the chunk's forward of that micro-batch has run."""
         return self.policy.log_ratio.get((chunk, index))
 
-    def router_log_ratio_tokens(self, chunk: int, index: int) -> Optional[list[torch.Tensor]]:
-        """:meth:`router_log_ratio` as one ``[seq_len]`` tensor per sequence of the micro-batch,
-        every TP / CP rank's rows gathered (:func:`r3bridge.megatron.policy_stats.per_token`)."""
+    def router_log_ratio_tokens(self, model: torch.nn.Module | int, index: int) -> Optional[list[torch.Tensor]]:
+        """The router log-ratio of micro-batch ``index`` (every MoE layer of ``model``'s chunk:
+        the chunk or its index), one ``[seq_len]`` tensor per packed sequence, position ``j`` the
+        routes at position ``j`` (:mod:`r3bridge.replay_policy`), every TP / CP rank's rows
+        gathered (:func:`r3bridge.megatron.policy_stats.per_token`). ``None`` when its routes
+        carry no weights. Call after the chunk's forward of that micro-batch (from the loss)."""
+        chunk = self.replayer.chunk_index(model)
         ratio = self.policy.log_ratio.get((chunk, index))
         if ratio is None:
             return None

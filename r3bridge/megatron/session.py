@@ -42,7 +42,8 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.hf import ModelInfo, check_topk
-from r3bridge.megatron.phase import PhasePass, PhaseResult, PhaseRunner, Targets
+from r3bridge.megatron.phase import PhaseResult, PhaseRunner, Targets
+from r3bridge.megatron.replay_pass import ReplayPass
 from r3bridge.megatron.roles import Role, check_declared, declare_role
 
 __all__ = ["AdapterSession", "averaged", "declared_session"]
@@ -173,11 +174,11 @@ class AdapterSession:
     @contextlib.contextmanager
     def run(self, phase: Phase | str, *, forward_only: bool, targets: Optional[Targets] = None,
             num_micro_batches: Optional[int] = None, provenance: Optional[ProvenancePairing] = None,
-            packing_from_forward: bool = False) -> Iterator[Optional[PhasePass]]:
+            packing_from_forward: bool = False) -> Iterator[Optional[ReplayPass]]:
         """:meth:`PhaseRunner.run` around the framework's schedule call (``targets`` install from
         forward pre-hooks on the attached chunks, with ``packing_from_forward`` each one's packing
         read from the chunk's forward arguments; without them the adapter calls
-        ``PhasePass.install`` from its ``forward_step``). :attr:`result` is the pass's on a clean
+        the pass's ``install(model, MicroBatch)`` from its ``forward_step``). :attr:`result` is the pass's on a clean
         exit (``None``: routed natively)."""
         self.result = None
         with self.runner.run(Phase(phase), forward_only=forward_only, targets=targets, chunks=self.chunks or None,

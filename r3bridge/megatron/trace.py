@@ -54,7 +54,7 @@ class TracedReplayer(Protocol):
 
 
 class TracedPass(Protocol):
-    """What the tracer reads of one phase's pass (``r3bridge.megatron.phase.PhasePass``)."""
+    """What the tracer reads of one phase's pass (a ``r3bridge.megatron.ReplayPass`` a ``PhaseRunner`` serves)."""
 
     phase: Phase
     plan: PhasePlan

@@ -31,6 +31,18 @@ def test_rollouts_cover_the_hard_cases():
         assert want.rows_per_seq[i] in (len(r.tokens[i]) - 1, len(r.tokens[i]))
 
 
+def test_single_call_rollouts_have_one_engine_call_per_sample():
+    r = make_rollout(0, batch_size=9, single_call=True, aborted=(4,))
+    assert [len(c) for c in r.calls] == [1] * 9 and r.aborted == [4]
+    assert all(r.call_prompt_lens[i] == [r.prompt_lens[i]] for i in range(9))
+    want = r.expected()
+    assert not bool(want.valid.all())                                         # unrouted tails stay
+    for i in range(9):
+        if i != 4:                                                            # the call's rows, first-seen
+            rows = torch.as_tensor(r.calls[i][0][:, want.layer_ids].astype(np.int64))
+            assert torch.equal(want.sequence(i)[0][:len(rows)].long(), rows)
+
+
 class _Dict:
     """A minimal BatchCodec over {"routes": ReplayBatch, "lens": [...]} (what a correct adapter does)."""
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from r3bridge.adapters._template import TemplateCodec
+from r3bridge.adapters._template import RECORDED_KEY, TemplateCodec
 from r3bridge.adapters._template.conformance_tests import (  # noqa: F401  (collected by pytest)
+    R3ToyEngine,
+    TemplateRunner,
     TestTemplateIngest,
     TestTemplateMegatron,
     framework_batch,
@@ -54,3 +56,34 @@ def test_a_micro_batch_of_aborted_samples_keeps_the_models_topk_or_is_named():
     with pytest.raises(ReplayStateError, match=r"chunk 0, micro-batch 2 \(samples \[4, 5\]\): routes of top-1, the "
                                                r"model's routers choose top-2 and not one valid row: .*aborted"):
         _check_topk(shapeless, 2, "chunk 0, micro-batch 2 (samples [4, 5])")
+
+
+class ShuffledRecordingEngine(R3ToyEngine):
+    """An adapter whose ``update`` override is broken on purpose: each sample replays the previous
+    sample's recorded routes (the R2 sample index off by one)."""
+
+    def update(self, batch, groups):
+        return super().update({**batch, RECORDED_KEY: batch[RECORDED_KEY].roll(1, 0)}, groups)
+
+
+class ShuffledRecordingRunner(TemplateRunner):
+    engine_class = ShuffledRecordingEngine
+
+
+@pytest.mark.slow
+def test_a_broken_update_override_fails_check5():
+    """Checks 4-5 run the adapter's own phase methods (the template's runner calls ``update``, not
+    the schedule): a broken ``update`` override fails check 5, while check 4 (compute_log_prob)
+    still passes. A runner that called ``forward_backward`` directly never ran the override."""
+    from r3bridge.testing.kit.conformance import (
+        ONE_RANK,
+        MegatronCase,
+        assert_r2_passes,
+        assert_r3_passes,
+        run_megatron_checks,
+    )
+
+    (result,) = run_megatron_checks(MegatronCase(ShuffledRecordingRunner, aborted=(4, 5)), ONE_RANK, timeout=600)
+    assert_r3_passes(result)
+    with pytest.raises(AssertionError, match="check 5 on 1 rank"):
+        assert_r2_passes(result)

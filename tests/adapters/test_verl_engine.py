@@ -14,6 +14,7 @@ its own) for reference passes, config errors and a failing schedule.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -143,6 +144,28 @@ def _log_probs(out) -> list:
 
 
 # ---------------------------------------------------------------------------------- scenarios
+@contextlib.contextmanager
+def _counting_adapter_calls():
+    """Counts the adapter's per-micro-batch decoding and packing calls (verl's routes viewed,
+    the THD micro-batch built, verl's ``preprocess_thd_engine`` metadata), each still run."""
+    from unittest import mock
+
+    from r3bridge.adapters.verl import engine_pass, hooks
+
+    counted: dict[str, int] = {}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counted[name] = counted.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+    with mock.patch.object(hooks, "handed_routes", counting("handed_routes", hooks.handed_routes)), \
+            mock.patch.object(hooks, "preprocess_thd_engine",
+                              counting("preprocess_thd_engine", hooks.preprocess_thd_engine)), \
+            mock.patch.object(engine_pass, "thd_micro_batch", counting("thd_micro_batch", engine_pass.thd_micro_batch)):
+        yield counted
+
+
 def _r3(ctx) -> dict:
     """R3: compute_log_prob and the update replay the rollout routes wherever verl put each sample."""
     from _verl_runner import INDEX_KEY
@@ -153,7 +176,9 @@ def _r3(ctx) -> dict:
     expected = rollout.expected()
     res = {}
     for phase, fo, mt in (("compute_log_prob", True, MAX_TOKENS[0]), ("update", False, MAX_TOKENS[1])):
-        out, probe = _run(eng, td, forward_only=fo, max_tokens=mt)
+        with _counting_adapter_calls() as counted:
+            out, probe = _run(eng, td, forward_only=fo, max_tokens=mt)
+        res[f"{phase}_adapter_calls"] = dict(counted)
         errors, checked = _dispatch_errors(ctx, eng, probe, expected)
         result = eng.r3.runner.results[-1]
         res[phase] = dict(errors=errors, checked=checked, order=_order(eng), calls=len(probe.calls),
@@ -486,6 +511,10 @@ def test_r3_replays_rollout_routes_in_log_prob_and_update(pp2_vpp2):
             assert r["errors"] == [] and r["checked"] > 0, r["errors"]
             assert r["calls"] == r["routers"] * r["micro_batches"] > 0
             assert r["metrics"]["r3bridge/coverage"] > 0.8
+            # under VPP each micro-batch is decoded and packed once, by its first chunk's install,
+            # not once per chunk (both chunks of this rank installed every micro-batch)
+            assert rank[f"{phase}_adapter_calls"] == dict.fromkeys(
+                ("handed_routes", "preprocess_thd_engine", "thd_micro_batch"), r["micro_batches"]), rank
         # verl's dynamic batching re-ordered the samples, differently in the two passes
         orders = [rank[p]["order"] for p in ("compute_log_prob", "update")]
         assert all(sorted(o) == list(range(BATCH)) for o in orders) and orders[0] != list(range(BATCH))

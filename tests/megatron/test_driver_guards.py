@@ -37,15 +37,6 @@ def test_orphan_routers_are_never_touched(checks):
     assert o["unmanaged"] == 0
 
 
-def test_deprecated_names_still_work():
-    """docs/driver-api.md promised ``Replayer.step`` / ``ReplayStep`` / ``PhaseStep``: kept, warning."""
-    import r3bridge.megatron as driver
-
-    for old, new in (("ReplayStep", "ReplayPass"), ("PhaseStep", "PhasePass")):
-        with pytest.warns(DeprecationWarning, match=new):
-            assert getattr(driver, old) is getattr(driver, new)
-
-
 def test_deprecated_step_opens_a_pass(checks):
     assert checks["deprecated_step"] == dict(kind="ReplayPass", route_kind="rollout", warned=["DeprecationWarning"])
 

@@ -24,11 +24,13 @@ Megatron level (CPU harness, inside ``r3bridge.testing.harness.dist.spawn_layout
 :class:`~r3bridge.testing.kit.runner.MegatronRunner` (the runner contract, documented there):
 
 4. :func:`megatron_r3_check`: the adapter's per-micro-batch hook, driven by the framework's real
-   schedule code on harness model chunks, makes every router call dispatch exactly the rollout's
+   phase method (compute_log_prob, the adapter's override in front) and schedule code on harness
+   model chunks, makes every router call dispatch exactly the rollout's
    routes on valid rows (checked under a ``RoutingProbe`` against ``r3bridge.shard`` of the
    canonical batch with the packing the framework really used); decided by
    :func:`assert_r3_passes`;
-5. :func:`megatron_r2_check`: R2 recorded by the adapter, written back, re-partitioned
+5. :func:`megatron_r2_check`: R2 recorded by the adapter's compute_log_prob, written back,
+   re-partitioned
    differently and replayed, reproduces the recording pass's log-probs with agreement 1.0;
    decided by :func:`assert_r2_passes`.
 
@@ -491,6 +493,7 @@ class MegatronCase:
     rollout_seed: int = 11
     extras: Optional[Callable[[Any, list], Any]] = None
     aborted: tuple[int, ...] = ()       # rollout samples whose engine call returned no routes
+    single_call: bool = False           # one engine call per sample (make_rollout's single_call)
 
 
 @dataclass
@@ -511,7 +514,8 @@ def megatron_rank(ctx: Any, case: MegatronCase) -> dict:
     from r3bridge.testing.harness.models import build_model_chunks
 
     spec = case.spec if case.spec is not None else case.shape.model_spec()
-    rollout = case.shape.rollout(case.rollout_seed, batch_size=BATCH_SIZE, aborted=case.aborted)
+    rollout = case.shape.rollout(case.rollout_seed, batch_size=BATCH_SIZE, aborted=case.aborted,
+                                 single_call=case.single_call)
     runners: list = []
 
     def fresh() -> MegatronRunner:

@@ -34,8 +34,10 @@ class CanonicalRollout:
     ``t`` of sample ``i`` returned, from row 0 of that call's prompt (every call re-sends the whole
     context: multi-turn prefill and resubmits), or ``None`` where the engine returned no routes
     (an aborted request: vLLM's ``routed_experts`` is ``None``; the sample's tokens still train,
-    routed natively); ``call_tokens[i][t]`` the call's prompt + output. ``tokens[i]``: the
-    sample's final trajectory (what the trainer sees)."""
+    routed natively); ``call_tokens[i][t]`` the call's prompt + output;
+    ``call_prompt_lens[i][t]`` the call's prompt length (a resubmit's prompt is the previous
+    call's tokens). ``tokens[i]``: the sample's final trajectory (what the trainer sees),
+    ``prompt_lens[i]`` its first prompt's length. docs/porting.md, "The canonical rollout"."""
 
     tokens: list[list[int]]
     calls: list[list[Optional[np.ndarray]]]
@@ -87,12 +89,13 @@ def _routes(rng: np.random.Generator, rows: int, num_layers: int, moe: Sequence[
 def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 4, topk: int = 2,
                  num_layers: int = 4, moe_layer_ids: Sequence[int] = (1, 2, 3), vocab: int = 100,
                  max_prompt: int = 9, max_turns: int = 3, dtype=np.uint8,
-                 aborted: Sequence[int] = ()) -> CanonicalRollout:
+                 aborted: Sequence[int] = (), single_call: bool = False) -> CanonicalRollout:
     """Random rollouts covering single-turn, multi-turn (each later call re-routes the earlier
     context *differently*: only first-seen rows are right), resubmits (a call repeated over the
     same context), final tokens no call routed (observations appended after the last call) and,
     for the samples in ``aborted``, one call the engine aborted: a partial response whose routes
-    are ``None``."""
+    are ``None``. ``single_call``: one engine call per sample (no multi-turn, no resubmit: a
+    framework whose samples are one request each), tails and aborted samples as before."""
     rng = np.random.default_rng(seed)
     moe = list(moe_layer_ids)
     gone = {int(i) for i in aborted}
@@ -104,7 +107,7 @@ def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 4, to
         ctx = list(rng.integers(1, vocab, size=p))
         plens.append(p)
         sample_calls, sample_call_tokens, sample_plens = [], [], []
-        turns = 1 if i == 0 else int(rng.integers(1, max_turns + 1))
+        turns = 1 if i == 0 or single_call else int(rng.integers(1, max_turns + 1))
         if i in gone:       # one call, aborted: its partial response trains, routed natively
             full = ctx + list(rng.integers(1, vocab, size=int(rng.integers(1, 6))))
             tokens.append([int(x) for x in full])
@@ -118,7 +121,7 @@ def make_rollout(seed: int = 0, *, batch_size: int = 5, num_experts: int = 4, to
             sample_calls.append(_routes(rng, len(full) - 1, num_layers, moe, num_experts, topk, dtype))
             sample_call_tokens.append(list(full))
             sample_plens.append(len(ctx))
-            if i % 3 == 2 and t == 0:       # a resubmit of the same request: the prefix comes back again
+            if i % 3 == 2 and t == 0 and not single_call:       # a resubmit of the same request: the prefix comes back again
                 again = full + list(rng.integers(1, vocab, size=2))
                 sample_calls.append(_routes(rng, len(again) - 1, num_layers, moe, num_experts, topk, dtype))
                 sample_call_tokens.append(list(again))

@@ -66,7 +66,11 @@ class MegatronRunner(Protocol):
 
     def run(self, obj: Any, micro_batches: Any, *, phase: str) -> dict:
         """One framework pass (``phase``: ``"compute_log_prob"`` or ``"update"``) of ``obj``
-        over ``micro_batches``. Returns a dict:
+        over ``micro_batches``, through the framework's own phase method of that name (its
+        compute_log_prob / update, the adapter's overrides in front: the R2 sample index, the
+        write-back, the update's re-partitioning), not its schedule call directly: what the
+        override does is what the checks see (``adapters/_template/conformance_tests.py`` shows
+        how). Returns a dict:
 
         * ``"logprobs"``: on the last pipeline stage, one tensor per sample in the order of
           ``[i for g in groups for i in g]``: the last stage's per-token output rows of that
@@ -89,7 +93,8 @@ class MegatronRunner(Protocol):
 
     def write_recorded(self, rollout: CanonicalRollout, recorded: ReplayBatch) -> None:
         """Keep ``recorded`` (rollout sample order) the way the framework keeps R2 routes, for
-        the next ``micro_batches(..., key="recorded")``."""
+        the next ``micro_batches(..., key="recorded")``; nothing to do when the adapter's own
+        compute_log_prob (run by :meth:`run`) wrote it back, as in a real job."""
         ...
 
 

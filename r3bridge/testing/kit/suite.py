@@ -89,14 +89,24 @@ class AdapterFixtures:
         samples were all aborted). Default none."""
         return ()
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def single_call(cls) -> bool:
+        """One engine call per sample in every check's rollouts (a framework whose samples are one
+        request each: no multi-turn prefill, no resubmit). Default ``False``: multi-call rollouts,
+        which a framework that stitches several calls per sample must pass."""
+        return False
+
     @pytest.fixture(params=[0, 1, 2], ids=lambda s: f"seed{s}")
     def rollout_seed(self, request: Any) -> int:
         return request.param
 
     @pytest.fixture
-    def rollout(self, rollout_seed: int, model_shape: ModelShape, aborted_samples: Sequence[int]) -> CanonicalRollout:
-        """Six samples: single- and multi-turn, a resubmit, untracked tails, ``aborted_samples``."""
-        return model_shape.rollout(rollout_seed, batch_size=6, aborted=tuple(aborted_samples))
+    def rollout(self, rollout_seed: int, model_shape: ModelShape, aborted_samples: Sequence[int],
+                single_call: bool) -> CanonicalRollout:
+        """Six samples: single- and multi-turn (``single_call``: single only), a resubmit,
+        untracked tails, ``aborted_samples``."""
+        return model_shape.rollout(rollout_seed, batch_size=6, aborted=tuple(aborted_samples), single_call=single_call)
 
     @pytest.fixture
     def recorded(self, rollout: CanonicalRollout) -> ReplayBatch:
@@ -176,9 +186,9 @@ class BaseMegatronTests:
     @classmethod
     def megatron_results(cls, megatron_runner: Any, model_shape: ModelShape, megatron_model_spec: Any,
                          megatron_layouts: Sequence, megatron_extras: Any,
-                         aborted_samples: Sequence[int]) -> list[kit.LayoutResult]:
+                         aborted_samples: Sequence[int], single_call: bool) -> list[kit.LayoutResult]:
         case = kit.MegatronCase(megatron_runner, shape=model_shape, spec=megatron_model_spec,
-                                extras=megatron_extras, aborted=tuple(aborted_samples))
+                                extras=megatron_extras, aborted=tuple(aborted_samples), single_call=single_call)
         return kit.run_megatron_checks(case, megatron_layouts)
 
     def test_check4_r3_dispatches_canonical_routes(self, megatron_results: list, min_coverage: float) -> None:

@@ -23,7 +23,7 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.megatron.phase import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.megatron import MicroBatch, PhaseResult, PhaseRunner
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, MadeupfwCodec
 from .config import replay_config

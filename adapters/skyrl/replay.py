@@ -1,54 +1,65 @@
-"""`ModelReplay`: one model's :class:`~r3bridge.megatron.AdapterSession` and what an adapter carries
-to its passes between the framework's calls.
+"""`SkyRLReplay`: one SkyRL policy model's :class:`~r3bridge.megatron.AdapterSession` and what the
+adapter carries to its passes between SkyRL's calls.
 
-A framework hands over what a pass needs at different calls: which routes the batch carries (a
-worker's batch metadata), the pass's provenance (from the whole batch, before the framework cuts
-it into micro-batches that carry only routes), and it logs metrics only where it collects them
-(e.g. each update micro-batch's metrics dict). An adapter whose hooks sit at such separate calls
-holds them here (SkyRL's ``SkyRLReplay`` subclasses it); one whose single hook sees all of it
-calls the session directly. A framework whose schedule takes a list of micro-batch dicts and
-copies only its routes fields into them runs each pass through :meth:`ModelReplay.run_micro_batches`
-(R2's recording pass carries its sample ids in the routes field: :meth:`ModelReplay.sample_ids_in`).
+SkyRL hands over what a pass needs at different calls: which routes the batch carries (the
+worker's batch metadata, :meth:`PolicyWorkerMixin.forward_backward`), the pass's provenance (from
+the whole batch, before SkyRL cuts it into micro-batch dicts that carry only routes), and it logs
+metrics only where it collects them (each update micro-batch's metrics dict). Its schedule takes a
+list of micro-batch dicts and copies only the routes fields into them, so each pass runs through
+:meth:`SkyRLReplay.run_micro_batches` (R2's recording pass carries its sample ids in the routes
+field: :meth:`SkyRLReplay.sample_ids_in`).
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Iterator, Mapping, MutableMapping, Optional, Sequence
 
+import torch
+
+from r3bridge.adapters.skyrl import codec
 from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.recorded import per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.config import Action, Phase, PhasePlan
+from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
 from r3bridge.errors import ConfigError
+from r3bridge.hf import ModelInfo
 from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.megatron.phase import MicroBatch
+from r3bridge.megatron.replay_pass import MicroBatch
 from r3bridge.megatron.session import AdapterSession, averaged
 
-__all__ = ["ModelReplay"]
+__all__ = ["SkyRLReplay"]
+
+# the SkyRL setting that supplies the routes of each kind, and the one that keeps rollout routes out
+_PROVIDE = {"rollout": "generator.inference_engine.enable_return_routed_experts=True",
+            "recorded": "R2 routes are written back by r3bridge's TrainerMixin / PolicyWorkerMixin",
+            "off": "set generator.inference_engine.enable_return_routed_experts=False"}
 
 
-class ModelReplay:
-    """One model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried between calls.
+class SkyRLReplay:
+    """One policy model's session; ``route_kind``, ``provenance`` and ``log_metrics`` carried
+    between SkyRL's calls, and SkyRL's micro-batch dicts read for the driver."""
 
-    A subclass for a schedule over micro-batch dicts (:meth:`run_micro_batches`) names the dicts'
-    keys (``route_keys``: the routes fields, the routes field first; ``tokens_key`` and
-    ``attention_key``: each ``[B, S]`` row's tokens and real-token mask), says whether the trainer's
-    packing is read from each chunk's forward (``packing_from_forward``), and reads the routes
-    (:meth:`read_routes`)."""
+    # SkyRL's own replay never runs; its route keys stay, as None: SkyRL 0.4's forward reads
+    # batch["rollout_expert_indices"] of every micro-batch (megatron_model_wrapper.py:560). The
+    # routes field first: R2's recording pass carries its sample ids there.
+    route_keys = (codec.ROUTES_KEY, codec.MASK_KEY)
+    tokens_key = "sequences"                # each [B, S] row's tokens
+    attention_key = "attention_mask"        # and its real-token mask
+    # SkyRL packs THD (remove_microbatch_padding) or runs [B, S] with left padding removed (BSHD):
+    # each micro-batch's packing is read from the chunk's forward
+    packing_from_forward = True
 
-    route_keys: tuple[str, ...] = ()
-    tokens_key: str = "input_ids"
-    attention_key: str = "attention_mask"
-    packing_from_forward: bool = False
-
-    def __init__(self, session: AdapterSession) -> None:
-        self.session = session
+    def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
+                 layout=None, *, where: Optional[str] = None) -> None:
+        # SkyRL logs no compute_log_prob metrics: the session reports them with the update
+        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True)
+        self.session.attach(actor_module, model, layout=layout)
         self.route_kind: Optional[str] = None   # which routes the batch carries (None: not told)
         # the next pass's route / log-prob provenance: used once (take_provenance)
         self.provenance: Optional[ProvenancePairing] = None
         # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
-        self.log_metrics: dict[str, float] = session.replay_mode_metric
+        self.log_metrics: dict[str, float] = self.session.replay_mode_metric
 
     @property
     def replayer(self) -> Any:
@@ -71,7 +82,7 @@ class ModelReplay:
 
     @contextlib.contextmanager
     def providing(self, pairing: Optional[ProvenancePairing]) -> Iterator[None]:
-        """``pairing`` is the provenance of the pass inside this block only (a framework call that
+        """``pairing`` is the provenance of the pass inside this block only (a SkyRL call that
         runs it), never a later pass's."""
         self.provenance = pairing
         try:
@@ -81,8 +92,8 @@ class ModelReplay:
 
     def record_into(self, outputs: Callable[[], Sequence[dict]], key: str) -> None:
         """R2: the last pass's recording, one payload per sample (:mod:`r3bridge.batch.recorded`),
-        into ``outputs()[i][key]`` (a framework's per-sample output dicts); nothing on a pipeline
-        stage other than the last, whose outputs are placeholders the framework never reads."""
+        into ``outputs()[i][key]`` (SkyRL's per-sample output dicts); nothing on a pipeline stage
+        other than the last, whose outputs are placeholders SkyRL never reads."""
         from megatron.core import parallel_state as mpu
 
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
@@ -105,8 +116,8 @@ class ModelReplay:
             self.log_metrics = averaged(logged)
 
     def add_metrics(self, metrics_list: Any) -> Any:
-        """:attr:`log_metrics` into each dict of ``metrics_list`` (a framework's per-micro-batch
-        metrics, which it averages over micro-batches and ranks and logs)."""
+        """:attr:`log_metrics` into each dict of ``metrics_list`` (SkyRL's per-micro-batch metrics,
+        which it averages over micro-batches and ranks and logs)."""
         if isinstance(metrics_list, list):
             for m in metrics_list:
                 if isinstance(m, dict):
@@ -114,17 +125,20 @@ class ModelReplay:
         return metrics_list
 
     def read_routes(self, fields: dict, plan: PhasePlan) -> HandedRoutes:
-        """REPLAY: one micro-batch dict's routes (``fields`` with the ``route_keys`` back in) viewed
-        for the driver's one reader."""
-        raise NotImplementedError(f"{type(self).__name__} reads no micro-batch routes")
+        """REPLAY: SkyRL's own micro-batch field (``fields`` with the ``route_keys`` back in)
+        viewed: the driver's reader reads this rank's rows once."""
+        m = self.session.model
+        return codec.handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
+                                   route_kind=plan.route_kind,
+                                   num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
 
     def run_micro_batches(self, phase: Phase, micro_batches: Sequence[Mapping[str, Any]], *, forward_only: bool,
                           call: Callable[[list[dict]], Any]) -> Any:
-        """The framework's schedule ``call(micro_batches)`` under the plan of ``phase``, one target
-        per micro-batch dict. The ``route_keys`` are taken out of every dict and stay as ``None``,
-        so the framework's own replay never runs; REPLAY reads them (:meth:`read_routes`), RECORD
-        takes the sample ids the routes field may carry (:meth:`sample_ids_in`), else micro-batch
-        order. An update's metrics become :attr:`log_metrics`."""
+        """SkyRL's schedule ``call(micro_batches)`` under the plan of ``phase``, one target per
+        micro-batch dict. The ``route_keys`` are taken out of every dict and stay as ``None``, so
+        SkyRL's own replay never runs; REPLAY reads them (:meth:`read_routes`), RECORD takes the
+        sample ids the routes field may carry (:meth:`sample_ids_in`), else micro-batch order. An
+        update's metrics become :attr:`log_metrics`."""
         session = self.session
         plan = session.plan(phase)
         pairing = self.take_provenance()
@@ -158,8 +172,8 @@ class ModelReplay:
 
     @contextlib.contextmanager
     def sample_ids_in(self, batch: MutableMapping[str, Any], field: str, rows: int, seq_len: int) -> Iterator[None]:
-        """R2's recording pass over ``batch``, whose routes ``field`` is the one per-sample field the
-        framework copies into its micro-batches: inside this block it carries each row's sample id
+        """R2's recording pass over ``batch``, whose routes ``field`` is the one per-sample field
+        SkyRL copies into its micro-batches: inside this block it carries each row's sample id
         (:func:`r3bridge.batch.id_field.sample_id_field`), ``None`` after. ``ConfigError`` when the
         batch already carries routes there (they would collide)."""
         session = self.session

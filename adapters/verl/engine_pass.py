@@ -1,9 +1,10 @@
-"""What an adapter calls around one pass of its :class:`~r3bridge.megatron.AdapterSession` when it
-holds the pass's routes field before the schedule runs (docs/driver-api.md): the phase's plan with
-the field checked against it, each micro-batch of nested jagged ``input_ids`` as the
-:class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each micro-batch's
-loss, and the metrics to log (with the trainer-vs-rollout log-prob mismatch) merged into the
-framework's per-key lists.
+"""What verl's engine (``hooks.py``) calls around one pass of its
+:class:`~r3bridge.megatron.AdapterSession`, holding the pass's routes field before the schedule
+runs: the phase's plan with the field checked against it (present, of the model's top-k: the
+session's checks, once per batch), each micro-batch of nested jagged ``input_ids`` as the
+:class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each
+micro-batch's loss, and the metrics to log (with the trainer-vs-rollout log-prob mismatch) merged
+into verl's per-key lists.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from r3bridge.config import Action, Phase, PhasePlan
 from r3bridge.megatron.packed_micro_batch import thd_micro_batch
-from r3bridge.megatron.phase import MicroBatch, phase_tag
+from r3bridge.megatron.phase import phase_tag
+from r3bridge.megatron.replay_pass import MicroBatch
 from r3bridge.metrics.mismatch import padded_response_mismatch
 
 __all__ = ["checked_plan", "route_width", "check_route_width", "nested_micro_batch", "loss_after_routers",
@@ -56,7 +58,7 @@ def loss_after_routers(loss: Callable, phase_pass: Any, model: torch.nn.Module, 
                        hand_over: Callable[[Optional[list[torch.Tensor]]], None]) -> Callable:
     """A micro-batch's loss callable (Megatron's ``forward_step`` contract: it runs after the chunk's
     forward, when every router of the micro-batch has run) that first hands ``hand_over`` the
-    micro-batch's per-token router log-ratio (``PhasePass.router_log_ratio_tokens`` of the
+    micro-batch's per-token router log-ratio (``ReplayPass.router_log_ratio_tokens`` of the
     ``index`` that ``install`` returned) when the job asks for it (``router_log_ratio``, a
     replaying pass); else ``loss`` itself."""
     if not (phase_pass.runner.config.router_log_ratio and phase_pass.action is Action.REPLAY):
