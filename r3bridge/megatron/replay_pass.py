@@ -142,7 +142,7 @@ def _as_key(x: Any) -> Any:
 
 def _sample_token_rows(rows: RankRows, ids: Sequence[int]) -> int:
     """This rank's rows of the samples' real tokens: packing padding and the padding sequences a
-    trainer packs that are no sample (negative driver ids, :class:`~r3bridge.megatron.phase.PhasePass`;
+    trainer packs that are no sample (negative driver ids: appended by :meth:`ReplayPass.install`;
     AReaL's trailing page padding) are not tokens a route could cover, so coverage leaves them out
     and equals what a route trace reports (``r3bridge inspect``)."""
     padding = np.asarray(ids, dtype=np.int64) < 0
