@@ -83,10 +83,11 @@ def default_cells() -> list[Cell]:
         Cell("pp2_1f1b", Layout(pp=2), S(), memory_steps=50),
         Cell("pp2_vpp2", Layout(pp=2, vpp=2), S(num_layers=4)),
         Cell("ep2", Layout(ep=2), S()),
-        # the other dispatcher at EP2, with shared experts; its gradient check also runs a replay
-        # step whose backward dispatch is broken on purpose (ROCm/mori #675)
+        # the other dispatcher at EP2, with shared experts and z-loss; its gradient check also runs
+        # a replay step whose backward dispatch is broken on purpose (ROCm/mori #675)
         Cell("ep2_alltoall", Layout(ep=2),
-             S(moe_token_dispatcher_type="alltoall", extra_config={"moe_shared_expert_intermediate_size": 32}),
+             S(moe_token_dispatcher_type="alltoall",
+               extra_config={"moe_shared_expert_intermediate_size": 32, "moe_z_loss_coeff": 1e-3}),
              pinned_dispatcher=True, broken_backward=True),
         Cell("tp2_ep2", Layout(tp=2, ep=2, etp=2), S()),
         Cell("first_k_dense", Layout(pp=2), S(num_layers=4, moe_layer_freq=[0, 1, 1, 1])),

@@ -131,6 +131,8 @@ def test_gradients_bit_equal_under_replay(grid_results, cell):
             assert any(".self_attention." in n for n in names), names
         if spec.extra_config.get("moe_shared_expert_intermediate_size") and o["layers"]:
             assert any(".shared_experts." in n for n in names), names
+        if spec.extra_config.get("moe_z_loss_coeff") and o["layers"]:
+            assert "z_loss" in g["r2_vs_native"]["terms"], g["r2_vs_native"]["terms"]
 
 
 def test_broken_backward_dispatch_is_caught(grid_results):
