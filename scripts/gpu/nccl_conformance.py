@@ -55,7 +55,7 @@ import torch
 # the grid's scenarios are r3bridge's own tests (tests/megatron); spawned ranks inherit sys.path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "megatron"))
 
-CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "full_recompute", "moe_recompute", "mtp",
+CELLS = ["tp2_sp", "cp2", "pp2_1f1b", "pp2_vpp2", "ep2", "ep2_alltoall", "full_recompute", "moe_recompute", "mtp",
          "pp2_uneven_dense_stage"]
 FAULT_ENV = "R3BRIDGE_CONFORMANCE_FAULT"
 # Cells that must fail, on purpose: the grid cell named on the right with one rank raising in its
