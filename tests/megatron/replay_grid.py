@@ -269,9 +269,14 @@ def _moe_loss_terms() -> dict[str, list[float]]:
     """The aux-loss terms megatron logged in the last pass (per layer, this rank), by name."""
     try:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-    except ImportError:   # 0.18+: the tracker moved
+    except ImportError:   # 0.18+: the tracker moved (its legacy view is the same dict of {"values": ...})
         from megatron.core.transformer.moe.moe_logging import get_moe_layer_wise_logging_tracker
-    return {k: v["values"].detach().float().cpu().tolist() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    out = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry.get("values") if isinstance(entry, dict) else entry
+        if torch.is_tensor(values):
+            out[name] = values.detach().float().cpu().tolist()
+    return out
 
 
 def _train(chunks, batches, forward_step) -> dict[str, Any]:
@@ -478,6 +483,10 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
         out["grad"] = _gradient_check(ctx, cell, chunks, rep, batches, routes, rec_by_batch, ids, explicit, sp, thd,
                                       r3_step)
         out["grad"]["seconds"] = round(time.perf_counter() - t0, 3)
+        # the forced reference gave every router its r3bridge hook back, and no pass is left open
+        out["grad"]["state_clean"] = rep.active_pass is None and sorted(
+            m.router_replay.layer_id for c in chunks for m in c.modules()
+            if isinstance(getattr(m, "router_replay", None), RouterHook)) == out["hooked_layers"]
 
     # 3. Nothing accumulates over many steps of every kind: R3 forward-only (a log-prob pass,
     #    SkyRL #1908's leak), R3 training (forward + backward), R2 record + gather.

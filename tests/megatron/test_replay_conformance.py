@@ -111,6 +111,7 @@ def test_gradients_bit_equal_under_replay(grid_results, cell):
     assert any(o["grad"]["r2_vs_native"]["losses"] == len(grid.SEQ_LENS) for o in runs), "no rank compared losses"
     for r, o in enumerate(runs):
         g = o["grad"]
+        assert g["state_clean"], f"run {r}: a router kept the forced reference's object, or a pass stayed open"
         assert g["native_route_errors"] == [], f"run {r}: the native step did not route as R2 recorded: {g['native_route_errors'][:3]}"
         for key in ("r2_vs_native", "r3_vs_forced"):
             x = g[key]
