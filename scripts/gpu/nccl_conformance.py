@@ -244,7 +244,9 @@ def gradient_verdict(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     spread_exact = all(g["native_spread"]["grads_equal"] for g in runs if "native_spread" in g)
     out: dict[str, Any] = {"native_route_errors": sum(len(g["native_route_errors"]) for g in runs),
                            "r3_differs_from_native": all(g["r3_differs_from_native"] for g in runs)}
-    ok = out["native_route_errors"] == 0 and out["r3_differs_from_native"]
+    # every router has its r3bridge hook back after the forced reference, no pass left open
+    out["grad_state_clean"] = all(g.get("state_clean", True) for g in runs)
+    ok = out["native_route_errors"] == 0 and out["r3_differs_from_native"] and out["grad_state_clean"]
     for key in ("r2_vs_native", "r3_vs_forced"):
         xs = [g[key] for g in runs]
         exact = all(x["grads_equal"] and x["losses_equal"] and x["terms_equal"] for x in xs)
