@@ -17,10 +17,22 @@ same time too, each with its own ``PYTHONPATH`` prefix (``--release NAME=SITE``:
 path, empty for the interpreter's megatron-core; bundle.sh installs 0.16.1 into the interpreter and
 0.19.2 into /tmp/site-mcore19, as scripts/version_matrix.py switches releases).
 
+Every cell also runs the gradient check (tests/megatron/replay_grid.py, step 4: every parameter's
+gradient, the losses and the aux-loss terms of R2's replay vs the native step, and of R3's replay vs
+the same routes forced without r3bridge), reported per cell as "bit-equal", or as the largest
+difference bounded by the native step's own run-to-run spread where a kernel is not reproducible
+(nccl_conformance.gradient_verdict), or FAIL; ``ep2_alltoall`` adds the broken-backward step (mori
+#675), which must be "caught". The two- and four-GPU runs of issue 48 (not run yet: only one-GPU
+machines were lent; results go to docs/gpu-results/, see its README):
+
+    python scripts/gpu/nccl_grid.py --spec te --release 0.16.1= --release 0.19.2=/tmp/site-mcore19 --out $OUT/grid
+
+on a 2-GPU machine (two-rank cells) and again on a 4-GPU machine (adds the four-rank cells).
+
 Writes ``<out>/nccl_grid.json`` (per release: the megatron-core version the lanes really imported,
 and per cell nccl_conformance's summary: pass, R3 / R2 rows checked and mismatching, R2 logits,
-seconds, or the failing rank and its traceback, or why it was skipped), ``<out>/nccl_grid.md`` (the
-table of docs/gpu-results/*/grid/) and each lane's log and JSON under ``<out>/lanes/``. Lanes still running at
+the gradient check, seconds, or the failing rank and its traceback, or why it was skipped), ``<out>/nccl_grid.md`` (the
+table for docs/gpu.md) and each lane's log and JSON under ``<out>/lanes/``. Lanes still running at
 ``--deadline`` seconds are killed (their cells are reported as not finished). Exit status 0 iff every
 cell that ran passed.
 
@@ -159,9 +171,10 @@ def markdown(res: dict[str, Any]) -> str:
     rels = list(res["releases"])
     head = ", ".join(f"{r}: megatron-core {res['releases'][r].get('megatron_core')}" for r in rels)
     lines = [f"{res['gpus']} GPU(s), spec {res['spec']}, {head}; wall {res['wall_s']} s", "",
-             "| cell | ranks | " + " | ".join(f"{r}: R3 rows / mismatching | {r}: R2 rows / mismatching | {r}: result"
+             "| cell | ranks | " + " | ".join(f"{r}: R3 rows / mismatching | {r}: R2 rows / mismatching | "
+                                            f"{r}: gradients R2 vs native / R3 vs forced | {r}: result"
                                             for r in rels) + " |",
-             "|---|---|" + "---|---|---|" * len(rels)]
+             "|---|---|" + "---|---|---|---|" * len(rels)]
     cells = list(dict.fromkeys(c for r in rels for c in res["releases"][r]["cells"]))
     for c in cells:
         row = [c, str(res["releases"][rels[0]]["cells"].get(c, {}).get("ranks", ""))]
@@ -178,7 +191,10 @@ def markdown(res: dict[str, Any]) -> str:
                 verdict = f"pass ({x.get('seconds')} s)"
             else:
                 verdict = "FAIL: " + str(x.get("error", ""))[-160:].replace("\n", " ").replace("|", "/")
-            row += [r3, r2, verdict]
+            grads = f"{x['r2_vs_native']} / {x['r3_vs_forced']}" if "r2_vs_native" in x else "-"
+            if "broken_backward" in x:
+                grads += f"; broken backward {x['broken_backward']}"
+            row += [r3, r2, grads, verdict]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

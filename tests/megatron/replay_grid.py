@@ -9,7 +9,19 @@ Each cell runs, on every rank, on a real megatron-core model (CPU gloo here, NCC
 2. an R2 record step (forward-only), then an R2 forward-only replay of the recorded routes: the
    logits must be bit-identical; the recorded ReplayBatch is returned so the test can compare it
    with the TP=PP=CP=1 run of the same weights;
-3. after each step no replay state may remain.
+3. after each step no replay state may remain;
+4. the gradient check, replay proven in the backward pass (ROCm/mori #675 broke only the backward:
+   forward loss right, gradients wrong). With the same weights and micro-batches, training passes
+   from zero gradients compare every parameter's gradient, the losses and megatron's aux-loss
+   terms: a native step (routers choose; r3bridge not involved; checked to dispatch exactly R2's
+   record) against R2's replay of that record, bit for bit; and the R3 step of 1. (random routes,
+   so its gradients differ from the native step's) against the same routes forced without
+   r3bridge (``r3bridge.testing.harness.forced_routing``). Both sides keep the rows without a
+   route out of the router's statistics (r3bridge's unrouted-row mask; the reference passes
+   megatron's ``padding_mask``). If a comparison is not bit-equal a second native step gives the
+   native run-to-run spread (scripts/gpu/nccl_conformance.py bounds GPU cells by it);
+5. with ``Cell.broken_backward``, a replay step whose backward dispatch moves no payload (injected
+   here, never in r3bridge): its routes, loss and aux terms stay right, the gradient check fails.
 
 Results are plain picklable dicts; failures inside a cell are returned as text so one broken
 cell does not hide the others.
@@ -19,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +63,10 @@ class Cell:
     # the spec's token dispatcher on every device; False: the device's default (allgather on the
     # CPU harness, alltoall on GPUs: scripts/gpu/nccl_conformance.py)
     pinned_dispatcher: bool = False
+    # the gradient check (module docstring, 4.) also in this cell's TP=PP=CP=EP=1 reference run
+    serial_grad_check: bool = False
+    # 5.: a replay step whose backward dispatch of the replayed tokens moves no payload (mori #675)
+    broken_backward: bool = False
 
 
 def default_cells() -> list[Cell]:
@@ -61,11 +78,17 @@ def default_cells() -> list[Cell]:
         # TP cells shard the experts too (etp = tp): with etp=1 megatron-core 0.16.1's MoE output
         # under TP2 differs from the TP1 run on CPU (routes diverge from layer 1 on), which would
         # void the recorded-equals-serial check; replay itself is exact either way.
-        Cell("tp2_sp", Layout(tp=2, etp=2), S()),
+        Cell("tp2_sp", Layout(tp=2, etp=2), S(), serial_grad_check=True),
         Cell("cp2", Layout(cp=2), S(**ident)),
         Cell("pp2_1f1b", Layout(pp=2), S(), memory_steps=50),
         Cell("pp2_vpp2", Layout(pp=2, vpp=2), S(num_layers=4)),
         Cell("ep2", Layout(ep=2), S()),
+        # the other dispatcher at EP2, with shared experts and z-loss; its gradient check also runs
+        # a replay step whose backward dispatch is broken on purpose (ROCm/mori #675)
+        Cell("ep2_alltoall", Layout(ep=2),
+             S(moe_token_dispatcher_type="alltoall",
+               extra_config={"moe_shared_expert_intermediate_size": 32, "moe_z_loss_coeff": 1e-3}),
+             pinned_dispatcher=True, broken_backward=True),
         Cell("tp2_ep2", Layout(tp=2, ep=2, etp=2), S()),
         Cell("first_k_dense", Layout(pp=2), S(num_layers=4, moe_layer_freq=[0, 1, 1, 1])),
         Cell("int_freq_2", Layout(tp=2, etp=2), S(num_layers=4, moe_layer_freq=2)),
@@ -123,22 +146,27 @@ def make_routes(layout: ParallelLayout, seq_lens: list[int], num_experts: int, t
                                    source="vllm")
 
 
-def expected_rows(batch: PackedBatch, routes: ReplayBatch, ctx: RankContext, sp: bool, layer: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent reference: (target [T, K] sorted, valid [T]) of this rank's router rows."""
+def expected_rows(batch: PackedBatch, routes: ReplayBatch, ctx: RankContext, sp: bool, layer: int,
+                  sort: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent reference: (target [T, K], valid [T]) of this rank's router rows; each row's ids
+    ascending, or (``sort=False``) in the order the routes carry them."""
     idx = router_row_index(batch, tp=ctx.tp, cp=ctx.cp, tp_rank=ctx.tp_rank, cp_rank=ctx.cp_rank,
                            sequence_parallel=sp)
-    cu = batch.cu_seqlens_padded.tolist()
+    idx = idx.cpu().to(torch.int64)
+    cu = batch.cu_seqlens_padded.cpu().to(torch.int64)
     col = routes.layer_ids.index(layer)
-    out = torch.zeros((idx.numel(), routes.topk), dtype=torch.int64)
-    valid = torch.zeros(idx.numel(), dtype=torch.bool)
-    for r, g in enumerate(idx.tolist()):
-        s = max(i for i in range(len(cu) - 1) if cu[i] <= g)
-        pos = g - cu[s]
-        seq_r, seq_v = routes.sequence(s)
-        if pos < seq_r.shape[0] and bool(seq_v[pos]):
-            out[r] = seq_r[pos, col].to(torch.int64).sort().values
-            valid[r] = True
+    seq = torch.searchsorted(cu[1:], idx, right=True)           # the padded sequence of each row
+    pos = idx - cu[seq]                                          # its position in that sequence
+    rows = torch.tensor(routes.rows_per_seq, dtype=torch.int64)
+    first = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    first[1:] = rows.cumsum(0)                                   # each sequence's first route row
+    has_row = pos < rows[seq]                                    # padding and the last token: none
+    flat = torch.where(has_row, first[seq] + pos, 0)
+    valid = has_row & routes.valid[flat].cpu().to(torch.bool)
+    ids = routes.routes[flat, col].cpu().to(torch.int64)
+    if sort:
+        ids = ids.sort(dim=-1).values
+    out = torch.where(valid[:, None], ids, 0)
     return out, valid
 
 
@@ -206,10 +234,142 @@ def _live_tensors() -> tuple[int, int]:
     return n, nbytes
 
 
+class _BackwardMovesNoPayload(torch.autograd.Function):
+    """The dispatched tokens, unchanged in the forward; in the backward their gradient never
+    arrives (zeros: a receive buffer nothing was written to), as ROCm/mori #675's replay-mode
+    dispatch did on the way back. Test-only fault injection (the gradient check must catch it)."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
+
+
+def _break_backward_dispatch(chunks) -> list[Any]:
+    """Pre-hooks on every decoder MoE layer's experts: their input (the dispatcher's output) goes
+    through :class:`_BackwardMovesNoPayload`. Returns the handles."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def pre(module: torch.nn.Module, args: tuple) -> tuple:
+        return (_BackwardMovesNoPayload.apply(args[0]), *args[1:])
+
+    return [layer.mlp.experts.register_forward_pre_hook(pre) for c in chunks for layer in c.decoder.layers
+            if isinstance(getattr(layer, "mlp", None), MoELayer)]
+
+
+def _grads(chunks) -> dict[str, torch.Tensor]:
+    return {f"{i}:{n}": p.grad.detach().float().cpu().clone() for i, c in enumerate(chunks)
+            for n, p in c.named_parameters() if p.grad is not None}
+
+
+def _moe_loss_terms() -> dict[str, list[float]]:
+    """The aux-loss terms megatron logged in the last pass (per layer, this rank), by name."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:   # 0.18+: the tracker moved (its legacy view is the same dict of {"values": ...})
+        from megatron.core.transformer.moe.moe_logging import get_moe_layer_wise_logging_tracker
+    out = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry.get("values") if isinstance(entry, dict) else entry
+        if torch.is_tensor(values):
+            out[name] = values.detach().float().cpu().tolist()
+    return out
+
+
+def _train(chunks, batches, forward_step) -> dict[str, Any]:
+    """One training pass (no optimizer step) from zero gradients: losses, gradients, aux terms."""
+    from r3bridge.megatron.compat import reset_moe_metrics_tracker
+    from r3bridge.testing.harness.schedule import zero_grads
+
+    zero_grads(chunks)
+    reset_moe_metrics_tracker()
+    res = run_schedule(chunks, batches, forward_step, forward_only=False)
+    return {"losses": [r.loss for r in res], "grads": _grads(chunks), "terms": _moe_loss_terms()}
+
+
+def compare_steps(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Gradients of every parameter, losses and aux-loss terms of two training passes."""
+    ga, gb = a["grads"], b["grads"]
+    common = sorted(set(ga) & set(gb))
+    differing = [n for n in common if not torch.equal(ga[n], gb[n])]
+    maxdiff = max([float((ga[n] - gb[n]).abs().max()) for n in differing] or [0.0])
+    scale = max([float(ga[n].abs().max()) for n in common] or [0.0])
+    return {"grads_equal": not differing and set(ga) == set(gb), "params": len(common),
+            "param_names": common, "differing": differing, "only_one_side": sorted(set(ga) ^ set(gb)),
+            "grad_maxdiff": maxdiff, "grad_scale": scale,
+            "losses_equal": a["losses"] == b["losses"], "terms_equal": a["terms"] == b["terms"],
+            "terms": sorted(a["terms"]), "losses": len(a["losses"])}
+
+
+def _gradient_check(ctx, cell, chunks, rep, batches, routes, rec_by_batch, ids, explicit, sp, thd,
+                    r3: dict[str, Any]) -> dict[str, Any]:
+    """Replay proven in the backward pass (module docstring, 4. and 5.); ``r3``: the cell's R3
+    training step (1.), from zero gradients."""
+    from r3bridge.testing.harness.forced_routing import ForcedRouting, ForcedRows
+
+    recompute = cell.spec.recompute is not None
+    layers = rep.layer_ids
+    inner = make_forward_step(ctx, thd=thd)
+    recorded = [rec_by_batch[id(b)] for b in batches]
+
+    def forced(route_list, force: bool) -> ForcedRouting:
+        rows = {}
+        for lid in layers:
+            rows[lid] = []
+            for b, r in zip(batches, route_list):
+                idx, valid = expected_rows(b, r, ctx, sp, lid, sort=False)
+                rows[lid].append(ForcedRows(idx if force else None, valid))
+        return ForcedRouting(chunks, rows, mask_unrouted=rep.mask_unrouted_rows)
+
+    out: dict[str, Any] = {}
+    # (a) native: the routers' own top-k, with the rows the record has no route for kept out of
+    # the statistics as the replay step keeps them (r3bridge's unrouted-row mask), r3bridge not involved
+    with RoutingProbe(chunks) as probe, forced(recorded, force=False):
+        native = _train(chunks, batches, inner)
+    # the routes the native step dispatched are R2's record, router call by router call
+    out["native_route_errors"] = _check_probe(probe, batches, recorded, ctx, sp, recompute, layers)
+    # (b) R2: the record replayed in the update
+    with rep.open_pass("replay", forward_only=False, route_kind="recorded") as st:
+        r2 = _train(chunks, batches, _install_step(st, inner, rec_by_batch, ids, explicit))
+    out["r2_vs_native"] = compare_steps(native, r2)
+    # R3: routes that differ from the router's own, against the same routes forced without r3bridge
+    with forced(routes, force=True):
+        ref = _train(chunks, batches, inner)
+    out["r3_vs_forced"] = compare_steps(ref, r3)
+    # the forced routes differ from the router's own: the comparison above is not native vs native
+    out["r3_differs_from_native"] = not compare_steps(native, r3)["grads_equal"]
+    if cell.broken_backward:
+        handles = _break_backward_dispatch(chunks)
+        try:
+            with RoutingProbe(chunks) as probe_b:
+                with rep.open_pass("replay", forward_only=False, route_kind="recorded") as st:
+                    broken = _train(chunks, batches, _install_step(st, inner, rec_by_batch, ids, explicit))
+        finally:
+            for h in handles:
+                h.remove()
+        out["broken_route_errors"] = _check_probe(probe_b, batches, recorded, ctx, sp, recompute, layers)
+        out["broken_vs_native"] = compare_steps(native, broken)
+    if not (out["r2_vs_native"]["grads_equal"] and out["r3_vs_forced"]["grads_equal"]):
+        # nondeterministic kernels: the bound is the native step's own run-to-run spread
+        with forced(recorded, force=False):
+            again = _train(chunks, batches, inner)
+        out["native_spread"] = compare_steps(native, again)
+    for c in chunks:
+        for p in c.parameters():
+            p.grad = None
+    return out
+
+
 def run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -> dict[str, Any]:
     """Everything one rank does for one cell (see module docstring)."""
+    t0 = time.perf_counter()
     try:
-        return _run_cell(ctx, cell, serial, device)
+        out = _run_cell(ctx, cell, serial, device)
+        out["cell_seconds"] = round(time.perf_counter() - t0, 3)
+        return out
     except Exception:  # noqa: BLE001 - reported per cell
         return {"error": traceback.format_exc()}
 
@@ -277,7 +437,7 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     errors = _check_probe(probe_fo, batches, routes, ctx, sp, False, local_layers, counts)
     with RoutingProbe(chunks) as probe:
         with rep.open_pass("replay", forward_only=False, route_kind="rollout") as st:
-            run_schedule(chunks, batches, _install_step(st, inner, by_batch, ids, explicit), forward_only=False)
+            r3_step = _train(chunks, batches, _install_step(st, inner, by_batch, ids, explicit))
     out["r3_errors"] = errors + _check_probe(probe, batches, routes, ctx, sp, spec.recompute is not None,
                                              local_layers, counts)
     out["r3_router_calls_checked"] = counts["calls"]
@@ -316,6 +476,17 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     out["recorded"] = recorded.to_bytes()
     for c in chunks:
         c.train()
+
+    # 4. Gradients: R2's replay vs the native step, R3's vs the same routes forced without r3bridge
+    if not serial or cell.serial_grad_check:
+        t0 = time.perf_counter()
+        out["grad"] = _gradient_check(ctx, cell, chunks, rep, batches, routes, rec_by_batch, ids, explicit, sp, thd,
+                                      r3_step)
+        out["grad"]["seconds"] = round(time.perf_counter() - t0, 3)
+        # the forced reference gave every router its r3bridge hook back, and no pass is left open
+        out["grad"]["state_clean"] = rep.active_pass is None and sorted(
+            m.router_replay.layer_id for c in chunks for m in c.modules()
+            if isinstance(getattr(m, "router_replay", None), RouterHook)) == out["hooked_layers"]
 
     # 3. Nothing accumulates over many steps of every kind: R3 forward-only (a log-prob pass,
     #    SkyRL #1908's leak), R3 training (forward + backward), R2 record + gather.

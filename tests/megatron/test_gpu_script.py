@@ -46,3 +46,38 @@ def test_failed_or_hung_rank_aborts_its_cell_and_the_grid_goes_on(tmp_path):
     assert 60 <= hung["aborted_after_s"] < 60 + 30
     assert "failfast_tp2_sp" in (tmp_path / "nccl_grid.md").read_text()
     assert elapsed < 300
+
+
+def _step_comparison(maxdiff: float) -> dict:
+    return {"grads_equal": maxdiff == 0.0, "losses_equal": True, "terms_equal": True, "only_one_side": [],
+            "differing": [] if maxdiff == 0.0 else ["0:decoder.layers.0.mlp.router.weight"], "grad_maxdiff": maxdiff,
+            "params": 10}
+
+
+def _rank(r2: float, r3: float = 0.0, spread: float | None = None, broken: float | None = None) -> dict:
+    g = {"native_route_errors": [], "r3_differs_from_native": True,
+         "r2_vs_native": _step_comparison(r2), "r3_vs_forced": _step_comparison(r3)}
+    if spread is not None:
+        g["native_spread"] = _step_comparison(spread)
+    if broken is not None:
+        g["broken_vs_native"], g["broken_route_errors"] = _step_comparison(broken), []
+    return {"grad": g}
+
+
+def test_gradient_verdict_is_bit_equal_or_bounded_by_the_native_spread():
+    """How nccl_conformance reports a cell's gradient check: "bit-equal"; a difference within 2x the
+    native step's own run-to-run spread (non-reproducible kernels) as a bound; anything else, a
+    difference where the native step is reproducible, or a broken backward not caught, fails."""
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    from nccl_conformance import gradient_verdict
+
+    v = gradient_verdict([_rank(0.0), _rank(0.0, broken=0.5)])
+    assert v["r2_vs_native"] == v["r3_vs_forced"] == "bit-equal" and v["broken_backward"] == "caught"
+    assert v["gradient_pass"]
+    v = gradient_verdict([_rank(1e-3, spread=1e-3), _rank(0.0, spread=0.0)])
+    assert v["r2_vs_native"].startswith("bound: max |d| 0.001 <= 2 x native spread 0.001") and v["gradient_pass"]
+    assert not gradient_verdict([_rank(1e-2, spread=1e-3)])["gradient_pass"]          # past the bound
+    assert not gradient_verdict([_rank(1e-7, spread=0.0)])["gradient_pass"]           # native is exact
+    v = gradient_verdict([_rank(0.0, broken=0.0)])
+    assert v["broken_backward"] == "NOT CAUGHT" and not v["gradient_pass"]
+    assert gradient_verdict([{"refused": "x"}]) == {"gradient_check": "not run"}
