@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Sequence
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode
-from r3bridge.engines.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import kv_transfer_problem, speculative_decoding_problem
 from r3bridge.errors import ConfigError, RoleError
 from r3bridge.job_check import JobCheck, environment_setting, section_key_problem, setting, with_replay_section
 from r3bridge.launch.steps import section_keys
@@ -91,6 +91,8 @@ def prepare_skyrl_config(cfg: Any, argv: Optional[Sequence[str]] = None, *,
     spec = speculative_decoding_problem(rc.replay_mode.value, "vllm", speculative_settings(cfg),
                                         configured_version=rc.engine_version)
     check.refuse(spec, spec)
+    kv = kv_transfer_problem(rc.replay_mode.value, "vllm", kv_transfer_settings(cfg))
+    check.refuse(kv, kv)
     check.rollout_routes("generator.inference_engine.enable_return_routed_experts",
                          bool(getattr(ie, "enable_return_routed_experts", False)), engine="vLLM")
     if rc.replay_mode is ReplayMode.R2:
@@ -100,6 +102,21 @@ def prepare_skyrl_config(cfg: Any, argv: Optional[Sequence[str]] = None, *,
     if rc.replay_mode is ReplayMode.R3:
         mc.moe_enable_routing_replay = True     # SkyRL's check only: r3bridge's worker keeps it off
     return rc
+
+
+def kv_transfer_settings(cfg: Any) -> dict[str, Any]:
+    """The SkyRL settings that serve rollouts through prefill / decode disaggregation or a vLLM KV
+    connector (``engine_settings.KV_TRANSFER_SETTINGS``' names): ``enable_pd`` and any
+    ``kv_transfer_config`` passed through to vLLM."""
+    ie = cfg.generator.inference_engine
+    out: dict[str, Any] = {}
+    if getattr(ie, "enable_pd", False):
+        out["disaggregation_mode"] = f"generator.inference_engine.enable_pd=true, num_prefill={getattr(ie, 'num_prefill', 0)}"
+    for kw in ("engine_init_kwargs", "prefill_init_kwargs", "decode_init_kwargs"):
+        kv = (getattr(ie, kw, None) or {}).get("kv_transfer_config")
+        if kv:
+            out["kv_transfer_config"] = kv
+    return out
 
 
 def speculative_settings(cfg: Any, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:

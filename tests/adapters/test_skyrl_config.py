@@ -109,6 +109,20 @@ def test_r3_with_speculative_decoding_needs_a_fixed_vllm(setting, monkeypatch):
                                 ).engine_version == "0.26.0"
 
 
+@pytest.mark.parametrize("setting", ["generator.inference_engine.enable_pd=true",
+                                     "generator.inference_engine.engine_init_kwargs.kv_transfer_config="
+                                     "{kv_connector:NixlConnector,kv_role:kv_both}"])
+def test_r3_refuses_rollouts_served_through_kv_transfer(setting):
+    """Prefill / decode disaggregation or a KV connector: the decode node never runs the prompt
+    forward, so the prompt's route rows are whatever the capture buffer held (llm-d-router #1473).
+    R3 is refused naming the setting; R2 (the trainer's own routes) is not affected."""
+    with pytest.raises(ConfigError, match="KV connector / prefill-decode disaggregation"):
+        prepare_skyrl_config(parse_cli(R3_LINE + [setting]))
+    r2 = [a.replace("replay_mode=R3", "replay_mode=R2") for a in R3_LINE]
+    r2 = [a for a in r2 if "enable_return_routed_experts" not in a]
+    assert prepare_skyrl_config(parse_cli(r2 + [setting])).replay_mode.value == "R2"
+
+
 # ------------------------------------------------------------------ the launcher's refusals come first (issue 50 item 7)
 _HIDDEN_IMPORTS = r"""
 import runpy, sys
