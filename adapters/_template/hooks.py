@@ -46,10 +46,14 @@ class TemplateEngineMixin:
     r3_config: Optional[ReplayConfig] = None    # the r3bridge section (None: R3BRIDGE_CONFIG, else off)
     r3: Optional[AdapterSession] = None
     r3_phase: Optional[Phase] = None
+    # how this engine's micro-batches carry their routes: the bytes ("inline"); an engine whose
+    # micro-batch read resolves route handles (docs/route-handles.md) adds "handles"
+    r3_route_transports: tuple[str, ...] = ("inline",)
 
     def r3_attach(self, chunks: Sequence[torch.nn.Module], codec: TemplateCodec, layout: Any = None) -> None:
         """After the framework built its model chunks: find the routers, run the guards, attach."""
-        self.r3 = AdapterSession("template", self.r3_config, where="<YourFramework> engine", provide=_PROVIDE)
+        self.r3 = AdapterSession("template", self.r3_config, where="<YourFramework> engine", provide=_PROVIDE,
+                                 route_transports=self.r3_route_transports)
         self.r3_codec = codec
         # routes indexed by the HF config's MoE layers (yours: the model's HF config) must be the model's
         self.r3.attach(chunks, codec.model_info(), layout=layout)

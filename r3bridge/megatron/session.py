@@ -72,8 +72,14 @@ class AdapterSession:
 
     def __init__(self, framework: str, config: ReplayConfig | Mapping[str, Any] | None = None, *,
                  where: Optional[str], config_origin: Optional[str] = None, role: Role | str = Role.ACTOR,
-                 provide: Optional[Mapping[str, str]] = None, carry_log_prob_metrics: bool = False) -> None:
+                 provide: Optional[Mapping[str, str]] = None, carry_log_prob_metrics: bool = False,
+                 route_transports: Sequence[str] = ("inline",)) -> None:
         resolved, origin = ReplayConfig.resolve_with_origin(config)
+        if resolved.route_transport not in route_transports:
+            # a setting no code of this adapter reads would leave the job on the inline routes, silently
+            raise ConfigError(f"r3bridge.route_transport={resolved.route_transport!r}: the {framework} adapter reads "
+                              f"routes as {' / '.join(route_transports)} only (routes by reference: docs/route-handles.md "
+                              f"says what an adapter needs to read them)")
         self.framework = framework
         self.config = resolved
         self.config_origin = config_origin or origin

@@ -360,3 +360,18 @@ def test_a_killed_runs_files_are_swept(tmp_path):
     assert backend.remove_stale_runs(3600, keep=[later.run_id]) == [killed.run_id]
     assert not (tmp_path / "routes" / killed.run_id).exists()
     assert resolve(fresh[0], {"files": backend}).shape == samples[0][0].shape
+
+
+def test_an_adapter_that_reads_no_handles_refuses_route_transport_handles():
+    """``route_transport: handles`` where the adapter's micro-batch read takes the inline bytes
+    (verl, SkyRL and AReaL today) would leave the job on the inline routes silently: the session
+    refuses it, naming the setting; an adapter that declares it reads handles gets its session."""
+    from r3bridge.errors import ConfigError
+    from r3bridge.megatron import AdapterSession
+
+    cfg = {"replay_mode": "R3", "route_transport": "handles"}
+    for framework in ("verl", "skyrl", "areal"):
+        with pytest.raises(ConfigError, match=rf"route_transport='handles': the {framework} adapter reads routes as "
+                                              r"inline only"):
+            AdapterSession(framework, cfg, where=None)
+    assert AdapterSession("template", cfg, where=None, route_transports=("inline", "handles")).mode.value == "R3"

@@ -24,6 +24,7 @@ class HandlesToyEngine(R3ToyEngine):
     handles, handed to the driver unread."""
 
     runner: "HandlesTemplateRunner"
+    r3_route_transports = ("inline", "handles")
 
     def _r3_micro_batch(self, k, mb, plan):
         if plan.action is not Action.REPLAY:
