@@ -21,9 +21,9 @@ from r3bridge.batch.recorded import per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan
 from r3bridge.errors import ConfigError
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron.phase import MicroBatch
 from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["ModelReplay"]
 

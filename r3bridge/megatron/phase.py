@@ -34,10 +34,10 @@ from r3bridge.batch.provenance import ProvenanceCount, ProvenancePairing
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron.replay_pass import as_handed
 from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["MicroBatch", "PhaseResult", "PhasePass", "PhaseRunner", "install_before_forward", "forward_packing",
            "phase_tag"]
@@ -48,7 +48,7 @@ class MicroBatch:
     """What one micro-batch installs: its sequences as the trainer packs them.
 
     ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
-    :class:`r3bridge.ingest.handed.HandedRoutes`: what the one reader reads) covers the leading
+    :class:`r3bridge.parallel.handed.HandedRoutes`: what the one reader reads) covers the leading
     sequences (REPLAY; ``None`` when recording); trailing sequences
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left

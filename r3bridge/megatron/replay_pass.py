@@ -34,13 +34,13 @@ import torch
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.read import ReadStats, read_targets
@@ -230,7 +230,7 @@ class ReplayPass:
                 seq_length: int | None = None, sample_ids: Sequence[int] | None = None) -> None:
         """Targets of the next micro-batch of ``model``'s chunk; call right before its forward.
         ``routes``: a :class:`r3bridge.ReplayBatch` or what the framework handed over
-        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md, "One reader").
+        (:class:`r3bridge.parallel.handed.HandedRoutes`), read by the one reader (docs/architecture.md, "One reader").
 
         In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
         unconditionally."""

@@ -11,7 +11,7 @@ import torch
 
 from r3bridge.batch.meta import check_coverage
 from r3bridge.errors import CoverageError
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 

@@ -1,6 +1,6 @@
 """The read: one rank's targets of one chunk's MoE layers, from a micro-batch's handed routes and
 this rank's row map. The last step of the one reader (docs/architecture.md, "One reader"):
-gather the rank's rows of the stage's layers in the source dtype (:mod:`r3bridge.ingest.gather`),
+gather the rank's rows of the stage's layers in the source dtype (:mod:`r3bridge.parallel.gather`),
 move them to the router's device, check every id read once there
 (:func:`r3bridge.engines.route_checks.check_read`), write fillers into rows without a route and
 widen to int64. :class:`ReadStats` counts what a driver read over its life.
@@ -16,8 +16,8 @@ import torch
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.engines.route_checks import DEGENERATE_CHOICES, check_read
 from r3bridge.errors import LayerMappingError, RouteShapeError
-from r3bridge.ingest.gather import gather_rows, read_weights, unrouted_rows
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.gather import gather_rows, read_weights, unrouted_rows
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.targets import ShardedTargets
 

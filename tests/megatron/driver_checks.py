@@ -197,7 +197,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     # and one where the engine returned nothing usable at all (vLLM #54730)
     import torch
 
-    from r3bridge.ingest.handed import HandedRoutes
+    from r3bridge.parallel.handed import HandedRoutes
     clean = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
 
     def zero_transport(values):

@@ -3,8 +3,8 @@ the one reader (docs/architecture.md, "One reader").
 
 Every route that reaches a router comes through one: the public ``shard`` (a validated
 ``ReplayBatch``), ``rank_targets`` (vLLM's engine arrays), the driver's install of every adapter's
-micro-batch (verl's nested field, SkyRL's packed or padded field, AReaL's trajectories, the
-template's padded dict) for R3 and R2 alike. A ``HandedRoutes`` holds the framework's own buffers,
+micro-batch (a nested or packed field, a padded field with or without its own mask, a sequence-last
+field, the template's padded dict) for R3 and R2 alike. A ``HandedRoutes`` holds the framework's own buffers,
 *viewed* (no copy, no id read): where row ``j`` of sequence ``i`` lives, which source column holds
 each MoE layer, how the transport writes "no route" (an explicit mask, zero rows past what the
 engine captured, a sentinel, or nothing: every handed row is a route). Metadata is checked here,
@@ -50,13 +50,13 @@ from r3bridge.errors import (
     RouteShapeError,
     RouteWeightsError,
 )
-from r3bridge.ingest.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
+from r3bridge.parallel.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
 
 __all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples"]
 
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
-# explicit per-row mask; "zero" rows past the sample's last non-zero row (verl, SkyRL 0.3);
-# "sentinel" rows whose ids all equal a value no expert id takes (AReaL's trajectories).
+# explicit per-row mask; "zero" rows past the sample's last non-zero row (nested and padded fields);
+# "sentinel" rows whose ids all equal a value no expert id takes (sequence-last fields).
 NO_ROUTE_KINDS = ("none", "mask", "zero", "sentinel")
 
 
@@ -162,8 +162,8 @@ class HandedRoutes:
                     sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
                     weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None,
                     framework: Optional[str] = None) -> "HandedRoutes":
-        """One packed buffer ``[sum rows, L_src, K]`` (verl's nested values, SkyRL 0.4's
-        ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
+        """One packed buffer ``[sum rows, L_src, K]`` (a nested field's values, a packed
+        tensor), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
         ``source``: deprecated (``route_kind`` and ``engine`` in one word)."""
         route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_packed")
         v = _int_tensor(values, what="routes")
@@ -214,7 +214,7 @@ class HandedRoutes:
                            layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
                            names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
                            source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
-        """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last: AReaL's trajectories), tokens
+        """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last), tokens
         ``[0, lens[i])`` of each, ``sentinel`` where a token has no route. ``source``: deprecated
         (``route_kind`` and ``engine`` in one word)."""
         route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_sequence_last")
