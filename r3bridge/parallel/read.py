@@ -48,11 +48,15 @@ class ReadStats:
 
 @dataclass
 class ReadCounts:
-    """What one read saw, per sequence of the micro-batch (this rank's rows of the layers read):
-    rows replayed, and rows whose route was degenerate (routed natively under ``"native"``)."""
+    """What one read saw, per sequence of the micro-batch ((row, layer) pairs of this rank's rows
+    and the layers read): pairs replayed, pairs whose route was degenerate (ids repeat: the row is
+    routed natively under ``"native"``), the pairs of real tokens; and the rows the framework
+    handed for the sequence (0: a sample without routes, counted apart)."""
 
     replayed: np.ndarray            # int64 [num_seqs]
     degenerate: np.ndarray          # int64 [num_seqs]
+    token_pairs: np.ndarray = None  # int64 [num_seqs]
+    handed: np.ndarray = None       # int64 [num_seqs]
 
 
 def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[int], *,
@@ -76,7 +80,8 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     degenerate_rows = np.zeros(0, dtype=np.int64)
     if not want:
         if counts is not None:
-            counts.append(ReadCounts(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)))
+            zeros = np.zeros(n, dtype=np.int64)
+            counts.append(ReadCounts(zeros, zeros, zeros, np.asarray(routes.rows, dtype=np.int64)))
         return ShardedTargets({}, torch.from_numpy(covered).to(dev), (), k, int(covered.sum()),
                               {} if routes.has_weights else None)
     cols = [pos_of[x] for x in want]
@@ -100,8 +105,24 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     weights = (read_weights(routes, rank_rows.seq, rank_rows.src, covered, cols, want, dev) if routes.has_weights
                else None)
     if counts is not None:
-        seq = rank_rows.seq
-        counts.append(ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * len(want),
-                                 np.bincount(seq[degenerate_rows], minlength=n)[:n] * len(want)))
+        counts.append(_read_counts(rank_rows, routes, covered, compact, degenerate_rows, len(want)))
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t, tuple(want), k,
                           int(covered.sum()), weights)
+
+
+def _read_counts(rank_rows: RankRows, routes: HandedRoutes, covered: np.ndarray, compact: torch.Tensor,
+                 degenerate_rows: np.ndarray, num_layers: int) -> ReadCounts:
+    """Per sequence: (row, layer) pairs replayed, degenerate (row, layer) pairs (each pair whose ids
+    repeat counts once, as the error counts them, though its row is routed natively in every
+    layer), real-token pairs, and the rows handed."""
+    seq, n = rank_rows.seq, routes.num_seqs
+    lens = rank_rows.plan.seq_lens.numpy()
+    real = rank_rows.pos < lens[seq] if seq.size else np.zeros(0, dtype=bool)
+    degenerate = np.zeros(n, dtype=np.int64)
+    if degenerate_rows.size:
+        rows = torch.from_numpy(degenerate_rows).to(compact.device)
+        ids = compact[:, rows].sort(-1).values                              # [nl, bad rows, K]
+        pairs = (ids[..., 1:] == ids[..., :-1]).any(-1).sum(0).cpu().numpy()
+        np.add.at(degenerate, seq[degenerate_rows], pairs)
+    return ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * num_layers, degenerate,
+                      np.bincount(seq[real], minlength=n)[:n] * num_layers, np.asarray(routes.rows, dtype=np.int64))
