@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
+import numpy as np
 
 from r3bridge._validate import as_index, as_index_list
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
@@ -26,11 +26,12 @@ def check_coverage(start_rows: Sequence[int], rows_per_seq: Sequence[int], seq_l
         raise CoverageError(f"batch has {n} sequences but {len(seq_lens)} seq_lens were given")
     if not n:
         return
-    lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
-    rows = torch.tensor(rows_per_seq, dtype=torch.int64)
-    end = torch.tensor(start_rows, dtype=torch.int64) + rows
-    bad = ((rows > 0) & (end != lens) & (end != lens - 1)).nonzero()
-    if bad.numel():
+    # host arrays: a few entries per micro-batch (small torch ops cost more than the check)
+    lens = np.asarray(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=np.int64)
+    rows = np.asarray(rows_per_seq, dtype=np.int64)
+    end = np.asarray(start_rows, dtype=np.int64) + rows
+    bad = np.flatnonzero((rows > 0) & (end != lens) & (end != lens - 1))
+    if bad.size:
         i = int(bad[0])
         raise CoverageError(
             f"sequence {i}: start row {start_rows[i]} + {rows_per_seq[i]} rows ends at "

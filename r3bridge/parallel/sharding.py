@@ -44,7 +44,7 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     lens = int64_tensor(seq_lens, "seq_lens", CoverageError)
     tp_rank, cp_rank, pp_rank, vp_stage, layer_ids, dev = checked_rank_args(
         tp_rank, cp_rank, pp_rank, vp_stage, layer_ids, device, what="shard")
-    batch.check_seq_lens(lens)
+    # RankRows.cover checks the batch's rows against seq_lens (once)
     rows = RankRows.build(layout, lens, tp_rank=tp_rank, cp_rank=cp_rank, format=format,
                           cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length).cover(routes)
     want = list(layout.moe_layers(pp_rank, vp_stage) if layer_ids is None else layer_ids)
