@@ -25,6 +25,7 @@ With top-1 an expert-0 row cannot be told from a zero row: zero rows stay "no ro
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -52,12 +53,31 @@ from r3bridge.errors import (
 )
 from r3bridge.parallel.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
 
-__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples"]
+__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples", "shown_names"]
 
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
 # explicit per-row mask; "zero" rows past the sample's last non-zero row (nested and padded fields);
 # "sentinel" rows whose ids all equal a value no expert id takes (sequence-last fields).
 NO_ROUTE_KINDS = ("none", "mask", "zero", "sentinel")
+
+
+def shown_names(names: Optional[Sequence[str]], framework: Optional[str]) -> list[str]:
+    """How errors name each sequence: ``names`` (the adapter's), led by ``"<framework> sample"``
+    when a framework is given; ``[]`` without names (errors keep the core's "sequence i")."""
+    if not names:
+        return []
+    return [str(n) if framework is None else f"{framework} sample {n}" for n in names]
+
+
+def _named_by_caller(build: Any) -> Any:
+    """A constructor whose every error naming "sequence i" names the caller's sample instead
+    (``names=``, ``framework=``)."""
+    @functools.wraps(build)
+    def named(cls: Any, *args: Any, names: Optional[Sequence[str]] = None, framework: Optional[str] = None,
+              **kwargs: Any) -> Any:
+        with naming_samples(shown_names(names, framework)):
+            return build(cls, *args, names=names, framework=framework, **kwargs)
+    return named
 
 
 def zero_row_rule(route_kind: str, topk: int) -> str:
@@ -115,6 +135,7 @@ class HandedRoutes:
                    weights_grid=None if batch.weights is None else batch.weights[None], engine=batch.engine)
 
     @classmethod
+    @_named_by_caller
     def from_engine(cls, items: Sequence[Any], *, num_experts: int, moe_layer_ids: Optional[Sequence[int]] = None,
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
                     weights: Optional[Sequence[Any]] = None, route_kind: str = "rollout",
@@ -157,6 +178,7 @@ class HandedRoutes:
                    names=None if names is None else list(names), framework=framework, weights_arrays=w, engine=engine)
 
     @classmethod
+    @_named_by_caller
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
@@ -183,6 +205,7 @@ class HandedRoutes:
                             num_experts, layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, w, framework)
 
     @classmethod
+    @_named_by_caller
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout",
@@ -210,6 +233,7 @@ class HandedRoutes:
                             layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, None, framework)
 
     @classmethod
+    @_named_by_caller
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                            layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
                            names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
@@ -367,8 +391,7 @@ class HandedRoutes:
         if invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
         drop = self.route_kind != "recorded" if drop_final_invalid is None else drop_final_invalid
-        names = [self.name(i) for i in range(self.num_seqs)] if self.framework is not None and self.names else []
-        with naming_samples(names):
+        with naming_samples(shown_names(self.names, self.framework)):
             batch = self._whole_batch("native" if invalid_rows == "error" else degenerate, drop)
             if invalid_rows == "error" and not bool(batch.valid.all()):
                 bad = int((~batch.valid).nonzero()[0])

@@ -11,7 +11,7 @@ import torch
 
 from r3bridge.batch.meta import check_coverage
 from r3bridge.errors import CoverageError
-from r3bridge.parallel.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes, naming_samples, shown_names
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 
@@ -60,7 +60,8 @@ class RankRows:
         lens = self.plan.seq_lens.numpy()
         if routes.num_seqs != lens.size:
             raise CoverageError(f"batch has {routes.num_seqs} sequences but {lens.size} seq_lens were given")
-        check_coverage(routes.starts, routes.rows, lens.tolist())
+        with naming_samples(shown_names(routes.names, routes.framework)):
+            check_coverage(routes.starts, routes.rows, lens.tolist())
         if not self.seq.size:
             return self
         without = np.asarray(routes.rows, dtype=np.int64) == 0

@@ -100,11 +100,11 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
         if checked is not covered:          # degenerate rows routed natively: a new mask
             covered = checked
             valid_t = torch.from_numpy(covered).to(dev)
+    if counts is not None:          # before the fill: an int64 read is widened in place
+        counts.append(_read_counts(rank_rows, routes, covered, compact, degenerate_rows, len(want)))
     out = _widened_with_fillers(compact, covered, valid_t, k)
     weights = (read_weights(routes, rank_rows.seq, rank_rows.src, covered, cols, want, dev) if routes.has_weights
                else None)
-    if counts is not None:
-        counts.append(_read_counts(rank_rows, routes, covered, compact, degenerate_rows, len(want)))
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t, tuple(want), k,
                           int(covered.sum()), weights)
 
@@ -113,7 +113,7 @@ def _widened_with_fillers(compact: torch.Tensor, covered: np.ndarray, valid_t: t
     """``compact`` ``[nl, T, K]`` widened to int64, the fillers ``0..K-1`` in rows without a route.
     On an accelerator one ``torch.where`` kernel does both; on the host that select costs ~12x a
     plain widening pass (P1), so the host widens and writes the fillers into the few rows
-    without a route."""
+    without a route (in place when ``compact`` is int64 already: it is the read's own buffer)."""
     fillers = torch.arange(k, dtype=torch.int64, device=compact.device)
     if compact.device.type != "cpu":
         return torch.where(valid_t[None, :, None], compact, fillers)

@@ -252,3 +252,48 @@ def test_sequences_with_zero_rows_pass_in_every_form_whatever_their_start_row():
     # a sequence with rows still has to fit its tokens
     with _raises(CoverageError, "sequence 0", "ends at token 6", "9 tokens", "0 rows"):
         r3bridge.shard(batches["from_ragged"], lay, [9, 5, 9])
+
+
+def test_a_sample_one_row_short_is_refused_in_every_form_naming_the_framework_sample():
+    """The row-count rule (prompt + generated - 1 rows, from the start row) holds for every form: the
+    engine arrays read to a rank (the error names the adapter's sample, not "sequence 1"), and the
+    masked and dense write-backs, which once wrote the short sample as a route-less tail."""
+    from r3bridge.batch.dense import padded_routes
+    from r3bridge.forms.masked import masked_padded_routes
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+
+    full, short = _seqs(rows=(6,))[0], _seqs(rows=(5,))[0]        # both samples have 7 tokens
+    lay = ParallelLayout(3, 1)
+    handed = HandedRoutes.from_engine([full, short], num_experts=8, names=["req-7", "req-9"], framework="myfw")
+    with _raises(CoverageError, "myfw sample req-9", "ends at token 5", "7 tokens") as err:
+        RankRows.build(lay, [7, 7], tp_rank=0, cp_rank=0).cover(handed)
+    assert "sequence 1" not in str(err.value)
+    with _raises(r3bridge.errors.PayloadError, "myfw sample req-9") as err:
+        HandedRoutes.from_engine([full, None], num_experts=8, names=["req-7", "req-9"], framework="myfw")
+    assert "sequence 1" not in str(err.value)
+    rb = ReplayBatch.from_ragged([full, short], num_experts=8, layer_ids=[0, 1, 2])
+    attn = torch.ones(2, 7, dtype=torch.bool)
+    with _raises(CoverageError, "sequence 1", "ends at token 5", "7 tokens"):
+        masked_padded_routes(rb, attn, num_hidden_layers=3)
+    with _raises(CoverageError, "sequence 1", "ends at token 5"):
+        padded_routes(rb, attn)
+    masked_padded_routes(ReplayBatch.from_ragged([full, full], num_experts=8, layer_ids=[0, 1, 2]), attn,
+                         num_hidden_layers=3)                      # N - 1 rows: fine
+
+
+def test_one_degenerate_pair_counts_once_in_the_read():
+    """``degenerate: native``: a (row, layer) pair whose ids repeat is counted as 1, as the error counts it."""
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    a, b = _seqs(rows=(6, 6))
+    b = b.copy()
+    b[2, 1] = b[2, 1, 0]                                          # sample 1, row 2, layer 1: ids repeat
+    handed = HandedRoutes.from_engine([a, b], num_experts=8)
+    rows = RankRows.build(ParallelLayout(3, 1), [7, 7], tp_rank=0, cp_rank=0).cover(handed)
+    counts: list = []
+    t = read_targets(handed, rows, [0, 1, 2], degenerate="native", counts=counts)
+    assert counts[0].degenerate.tolist() == [0, 1]
+    assert int((~t.valid).sum()) == 2 + 1                         # the two last tokens, and the degenerate row
