@@ -119,6 +119,7 @@ class HandedRoutes:
     weights_arrays: Optional[list[np.ndarray]] = None
     engine: Optional[str] = None                   # rollout routes: the engine that produced them, if said
     _captured: Optional[np.ndarray] = field(default=None, repr=False)
+    _without: Optional[np.ndarray] = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -315,7 +316,7 @@ class HandedRoutes:
         if not lens:
             return self
         count = len(lens)
-        out = HandedRoutes(**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "_captured"})
+        out = HandedRoutes(**{f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("_captured", "_without")})
         out.rows = self.rows + [0] * count
         out.starts = self.starts + lens
         if self.arrays is not None:
@@ -331,6 +332,25 @@ class HandedRoutes:
             out.names = self.names + [f"padding sequence {j}" for j in range(count)]
         if self._captured is not None:
             out._captured = np.concatenate([self._captured, np.zeros(count, dtype=np.int64)])
+        return out
+
+    def without_routes(self) -> np.ndarray:
+        """bool per sequence: handed without any route, so routed natively and counted apart from
+        the coverage guards (design.md: samples without routes): 0 rows, or an explicit mask that
+        says "no route" on every row. Zero rows past what the engine captured are not explicit (a
+        broken capture writes them too, vLLM #54730): such a sequence stays under the guards."""
+        if self._without is not None:
+            return self._without
+        rows = np.asarray(self.rows, dtype=np.int64)
+        out = rows == 0
+        if self.no_route == "mask" and rows.size and not out.all():
+            m = self.mask.reshape(-1).to(torch.int64)
+            width = self.mask.shape[1]
+            start = torch.from_numpy(self.seq_b * width + self.seq_s0).to(m.device)
+            csum = torch.cat([m.new_zeros(1), m.cumsum(0)])
+            routed = (csum[start + torch.from_numpy(rows).to(m.device)] - csum[start]).cpu().numpy()
+            out |= routed == 0
+        self._without = out
         return out
 
     def any_route(self) -> bool:

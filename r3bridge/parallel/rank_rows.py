@@ -26,8 +26,8 @@ class RankRows:
     seq_len`` are packing padding); ``covered[t]``: the handed routes hold a route for it, at
     source row ``src[t]`` of its sequence (explicit masks and captured ranges applied).
     ``token_rows``: rows of real tokens (not packing padding); ``unrouted_token_rows``: those of
-    sequences handed with 0 rows (samples without routes: aborted or interrupted), which coverage
-    guards count apart."""
+    sequences handed without any route (:meth:`HandedRoutes.without_routes`: aborted or
+    interrupted samples), which coverage guards count apart."""
 
     plan: PackPlan
     seq: np.ndarray
@@ -64,7 +64,7 @@ class RankRows:
             check_coverage(routes.starts, routes.rows, lens.tolist())
         if not self.seq.size:
             return self
-        without = np.asarray(routes.rows, dtype=np.int64) == 0
+        without = routes.without_routes()
         unrouted = int((without[self.seq] & (self.pos < lens[self.seq])).sum()) if without.any() else 0
         starts = np.asarray(routes.starts, dtype=np.int64)
         hi = np.minimum(starts + routes.captured_rows(), lens)

@@ -51,7 +51,8 @@ class ReadCounts:
     """What one read saw, per sequence of the micro-batch ((row, layer) pairs of this rank's rows
     and the layers read): pairs replayed, pairs whose route was degenerate (ids repeat: the row is
     routed natively under ``"native"``), the pairs of real tokens; and the rows the framework
-    handed for the sequence (0: a sample without routes, counted apart)."""
+    handed for the sequence, 0 where it was handed without any route
+    (:meth:`HandedRoutes.without_routes`: counted apart)."""
 
     replayed: np.ndarray            # int64 [num_seqs]
     degenerate: np.ndarray          # int64 [num_seqs]
@@ -81,7 +82,7 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     if not want:
         if counts is not None:
             zeros = np.zeros(n, dtype=np.int64)
-            counts.append(ReadCounts(zeros, zeros, zeros, np.asarray(routes.rows, dtype=np.int64)))
+            counts.append(ReadCounts(zeros, zeros, zeros, _handed_rows(routes)))
         return ShardedTargets({}, torch.from_numpy(covered).to(dev), (), k, int(covered.sum()),
                               {} if routes.has_weights else None)
     cols = [pos_of[x] for x in want]
@@ -138,4 +139,9 @@ def _read_counts(rank_rows: RankRows, routes: HandedRoutes, covered: np.ndarray,
         pairs = (ids[..., 1:] == ids[..., :-1]).any(-1).sum(0).cpu().numpy()
         np.add.at(degenerate, seq[degenerate_rows], pairs)
     return ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * num_layers, degenerate,
-                      np.bincount(seq[real], minlength=n)[:n] * num_layers, np.asarray(routes.rows, dtype=np.int64))
+                      np.bincount(seq[real], minlength=n)[:n] * num_layers, _handed_rows(routes))
+
+
+def _handed_rows(routes: HandedRoutes) -> np.ndarray:
+    """Rows handed per sequence, 0 for a sequence handed without any route."""
+    return np.where(routes.without_routes(), 0, np.asarray(routes.rows, dtype=np.int64))

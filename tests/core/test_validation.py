@@ -297,3 +297,26 @@ def test_one_degenerate_pair_counts_once_in_the_read():
     t = read_targets(handed, rows, [0, 1, 2], degenerate="native", counts=counts)
     assert counts[0].degenerate.tolist() == [0, 1]
     assert int((~t.valid).sum()) == 2 + 1                         # the two last tokens, and the degenerate row
+
+
+def test_a_sample_masked_no_route_throughout_is_a_sample_without_routes():
+    """The masked form carries an aborted sample as rows whose explicit mask says "no route": counted
+    apart like 0 rows; zero rows are not explicit (a broken capture writes them too) and stay counted."""
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    full = torch.as_tensor(_seqs(rows=(7,))[0])
+    grid = torch.stack([full, full, full])                              # [3, 7, L, K]
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    valid[1] = False
+    masked = HandedRoutes.from_padded(grid, torch.ones(3, 7), num_experts=8, layer_ids=[0, 1, 2], no_route="mask",
+                                      valid=valid)
+    zero = HandedRoutes.from_padded(grid, torch.ones(3, 7), num_experts=8, layer_ids=[0, 1, 2], no_route="zero")
+    assert masked.without_routes().tolist() == [False, True, False]
+    assert zero.without_routes().tolist() == [False, False, False]
+    rows = RankRows.build(ParallelLayout(3, 1), [7, 7, 7], tp_rank=0, cp_rank=0).cover(masked)
+    assert rows.unrouted_token_rows == 7
+    counts: list = []
+    read_targets(masked, rows, [0, 1, 2], counts=counts)
+    assert counts[0].handed.tolist() == [7, 0, 7]
