@@ -23,7 +23,7 @@ from r3bridge.errors import (
     RouteWeightsError,
     StitchError,
 )
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, rank_positions
 from r3bridge.parallel.sharding import rank_targets, shard

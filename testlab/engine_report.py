@@ -12,7 +12,7 @@ from r3bridge.engines.engine_pack import layer_columns
 from r3bridge.engines.layer_axis import ALL_HIDDEN
 from r3bridge.engines.route_checks import route_value_error
 from r3bridge.engines.route_scan import row_faults
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["EngineRowReport", "engine_row_report"]
 

@@ -37,7 +37,7 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import CoverageError, RouteShapeError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "VALID_KEY", "RECORDED_KEY", "SAMPLE_KEY", "TemplateCodec"]
 

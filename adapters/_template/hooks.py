@@ -25,8 +25,8 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import AdapterSession, MicroBatch
+from r3bridge.parallel.handed import HandedRoutes
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 

@@ -1,7 +1,7 @@
 """AReaL's training batch <-> r3bridge (pure torch: no areal import).
 
 Routes travel as one sequence-last tensor per trajectory, ``[g, L_moe, K, S]``
-(:mod:`r3bridge.batch.sequence_last`: what AReaL's concat / split / unpad keep exactly); the engine
+(:mod:`r3bridge.adapters.areal.sequence_last`: what AReaL's concat / split / unpad keep exactly); the engine
 slices them per micro-batch by sample id. docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
@@ -9,15 +9,19 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from r3bridge.adapters.areal.sequence_last import (
+    right_padded_handed,
+    right_padded_routes,
+    sequence_last_handed,
+    split_carrying,
+)
 from r3bridge.batch.provenance import (
     LOGPROB_PROVENANCE_KEY,
     ROUTE_PROVENANCE_KEY,
 )
-from r3bridge.batch.sequence_last import right_padded_routes, split_carrying
+from r3bridge.forms.codec import HandedCodec
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.codec_base import HandedCodec
-from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.ingest.sequence_last import right_padded_handed, sequence_last_handed
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "ArealCodec", "handed_routes", "batch_handed_routes", "batch_tensor"]

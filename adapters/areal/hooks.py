@@ -12,12 +12,12 @@ from r3bridge.adapters.areal import codec
 from r3bridge.adapters.areal._compat import import_areal
 from r3bridge.adapters.areal.attempts import attempt_provenance, generate_first_seen
 from r3bridge.adapters.areal.rollout import routes_from_responses, sample_name
+from r3bridge.adapters.areal.sequence_last import per_token_sample_ids, sequence_last_routes, write_right_padded
 from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields, provenance_fields
-from r3bridge.batch.sequence_last import per_token_sample_ids, sequence_last_routes, write_right_padded
 from r3bridge.config import Action, Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
+from r3bridge.forms.masked import row_names
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.masked_fields import row_names
 from r3bridge.job_check import JobCheck, replay_section
 from r3bridge.megatron.packed_micro_batch import packed_micro_batches
 from r3bridge.megatron.phase import PhaseResult

@@ -7,13 +7,18 @@ from typing import Any, Optional, Sequence
 import torch
 
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
-from r3bridge.batch.masked import masked_packed_routes, masked_padded_routes
 from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import ConfigError, RouteShapeError
-from r3bridge.ingest.codec_base import HandedCodec
-from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.ingest.masked_fields import batch_field, masked_field_routes, row_names
+from r3bridge.forms.codec import HandedCodec
+from r3bridge.forms.masked import (
+    batch_field,
+    masked_field_routes,
+    masked_packed_routes,
+    masked_padded_routes,
+    row_names,
+)
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "MASK_KEY", "ROUTES_MARK", "ENGINE", "SkyRLCodec", "handed_routes", "training_batch_fields",
            "provenance_pairing"]
@@ -28,7 +33,7 @@ def handed_routes(batch: Any, *, num_experts: int, moe_layer_ids: Sequence[int],
                   num_hidden_layers: Optional[int] = None, route_kind: str = "rollout", routes_key: str = ROUTES_KEY,
                   topk: Optional[int] = None, sample_ids: Optional[Sequence[int]] = None) -> HandedRoutes:
     """The routes of a ``TrainingInputBatch`` (or worker micro-batch dict), viewed for the one reader
-    (:mod:`r3bridge.ingest.masked_fields`); samples named by their row (or ``sample_ids[i]``)."""
+    (:mod:`r3bridge.forms.masked`); samples named by their row (or ``sample_ids[i]``)."""
     routes = batch_field(batch, routes_key)
     if routes is None:
         raise ConfigError(f"the batch has no {routes_key!r}: enable generator.inference_engine."

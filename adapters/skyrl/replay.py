@@ -24,9 +24,9 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
 from r3bridge.errors import ConfigError
 from r3bridge.hf import ModelInfo
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron.replay_pass import MicroBatch
 from r3bridge.megatron.session import AdapterSession, averaged
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["SkyRLReplay"]
 

@@ -1,7 +1,7 @@
 """verl's ``routed_experts`` TensorDict field <-> :class:`r3bridge.ReplayBatch`.
 
 verl's transport (after ``left_right_2_no_padding``) is a nested jagged ``[batch, (tokens_i), L, K]``
-int16 tensor, one row per unmasked token (:mod:`r3bridge.ingest.nested`): rollout routes (R3) with
+int16 tensor, one row per unmasked token (:mod:`r3bridge.adapters.verl.nested`): rollout routes (R3) with
 every decoder layer, recorded routes (R2) with the MoE layers only; "no route" is a zero row.
 docs/use-with-verl.md, "How it hooks into verl".
 """
@@ -11,12 +11,12 @@ from typing import Any, Optional
 
 import torch
 
+from r3bridge.adapters.verl.nested import handed_from_batch, nested_routes
 from r3bridge.adapters.verl.sample_fields import indexed_names, sample_field
 from r3bridge.batch.provenance import ProvenancePairing, pairing_from_fields
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.ingest.codec_base import HandedCodec
-from r3bridge.ingest.handed import HandedRoutes
-from r3bridge.ingest.nested import handed_from_batch, nested_routes
+from r3bridge.forms.codec import HandedCodec
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["ROUTES_KEY", "WEIGHTS_KEY", "LOG_RATIO_KEY", "SAMPLE_KEY", "handed_routes", "sample_names",
            "provenance_pairing", "VerlCodec"]
@@ -44,7 +44,7 @@ def provenance_pairing(td: Any) -> ProvenancePairing:
 def handed_routes(td, *, moe_layer_ids, num_experts: int, route_kind: str, num_hidden_layers: int | None = None,
                   topk: int | None = None, layer_axis: str | None = None) -> HandedRoutes:
     """``td[ROUTES_KEY]`` of a (micro-)batch (or the field itself) as the one reader reads it
-    (:func:`r3bridge.ingest.nested.handed_from_batch`: ``layer_axis``, ``topk``)."""
+    (:func:`r3bridge.adapters.verl.nested.handed_from_batch`: ``layer_axis``, ``topk``)."""
     return handed_from_batch(td, field=ROUTES_KEY, weights_field=WEIGHTS_KEY, names=sample_names, framework="verl",
                              num_experts=num_experts, moe_layer_ids=moe_layer_ids, route_kind=route_kind,
                              num_hidden_layers=num_hidden_layers, topk=topk, layer_axis=layer_axis)

@@ -7,9 +7,7 @@
 * ``wire``          - the bytes: versioned header, raw buffers, CRCs (no import of ``schema``)
 * ``canonical``     - the canonical trainer-side form every adapter produces, and its small edits
 * ``dense``         - a batch back in a framework's dense per-sample layout ("no route" explicit)
-* ``masked``        - a batch back as a routes field plus its own [B, S] no-route mask
 * ``id_field``      - R2's sample ids carried in a routes-shaped per-token field
-* ``sequence_last`` - a batch as one sequence-last ``[B, L, K, S]`` field (sentinel "no route")
 
-Built on :mod:`r3bridge.engines`; read to ranks by :mod:`r3bridge.ingest` and :mod:`r3bridge.parallel`.
+Built on :mod:`r3bridge.engines`; transport forms in :mod:`r3bridge.forms`; read to ranks by :mod:`r3bridge.parallel`.
 """

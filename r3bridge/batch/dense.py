@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from r3bridge.batch.meta import check_coverage
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import CoverageError, LayerMappingError, RouteValueError
 
@@ -61,7 +62,9 @@ def token_rows(batch: ReplayBatch, seq_lens: Optional[Sequence[int]] = None, *,
 
     Raises:
         RouteValueError: a scalar ``fill`` is an expert id or does not fit ``dtype``.
-        CoverageError: a sequence's rows run past its ``seq_lens`` entry.
+        CoverageError: a sequence's rows run past its ``seq_lens`` entry, or (with ``seq_lens``)
+            end before its last token but one (rows = prompt + generated - 1 from the start
+            row; only a sequence with 0 rows may end anywhere).
         LayerMappingError: a layer id past ``num_hidden_layers``.
     """
     ends = [s + n for s, n in zip(batch.start_rows, batch.rows_per_seq)]
@@ -71,6 +74,8 @@ def token_rows(batch: ReplayBatch, seq_lens: Optional[Sequence[int]] = None, *,
     over = next((i for i, (end, n) in enumerate(zip(ends, lens)) if end > n), None)
     if over is not None:
         raise CoverageError(f"sequence {over}: routes cover tokens up to {ends[over]}, past its {lens[over]} tokens")
+    if seq_lens is not None:        # the row-count rule: a short sequence is refused, never written as a tail
+        check_coverage(batch.start_rows, batch.rows_per_seq, lens)
     fill_value = torch.as_tensor(fill)
     if fill_value.dim() == 0:
         _check_no_route(batch, int(fill_value), dtype)
@@ -117,7 +122,9 @@ def dense_routes(batch: ReplayBatch, seq_lens: Optional[Sequence[int]] = None, *
 
     Raises:
         RouteValueError: ``no_route`` is an expert id or does not fit ``dtype``.
-        CoverageError: a sequence's rows run past its ``seq_lens`` entry.
+        CoverageError: a sequence's rows run past its ``seq_lens`` entry, or (with ``seq_lens``)
+            end before its last token but one (rows = prompt + generated - 1 from the start
+            row; only a sequence with 0 rows may end anywhere).
     """
     rows, _ = token_rows(batch, seq_lens, fill=no_route, dtype=dtype)
     lens = [s + n for s, n in zip(batch.start_rows, batch.rows_per_seq)] if seq_lens is None else seq_lens

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
+import numpy as np
 
 from r3bridge._validate import as_index, as_index_list
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
@@ -16,21 +16,28 @@ __all__ = ["checked_meta", "check_coverage", "check_layer_ids"]
 
 
 def check_coverage(start_rows: Sequence[int], rows_per_seq: Sequence[int], seq_lens: Sequence[int]) -> None:
-    """:meth:`ReplayBatch.check_seq_lens` on the metadata alone (the rank-direct ingest has no batch)."""
+    """:meth:`ReplayBatch.check_seq_lens` on the metadata alone (the rank-direct ingest has no batch).
+
+    A sequence with rows ends at its last token or the one before (``start + rows`` is ``seq_len``
+    or ``seq_len - 1``); a sequence with 0 rows (the engine returned no routes for it: an aborted
+    or interrupted sample, a multi-turn tail) is allowed whatever its start row: it has no route."""
     n = len(rows_per_seq)
     if len(seq_lens) != n:
         raise CoverageError(f"batch has {n} sequences but {len(seq_lens)} seq_lens were given")
     if not n:
         return
-    lens = torch.as_tensor(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=torch.int64)
-    end = torch.tensor(start_rows, dtype=torch.int64) + torch.tensor(rows_per_seq, dtype=torch.int64)
-    bad = ((end != lens) & (end != lens - 1)).nonzero()
-    if bad.numel():
+    # host arrays: a few entries per micro-batch (small torch ops cost more than the check)
+    lens = np.asarray(as_index_list(seq_lens, what="seq_lens", error=CoverageError), dtype=np.int64)
+    rows = np.asarray(rows_per_seq, dtype=np.int64)
+    end = np.asarray(start_rows, dtype=np.int64) + rows
+    bad = np.flatnonzero((rows > 0) & (end != lens) & (end != lens - 1))
+    if bad.size:
         i = int(bad[0])
         raise CoverageError(
             f"sequence {i}: start row {start_rows[i]} + {rows_per_seq[i]} rows ends at "
             f"token {int(end[i])}, but the trainer sees {int(lens[i])} tokens (must end at "
-            f"{int(lens[i]) - 1} or {int(lens[i])})")
+            f"{int(lens[i]) - 1} or {int(lens[i])}; a sample the engine returned no routes for is handed "
+            f"as 0 rows)")
 
 
 def checked_meta(shape: tuple[int, ...], rows_per_seq, num_experts, layer_ids, start_rows, policy_versions):

@@ -480,7 +480,8 @@ class ReplayBatch:
     def check_seq_lens(self, seq_lens: Sequence[int]) -> None:
         """Raise unless every sequence's rows cover ``[start, start + rows)`` with
         ``start + rows`` equal to ``seq_len`` or ``seq_len - 1`` (the last sampled token is never
-        fed forward, so it has no route)."""
+        fed forward, so it has no route); a sequence with 0 rows passes whatever its start row
+        (an aborted or interrupted sample: no route)."""
         check_coverage(self.start_rows, self.rows_per_seq, seq_lens)
 
     # ----------------------------------------------------------------------------- micro-batching

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.targets import ShardedTargets
 

@@ -31,6 +31,7 @@ consumes (SkyRL #1908). Here:
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -42,18 +43,20 @@ from r3bridge.batch.provenance import ProvenanceCount
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action, Phase, PhasePlan
 from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
-from r3bridge.ingest.handed import HandedRoutes
 from r3bridge.megatron import stats_mask
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
 from r3bridge.megatron.recorder import gather_recorded
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.read import ReadStats, read_targets
 from r3bridge.parallel.targets import ShardedTargets
 from r3bridge.replay_policy import threshold_select
+
+logger = logging.getLogger("r3bridge")
 
 
 @dataclass
@@ -168,6 +171,13 @@ def _refuse_unrouted(rows: RankRows, routes: HandedRoutes, chunk: int, index: in
         i = int(seq[r])
         raise CoverageError(f"chunk {chunk}, micro-batch {index}: {routes.name(i)}, row {int(pos[r] - starts[i])} "
                             f"(token {int(pos[r])}) has no route and invalid_rows='error'")
+
+
+def _first_rank() -> bool:
+    """Whether this process logs a pass's one line (rank 0, or no process group)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> None:
@@ -298,7 +308,7 @@ class ReplayPass:
 
         The driver's own form: ``install(model, routes, seq_lens, ...)``, ``routes`` a
         :class:`r3bridge.ReplayBatch` or what the framework handed over
-        (:class:`r3bridge.ingest.handed.HandedRoutes`), read by the one reader (docs/architecture.md,
+        (:class:`r3bridge.parallel.handed.HandedRoutes`), read by the one reader (docs/architecture.md,
         "One reader"); the sequences are numbered in install order unless ``sample_ids`` says.
 
         In a NATIVE pass (replay off, reference model) this is a no-op, so adapters can call it
@@ -357,11 +367,14 @@ class ReplayPass:
             self._sample_rows.append((ids, counts[0]))
             nvalid = mb.targets.num_valid       # counted on the host: no device sync per install
             if rep.min_coverage > 0:
-                # over this rank's real tokens: packing padding never has a route
-                cov = nvalid / token_rows if token_rows else 1.0
+                # over this rank's real tokens of samples with routes: packing padding never has a
+                # route, and a sample handed with 0 rows (aborted) is counted apart
+                routed = rows.token_rows - rows.unrouted_token_rows
+                cov = nvalid / routed if routed else 1.0
                 if cov < rep.min_coverage:
                     raise CoverageError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): only {cov:.3f} of this "
-                                        f"rank's {token_rows} token rows have a route (min_coverage={rep.min_coverage})")
+                                        f"rank's {routed} token rows have a route (min_coverage={rep.min_coverage}; "
+                                        f"{rows.unrouted_token_rows} rows of samples without routes counted apart)")
             mb.all_valid = nvalid == mb.rows
             mb.batch_has_route = handed.any_route()
             mb.routes = handed
@@ -718,43 +731,59 @@ class ReplayPass:
         return out
 
     def _sample_counts(self) -> torch.Tensor:
-        """int64 ``[samples, 2]`` (rows replayed, degenerate rows) per sample of the pass, in
-        sample-id order, as this rank read them; padding sequences (negative ids) are no sample.
-        Summed over the ranks by :meth:`_sum_counts`."""
+        """int64 ``[samples, 4]`` ((row, layer) pairs replayed, degenerate pairs, real-token pairs,
+        rows handed) per sample of the pass, in sample-id order, as this rank read them; padding
+        sequences (negative ids) are no sample. Summed over the ranks by :meth:`_sum_counts`."""
         per: dict[int, list[int]] = {}
         for ids, counts in self._sample_rows:
-            for sid, rep_rows, deg in zip(ids, counts.replayed.tolist(), counts.degenerate.tolist()):
+            for sid, *values in zip(ids, counts.replayed.tolist(), counts.degenerate.tolist(),
+                                    counts.token_pairs.tolist(), counts.handed.tolist()):
                 if sid >= 0:
-                    acc = per.setdefault(int(sid), [0, 0])
-                    acc[0] += rep_rows
-                    acc[1] += deg
-        return torch.tensor([per[s] for s in sorted(per)], dtype=torch.int64, device=self.device).reshape(-1, 2)
+                    acc = per.setdefault(int(sid), [0, 0, 0, 0])
+                    for col, v in enumerate(values):
+                        acc[col] += v
+        return torch.tensor([per[s] for s in sorted(per)], dtype=torch.int64, device=self.device).reshape(-1, 4)
 
     def _sample_metrics(self) -> dict[str, float]:
         """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
-        ``samples/native`` (no route at all: routed natively), ``samples/refused`` (some route
-        degenerate, routed natively under ``degenerate_routes: native``), and ``degenerate_rows``
-        ((row, layer) pairs routed natively for it), from every rank's counts summed."""
-        replayed, degenerate = (x.cpu().numpy() for x in self._per_sample.unbind(1))
+        ``samples/native`` (rows handed, none a route: routed natively), ``samples/without_routes``
+        (handed with 0 rows: aborted or interrupted, routed natively, counted apart),
+        ``samples/refused`` (some route degenerate, routed natively under ``degenerate_routes:
+        native``), and ``degenerate_rows`` (the (row, layer) pairs whose ids repeat), from every
+        rank's counts summed."""
+        replayed, degenerate, _, handed = (x.cpu().numpy() for x in self._per_sample.unbind(1))
         refused = degenerate > 0
+        without = handed == 0
         prefix = self.replayer.metrics_prefix
         return {f"{prefix}samples/replayed": float((~refused & (replayed > 0)).sum()),
-                f"{prefix}samples/native": float((~refused & (replayed == 0)).sum()),
+                f"{prefix}samples/native": float((~refused & ~without & (replayed == 0)).sum()),
+                f"{prefix}samples/without_routes": float(without.sum()),
                 f"{prefix}samples/refused": float(refused.sum()),
                 f"{prefix}degenerate_rows": float(degenerate.sum())}
 
     def _check_floor(self, metrics: dict[str, float]) -> None:
-        """R3: a pass whose routes cover less than ``coverage_floor`` of its real tokens (every
-        rank, every MoE layer) fails here, after its schedule and before its result is used: an
-        engine that returned no usable routes (vLLM #54730's all-zero rows read as "no route")
-        never trains silently on native routing."""
+        """R3: a pass whose routes cover less than ``coverage_floor`` of the real tokens of its
+        samples with routes (every rank, every MoE layer) fails here, after its schedule and before
+        its result is used: an engine that returned no usable routes (vLLM #54730's all-zero rows
+        read as "no route") never trains silently on native routing. Samples handed with 0 rows
+        (aborted or interrupted) are counted apart: a pass of only such samples trains natively
+        and says so (``samples/without_routes`` and one log line)."""
         floor = self.replayer.coverage_floor
         prefix = self.replayer.metrics_prefix
-        cov = metrics.get(f"{prefix}coverage", float("nan"))
+        replayed, _, pairs, handed = (x.cpu().numpy() for x in self._per_sample.unbind(1))
+        without = handed == 0
+        if without.any() and without.all() and _first_rank():
+            logger.warning("r3bridge: every sample of this %s replay pass (%d) came without routes (aborted or "
+                           "interrupted: 0 rows handed for each): the pass routed natively", self.route_kind,
+                           int(without.size))
+        total = metrics.get(f"{prefix}replayed_rows", 0.0) + metrics.get(f"{prefix}native_rows", 0.0)
+        routed_pairs = total - float(pairs[without].sum())
+        cov = metrics.get(f"{prefix}replayed_rows", 0.0) / routed_pairs if routed_pairs > 0 else float("nan")
         if floor <= 0 or self.route_kind != "rollout" or not cov == cov or cov >= floor:
             return
         raise CoverageError(
-            f"R3 pass: the rollout routes cover {cov:.3f} of its routed (token, MoE layer) pairs, below "
+            f"R3 pass: the rollout routes cover {cov:.3f} of the routed (token, MoE layer) pairs of its samples "
+            f"with routes ({int(without.sum())} samples without routes counted apart), below "
             f"r3bridge.coverage_floor={floor} ({int(metrics[f'{prefix}samples/replayed'])} samples replayed, "
             f"{int(metrics[f'{prefix}samples/native'])} with no route, {int(metrics[f'{prefix}samples/refused'])} "
             f"refused): did the engine return routes (vLLM enable_return_routed_experts, SGLang "

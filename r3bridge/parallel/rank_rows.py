@@ -11,7 +11,7 @@ import torch
 
 from r3bridge.batch.meta import check_coverage
 from r3bridge.errors import CoverageError
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes, naming_samples, shown_names
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import PackPlan, checked_ranks, rank_positions, sp_bounds
 
@@ -24,7 +24,10 @@ class RankRows:
 
     ``seq[t]`` / ``pos[t]``: sequence and token position of router row ``t`` (positions ``>=
     seq_len`` are packing padding); ``covered[t]``: the handed routes hold a route for it, at
-    source row ``src[t]`` of its sequence (explicit masks and captured ranges applied)."""
+    source row ``src[t]`` of its sequence (explicit masks and captured ranges applied).
+    ``token_rows``: rows of real tokens (not packing padding); ``unrouted_token_rows``: those of
+    sequences handed without any route (:meth:`HandedRoutes.without_routes`: aborted or
+    interrupted samples), which coverage guards count apart."""
 
     plan: PackPlan
     seq: np.ndarray
@@ -32,6 +35,7 @@ class RankRows:
     src: np.ndarray
     covered: np.ndarray
     token_rows: int
+    unrouted_token_rows: int = 0
 
     @classmethod
     def build(cls, layout: ParallelLayout, seq_lens: Any, *, tp_rank: int, cp_rank: int, format: str = "thd",
@@ -56,9 +60,12 @@ class RankRows:
         lens = self.plan.seq_lens.numpy()
         if routes.num_seqs != lens.size:
             raise CoverageError(f"batch has {routes.num_seqs} sequences but {lens.size} seq_lens were given")
-        check_coverage(routes.starts, routes.rows, lens.tolist())
+        with naming_samples(shown_names(routes.names, routes.framework)):
+            check_coverage(routes.starts, routes.rows, lens.tolist())
         if not self.seq.size:
             return self
+        without = routes.without_routes()
+        unrouted = int((without[self.seq] & (self.pos < lens[self.seq])).sum()) if without.any() else 0
         starts = np.asarray(routes.starts, dtype=np.int64)
         hi = np.minimum(starts + routes.captured_rows(), lens)
         seq, pos = self.seq, self.pos
@@ -69,7 +76,7 @@ class RankRows:
             b = torch.from_numpy(routes.seq_b[seq[idx]]).to(routes.mask.device)
             s = torch.from_numpy(routes.seq_s0[seq[idx]] + src[idx]).to(routes.mask.device)
             covered[idx] = routes.mask[b, s].cpu().numpy()
-        return RankRows(self.plan, seq, pos, src, covered, self.token_rows)
+        return RankRows(self.plan, seq, pos, src, covered, self.token_rows, unrouted)
 
 
 def _positions(plan: PackPlan, layout: ParallelLayout, tp_rank: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """The read: one rank's targets of one chunk's MoE layers, from a micro-batch's handed routes and
 this rank's row map. The last step of the one reader (docs/architecture.md, "One reader"):
-gather the rank's rows of the stage's layers in the source dtype (:mod:`r3bridge.ingest.gather`),
+gather the rank's rows of the stage's layers in the source dtype (:mod:`r3bridge.parallel.gather`),
 move them to the router's device, check every id read once there
 (:func:`r3bridge.engines.route_checks.check_read`), write fillers into rows without a route and
 widen to int64. :class:`ReadStats` counts what a driver read over its life.
@@ -16,8 +16,8 @@ import torch
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.engines.route_checks import DEGENERATE_CHOICES, check_read
 from r3bridge.errors import LayerMappingError, RouteShapeError
-from r3bridge.ingest.gather import gather_rows, read_weights, unrouted_rows
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.gather import gather_rows, read_weights, unrouted_rows
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.targets import ShardedTargets
 
@@ -48,11 +48,16 @@ class ReadStats:
 
 @dataclass
 class ReadCounts:
-    """What one read saw, per sequence of the micro-batch (this rank's rows of the layers read):
-    rows replayed, and rows whose route was degenerate (routed natively under ``"native"``)."""
+    """What one read saw, per sequence of the micro-batch ((row, layer) pairs of this rank's rows
+    and the layers read): pairs replayed, pairs whose route was degenerate (ids repeat: the row is
+    routed natively under ``"native"``), the pairs of real tokens; and the rows the framework
+    handed for the sequence, 0 where it was handed without any route
+    (:meth:`HandedRoutes.without_routes`: counted apart)."""
 
     replayed: np.ndarray            # int64 [num_seqs]
     degenerate: np.ndarray          # int64 [num_seqs]
+    token_pairs: np.ndarray = None  # int64 [num_seqs]
+    handed: np.ndarray = None       # int64 [num_seqs]
 
 
 def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[int], *,
@@ -76,7 +81,8 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
     degenerate_rows = np.zeros(0, dtype=np.int64)
     if not want:
         if counts is not None:
-            counts.append(ReadCounts(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)))
+            zeros = np.zeros(n, dtype=np.int64)
+            counts.append(ReadCounts(zeros, zeros, zeros, _handed_rows(routes)))
         return ShardedTargets({}, torch.from_numpy(covered).to(dev), (), k, int(covered.sum()),
                               {} if routes.has_weights else None)
     cols = [pos_of[x] for x in want]
@@ -95,13 +101,47 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
         if checked is not covered:          # degenerate rows routed natively: a new mask
             covered = checked
             valid_t = torch.from_numpy(covered).to(dev)
-    # widened to int64, fillers 0..K-1 where there is no route: one kernel
-    out = torch.where(valid_t[None, :, None], compact, torch.arange(k, dtype=torch.int64, device=dev))
+    if counts is not None:          # before the fill: an int64 read is widened in place
+        counts.append(_read_counts(rank_rows, routes, covered, compact, degenerate_rows, len(want)))
+    out = _widened_with_fillers(compact, covered, valid_t, k)
     weights = (read_weights(routes, rank_rows.seq, rank_rows.src, covered, cols, want, dev) if routes.has_weights
                else None)
-    if counts is not None:
-        seq = rank_rows.seq
-        counts.append(ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * len(want),
-                                 np.bincount(seq[degenerate_rows], minlength=n)[:n] * len(want)))
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t, tuple(want), k,
                           int(covered.sum()), weights)
+
+
+def _widened_with_fillers(compact: torch.Tensor, covered: np.ndarray, valid_t: torch.Tensor, k: int) -> torch.Tensor:
+    """``compact`` ``[nl, T, K]`` widened to int64, the fillers ``0..K-1`` in rows without a route.
+    On an accelerator one ``torch.where`` kernel does both; on the host that select costs ~12x a
+    plain widening pass (P1), so the host widens and writes the fillers into the few rows
+    without a route (in place when ``compact`` is int64 already: it is the read's own buffer)."""
+    fillers = torch.arange(k, dtype=torch.int64, device=compact.device)
+    if compact.device.type != "cpu":
+        return torch.where(valid_t[None, :, None], compact, fillers)
+    out = compact.to(torch.int64)
+    if not covered.all():
+        out[:, torch.from_numpy(np.flatnonzero(~covered))] = fillers
+    return out
+
+
+def _read_counts(rank_rows: RankRows, routes: HandedRoutes, covered: np.ndarray, compact: torch.Tensor,
+                 degenerate_rows: np.ndarray, num_layers: int) -> ReadCounts:
+    """Per sequence: (row, layer) pairs replayed, degenerate (row, layer) pairs (each pair whose ids
+    repeat counts once, as the error counts them, though its row is routed natively in every
+    layer), real-token pairs, and the rows handed."""
+    seq, n = rank_rows.seq, routes.num_seqs
+    lens = rank_rows.plan.seq_lens.numpy()
+    real = rank_rows.pos < lens[seq] if seq.size else np.zeros(0, dtype=bool)
+    degenerate = np.zeros(n, dtype=np.int64)
+    if degenerate_rows.size:
+        rows = torch.from_numpy(degenerate_rows).to(compact.device)
+        ids = compact[:, rows].sort(-1).values                              # [nl, bad rows, K]
+        pairs = (ids[..., 1:] == ids[..., :-1]).any(-1).sum(0).cpu().numpy()
+        np.add.at(degenerate, seq[degenerate_rows], pairs)
+    return ReadCounts(np.bincount(seq[covered], minlength=n)[:n] * num_layers, degenerate,
+                      np.bincount(seq[real], minlength=n)[:n] * num_layers, _handed_rows(routes))
+
+
+def _handed_rows(routes: HandedRoutes) -> np.ndarray:
+    """Rows handed per sequence, 0 for a sequence handed without any route."""
+    return np.where(routes.without_routes(), 0, np.asarray(routes.rows, dtype=np.int64))

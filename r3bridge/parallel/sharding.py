@@ -5,7 +5,7 @@ a micro-batch's routes, rows in the order that rank's routers see them.
 * :func:`rank_targets`: vLLM's engine arrays, no batch (only this rank's rows and layers are read,
   and checked).
 
-Both are the same three steps as the driver's install (:class:`r3bridge.ingest.handed.HandedRoutes`
+Both are the same three steps as the driver's install (:class:`r3bridge.parallel.handed.HandedRoutes`
 -> :class:`r3bridge.parallel.rank_rows.RankRows` -> :func:`r3bridge.parallel.read.read_targets`): the
 pack plan and this rank's row map, the stage's layer columns gathered narrow and widened to int64
 last. Everything is vectorised: no Python loop over tokens, rows or sequences.
@@ -19,7 +19,7 @@ import torch
 from r3bridge._validate import as_index, as_index_list
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.errors import CoverageError, LayerMappingError, LayoutError
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.packing import int64_tensor
 from r3bridge.parallel.rank_rows import RankRows
@@ -44,7 +44,7 @@ def shard(batch: ReplayBatch, layout: ParallelLayout, seq_lens: Sequence[int], *
     lens = int64_tensor(seq_lens, "seq_lens", CoverageError)
     tp_rank, cp_rank, pp_rank, vp_stage, layer_ids, dev = checked_rank_args(
         tp_rank, cp_rank, pp_rank, vp_stage, layer_ids, device, what="shard")
-    batch.check_seq_lens(lens)
+    # RankRows.cover checks the batch's rows against seq_lens (once)
     rows = RankRows.build(layout, lens, tp_rank=tp_rank, cp_rank=cp_rank, format=format,
                           cu_seqlens_padded=cu_seqlens_padded, seq_length=seq_length).cover(routes)
     want = list(layout.moe_layers(pp_rank, vp_stage) if layer_ids is None else layer_ids)

@@ -34,7 +34,7 @@ from r3bridge.adapters.areal.hooks import (
     WorkflowMixin,
 )
 from r3bridge.adapters.areal.rollout import routes_from_responses
-from r3bridge.batch.sequence_last import sequence_last_routes as trajectory_tensor
+from r3bridge.adapters.areal.sequence_last import sequence_last_routes as trajectory_tensor
 from r3bridge.config import ReplayConfig
 from r3bridge.hf import ModelInfo
 from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout

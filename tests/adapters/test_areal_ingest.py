@@ -23,7 +23,7 @@ import _areal_fixture as ac  # noqa: E402
 from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.areal.attempts import RecordingBackend, decode_sglang, routes_from_attempts  # noqa: E402
 from r3bridge.adapters.areal.codec import RECORDED_KEY, ROUTES_KEY, ArealCodec, batch_handed_routes  # noqa: E402
-from r3bridge.batch.sequence_last import sequence_last_routes as trajectory_tensor  # noqa: E402
+from r3bridge.adapters.areal.sequence_last import sequence_last_routes as trajectory_tensor  # noqa: E402
 from r3bridge.errors import PayloadError  # noqa: E402
 from r3bridge.rollout.stitching import first_seen_rows  # noqa: E402
 from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402

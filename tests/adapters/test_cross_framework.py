@@ -82,7 +82,7 @@ def test_recorded_routes_same_in_every_framework():
 
     from r3bridge.adapters.areal import ArealCodec
     from r3bridge.adapters.verl.codec import handed_routes
-    from r3bridge.ingest.nested import nested_routes
+    from r3bridge.adapters.verl.nested import nested_routes
 
     rollout = make_rollout(8, batch_size=5, num_experts=8)
     lens = [len(t) for t in rollout.tokens]

@@ -19,8 +19,8 @@ from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 
 from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, handed_routes  # noqa: E402
+from r3bridge.adapters.verl.nested import nested_routes  # noqa: E402
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError, RouteValueError  # noqa: E402
-from r3bridge.ingest.nested import nested_routes  # noqa: E402
 from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
 
 
@@ -188,7 +188,7 @@ def test_provenance_is_read_from_verl_v1_nested_extra_fields_and_every_sample_is
 def test_the_losss_router_log_ratio_field_when_the_chunk_replayed_nothing_with_weights():
     """verl's loss wrapper: a chunk without MoE layers has no router log-ratio (``None``); the field
     the loss reads is then zeros in verl's jagged layout (was a ``TypeError`` inside the loss)."""
-    from r3bridge.ingest.nested import nested_like as log_ratio_field
+    from r3bridge.adapters.verl.nested import nested_like as log_ratio_field
 
     ids = torch.nested.nested_tensor([torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.int64)],
                                      layout=torch.jagged)

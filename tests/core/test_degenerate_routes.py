@@ -10,7 +10,7 @@ import torch
 
 from r3bridge import ParallelLayout
 from r3bridge.errors import DegenerateRouteError, RouteValueError
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.read import read_targets
 from testlab.engine_report import engine_row_report

@@ -411,7 +411,7 @@ def test_unshard_detects_missing_stage_and_disagreeing_ranks():
 def test_word_gather_equals_plain_gather(data):
     """``shard`` moves the K ids of a (row, layer) as machine words; whatever the dtype, top-k,
     column order, contiguity or storage offset, the result is the plain element gather."""
-    from r3bridge.ingest.gather import _gather_layer_major
+    from r3bridge.parallel.gather import _gather_layer_major
 
     dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.int32]))
     k = data.draw(st.integers(1, 9))

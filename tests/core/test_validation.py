@@ -200,3 +200,123 @@ def test_empty_and_malformed_edges_stay_replay_errors():
         two.with_layers([4, 4])
     with pytest.raises(r3bridge.PayloadError, match="must be bytes, got str"):
         ReplayBatch.from_bytes("x")
+
+
+def test_sequences_with_zero_rows_pass_in_every_form_whatever_their_start_row():
+    """design.md's contract: a sequence handed with 0 rows (aborted, or a multi-turn tail) is allowed
+    whatever its start row, has no route (valid False throughout) and is routed natively; the read
+    says how many rows each sequence was handed (0: counted apart by the coverage guards)."""
+    import base64
+
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    full = _seqs(rows=(6,))[0]                                    # [6, 3, K]: a 7-token sample
+    L, K = full.shape[1:]
+    empty = np.zeros((0, L, K), full.dtype)
+    lens, starts = [7, 5, 9], [0, 0, 9]                           # sample 1 aborted, sample 2 a tail at its end
+    lay = ParallelLayout(3, 1)
+    want = r3bridge.shard(ReplayBatch.from_ragged([full], num_experts=8, layer_ids=[0, 1, 2]), lay, [7])
+
+    def sglang(a, prompt, completion):
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "routed_experts": base64.b64encode(a.astype(np.int32).tobytes()).decode()}
+
+    batches = {
+        "from_ragged": ReplayBatch.from_ragged([full, empty, empty], num_experts=8, layer_ids=[0, 1, 2],
+                                               start_rows=starts),
+        "from_vllm": ReplayBatch.from_vllm([full, empty, empty], num_experts=8, start_rows=starts),
+        "from_sglang": ReplayBatch.from_sglang([sglang(full, 3, 4), sglang(empty, 2, 3), sglang(empty, 4, 6)],
+                                               num_experts=8, num_layers=L, topk=K, start_rows=[0, 4, 9]),
+        "handed engine": HandedRoutes.from_engine([full, empty, empty], num_experts=8, start_rows=starts).to_batch(),
+        "handed packed": HandedRoutes.from_packed(full, [6, 0, 0], num_experts=8, layer_ids=[0, 1, 2],
+                                                  no_route="zero").to_batch(),
+    }
+    for form, rb in batches.items():
+        assert rb.rows_per_seq == [6, 0, 0], form
+        t = r3bridge.shard(rb, lay, lens)
+        n0 = want.valid.numel()
+        assert t.valid[:n0].tolist() == want.valid.tolist() and not t.valid[n0:].any(), form
+        for lid in (0, 1, 2):
+            assert torch.equal(t.indices[lid][:n0][want.valid], want.indices[lid][want.valid]), form
+    t = r3bridge.rank_targets([full, empty, empty], lay, lens, num_experts=8, start_rows=starts)
+    assert t.valid.sum() == want.valid.sum() and not t.valid[want.valid.numel():].any()
+    handed = HandedRoutes.from_engine([full, empty, empty], num_experts=8, start_rows=starts)
+    rows = RankRows.build(lay, lens, tp_rank=0, cp_rank=0).cover(handed)
+    counts: list = []
+    read_targets(handed, rows, [0, 1, 2], counts=counts)
+    real = [int(((rows.seq == i) & (rows.pos < lens[i])).sum()) for i in range(3)]
+    assert rows.unrouted_token_rows == real[1] + real[2] > 0
+    assert counts[0].handed.tolist() == [6, 0, 0] and counts[0].token_pairs.tolist() == [3 * r for r in real]
+    # a sequence with rows still has to fit its tokens
+    with _raises(CoverageError, "sequence 0", "ends at token 6", "9 tokens", "0 rows"):
+        r3bridge.shard(batches["from_ragged"], lay, [9, 5, 9])
+
+
+def test_a_sample_one_row_short_is_refused_in_every_form_naming_the_framework_sample():
+    """The row-count rule (prompt + generated - 1 rows, from the start row) holds for every form: the
+    engine arrays read to a rank (the error names the adapter's sample, not "sequence 1"), and the
+    masked and dense write-backs, which once wrote the short sample as a route-less tail."""
+    from r3bridge.batch.dense import padded_routes
+    from r3bridge.forms.masked import masked_padded_routes
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+
+    full, short = _seqs(rows=(6,))[0], _seqs(rows=(5,))[0]        # both samples have 7 tokens
+    lay = ParallelLayout(3, 1)
+    handed = HandedRoutes.from_engine([full, short], num_experts=8, names=["req-7", "req-9"], framework="myfw")
+    with _raises(CoverageError, "myfw sample req-9", "ends at token 5", "7 tokens") as err:
+        RankRows.build(lay, [7, 7], tp_rank=0, cp_rank=0).cover(handed)
+    assert "sequence 1" not in str(err.value)
+    with _raises(r3bridge.errors.PayloadError, "myfw sample req-9") as err:
+        HandedRoutes.from_engine([full, None], num_experts=8, names=["req-7", "req-9"], framework="myfw")
+    assert "sequence 1" not in str(err.value)
+    rb = ReplayBatch.from_ragged([full, short], num_experts=8, layer_ids=[0, 1, 2])
+    attn = torch.ones(2, 7, dtype=torch.bool)
+    with _raises(CoverageError, "sequence 1", "ends at token 5", "7 tokens"):
+        masked_padded_routes(rb, attn, num_hidden_layers=3)
+    with _raises(CoverageError, "sequence 1", "ends at token 5"):
+        padded_routes(rb, attn)
+    masked_padded_routes(ReplayBatch.from_ragged([full, full], num_experts=8, layer_ids=[0, 1, 2]), attn,
+                         num_hidden_layers=3)                      # N - 1 rows: fine
+
+
+def test_one_degenerate_pair_counts_once_in_the_read():
+    """``degenerate: native``: a (row, layer) pair whose ids repeat is counted as 1, as the error counts it."""
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    a, b = _seqs(rows=(6, 6))
+    b = b.copy()
+    b[2, 1] = b[2, 1, 0]                                          # sample 1, row 2, layer 1: ids repeat
+    handed = HandedRoutes.from_engine([a, b], num_experts=8)
+    rows = RankRows.build(ParallelLayout(3, 1), [7, 7], tp_rank=0, cp_rank=0).cover(handed)
+    counts: list = []
+    t = read_targets(handed, rows, [0, 1, 2], degenerate="native", counts=counts)
+    assert counts[0].degenerate.tolist() == [0, 1]
+    assert int((~t.valid).sum()) == 2 + 1                         # the two last tokens, and the degenerate row
+
+
+def test_a_sample_masked_no_route_throughout_is_a_sample_without_routes():
+    """The masked form carries an aborted sample as rows whose explicit mask says "no route": counted
+    apart like 0 rows; zero rows are not explicit (a broken capture writes them too) and stay counted."""
+    from r3bridge.parallel.handed import HandedRoutes
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+
+    full = torch.as_tensor(_seqs(rows=(7,))[0])
+    grid = torch.stack([full, full, full])                              # [3, 7, L, K]
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    valid[1] = False
+    masked = HandedRoutes.from_padded(grid, torch.ones(3, 7), num_experts=8, layer_ids=[0, 1, 2], no_route="mask",
+                                      valid=valid)
+    zero = HandedRoutes.from_padded(grid, torch.ones(3, 7), num_experts=8, layer_ids=[0, 1, 2], no_route="zero")
+    assert masked.without_routes().tolist() == [False, True, False]
+    assert zero.without_routes().tolist() == [False, False, False]
+    rows = RankRows.build(ParallelLayout(3, 1), [7, 7, 7], tp_rank=0, cp_rank=0).cover(masked)
+    assert rows.unrouted_token_rows == 7
+    counts: list = []
+    read_targets(masked, rows, [0, 1, 2], counts=counts)
+    assert counts[0].handed.tolist() == [7, 0, 7]

@@ -197,7 +197,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     # and one where the engine returned nothing usable at all (vLLM #54730)
     import torch
 
-    from r3bridge.ingest.handed import HandedRoutes
+    from r3bridge.parallel.handed import HandedRoutes
     clean = make_routes(layout, b0.seq_lens, spec.num_moe_experts, spec.moe_router_topk, 12)
 
     def zero_transport(values):
@@ -223,6 +223,40 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     out["degenerate_refused"] = _outcome(lambda: degenerate_pass("refuse", broken))
     out["degenerate_native"] = _outcome(lambda: degenerate_pass("native", broken))
     out["coverage_floor"] = _outcome(lambda: degenerate_pass("refuse", torch.zeros_like(broken)))
+    # one (row, layer) pair degenerate (layer 0 of sample 1's row 3 only): counted as 1, as the error counts it
+    one_pair = clean.routes.to(torch.int16).clone()
+    one_pair[int(clean.offsets[1]) + 3, 0] = 0
+    out["degenerate_one_pair_refused"] = _outcome(lambda: degenerate_pass("refuse", one_pair))
+    out["degenerate_one_pair_native"] = _outcome(lambda: degenerate_pass("native", one_pair))
+
+    # --- samples without routes (issue 50 item 3): vLLM engine arrays where the engine returned 0 rows
+    # for a sample (aborted; or a multi-turn tail starting at its last token), under min_coverage and
+    # the coverage floor: routed natively, counted apart, never read as a broken engine
+    import logging
+
+    import numpy as np
+
+    def aborted_pass(aborted: set, min_coverage: float) -> dict:
+        items = [np.zeros((0, len(clean.layer_ids), clean.topk), np.uint8) if i in aborted
+                 else clean.sequence(i)[0].numpy() for i in range(clean.num_seqs)]
+        starts = [b0.seq_lens[i] - 1 if i in aborted else 0 for i in range(clean.num_seqs)]
+        handed = HandedRoutes.from_engine(items, num_experts=clean.num_experts, moe_layer_ids=clean.layer_ids,
+                                          layer_axis="moe_only", start_rows=starts)
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("r3bridge").addHandler(handler)
+        rep_a = Replayer.from_config(chunks, ReplayConfig(min_coverage=min_coverage))
+        try:
+            with RoutingProbe(chunks) as probe, rep_a.open_pass("replay", forward_only=True,
+                                                                route_kind="rollout") as st:
+                run_schedule(chunks, [b0], _install_step(st, fs, {id(b0): handed}, ids), forward_only=True)
+            return {"metrics": st.metrics, "log": lines, "topk": [c.topk().tolist() for c in probe.calls]}
+        finally:
+            rep_a.detach()
+            logging.getLogger("r3bridge").removeHandler(handler)
+    out["aborted_all"] = _outcome(lambda: aborted_pass({0, 1, 2}, 0.5))
+    out["aborted_one"] = _outcome(lambda: aborted_pass({1}, 0.9))
 
     # --- install() on a step that was never entered: an error, not a silently native forward
     late_rep = Replayer(chunks)

@@ -202,3 +202,30 @@ def test_degenerate_routes_are_refused_or_counted_never_read_as_no_route(checks)
 def test_r3_coverage_floor_fails_a_pass_without_usable_routes(checks):
     """Every row zero: each sample reads as having no route at all; the default floor fails the pass."""
     _raised(checks["coverage_floor"], "CoverageError", "coverage_floor=0.1", "0 samples replayed, 3 with no route")
+
+
+def test_one_degenerate_pair_is_counted_once(checks):
+    """One (row, layer) pair whose ids repeat: the error says 1 pair, and so does ``degenerate_rows``."""
+    _raised(checks["degenerate_one_pair_refused"], "DegenerateRouteError", "sample 1, row 3 (token 3)",
+            "1 bad (row, layer) pairs in total")
+    m = checks["degenerate_one_pair_native"]["value"]
+    assert m["r3bridge/degenerate_rows"] == 1 and m["r3bridge/samples/refused"] == 1
+
+
+def test_samples_without_routes_route_natively_and_are_counted_apart(checks):
+    """A pass whose samples all came with 0 rows (aborted) passes min_coverage and the coverage floor,
+    routes natively, counts them apart and says so once; one aborted sample among replayed ones
+    leaves min_coverage=0.9 satisfied."""
+    everyone = checks["aborted_all"]
+    assert everyone["ok"], everyone.get("trace")
+    m = everyone["value"]["metrics"]
+    assert (m["r3bridge/samples/without_routes"], m["r3bridge/samples/replayed"], m["r3bridge/samples/native"],
+            m["r3bridge/replayed_rows"]) == (3, 0, 0, 0)
+    assert everyone["value"]["topk"] == checks["invalid_rows_native"]["native"]
+    said = [line for line in everyone["value"]["log"] if "without routes" in line]
+    assert len(said) == 1 and "routed natively" in said[0], everyone["value"]["log"]
+    one = checks["aborted_one"]
+    assert one["ok"], one.get("trace")
+    m = one["value"]["metrics"]
+    assert (m["r3bridge/samples/without_routes"], m["r3bridge/samples/replayed"], m["r3bridge/samples/native"]) == (1, 2, 0)
+    assert not [line for line in one["value"]["log"] if "without routes" in line]

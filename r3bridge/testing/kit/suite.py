@@ -155,7 +155,7 @@ class AdapterFixtures:
     @classmethod
     def reader_form(cls) -> Optional[str]:
         """What the adapter hands the driver per micro-batch, as ``"<form>/<no route>"`` of
-        :class:`r3bridge.ingest.handed.HandedRoutes` (e.g. ``"packed/zero"``; None: any)."""
+        :class:`r3bridge.parallel.handed.HandedRoutes` (e.g. ``"packed/zero"``; None: any)."""
         return None
 
 

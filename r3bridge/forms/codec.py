@@ -1,7 +1,7 @@
 """A :class:`~r3bridge.protocols.BatchCodec`'s shared half: the model's shape, and the whole batch
 read by the same rules as each micro-batch.
 
-An adapter's codec views its framework's batch as :class:`r3bridge.ingest.handed.HandedRoutes` (what the
+An adapter's codec views its framework's batch as :class:`r3bridge.parallel.handed.HandedRoutes` (what the
 hook installs, micro-batch by micro-batch); :class:`HandedCodec` turns that into
 ``to_replay_batch`` (the reader's whole-batch form: R2 write-backs, the conformance checks), so
 there is one path from a framework's field to routes. A subclass writes ``handed_routes``,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.ingest.handed import HandedRoutes
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["HandedCodec"]
 

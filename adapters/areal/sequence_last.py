@@ -1,11 +1,12 @@
-"""A :class:`~r3bridge.ReplayBatch` as one sequence-last field per batch: ``[B, L, K, S]``.
+"""AReaL's sequence-last routes form, ``[B, L_moe, K, S]``: written (a
+:class:`~r3bridge.ReplayBatch` as one field per batch) and read (the one reader's
+:class:`~r3bridge.parallel.handed.HandedRoutes`, the tensor viewed where it lies, nothing copied).
 
-A framework that trims every per-sample field's *last* dimension to the sample's length (AReaL's
-``split_and_unpad_tensor``) keeps routes exactly only when the sequence is the last axis. The
+AReaL trims every per-sample field's *last* dimension to the sample's length
+(``split_and_unpad_tensor``), so routes stay exact only when the sequence is the last axis. The
 ids are in the narrowest dtype with an in-band "no route" sentinel
 (:func:`r3bridge.batch.schema.sentinel_dtype`: 255 in ``uint8``, else -1) on every token the batch
-does not route. Read back by :meth:`r3bridge.ingest.handed.HandedRoutes.from_sequence_last`
-(:mod:`r3bridge.ingest.sequence_last`).
+does not route.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import torch
 from r3bridge.batch.dense import token_rows
 from r3bridge.batch.recorded import split_sizes
 from r3bridge.batch.schema import ReplayBatch, sentinel_dtype
-from r3bridge.errors import CoverageError
+from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
+from r3bridge.hf import check_topk
+from r3bridge.parallel.handed import HandedRoutes
 
 __all__ = ["sequence_last_routes", "right_padded_lens", "right_padded_routes", "per_token_sample_ids", "split_carrying",
-           "write_right_padded"]
+           "write_right_padded", "sequence_last_handed", "right_padded_handed"]
 
 
 def sequence_last_routes(batch: ReplayBatch, seq_lens: Sequence[int], width: Optional[int] = None) -> torch.Tensor:
@@ -91,3 +94,34 @@ def write_right_padded(recorded_for: Callable[[int], ReplayBatch], batches: Sequ
     for batch, part in zip(batches, split_sizes(recorded_for(sum(sizes)), sizes)):
         batch[key] = right_padded_routes(part, batch["attention_mask"], framework=framework)
 
+
+
+def sequence_last_handed(t: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
+                         moe_layer_ids: Sequence[int], route_kind: str = "rollout", topk: Optional[int] = None,
+                         framework: Optional[str] = None) -> HandedRoutes:
+    """Rows ``rows`` of ``t``, tokens ``[0, lens[i])`` of each (right-padded), the model's MoE
+    layers and top-k checked first; the sentinel of ``num_experts`` marks tokens without a route.
+    Samples are named by their row of ``t``."""
+    t = torch.as_tensor(t)
+    if t.dim() != 4:
+        raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
+    check_topk("routes", int(t.shape[2]), topk)
+    if t.shape[1] != len(moe_layer_ids):
+        raise LayerMappingError(f"routes have {t.shape[1]} layers, the model has MoE layers {list(moe_layer_ids)}")
+    _, none = sentinel_dtype(num_experts)
+    return HandedRoutes.from_sequence_last(t, rows, lens, num_experts=num_experts, layer_ids=list(moe_layer_ids),
+                                           sentinel=none, route_kind=route_kind,
+                                           names=[f"batch row {int(r)}" for r in rows], framework=framework)
+
+
+def right_padded_handed(data: Any, *, key: str, num_experts: int, moe_layer_ids: Sequence[int],
+                        route_kind: str = "rollout", topk: Optional[int] = None,
+                        framework: Optional[str] = None) -> HandedRoutes:
+    """A batch mapping (``attention_mask`` ``[B, S]`` right-padded, ``key`` ``[B, L_moe, K, S]``) as
+    :func:`sequence_last_handed` of all its samples, in batch order."""
+    t = data.get(key)
+    if t is None:
+        raise CoverageError(f"the batch has no {key!r}")
+    lens = right_padded_lens(data["attention_mask"], framework=framework or "the framework's")
+    return sequence_last_handed(t, range(len(lens)), lens, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                                route_kind=route_kind, topk=topk, framework=framework)

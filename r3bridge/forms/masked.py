@@ -1,13 +1,14 @@
-"""A routes field laid over a padded ``[B, S]`` batch, with its own "no route" mask, viewed for the
-one reader (:class:`r3bridge.ingest.handed.HandedRoutes`).
+"""The masked form: a routes field laid over a padded ``[B, S]`` batch with its own "no route"
+mask, read (viewed for the one reader, :class:`r3bridge.parallel.handed.HandedRoutes`) and written
+(a :class:`~r3bridge.ReplayBatch` back in the same form, e.g. an R2 write-back).
 
 Two transports share the batch's ``attention_mask`` (one sample per row, any padding): *packed*,
 ``(values [real tokens, L, K], cu_seqlens)`` with one row per real token in row order, and
 *padded*, ``[B, S, L, K]``. Either comes with a ``[B, S]`` mask, True where a token has no route;
 without one, a padded field writes "no route" as zero rows (``no_route="zero"``), except recorded
-top-1 routes, whose expert-0 rows are routes. SkyRL hands both (0.4 packed, 0.3 padded); a
-framework with such fields calls :func:`masked_field_routes` with its own key names.
-:mod:`r3bridge.batch.masked` writes a ``ReplayBatch`` back in the same forms.
+top-1 routes, whose expert-0 rows are routes. A framework with such fields calls
+:func:`masked_field_routes` with its own key names. Written back, tokens without a route hold a
+filler row the framework chooses (a real-looking top-K row is safe here: the mask says "no route").
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from r3bridge.batch.dense import token_rows
+from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.ingest.handed import HandedRoutes, zero_row_rule
+from r3bridge.parallel.handed import HandedRoutes, zero_row_rule
 
-__all__ = ["batch_field", "row_names", "masked_field_routes"]
+__all__ = ["batch_field", "row_names", "masked_field_routes", "masked_padded_routes", "masked_packed_routes"]
 
 
 def batch_field(batch: Any, key: str) -> Any:
@@ -81,3 +84,41 @@ def masked_field_routes(routes: Any, attention_mask: Any, no_route_mask: Any = N
     # no mask: zero rows say "no route" (recorded top-1 routes excepted: zero_row_rule)
     return HandedRoutes.from_padded(routes, attn_b, columns=cols, no_route=zero_row_rule(route_kind, routes.shape[-1]),
                                     **common)
+
+
+
+def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    attn = torch.as_tensor(attention_mask).bool().cpu()
+    if rb.num_seqs != attn.shape[0]:
+        raise RouteShapeError(f"{rb.num_seqs} sequences for a batch of {attn.shape[0]}")
+    return attn, attn.sum(1).tolist()
+
+
+def masked_padded_routes(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
+                         dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, S, num_hidden_layers, K]`` routes on the real tokens, dummy rows ``0..K-1``
+    everywhere else; the ``[B, S]`` no-route mask)``."""
+    attn, lens = _token_mask(rb, attention_mask)
+    dtype = route_dtype(rb.num_experts) if dtype is None else dtype
+    dummy = torch.arange(rb.topk, dtype=dtype)
+    values, routed = token_rows(rb, lens, fill=dummy, dtype=dtype, num_hidden_layers=num_hidden_layers)
+    out = dummy.expand(*attn.shape, num_hidden_layers, rb.topk).clone()
+    out[attn] = values
+    mask = torch.ones_like(attn)
+    mask[attn] = ~routed
+    return out, mask
+
+
+def masked_packed_routes(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
+                         fill: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values [real tokens, num_hidden_layers, K], cu_seqlens int32 [B + 1], [B, S] no-route
+    mask)``; ``fill(topk, dtype=)``: the row a token without a route holds."""
+    attn, lens = _token_mask(rb, attention_mask)
+    dtype = route_dtype(rb.num_experts)
+    values, routed = token_rows(rb, lens, fill=torch.as_tensor(fill(rb.topk, dtype=dtype)), dtype=dtype,
+                                num_hidden_layers=num_hidden_layers)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    mask = torch.ones_like(attn)
+    mask[attn] = ~routed
+    return values, cu, mask

@@ -9,7 +9,7 @@ finds rows whose transport writes "no route" in-band. Nothing here checks an id
 (:func:`r3bridge.engines.route_checks.check_read` does, where the ids go).
 
 The handed routes are seen through :class:`HandedBuffers` (what a gather reads of
-:class:`r3bridge.ingest.handed.HandedRoutes`), so this module imports nothing of ``handed``.
+:class:`r3bridge.parallel.handed.HandedRoutes`), so this module imports nothing of ``handed``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ TORCH_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class HandedBuffers(Protocol):
-    """What a gather reads of :class:`r3bridge.ingest.handed.HandedRoutes`: its storage (a tensor
+    """What a gather reads of :class:`r3bridge.parallel.handed.HandedRoutes`: its storage (a tensor
     ``grid`` with each sequence's batch row and first column, or per-sequence host ``arrays``),
     the routing weights in the same storage, and how the transport writes "no route"."""
 

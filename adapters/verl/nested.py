@@ -3,7 +3,7 @@ per token of each sample: e.g. verl's no-padding transport), read as :class:`Han
 back in that layout (R2's recorded routes, per-token fields for a loss).
 
 A transport without a validity field writes "no route" as a zero row (docs/porting.md, "No route"):
-:func:`~r3bridge.ingest.handed.zero_row_rule`. Layer axes: recorded routes (R2) hold the model's
+:func:`~r3bridge.parallel.handed.zero_row_rule`. Layer axes: recorded routes (R2) hold the model's
 MoE layers, rollout routes the engine's axis (:func:`layer_columns`). Field names are the caller's,
 for the errors.
 """
@@ -17,7 +17,7 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import LayerMappingError, RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.ingest.handed import HandedRoutes, zero_row_rule
+from r3bridge.parallel.handed import HandedRoutes, zero_row_rule
 
 __all__ = ["jagged_parts", "layer_columns", "zero_row_rule", "handed_from_nested", "handed_from_batch",
            "nested_routes", "nested_like"]

@@ -3,8 +3,8 @@ the one reader (docs/architecture.md, "One reader").
 
 Every route that reaches a router comes through one: the public ``shard`` (a validated
 ``ReplayBatch``), ``rank_targets`` (vLLM's engine arrays), the driver's install of every adapter's
-micro-batch (verl's nested field, SkyRL's packed or padded field, AReaL's trajectories, the
-template's padded dict) for R3 and R2 alike. A ``HandedRoutes`` holds the framework's own buffers,
+micro-batch (a nested or packed field, a padded field with or without its own mask, a sequence-last
+field, the template's padded dict) for R3 and R2 alike. A ``HandedRoutes`` holds the framework's own buffers,
 *viewed* (no copy, no id read): where row ``j`` of sequence ``i`` lives, which source column holds
 each MoE layer, how the transport writes "no route" (an explicit mask, zero rows past what the
 engine captured, a sentinel, or nothing: every handed row is a route). Metadata is checked here,
@@ -25,6 +25,7 @@ With top-1 an expert-0 row cannot be told from a zero row: zero rows stay "no ro
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -50,14 +51,33 @@ from r3bridge.errors import (
     RouteShapeError,
     RouteWeightsError,
 )
-from r3bridge.ingest.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
+from r3bridge.parallel.gather import TORCH_INT, exact_dtype, gather_rows, pick, read_weights, unrouted_rows
 
-__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples"]
+__all__ = ["HandedRoutes", "NO_ROUTE_KINDS", "zero_row_rule", "padded_spans", "naming_samples", "shown_names"]
 
 # How a transport writes "no route": "none" every handed row is a route (vLLM arrays); "mask" an
-# explicit per-row mask; "zero" rows past the sample's last non-zero row (verl, SkyRL 0.3);
-# "sentinel" rows whose ids all equal a value no expert id takes (AReaL's trajectories).
+# explicit per-row mask; "zero" rows past the sample's last non-zero row (nested and padded fields);
+# "sentinel" rows whose ids all equal a value no expert id takes (sequence-last fields).
 NO_ROUTE_KINDS = ("none", "mask", "zero", "sentinel")
+
+
+def shown_names(names: Optional[Sequence[str]], framework: Optional[str]) -> list[str]:
+    """How errors name each sequence: ``names`` (the adapter's), led by ``"<framework> sample"``
+    when a framework is given; ``[]`` without names (errors keep the core's "sequence i")."""
+    if not names:
+        return []
+    return [str(n) if framework is None else f"{framework} sample {n}" for n in names]
+
+
+def _named_by_caller(build: Any) -> Any:
+    """A constructor whose every error naming "sequence i" names the caller's sample instead
+    (``names=``, ``framework=``)."""
+    @functools.wraps(build)
+    def named(cls: Any, *args: Any, names: Optional[Sequence[str]] = None, framework: Optional[str] = None,
+              **kwargs: Any) -> Any:
+        with naming_samples(shown_names(names, framework)):
+            return build(cls, *args, names=names, framework=framework, **kwargs)
+    return named
 
 
 def zero_row_rule(route_kind: str, topk: int) -> str:
@@ -99,6 +119,7 @@ class HandedRoutes:
     weights_arrays: Optional[list[np.ndarray]] = None
     engine: Optional[str] = None                   # rollout routes: the engine that produced them, if said
     _captured: Optional[np.ndarray] = field(default=None, repr=False)
+    _without: Optional[np.ndarray] = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -115,6 +136,7 @@ class HandedRoutes:
                    weights_grid=None if batch.weights is None else batch.weights[None], engine=batch.engine)
 
     @classmethod
+    @_named_by_caller
     def from_engine(cls, items: Sequence[Any], *, num_experts: int, moe_layer_ids: Optional[Sequence[int]] = None,
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
                     weights: Optional[Sequence[Any]] = None, route_kind: str = "rollout",
@@ -157,13 +179,14 @@ class HandedRoutes:
                    names=None if names is None else list(names), framework=framework, weights_arrays=w, engine=engine)
 
     @classmethod
+    @_named_by_caller
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
                     weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None,
                     framework: Optional[str] = None) -> "HandedRoutes":
-        """One packed buffer ``[sum rows, L_src, K]`` (verl's nested values, SkyRL 0.4's
-        ``PackedTensor``), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
+        """One packed buffer ``[sum rows, L_src, K]`` (a nested field's values, a packed
+        tensor), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
         ``source``: deprecated (``route_kind`` and ``engine`` in one word)."""
         route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_packed")
         v = _int_tensor(values, what="routes")
@@ -183,6 +206,7 @@ class HandedRoutes:
                             num_experts, layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, w, framework)
 
     @classmethod
+    @_named_by_caller
     def from_padded(cls, routes: Any, attention_mask: Any, *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout",
@@ -210,11 +234,12 @@ class HandedRoutes:
                             layer_ids, columns, no_route, m, sentinel, route_kind, engine, names, None, framework)
 
     @classmethod
+    @_named_by_caller
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                            layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
                            names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
                            source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
-        """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last: AReaL's trajectories), tokens
+        """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last), tokens
         ``[0, lens[i])`` of each, ``sentinel`` where a token has no route. ``source``: deprecated
         (``route_kind`` and ``engine`` in one word)."""
         route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_sequence_last")
@@ -291,7 +316,7 @@ class HandedRoutes:
         if not lens:
             return self
         count = len(lens)
-        out = HandedRoutes(**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "_captured"})
+        out = HandedRoutes(**{f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("_captured", "_without")})
         out.rows = self.rows + [0] * count
         out.starts = self.starts + lens
         if self.arrays is not None:
@@ -307,6 +332,25 @@ class HandedRoutes:
             out.names = self.names + [f"padding sequence {j}" for j in range(count)]
         if self._captured is not None:
             out._captured = np.concatenate([self._captured, np.zeros(count, dtype=np.int64)])
+        return out
+
+    def without_routes(self) -> np.ndarray:
+        """bool per sequence: handed without any route, so routed natively and counted apart from
+        the coverage guards (design.md: samples without routes): 0 rows, or an explicit mask that
+        says "no route" on every row. Zero rows past what the engine captured are not explicit (a
+        broken capture writes them too, vLLM #54730): such a sequence stays under the guards."""
+        if self._without is not None:
+            return self._without
+        rows = np.asarray(self.rows, dtype=np.int64)
+        out = rows == 0
+        if self.no_route == "mask" and rows.size and not out.all():
+            m = self.mask.reshape(-1).to(torch.int64)
+            width = self.mask.shape[1]
+            start = torch.from_numpy(self.seq_b * width + self.seq_s0).to(m.device)
+            csum = torch.cat([m.new_zeros(1), m.cumsum(0)])
+            routed = (csum[start + torch.from_numpy(rows).to(m.device)] - csum[start]).cpu().numpy()
+            out |= routed == 0
+        self._without = out
         return out
 
     def any_route(self) -> bool:
@@ -367,8 +411,7 @@ class HandedRoutes:
         if invalid_rows not in ("native", "error"):
             raise ConfigError(f"invalid_rows must be 'native' or 'error', got {invalid_rows!r}")
         drop = self.route_kind != "recorded" if drop_final_invalid is None else drop_final_invalid
-        names = [self.name(i) for i in range(self.num_seqs)] if self.framework is not None and self.names else []
-        with naming_samples(names):
+        with naming_samples(shown_names(self.names, self.framework)):
             batch = self._whole_batch("native" if invalid_rows == "error" else degenerate, drop)
             if invalid_rows == "error" and not bool(batch.valid.all()):
                 bad = int((~batch.valid).nonzero()[0])
