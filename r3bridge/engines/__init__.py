@@ -8,6 +8,6 @@
 * ``route_scan``      - range and distinct-within-row of id blocks, fused with that copy (host)
 * ``engine_settings`` - engine settings that make R3's routes wrong (speculative decoding, KV transfer)
 
-:mod:`r3bridge.batch` builds ``ReplayBatch`` on these; :mod:`r3bridge.ingest` reads what a
-framework hands over with them.
+:mod:`r3bridge.batch` builds ``ReplayBatch`` on these; the one reader (:mod:`r3bridge.parallel`)
+checks what a framework hands over with them.
 """

@@ -7,7 +7,7 @@
 * ``plugin_load`` - an adapter registering itself where a framework imports it as a plugin, loudly
 * ``hydra_job``   - a launcher composing a framework's hydra job config with the section on its command line
 
-Nothing here runs inside a training step; the data path starts at :mod:`r3bridge.ingest`.
+Nothing here runs inside a training step; the data path starts at :mod:`r3bridge.engines`.
 """
 from r3bridge.launch.steps import (
     RayJobWatch,

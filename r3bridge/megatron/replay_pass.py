@@ -64,7 +64,7 @@ class MicroBatch:
     """What one micro-batch installs: its sequences as the trainer packs them.
 
     ``routes`` (a :class:`r3bridge.ReplayBatch`, or the framework's buffers as
-    :class:`r3bridge.ingest.handed.HandedRoutes`: what the one reader reads) covers the leading
+    :class:`r3bridge.parallel.handed.HandedRoutes`: what the one reader reads) covers the leading
     sequences (REPLAY; ``None`` when recording); trailing sequences
     beyond ``routes.num_seqs`` must be padding. ``sample_ids``: the batch-level sample of each
     sequence, ``None`` for a padding sequence (no sample: routed natively, never recorded); left

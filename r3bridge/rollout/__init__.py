@@ -10,5 +10,6 @@ provenance, before anything reaches the trainer.
 * ``provenance`` - ``first_seen_provenance``: the one rule for where stitched routes and their
                    log-probs came from, fed by each engine format's reader
 
-What the trainer side reads of it continues in :mod:`r3bridge.ingest` (what a framework hands over).
+What the trainer side reads of it continues in :mod:`r3bridge.forms` (the transport forms) and
+:mod:`r3bridge.parallel` (the one reader: ``HandedRoutes`` -> one rank's targets).
 """
