@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from r3bridge.adapters._template import SAMPLE_KEY, TemplateRollout
 from r3bridge.adapters._template.conformance_tests import R3ToyEngine, TemplateFixtures, TemplateRunner
@@ -25,6 +26,15 @@ class HandlesToyEngine(R3ToyEngine):
 
     runner: "HandlesTemplateRunner"
     r3_route_transports = ("inline", "handles")
+
+    def update(self, batch, groups):
+        # each micro-batch names its samples, so its handles can be looked up (the template's own
+        # engine carries the sample index through compute_log_prob only: R2 records by it)
+        batch[SAMPLE_KEY] = torch.arange(len(batch["input_ids"]))
+        try:
+            return super().update(batch, groups)
+        finally:
+            batch.pop(SAMPLE_KEY, None)
 
     def _r3_micro_batch(self, k, mb, plan):
         if plan.action is not Action.REPLAY:
