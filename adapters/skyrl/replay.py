@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, MutableMapping, Optional, S
 import torch
 
 from r3bridge.adapters.skyrl import codec
-from r3bridge.batch.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
+from r3bridge.adapters.skyrl.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.recorded import per_sample_payloads
 from r3bridge.batch.schema import ReplayBatch

@@ -7,7 +7,6 @@
 * ``wire``          - the bytes: versioned header, raw buffers, CRCs (no import of ``schema``)
 * ``canonical``     - the canonical trainer-side form every adapter produces, and its small edits
 * ``dense``         - a batch back in a framework's dense per-sample layout ("no route" explicit)
-* ``id_field``      - R2's sample ids carried in a routes-shaped per-token field
 
 Built on :mod:`r3bridge.engines`; transport forms in :mod:`r3bridge.forms`; read to ranks by :mod:`r3bridge.parallel`.
 """

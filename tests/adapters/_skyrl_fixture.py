@@ -16,8 +16,8 @@ import torch
 from r3bridge.adapters.skyrl import SkyRLCodec, SkyRLReplay, model_wrapper_class
 from r3bridge.adapters.skyrl._compat import import_skyrl
 from r3bridge.adapters.skyrl.codec import MASK_KEY, ROUTES_KEY, training_batch_fields
+from r3bridge.adapters.skyrl.id_field import sample_id_field as record_ids_field
 from r3bridge.adapters.skyrl.rollout import merge_first_seen
-from r3bridge.batch.id_field import sample_id_field as record_ids_field
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.engines.decoders import decode_vllm_routes
