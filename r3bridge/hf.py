@@ -1,7 +1,7 @@
 """Which decoder layers of a Hugging Face MoE model are MoE: shared by every adapter.
 
 Engines (vLLM, SGLang) report routes for *all* ``num_hidden_layers``, dense ones as zero rows, so
-adapters need the MoE layer ids explicitly (never map by "i + offset": verl #5037 did).
+adapters need the MoE layer ids explicitly (never map by "i + offset": field notes 8.4).
 The rules below mirror the Hugging Face modelling code of each family (transformers 5.x):
 
 * Qwen2-MoE / Qwen3-MoE / Qwen3-Next / Qwen3-VL-MoE: layer ``i`` is MoE iff

@@ -1,7 +1,6 @@
 """A job's own settings, checked for replay: the rules every framework shares, written once.
 
-Each framework spells them in its own keys (verl's ``enable_rollout_routing_replay``, SkyRL's
-``enable_return_routed_experts``, ...), but the rules are the same: R3 needs the rollout engine to
+Each framework spells them in its own keys, but the rules are the same: R3 needs the rollout engine to
 return its routes, R2 records the trainer's own (rollout routes would collide with them); the
 framework's own replay switch next to r3bridge's is two replays at once; the reference model
 never replays; a vLLM / SGLang rollout reports every hidden layer. An adapter states its facts

@@ -12,14 +12,25 @@ framework lazily, and a broken one must not hide the others).
 """
 from __future__ import annotations
 
+import pkgutil
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 __all__ = ["ENTRY_POINT_GROUP", "SHIPPED_ADAPTERS", "AdapterEntry", "installed_adapters"]
 
 ENTRY_POINT_GROUP = "r3bridge.adapters"
-SHIPPED_ADAPTERS = {"verl": "r3bridge.adapters.verl", "skyrl": "r3bridge.adapters.skyrl",
-                    "areal": "r3bridge.adapters.areal"}
+
+
+def _shipped_adapters() -> dict[str, str]:
+    """name -> module of the adapters in r3bridge's own ``adapters/`` folder (the packages there,
+    the template left out), found on disk: nothing is imported but the folder's ``__init__``."""
+    import r3bridge.adapters as shipped
+
+    return {m.name: f"{shipped.__name__}.{m.name}" for m in pkgutil.iter_modules(shipped.__path__)
+            if m.ispkg and not m.name.startswith("_")}
+
+
+SHIPPED_ADAPTERS = _shipped_adapters()
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
    each micro-batch's targets (:class:`r3bridge.megatron.MicroBatch`) to its
    :class:`r3bridge.megatron.AdapterSession`, which owns the set-up (config, announce, replayer,
    roles) and the pass (plan, driver pass, install, padding sequences, metrics, recorded routes).
-   Frameworks that expose ``forward_step`` as a method (verl) override it and call
+   Frameworks that expose ``forward_step`` as a method override it and call
    ``ReplayPass.install(model, MicroBatch)``; frameworks whose ``forward_step`` is a closure inside a bigger method
-   (SkyRL, AReaL) pass the targets to ``AdapterSession.run``, which installs from a forward
+   pass the targets to ``AdapterSession.run``, which installs from a forward
    pre-hook on each chunk and sees the trainer's real packing metadata (``packed_seq_params``).
 
 The canonical trainer-side form every codec produces is :mod:`r3bridge.batch.canonical`'s.

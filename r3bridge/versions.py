@@ -1,7 +1,6 @@
 """Which framework releases r3bridge supports, read from r3bridge's own installed metadata.
 
-The supported ranges are the extras' requirements in ``pyproject.toml`` (``verl>=0.9,<0.10``,
-...): :func:`supported_range` reads them back at run time through
+The supported ranges are the extras' requirements in ``pyproject.toml`` (one extra per adapter): :func:`supported_range` reads them back at run time through
 ``importlib.metadata.requires("r3bridge")``, so pyproject stays the one place they are written.
 Versions are compared with :mod:`packaging` (pre-releases and local versions included), never by
 splitting strings by hand. :func:`check_release` and :func:`check_internals` turn what is

@@ -88,7 +88,7 @@ def with_empty_sequences(rb: ReplayBatch, seq_lens: Sequence[int]) -> ReplayBatc
                                     start_rows=lens, route_kind=rb.route_kind, engine=rb.engine)
     if rb.weights is not None:      # zero rows of weights: concat keeps the batch's weights
         empty = empty.with_weights(torch.zeros((0, rb.num_layers, rb.topk), dtype=rb.weights.dtype))
-    # on the batch's device: AReaL hands its routes to the adapter on the GPU (first GPU run,
+    # on the batch's device: a framework may hand its routes to the adapter on the GPU (first GPU run,
     # 2026-11-26: torch.cat of CUDA routes with these CPU rows failed in compute_logp)
     return ReplayBatch.concat([rb, empty.to(rb.routes.device)])
 
@@ -113,7 +113,7 @@ def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:
     """Validity of dense rows ``[..., L, K]`` in a transport that writes "no route" as a zero row
-    (verl's, SkyRL 0.3's). A row of distinct top-k ids is never all zero when ``K > 1``; with
+    (field notes 7). A row of distinct top-k ids is never all zero when ``K > 1``; with
     ``K == 1`` an expert-0 row cannot be told from "no route" and is routed natively (counted in
     coverage), except in ``recorded`` routes, whose every row is real.
 

@@ -13,7 +13,7 @@ signed dtype; ``sentinel_dtype(num_experts)`` (:mod:`r3bridge.batch.schema`) giv
 with a sentinel (255 in ``uint8``). ``no_route=0`` is refused: expert 0 is a real route.
 
 :func:`token_rows` is the one scatter every write-back is cut from: the adapters' R2 write-backs
-(SkyRL's padded and packed fields, AReaL's sequence-last tensor) and the two helpers here.
+(padded and packed fields, a sequence-last tensor) and the two helpers here.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def token_rows(batch: ReplayBatch, seq_lens: Optional[Sequence[int]] = None, *,
             rows_per_seq[i])``.
         seq_lens: tokens per sequence (default: each sequence's last covered token + 1).
         fill: what a token without a route holds: a scalar no expert id takes (checked like
-            ``no_route``), or a whole row of ``K`` ids (SkyRL's ``0..K-1``) for a transport that
+            ``no_route``), or a whole row of ``K`` ids (e.g. ``0..K-1``) for a transport that
             says "no route" in a mask of its own (the returned flags are that mask).
         dtype: of the returned rows.
         num_hidden_layers: the layer axis is every decoder layer, the batch's at their ids and

@@ -4,8 +4,8 @@ After the compute_log_prob pass, :meth:`r3bridge.megatron.AdapterSession.recorde
 trainer's own routes, one sequence per sample in sample order, on every rank. A framework moves
 them with its samples in its own format (the adapter's codec writes that); what is not the
 framework's is here: per-sample payloads for frameworks that hand results around per sample
-(SkyRL's ``loss_fn_outputs``), one batch back from them, built once, and the recording cut
-into the framework's parts (AReaL's list of batch dicts).
+(a worker's per-sample outputs), one batch back from them, built once, and the recording cut
+into the framework's parts (a list of batch dicts).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ reports the MoE layers only, ``(seq_len - 1, num_moe_layers, top_k)`` (TensorRT-
 #17778). A reported axis of ``n`` layers is read as:
 
 * ``"all_hidden"``: entry ``i`` is decoder layer ``i``; ``n == num_hidden_layers``; the MoE layers
-  are picked by id (never by "i + offset", verl #5037);
+  are picked by id (never by "i + offset", field notes 8.4);
 * ``"moe_only"``: entry ``j`` is the ``j``-th MoE layer, ``moe_layer_ids[j]``; ``n == len(moe_layer_ids)``.
 
 Unstated (``None``), a length both readings fit while they name different layers is refused

@@ -1,7 +1,7 @@
 """Find the routers replay may touch: walk each model chunk's decoder, match by global layer id.
 
 Never by position in megatron's process-global ``RouterReplay`` list: that list also holds the
-routers of reference models, MTP blocks and decoders built twice (verl #7340), and is never pruned.
+routers of reference models, MTP blocks and decoders built twice (field notes 8.1), and is never pruned.
 """
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def check_config(config: Any) -> None:
             problems.append("pipeline_model_parallel_size=2 with virtual pipeline stages and batch_p2p_comm=True: "
                             "megatron's batched p2p swaps activations and gradients between the two stages "
                             "(Megatron-LM #1450); set batch_p2p_comm=False and overlap_p2p_comm=True (what "
-                            "Megatron-LM, mbridge, verl and AReaL set for interleaved schedules)")
+                            "Megatron-LM, mbridge and the frameworks set for interleaved schedules)")
         elif g("variable_seq_lengths", False) and not g("overlap_p2p_comm", False):
             problems.append("pipeline_model_parallel_size=2 with virtual pipeline stages, variable_seq_lengths=True "
                             "and overlap_p2p_comm=False: megatron's shape exchange crosses the two directions "
@@ -102,7 +102,7 @@ def check_config(config: Any) -> None:
                             "buffers of the wrong shape; set overlap_p2p_comm=True")
     if g("moe_enable_routing_replay"):
         problems.append("moe_enable_routing_replay=True: megatron's own RouterReplay (or a framework driving it, "
-                        "e.g. verl's router_replay.mode) would replay too; r3bridge attaches its own hook, "
+                        "e.g. a framework's own router replay switch) would replay too; r3bridge attaches its own hook, "
                         "so keep megatron's disabled")
     if problems:
         raise ConfigError("exact routing replay is impossible with this megatron config:\n  - " + "\n  - ".join(problems))

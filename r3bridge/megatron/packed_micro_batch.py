@@ -16,7 +16,7 @@ def thd_micro_batch(seq_lens: Sequence[int], cu_seqlens_padded: Any, *, routes: 
                     sample_ids: Optional[Sequence[Optional[int]]] = None,
                     uids: Optional[Sequence[Any]] = None) -> MicroBatch:
     """``seq_lens``: the real sequences; ``cu_seqlens_padded`` may hold one more, a trailing
-    page-padding "sequence" (AReaL's): it is declared a 1-token sequence without routes (no
+    page-padding "sequence": it is declared a 1-token sequence without routes (no
     sample), so coverage counts no missing route for it; the plan still takes its padded length
     from ``cu_seqlens_padded``, which is what the CP zigzag and the SP split use."""
     cu_padded = torch.as_tensor(cu_seqlens_padded)

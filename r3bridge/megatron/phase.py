@@ -214,7 +214,7 @@ def install_before_forward(chunks: Sequence[torch.nn.Module],
                            hook: Callable[[int, int, tuple, dict], Callable[[torch.nn.Module], None]],
                            num_micro_batches: Optional[int] = None) -> Iterator[list[int]]:
     """Run an install right before every forward of every chunk, for frameworks whose
-    ``forward_step`` is a closure (SkyRL ``MegatronModelWrapper``, AReaL ``MegatronEngine``).
+    ``forward_step`` is a closure the adapter cannot override.
 
     Megatron's schedules (no pipelining, 1F1B, interleaved VPP) run each chunk's forwards in
     micro-batch order 0..M-1, once each, so the k-th forward of chunk c is micro-batch k.

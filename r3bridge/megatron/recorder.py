@@ -1,6 +1,6 @@
 """R2: gather the routes recorded in a forward-only pass into per-sample routes.
 
-Tensor collectives only (verl's ``pp_gather`` pickles CPU tensors through ``all_gather_object``,
+Tensor collectives only (a peer's R2 gather pickles CPU tensors through ``all_gather_object``,
 docs/benchmarks.md P4). Every rank can compute every peer's payload size from the layout and the
 micro-batches' ``seq_lens``, so no size exchange is needed:
 

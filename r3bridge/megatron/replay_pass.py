@@ -10,7 +10,7 @@ opened on the :class:`~r3bridge.megatron.Replayer` directly installs routes and 
 Why keys and not megatron's per-router FIFO: a FIFO pairs forward and recompute correctly only if
 every (chunk, micro-batch) pushes exactly once to exactly its own routers and every micro-batch is
 recomputed alike; a forward-only pass or a skipped recompute leaves entries that the next pass
-consumes (SkyRL #1908). Here:
+consumes (field notes 8.2). Here:
 
 * the chunk's forward is bracketed by module hooks, so a router call *inside* it belongs to the
   micro-batch installed last for that chunk;
@@ -146,7 +146,7 @@ def _as_key(x: Any) -> Any:
 def _sample_token_rows(rows: RankRows, ids: Sequence[int]) -> int:
     """This rank's rows of the samples' real tokens: packing padding and the padding sequences a
     trainer packs that are no sample (negative driver ids: appended by :meth:`ReplayPass.install`;
-    AReaL's trailing page padding) are not tokens a route could cover, so coverage leaves them out
+    a trainer's trailing page padding) are not tokens a route could cover, so coverage leaves them out
     and equals what a route trace reports (``r3bridge inspect``)."""
     padding = np.asarray(ids, dtype=np.int64) < 0
     if not padding.any() or not rows.seq.size:
@@ -336,7 +336,7 @@ class ReplayPass:
         of each sequence (checked by the caller)."""
         if self.replayer.active_pass is not self:
             # outside its `with` block no router would ever see these targets: every router
-            # would route natively and the pass would report nothing (verl's silent no-op)
+            # would route natively and the pass would report nothing (field notes 8.1: a silent no-op)
             raise ReplayStateError(f"chunk {c}: install() on a replay pass that is not active: use "
                                    f"`with replayer.open_pass(...) as driver_pass:` around the schedule")
         if self.action is Action.NATIVE:
@@ -513,8 +513,8 @@ class ReplayPass:
         want, got = self.route_kind, routes.route_kind
         if want == "recorded" and got != "recorded":
             raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got {got} routes"
-                              f"{f' of {routes.engine}' if routes.engine else ''} (verl 0.9.1 silently replayed "
-                              f"rollout routes under R2)")
+                              f"{f' of {routes.engine}' if routes.engine else ''} (a framework that replays "
+                              f"rollout routes under R2 does so silently: field notes 8.8)")
         if want == "rollout" and got == "recorded":
             raise ConfigError("R3 replays the rollout engine's routes, got routes recorded by the trainer")
         if want == "rollout" and got != "rollout":

@@ -51,7 +51,7 @@ class Replayer:
                  degenerate_routes: str = "refuse") -> None:
         """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
         :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
-        land on the wrong layers (verl #5037's dense-layer shift). ``role``: the role the framework
+        land on the wrong layers (field notes 8.4: the dense-layer shift). ``role``: the role the framework
         built this model for; anything but ``actor`` is refused (:mod:`r3bridge.megatron.roles`)."""
         check_megatron()
         if Role.of(role) is not Role.ACTOR:
@@ -132,7 +132,7 @@ class Replayer:
         """Where the model's parameters are *now*: targets are built there and the R2 gather
         runs there (a stage without MoE layers takes part too; NCCL refuses CPU tensors).
         Read per pass, not at construction: frameworks offload parameters to the CPU between
-        phases (verl's param_offload) and reload them before a forward."""
+        phases (parameter offload) and reload them before a forward."""
         for c in self.chunks:
             for p in c.chunk.parameters():
                 return p.device

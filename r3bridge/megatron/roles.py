@@ -46,7 +46,7 @@ class Role(str, Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> Optional["Role"]:
-        return {"ref": cls.REFERENCE}.get(value) if isinstance(value, str) else None   # AReaL's name
+        return {"ref": cls.REFERENCE}.get(value) if isinstance(value, str) else None   # a framework's spelling of it
 
     @classmethod
     def of(cls, value: "Role | str") -> "Role":

@@ -55,10 +55,10 @@ class AdapterSession:
     """Replay for one model of a framework's job, in one process.
 
     Args:
-        framework: the framework's name (``"verl"``), written into route traces.
+        framework: the framework's name (the adapter's), written into route traces.
         config: the ``r3bridge`` section (a :class:`~r3bridge.ReplayConfig` or a mapping), or
             ``None`` for ``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE`` / off.
-        where: the process and model for the startup line (``"SkyRL policy worker"``); ``None``
+        where: the process and model for the startup line (e.g. ``"policy worker"``); ``None``
             logs nothing (a model that never replays).
         config_origin: where ``config`` came from when the framework knows better than
             "config" (the startup line says it).
@@ -66,7 +66,7 @@ class AdapterSession:
         provide: the framework setting that supplies the routes of each kind (``"rollout"``,
             ``"recorded"``) and the one that keeps rollout routes out (``"off"``), named in
             :meth:`check_routes`' errors.
-        carry_log_prob_metrics: the framework logs only the update's metrics (verl, SkyRL):
+        carry_log_prob_metrics: the framework logs only the update's metrics:
             compute_log_prob's are held and logged with the next update.
     """
 

@@ -17,7 +17,7 @@ def summarize_layers(metrics: Mapping[str, float], prefix: str, *, per_layer: bo
     """``metrics`` with its ``{prefix}agreement/layer_<id>`` keys summarised.
 
     Adds ``{prefix}agreement/layer_min`` (the lowest per-layer agreement; trackers that reduce by
-    name take its minimum over passes: verl and SkyRL by the ``min`` in the name, AReaL as a MIN
+    name take its minimum over passes: by the ``min`` in the name, or as a MIN
     stat). Keeps every per-layer key when ``per_layer`` (``ReplayConfig.per_layer_metrics``), else
     only the ``worst`` least-agreeing layers' (ties: lower layer id first), so a 48-layer model logs
     a handful of keys per phase instead of 48. ``agreement/mean`` is untouched."""

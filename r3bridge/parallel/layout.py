@@ -72,7 +72,7 @@ class ParallelLayout:
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: Any = None
     ep: int = 1
-    # a framework's FP8 THD packing (verl's use_fp8_padding): per-sequence alignment lcm(16, align),
+    # a framework's FP8 THD packing (field notes 3): per-sequence alignment lcm(16, align),
     # total to align*128; not the model's config.fp8 (see from_megatron)
     fp8: bool = False
     _stages: list[list[str]] | None = field(default=None, repr=False, compare=False)
@@ -246,7 +246,7 @@ class ParallelLayout:
     # ------------------------------------------------------------------------------ tokens
     @property
     def align(self) -> int:
-        """Per-sequence padding multiple used by THD packers (verl, SkyRL)."""
+        """Per-sequence padding multiple the frameworks' THD packers use (field notes 3)."""
         a = self.tp * self.cp * 2 if self.cp > 1 else self.tp
         return math.lcm(16, a) if self.fp8 else a
 
@@ -255,8 +255,8 @@ class ParallelLayout:
         """Multiple the whole packed micro-batch is padded to (FP8 only, else 1).
 
         ``align * 128`` of the *layout* alignment (``tp*cp*2`` or ``tp``), not of the FP8
-        per-sequence ``lcm(16, .)``: verl's ``_compute_fp8_thd_align_size`` returns
-        ``(lcm(16, a), a * 128)``. Using the lcm here padded the last sequence differently
+        per-sequence ``lcm(16, .)``: the FP8 THD packing rule pads sequences to ``lcm(16, a)`` and
+        the micro-batch to ``a * 128``. Using the lcm here padded the last sequence differently
         from the trainer and shifted every SP slice boundary.
         """
         a = self.tp * self.cp * 2 if self.cp > 1 else self.tp
@@ -272,13 +272,13 @@ class ParallelLayout:
     def from_megatron(cls, config: Any, *, cp: int | None = None, fp8: bool = False) -> "ParallelLayout":
         """Read a megatron-core ``TransformerConfig`` (duck-typed: any object with its fields).
 
-        ``fp8`` is the *framework's* FP8 packing rule (verl's ``use_fp8_padding``: sequences to
+        ``fp8`` is the *framework's* FP8 packing rule (sequences to
         ``lcm(16, align)``, the micro-batch to ``align * 128``), used only where a micro-batch is
         installed without ``cu_seqlens_padded``. It is never read from ``config.fp8``: the model
         computes in FP8 on whatever rows the framework packs (megatron-core pads FP8 GEMM inputs
         itself), and a framework may pack FP8 micro-batches without that padding. Guessing it from
         the config made the plan 640 rows where the router saw 608 (TE 2.20, 1 x H100). Pass the
-        trainer's ``cu_seqlens_padded`` (every adapter does), or ``fp8=True`` for verl's rule.
+        trainer's ``cu_seqlens_padded`` (every adapter does), or ``fp8=True`` for that rule.
         """
         g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
         freq = g("moe_layer_freq", 1)

@@ -119,8 +119,9 @@ def test_adapters_lists_shipped_and_entry_points(tmp_path, capsys, monkeypatch):
     assert main(["adapters", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["adapters"]
     names = [(r["name"], r["module"], r["origin"]) for r in rows]
-    assert names[:3] == [("verl", "r3bridge.adapters.verl", "r3bridge"), ("skyrl", "r3bridge.adapters.skyrl", "r3bridge"),
-                         ("areal", "r3bridge.adapters.areal", "r3bridge")]
+    # the shipped ones first, found in r3bridge's adapters/ folder (by name), then the announced ones
+    assert names[:3] == [("areal", "r3bridge.adapters.areal", "r3bridge"), ("skyrl", "r3bridge.adapters.skyrl", "r3bridge"),
+                         ("verl", "r3bridge.adapters.verl", "r3bridge")]
     assert ("toyfw", "toyfw", "r3bridge-toyfw") in names
     assert [n for n, _, _ in names].count("verl") == 1          # the shipped one is not listed twice
     assert main(["adapters"]) == 0
