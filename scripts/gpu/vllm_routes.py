@@ -148,7 +148,10 @@ def _facts(cfg: Any) -> dict[str, Any]:
     return model_facts(cfg)
 
 
-def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[Case], dict[str, tuple[Any, dict]]]:
+def generate_cases(args: argparse.Namespace, res: dict[str, Any], engine_extra: Optional[dict[str, Any]] = None,
+                   ) -> tuple[list[Case], dict[str, tuple[Any, dict]]]:
+    """The cases' engine calls; ``engine_extra``: more ``vllm.LLM`` arguments for both engines
+    (``vllm026_routes.py --no-async-scheduling``)."""
     from vllm import LLM, SamplingParams
     from vllm_smoke import llm_kwargs
 
@@ -160,8 +163,9 @@ def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[
     models["A"] = (cfg, state)
     facts = _facts(cfg)
     t = time.monotonic()
-    llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **MODEL_A.engine))
+    llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **MODEL_A.engine, **(engine_extra or {})))
     res["engine_A_start_s"] = round(time.monotonic() - t, 1)
+    print(f"vllm_routes: engine A up in {res['engine_A_start_s']} s", flush=True)
 
     def gen(reqs: list[list[int]], max_tokens: list[int], seeds: list[int], starts: Optional[list[int]] = None):
         starts = starts or [0] * len(reqs)
@@ -172,6 +176,7 @@ def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[
 
     reqs = prompts(64, (9, 24, 17, 40), seed=1)
     outs = gen(reqs, [12, 20, 7, 16], [1, 2, 3, 4])
+    print("vllm_routes: chunked_prefill generated", flush=True)
     pay = _payloads(reqs, outs, facts, [0] * 4, "chunked_prefill")
     cases.append(Case("chunked_prefill", MODEL_A, [p + list(o.outputs[0].token_ids) for p, o in zip(reqs, outs)],
                       [[r] for r in pay.routes], [[0]] * 4, pay, facts))
@@ -209,7 +214,7 @@ def generate_cases(args: argparse.Namespace, res: dict[str, Any]) -> tuple[list[
     models["B"] = (cfg, state)
     facts = _facts(cfg)
     t = time.monotonic()
-    llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **MODEL_B.engine))
+    llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **MODEL_B.engine, **(engine_extra or {})))
     res["engine_B_start_s"] = round(time.monotonic() - t, 1)
     reqs = prompts(64, (11, 30, 19), seed=3)
     outs = gen(reqs, [10, 14, 6], [9, 10, 11])

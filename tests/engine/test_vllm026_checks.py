@@ -1,0 +1,102 @@
+"""The row-by-row checks ``scripts/gpu/vllm026_routes.py`` runs on vLLM 0.26.0's speculative-decoding
+payloads, exercised on routes a real vLLM returned (``tests/fixtures/vllm/``, vLLM 0.24.0 on the GPU).
+
+vLLM 0.26.0 itself has not returned a payload yet: it installed and started on the H200 but its
+``generate`` did not come back (docs/gpu-results/vllm-0.26.0/README.md). What the script will
+conclude from such a payload is tested here: a payload whose layer 0 holds a draft model's choices
+(vLLM #48622's corruption, before 0.26.0) is valid in every shape and dtype, decodes through the
+0.22-0.30 decoder as "0.26.0", and only ``agreement_canaries`` names it, against the HF reference
+and against the run without speculation alike; the clean payload raises no canary.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "vllm", "vllm_routes_chunked_prefill.npz")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", "gpu", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The recorded payload (model A: 4 MoE layers, 32 experts top-4), the HF model it was served
+    from (fp32) and the script's one-layer MoE draft model, as the GPU run builds them."""
+    from r3bridge.demo.hf_engine import build_hf_model
+    from testlab.vllm_payloads import load_payloads
+
+    v = _script("vllm026_routes")
+    routes = _script("vllm_routes")
+    pay = load_payloads(FIXTURE)
+    cfg = routes.hf_config(routes.MODEL_A)
+    facts = routes._facts(cfg)
+    ref = v.hf_reference(cfg, build_hf_model(cfg, seed=routes.MODEL_A.seed, router_std=routes.ROUTER_STD).state_dict())
+    draft = v.hf_reference(v.draft_config(), build_hf_model(v.draft_config(), seed=v.DRAFT_SEED,
+                                                            router_std=routes.ROUTER_STD).state_dict())
+    return v, pay, facts, ref, draft
+
+
+def _draft_wrote_layer_0(pay, draft):
+    """vLLM #48622's payload: every request's layer-0 rows hold the draft model's top-k for the same tokens."""
+    from sglang_routes import hf_routes
+
+    bad = copy.deepcopy(pay)
+    for i, r in enumerate(bad.routes):
+        r[:, 0] = hf_routes(draft, bad.tokens(i), [0])[:, 0].astype(r.dtype)
+    return bad
+
+
+def test_clean_payload_raises_no_canary(setup):
+    v, pay, facts, ref, _ = setup
+    vs_hf = v._merged(pay, None, ref, facts)
+    assert vs_hf["rows"] == sum(len(r) for r in pay.routes) == 141
+    assert 0.9 < vs_hf["agreement"] < 1.0                       # bf16 engine vs fp32 reference: drift, not replay
+    assert v.canaries(vs_hf) == []
+    same = v._merged(pay, pay, None, facts)
+    assert same["agreement"] == 1.0 and same["differing"] == {} and v.canaries(same) == []
+    assert v.decode_check(pay, "0.26.0") == {"decode": "ok", "rows": 141}
+
+
+def test_a_draft_written_layer_0_is_silent_but_for_the_canary(setup):
+    v, pay, facts, ref, draft = setup
+    bad = _draft_wrote_layer_0(pay, draft)
+    assert bad.problems() == []                                  # every shape, dtype and id valid
+    assert v.decode_check(bad, "0.26.0") == {"decode": "ok", "rows": 141}
+    vs_hf = v._merged(bad, None, ref, facts)
+    agree0, rows0 = vs_hf["per_layer"][0]
+    assert rows0 == 141 and agree0 / rows0 < 0.25
+    [warning] = v.canaries(vs_hf)
+    assert "layer 0 collapsed" in warning and "#48622" in warning
+    vs_reference = v._merged(bad, pay, None, facts)              # the run without speculation, same tokens
+    assert all(a == n for lid, (a, n) in vs_reference["per_layer"].items() if lid != 0)
+    assert vs_reference["per_layer"][0][0] / vs_reference["per_layer"][0][1] < 0.25
+    assert all(layers == [0] for diffs in vs_reference["differing"].values() for _, layers in diffs)
+    [warning] = v.canaries(vs_reference)
+    assert "layer 0 collapsed" in warning
+
+
+def test_rows_are_compared_only_over_the_tokens_both_runs_share(setup):
+    """A speculative run whose greedy output leaves the reference's at generated token 3 of request
+    0 is compared over the prompt and the 3 shared tokens' rows only; a row that differs there is
+    listed with its layers and counted as a prompt or generated row."""
+    v, pay, facts, _, _ = setup
+    other = copy.deepcopy(pay)
+    other.outputs[0][3] = (other.outputs[0][3] + 1) % 64
+    p0 = len(pay.prompts[0])
+    r = other.routes[0]
+    r[p0 + 1, 2, 0] = next(e for e in range(32) if e not in set(pay.routes[0][p0 + 1, 2].tolist()))
+    cmp = v._merged(other, pay, None, facts)
+    assert cmp["rows"] == sum(len(x) for x in pay.routes) - (len(pay.routes[0]) - (p0 + 3))
+    assert cmp["differing"] == {0: [[p0 + 1, [2]]]}
+    assert cmp["prompt"] == [0, sum(len(p) for p in pay.prompts)] and cmp["generated"][0] == 1
