@@ -43,6 +43,7 @@ def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
     without any logging set-up), saying whether a setting asked for it or none was found; returns
     the line."""
     mode = cfg.replay_mode
+    ensure_visible()        # a handler that prints the level: Python's last-resort handler prints the bare message
     line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {origin})"
     if mode is ReplayMode.OFF:
         if origin == ORIGIN_DEFAULT:
@@ -52,6 +53,5 @@ def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
             line += "; routing replay is OFF: the trainer routes natively (the baseline R2 / R3 are compared with)"
         logger.warning(line)
     else:
-        ensure_visible()
         logger.info(line)
     return line

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig
 from r3bridge.job_check import replay_section
-from r3bridge.launch.steps import refuse, refusing_section_errors
+from r3bridge.launch.preflight import refuse, refusing_section_errors
 
 __all__ = ["parse_announced", "run_framework_main"]
 

@@ -1,4 +1,4 @@
-"""The stall watchdog (r3bridge.launch.watchdog): which stage is stuck, what it waits for, again every
+"""The stall watchdog (r3bridge.adapters.verl.watch): which stage is stuck, what it waits for, again every
 bound while it stays stuck, quiet once the workers report progress (issue 39: a verl launch printed
 its config and hung with no message)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from r3bridge.launch.watchdog import Stage, StallWatchdog
+from r3bridge.adapters.verl.watch import Stage, StallWatchdog
 
 STAGES = [Stage("worker start", "the workers to build the model", "engine_ready"),
           Stage("first replayed pass", "the first rollout and compute_log_prob", "first_pass")]
