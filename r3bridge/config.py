@@ -186,9 +186,10 @@ class ReplayConfig:
     router_log_ratio: bool = False
     # A launcher that waits on stages it cannot see (workers starting with r3bridge's engine, the
     # first replayed pass) says which one is stuck and what it waits for after this many seconds
-    # without progress, and again every as many; 0 turns it off. 120 s: within a CPU rehearsal's
-    # patience (the whole rehearsed job takes 80-150 s), above its slowest clean stage.
-    stall_warning_s: float = 120.0
+    # without progress, and again every as many; 0 turns it off. 180 s: within a CPU rehearsal's
+    # patience, above a clean stage on a loaded 2-core machine (worker start: 124 s seen). A stage
+    # whose actors cannot be placed at all is said sooner (the launcher's own bound, 20 s).
+    stall_warning_s: float = 180.0
     # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
     # (r3bridge/engines/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;

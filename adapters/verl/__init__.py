@@ -12,13 +12,17 @@ from r3bridge.adapters.verl.codec import ROUTES_KEY, SAMPLE_KEY, VerlCodec
 from r3bridge.adapters.verl.config import prepare_verl_config, validate_verl_config
 from r3bridge.adapters.verl.registry import ENGINE_KEY, register, requested_mode
 from r3bridge.adapters.verl.rollout import VerlRollout
-from r3bridge.adapters.verl.stock_launch import refuse_if_asked
+from r3bridge.adapters.verl.stock_launch import LAUNCHER_MODULE, main_module, refuse_if_asked
 from r3bridge.announce import ensure_visible
 
 ensure_visible()        # the INFO lines reach a handler (verl's root logger sits at WARNING)
-refuse_if_asked()       # verl's own launcher asked for r3bridge: refused (it would train without it)
-if requested_mode() != "off":       # opt-in: replay off imports nothing more and registers nothing
-    register()
+_main = main_module()
+if _main is not None and _main[0] == LAUNCHER_MODULE:
+    pass                # r3bridge's launcher: checks first, registers in prepare_verl_config (after verl's import)
+else:
+    refuse_if_asked()   # verl's own launcher asked for r3bridge: refused (it would train without it)
+    if requested_mode() != "off":       # opt-in: replay off imports nothing more and registers nothing
+        register()
 
 __all__ = ["ENGINE_KEY", "ROUTES_KEY", "SAMPLE_KEY", "VerlCodec", "VerlRollout", "register", "validate_verl_config",
            "prepare_verl_config"]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from r3bridge.adapters.verl.watch import RayJobWatch, Stage
 from r3bridge.config import check_environment
+from r3bridge.errors import ConfigError
 from r3bridge.launch import refuse, refusing_section_errors
 
 __all__ = ["main", "STAGES", "WHERE", "section_overrides", "run_hydra_job"]
@@ -69,8 +70,10 @@ def verl_config_dir() -> str:
 
 
 def main() -> None:
-    with refusing_section_errors("r3bridge"):
+    try:
         check_environment()                       # a mistyped R3BRIDGE_* name or value, before anything starts
+    except ConfigError as e:
+        refuse(f"{type(e).__name__}: {e}")
     from r3bridge.versions import check_release
 
     check_release("verl", what="'s verl launcher")

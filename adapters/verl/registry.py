@@ -74,6 +74,9 @@ def register() -> bool:
                               f"replay_mode={mode}: {LOAD_ERROR}") from e
         return False
     LOADED, LOAD_ERROR = True, None
-    logger.info("r3bridge verl adapter loaded (pid %d): %s; replay config: %s", os.getpid(), registered,
-                ReplayConfig.from_env().as_dict())
+    try:
+        config = ReplayConfig.from_env().as_dict()
+    except Exception as e:  # noqa: BLE001  (the engine refuses it when it resolves its options)
+        config = f"unreadable ({e})"
+    logger.info("r3bridge verl adapter loaded (pid %d): %s; replay config: %s", os.getpid(), registered, config)
     return True

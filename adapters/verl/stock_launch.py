@@ -20,32 +20,38 @@ from r3bridge.config import ENV_CONFIG, ENV_MODE, ReplayConfig, check_environmen
 from r3bridge.errors import ConfigError
 from r3bridge.launch import refuse
 
-__all__ = ["verl_entry_point", "asked_for_r3bridge", "refuse_if_asked"]
+__all__ = ["LAUNCHER_MODULE", "main_module", "verl_entry_point", "asked_for_r3bridge", "refuse_if_asked"]
 
 logger = logging.getLogger("r3bridge.adapters.verl")
-LAUNCHER = "python -m r3bridge.adapters.verl.main_ppo"
+LAUNCHER_MODULE = "r3bridge.adapters.verl.main_ppo"
+LAUNCHER = f"python -m {LAUNCHER_MODULE}"
 _CONFIG_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
                  "--config-dir": "dir", "-cd": "dir"}
 
 
-def verl_entry_point(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str, list[str]]]:
-    """(verl's module run as ``__main__``, its arguments) when this process is one of verl's entry
-    points (``python -m verl.x`` or a script inside verl's package); else ``None``. Read from
-    ``sys.orig_argv``: a plugin loads while ``python -m`` still imports the module's package."""
+def main_module(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str, list[str]]]:
+    """(the module this process runs as ``__main__``, its arguments): ``python -m x.y`` or a script
+    (named from its path: ``.../verl/trainer/main_ppo.py`` is ``verl.trainer.main_ppo``); ``None``
+    for ``-c`` or an interactive interpreter. Read from ``sys.orig_argv``: a plugin loads while
+    ``python -m`` still imports the module's package, before ``sys.argv`` is set."""
     argv = list(sys.orig_argv if orig_argv is None else orig_argv)
     for i, arg in enumerate(argv[1:], start=1):
         if arg == "-m" and i + 1 < len(argv):
-            module = argv[i + 1]
-            return (module, argv[i + 2:]) if module == "verl" or module.startswith("verl.") else None
+            return argv[i + 1], argv[i + 2:]
         if arg == "-c":
             return None
         if not arg.startswith("-"):          # the script
             parts = os.path.normpath(arg).split(os.sep)
             if "verl" in parts and arg.endswith(".py"):
-                tail = parts[len(parts) - 1 - parts[::-1].index("verl"):]
-                return ".".join(tail)[:-3], argv[i + 1:]
-            return None
+                return ".".join(parts[len(parts) - 1 - parts[::-1].index("verl"):])[:-3], argv[i + 1:]
+            return os.path.basename(arg)[:-3] if arg.endswith(".py") else arg, argv[i + 1:]
     return None
+
+
+def verl_entry_point(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str, list[str]]]:
+    """:func:`main_module` when it is one of verl's (``verl`` or ``verl.*``); else ``None``."""
+    main = main_module(orig_argv)
+    return main if main is not None and (main[0] == "verl" or main[0].startswith("verl.")) else None
 
 
 def _split(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:

@@ -30,10 +30,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from r3bridge.config import ReplayConfig, ReplayMode
 
-__all__ = ["Stage", "StallWatchdog", "RayJobWatch", "WATCH_ENV", "new_watch_id", "report", "progress",
+__all__ = ["BLOCKED_AFTER_S", "Stage", "StallWatchdog", "RayJobWatch", "WATCH_ENV", "new_watch_id", "report", "progress",
            "describe_cluster", "ray_start_failure"]
 
 logger = logging.getLogger("r3bridge")
+BLOCKED_AFTER_S = 20.0      # how long Ray must have been unable to place something before it is said
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,17 @@ class StallWatchdog:
 
     def __init__(self, where: str, stages: Sequence[Stage], bound_s: float, *,
                  progress: Callable[[], set[str]], describe: Callable[[], str] = lambda: "",
+                 blocked: Callable[[], str] = lambda: "", blocked_after_s: float = BLOCKED_AFTER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if bound_s <= 0:
             raise ValueError(f"bound_s must be > 0, got {bound_s}")
         self.where, self.stages, self.bound_s = where, list(stages), float(bound_s)
         self.progress, self.describe, self.clock = progress, describe, clock
+        # a job that cannot go on (``blocked()`` says why, '' while it can) is said after
+        # ``blocked_after_s`` of it, sooner than a slow stage's bound
+        self.blocked, self.blocked_after_s = blocked, min(float(blocked_after_s), self.bound_s)
+        self.blocked_since: Optional[float] = None
+        self.blocked_said = -1             # the stage whose blockage was said
         self.index = 0
         self.started = self.entered = clock()
         self.warned = 0                    # warnings said in the current stage
@@ -81,6 +88,10 @@ class StallWatchdog:
         if self.done:
             return None
         stuck = self.clock() - self.entered
+        if self.blocked_said != self.index:
+            line = self._blocked_line()
+            if line:
+                return line
         if stuck < self.bound_s * (self.warned + 1):
             return None
         self.warned += 1
@@ -94,6 +105,30 @@ class StallWatchdog:
                 + (f" {seen}" if seen else "")
                 + f" (this warning repeats every {self.bound_s:.0f} s; r3bridge.stall_warning_s sets the bound, 0 "
                   f"turns it off)")
+        logger.warning(line)
+        return line
+
+    def _blocked_line(self) -> Optional[str]:
+        """The warning, once per stage, when ``blocked()`` has said why the job cannot go on for
+        ``blocked_after_s`` in a row; ``None`` otherwise."""
+        try:
+            why = self.blocked()
+        except Exception as e:  # noqa: BLE001  (a watchdog never takes the job down)
+            why = ""
+            logger.debug("r3bridge watchdog: cluster unreadable: %s", e)
+        now = self.clock()
+        if not why:
+            self.blocked_since = None
+            return None
+        if self.blocked_since is None:
+            self.blocked_since = now
+        if now - self.blocked_since < self.blocked_after_s:
+            return None
+        self.blocked_said = self.index
+        stage = self.stages[self.index]
+        line = (f"r3bridge ({self.where}, pid {os.getpid()}): stage '{stage.name}' ({self.index + 1} of "
+                f"{len(self.stages)}) cannot go on: Ray cannot place what the job asked for "
+                f"({now - self.blocked_since:.0f} s so far). {why}")
         logger.warning(line)
         return line
 
@@ -166,23 +201,27 @@ def _counted(items: list[str]) -> list[str]:
     return [f"{n} x {it}" if n > 1 else it for it, n in out.items()]
 
 
-def describe_cluster(hints: Optional[Mapping[str, str]] = None) -> str:
-    """What Ray cannot place yet, and the cluster's totals; '' before Ray is up. ``hints``: what
-    to change when a resource is short (``{"CPU": ..., "GPU": ...}``, in the framework's keys)."""
+def describe_cluster(hints: Optional[Mapping[str, str]] = None, *, blocked_only: bool = False) -> str:
+    """What Ray cannot place yet, and the cluster's totals. ``hints``: what to change when a
+    resource is short (``{"CPU": ..., "GPU": ...}``, in the framework's keys). ``blocked_only``: ''
+    unless something whose resources are known (a placement group, an actor when Ray's state API
+    answers) asks for more than is free: a job that cannot go on, not one that is slow."""
     import ray
 
     if not ray.is_initialized():
-        return "Ray is not up yet in this process."
+        return "" if blocked_only else "Ray is not up yet in this process."
     total, free = ray.cluster_resources(), ray.available_resources()
     head = (f"Ray cluster: CPU {total.get('CPU', 0):g} (free {free.get('CPU', 0):g}), "
             f"GPU {total.get('GPU', 0):g} (free {free.get('GPU', 0):g}).")
     starting, waiting, short = [], [], set()
+    known = [0]            # waiting items whose resources are known
 
     def asks(what: str, need: dict) -> None:
         lacking = [k for k, v in need.items() if v > free.get(k, 0)]
         if lacking:        # cannot be placed until something frees these
             waiting.append(f"{what} asks for {_resources(need)}")
             short.update(lacking)
+            known[0] += 1
         else:              # placed as soon as its worker process starts
             starting.append(what)
     try:
@@ -210,6 +249,8 @@ def describe_cluster(hints: Optional[Mapping[str, str]] = None) -> str:
                     need[k] = need.get(k, 0) + v
             asks(f"placement group {pg.get('name') or pg.get('placement_group_id')} "
                  f"({len(bundles)} x {_resources(bundles[0]) if bundles else '{}'})", need)
+    if blocked_only and not known[0]:
+        return ""
     starting, waiting = _counted(starting), _counted(waiting)
     if starting:
         head += f" Starting: {', '.join(starting)}."
@@ -266,7 +307,8 @@ class RayJobWatch:
             return None
         self.watchdog = StallWatchdog(self.where, self.stages, cfg.stall_warning_s,
                                       progress=lambda: progress(self.watch_id),
-                                      describe=lambda: describe_cluster(self.hints)).start()
+                                      describe=lambda: describe_cluster(self.hints),
+                                      blocked=lambda: describe_cluster(self.hints, blocked_only=True)).start()
         return self.watchdog
 
     def __enter__(self) -> "RayJobWatch":
