@@ -25,6 +25,7 @@ __all__ = ["LAUNCHER_MODULE", "main_module", "verl_entry_point", "asked_for_r3br
 logger = logging.getLogger("r3bridge.adapters.verl")
 LAUNCHER_MODULE = "r3bridge.adapters.verl.main_ppo"
 LAUNCHER = f"python -m {LAUNCHER_MODULE}"
+_OPTIONS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}      # the interpreter's, before -m / the script
 _CONFIG_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
                  "--config-dir": "dir", "-cd": "dir"}
 
@@ -35,7 +36,14 @@ def main_module(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str
     for ``-c`` or an interactive interpreter. Read from ``sys.orig_argv``: a plugin loads while
     ``python -m`` still imports the module's package, before ``sys.argv`` is set."""
     argv = list(sys.orig_argv if orig_argv is None else orig_argv)
+    skip = False
     for i, arg in enumerate(argv[1:], start=1):
+        if skip:                             # the value of an interpreter option (-X dev, -W error)
+            skip = False
+            continue
+        if arg in _OPTIONS_WITH_VALUE:
+            skip = True
+            continue
         if arg == "-m" and i + 1 < len(argv):
             return argv[i + 1], argv[i + 2:]
         if arg == "-c":

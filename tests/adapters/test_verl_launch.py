@@ -120,6 +120,8 @@ def test_r3bridge_launcher_refuses_too_few_ray_cpu_slots_with_the_numbers(tmp_pa
 # ------------------------------------------------------------------------------ the detection itself (in process)
 def test_which_processes_are_verls_entry_points():
     assert verl_entry_point(["python", "-u", "-m", "verl.trainer.main_ppo", "a=1"]) == ("verl.trainer.main_ppo", ["a=1"])
+    assert verl_entry_point(["python", "-X", "dev", "-W", "error", "-m", "verl.trainer.main_ppo", "-m", "a=1,2"]) == \
+        ("verl.trainer.main_ppo", ["-m", "a=1,2"])
     assert verl_entry_point(["python", "/x/site-packages/verl/trainer/main_ppo.py", "b=2"]) == \
         ("verl.trainer.main_ppo", ["b=2"])
     for argv in (["python", "-m", "r3bridge.adapters.verl.main_ppo", "r3bridge.replay_mode=R3"],
