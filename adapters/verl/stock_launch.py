@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from r3bridge.config import ENV_CONFIG, ENV_MODE, ReplayConfig, check_environment
+from r3bridge.config import ENV_CONFIG, ENV_FROM, ENV_MODE, ReplayConfig, check_environment
 from r3bridge.errors import ConfigError
 from r3bridge.launch import refuse
 
@@ -57,9 +57,14 @@ def main_module(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str
 
 
 def verl_entry_point(orig_argv: Optional[Sequence[str]] = None) -> Optional[tuple[str, list[str]]]:
-    """:func:`main_module` when it is one of verl's (``verl`` or ``verl.*``); else ``None``."""
+    """:func:`main_module` when it is one of verl's training launchers (``verl.trainer.*``, or a
+    ``verl.*`` module whose name ends in ``main`` / holds ``main_ppo``: the recipes' launchers); else
+    ``None`` (verl's tools, e.g. ``verl.model_merger``, are not asked)."""
     main = main_module(orig_argv)
-    return main if main is not None and (main[0] == "verl" or main[0].startswith("verl.")) else None
+    if main is None or not main[0].startswith("verl."):
+        return None
+    last = main[0].rsplit(".", 1)[-1]
+    return main if main[0].startswith("verl.trainer.") or last.endswith("main") or "main_ppo" in last else None
 
 
 def _split(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -108,7 +113,8 @@ def asked_for_r3bridge(module: str, args: Sequence[str], environ: Optional[dict]
     flags, overrides = _split(args)
     keys = [(o, o.lstrip("+~").partition("=")[0]) for o in overrides]
     asked = [o for o, key in keys if key == "r3bridge" or key.startswith("r3bridge.") or "R3BRIDGE_" in key]
-    if env.get(ENV_CONFIG) or env.get(ENV_MODE):
+    # R3BRIDGE_CONFIG_FROM: the section r3bridge's own launcher forwards to the processes it starts
+    if (env.get(ENV_CONFIG) or env.get(ENV_MODE)) and not env.get(ENV_FROM):
         mode = ReplayConfig.from_env({k: env[k] for k in (ENV_CONFIG, ENV_MODE) if env.get(k)}).replay_mode.value
         if mode != "off":
             asked.append(f"replay_mode={mode} in the environment ({', '.join(k for k in (ENV_CONFIG, ENV_MODE) if env.get(k))})")

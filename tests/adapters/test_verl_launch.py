@@ -124,9 +124,10 @@ def test_which_processes_are_verls_entry_points():
         ("verl.trainer.main_ppo", ["-m", "a=1,2"])
     assert verl_entry_point(["python", "/x/site-packages/verl/trainer/main_ppo.py", "b=2"]) == \
         ("verl.trainer.main_ppo", ["b=2"])
+    assert verl_entry_point(["python", "-m", "verl.experimental.fully_async_policy.fully_async_main"]) is not None
     for argv in (["python", "-m", "r3bridge.adapters.verl.main_ppo", "r3bridge.replay_mode=R3"],
                  ["python", "-c", "import verl"], ["python", "/x/ray/_private/workers/default_worker.py"],
-                 ["python", "-m", "pytest"]):
+                 ["python", "-m", "pytest"], ["python", "-m", "verl.model_merger", "merge"]):
         assert verl_entry_point(argv) is None, argv
 
 
@@ -137,6 +138,9 @@ def test_every_spelling_of_asking_is_seen_and_asking_for_off_in_the_environment_
         assert asked_for_r3bridge(m, ["trainer.n_gpus_per_node=1", arg], environ={}) == [arg]
     assert asked_for_r3bridge(m, ["trainer.r3bridge_like=1", "data.x=r3bridge.y"], environ={}) == []
     assert asked_for_r3bridge(m, [], environ={"R3BRIDGE_REPLAY_MODE": "off"}) == []
+    # the section r3bridge's launcher forwards to what it starts is not a user's request
+    assert asked_for_r3bridge(m, [], environ={"R3BRIDGE_CONFIG": '{"replay_mode": "R3"}',
+                                              "R3BRIDGE_CONFIG_FROM": "verl launcher"}) == []
     assert asked_for_r3bridge(m, [], environ={"R3BRIDGE_CONFIG": '{"replay_mode": "R2"}'}) == [
         "replay_mode=R2 in the environment (R3BRIDGE_CONFIG)"]
 
