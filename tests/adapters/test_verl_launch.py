@@ -208,3 +208,26 @@ def test_describe_cluster_names_the_placement_group_ray_cannot_place():
         ray.util.remove_placement_group(pg)
     finally:
         ray.shutdown()
+
+
+_ANNOUNCE = (
+    "import logging, sys\n"
+    "from r3bridge.announce import announce, ensure_visible\n"
+    "from r3bridge.config import ReplayConfig\n"
+    "ensure_visible()\n"                                   # the adapter's import, before any logging set-up
+    "announce(ReplayConfig(), 'default', 'first')\n"
+    "logging.basicConfig(format='ROOT %(levelname)s:%(message)s', stream=sys.stderr)\n"   # then the framework's
+    "announce(ReplayConfig(replay_mode='R3'), 'config', 'second')\n"
+)
+
+
+def test_off_is_said_at_warning_level_and_each_line_once():
+    """'off' printed by r3bridge's own handler carries its level (issue 50: Python's last-resort
+    handler printed it bare); once the framework configures the root logger, each line is printed
+    once, by the framework's handler (hydra's printed every launcher line twice)."""
+    p = subprocess.run([sys.executable, "-c", _ANNOUNCE], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("R3BRIDGE_")})
+    lines = [ln for ln in p.stderr.splitlines() if "r3bridge (" in ln]
+    assert len(lines) == 2, p.stderr
+    assert " r3bridge WARNING: r3bridge (first, pid " in lines[0] and "routing replay is OFF" in lines[0]
+    assert lines[1].startswith("ROOT INFO:r3bridge (second, pid ") and "replay_mode=R3" in lines[1]
