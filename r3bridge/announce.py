@@ -27,9 +27,18 @@ def ensure_visible() -> None:
         logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
     if logger.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _UntilRootHandles()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     logger.addHandler(handler)
+
+
+class _UntilRootHandles(logging.StreamHandler):
+    """stderr, while the root logger has no handler: a framework that configures logging later
+    (hydra, ``logging.basicConfig``) then prints each line once, through its own handlers."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
@@ -43,6 +52,7 @@ def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
     its level, :func:`ensure_visible`), saying whether a setting asked for it or none was found; returns
     the line."""
     mode = cfg.replay_mode
+    ensure_visible()        # a handler that prints the level: Python's last-resort handler prints the bare message
     line = f"r3bridge ({where}, pid {os.getpid()}): replay_mode={mode.value} (from {origin})"
     ensure_visible()        # off too: a process without logging set-up would print it without its level
     if mode is ReplayMode.OFF:

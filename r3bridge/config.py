@@ -26,10 +26,23 @@ ENV_MODE = "R3BRIDGE_REPLAY_MODE"      # shortcut: only replay_mode
 # from the job's section and the user's environment: a worker reads it, a later resolution in the
 # launcher's own process does not merge it a second time.
 ENV_FROM = "R3BRIDGE_CONFIG_FROM"
+# Every R3BRIDGE_* variable r3bridge reads, and what it is: any other is a typo, refused at launch
+# (check_environment), never ignored.
+ENV_SETTINGS = {
+    ENV_CONFIG: "JSON of the r3bridge section (any options)",
+    ENV_MODE: "the replay mode alone: R2, R3 or off",
+    ENV_FROM: "set by a launcher next to the R3BRIDGE_CONFIG it forwards to its workers",
+    "R3BRIDGE_WATCH": "set by a launcher: the stall watchdog's job id its workers report under",
+    "R3BRIDGE_LOGGING_LEVEL": "the level of r3bridge's own logger (default INFO)",
+    "R3BRIDGE_CONFORMANCE_FAULT": "scripts/gpu/nccl_conformance.py: a fault injected into one rank",
+    "R3BRIDGE_VERL_ROOT": "benchmarks: a framework source tree to import from",
+    "R3BRIDGE_SKYRL04": "tests: where a framework release's wheel is unpacked",
+}
 ORIGIN_CONFIG = "config"      # config origins: where the r3bridge section came from
 ORIGIN_DEFAULT = "default"
 
-__all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan", "forward_env"]
+__all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan", "forward_env", "ENV_SETTINGS",
+           "check_environment"]
 
 
 class ReplayMode(str, Enum):
@@ -177,8 +190,10 @@ class ReplayConfig:
     router_log_ratio: bool = False
     # A launcher that waits on stages it cannot see (workers starting with r3bridge's engine, the
     # first replayed pass) says which one is stuck and what it waits for after this many seconds
-    # without progress, and again every as many (r3bridge/watchdog.py); 0 turns it off.
-    stall_warning_s: float = 300.0
+    # without progress, and again every as many; 0 turns it off. 180 s: within a CPU rehearsal's
+    # patience, above a clean stage on a loaded 2-core machine (worker start: 124 s seen). A stage
+    # whose actors cannot be placed at all is said sooner (the launcher's own bound, 20 s).
+    stall_warning_s: float = 180.0
     # The rollout engine's release (e.g. "0.26.0"), for settings only some releases get right
     # (r3bridge/engines/engine_settings.py: R3 with speculative decoding needs vLLM >= 0.26.0 / SGLang
     # >= 0.5.15). null: read the engine's distribution installed in the trainer's environment;
@@ -344,3 +359,26 @@ def forward_env(cfg: ReplayConfig, where: str) -> dict[str, str]:
     """The environment variables a launcher hands its workers (and sets in its own process): the
     resolved section as ``R3BRIDGE_CONFIG`` and ``R3BRIDGE_CONFIG_FROM=where``."""
     return {ENV_CONFIG: json.dumps(cfg.as_dict()), ENV_FROM: where}
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse, before anything starts, an environment whose r3bridge settings cannot be what the
+    user meant: an ``R3BRIDGE_*`` name r3bridge does not read (a typo would otherwise leave replay
+    off) or a value of ``R3BRIDGE_REPLAY_MODE`` / ``R3BRIDGE_CONFIG`` that does not parse. One
+    :class:`ConfigError` naming each variable and what it takes."""
+    env = os.environ if environ is None else environ
+    problems = [f"{name} is not an r3bridge setting (r3bridge reads {', '.join(sorted(ENV_SETTINGS))})"
+                for name in sorted(env) if name.startswith("R3BRIDGE_") and name not in ENV_SETTINGS]
+    for name in (ENV_MODE, ENV_CONFIG):
+        if env.get(name):
+            try:
+                ReplayConfig.from_env({name: env[name]})
+            except ConfigError as e:
+                problems.append(f"{name}={env[name]!r}: {e}" if name == ENV_MODE else f"{name}: {e}")
+    if not problems:
+        try:
+            ReplayConfig.from_env(env)          # the two together (they may disagree)
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("environment: " + "; ".join(problems))

@@ -24,7 +24,7 @@ def verl(argv: list[str]) -> str:
     from hydra import compose, initialize_config_dir
 
     from r3bridge.adapters.verl.config import validate_verl_config
-    from r3bridge.launch import section_overrides
+    from r3bridge.adapters.verl.main_ppo import section_overrides
 
     # the launcher itself, with hydra's --cfg job: it composes the config and prints it
     out = subprocess.run([sys.executable, "-m", "r3bridge.adapters.verl.main_ppo", *argv, "--cfg", "job"],

@@ -13,7 +13,7 @@ from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig
 from r3bridge.errors import ReplayError
 from r3bridge.job_check import replay_section, section_key_problem
-from r3bridge.launch.steps import refuse
+from r3bridge.launch.preflight import refuse
 
 __all__ = ["parse_announced", "run_framework_main"]
 

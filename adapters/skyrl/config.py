@@ -12,7 +12,7 @@ from r3bridge.config import ReplayConfig, ReplayMode
 from r3bridge.engines.engine_settings import kv_transfer_problem, speculative_decoding_problem
 from r3bridge.errors import ConfigError, RoleError
 from r3bridge.job_check import JobCheck, environment_setting, section_key_problem, setting, with_replay_section
-from r3bridge.launch.steps import section_keys
+from r3bridge.launch.preflight import section_keys
 
 __all__ = ["skyrl_config_class", "parse_cli", "replay_config_from_skyrl", "prepare_skyrl_config",
            "speculative_settings", "command_line_section", "SECTION"]

@@ -6,18 +6,18 @@ puts it there; the engine re-checks what it can see itself (:func:`check_engine_
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Mapping
 
 from r3bridge.announce import announce
-from r3bridge.config import ReplayConfig, ReplayMode
+from r3bridge.config import ReplayConfig, ReplayMode, forward_env
 from r3bridge.engines.engine_settings import speculative_decoding_problem
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, interpolated, setting
-from r3bridge.launch import check_ray_cpu_slots, forward_section, local_hf_config
-from r3bridge.launch.worker_imports import ensure_listed
 
-__all__ = ["resolve_verl_options", "check_local_ray_slots", "validate_verl_config", "check_engine_config",
-           "prepare_verl_config", "speculative_settings"]
+__all__ = ["resolve_verl_options", "validate_verl_config", "check_engine_config", "prepare_verl_config",
+           "speculative_settings", "forward_section", "local_hf_config"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
@@ -114,23 +114,10 @@ def check_engine_config(cfg: ReplayConfig, engine_config: Any, hf_config: Any = 
     }, "Megatron engine config", hf_config)
 
 
-def check_local_ray_slots(verl_cfg: Any, cpus: int | None = None) -> None:
-    """verl 0.9.1's V1 trainer starts TransferQueue: a controller and ``num_data_storage_units``
-    storage actors (8 by default), one Ray CPU slot each (:func:`r3bridge.launch.check_ray_cpu_slots`)."""
-    units = setting(verl_cfg, "transfer_queue.backend.SimpleStorage.num_data_storage_units")
-    backend = setting(verl_cfg, "transfer_queue.backend.storage_backend", "SimpleStorage")
-    if setting(verl_cfg, "trainer.use_v1", True) and backend == "SimpleStorage" and units is not None:
-        check_ray_cpu_slots(1 + int(units), setting(verl_cfg, "ray_kwargs.ray_init") or {}, cpus=cpus,
-                            holder=f"verl's TransferQueue (a controller and transfer_queue.backend.SimpleStorage."
-                                   f"num_data_storage_units={units} storage actors, one slot each)",
-                            num_cpus_key="ray_kwargs.ray_init.num_cpus", fewer="fewer storage units "
-                            "(transfer_queue.backend.SimpleStorage.num_data_storage_units=1)")
-
-
 def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where: str | None = None,
                         worker_env: Mapping[str, str] | None = None) -> ReplayConfig:
     """Driver side: resolve and validate the options, forward them to every Ray worker
-    (:func:`r3bridge.launch.forward_section`), make the workers import the adapter even with verl
+    (:func:`forward_section`), make the workers import the adapter even with verl
     plugins off and (replay on) register the engine here too. ``announce_where``: log the startup
     line naming it. ``worker_env``: variables for the workers only (the stall-watchdog id)."""
     cfg, origin = resolve_verl_options(verl_cfg)
@@ -140,13 +127,60 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
         announce(cfg, origin, announce_where)
-    forward_section(verl_cfg, cfg, announce_where or "verl launcher",
-                    env_path="ray_kwargs.ray_init.runtime_env.env_vars", worker_env=worker_env)
+    forward_section(verl_cfg, cfg, announce_where or "verl launcher", worker_env=worker_env)
     model = setting(verl_cfg, "actor_rollout_ref.model")
     if cfg.replay_mode is not ReplayMode.OFF and model is not None:
         # verl imports external_lib in every worker and, unlike its plugin loader, lets an import
         # error fail the worker; it takes a list, so a user's own module stays
-        ensure_listed(model, "external_lib", ADAPTER_MODULE)
+        _ensure_listed(model, "external_lib", ADAPTER_MODULE)
         from r3bridge.adapters.verl import register
         register()      # a worker in this process (imported verl before the mode was known)
     return cfg
+
+
+WORKER_ENV_PATH = "ray_kwargs.ray_init.runtime_env.env_vars"     # Ray's runtime env: every worker's environment
+
+
+def forward_section(verl_cfg: Any, cfg: ReplayConfig, where: str, *,
+                    worker_env: Mapping[str, str] | None = None) -> None:
+    """Hand the resolved options to every worker: written back as the job's ``r3bridge`` section,
+    and as ``R3BRIDGE_CONFIG`` (plus ``worker_env``) into Ray's runtime env (:data:`WORKER_ENV_PATH`;
+    verl's workers see only ``actor_rollout_ref``) and into this process's environment."""
+    from omegaconf import OmegaConf, open_dict
+
+    forward = forward_env(cfg, where)
+    with open_dict(verl_cfg):
+        verl_cfg["r3bridge"] = cfg.as_dict()
+    node = verl_cfg
+    for part in WORKER_ENV_PATH.split("."):     # every missing level created, struct mode too
+        with open_dict(node):
+            if node.get(part) is None:
+                node[part] = OmegaConf.create({})
+        node = node[part]
+    with open_dict(node):
+        node.update({**forward, **(worker_env or {})})
+    os.environ.update(forward)
+
+
+def local_hf_config(path: Any, *, trust_remote_code: bool = False) -> Any:
+    """The model's HF config when ``path`` is a local folder the launcher can read; ``None`` for a
+    remote name or an unreadable config (the workers check the model when they build it)."""
+    if not path or not os.path.exists(os.path.expanduser(str(path))):
+        return None
+    try:
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(os.path.expanduser(str(path)), trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _ensure_listed(section: Any, key: str, item: str) -> None:
+    """``item`` in ``section[key]``, a setting that takes one string or a list (``external_lib``):
+    appended after the user's own entries, a lone item kept a string; OmegaConf struct mode respected."""
+    from omegaconf import DictConfig, open_dict
+
+    current = section.get(key)
+    items = [] if not current else [current] if isinstance(current, str) else list(current)
+    if item not in items:
+        with open_dict(section) if isinstance(section, DictConfig) else contextlib.nullcontext():
+            section[key] = items + [item] if items else item

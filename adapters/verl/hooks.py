@@ -19,8 +19,8 @@ from r3bridge.adapters.verl import engine_pass
 from r3bridge.adapters.verl.codec import LOG_RATIO_KEY, ROUTES_KEY, SAMPLE_KEY, handed_routes, provenance_pairing
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.adapters.verl.nested import nested_like, nested_routes
+from r3bridge.adapters.verl.watch import report
 from r3bridge.config import Action, Phase
-from r3bridge.launch.ray_watch import report
 from r3bridge.megatron.roles import Role
 from r3bridge.megatron.session import AdapterSession
 

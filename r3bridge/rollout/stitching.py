@@ -196,7 +196,9 @@ def first_seen_rows(calls: Sequence[Any]) -> tuple[np.ndarray, StitchReport]:
             raise RouteShapeError(f"call {t} returned routes of shape [*, {', '.join(map(str, a.shape[1:]))}], "
                                   f"earlier calls [*, {', '.join(map(str, shape))}]")
         shape = a.shape[1:]
-        r = torch.from_numpy(np.ascontiguousarray(a))
+        # an engine's array that crossed a process (Ray's object store) is a read-only view: the
+        # stitched routes are written, so they get their own copy
+        r = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else np.array(a, order="C"))
         if seen is not None:
             r = r.to(seen.routes.dtype)
         seen = _first_seen(seen, r, torch.ones(len(a), dtype=torch.bool), 0, None, where=f"call {t}")

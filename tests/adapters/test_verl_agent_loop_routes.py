@@ -39,6 +39,26 @@ def test_first_seen_rows_win_and_disagreements_are_counted():
     assert not np.array_equal(second[:6], routes[:6])
 
 
+def test_read_only_server_arrays_are_stitched_without_a_warning_and_left_unchanged():
+    """A server's ``routed_experts`` reach the agent loop through Ray's object store as read-only
+    arrays: the stitch copies what it writes (issue 50: 'The given NumPy array is not writable'
+    from r3bridge's stitching on every verl run) and leaves the server's arrays as they were."""
+    import warnings
+
+    first = _call(6, 0)
+    second = np.concatenate([first, _call(4, 1)])
+    second[2, 1] = [e for e in range(E) if e not in set(first[2, 1].tolist())][:K]
+    before = [first.copy(), second.copy()]
+    for a in (first, second):
+        a.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routes, report = _rollout().sample_rows([first, second], sample="abc")
+    assert np.array_equal(routes[:6], before[0]) and np.array_equal(routes[6:], before[1][6:])
+    assert np.array_equal(first, before[0]) and np.array_equal(second, before[1])
+    assert report.total_disagreeing == 1
+
+
 def test_call_shape_and_topk_are_checked_naming_the_sample():
     with pytest.raises(RouteShapeError, match=r"sample abc: server call 1 .* num_hidden_layers=3"):
         _rollout().sample_rows([_call(4, 0), np.zeros((6, 2, K), np.uint8)], sample="abc")

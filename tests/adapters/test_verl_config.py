@@ -11,9 +11,9 @@ import verl  # noqa: E402,F401  (installed by `make install`: never skipped)
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from r3bridge.adapters.verl import config as vc  # noqa: E402
+from r3bridge.adapters.verl.main_ppo import section_overrides  # noqa: E402
 from r3bridge.config import ENV_CONFIG, ENV_FROM, ENV_MODE, ReplayConfig, ReplayMode  # noqa: E402
 from r3bridge.errors import ConfigError  # noqa: E402
-from r3bridge.launch import section_overrides  # noqa: E402
 
 MOE_HF = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
           "mlp_only_layers": []}
@@ -133,20 +133,33 @@ def test_prepare_merges_the_users_environment_or_refuses_a_clash(base_cfg, monke
 
 
 def test_a_job_that_would_wait_forever_for_ray_cpu_slots_is_refused(base_cfg, monkeypatch):
-    """verl's default TransferQueue (a controller + 8 storage actors, one Ray CPU slot each) on a
-    local cluster with the machine's 2 cores: the launch that printed its config and hung
-    silently (issue 39) is refused before Ray starts, naming both settings."""
+    """What verl 0.9.1 holds for the whole job, counted as it will request it: TransferQueue's
+    controller + 8 storage actors (one slot each) and one {CPU: 3, GPU: 1} bundle per GPU of the
+    global pool (8 GPUs: 24), so 33. A local cluster with fewer (the machine's cores, or
+    ``ray_init.num_cpus``) would wait forever: refused before Ray starts, with the numbers."""
+    from r3bridge.adapters.verl.placement import check_local_ray_slots, held_cpu_slots
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(ConfigError, match=r"needs 9 Ray CPU slots .* gets 2 from this machine's 2 cores .*"
-                                          r"ray_kwargs.ray_init.num_cpus .*num_data_storage_units=1"):
-        vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=2)
-    vc.check_local_ray_slots(job(base_cfg, "R3"), cpus=16)
-    vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 8,
-                                                     "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1}),
-                             cpus=2)
-    with pytest.raises(ConfigError, match=r"gets 4 from ray_kwargs.ray_init.num_cpus"):
-        vc.check_local_ray_slots(job(base_cfg, "off", **{"ray_kwargs.ray_init.num_cpus": 4}), cpus=64)
-    vc.check_local_ray_slots(job(base_cfg, "R3", **{"ray_kwargs.ray_init.address": "auto"}), cpus=2)  # not ours
+    assert sum(n for _, n in held_cpu_slots(job(base_cfg, "R3"))) == 33
+    with pytest.raises(ConfigError, match=r"verl would hold 33 Ray CPU slots .*9 for TransferQueue.*num_data_storage_"
+                                          r"units=8.*; 24 for the global pool .*n_gpus_per_node=8 x trainer.nnodes=1.*"
+                                          r"gets 16 from this machine's 16 cores .*ray_kwargs.ray_init.num_cpus=33"):
+        check_local_ray_slots(job(base_cfg, "R3"), cpus=16)
+    check_local_ray_slots(job(base_cfg, "R3"), cpus=64)
+    # issue 50: the CPU rehearsal's shape (1 GPU, 1 storage unit) with num_cpus=2 passed the old check
+    # (TransferQueue's 2 slots) and hung on the worker group's bundle
+    rehearsal = {"trainer.n_gpus_per_node": 1, "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1}
+    with pytest.raises(ConfigError, match=r"verl would hold 5 Ray CPU slots .* gets 2 from ray_kwargs.ray_init.num_cpus"):
+        check_local_ray_slots(job(base_cfg, "off", **rehearsal, **{"ray_kwargs.ray_init.num_cpus": 2}), cpus=64)
+    check_local_ray_slots(job(base_cfg, "off", **rehearsal, **{"ray_kwargs.ray_init.num_cpus": 5}), cpus=2)
+    # the reward model's own pool and the remote reward manager's compute workers hold slots too
+    more = job(base_cfg, "off", **rehearsal, **{"reward.reward_model.enable_resource_pool": True,
+                                               "reward.reward_model.n_gpus_per_node": 2, "reward.reward_model.nnodes": 1,
+                                               "reward.reward_manager.name": "remote", "reward.num_workers": 2})
+    assert dict((what.split(":")[0], n) for what, n in held_cpu_slots(more)) == {
+        "TransferQueue": 2, "the global pool (actor, rollout, reference)": 3, "the reward model pool": 6,
+        "the remote reward manager": 4}
+    check_local_ray_slots(job(base_cfg, "R3", **{"ray_kwargs.ray_init.address": "auto"}), cpus=2)  # not ours
 
 
 def test_prepare_keeps_the_users_external_lib(base_cfg, monkeypatch):
@@ -239,7 +252,7 @@ def test_two_replay_switches_are_refused_naming_both_keys(base_cfg):
 def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeypatch):
     """Ray says only "The current node timed out during startup"; the launcher adds the raylet's own
     FATAL line (Ray #65983: a loaded machine starts the dashboard agent too slowly)."""
-    from r3bridge.launch.ray_watch import ray_start_failure
+    from r3bridge.adapters.verl.watch import ray_start_failure
 
     logs = tmp_path / "session_latest" / "logs"
     logs.mkdir(parents=True)

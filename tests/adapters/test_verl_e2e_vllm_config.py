@@ -18,7 +18,7 @@ def _compose(cmd: list[str]):
     import verl.trainer.main_ppo as verl_main
     from hydra import compose, initialize_config_dir
 
-    from r3bridge.launch import section_overrides
+    from r3bridge.adapters.verl.main_ppo import section_overrides
 
     assert cmd[1:3] == ["-m", "r3bridge.adapters.verl.main_ppo"] and cmd[3].startswith("--config-name=")
     config_dir = os.path.join(os.path.dirname(verl_main.__file__), "config")

@@ -65,7 +65,7 @@ def test_skyrl_release_uses_the_helper():
 
 def test_a_supported_release_outside_the_adapters_series_is_refused_naming_them(monkeypatch):
     """supported_series: the range and the adapter's known series must agree; a series in the
-    range the adapter does not know is refused naming what it knows (r3bridge.launch.requirements'
+    range the adapter does not know is refused naming what it knows (adapters/skyrl/requirements.py'
     one-line form is checked alongside: every unmet requirement, in order)."""
     from r3bridge import versions
     from r3bridge.adapters.skyrl import requirements as req

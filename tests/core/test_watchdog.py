@@ -1,4 +1,4 @@
-"""The stall watchdog (r3bridge.launch.watchdog): which stage is stuck, what it waits for, again every
+"""The stall watchdog (r3bridge.adapters.verl.watch): which stage is stuck, what it waits for, again every
 bound while it stays stuck, quiet once the workers report progress (issue 39: a verl launch printed
 its config and hung with no message)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from r3bridge.launch.watchdog import Stage, StallWatchdog
+from r3bridge.adapters.verl.watch import Stage, StallWatchdog
 
 STAGES = [Stage("worker start", "the workers to build the model", "engine_ready"),
           Stage("first replayed pass", "the first rollout and compute_log_prob", "first_pass")]
@@ -51,7 +51,7 @@ def test_a_broken_progress_or_describe_never_takes_the_job_down():
 
 
 def test_the_frameworks_launcher_runs_as_python_m_and_an_interrupt_exits_1(monkeypatch):
-    """A launcher's last step (r3bridge.launch.parse_and_run): the framework's ``main`` sees ``sys.argv``
+    """A launcher's last step (adapters/areal/parse_and_run.py): the framework's ``main`` sees ``sys.argv``
     as ``python -m`` sets it; ^C ends it with exit status 1; the server watch is stopped."""
     import sys
     import threading
