@@ -21,7 +21,7 @@ logger = logging.getLogger("r3bridge")
 def ensure_visible() -> None:
     """The INFO line reaches a handler: unless someone set the ``r3bridge`` logger's level, it is
     INFO (``R3BRIDGE_LOGGING_LEVEL`` overrides), since a framework that configured only the root
-    logger (verl: a root handler, root at WARNING) would drop it; a process that configured no
+    logger (a root handler, root at WARNING) would drop it; a process that configured no
     logging at all (Ray workers) gets a stderr handler."""
     if logger.level == logging.NOTSET:
         logger.setLevel(os.getenv("R3BRIDGE_LOGGING_LEVEL", "INFO"))
@@ -47,7 +47,7 @@ def replay_mode_metric(cfg: ReplayConfig) -> dict[str, float]:
 
 
 def announce(cfg: ReplayConfig, origin: str, where: str) -> str:
-    """Log which replay mode is in force in ``where`` (e.g. ``"SkyRL policy worker"``) and where it
+    """Log which replay mode is in force in ``where`` (e.g. ``"policy worker"``) and where it
     came from (``config``, ``environment (...)``, ``default``). Replay off is a WARNING (shown with
     its level, :func:`ensure_visible`), saying whether a setting asked for it or none was found; returns
     the line."""

@@ -1,8 +1,8 @@
 """`replay_mode` and what it means in each trainer phase: the one place R2/R3 semantics live.
 
 Every adapter asks :func:`phase_plan` what to do in ``compute_log_prob``, the update passes and
-the reference-model pass, so the frameworks cannot drift apart (verl 0.9.1 replayed rollout routes
-under R2).
+the reference-model pass, so the frameworks cannot drift apart (a peer replayed rollout routes
+under R2: field notes 8.8).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class ReplayMode(str, Enum):
 
     @classmethod
     def parse(cls, value: Any) -> "ReplayMode":
-        """``off`` / ``R2`` / ``R3`` in any case. ``disabled`` (verl's spelling of off) and ``false``
+        """``off`` / ``R2`` / ``R3`` in any case. ``disabled`` (a framework's spelling of off) and ``false``
         also mean off: YAML 1.1 reads an unquoted ``off`` as the boolean False, and OmegaConf turns
         that into the string ``"False"`` for a string field."""
         if isinstance(value, cls):
@@ -130,7 +130,7 @@ class ReplayConfig:
     (a test keeps the two equal) for omegaconf / hydra users.
 
     Also an OmegaConf structured config, at the top level or nested in a framework's config
-    (AReaL's ``GRPOConfig``, SkyRL's ``TrainerConfig``). Not ``frozen``: OmegaConf makes a frozen
+    (a framework's job config dataclass). Not ``frozen``: OmegaConf makes a frozen
     dataclass's nodes read-only, and a nested section could then not be filled from YAML. Treat an
     instance as read-only; validation runs when it is built (``__post_init__``)."""
 
@@ -234,7 +234,7 @@ class ReplayConfig:
             raise ConfigError(f"trace_dir must be a folder path or null, got {self.trace_dir!r}")
         if self.trace_dir is not None:
             # absolute in the process that reads the job's setting (the launcher): a worker started
-            # in another folder (Ray, AReaL's launcher) writes where the user pointed; "~" too, which
+            # in another folder (a Ray worker, a framework's launcher) writes where the user pointed; "~" too, which
             # no shell expands inside `r3bridge.trace_dir=~/x`
             object.__setattr__(self, "trace_dir", os.path.abspath(os.path.expanduser(self.trace_dir)))
         for name in ("trace_every", "trace_max_bytes"):
@@ -255,8 +255,8 @@ class ReplayConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
         """``R3BRIDGE_CONFIG`` (JSON of the section) and / or ``R3BRIDGE_REPLAY_MODE``, else defaults.
 
-        How the section reaches framework workers that never see the job config (verl and SkyRL
-        Ray workers inherit it through ``runtime_env``)."""
+        How the section reaches framework workers that never see the job config (Ray workers
+        inherit it through ``runtime_env``)."""
         keys, _ = _env_section(os.environ if environ is None else environ)
         return cls.from_mapping(keys)
 
