@@ -12,12 +12,12 @@ from typing import Any, Mapping
 
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode, forward_env
-from r3bridge.engines.engine_settings import speculative_decoding_problem
+from r3bridge.engines.engine_settings import kv_transfer_problem, speculative_decoding_problem
 from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.job_check import JobCheck, interpolated, setting
 
 __all__ = ["resolve_verl_options", "validate_verl_config", "check_engine_config", "prepare_verl_config",
-           "speculative_settings", "forward_section", "local_hf_config"]
+           "speculative_settings", "kv_transfer_settings", "forward_section", "local_hf_config"]
 
 ADAPTER_MODULE = "r3bridge.adapters.verl"
 
@@ -55,6 +55,7 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str, hf_config: Any =
     check.refuse(f.get("cp_layout") not in (None, "zigzag"), f"context-parallel layout {f.get('cp_layout')!r}: "
                  f"only verl's zigzag CP layout is supported")
     check.refuse(f.get("speculative"), f.get("speculative"))
+    check.refuse(f.get("kv_transfer"), f.get("kv_transfer"))
     check.moe_model(None if hf_config is None else moe_layer_ids_from_hf_config(hf_config)).raise_if_any()
 
 
@@ -77,8 +78,28 @@ def validate_verl_config(verl_cfg: Any, hf_config: Any = None, cfg: ReplayConfig
         # R3 + a speculative draft on an engine release that lets it overwrite the routes (engine_settings)
         "speculative": speculative_decoding_problem(cfg.replay_mode.value, *speculative_settings(verl_cfg),
                                                     configured_version=cfg.engine_version),
+        # R3 + rollouts whose prompt KV comes from another node (prefill / decode disaggregation, a KV connector)
+        "kv_transfer": kv_transfer_problem(cfg.replay_mode.value, *kv_transfer_settings(verl_cfg)),
     }, "verl config", hf_config)
     return cfg
+
+
+def kv_transfer_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:
+    """(the rollout engine, the verl 0.9 settings that serve rollouts through prefill / decode
+    disaggregation or a KV connector: SGLang's ``rollout.disaggregation.enabled``, a vLLM
+    ``kv_transfer_config`` in the engine kwargs), named as ``engine_settings.KV_TRANSFER_SETTINGS``."""
+    s = lambda path, d=None: setting(verl_cfg, path, d)  # noqa: E731
+    engine = s("actor_rollout_ref.rollout.name")
+    engine = None if engine is None else str(engine).lower()
+    out: dict[str, Any] = {}
+    if bool(s("actor_rollout_ref.rollout.disaggregation.enabled", False)):
+        out["disaggregation_mode"] = ("actor_rollout_ref.rollout.disaggregation.enabled=True, transfer_backend="
+                                      f"{s('actor_rollout_ref.rollout.disaggregation.transfer_backend')}")
+    kv = s("actor_rollout_ref.rollout.engine_kwargs.vllm.kv_transfer_config")
+    if kv:
+        out["kv_transfer_config"] = setting(verl_cfg, "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_transfer_config",
+                                            plain=True)
+    return engine, out
 
 
 def speculative_settings(verl_cfg: Any) -> tuple[str | None, dict[str, Any]]:

@@ -266,6 +266,23 @@ def test_a_ray_start_failure_is_explained_from_the_raylets_log(tmp_path, monkeyp
     assert ray_start_failure(ValueError("something else")) is None
 
 
+@pytest.mark.parametrize("engine, settings, needle", [
+    ("sglang", {"actor_rollout_ref.rollout.disaggregation.enabled": True},
+     r"SGLang: disaggregation_mode='actor_rollout_ref.rollout.disaggregation.enabled=True, transfer_backend=nixl'"),
+    ("vllm", {"actor_rollout_ref.rollout.engine_kwargs.vllm.kv_transfer_config": {"kv_connector": "NixlConnector"}},
+     r"vLLM: kv_transfer_config=\{'kv_connector': 'NixlConnector'\}"),
+])
+def test_r3_refuses_rollouts_served_through_kv_transfer(base_cfg, engine, settings, needle):
+    """Prefill / decode disaggregation or a KV connector: the decode node never runs the prompt
+    forward, so the prompt's route rows are whatever the capture buffer held (llm-d-router #1473).
+    R3 is refused naming the setting; R2 replays the trainer's own routes and is not affected."""
+    cfg = job(base_cfg, "R3", **{"actor_rollout_ref.rollout.name": engine}, **settings)
+    with pytest.raises(ConfigError, match=needle):
+        vc.validate_verl_config(cfg, hf_config=MOE_HF)
+    r2 = job(base_cfg, "R2", **{"actor_rollout_ref.rollout.name": engine}, **settings)
+    assert vc.validate_verl_config(r2, hf_config=MOE_HF).replay_mode is ReplayMode.R2
+
+
 @pytest.mark.parametrize("engine, settings, version, needle", [
     # verl's MTP draft on vLLM: refused before vLLM 0.26.0 (vLLM #48622), naming both settings and the version
     ("vllm", {"actor_rollout_ref.model.mtp.enable": True, "actor_rollout_ref.model.mtp.enable_rollout": True},
