@@ -19,7 +19,7 @@ so native routing and replay see the same tokens and the same expert loads:
 * r3: r3bridge.megatron.Replayer step replaying batch ``i % N``'s recorded routes, targets
   installed per step (shard + H2D copy included in the timing), agreement metric off;
 * r3+agreement: the same with the per-layer native-vs-replayed agreement computed in the hook;
-* r3+trace: r3+agreement through :class:`r3bridge.megatron.PhaseRunner` with ``trace_dir`` set
+* r3+trace: r3+agreement through :class:`r3bridge.session.PhaseRunner` with ``trace_dir`` set
   (the ``trace_dir`` option as a job sets it: the native top-k and the target kept on the device
   per router call, then each pass written: two CRC-checked payloads and an index line); its cost
   is read against r3+agreement, which computes the same native top-k;
@@ -174,7 +174,8 @@ def main() -> None:
 
     import r3bridge
     from r3bridge.config import Phase, ReplayConfig
-    from r3bridge.megatron import PhaseRunner, Replayer
+    from r3bridge.megatron import Replayer
+    from r3bridge.session import PhaseRunner
 
     cfg, model = build(args)
     b = args.seqs

@@ -160,7 +160,7 @@ class ReplayConfig:
     # Log agreement/layer_<id> for every MoE layer (False: agreement/mean, agreement/min and the
     # WORST_LAYERS least-agreeing layers only; megatron-core also keeps per-layer MoE logging opt-in).
     per_layer_metrics: bool = False
-    # Route traces for `r3bridge inspect` / `diff` (r3bridge/megatron/trace.py; off when None):
+    # Route traces for `r3bridge inspect` / `diff` (r3bridge/trace/writing.py; off when None):
     # every `trace_every`-th RL step, each rank writes what its routers replayed and would have
     # chosen natively, until it has written its share of `trace_max_bytes` (then it stops and
     # says so in its index and in the `trace/stopped` metric).

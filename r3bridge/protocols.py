@@ -18,7 +18,7 @@ Three parts; the first two are ``typing.Protocol`` classes (structural: nothing 
    which samples each part holds: the conformance suite checks that routes survive it.
 3. the per-(chunk, micro-batch) install, right before the chunk's forward: the adapter hands
    each micro-batch's targets (:class:`r3bridge.megatron.MicroBatch`) to its
-   :class:`r3bridge.megatron.AdapterSession`, which owns the set-up (config, announce, replayer,
+   :class:`r3bridge.session.AdapterSession`, which owns the set-up (config, announce, replayer,
    roles) and the pass (plan, driver pass, install, padding sequences, metrics, recorded routes).
    Frameworks that expose ``forward_step`` as a method override it and call
    ``ReplayPass.install(model, MicroBatch)``; frameworks whose ``forward_step`` is a closure inside a bigger method

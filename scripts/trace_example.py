@@ -21,7 +21,8 @@ def _run(ctx, out: str, steps: int, lr: float) -> int:
 
     from r3bridge.batch.schema import ReplayBatch
     from r3bridge.config import Phase, ReplayConfig
-    from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
+    from r3bridge.megatron import MicroBatch, Replayer
+    from r3bridge.session import PhaseRunner
     from r3bridge.testing.harness.data import make_packed_batch
     from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
     from r3bridge.testing.harness.schedule import make_forward_step, run_schedule

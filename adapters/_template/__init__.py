@@ -23,7 +23,7 @@ Files, in the order data flows (the same in every adapter):
 * ``codec.py`` - :class:`TemplateCodec`, the :class:`r3bridge.protocols.BatchCodec`: the
   training batch <-> ReplayBatch;
 * ``hooks.py`` - :class:`TemplateEngineMixin`: the framework method that runs Megatron's
-  schedule, wrapped in the pass of an :class:`r3bridge.megatron.AdapterSession` (the driver owns
+  schedule, wrapped in the pass of an :class:`r3bridge.session.AdapterSession` (the driver owns
   the set-up; the adapter hands it one ``MicroBatch`` per micro-batch).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The per-micro-batch hook: your framework's engine, subclassed (never patched).
 
-The driver owns the set-up (:class:`r3bridge.megatron.AdapterSession`: config resolved and
+The driver owns the set-up (:class:`r3bridge.session.AdapterSession`: config resolved and
 announced, the Replayer, the role guard, the phase's plan, the driver pass, the per-(chunk,
 micro-batch) install, padding sequences, metrics with ``r3bridge/replay_mode``, R2's recorded
 routes). The adapter only translates: one :class:`r3bridge.megatron.MicroBatch` per micro-batch.
@@ -25,8 +25,9 @@ import torch
 
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.megatron import AdapterSession, MicroBatch
+from r3bridge.megatron import MicroBatch
 from r3bridge.parallel.handed import HandedRoutes
+from r3bridge.session import AdapterSession
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, TemplateCodec
 

@@ -1,5 +1,5 @@
 """AReaL hooks: mixins for AReaL's own classes (subclass, never patch) around the driver's
-:class:`r3bridge.megatron.AdapterSession`. docs/use-with-areal.md, "What happens where".
+:class:`r3bridge.session.AdapterSession`. docs/use-with-areal.md, "What happens where".
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.forms.masked import row_names
 from r3bridge.hf import ModelInfo
 from r3bridge.job_check import JobCheck, replay_section
-from r3bridge.megatron.packed_micro_batch import packed_micro_batches
-from r3bridge.megatron.phase import PhaseResult
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession, averaged, declared_session
 from r3bridge.rollout.forwarding import CallRecorder
+from r3bridge.session.adapter_session import AdapterSession, averaged, declared_session
+from r3bridge.session.packed_micro_batch import packed_micro_batches
+from r3bridge.session.phase import PhaseResult
 from r3bridge.versions import check_internals, check_release, checked_subclass
 
 __all__ = ["SGLangEngineMixin", "WorkflowMixin", "PPOActorMixin", "MegatronEngineMixin", "MB_KEY", "RoleEngineMixin",
@@ -129,7 +129,7 @@ class PPOActorMixin:
 
 
 class MegatronEngineMixin:
-    """Per-micro-batch replay for AReaL's ``MegatronEngine`` (set-up: :class:`r3bridge.megatron.AdapterSession`)."""
+    """Per-micro-batch replay for AReaL's ``MegatronEngine`` (set-up: :class:`r3bridge.session.AdapterSession`)."""
 
     r3_config: Optional[ReplayConfig] = None    # the section, when the trainer sets it before r3_attach
     r3: Optional[AdapterSession] = None

@@ -1,5 +1,5 @@
 """Subclasses / mixins of SkyRL's classes (nothing is monkey-patched) around one
-:class:`r3bridge.megatron.AdapterSession` per model. docs/use-with-skyrl.md, "Formats and hook points"."""
+:class:`r3bridge.session.AdapterSession` per model. docs/use-with-skyrl.md, "Formats and hook points"."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +14,7 @@ from r3bridge.config import Phase, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import declared_session
+from r3bridge.session.adapter_session import declared_session
 from r3bridge.versions import check_internals, checked_subclass
 
 __all__ = ["model_wrapper_class", "PolicyWorkerMixin", "RefWorkerMixin", "TrainerMixin",

@@ -1,4 +1,4 @@
-"""`SkyRLReplay`: one SkyRL policy model's :class:`~r3bridge.megatron.AdapterSession` and what the
+"""`SkyRLReplay`: one SkyRL policy model's :class:`~r3bridge.session.AdapterSession` and what the
 adapter carries to its passes between SkyRL's calls.
 
 SkyRL hands over what a pass needs at different calls: which routes the batch carries (the
@@ -25,8 +25,8 @@ from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
 from r3bridge.errors import ConfigError
 from r3bridge.hf import ModelInfo
 from r3bridge.megatron.replay_pass import MicroBatch
-from r3bridge.megatron.session import AdapterSession, averaged
 from r3bridge.parallel.handed import HandedRoutes
+from r3bridge.session.adapter_session import AdapterSession, averaged
 
 __all__ = ["SkyRLReplay"]
 

@@ -1,5 +1,5 @@
 """What verl's engine (``hooks.py``) calls around one pass of its
-:class:`~r3bridge.megatron.AdapterSession`, holding the pass's routes field before the schedule
+:class:`~r3bridge.session.AdapterSession`, holding the pass's routes field before the schedule
 runs: the phase's plan with the field checked against it (present, of the model's top-k: the
 session's checks, once per batch), each micro-batch of nested jagged ``input_ids`` as the
 :class:`~r3bridge.megatron.MicroBatch` it installs, the router log-ratio handed to each
@@ -13,10 +13,10 @@ from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence
 import torch
 
 from r3bridge.config import Action, Phase, PhasePlan
-from r3bridge.megatron.packed_micro_batch import thd_micro_batch
-from r3bridge.megatron.phase import phase_tag
 from r3bridge.megatron.replay_pass import MicroBatch
 from r3bridge.metrics.mismatch import padded_response_mismatch
+from r3bridge.session.packed_micro_batch import thd_micro_batch
+from r3bridge.session.phase import phase_tag
 
 __all__ = ["checked_plan", "route_width", "check_route_width", "nested_micro_batch", "loss_after_routers",
            "extend_metrics", "extend_pass_metrics"]
@@ -47,7 +47,7 @@ def checked_plan(session: Any, phase: Phase, routes: Any, *, field: str, where: 
 
 def nested_micro_batch(session: Any, input_ids: torch.Tensor, *, routes: Any, sample_ids: Sequence[int],
                        cu_seqlens_padded: Any) -> MicroBatch:
-    """The THD micro-batch (:func:`~r3bridge.megatron.packed_micro_batch.thd_micro_batch`) of nested
+    """The THD micro-batch (:func:`~r3bridge.session.packed_micro_batch.thd_micro_batch`) of nested
     jagged ``input_ids`` (one sequence per sample, in order), named for traces by its tokens
     (``session.sample_uids``)."""
     return thd_micro_batch(input_ids.offsets().diff().tolist(), cu_seqlens_padded, routes=routes,

@@ -1,5 +1,5 @@
 """The engine r3bridge registers (only when the job asks for replay): verl's
-``MegatronEngineWithLMHead`` translating each batch for the driver (:class:`r3bridge.megatron.AdapterSession`).
+``MegatronEngineWithLMHead`` translating each batch for the driver (:class:`r3bridge.session.AdapterSession`).
 Phases: the reference engine and LoRA-adapter-disabled passes are ``ref_log_prob``, other
 forward-only passes ``compute_log_prob``, passes with a backward ``update``.
 docs/use-with-verl.md, "How it hooks into verl".
@@ -22,7 +22,7 @@ from r3bridge.adapters.verl.nested import nested_like, nested_routes
 from r3bridge.adapters.verl.watch import report
 from r3bridge.config import Action, Phase
 from r3bridge.megatron.roles import Role
-from r3bridge.megatron.session import AdapterSession
+from r3bridge.session.adapter_session import AdapterSession
 
 __all__ = ["R3BridgeMegatronEngine"]
 

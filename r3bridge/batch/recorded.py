@@ -1,6 +1,6 @@
 """R2's recorded routes on their way back into a framework's batch.
 
-After the compute_log_prob pass, :meth:`r3bridge.megatron.AdapterSession.recorded_for` holds the
+After the compute_log_prob pass, :meth:`r3bridge.session.AdapterSession.recorded_for` holds the
 trainer's own routes, one sequence per sample in sample order, on every rank. A framework moves
 them with its samples in its own format (the adapter's codec writes that); what is not the
 framework's is here: per-sample payloads for frameworks that hand results around per sample

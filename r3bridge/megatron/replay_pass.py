@@ -3,7 +3,7 @@
 
 One :class:`ReplayPass` is the whole pass between an adapter and the routers (megatron-core's
 model: one ``RouterReplay`` beside each router): a phase's pass
-(:meth:`r3bridge.megatron.PhaseRunner.run` yields it) installs the adapter's :class:`MicroBatch`
+(:meth:`r3bridge.session.PhaseRunner.run` yields it) installs the adapter's :class:`MicroBatch`
 records, whose sample ids, padding sequences and VPP repeats it keeps per micro-batch; a pass
 opened on the :class:`~r3bridge.megatron.Replayer` directly installs routes and lengths.
 
@@ -193,8 +193,8 @@ def _check_topk(routes: ReplayBatch | HandedRoutes, topk: int, where: str) -> No
 
 class ReplayPass:
     """Created by :meth:`Replayer.open_pass`; use as a context manager. A phase's pass
-    (:meth:`r3bridge.megatron.PhaseRunner.run`) also carries its ``phase``, ``plan``,
-    ``provenance`` check and, on a clean exit, its ``result`` (:class:`r3bridge.megatron.PhaseResult`)."""
+    (:meth:`r3bridge.session.PhaseRunner.run`) also carries its ``phase``, ``plan``,
+    ``provenance`` check and, on a clean exit, its ``result`` (:class:`r3bridge.session.PhaseResult`)."""
 
     def __init__(self, replayer: PassHost, action: Action | str, *, forward_only: bool,
                  route_kind: str | None = None) -> None:
@@ -391,7 +391,7 @@ class ReplayPass:
 
     # ---------------------------------------------------------------------------- a phase's MicroBatch installs
     def serve(self, runner: Any, phase: Phase, plan: PhasePlan, provenance: Optional[ProvenanceCount]) -> None:
-        """Make this the pass of ``phase`` (:meth:`r3bridge.megatron.PhaseRunner.run`): ``runner``
+        """Make this the pass of ``phase`` (:meth:`r3bridge.session.PhaseRunner.run`): ``runner``
         holds the job's options, ``provenance`` the R3 check made before the pass opened."""
         self.runner, self.phase, self.plan, self.provenance = runner, Phase(phase), plan, provenance
 

@@ -1,7 +1,9 @@
-"""Route traces (core: torch only), the names ``r3bridge inspect`` / ``diff`` and the adapters use.
+"""Route traces (core: torch only), written and read: the names ``r3bridge inspect`` / ``diff`` and the
+adapters use.
 
-* ``format``  - the on-disk format (names, index lines, payloads); what the writer
-                (:mod:`r3bridge.megatron.trace`) writes; :func:`token_uid` names samples
+* ``writing`` - ``RunTracer`` / ``PassTrace``: what a traced pass's routers routed, written by each
+                rank at the end of the pass (the session's phase runner owns one when ``trace_dir`` is set)
+* ``format``  - the on-disk format (names, index lines, payloads); :func:`token_uid` names samples
 * ``reading`` - :func:`load_trace` and merging a pass's ranks back into per-sample batches
 * ``compare`` - per-layer summaries of a pass and two passes compared sample by sample
 """

@@ -1,7 +1,7 @@
 """The on-disk format of a route trace: folder and file names, the index lines, the payloads.
 
 A trace is a folder written by the Megatron driver when the ``r3bridge`` section sets
-``trace_dir`` (writer: :mod:`r3bridge.megatron.trace`). Each rank writes only what its routers
+``trace_dir`` (writer: :mod:`r3bridge.trace.writing`). Each rank writes only what its routers
 routed (its layers, its token rows, in router order) and never touches another rank's files:
 
 * ``index.rank<NNNNN>.jsonl``: one JSON object per line, ``kind`` ``"pass"`` (one traced schedule

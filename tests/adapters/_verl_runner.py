@@ -35,7 +35,7 @@ from r3bridge.adapters.verl.codec import ROUTES_KEY, VerlCodec
 from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
-from r3bridge.megatron.phase import PhaseRunner
+from r3bridge.session.phase import PhaseRunner
 from r3bridge.testing.harness.data import PackedBatch, local_inputs
 from r3bridge.testing.harness.schedule import make_forward_step
 from r3bridge.testing.kit.conformance import TWO_RANK, CanonicalRollout

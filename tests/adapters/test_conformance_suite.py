@@ -7,8 +7,8 @@ import torch
 
 from r3bridge import ParallelLayout, ReplayBatch
 from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows
-from r3bridge.megatron.phase import install_before_forward
 from r3bridge.protocols import BatchCodec
+from r3bridge.session.phase import install_before_forward
 from r3bridge.testing.kit.conformance import (
     assert_same_batch,
     check_ingest,

@@ -1,7 +1,7 @@
 """r3bridge's metrics through each framework's own reduction (docs/metrics.md, "Aggregation").
 
 Two update passes (mini-batches) of real driver metrics (``AgreementCounter`` -> ``summarize_layers``
--> ``tag_phase``, what :class:`r3bridge.megatron.PhaseRunner` hands the adapters) go through verl's
+-> ``tag_phase``, what :class:`r3bridge.session.PhaseRunner` hands the adapters) go through verl's
 append-list convention and ``reduce_metrics``, SkyRL's ``reduce_metrics`` and AReaL's stats tracker
 (as the AReaL adapter logs into it). Every framework must give the documented value of every key:
 counts and ratios as the mean per pass, ``*_min`` as the minimum over passes, under the same names.

@@ -91,7 +91,7 @@ def test_verl_engine_refuses_topk_mismatch_before_the_schedule():
     from r3bridge.adapters.verl.hooks import R3BridgeMegatronEngine
     from r3bridge.config import Phase
     from r3bridge.hf import ModelInfo
-    from r3bridge.megatron.session import AdapterSession
+    from r3bridge.session.adapter_session import AdapterSession
 
     engine = SimpleNamespace(r3=AdapterSession("verl", where=None))
     engine.r3.model = ModelInfo(num_experts=E, topk=K)

@@ -367,7 +367,7 @@ def test_an_adapter_that_reads_no_handles_refuses_route_transport_handles():
     (verl, SkyRL and AReaL today) would leave the job on the inline routes silently: the session
     refuses it, naming the setting; an adapter that declares it reads handles gets its session."""
     from r3bridge.errors import ConfigError
-    from r3bridge.megatron import AdapterSession
+    from r3bridge.session import AdapterSession
 
     cfg = {"replay_mode": "R3", "route_transport": "handles"}
     for framework in ("verl", "skyrl", "areal"):

@@ -147,7 +147,7 @@ def test_the_actor_model_cannot_be_declared_another_role(checks):
 
 def test_the_role_guard_refuses_the_actor_in_the_adapters_words():
     from r3bridge.errors import RoleError
-    from r3bridge.megatron.session import declared_session
+    from r3bridge.session.adapter_session import declared_session
 
     with pytest.raises(RoleError, match="^the actor replays through the adapter's actor engine$"):
         declared_session("fw", [], "actor", actor_refused="the actor replays through the adapter's actor engine")

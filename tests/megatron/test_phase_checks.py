@@ -6,7 +6,7 @@ import pytest
 
 from r3bridge import ConfigError, ReplayBatch, ReplayStateError
 from r3bridge.config import Action, Phase, ReplayConfig
-from r3bridge.megatron.phase import PhaseResult, PhaseRunner
+from r3bridge.session.phase import PhaseResult, PhaseRunner
 
 PROVIDE = {"rollout": "turn on engine routes", "recorded": "write R2 routes back", "off": "turn engine routes off"}
 

@@ -1,4 +1,4 @@
-"""``r3bridge.megatron.PhaseRunner``, the phase loop every adapter shares, tested on its own.
+"""``r3bridge.session.PhaseRunner``, the phase loop every adapter shares, tested on its own.
 
 Real harness models (megatron-core GPT with MoE layers, identity attention so that packed THD
 micro-batches run on CPU and every token's routing depends on that token alone), megatron's own
@@ -19,8 +19,8 @@ import torch
 from replay_grid import make_routes
 
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
-from r3bridge.megatron.phase import PhaseResult, PhaseRunner, phase_tag
 from r3bridge.metrics import tag_phase
+from r3bridge.session.phase import PhaseResult, PhaseRunner, phase_tag
 from r3bridge.testing.harness import dist
 from r3bridge.testing.harness.data import PackedBatch, make_packed_batch
 from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
@@ -318,7 +318,7 @@ class _OneRank:
     def install_before_forward(self) -> dict[str, Any]:
         """The pre-hook directly: prepended before a hook already there, counts per chunk,
         removed after the context, also when the schedule raises inside it."""
-        from r3bridge.megatron import install_before_forward
+        from r3bridge.session import install_before_forward
 
         model = self.chunks[0]
         order: list[Any] = []

@@ -1,4 +1,4 @@
-"""Route traces (``trace_dir``) written by the driver through :class:`r3bridge.megatron.PhaseRunner`
+"""Route traces (``trace_dir``) written by the driver through :class:`r3bridge.session.PhaseRunner`
 and read back by :mod:`r3bridge.trace` and the CLI, on real harness models (megatron-core GPT, MoE
 on every layer, identity attention, megatron's schedules).
 
@@ -33,7 +33,8 @@ def _job(ctx, root: str) -> dict:
     from replay_grid import make_routes
 
     from r3bridge.config import Phase, ReplayConfig
-    from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
+    from r3bridge.megatron import MicroBatch, Replayer
+    from r3bridge.session import PhaseRunner
     from r3bridge.testing.harness.data import make_packed_batch
     from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
     from r3bridge.testing.harness.probe import RoutingProbe
@@ -330,7 +331,8 @@ def _budget(ctx, root: str, max_bytes: int, every: int) -> dict:
     from replay_grid import make_routes
 
     from r3bridge.config import Phase, ReplayConfig
-    from r3bridge.megatron import MicroBatch, PhaseRunner, Replayer
+    from r3bridge.megatron import MicroBatch, Replayer
+    from r3bridge.session import PhaseRunner
     from r3bridge.testing.harness.data import make_packed_batch
     from r3bridge.testing.harness.models import ModelSpec, build_model_chunks
     from r3bridge.testing.harness.schedule import make_forward_step, run_schedule

@@ -23,7 +23,7 @@ Files, in the order data flows (the same in every adapter):
 * ``codec.py`` - :class:`MadeupfwCodec`, the :class:`r3bridge.protocols.BatchCodec`: the
   training batch <-> ReplayBatch;
 * ``hooks.py`` - :class:`MadeupfwEngineMixin`: the framework method that runs Megatron's
-  schedule, wrapped in :class:`r3bridge.megatron.PhaseRunner`.
+  schedule, wrapped in :class:`r3bridge.session.PhaseRunner`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Where to hook: the framework method that calls Megatron's ``forward_backward_func`` once per
 mini-batch (or log-prob pass); here ``forward_backward(micro_batches, forward_only)``. Run it
-inside :meth:`r3bridge.megatron.PhaseRunner.run`, which owns the phase: plan (replay off and the
+inside :meth:`r3bridge.session.PhaseRunner.run`, which owns the phase: plan (replay off and the
 reference model run untouched), the driver step, the install of every (chunk, micro-batch) right
 before the chunk's forward, padding sequences, metrics and R2's recorded routes. The adapter
 supplies one :class:`r3bridge.megatron.MicroBatch` per micro-batch:
@@ -23,7 +23,8 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, ReplayConfig
 from r3bridge.errors import ConfigError
-from r3bridge.megatron import MicroBatch, PhaseResult, PhaseRunner
+from r3bridge.megatron import MicroBatch
+from r3bridge.session import PhaseResult, PhaseRunner
 
 from .codec import RECORDED_KEY, ROUTES_KEY, SAMPLE_KEY, MadeupfwCodec
 from .config import replay_config

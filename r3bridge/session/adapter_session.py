@@ -16,7 +16,7 @@ every adapter used to set up by hand lives here, in this order:
    (``None``: route natively; a non-actor model is re-checked first),
    :meth:`~AdapterSession.check_routes` / :meth:`~AdapterSession.check_topk` (the batch carries
    the routes the plan needs, of the model's top-k), :meth:`~AdapterSession.run` around the
-   framework's schedule call (:class:`~r3bridge.megatron.PhaseRunner`: the driver pass, the
+   framework's schedule call (:class:`~r3bridge.session.PhaseRunner`: the driver pass, the
    per-(chunk, micro-batch) install of the adapter's :class:`~r3bridge.megatron.MicroBatch`
    records, provenance, traces);
 4. **after the pass**: :meth:`~AdapterSession.metrics_to_log` (the driver's metrics tagged by
@@ -42,9 +42,9 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.hf import ModelInfo, check_topk
-from r3bridge.megatron.phase import PhaseResult, PhaseRunner, Targets
 from r3bridge.megatron.replay_pass import ReplayPass
 from r3bridge.megatron.roles import Role, check_declared, declare_role
+from r3bridge.session.phase import PhaseResult, PhaseRunner, Targets
 
 __all__ = ["AdapterSession", "averaged", "declared_session"]
 
@@ -229,7 +229,7 @@ def averaged(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
 def declared_session(framework: str, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, role: Role | str, *,
                      actor_refused: str = "the actor replays through the adapter's actor engine") -> Any:
     """The role guard of a model a framework built for another role than the actor (reference,
-    teacher, critic): an :class:`~r3bridge.megatron.AdapterSession` of that role, the model declared
+    teacher, critic): an :class:`~r3bridge.session.AdapterSession` of that role, the model declared
     now (:func:`declare_role`: no replay object may reach it). Call the session's ``check_role()``
     before each of the model's passes (or ``plan()``, which does): it re-checks that nothing gave the
     model a replay object since. ``actor_refused``: the :class:`RoleError` when ``role`` is the actor,

@@ -1,6 +1,6 @@
 """Writing route traces (the ``r3bridge`` options ``trace_dir``, ``trace_every``, ``trace_max_bytes``).
 
-One implementation for every adapter: :class:`r3bridge.megatron.PhaseRunner` owns a
+One implementation for every adapter: :class:`r3bridge.session.PhaseRunner` owns a
 :class:`RunTracer` when ``trace_dir`` is set, opens a :class:`PassTrace` on the driver pass of
 each traced pass, and the driver pass hands it, from inside the router hook, what each router call of a
 forward routed: the router's own top-k (computed under replay anyway for the agreement metric)
@@ -20,13 +20,12 @@ MAX all-reduce of a flag), so a pass is either written by all of them or by none
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig
-from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.metrics import tag_phase
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.trace.format import (
@@ -37,6 +36,9 @@ from r3bridge.trace.format import (
     rank_batch,
     write_payload,
 )
+
+if TYPE_CHECKING:      # the driver's record of an install: the writer only reads its fields
+    from r3bridge.megatron.installed import InstalledMicroBatch
 
 
 class TracedReplayer(Protocol):

@@ -37,8 +37,8 @@ from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
 from r3bridge.errors import ConfigError, ReplayStateError
 from r3bridge.megatron.replay_pass import MicroBatch, ReplayPass
-from r3bridge.megatron.trace import RunTracer
 from r3bridge.metrics import summarize_layers, tag_phase
+from r3bridge.trace.writing import RunTracer
 
 __all__ = ["PhaseResult", "PhaseRunner", "install_before_forward", "forward_packing", "phase_tag", "Targets"]
 
@@ -84,7 +84,7 @@ class PhaseRunner:
         self.config = config
         self.carry = carry_log_prob_metrics
         self._held: dict[str, list[float]] = {}
-        # route traces (the trace_dir option), written by r3bridge.megatron.trace for every adapter
+        # route traces (the trace_dir option), written by r3bridge.trace.writing for every adapter
         self.tracer = None if config.trace_dir is None else RunTracer(config, framework)
 
     @property
