@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping, Optional
@@ -90,12 +89,6 @@ class Action(str, Enum):
 class PhasePlan:
     action: Action
     route_kind: str | None   # which routes a replay pass replays: "rollout" (R3) or "recorded" (R2)
-
-    @property
-    def source(self) -> str | None:
-        """Deprecated spelling of :attr:`route_kind`."""
-        warnings.warn("PhasePlan.source is deprecated: read route_kind", DeprecationWarning, stacklevel=2)
-        return self.route_kind
 
 
 _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
@@ -309,16 +302,6 @@ class ReplayConfig:
         if not added:
             return section, ORIGIN_CONFIG
         return cls.from_mapping({**have, **{k: theirs[k] for k in added}}), f"{ORIGIN_CONFIG} + {env_origin}: {', '.join(added)}"
-
-    @classmethod
-    def resolve_with_source(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None,
-                            environ: Mapping[str, str] | None = None, *,
-                            section_name: str = "the job's r3bridge section",
-                            set_keys: "Iterable[str] | None" = None) -> "tuple[ReplayConfig, str]":
-        """Deprecated spelling of :meth:`resolve_with_origin` ("source" names routes' kinds only)."""
-        warnings.warn("ReplayConfig.resolve_with_source is deprecated: use resolve_with_origin", DeprecationWarning,
-                      stacklevel=2)
-        return cls.resolve_with_origin(cfg, environ, section_name=section_name, set_keys=set_keys)
 
     @classmethod
     def resolve(cls, cfg: "ReplayConfig | Mapping[str, Any] | None" = None) -> "ReplayConfig":

@@ -53,10 +53,10 @@ class RolloutIngest(Protocol):
 class BatchCodec(Protocol):
     """Trainer side of an adapter (``native`` is the framework's batch object)."""
 
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
+    def to_replay_batch(self, native: Any, *, route_kind: str = "rollout") -> ReplayBatch:
         """The routes ``native`` carries, one sequence per sample, in batch order (canonical form).
-        ``source``: the route kind to read, ``"rollout"`` or ``"recorded"`` (the keyword every
-        adapter implements and the conformance kit passes; ``ReplayBatch`` says ``route_kind``)."""
+        ``route_kind``: which routes to read, ``"rollout"`` or ``"recorded"`` (the keyword every
+        adapter implements and the conformance kit passes)."""
         ...
 
     def write_recorded(self, native: Any, recorded: ReplayBatch) -> Any:

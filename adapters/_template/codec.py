@@ -89,10 +89,10 @@ class TemplateCodec:
         return HandedRoutes.from_padded(routes, attn, num_experts=self.num_experts, layer_ids=self.moe_layer_ids,
                                         columns=cols, no_route="mask", valid=native[VALID_KEY], route_kind="rollout")
 
-    def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
+    def to_replay_batch(self, native: dict, *, route_kind: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order (the reader's
-        whole-batch form of :meth:`handed_routes`; ``source``: the route kind, the kit's keyword)."""
-        return self.handed_routes(native, route_kind=source).to_batch(drop_final_invalid=source != "recorded")
+        whole-batch form of :meth:`handed_routes`)."""
+        return self.handed_routes(native, route_kind=route_kind).to_batch(drop_final_invalid=route_kind != "recorded")
 
     def write_recorded(self, native: dict, recorded: ReplayBatch) -> dict:
         """R2: the recorded routes (batch order, start 0) placed on each sample's tokens,

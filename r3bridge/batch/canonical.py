@@ -10,17 +10,15 @@ same routes are the same bytes whichever engine produced them.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
 import torch
 
-from r3bridge.batch.provenance import parse_route_label
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.engines.decoders import moe_layers_of  # the one MoE-layer selection rule (re-exported for adapters)
 from r3bridge.errors import CoverageError
 
-__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_route_kind", "with_source", "nonzero_rows",
+__all__ = ["drop_final_invalid_rows", "canonical_form", "with_empty_sequences", "with_route_kind", "nonzero_rows",
            "moe_layers_of"]
 
 
@@ -101,14 +99,6 @@ def with_route_kind(rb: ReplayBatch, route_kind: str, engine: Optional[str] = No
     return ReplayBatch(rb.routes, rb.valid, rb.rows_per_seq, rb.start_rows, rb.layer_ids, rb.num_experts,
                        rb.topk, route_kind, rb.policy_versions, rb.offsets, rb.provenance, weights=rb.weights,
                        engine=engine)
-
-
-def with_source(rb: ReplayBatch, source: str) -> ReplayBatch:
-    """Deprecated: :func:`with_route_kind` with one word for both (``"rollout"``, ``"recorded"``, or an
-    engine's name: :func:`r3bridge.batch.provenance.parse_route_label`)."""
-    warnings.warn("with_source(rb, source) is deprecated: use with_route_kind(rb, route_kind, engine)",
-                  DeprecationWarning, stacklevel=2)
-    return with_route_kind(rb, *parse_route_label(source))
 
 
 def nonzero_rows(routes: torch.Tensor, *, recorded: bool = False) -> torch.Tensor:

@@ -20,7 +20,6 @@ engine re-prefilled the *same* request (its tokens stay); an attempt regenerates
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -51,7 +50,6 @@ __all__ = [
     "ROUTE_KINDS",
     "route_label",
     "parse_route_label",
-    "kind_and_engine",
 ]
 
 CHECK_MODES = ("refuse", "count", "off")
@@ -77,19 +75,9 @@ def route_label(route_kind: str, engine: str | None) -> str:
 
 
 def parse_route_label(label: str) -> tuple[str, str | None]:
-    """(route kind, engine) of a :func:`route_label` (or of a ``source=`` of older callers): a route
-    kind stands for itself, any other word is the engine of rollout routes."""
+    """(route kind, engine) of a :func:`route_label`: a route kind stands for itself, any other
+    word is the engine of rollout routes."""
     return (label, None) if label in ROUTE_KINDS else ("rollout", label)
-
-
-def kind_and_engine(route_kind: str, engine: str | None, source: str | None, where: str) -> tuple[str, str | None]:
-    """(route kind, engine) from a constructor's arguments: the two fields, or the deprecated
-    ``source=`` (one word for both, :func:`parse_route_label`; warns once per call)."""
-    if source is None:
-        return route_kind, engine
-    warnings.warn(f"{where}(source=...) is deprecated: pass route_kind= ('rollout', 'recorded') and engine= (the "
-                  f"engine's name)", DeprecationWarning, stacklevel=3)
-    return parse_route_label(str(source))
 
 
 def reported_int(value: Any) -> Optional[int]:

@@ -13,7 +13,6 @@ Principles (docs/architecture.md):
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -28,7 +27,6 @@ from r3bridge.batch.provenance import (
     RouteProvenance,
     checked_provenance,
     concat_provenance,
-    kind_and_engine,
     parse_route_label,
     route_label,
     select_provenance,
@@ -152,12 +150,9 @@ class ReplayBatch:
         provenance: Sequence[RouteProvenance | None] | None = None,
         weights: Sequence | None = None,
         engine: str | None = None,
-        source: str | None = None,
     ) -> "ReplayBatch":
         """One array/tensor ``[rows_i, L, K]`` (any int dtype) per sequence; ``weights`` (optional):
-        one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert.
-        ``source``: deprecated, one word for ``route_kind`` and ``engine`` (:func:`parse_route_label`)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_ragged")
+        one real array ``[rows_i, L, K]`` per sequence, the gate weight of each routed expert."""
         batch = cls._ragged_routes(routes, num_experts=num_experts, layer_ids=layer_ids, start_rows=start_rows,
                                    valid=valid, route_kind=route_kind, engine=engine,
                                    policy_versions=policy_versions, provenance=provenance)
@@ -243,11 +238,9 @@ class ReplayBatch:
         provenance: Sequence[RouteProvenance | None] | None = None,
         weights: torch.Tensor | None = None,
         engine: str | None = None,
-        source: str | None = None,
     ) -> "ReplayBatch":
         """Already packed ``[total_rows, L, K]`` routes plus ``rows_per_seq`` (and optionally their
-        ``weights``, same shape). Validates. ``source``: deprecated (:func:`parse_route_label`)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_packed")
+        ``weights``, same shape). Validates."""
         routes = as_int_tensor(routes, what="routes")
         if routes.dim() != 3:
             raise RouteShapeError(f"routes must be [rows, layers, topk], got shape {tuple(routes.shape)}")
@@ -275,11 +268,9 @@ class ReplayBatch:
     @classmethod
     def from_padded(cls, routes, attention_mask, *, num_experts: int, layer_ids: Sequence[int],
                     valid=None, route_kind: str = "rollout",
-                    provenance: Sequence[RouteProvenance | None] | None = None, engine: str | None = None,
-                    source: str | None = None) -> "ReplayBatch":
-        """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token.
-        ``source``: deprecated (:func:`parse_route_label`)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "ReplayBatch.from_padded")
+                    provenance: Sequence[RouteProvenance | None] | None = None,
+                    engine: str | None = None) -> "ReplayBatch":
+        """``[B, S, L, K]`` + ``[B, S]`` mask, left or right padding; one row per unmasked token."""
         flat, lens, v = padded_rows(
             as_int_tensor(routes, what="padded"), as_mask(attention_mask, what="attention_mask", error=CoverageError),
             None if valid is None else as_mask(valid, what="valid", error=CoverageError))
@@ -292,7 +283,7 @@ class ReplayBatch:
                   start_rows: Sequence[int] | None = None,
                   provenance: Sequence[RouteProvenance | None] | None = None,
                   weights: Sequence | None = None, layer_axis: str = ALL_HIDDEN,
-                  engine: str | None = "vllm", source: str | None = None,
+                  engine: str | None = "vllm",
                   engine_version: str | None = None) -> "ReplayBatch":
         """vLLM ``CompletionOutput``s or their ``routed_experts`` (any transport:
         :func:`r3bridge.engines.decoders.decode_vllm_routes`). ``provenance``: one per item, the engine
@@ -300,12 +291,11 @@ class ReplayBatch:
         outputs). ``weights``: optional, one array per sequence in the routes' shape (every
         reported layer; vLLM itself returns none). ``layer_axis`` (:mod:`r3bridge.engines.layer_axis`):
         vLLM reports every hidden layer; ``"moe_only"`` reads one entry per ``moe_layer_ids``
-        (routes and weights alike). Rollout routes of ``engine``; ``source``: deprecated.
+        (routes and weights alike). Rollout routes of ``engine``.
         ``engine_version``: the vLLM release that returned them; its format
         (:data:`r3bridge.engines.route_formats.ROUTE_FORMATS`: 0.21's split int16 lists over MoE layers,
         0.22-0.30's array, 0.31+'s AuxOutput emissions) decodes each item, and an item in another
         format is refused naming the release. ``None``: read from each item's own fields."""
-        route_kind, engine = kind_and_engine("rollout", engine, source, "ReplayBatch.from_vllm")
         layer_axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         items = list(items)
         if engine == "vllm" and (engine_version is not None or any(vllm_needs_format(it) for it in items)):
@@ -323,12 +313,12 @@ class ReplayBatch:
                     check_dense_layers_empty(a, list(moe_layer_ids), layer_dim=1, field=f"sequence {i}")
         batch = cls._from_vllm_routes(items, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
                                       start_rows=start_rows, provenance=provenance, layer_axis=layer_axis,
-                                      route_kind=route_kind, engine=engine)
+                                      route_kind="rollout", engine=engine)
         if weights is None:
             return batch
         moe = _opt_ids(moe_layer_ids, "moe_layer_ids", LayerMappingError)
         return batch.with_weights(_ragged_weights(
-            [select_layers(decode_vllm_weights(w, seq=i), moe, i, f"{route_label(route_kind, engine)} weights", layer_axis)
+            [select_layers(decode_vllm_weights(w, seq=i), moe, i, f"{route_label('rollout', engine)} weights", layer_axis)
              for i, w in enumerate(weights)], batch))
 
     @classmethod
@@ -453,14 +443,6 @@ class ReplayBatch:
     @property
     def total_rows(self) -> int:
         return int(self.routes.shape[0])
-
-    @property
-    def source(self) -> str:
-        """Deprecated: :func:`route_label` of ``route_kind`` and ``engine`` (the engine's name for
-        rollout routes that name one, else the route kind)."""
-        warnings.warn("ReplayBatch.source is deprecated: read route_kind (and engine)", DeprecationWarning,
-                      stacklevel=2)
-        return route_label(self.route_kind, self.engine)
 
     @property
     def offsets(self) -> torch.Tensor:

@@ -40,6 +40,6 @@ class HandedCodec:
         padding on either side)."""
         return native["attention_mask"].sum(-1).long().tolist()
 
-    def to_replay_batch(self, native: Any, *, source: str = "rollout") -> ReplayBatch:
+    def to_replay_batch(self, native: Any, *, route_kind: str = "rollout") -> ReplayBatch:
         """The routes ``native`` carries, one sequence per sample, in batch order (canonical form)."""
-        return self.handed_routes(native, route_kind=source).to_batch(invalid_rows=self.invalid_rows)
+        return self.handed_routes(native, route_kind=route_kind).to_batch(invalid_rows=self.invalid_rows)

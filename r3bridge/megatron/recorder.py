@@ -12,7 +12,7 @@ micro-batches' ``seq_lens``, so no size exchange is needed:
 Each rank then reads the whole batch out of the gathered buffer in one pass
 (:func:`r3bridge.parallel.unsharding.assemble_gathered`): one plan over all micro-batches (which rank and row
 holds each token, once per micro-batch, never per stage), then a few transposing copies or one
-gather on the device the ids were gathered on, straight into per-sample order. The result is a host ReplayBatch with source
+gather on the device the ids were gathered on, straight into per-sample order. The result is a host ReplayBatch of route kind
 "recorded", one row per token, sequences sorted by ``sample_ids`` so the update micro-batches can
 be re-partitioned freely.
 """

@@ -2,7 +2,6 @@
 one :class:`ReplayPass` per pass (one schedule run). See docs/driver-api.md."""
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -154,12 +153,6 @@ class Replayer:
         "recorded", ``PhasePlan.route_kind``), checked against each installed batch."""
         check_actor(self._actor_routers, self._hooks)
         return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind)
-
-    def step(self, action: Action | str, *, forward_only: bool, source: str | None = None) -> ReplayPass:
-        """Deprecated name of :meth:`open_pass` ("step" means the RL step only)."""
-        warnings.warn("Replayer.step(..., source=) is deprecated: use Replayer.open_pass(..., route_kind=)",
-                      DeprecationWarning, stacklevel=2)
-        return self.open_pass(action, forward_only=forward_only, route_kind=source)
 
     def chunk_index(self, model: torch.nn.Module | int) -> int:
         if isinstance(model, int):

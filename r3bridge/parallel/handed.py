@@ -36,7 +36,6 @@ import torch
 
 from r3bridge._validate import as_index, as_index_list, as_mask, check_readable, native_order
 from r3bridge.batch.meta import checked_meta
-from r3bridge.batch.provenance import kind_and_engine, route_label
 from r3bridge.batch.route_weights import as_weights_tensor
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.decoders import decode_vllm_routes, decode_vllm_weights
@@ -141,12 +140,10 @@ class HandedRoutes:
                     start_rows: Optional[Sequence[int]] = None, layer_axis: Optional[str] = ALL_HIDDEN,
                     weights: Optional[Sequence[Any]] = None, route_kind: str = "rollout",
                     names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                    source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
+                    framework: Optional[str] = None) -> "HandedRoutes":
         """vLLM-style per-sequence engine outputs (any transport
         :func:`r3bridge.engines.decoders.decode_vllm_routes` reads: ``[rows, num_hidden_layers, K]``), every
-        handed row a route; ``moe_layer_ids`` selects the MoE layers by id. ``source``: deprecated
-        (``route_kind`` and ``engine`` in one word)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_engine")
+        handed row a route; ``moe_layer_ids`` selects the MoE layers by id."""
         num_experts = as_index(num_experts, what="num_experts", error=RouteShapeError)
         axis = check_layer_axis(layer_axis) or ALL_HIDDEN
         moe = None if moe_layer_ids is None else as_index_list(moe_layer_ids, what="moe_layer_ids",
@@ -183,12 +180,10 @@ class HandedRoutes:
     def from_packed(cls, values: Any, rows_per_seq: Sequence[int], *, num_experts: int, layer_ids: Sequence[int],
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout", names: Optional[Sequence[str]] = None,
-                    weights: Any = None, engine: Optional[str] = None, source: Optional[str] = None,
+                    weights: Any = None, engine: Optional[str] = None,
                     framework: Optional[str] = None) -> "HandedRoutes":
         """One packed buffer ``[sum rows, L_src, K]`` (a nested field's values, a packed
-        tensor), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``.
-        ``source``: deprecated (``route_kind`` and ``engine`` in one word)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_packed")
+        tensor), sequences consecutive; ``valid`` ``[sum rows]`` with ``no_route="mask"``."""
         v = _int_tensor(values, what="routes")
         if v.dim() != 3:
             raise RouteShapeError(f"packed routes must be [rows, layers, topk], got shape {tuple(v.shape)}")
@@ -211,11 +206,9 @@ class HandedRoutes:
                     columns: Optional[Sequence[int]] = None, no_route: str = "none", valid: Any = None,
                     sentinel: Optional[int] = None, route_kind: str = "rollout",
                     names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                    source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
+                    framework: Optional[str] = None) -> "HandedRoutes":
         """A padded ``[B, S, L_src, K]`` field and its ``[B, S]`` mask (left or right padding): one
-        row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``. ``source``: deprecated
-        (``route_kind`` and ``engine`` in one word)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_padded")
+        row per unmasked token; ``valid`` ``[B, S]`` with ``no_route="mask"``."""
         r = _int_tensor(routes, what="padded routes")
         if r.dim() != 4:
             raise RouteShapeError(f"padded routes must be [batch, seq, layers, topk], got shape {tuple(r.shape)}")
@@ -238,11 +231,9 @@ class HandedRoutes:
     def from_sequence_last(cls, routes: Any, rows: Sequence[int], lens: Sequence[int], *, num_experts: int,
                            layer_ids: Sequence[int], sentinel: int, route_kind: str = "rollout",
                            names: Optional[Sequence[str]] = None, engine: Optional[str] = None,
-                           source: Optional[str] = None, framework: Optional[str] = None) -> "HandedRoutes":
+                           framework: Optional[str] = None) -> "HandedRoutes":
         """Rows ``rows`` of a ``[B, L, K, S]`` field (sequence last), tokens
-        ``[0, lens[i])`` of each, ``sentinel`` where a token has no route. ``source``: deprecated
-        (``route_kind`` and ``engine`` in one word)."""
-        route_kind, engine = kind_and_engine(route_kind, engine, source, "HandedRoutes.from_sequence_last")
+        ``[0, lens[i])`` of each, ``sentinel`` where a token has no route."""
         t = _int_tensor(routes, what="routes")
         if t.dim() != 4:
             raise RouteShapeError(f"routes must be [batch, layers, topk, seq], got {tuple(t.shape)}")
@@ -290,14 +281,6 @@ class HandedRoutes:
     @property
     def device(self) -> torch.device:
         return self.grid.device if self.grid is not None else torch.device("cpu")
-
-    @property
-    def source(self) -> str:
-        """Deprecated: ``route_kind`` and ``engine`` in one word (the engine's name for rollout routes
-        that name one, else the route kind)."""
-        warnings.warn("HandedRoutes.source is deprecated: read route_kind (and engine)", DeprecationWarning,
-                      stacklevel=2)
-        return route_label(self.route_kind, self.engine)
 
     @property
     def has_weights(self) -> bool:

@@ -370,14 +370,14 @@ def run(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     fwd = make_forward_step(ctx, thd=True, collect_logits=True)
 
     def checked(
-        action: str, forward_only: bool, source: str | None, want: list, train: bool, route_map: dict, tag: str
+        action: str, forward_only: bool, route_kind: str | None, want: list, train: bool, route_map: dict, tag: str
     ) -> tuple[dict, list]:
         for c in chunks:
             c.train(train)
             c.zero_grad(set_to_none=True)
         counts: dict[str, int] = {}
         with RoutingProbe(chunks, include_mtp=False) as probe:
-            with rep.open_pass(action, forward_only=forward_only, route_kind=source) as st:
+            with rep.open_pass(action, forward_only=forward_only, route_kind=route_kind) as st:
                 out = run_schedule(chunks, batches, _install_step(st, fwd, route_map, ids), forward_only=forward_only)
         errs = _check_probe(probe, cpu_batches, want, ctx, False, False, moe_layers, counts)
         res[f"{tag}_metrics"] = {k: v for k, v in st.metrics.items() if isinstance(v, (int, float))}

@@ -279,12 +279,12 @@ def replay_case(case: Case, chunks: list, rep: Any, ctx: Any, out: dict[str, Any
     out["replayer_layers"] = layers
     fwd = make_forward_step(ctx, thd=thd)
 
-    def checked(action: str, source: Optional[str], route_map: dict) -> tuple[dict, list[str]]:
+    def checked(action: str, route_kind: Optional[str], route_map: dict) -> tuple[dict, list[str]]:
         for c in chunks:
             c.eval()
         counts: dict[str, int] = {}
         with RoutingProbe(chunks, include_mtp=False) as probe:
-            with rep.open_pass(action, forward_only=True, route_kind=source) as st:
+            with rep.open_pass(action, forward_only=True, route_kind=route_kind) as st:
                 run_schedule(chunks, [batch], _install_step(st, fwd, route_map, ids), forward_only=True)
         errs = _check_probe(probe, [cpu_batch], [routes], ctx, False, False, layers, counts)
         return counts, errs

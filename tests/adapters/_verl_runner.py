@@ -287,7 +287,7 @@ class VerlRunner:
         payload = [None]
         if src:
             data[ROUTES_KEY] = output["model_output"][ROUTES_KEY]
-            payload = [self.codec.to_replay_batch(data, source="recorded").to_bytes()]
+            payload = [self.codec.to_replay_batch(data, route_kind="recorded").to_bytes()]
         torch.distributed.broadcast_object_list(payload, src=flags.index(True))
         rb = ReplayBatch.from_bytes(payload[0])
         back = sorted(range(len(order)), key=order.__getitem__)

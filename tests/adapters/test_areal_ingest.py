@@ -129,7 +129,7 @@ def test_conformance_recorded_survives_split():
     codec = ArealCodec(ac.model_info(rollout))
     g = torch.Generator().manual_seed(0)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in codec.seq_lens(batch)],
-                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 2, 3], route_kind="recorded")
     assert check_recorded_survives_split(codec, batch, rec, parts=(1, 2, 3)) >= 3
     assert batch[RECORDED_KEY].shape[:3] == (6, 3, 2)
 

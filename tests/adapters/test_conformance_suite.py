@@ -21,7 +21,7 @@ from r3bridge.testing.kit.conformance import (
 def test_rollouts_cover_the_hard_cases():
     r = make_rollout(0, batch_size=9)
     want = r.expected()
-    assert want.source == "rollout" and want.layer_ids == (1, 2, 3)
+    assert want.route_kind == "rollout" and want.layer_ids == (1, 2, 3)
     assert any(len(c) > 1 for c in r.calls)                                  # multi-turn / resubmits
     assert any(r.call_prompt_lens[i][t + 1] == len(r.call_tokens[i][t])      # a resubmit
                for i in range(9) for t in range(len(r.calls[i]) - 1))
@@ -49,8 +49,8 @@ class _Dict:
     def __init__(self, lose_order=False, last_seen=False):
         self.lose_order, self.last_seen = lose_order, last_seen
 
-    def to_replay_batch(self, native, *, source="rollout"):
-        return native["recorded" if source == "recorded" else "routes"]
+    def to_replay_batch(self, native, *, route_kind="rollout"):
+        return native["recorded" if route_kind == "recorded" else "routes"]
 
     def write_recorded(self, native, recorded):
         native["recorded"] = recorded
@@ -78,7 +78,7 @@ def _native(r, last_seen=False):
         for c in calls[1:]:
             acc = np.concatenate([acc, c[len(acc):]])
         rb = ReplayBatch.from_ragged([acc[:, r.moe_layer_ids]], num_experts=r.num_experts, layer_ids=r.moe_layer_ids,
-                                     source="rollout")
+                                     route_kind="rollout")
         per.append(canonical_form(rb, [len(r.tokens[i])]))
     return {"routes": ReplayBatch.concat(per), "lens": [len(t) for t in r.tokens]}
 
@@ -90,7 +90,7 @@ def test_good_codec_passes_and_broken_ones_fail():
     with pytest.raises(AssertionError, match="sample"):
         check_ingest(_Dict(), _native(r, last_seen=True), r)
     rec = ReplayBatch.from_ragged([torch.randperm(8)[:2].expand(n, 3, 2) for n in _native(r)["lens"]],
-                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 2, 3], route_kind="recorded")
     assert check_recorded_survives_split(_Dict(), _native(r), rec, parts=(1, 2)) == 3
     with pytest.raises(AssertionError):
         check_recorded_survives_split(_Dict(lose_order=True), _native(r), rec, parts=(2,))
@@ -103,7 +103,7 @@ def test_same_targets_detects_a_difference():
     v = a.valid.clone()
     v[3] = False
     b = ReplayBatch.from_packed(a.routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=v,
-                                source="rollout")
+                                route_kind="rollout")
     lens = [len(t) for t in r.tokens]
     assert check_same_targets({"a": a, "a2": a}, lens) > 0
     with pytest.raises(AssertionError, match=r"b vs a: validity differs on .* rank .*, sample 0, token 3: False vs True"):
@@ -111,7 +111,7 @@ def test_same_targets_detects_a_difference():
     routes = a.routes.clone()
     routes[5, 1] = torch.tensor([3, 2]) if routes[5, 1].tolist() != [3, 2] else torch.tensor([1, 0])
     c = ReplayBatch.from_packed(routes, a.rows_per_seq, num_experts=a.num_experts, layer_ids=a.layer_ids, valid=a.valid,
-                                source="rollout")
+                                route_kind="rollout")
     sample, token = next((i, 5 - int(a.offsets[i])) for i in range(a.num_seqs) if int(a.offsets[i + 1]) > 5)
     with pytest.raises(AssertionError, match=rf"c vs a: targets differ on .*, sample {sample}, token {token}, layer 2:"):
         check_same_targets({"a": a, "c": c}, lens)
@@ -153,7 +153,7 @@ def _shifted(rb: ReplayBatch, seq_lens, by: int) -> ReplayBatch:
         r = torch.cat([r[:1].expand(by, -1, -1), r])[: r.shape[0]]
         v = torch.cat([torch.zeros(by, dtype=torch.bool), v])[: v.shape[0]]
         per.append(canonical_form(ReplayBatch.from_ragged([r], num_experts=rb.num_experts, layer_ids=rb.layer_ids,
-                                                          valid=[v], source=rb.source), [n]))
+                                                          valid=[v], route_kind=rb.route_kind, engine=rb.engine), [n]))
     return ReplayBatch.concat(per)
 
 
@@ -178,7 +178,7 @@ def test_check1_names_the_layer_of_a_wrong_route():
     row = int(want.offsets[2]) + 1           # sample 2, token 1
     routes[row, 1] = torch.tensor([3, 1]) if routes[row, 1].tolist() != [3, 1] else torch.tensor([2, 0])
     got = ReplayBatch.from_packed(routes, want.rows_per_seq, num_experts=want.num_experts, layer_ids=want.layer_ids,
-                                  valid=want.valid, source="rollout")
+                                  valid=want.valid, route_kind="rollout")
     with pytest.raises(AssertionError, match=r"sample 2, token 1, layer 2: routes \[") as e:
         assert_same_batch(got, want, "x")
     assert "shifted" not in str(e.value)
@@ -350,7 +350,7 @@ def test_check1_names_left_padding_and_one_based_layer_ids():
         rows = torch.cat([rv[:1].expand(pad, -1, -1), rv])[: rv.shape[0]]
         valid = torch.cat([torch.zeros(pad, dtype=torch.bool), vv])[: vv.shape[0]]
         per.append(ReplayBatch.from_ragged([rows], num_experts=want.num_experts, layer_ids=want.layer_ids,
-                                           valid=[valid], source="rollout"))
+                                           valid=[valid], route_kind="rollout"))
     assert max(longest - n for n in lens) > 4
     native = {"routes": ReplayBatch.concat(per), "lens": lens}
     with pytest.raises(AssertionError, match=r"sample 0: no routed row but at most its last, and its padding \(20 token") as e:
@@ -359,7 +359,7 @@ def test_check1_names_left_padding_and_one_based_layer_ids():
     assert "5 of 6 samples ([0, 1, 2, 3, 4]) shifted each by exactly its own padding" in msg, msg
     assert "exactly the sample's padding (6 token(s) to the batch's longest sample)" not in msg   # only the first
     one_based = ReplayBatch.from_packed(want.routes, want.rows_per_seq, num_experts=want.num_experts,
-                                        layer_ids=[i + 1 for i in want.layer_ids], valid=want.valid, source="rollout")
+                                        layer_ids=[i + 1 for i in want.layer_ids], valid=want.valid, route_kind="rollout")
     with pytest.raises(AssertionError, match=r"layer_ids: got \(2, 3, 4\), want \(1, 2, 3\); the ids are one more "
                                              r"than the model's MoE layers \[1, 2, 3\] \(1-based ids\?\)"):
         assert_same_batch(one_based, want, "x")

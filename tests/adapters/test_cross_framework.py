@@ -88,14 +88,14 @@ def test_recorded_routes_same_in_every_framework():
     lens = [len(t) for t in rollout.tokens]
     g = torch.Generator().manual_seed(3)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
-                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 2, 3], route_kind="recorded")
     td = verl_batch(rollout)
     td["routed_experts"] = nested_routes(rec)
     got = {"verl": handed_routes(td, moe_layer_ids=[1, 2, 3], num_experts=8, route_kind="recorded").to_batch()}
     sky = sk.codec(rollout)
-    got["skyrl"] = sky.to_replay_batch(sky.write_recorded(sk.training_batch(rollout), rec), source="recorded")
+    got["skyrl"] = sky.to_replay_batch(sky.write_recorded(sk.training_batch(rollout), rec), route_kind="recorded")
     ar = ArealCodec(ac.model_info(rollout))
-    got["areal"] = ar.to_replay_batch(ar.write_recorded(ac.batch(rollout), rec), source="recorded")
+    got["areal"] = ar.to_replay_batch(ar.write_recorded(ac.batch(rollout), rec), route_kind="recorded")
     for name, rb in got.items():
         assert_same_batch(rb, rec, name)
 
@@ -131,7 +131,7 @@ def test_verl_codec_checks_1_to_3():
     lens = [len(t) for t in rollout.tokens]
     g = torch.Generator().manual_seed(5)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
-                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 2, 3], route_kind="recorded")
     assert check_recorded_survives_split(codec, verl_batch(rollout), rec, parts=(1, 2, 3),
                                          orders=(None, [4, 2, 0, 5, 1, 3])) >= 2 * (1 + 2 + 3)
     assert check_same_targets({"verl": got, "canonical": rollout.expected()}, lens) > 0

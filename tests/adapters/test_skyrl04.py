@@ -118,13 +118,13 @@ def check_recorded_written_back_in_04_layout():
     lens = codec.seq_lens(batch)
     g = torch.Generator().manual_seed(0)
     recorded = ReplayBatch.from_ragged([torch.randperm(8, generator=g)[:2].expand(n, 3, 2).clone() for n in lens],
-                                       num_experts=8, layer_ids=rollout.moe_layer_ids, source="recorded")
+                                       num_experts=8, layer_ids=rollout.moe_layer_ids, route_kind="recorded")
     n = check_recorded_survives_split(codec, batch, recorded, parts=(1, 2, 3), orders=(None, [4, 2, 0, 5, 1, 3]))
     assert n > 0
     field = batch["rollout_expert_indices"]
     assert type(field).__name__ == "PackedTensor" and field.values.shape[1] == rollout.num_layers
     padded = _sk("skyrl.backends.skyrl_train.training_batch").pad_training_input_batch(batch, 2)
-    got = codec.to_replay_batch(padded, source="recorded")
+    got = codec.to_replay_batch(padded, route_kind="recorded")
     assert_same_batch(got.select(range(6)), recorded, "recorded routes after SkyRL's batch padding")
     assert not bool(got.select([6, 7]).valid.any())       # SkyRL's padding samples: no route
 

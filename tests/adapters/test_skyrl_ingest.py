@@ -57,7 +57,7 @@ def test_first_seen_beats_skyrl_last_seen_overwrite():
     t1, t2 = _arr(6, seed=1), _arr(10, seed=2)
     rb = rollout_routes([[sk.wire(t1, "json"), sk.wire(t2, "json")]], num_experts=8, moe_layer_ids=[1, 2, 3])
     r, v = rb.sequence(0)
-    assert rb.rows_per_seq == [10] and bool(v.all()) and rb.source == "rollout"
+    assert rb.rows_per_seq == [10] and bool(v.all()) and rb.route_kind == "rollout"
     assert torch.equal(r[:6], torch.from_numpy(t1[:, 1:]))       # first-seen: the rows that sampled
     assert torch.equal(r[6:], torch.from_numpy(t2[6:, 1:]))
     skyrl_overwrite = ReplayBatch.from_ragged([t2[:, 1:]], num_experts=8, layer_ids=[1, 2, 3])
@@ -99,7 +99,7 @@ def test_conformance_recorded_survives_split():
     g = torch.Generator().manual_seed(0)
     lens = codec.seq_lens(batch)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, 8, generator=g).topk(2, -1).indices for n in lens],
-                                  num_experts=8, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 2, 3], route_kind="recorded")
     n = check_recorded_survives_split(codec, batch, rec, parts=(1, 2, 4), orders=(None, [5, 3, 1, 0, 2, 4]))
     assert n == 2 * (1 + 2 + 3)          # 6 samples in chunks of ceil(6/4) = 2: 3 parts
     assert batch.metadata["r3bridge_routes"] == "recorded"
@@ -117,7 +117,7 @@ def test_training_fields_roundtrip_left_padded():
     attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     g = torch.Generator().manual_seed(1)
     rec = ReplayBatch.from_ragged([torch.rand(n, 2, 8, generator=g).topk(2, -1).indices for n in (4, 6)],
-                                  num_experts=8, layer_ids=[1, 3], source="recorded")
+                                  num_experts=8, layer_ids=[1, 3], route_kind="recorded")
     f = training_batch_fields(rec, attn, num_hidden_layers=4)
     assert f[ROUTES_KEY].shape == (2, 6, 4, 2) and f[ROUTES_KEY].dtype == torch.uint8
     assert f[ROUTES_KEY][0, 0, 0].tolist() == [0, 1]                 # dummy rows 0..K-1, never zero rows
@@ -172,7 +172,7 @@ def test_r2_update_through_skyrl_padding_microbatch():
         attn[i, s - n:] = 1
     g = torch.Generator().manual_seed(0)
     rec = ReplayBatch.from_ragged([torch.rand(n, 3, e, generator=g).topk(k, -1).indices for n in [8, 5, 3]],
-                                  num_experts=e, layer_ids=[1, 2, 3], source="recorded")
+                                  num_experts=e, layer_ids=[1, 2, 3], route_kind="recorded")
     zeros = torch.zeros(b, 4)
     data = tb.TrainingInputBatch({"sequences": torch.randint(1, 50, (b, s)), "attention_mask": attn,
                                   "action_log_probs": zeros, "base_action_log_probs": zeros, "values": zeros,

@@ -212,7 +212,7 @@ def _r2(ctx) -> dict:
     codec = VerlCodec(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
                       num_hidden_layers=rollout.num_layers)
     td[ROUTES_KEY] = routes                                 # verl's trainer: the output goes into the batch
-    recorded = codec.to_replay_batch(td, source="recorded")
+    recorded = codec.to_replay_batch(td, route_kind="recorded")
     rec_err, rec_rows = [], 0
     for (s, lid), chose in sorted(native.items()):
         r, v = recorded.sequence(s)

@@ -61,6 +61,6 @@ def test_verl_adapter_plan_is_verls_fp8_packing(fp8, tp, cp):
     assert PackPlan.build(ParallelLayout.from_megatron(config, fp8=bool(fp8)), seq_lens).padded_lens.tolist() == padded
     # every router row of the rank is planned: SP splits the CP-local rows over tp
     routes = ReplayBatch.from_ragged([torch.zeros((n, 1, 2), dtype=torch.int64) + torch.tensor([0, 1])
-                                      for n in seq_lens], num_experts=4, layer_ids=[0], source="vllm")
+                                      for n in seq_lens], num_experts=4, layer_ids=[0], engine="vllm")
     t = shard(routes, layout, seq_lens, cu_seqlens_padded=cu, tp_rank=0, cp_rank=0)
     assert t.num_rows == sum(padded) // cp // (tp if layout.sequence_parallel else 1)

@@ -39,7 +39,7 @@ def expected_rollout_batch(engine, prompt_lens, resp_lens):
         v[: len(arr)] = True
         routes.append(full)
         valid.append(v)
-    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, valid=valid, source="rollout")
+    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, valid=valid, route_kind="rollout")
 
 
 def test_left_right_2_no_padding_batch_converts_exactly():
@@ -50,7 +50,7 @@ def test_left_right_2_no_padding_batch_converts_exactly():
                        num_hidden_layers=NUM_LAYERS).to_batch()
     exp = expected_rollout_batch(engine, pl, rl)
     assert rb.equals(exp)
-    assert rb.routes.dtype == torch.uint8 and rb.source == "rollout"
+    assert rb.routes.dtype == torch.uint8 and rb.route_kind == "rollout"
     assert rb.rows_per_seq == [p + r - 1 for p, r in zip(pl, rl)]
     assert bool(rb.valid.all())
     seq_lens = td["input_ids"].offsets().diff().tolist()
@@ -129,7 +129,7 @@ def _recorded(seq_lens, seed=1):
     rng = np.random.default_rng(seed)
     routes = [np.stack([np.stack([rng.choice(E, K, replace=False) for _ in MOE]) for _ in range(n)])
               for n in seq_lens]
-    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, source="recorded")
+    return ReplayBatch.from_ragged(routes, num_experts=E, layer_ids=MOE, route_kind="recorded")
 
 
 def test_recorded_round_trip_survives_dynamic_micro_batching():

@@ -26,9 +26,10 @@ SEQ1 = [[[3, 2], [1, 0]], [[0, 1], [0, 1]]]
 VALID = [[True, True, True], [True, False]]
 
 
-def _batch(seq0=SEQ0, seq1=SEQ1, valid=VALID, source="vllm"):
+def _batch(seq0=SEQ0, seq1=SEQ1, valid=VALID, route_kind="rollout", engine="vllm"):
     return r3bridge.ReplayBatch.from_ragged([torch.tensor(seq0), torch.tensor(seq1)], num_experts=4,
-                                            layer_ids=[1, 3], start_rows=[0, 2], valid=valid, source=source)
+                                            layer_ids=[1, 3], start_rows=[0, 2], valid=valid,
+                                            route_kind=route_kind, engine=engine)
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def files(tmp_path):
     # row 0 of sequence 1 differs in layer 3 ({1,2}).
     seq0 = [[[0, 3], [2, 3]], [[0, 2], [2, 3]], [[0, 1], [3, 0]]]
     seq1 = [[[3, 2], [1, 2]], [[0, 1], [0, 1]]]
-    b = _batch(seq0, seq1, valid=[[True, True, True], [True, True]], source="recorded")
+    b = _batch(seq0, seq1, valid=[[True, True, True], [True, True]], route_kind="recorded", engine=None)
     pa, pb = tmp_path / "rollout.r3b", tmp_path / "recorded.r3b"
     pa.write_bytes(a.to_bytes())
     pb.write_bytes(b.to_bytes())

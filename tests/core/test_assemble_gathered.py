@@ -65,7 +65,7 @@ def test_matches_the_rank_distribution(name, method):
     got = assemble_gathered(flat, layout, plans, sample_ids, num_experts=E, topk=K, method=method)
     want = ReplayBatch.concat(batches).select(np.argsort(sample_ids).tolist())
     assert got.equals(want)
-    assert got.source == "recorded" and bool(got.valid.all())
+    assert got.route_kind == "recorded" and bool(got.valid.all())
 
 
 def test_refuses_a_buffer_that_does_not_fit():

@@ -27,9 +27,10 @@ def replay_batches(draw):
     layer_ids = sorted(rng.choice(64, L, replace=False).tolist())
     starts = [int(x) for x in rng.integers(0, 100, len(rows))]
     pv = draw(st.none() | st.just([int(x) for x in rng.integers(0, 9, len(rows))]))
-    src = draw(st.sampled_from(["vllm", "sglang", "recorded", "ünïcode"]))
+    kind, engine = draw(st.sampled_from([("rollout", "vllm"), ("rollout", "sglang"), ("recorded", None),
+                                         ("rollout", "ünïcode")]))
     return ReplayBatch.from_ragged(arrays, num_experts=E, layer_ids=layer_ids, start_rows=starts,
-                                   valid=valid, source=src, policy_versions=pv)
+                                   valid=valid, route_kind=kind, engine=engine, policy_versions=pv)
 
 
 @settings(max_examples=60, deadline=None)
@@ -40,7 +41,7 @@ def test_roundtrip_and_nbytes(rb):
     assert rb.nbytes == len(data)
     back = ReplayBatch.from_bytes(data)
     assert back.equals(rb)
-    assert back.source == rb.source and back.policy_versions == rb.policy_versions
+    assert (back.route_kind, back.engine) == (rb.route_kind, rb.engine) and back.policy_versions == rb.policy_versions
     assert back.routes.dtype == rb.routes.dtype
     assert ReplayBatch.from_bytes(memoryview(bytearray(data))).equals(rb)
 
@@ -50,18 +51,18 @@ def test_payload_size_is_routes_plus_small_header():
     rng = np.random.default_rng(0)
     rows, L, K = [100, 37], 5, 8
     rb = ReplayBatch.from_ragged([random_routes(rng, r, L, K, 64) for r in rows], num_experts=64,
-                                 layer_ids=list(range(L)), source="x")
+                                 layer_ids=list(range(L)), engine="x")
     routes_bytes = sum(rows) * L * K
     assert routes_bytes < rb.nbytes < routes_bytes + 120
     rb16 = ReplayBatch.from_ragged([random_routes(rng, r, L, K, 300) for r in rows], num_experts=300,
-                                   layer_ids=list(range(L)), source="x")
+                                   layer_ids=list(range(L)), engine="x")
     assert rb16.nbytes - rb.nbytes == routes_bytes      # int16: exactly one extra byte per id
 
 
 def _sample():
     rng = np.random.default_rng(1)
     return ReplayBatch.from_ragged([random_routes(rng, 4, 2, 2, 8), random_routes(rng, 3, 2, 2, 8)],
-                                   num_experts=8, layer_ids=[1, 3], source="vllm")
+                                   num_experts=8, layer_ids=[1, 3], engine="vllm")
 
 
 @pytest.mark.parametrize("cut", [0, 5, 30, -1, -7])
@@ -130,7 +131,7 @@ def _realistic() -> bytes:
     valid = [rng.random(r) > 0.2 for r in rows]
     rb = ReplayBatch.from_ragged([random_routes(rng, r, 3, 4, 64) for r in rows], num_experts=64,
                                  layer_ids=[1, 2, 5], start_rows=[0, 3, 11], valid=valid,
-                                 source="vllm", policy_versions=[4, 4, 3],
+                                 engine="vllm", policy_versions=[4, 4, 3],
                                  provenance=[RouteProvenance("vllm", "req-0", 4, 0), None,
                                              RouteProvenance("sglang", "r2", None, 1)])
     return rb.to_bytes()

@@ -31,7 +31,7 @@ def test_yaml_values_roundtrip_through_from_mapping():
     assert ReplayConfig.from_mapping(None) == ReplayConfig()
 
 
-@pytest.mark.parametrize("mode, phase, action, source", [
+@pytest.mark.parametrize("mode, phase, action, route_kind", [
     ("off", "compute_log_prob", Action.NATIVE, None),
     ("off", "update", Action.NATIVE, None),
     ("R2", "compute_log_prob", Action.RECORD, None),
@@ -42,9 +42,9 @@ def test_yaml_values_roundtrip_through_from_mapping():
     ("R3", "ref_log_prob", Action.NATIVE, None),
     ("off", "ref_log_prob", Action.NATIVE, None),
 ])
-def test_phase_plan(mode, phase, action, source):
+def test_phase_plan(mode, phase, action, route_kind):
     plan = phase_plan(mode, phase)
-    assert plan.action is action and plan.source == source
+    assert plan.action is action and plan.route_kind == route_kind
     assert ReplayConfig(replay_mode=mode).plan(Phase(phase)) == plan
 
 
@@ -129,17 +129,17 @@ def test_structured_config_refuses_unknown_keys_and_bad_modes():
         omegaconf.OmegaConf.to_object(merged)
 
 
-def test_resolve_with_source_names_where_the_section_came_from(monkeypatch):
+def test_resolve_with_origin_names_where_the_section_came_from(monkeypatch):
     monkeypatch.delenv("R3BRIDGE_CONFIG", raising=False)
     monkeypatch.delenv("R3BRIDGE_REPLAY_MODE", raising=False)
     monkeypatch.delenv("R3BRIDGE_CONFIG_FROM", raising=False)
-    assert ReplayConfig.resolve_with_source(None) == (ReplayConfig(), "default")
-    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"})[1] == "config"
+    assert ReplayConfig.resolve_with_origin(None) == (ReplayConfig(), "default")
+    assert ReplayConfig.resolve_with_origin({"replay_mode": "R2"})[1] == "config"
     monkeypatch.setenv("R3BRIDGE_REPLAY_MODE", "R3")
-    cfg, source = ReplayConfig.resolve_with_source(None)
-    assert cfg.replay_mode is ReplayMode.R3 and source == "environment (R3BRIDGE_REPLAY_MODE)"
+    cfg, origin = ReplayConfig.resolve_with_origin(None)
+    assert cfg.replay_mode is ReplayMode.R3 and origin == "environment (R3BRIDGE_REPLAY_MODE)"
     monkeypatch.setenv("R3BRIDGE_CONFIG", '{"replay_mode": "R3", "min_coverage": 0.5}')
-    assert ReplayConfig.resolve_with_source(None)[1] == "environment (R3BRIDGE_CONFIG)"
+    assert ReplayConfig.resolve_with_origin(None)[1] == "environment (R3BRIDGE_CONFIG)"
 
 
 def test_the_environment_is_merged_with_the_section_or_refused(monkeypatch, tmp_path):
@@ -150,25 +150,25 @@ def test_the_environment_is_merged_with_the_section_or_refused(monkeypatch, tmp_
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     env = {"R3BRIDGE_CONFIG": '{"trace_dir": "routes", "replay_mode": "R3"}'}
-    cfg, source = ReplayConfig.resolve_with_source({"replay_mode": "R3"}, env)
+    cfg, origin = ReplayConfig.resolve_with_origin({"replay_mode": "R3"}, env)
     assert cfg.trace_dir == str(tmp_path / "routes") and cfg.replay_mode is ReplayMode.R3   # absolute here
-    assert source == "config + environment (R3BRIDGE_CONFIG): trace_dir"
+    assert origin == "config + environment (R3BRIDGE_CONFIG): trace_dir"
     # a typed section (SkyRL's trainer.r3bridge, AReaL's r3bridge:): an unset key holds its default
-    cfg, source = ReplayConfig.resolve_with_source(ReplayConfig(replay_mode="R3", min_coverage=0.5), env)
-    assert (cfg.min_coverage, cfg.trace_dir) == (0.5, str(tmp_path / "routes")) and source.endswith(": trace_dir")
-    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"}, {"R3BRIDGE_REPLAY_MODE": "R2"}) == \
+    cfg, origin = ReplayConfig.resolve_with_origin(ReplayConfig(replay_mode="R3", min_coverage=0.5), env)
+    assert (cfg.min_coverage, cfg.trace_dir) == (0.5, str(tmp_path / "routes")) and origin.endswith(": trace_dir")
+    assert ReplayConfig.resolve_with_origin({"replay_mode": "R2"}, {"R3BRIDGE_REPLAY_MODE": "R2"}) == \
         (ReplayConfig(replay_mode="R2"), "config")
     with pytest.raises(ConfigError, match=r"trace_dir='/a' in trainer.r3bridge and trace_dir='/b' in R3BRIDGE_CONFIG"):
-        ReplayConfig.resolve_with_source({"trace_dir": "/a"}, {"R3BRIDGE_CONFIG": '{"trace_dir": "/b"}'},
+        ReplayConfig.resolve_with_origin({"trace_dir": "/a"}, {"R3BRIDGE_CONFIG": '{"trace_dir": "/b"}'},
                                          section_name="trainer.r3bridge")
     with pytest.raises(ConfigError, match=r"replay_mode='off' in .* and replay_mode='R3' in R3BRIDGE_REPLAY_MODE"):
-        ReplayConfig.resolve_with_source({"replay_mode": "off"}, {"R3BRIDGE_REPLAY_MODE": "r3"})
+        ReplayConfig.resolve_with_origin({"replay_mode": "off"}, {"R3BRIDGE_REPLAY_MODE": "r3"})
     with pytest.raises(ConfigError, match="unknown r3bridge option"):
-        ReplayConfig.resolve_with_source({"replay_mode": "R3"}, {"R3BRIDGE_CONFIG": '{"trace_dri": "/b"}'})
+        ReplayConfig.resolve_with_origin({"replay_mode": "R3"}, {"R3BRIDGE_CONFIG": '{"trace_dri": "/b"}'})
     forwarded = {"R3BRIDGE_CONFIG": '{"replay_mode": "R3", "trace_dir": "/b"}', "R3BRIDGE_CONFIG_FROM": "verl launcher"}
-    assert ReplayConfig.resolve_with_source(None, forwarded) == \
+    assert ReplayConfig.resolve_with_origin(None, forwarded) == \
         (ReplayConfig(replay_mode="R3", trace_dir="/b"), "environment (R3BRIDGE_CONFIG from the verl launcher)")
-    assert ReplayConfig.resolve_with_source({"replay_mode": "R2"}, forwarded) == (ReplayConfig(replay_mode="R2"), "config")
+    assert ReplayConfig.resolve_with_origin({"replay_mode": "R2"}, forwarded) == (ReplayConfig(replay_mode="R2"), "config")
 
 
 def test_announce_says_off_by_default_and_the_mode_in_force(monkeypatch, caplog):

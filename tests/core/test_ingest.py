@@ -52,7 +52,7 @@ def test_from_vllm_completion_outputs_all_layers_reported():
     arrays = [vllm_array(rng, p, g, 4, 2, 16) for p, g in lens]
     rb = ReplayBatch.from_vllm([CompletionOutput(a) for a in arrays], num_experts=16)
     assert rb.rows_per_seq == [p + g - 1 for p, g in lens] and rb.layer_ids == (0, 1, 2, 3)
-    assert rb.source == "vllm" and rb.routes.dtype == torch.uint8
+    assert rb.engine == "vllm" and rb.routes.dtype == torch.uint8
     for i, a in enumerate(arrays):
         assert np.array_equal(rb.sequence(i)[0].numpy(), a)
     rb.check_seq_lens([p + g for p, g in lens])            # the last sampled token has no row
@@ -129,7 +129,7 @@ def test_from_sglang_base64_int32(as_str):
         for m in metas:
             m["routed_experts"] = m["routed_experts"].decode()
     rb = ReplayBatch.from_sglang(metas, num_experts=E, num_layers=L, topk=K, moe_layer_ids=[1, 2, 3])
-    assert rb.source == "sglang" and rb.layer_ids == (1, 2, 3) and rb.rows_per_seq == [7, 3]
+    assert rb.engine == "sglang" and rb.layer_ids == (1, 2, 3) and rb.rows_per_seq == [7, 3]
     for i, a in enumerate(full):
         assert np.array_equal(rb.sequence(i)[0].numpy(), a[:, 1:])
 

@@ -50,7 +50,7 @@ def test_trtllm_rows_are_moe_layers_in_order():
     rb = ReplayBatch.from_trtllm([TrtllmOutput(a), b], num_experts=E, moe_layer_ids=MOE)
     assert rb.layer_ids == tuple(MOE) and rb.topk == K and rb.rows_per_seq == [8, 9]
     assert np.array_equal(rb.sequence(0)[0].numpy(), a) and np.array_equal(rb.sequence(1)[0].numpy(), b)
-    assert rb.source == "trtllm"
+    assert rb.engine == "trtllm"
     # the same routes from an all-hidden engine (zero rows in the dense layers) give the same batch
     wide = np.zeros((a.shape[0], HIDDEN, K), dtype=np.int32)
     wide[:, MOE] = a

@@ -197,10 +197,10 @@ def test_mismatch_bad_inputs_raise():
 
 
 # ------------------------------------------------------------------------------- route agreement
-def _rb(seqs, *, E=8, layer_ids=(0, 1), start_rows=None, valid=None, source="ragged"):
+def _rb(seqs, *, E=8, layer_ids=(0, 1), start_rows=None, valid=None, route_kind="rollout", engine="ragged"):
     return r3bridge.ReplayBatch.from_ragged([torch.tensor(s) for s in seqs], num_experts=E,
                                             layer_ids=list(layer_ids), start_rows=start_rows,
-                                            valid=valid, source=source)
+                                            valid=valid, route_kind=route_kind, engine=engine)
 
 
 def test_topk_sets_equal_is_order_insensitive():
@@ -214,8 +214,8 @@ def test_route_agreement_hand_computed():
     #   seq 0 row 0: L0 [1,2] vs [2,1] equal (order),  L1 [3,4] vs [3,5] *
     #   seq 0 row 1: L0 [0,7] vs [0,7],                L1 [5,6] vs [6,5]
     #   seq 1 row 0: L0 [1,3] vs [1,4] *,              L1 [2,0] vs [1,0] *
-    a = _rb([[[[1, 2], [3, 4]], [[0, 7], [5, 6]]], [[[1, 3], [2, 0]]]], source="vllm")
-    b = _rb([[[[2, 1], [3, 5]], [[0, 7], [6, 5]]], [[[1, 4], [1, 0]]]], source="recorded")
+    a = _rb([[[[1, 2], [3, 4]], [[0, 7], [5, 6]]], [[[1, 3], [2, 0]]]], engine="vllm")
+    b = _rb([[[[2, 1], [3, 5]], [[0, 7], [6, 5]]], [[[1, 4], [1, 0]]]], route_kind="recorded", engine=None)
     rep = route_agreement(a, b)
     assert rep.layer_ids == (0, 1)
     assert rep.agree == (2, 1)

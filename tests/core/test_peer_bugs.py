@@ -99,8 +99,8 @@ def test_resubmit_is_deduplicated_not_concatenated():
 def test_r2_never_replays_rollout_routes():
     """verl 0.9.1: R2 combined with rollout routes silently replayed the rollout routes."""
     assert phase_plan("R2", "compute_log_prob").action is Action.RECORD
-    assert phase_plan("R2", "update").source == "recorded"
-    assert phase_plan("R3", "update").source == "rollout"
+    assert phase_plan("R2", "update").route_kind == "recorded"
+    assert phase_plan("R3", "update").route_kind == "rollout"
 
 
 # 8.9 -------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from r3bridge import PayloadError, ProvenanceError, ReplayBatch, RouteProvenance, stitch
-from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_source
+from r3bridge.batch.canonical import canonical_form, drop_final_invalid_rows, with_empty_sequences, with_route_kind
 from r3bridge.batch.provenance import check_pairing, sglang_provenance, vllm_provenance
 from r3bridge.rollout.provenance import first_seen_provenance
 from r3bridge.rollout.stitching import rollout_routes
@@ -62,7 +62,7 @@ def test_every_sequence_operation_keeps_provenance():
     assert rb.select_range(1, 3).provenance == (P[1], P[2])
     assert rb.with_layers([3]).provenance == tuple(P)
     assert rb.to("cpu").provenance == tuple(P)
-    assert with_source(rb, "rollout").provenance == tuple(P)
+    assert with_route_kind(rb, "rollout", None).provenance == tuple(P)
     # a batch without provenance contributes unknown entries, not a dropped field
     assert ReplayBatch.concat([rb, batch(None, rows=(2,))]).provenance == (*P, None)
     assert ReplayBatch.concat([batch(None), batch(None)]).provenance is None
@@ -139,7 +139,7 @@ def test_stitch_keeps_the_first_pass_provenance():
     assert out.provenance == (p0, p1)
     calls = [[first.astype(np.uint8), resubmit.astype(np.uint8)]]
     rb = rollout_routes(calls, num_experts=E, moe_layer_ids=[0, 1], provenance=[p0])
-    assert rb.provenance == (p0,) and rb.source == "rollout"
+    assert rb.provenance == (p0,) and rb.route_kind == "rollout"
 
 
 @pytest.mark.parametrize("provenance", [P, [None, P[1], None], None])

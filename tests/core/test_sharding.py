@@ -87,7 +87,7 @@ def test_unshard_of_compact_views_into_one_gathered_buffer(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     L = len(lay.moe_layer_ids)
     rb = ReplayBatch.from_ragged([np.argsort(rng.random((n, L, E)), -1)[..., :K] for n in lens],
-                                 num_experts=E, layer_ids=lay.moe_layer_ids, source="recorded")
+                                 num_experts=E, layer_ids=lay.moe_layer_ids, route_kind="recorded")
     lead = data.draw(st.integers(0, 9), label="ids before ours")
     pieces, sharded = [torch.zeros(lead, dtype=rb.routes.dtype)], []
     for key in _all_ranks(lay):

@@ -37,7 +37,7 @@ def _batch(lens, layers, seed, *, start_last=False, invalid_every=0) -> ReplayBa
     if invalid_every:
         valid = torch.ones(total, dtype=torch.bool)
         valid[::invalid_every] = False
-    return ReplayBatch.from_packed(routes, rows, num_experts=E, layer_ids=layers, valid=valid, source="rollout")
+    return ReplayBatch.from_packed(routes, rows, num_experts=E, layer_ids=layers, valid=valid, route_kind="rollout")
 
 
 def _write(root: Path, layout: ParallelLayout, mbs, natives, replays, sample_ids) -> None:

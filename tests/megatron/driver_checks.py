@@ -93,14 +93,6 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
         "unmanaged": rep.unmanaged_calls,
     }
 
-    # --- the deprecated name of open_pass still opens a pass (and says it is deprecated)
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        legacy = rep.step("replay", forward_only=True, source="rollout")
-    out["deprecated_step"] = dict(kind=type(legacy).__name__, route_kind=legacy.route_kind,
-                                  warned=[w.category.__name__ for w in caught])
-
     # --- forward without install under replay; install twice without a forward
     def forward_without_install():
         with rep.open_pass("replay", forward_only=True, route_kind="rollout"):
@@ -210,7 +202,7 @@ def run_driver_checks(ctx: RankContext) -> dict[str, Any]:
     def degenerate_pass(choice: str, values) -> dict:
         rep_d = Replayer.from_config(chunks, ReplayConfig(degenerate_routes=choice))
         try:
-            with rep_d.step("replay", forward_only=True, source="rollout") as st:
+            with rep_d.open_pass("replay", forward_only=True, route_kind="rollout") as st:
                 def step_fn(it, model):
                     batch = next(it)
                     st.install(model, zero_transport(values), batch.seq_lens, cu_seqlens_padded=batch.cu_seqlens_padded,

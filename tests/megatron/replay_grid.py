@@ -143,7 +143,7 @@ def make_routes(layout: ParallelLayout, seq_lens: list[int], num_experts: int, t
         valid = torch.ones(total, dtype=torch.bool)
         valid[::invalid_every] = False
     return ReplayBatch.from_packed(routes, rows, num_experts=num_experts, layer_ids=layers, valid=valid,
-                                   source="vllm")
+                                   engine="vllm")
 
 
 def expected_rows(batch: PackedBatch, routes: ReplayBatch, ctx: RankContext, sp: bool, layer: int,

@@ -37,10 +37,6 @@ def test_orphan_routers_are_never_touched(checks):
     assert o["unmanaged"] == 0
 
 
-def test_deprecated_step_opens_a_pass(checks):
-    assert checks["deprecated_step"] == dict(kind="ReplayPass", route_kind="rollout", warned=["DeprecationWarning"])
-
-
 def test_forward_without_install_is_an_error(checks):
     _raised(checks["forward_without_install"], "ReplayStateError", "without install")
 

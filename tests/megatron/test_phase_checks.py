@@ -38,7 +38,7 @@ def test_check_routes_accepts_what_the_plan_needs(mode, phase, present):
 
 
 def test_recorded_for_checks_one_sequence_per_sample():
-    rb = ReplayBatch.from_ragged([[[[0, 1]]], [[[1, 2]]]], num_experts=4, layer_ids=[1], source="recorded")
+    rb = ReplayBatch.from_ragged([[[[0, 1]]], [[[1, 2]]]], num_experts=4, layer_ids=[1], route_kind="recorded")
     res = PhaseResult(Phase.OLD_LOG_PROB, Action.RECORD, recorded=rb)
     assert res.recorded_for(2) is rb
     with pytest.raises(ReplayStateError, match="R2 recorded 2 sequences for a batch of 3 samples"):

@@ -343,7 +343,7 @@ class _OneRank:
 
 def _recorded_vs_dispatched(rec, got, batches, packing, layers) -> dict[str, Any]:
     """Per sample id: do the recorded rows equal what the routers dispatched for that sample?"""
-    out = {"num_seqs": rec.num_seqs, "rows_per_seq": list(rec.rows_per_seq), "source": rec.source,
+    out = {"num_seqs": rec.num_seqs, "rows_per_seq": list(rec.rows_per_seq), "route_kind": rec.route_kind,
            "all_valid": bool(rec.valid.all()), "bad": []}
     for k, ids in enumerate(packing):
         cu = batches[k].cu_seqlens_padded.tolist()
@@ -571,7 +571,7 @@ def test_r2_records_real_samples_in_sample_id_order(one):
     assert r["action"] is Action.RECORD and r["tagged"] == {}
     assert r["num_seqs"] == len(SAMPLE_LENS), "padding sequences must not be recorded"
     assert r["rows_per_seq"] == [SAMPLE_LENS[s] for s in sorted(SAMPLE_LENS)]
-    assert r["source"] == "recorded" and r["all_valid"]
+    assert r["route_kind"] == "recorded" and r["all_valid"]
     assert r["bad"] == [], "recorded rows differ from what the routers dispatched for that sample"
 
 

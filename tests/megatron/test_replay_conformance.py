@@ -60,7 +60,7 @@ def test_r2_record_replay_is_bit_exact_and_matches_serial(grid_results, cell):
     serial = ReplayBatch.from_bytes(ser[0]["recorded"])
     for r, o in enumerate(par):
         rec = ReplayBatch.from_bytes(o["recorded"])
-        assert rec.source == "recorded"
+        assert rec.route_kind == "recorded"
         assert rec.rows_per_seq == [n for lens in grid.SEQ_LENS for n in lens]
         assert rec.equals(serial), f"rank {r}: recorded routes differ from the TP=PP=CP=1 run"
         if o["r2_logits_compared"]:

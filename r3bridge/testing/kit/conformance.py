@@ -258,7 +258,7 @@ def check_ingest(codec: BatchCodec, native: Any, rollout: CanonicalRollout, what
     longest = max((len(t) for t in rollout.tokens), default=0)
     padding = [longest - len(t) for t in rollout.tokens]
     try:
-        got = codec.to_replay_batch(native, source="rollout")
+        got = codec.to_replay_batch(native, route_kind="rollout")
     except DegenerateRouteError as e:
         # a misplaced read puts zero or repeated rows inside a sample, which the reader refuses
         # before any comparison: read again with such rows as "no route" to say what went wrong
@@ -295,14 +295,14 @@ def check_recorded_survives_split(codec: BatchCodec, native: Any, recorded: Repl
                                   ) -> int:
     """(2) R2 routes written back survive the framework's re-partitioning. Returns parts checked."""
     native = codec.write_recorded(native, recorded)
-    whole = codec.to_replay_batch(native, source="recorded")
+    whole = codec.to_replay_batch(native, route_kind="recorded")
     assert_same_batch(whole, recorded, "recorded routes read back from the whole batch")
     n = 0
     for order in orders:
         for p in parts:
             kw = {} if order is None else {"order": order}
             for part, ids in codec.split(native, p, **kw):
-                got = codec.to_replay_batch(part, source="recorded")
+                got = codec.to_replay_batch(part, route_kind="recorded")
                 assert_same_batch(got, recorded.select(ids), f"part of a {p}-way split holding batch samples {ids} "
                                                              f"(sample k below: the part's k-th)")
                 n += 1

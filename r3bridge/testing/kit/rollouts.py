@@ -61,7 +61,7 @@ class CanonicalRollout:
     def expected(self) -> ReplayBatch:
         """The canonical ReplayBatch: first-seen rows, MoE layers, one row per token (invalid where
         no call routed it: every row of an aborted sample), a final row without a route dropped;
-        source ``"rollout"``; the model's top-k whatever the samples hold."""
+        route kind ``"rollout"``; the model's top-k whatever the samples hold."""
         per = []
         empty = np.zeros((0, self.num_layers, self.topk), dtype=np.uint8)
         for i in range(self.batch_size):

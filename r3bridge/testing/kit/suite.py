@@ -173,7 +173,7 @@ class BaseIngestTests:
 
     def test_check3_same_targets(self, codec: Any, native_batch: Any, rollout: CanonicalRollout,
                                  model_shape: ModelShape) -> None:
-        read = codec.to_replay_batch(native_batch, source="rollout")
+        read = codec.to_replay_batch(native_batch, route_kind="rollout")
         kit.check_same_targets({type(codec).__name__: read, "canonical": rollout.expected()},
                                [len(t) for t in rollout.tokens], layouts=kit.default_layouts(model_shape))
 

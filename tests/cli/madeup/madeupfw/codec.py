@@ -35,10 +35,10 @@ class MadeupfwCodec:
         self.num_hidden_layers = int(num_hidden_layers)
         self.topk = int(topk)
 
-    def to_replay_batch(self, native: dict, *, source: str = "rollout") -> ReplayBatch:
+    def to_replay_batch(self, native: dict, *, route_kind: str = "rollout") -> ReplayBatch:
         """The routes the batch carries, one sequence per sample, in batch order."""
         mask = torch.as_tensor(native["mask"]).bool()
-        if source == "recorded":
+        if route_kind == "recorded":
             recorded = native.get(RECORDED_KEY)
             if recorded is None:
                 raise CoverageError(f"the batch has no {RECORDED_KEY!r}: R2 routes were not written back")

@@ -31,7 +31,7 @@ from .config import replay_config
 
 __all__ = ["MadeupfwEngineMixin"]
 
-# your framework's setting that supplies the routes of each source (named in the error)
+# your framework's setting that supplies the routes of each route kind (named in the error)
 _PROVIDE = {"rollout": "madeup_framework's engine reports routes per call (Completion.routes)",
             "recorded": "R2 routes are written back after compute_log_prob (MadeupfwCodec.write_recorded)"}
 
@@ -79,9 +79,9 @@ class MadeupfwEngineMixin:
     def _r3_micro_batch(self, k: int, mb: dict, plan) -> MicroBatch:
         seq_lens = self.r3_codec.seq_lens(mb)
         if plan.action is Action.REPLAY:
-            key = RECORDED_KEY if plan.source == "recorded" else ROUTES_KEY
+            key = RECORDED_KEY if plan.route_kind == "recorded" else ROUTES_KEY
             self.r3_runner.check_routes(plan, key in mb, field=key, where=f"micro-batch {k}", provide=_PROVIDE)
-            routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, source=plan.route_kind)
+            routes: Optional[ReplayBatch] = self.r3_codec.to_replay_batch(mb, route_kind=plan.route_kind)
             return MicroBatch(seq_lens, routes)
         if SAMPLE_KEY not in mb:
             raise ConfigError(f"R2 recording needs {SAMPLE_KEY!r} (the batch-level sample index) in every "

@@ -1,4 +1,4 @@
-"""Rollout side: madeup_framework's engine calls of each sample -> ReplayBatch (source "rollout").
+"""Rollout side: madeup_framework's engine calls of each sample -> ReplayBatch (route kind "rollout").
 
 The engine reports each call's MoE-layer routes keyed by 1-based layer number, from the call's
 first prompt token; a later call re-sends the whole context. One piece per call, stitched
