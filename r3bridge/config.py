@@ -144,7 +144,7 @@ class ReplayConfig:
     # Inside the rows an engine returned for a sample, a row whose expert ids repeat is a
     # degenerate route (a broken capture, vLLM #54730), never "no route": "refuse" fails the step
     # naming sample, row and layer; "native" routes such rows natively and counts them
-    # (degenerate_rows, samples/refused metrics).
+    # (degenerate_pairs, samples/refused metrics).
     degenerate_routes: str = "refuse"
     # Rows without a route (invalid): "native" routes them with the router's own top-k (counted
     # in metrics); "error" refuses any invalid row inside a sequence's covered range.

@@ -60,15 +60,15 @@ def summarize(rep: AgreementReport, *, a: str, b: str, source_a: str, source_b: 
         "layer_ids": list(rep.layer_ids),
         "agreement": rep.mean,
         "tokens_differing_any_layer": rep.tokens_differing_any_layer,
-        "rows_compared": rep.rows_compared,
-        "rows_differing_any_layer": rep.rows_differing_any_layer,
-        "rows_overlap": rep.rows_overlap,
-        "rows_valid_only_a": rep.rows_valid_only_reference,
-        "rows_valid_only_b": rep.rows_valid_only_other,
+        "tokens_compared": rep.rows_compared,
+        "differing_tokens": rep.rows_differing_any_layer,
+        "tokens_overlap": rep.rows_overlap,
+        "tokens_valid_only_a": rep.rows_valid_only_reference,
+        "tokens_valid_only_b": rep.rows_valid_only_other,
         "layers_only_a": list(rep.layers_only_reference),
         "layers_only_b": list(rep.layers_only_other),
         "per_layer": [{"layer": lid, "agreement": frac, "agree": ag,
-                       "differing_rows": rep.rows_compared - ag}
+                       "differing_tokens": rep.rows_compared - ag}
                       for (lid, frac), ag in zip(rep.per_layer.items(), rep.agree)],
     }
 
@@ -76,24 +76,24 @@ def summarize(rep: AgreementReport, *, a: str, b: str, source_a: str, source_b: 
 def render(s: dict) -> str:
     lines = [f"r3bridge diff: {s['a']} ({s['source_a']}) vs {s['b']} ({s['source_b']})"]
     kv = [
-        ("rows compared", f"{s['rows_compared']}  (overlap {s['rows_overlap']}; valid only in A: "
-                          f"{s['rows_valid_only_a']}, only in B: {s['rows_valid_only_b']})"),
+        ("tokens compared", f"{s['tokens_compared']}  (overlap {s['tokens_overlap']}; valid only in A: "
+                            f"{s['tokens_valid_only_a']}, only in B: {s['tokens_valid_only_b']})"),
         ("layers", f"{len(s['layer_ids'])}: {fmt_ids(s['layer_ids'])}"),
     ]
     if s["layers_only_a"] or s["layers_only_b"]:
         kv.append(("not compared", f"layers only in A: {fmt_ids(s['layers_only_a'])}; "
                                    f"only in B: {fmt_ids(s['layers_only_b'])}"))
     kv += [
-        ("agreement", f"{fmt_pct(s['agreement'])} of (row, layer) pairs have equal top-k sets"),
-        ("tokens differing", f"{fmt_pct(s['tokens_differing_any_layer'])} of rows differ in at least one "
-                             f"layer ({s['rows_differing_any_layer']} of {s['rows_compared']})"),
+        ("agreement", f"{fmt_pct(s['agreement'])} of (token, layer) pairs have equal top-k sets"),
+        ("tokens differing", f"{fmt_pct(s['tokens_differing_any_layer'])} of tokens differ in at least one "
+                             f"layer ({s['differing_tokens']} of {s['tokens_compared']})"),
     ]
     w = max(len(k) for k, _ in kv)
     lines += [f"  {k.ljust(w)}  {v}" for k, v in kv]
     lines.append("")
     lines.append("per layer")
-    lines.append(table(["layer", "agreement", "differing rows"],
-                       [[r["layer"], fmt_pct(r["agreement"]), r["differing_rows"]] for r in s["per_layer"]]))
+    lines.append(table(["layer", "agreement", "differing tokens"],
+                       [[r["layer"], fmt_pct(r["agreement"]), r["differing_tokens"]] for r in s["per_layer"]]))
     return "\n".join(lines)
 
 
@@ -116,7 +116,7 @@ def plot(s: dict, out: str) -> None:
     ax.set_ylim(0.0, 1.08)
     ax.set_xlabel("layer id")
     ax.set_ylabel("top-k set agreement")
-    ax.set_title(f"{Path(s['a']).name} vs {Path(s['b']).name}: {s['rows_compared']} rows compared, "
+    ax.set_title(f"{Path(s['a']).name} vs {Path(s['b']).name}: {s['tokens_compared']} tokens compared, "
                  f"{fmt_pct(s['tokens_differing_any_layer'])} differ in some layer", fontsize=9)
     save_figure(fig, out)
 

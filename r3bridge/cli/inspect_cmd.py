@@ -61,16 +61,16 @@ def summarize(batch: ReplayBatch, *, file: str | None = None, file_bytes: int | 
         "bytes": file_bytes if file_bytes is not None else batch.nbytes,
         "source": route_label(batch.route_kind, batch.engine),
         "route_kind": batch.route_kind, "engine": batch.engine,
-        "sequences": batch.num_seqs,
-        "rows": batch.total_rows,
-        "valid_rows": valid_rows,
+        "samples": batch.num_seqs,
+        "tokens": batch.total_rows,
+        "valid_tokens": valid_rows,
         "coverage": valid_rows / batch.total_rows if batch.total_rows else float("nan"),
         "shape": list(batch.routes.shape),
         "dtype": str(batch.routes.dtype).replace("torch.", ""),
         "layer_ids": list(batch.layer_ids),
         "num_experts": batch.num_experts,
         "topk": batch.topk,
-        "rows_per_seq": {"min": min(rps) if rps else 0, "max": max(rps) if rps else 0,
+        "tokens_per_sample": {"min": min(rps) if rps else 0, "max": max(rps) if rps else 0,
                          "mean": sum(rps) / len(rps) if rps else float("nan")},
         "start_rows": {"min": min(batch.start_rows) if rps else 0,
                        "max": max(batch.start_rows) if rps else 0},
@@ -83,13 +83,13 @@ def summarize(batch: ReplayBatch, *, file: str | None = None, file_bytes: int | 
 
 def render(s: dict) -> str:
     lines = [f"r3bridge inspect: {s['file']}"]
-    rps, st = s["rows_per_seq"], s["start_rows"]
+    rps, st = s["tokens_per_sample"], s["start_rows"]
     kv = [
         ("bytes", f"{s['bytes']:,}"),
         ("source", s["source"]),
-        ("sequences", f"{s['sequences']}  (rows per sequence: min {rps['min']}, mean "
-                      f"{fmt_num(rps['mean'], 1)}, max {rps['max']}; start rows {st['min']}..{st['max']})"),
-        ("rows", f"{s['rows']}  (valid {s['valid_rows']}, coverage {fmt_pct(s['coverage'])})"),
+        ("samples", f"{s['samples']}  (tokens per sample: min {rps['min']}, mean "
+                    f"{fmt_num(rps['mean'], 1)}, max {rps['max']}; start rows {st['min']}..{st['max']})"),
+        ("tokens", f"{s['tokens']}  (valid {s['valid_tokens']}, coverage {fmt_pct(s['coverage'])})"),
         ("routes", f"{s['shape']} {s['dtype']}"),
         ("layers", f"{len(s['layer_ids'])}: {fmt_ids(s['layer_ids'])}"),
         ("experts", str(s["num_experts"])),
@@ -102,7 +102,7 @@ def render(s: dict) -> str:
     lines += [f"  {k.ljust(w)}  {v}" for k, v in kv]
     lines.append("")
     mean = s["expert_load"][0]["mean"] if s["expert_load"] else 0.0
-    lines.append(f"expert load per layer (valid rows x topk per expert; uniform = {fmt_num(mean, 1)}; "
+    lines.append(f"expert load per layer (valid tokens x topk per expert; uniform = {fmt_num(mean, 1)}; "
                  f"imbalance = max / uniform)")
     lines.append(table(["layer", "min", "max", "imbalance", "unused"],
                        [[r["layer"], r["min"], r["max"], fmt_num(r["imbalance"]), r["unused_experts"]]
@@ -118,13 +118,13 @@ def plot(s: dict, out: str) -> None:
     L, E = data.shape
     fig, ax = plt.subplots(figsize=(min(max(6.0, 0.18 * E + 2), 20.0), min(max(3.0, 0.28 * L + 1.5), 14.0)))
     im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(im, ax=ax, label="rows routed (valid rows)")
+    fig.colorbar(im, ax=ax, label="tokens routed (valid tokens)")
     if L <= 48:
         ax.set_yticks(range(L), [str(x) for x in s["layer_ids"]])
     ax.set_ylabel("layer id")
     ax.set_xlabel("expert")
     name = Path(s["file"]).name if s["file"] else "routes"
-    ax.set_title(f"{name}: expert load ({s['valid_rows']} valid rows, top-{s['topk']}, source {s['source']})",
+    ax.set_title(f"{name}: expert load ({s['valid_tokens']} valid tokens, top-{s['topk']}, source {s['source']})",
                  fontsize=9)
     save_figure(fig, out)
 

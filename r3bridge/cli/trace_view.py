@@ -32,7 +32,7 @@ def models_note(agreement: float, *, route_kind: str = "rollout") -> Optional[st
             f"pairs, so the engine and the trainer are different models: weights that were never synced (r3bridge's CPU "
             f"harness: by design), another checkpoint or architecture, or an untrained router (random initialisation "
             f"leaves the router scores nearly tied). Replay is unaffected (the routers dispatched the replayed routes; "
-            f"coverage says on how many rows); the log-prob mismatch will be large until the two are the same model.")
+            f"coverage says on how many tokens); the log-prob mismatch will be large until the two are the same model.")
 
 
 def _overall(passes: list[dict[str, Any]], route_kind: str) -> float:
@@ -86,9 +86,9 @@ def render_trace(s: dict[str, Any]) -> str:
     else:
         lines.append("  stopped: no (every pass of every traced step was written)")
     lines.append("")
-    lines.append("per pass (agreement: the router's own top-k set equals the replayed one, over replayed rows; "
+    lines.append("per pass (agreement: the router's own top-k set equals the replayed one, over replayed tokens; "
                  "logged: what the driver reported)")
-    rows = [[p["step"], p["pass"], p["action"], p["route_kind"] or "-", p["samples"], p["rows"], fmt_pct(p["coverage"]),
+    rows = [[p["step"], p["pass"], p["action"], p["route_kind"] or "-", p["samples"], p["tokens"], fmt_pct(p["coverage"]),
              fmt_pct(p["agreement"]), fmt_pct(_logged(p, "agreement/mean")), _exact(p["handed"])] for p in s["passes"]]
     lines.append(table(["step", "pass", "action", "route kind", "samples", "tokens", "coverage", "agreement", "logged",
                         "dispatched != handed"], rows))
@@ -157,7 +157,7 @@ def plot_trace(s: dict[str, Any], out: str) -> None:
     last = passes[-1]
     data = np.array([r["load"] for r in last["per_layer"]], dtype=float)
     im = ax1.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(im, ax=ax1, label="rows dispatched")
+    fig.colorbar(im, ax=ax1, label="tokens dispatched")
     ax1.set_yticks(range(len(layers)), [str(x) for x in layers])
     ax1.set_ylabel("layer id")
     ax1.set_xlabel("expert")
@@ -228,8 +228,8 @@ def diff_traces(a: str, b: Optional[str], *, step: Optional[int], pass_a: Option
     if b is None and pass_b is None:            # replayed vs native: the same reading as inspect's
         for src in ("rollout", "recorded"):
             done = [c for c in comps if not c.get("missing") and c.get("route_kind") == src]
-            pairs = sum(c["rows_compared"] * len(c["per_layer"]) for c in done)
-            agree = sum(c["agreement"] * c["rows_compared"] * len(c["per_layer"]) for c in done)
+            pairs = sum(c["tokens_compared"] * len(c["per_layer"]) for c in done)
+            agree = sum(c["agreement"] * c["tokens_compared"] * len(c["per_layer"]) for c in done)
             note = models_note(agree / pairs if pairs else float("nan"), route_kind=src)
             if note:
                 notes.append(note)
@@ -244,9 +244,9 @@ def render_diff(s: dict[str, Any]) -> str:
         if c.get("missing"):
             rows.append([c["step"], what, "-", "-", "-", f"not in {c['missing']}"])
             continue
-        rows.append([c["step"], what, f"{c['samples']} (by {c.get('paired_by', 'sample id')})", c["rows_compared"],
+        rows.append([c["step"], what, f"{c['samples']} (by {c.get('paired_by', 'sample id')})", c["tokens_compared"],
                      fmt_pct(c["agreement"]), fmt_pct(c["tokens_differing_any_layer"])])
-    lines.append(table(["step", "compared", "samples (paired)", "rows", "agreement", "tokens differing"], rows))
+    lines.append(table(["step", "compared", "samples (paired)", "tokens", "agreement", "tokens differing"], rows))
     done = [c for c in s["comparisons"] if not c.get("missing")]
     if done:
         layers = [r["layer"] for r in done[0]["per_layer"]]

@@ -749,7 +749,7 @@ class ReplayPass:
         ``samples/native`` (rows handed, none a route: routed natively), ``samples/without_routes``
         (handed with 0 rows: aborted or interrupted, routed natively, counted apart),
         ``samples/refused`` (some route degenerate, routed natively under ``degenerate_routes:
-        native``), and ``degenerate_rows`` (the (row, layer) pairs whose ids repeat), from every
+        native``), and ``degenerate_pairs`` (the (token, layer) pairs whose ids repeat), from every
         rank's counts summed."""
         replayed, degenerate, _, handed = (x.cpu().numpy() for x in self._per_sample.unbind(1))
         refused = degenerate > 0
@@ -759,7 +759,7 @@ class ReplayPass:
                 f"{prefix}samples/native": float((~refused & ~without & (replayed == 0)).sum()),
                 f"{prefix}samples/without_routes": float(without.sum()),
                 f"{prefix}samples/refused": float(refused.sum()),
-                f"{prefix}degenerate_rows": float(degenerate.sum())}
+                f"{prefix}degenerate_pairs": float(degenerate.sum())}
 
     def _check_floor(self, metrics: dict[str, float]) -> None:
         """R3: a pass whose routes cover less than ``coverage_floor`` of the real tokens of its
@@ -776,9 +776,9 @@ class ReplayPass:
             logger.warning("r3bridge: every sample of this %s replay pass (%d) came without routes (aborted or "
                            "interrupted: 0 rows handed for each): the pass routed natively", self.route_kind,
                            int(without.size))
-        total = metrics.get(f"{prefix}replayed_rows", 0.0) + metrics.get(f"{prefix}native_rows", 0.0)
+        total = metrics.get(f"{prefix}replayed_pairs", 0.0) + metrics.get(f"{prefix}native_pairs", 0.0)
         routed_pairs = total - float(pairs[without].sum())
-        cov = metrics.get(f"{prefix}replayed_rows", 0.0) / routed_pairs if routed_pairs > 0 else float("nan")
+        cov = metrics.get(f"{prefix}replayed_pairs", 0.0) / routed_pairs if routed_pairs > 0 else float("nan")
         if floor <= 0 or self.route_kind != "rollout" or not cov == cov or cov >= floor:
             return
         raise CoverageError(

@@ -130,12 +130,12 @@ class AgreementReport:
 
     def as_metrics(self, prefix: str = "r3bridge/") -> dict[str, float]:
         """``{prefix}agreement/mean``, ``.../layer_<id>`` (only when rows were compared),
-        ``.../tokens_differing_any_layer``, ``.../rows_compared``."""
+        ``.../tokens_differing_any_layer``, ``.../tokens_compared`` (tokens valid in both batches)."""
         out = {f"{prefix}agreement/mean": self.mean}
         if self.rows_compared:
             out.update({f"{prefix}agreement/layer_{lid}": v for lid, v in self.per_layer.items()})
         out[f"{prefix}agreement/tokens_differing_any_layer"] = self.tokens_differing_any_layer
-        out[f"{prefix}agreement/rows_compared"] = float(self.rows_compared)
+        out[f"{prefix}agreement/tokens_compared"] = float(self.rows_compared)
         return out
 
 
@@ -329,9 +329,9 @@ class AgreementCounter:
 
         * ``agreement/mean``  sum(agree) / sum(compared) over layers (NaN when nothing compared)
         * ``agreement/layer_<id>``  agree / compared, for layers that compared any row
-        * ``agreement/rows_compared``  sum(compared) ((row, layer) pairs)
+        * ``agreement/pairs_compared``  sum(compared) ((token, layer) pairs)
         * ``coverage``  sum(replayed) / (sum(replayed) + sum(native)) (NaN when no row routed)
-        * ``replayed_rows``, ``native_rows``  sums over layers ((row, layer) pairs)
+        * ``replayed_pairs``, ``native_pairs``  sums over layers ((token, layer) pairs)
         """
         t = self.totals()
         # the layer-collapse canary, from the counts already on the host
@@ -343,10 +343,10 @@ class AgreementCounter:
         for lid, a, c in zip(self.layer_ids, t["agree"], t["compared"]):
             if c:
                 out[f"{prefix}agreement/layer_{lid}"] = a / c
-        out[f"{prefix}agreement/rows_compared"] = float(comp)
+        out[f"{prefix}agreement/pairs_compared"] = float(comp)
         out[f"{prefix}coverage"] = _nan_div(rep, rep + nat)
-        out[f"{prefix}replayed_rows"] = float(rep)
-        out[f"{prefix}native_rows"] = float(nat)
+        out[f"{prefix}replayed_pairs"] = float(rep)
+        out[f"{prefix}native_pairs"] = float(nat)
         return out
 
     def __repr__(self) -> str:

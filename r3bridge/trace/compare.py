@@ -50,7 +50,7 @@ def pass_summary(tp: TracePass, merged: MergedPass, *, lowest: int = 5) -> dict[
     K, E = nat.topk, nat.num_experts
     out: dict[str, Any] = {"step": tp.step, "pass": tp.label, "action": e0["action"], "route_kind": e0["route_kind"],
                            "ranks": [int(rp.entry["rank"]) for rp in tp.ranks], "samples": nat.num_seqs,
-                           "rows": rows, "logged": e0.get("metrics", {})}
+                           "tokens": rows, "logged": e0.get("metrics", {})}
     out["handed"] = None if merged.handed is None else handed_check(disp, merged.handed)
     per_layer = []
     if rep is not None:
@@ -132,10 +132,10 @@ def compare(a: MergedPass, view_a: str, b: MergedPass, view_b: str, *, lowest: i
     else:                                       # other token coverage: per-sample figures are skipped
         low = []
     return {"samples": len(common), "paired_by": paired_by, "samples_only_a": only_a,
-            "samples_only_b": only_b, "rows_compared": rep.rows_compared,
+            "samples_only_b": only_b, "tokens_compared": rep.rows_compared,
             "agreement": rep.mean, "tokens_differing_any_layer": rep.tokens_differing_any_layer,
             "per_layer": [{"layer": lid, "agreement": frac, "agree": ag_,
-                           "differing_rows": rep.rows_compared - ag_}
+                           "differing_tokens": rep.rows_compared - ag_}
                           for (lid, frac), ag_ in zip(rep.per_layer.items(), rep.agree)],
             "lowest_samples": low}
 

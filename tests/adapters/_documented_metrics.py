@@ -33,8 +33,8 @@ def documented_patterns() -> list[re.Pattern]:
 
 
 ALWAYS = ("r3bridge/replay_mode", "r3bridge/update/agreement/mean", "r3bridge/update/agreement/layer_min",
-          "r3bridge/update/coverage", "r3bridge/update/replayed_rows", "r3bridge/update/native_rows",
-          "r3bridge/update/agreement/rows_compared")
+          "r3bridge/update/coverage", "r3bridge/update/replayed_pairs", "r3bridge/update/native_pairs",
+          "r3bridge/update/agreement/pairs_compared")
 
 
 def check_logged(keys, *, framework_prefix: str = "", framework_suffixes: tuple[str, ...] = ()) -> None:

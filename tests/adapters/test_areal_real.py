@@ -71,7 +71,7 @@ def _check(lay, per_rank):
             assert 0.9 < upd2["agreement/mean"] <= 1.0, (where, step, upd2)
             # R2 records every real token, so its coverage is 1 exactly; AReaL's trailing page-padding
             # "sequence" is no sample's token and is not counted (as `r3bridge inspect` counts)
-            assert upd2["coverage"] == 1.0 and upd2["native_rows"] == 0.0, (where, step, upd2)
+            assert upd2["coverage"] == 1.0 and upd2["native_pairs"] == 0.0, (where, step, upd2)
             # R3 replays the rollout's routes, which the model would not have chosen itself
             assert upd3["agreement/mean"] < 0.9, (where, step, upd3)
             assert 0.5 < upd3["coverage"] < 1.0, (where, step, upd3)

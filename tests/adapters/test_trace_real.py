@@ -217,4 +217,4 @@ def test_diff_pairs_each_sample_across_passes_by_its_uid(runs, fw):
     assert d.returncode == 0, d.stderr
     [c] = json.loads(d.stdout)["comparisons"]
     assert (c["paired_by"], c["samples"], c["samples_only_a"], c["samples_only_b"]) == ("uid", 8, 0, 0), c
-    assert c["agreement"] == 1.0 and c["rows_compared"] > 0
+    assert c["agreement"] == 1.0 and c["tokens_compared"] > 0

@@ -68,11 +68,11 @@ def test_inspect_text(files, capsys):
     assert main(["inspect", files.a]) == 0
     out = capsys.readouterr().out
     assert "rollout.r3b" in out
-    assert "sequences  2" in out
-    assert "rows       5  (valid 4, coverage 80.00%)" in out
+    assert "samples  2" in out
+    assert "tokens   5  (valid 4, coverage 80.00%)" in out
     assert "[5, 2, 2] uint8" in out
-    assert "layers     2: 1, 3" in out
-    assert "source     vllm" in out
+    assert "layers   2: 1, 3" in out
+    assert "source   vllm" in out
     # table: layer, min, max, imbalance, unused
     rows = {int(l.split()[0]): l.split() for l in out.splitlines()[-2:]}
     load = _expected_load()
@@ -90,7 +90,7 @@ def test_inspect_json_and_plot(files, capsys):
     s = json.loads(cap.out)                     # exactly one JSON object on stdout
     assert cap.out.strip().count("\n") == 0
     assert "wrote" in cap.err
-    assert s["sequences"] == 2 and s["rows"] == 5 and s["valid_rows"] == 4
+    assert s["samples"] == 2 and s["tokens"] == 5 and s["valid_tokens"] == 4
     assert s["coverage"] == pytest.approx(4 / 5)
     assert s["shape"] == [5, 2, 2] and s["dtype"] == "uint8"
     assert s["layer_ids"] == [1, 3] and s["num_experts"] == 4 and s["topk"] == 2
@@ -108,16 +108,16 @@ def test_diff_text_json_and_plot(files, capsys):
     out = capsys.readouterr().out
     # compared rows: valid in both = 4 (sequence 1's last row is invalid in A)
     # layer 1: rows differ as sets only at seq 0 row 0 -> 3/4; layer 3: seq 1 row 0 -> 3/4
-    assert "rows compared     4  (overlap 5; valid only in A: 0, only in B: 1)" in out
+    assert "tokens compared   4  (overlap 5; valid only in A: 0, only in B: 1)" in out
     assert "agreement         75.00%" in out
-    assert "50.00% of rows differ" in out
+    assert "50.00% of tokens differ" in out
     png = files.tmp / "agree.png"
     assert main(["diff", files.a, files.b, "--json", "--plot", str(png)]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["agreement"] == pytest.approx(6 / 8)
     assert s["tokens_differing_any_layer"] == pytest.approx(2 / 4)
-    assert s["rows_compared"] == 4 and s["rows_valid_only_b"] == 1
-    assert [(r["layer"], r["agree"], r["differing_rows"]) for r in s["per_layer"]] == [(1, 3, 1), (3, 3, 1)]
+    assert s["tokens_compared"] == 4 and s["tokens_valid_only_b"] == 1
+    assert [(r["layer"], r["agree"], r["differing_tokens"]) for r in s["per_layer"]] == [(1, 3, 1), (3, 3, 1)]
     assert (s["source_a"], s["source_b"]) == ("vllm", "recorded")
     assert _is_png(png)
     # identical files agree fully
@@ -154,7 +154,7 @@ def test_subprocess_inspect_json(files):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
-    assert s["rows"] == 5 and s["layer_ids"] == [1, 3]
+    assert s["tokens"] == 5 and s["layer_ids"] == [1, 3]
     assert p.stderr == ""
 
 

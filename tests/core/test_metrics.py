@@ -228,7 +228,7 @@ def test_route_agreement_hand_computed():
     assert m == {"p/agreement/mean": pytest.approx(0.5), "p/agreement/layer_0": pytest.approx(2 / 3),
                  "p/agreement/layer_1": pytest.approx(1 / 3),
                  "p/agreement/tokens_differing_any_layer": pytest.approx(2 / 3),
-                 "p/agreement/rows_compared": 3.0}
+                 "p/agreement/tokens_compared": 3.0}
     # symmetric in the counts
     assert route_agreement(b, a).agree == rep.agree
 
@@ -310,9 +310,9 @@ def test_counter_add_and_metrics():
     assert m["p/agreement/layer_1"] == pytest.approx(4 / 5)
     assert m["p/agreement/layer_3"] == pytest.approx(2 / 4)
     assert m["p/agreement/mean"] == pytest.approx(6 / 9)
-    assert m["p/agreement/rows_compared"] == 9.0
+    assert m["p/agreement/pairs_compared"] == 9.0
     assert m["p/coverage"] == pytest.approx(9 / 11)
-    assert (m["p/replayed_rows"], m["p/native_rows"]) == (9.0, 2.0)
+    assert (m["p/replayed_pairs"], m["p/native_pairs"]) == (9.0, 2.0)
     with pytest.raises(r3bridge.LayerMappingError):
         c.add(2, agree=1)
 

@@ -117,8 +117,8 @@ def test_ranks_merge_back_into_the_batch(tmp_path, name):
     rv = m.replayed.valid
     assert torch.equal(d.routes[rv], m.replayed.routes[rv]) and torch.equal(d.routes[~rv], m.native.routes[~rv])
     s = pass_summary(p, m)
-    assert s["samples"] == 4 and s["rows"] == 9 + 14 + 5 + 12
-    assert s["coverage"] == pytest.approx(int(rv.sum()) / s["rows"])
+    assert s["samples"] == 4 and s["tokens"] == 9 + 14 + 5 + 12
+    assert s["coverage"] == pytest.approx(int(rv.sum()) / s["tokens"])
 
 
 def test_a_missing_rank_a_bad_payload_and_a_torn_index_are_refused_naming_the_file(tmp_path):

@@ -55,7 +55,7 @@ def test_r3_dispatches_exactly_the_engine_routes(results, name):
         # ... which the trainer's own router would not have picked everywhere
         assert o["off"]["agree"] < o["off"]["total"], (rank, o["off"])
         assert o["R3"]["metrics"]["r3bridge/agreement/mean"] < 1.0
-        assert o["R3"]["metrics"]["r3bridge/native_rows"] > 0           # invalid rows routed natively
+        assert o["R3"]["metrics"]["r3bridge/native_pairs"] > 0           # invalid rows routed natively
         if "mismatch" in o["R3"]:
             lasts.append(o)
     assert lasts, "no rank reported log-probs"

@@ -81,7 +81,7 @@ def test_rows_without_route_are_routed_natively(checks):
     replayed_rows = [row for row, ok in enumerate(valid) if ok]
     assert any(m[row] != n[row] for m, n in zip(r["mixed"], r["native"]) for row in replayed_rows), \
         "rows with a route must be replayed, not routed natively"
-    assert r["metrics"]["r3bridge/native_rows"] > 0
+    assert r["metrics"]["r3bridge/native_pairs"] > 0
     assert 0.3 < r["metrics"]["r3bridge/coverage"] < 0.7
 
 
@@ -189,7 +189,7 @@ def test_degenerate_routes_are_refused_or_counted_never_read_as_no_route(checks)
     assert checks["degenerate_native"]["ok"], checks["degenerate_native"].get("trace")
     m = checks["degenerate_native"]["value"]
     assert (m["r3bridge/samples/replayed"], m["r3bridge/samples/refused"], m["r3bridge/samples/native"]) == (2, 1, 0)
-    assert m["r3bridge/degenerate_rows"] > 0 and m["r3bridge/native_rows"] >= m["r3bridge/degenerate_rows"]
+    assert m["r3bridge/degenerate_pairs"] > 0 and m["r3bridge/native_pairs"] >= m["r3bridge/degenerate_pairs"]
     # the micro-batch was read through the one reader: one handed object, one row map
     assert m["read_stats"]["routes"] == m["read_stats"]["row_maps"] == 1
     assert m["read_stats"]["forms"] == {"packed/zero/rollout": 1}
@@ -201,11 +201,11 @@ def test_r3_coverage_floor_fails_a_pass_without_usable_routes(checks):
 
 
 def test_one_degenerate_pair_is_counted_once(checks):
-    """One (row, layer) pair whose ids repeat: the error says 1 pair, and so does ``degenerate_rows``."""
+    """One (row, layer) pair whose ids repeat: the error says 1 pair, and so does ``degenerate_pairs``."""
     _raised(checks["degenerate_one_pair_refused"], "DegenerateRouteError", "sample 1, row 3 (token 3)",
             "1 bad (row, layer) pairs in total")
     m = checks["degenerate_one_pair_native"]["value"]
-    assert m["r3bridge/degenerate_rows"] == 1 and m["r3bridge/samples/refused"] == 1
+    assert m["r3bridge/degenerate_pairs"] == 1 and m["r3bridge/samples/refused"] == 1
 
 
 def test_samples_without_routes_route_natively_and_are_counted_apart(checks):
@@ -216,7 +216,7 @@ def test_samples_without_routes_route_natively_and_are_counted_apart(checks):
     assert everyone["ok"], everyone.get("trace")
     m = everyone["value"]["metrics"]
     assert (m["r3bridge/samples/without_routes"], m["r3bridge/samples/replayed"], m["r3bridge/samples/native"],
-            m["r3bridge/replayed_rows"]) == (3, 0, 0, 0)
+            m["r3bridge/replayed_pairs"]) == (3, 0, 0, 0)
     assert everyone["value"]["topk"] == checks["invalid_rows_native"]["native"]
     said = [line for line in everyone["value"]["log"] if "without routes" in line]
     assert len(said) == 1 and "routed natively" in said[0], everyone["value"]["log"]

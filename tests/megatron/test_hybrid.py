@@ -32,7 +32,7 @@ def test_routers_sit_at_the_pattern_index_engines_report(hybrid):
 
 def test_engine_routes_are_replayed_exactly(hybrid):
     assert hybrid["errors"] == []
-    assert hybrid["metrics"]["r3bridge/replayed_rows"] == len(MOE) * sum(n - 1 for n in (13, 7, 20))
+    assert hybrid["metrics"]["r3bridge/replayed_pairs"] == len(MOE) * sum(n - 1 for n in (13, 7, 20))
     assert hybrid["grads"]
 
 

@@ -484,7 +484,7 @@ def _all_replayed(rows) -> None:
 def _tagged_as(res, tag: str) -> None:
     assert res["tagged"] == tag_phase(res["metrics"], PREFIX, tag)
     assert res["tagged"] and all(k.startswith(f"{PREFIX}{tag}/") for k in res["tagged"]), res["tagged"]
-    assert res["tagged"][f"{PREFIX}{tag}/agreement/rows_compared"] > 0
+    assert res["tagged"][f"{PREFIX}{tag}/agreement/pairs_compared"] > 0
 
 
 def test_phase_tag():
@@ -543,7 +543,7 @@ def test_padding_sequences_route_natively_without_routes(one):
     assert all(x["native_bad"] == 0 for x in r["rows"]), r["rows"]
     # the driver's counts are over the samples' tokens, as a route trace counts them (`r3bridge inspect`):
     # the padding sequences are routed natively but are no sample's tokens (issue 50, AReaL's page padding)
-    assert r["metrics"][f"{PREFIX}native_rows"] == nlayers * 3
+    assert r["metrics"][f"{PREFIX}native_pairs"] == nlayers * 3
 
 
 @pytest.mark.parametrize("name, error, words", [
@@ -588,7 +588,7 @@ def test_r2_update_replays_the_recording_with_agreement_one(one):
     assert all(x["native_bad"] == 0 for x in u["rows"])
     assert [x["native"] for x in u["rows"]] == [0, len(one["layers"]) * PAD_LEN]
     assert u["tagged"][f"{PREFIX}update/agreement/mean"] == 1.0
-    assert u["metrics"][f"{PREFIX}native_rows"] == 0 and u["metrics"][f"{PREFIX}coverage"] == 1.0   # samples' tokens
+    assert u["metrics"][f"{PREFIX}native_pairs"] == 0 and u["metrics"][f"{PREFIX}coverage"] == 1.0   # samples' tokens
 
 
 def test_install_before_forward_prepends_counts_and_cleans_up(one):
@@ -636,7 +636,7 @@ def test_interleaved_schedule_installs_each_chunk_in_micro_batch_order(pp):
         _all_replayed(r["rows"].values())
         assert r["hooks"][1] == r["hooks"][0]
         _tagged_as(r, "old_log_prob")
-        assert r["tagged"][f"{PREFIX}old_log_prob/agreement/rows_compared"] > 0
+        assert r["tagged"][f"{PREFIX}old_log_prob/agreement/pairs_compared"] > 0
 
 
 def test_interleaved_r2_recording_gathers_samples_in_order(pp):

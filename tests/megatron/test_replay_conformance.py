@@ -48,7 +48,7 @@ def test_r3_dispatches_exactly_the_targets(grid_results, cell):
         m = o["r3_metrics"]
         # micro-batch 1 has rows without a route and every sequence's last token has none
         assert 0.5 < m["r3bridge/coverage"] < 1.0
-        assert m["r3bridge/native_rows"] > 0
+        assert m["r3bridge/native_pairs"] > 0
         # random targets rarely equal the native choice: agreement well below 1 proves replay acted
         assert m["r3bridge/agreement/mean"] < 0.6
         assert o["unmanaged_calls"] == 0

@@ -243,8 +243,8 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
     r1 = _cli("inspect", serial[0]["R3"]["trace_dir"], "--json")
     s1 = json.loads(r1.stdout)
     for a, b in zip(s["passes"], s1["passes"]):
-        assert {k: a[k] for k in ("agreement", "coverage", "per_layer", "samples", "rows")} == \
-            {k: b[k] for k in ("agreement", "coverage", "per_layer", "samples", "rows")}
+        assert {k: a[k] for k in ("agreement", "coverage", "per_layer", "samples", "tokens")} == \
+            {k: b[k] for k in ("agreement", "coverage", "per_layer", "samples", "tokens")}
     text = _cli("inspect", d)
     assert text.returncode == 0 and "per-layer agreement" in text.stdout and "lowest agreement" in text.stdout
     pairs = sum(p["handed"]["pairs"] for p in s["passes"])
@@ -276,7 +276,7 @@ def test_cli_inspect_and_diff_read_a_multi_rank_trace(job):
     assert r.returncode == 0, r.stderr
     comps = json.loads(r.stdout)["comparisons"]
     assert [c["agreement"] for c in comps] == [1.0] * len(s["passes"])
-    assert [c["rows_compared"] for c in comps] == [p["handed"]["tokens"] for p in s["passes"]]
+    assert [c["tokens_compared"] for c in comps] == [p["handed"]["tokens"] for p in s["passes"]]
 
 
 def test_inspect_says_not_exact_when_the_dispatched_routes_differ_from_the_handed_ones(job, tmp_path):
