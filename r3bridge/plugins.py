@@ -12,6 +12,7 @@ framework lazily, and a broken one must not hide the others).
 """
 from __future__ import annotations
 
+import importlib.util
 import pkgutil
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -21,12 +22,16 @@ __all__ = ["ENTRY_POINT_GROUP", "SHIPPED_ADAPTERS", "AdapterEntry", "installed_a
 ENTRY_POINT_GROUP = "r3bridge.adapters"
 
 
+SHIPPED_PACKAGE = "r3bridge.adapters"
+
+
 def _shipped_adapters() -> dict[str, str]:
     """name -> module of the adapters in r3bridge's own ``adapters/`` folder (the packages there,
-    the template left out), found on disk: nothing is imported but the folder's ``__init__``."""
-    import r3bridge.adapters as shipped
-
-    return {m.name: f"{shipped.__name__}.{m.name}" for m in pkgutil.iter_modules(shipped.__path__)
+    the template left out), found on disk: nothing of the adapters is imported (the core never
+    imports an adapter)."""
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    return {m.name: f"{SHIPPED_PACKAGE}.{m.name}" for m in pkgutil.iter_modules(where)
             if m.ispkg and not m.name.startswith("_")}
 
 
