@@ -71,9 +71,8 @@ class StallWatchdog:
     def done(self) -> bool:
         return self.index >= len(self.stages)
 
-    def check(self) -> Optional[str]:
-        """Advance past every stage whose key was reported; return (and log) the warning when the
-        current stage has been stuck for another ``bound_s``."""
+    def _advance(self) -> None:
+        """Move past every stage whose key was reported; say so when the last one is passed."""
         try:
             reached = self.progress()
         except Exception as e:  # noqa: BLE001  (a watchdog never takes the job down)
@@ -85,6 +84,11 @@ class StallWatchdog:
             if self.done:
                 logger.info("r3bridge (%s, pid %d): the first replayed pass ran, %.0f s after launch",
                             self.where, os.getpid(), self.clock() - self.started)
+
+    def check(self) -> Optional[str]:
+        """Advance past every stage whose key was reported; return (and log) the warning when the
+        current stage has been stuck for another ``bound_s``."""
+        self._advance()
         if self.done:
             return None
         stuck = self.clock() - self.entered
@@ -144,9 +148,13 @@ class StallWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stop watching; a stage reached since the last tick (a job that ended within one tick
+        of its first replayed pass) is still said, never a stall warning."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if not self.done:
+            self._advance()
 
 
 # ------------------------------------------------------------------------------------ Ray

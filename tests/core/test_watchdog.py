@@ -38,6 +38,27 @@ def test_names_the_stuck_stage_repeats_and_stops_when_done(caplog):
     assert "the first replayed pass ran, 211 s after launch" in caplog.text
 
 
+def test_a_job_that_ends_within_one_tick_of_its_first_pass_is_still_said(caplog):
+    """The thread looks every few seconds; a job whose first replayed pass came after the last look
+    and which then ended (a short CPU rehearsal) still gets the line when the watch stops, and a
+    stage stuck at the end gets no stall warning from the stop."""
+    now, reached = [0.0], {"engine_ready"}
+    dog = StallWatchdog("test launcher", STAGES, 60, progress=lambda: reached, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="r3bridge"):
+        assert dog.check() is None and not dog.done
+        reached.add("first_pass")                        # between two looks; then the job ends
+        now[0] = 30
+        dog.stop()
+        assert dog.done
+    assert "the first replayed pass ran, 30 s after launch" in caplog.text
+    stuck = StallWatchdog("x", STAGES, 1, progress=set, clock=lambda: now[0])
+    now[0] = 500
+    with caplog.at_level(logging.INFO, logger="r3bridge"):
+        caplog.clear()
+        stuck.stop()
+    assert not stuck.done and "no progress" not in caplog.text
+
+
 def test_a_broken_progress_or_describe_never_takes_the_job_down():
     def broken():
         raise RuntimeError("GCS unreachable")
