@@ -320,7 +320,7 @@ class ReplayPass:
         if seq_lens is None:
             raise TypeError("install(model, routes, seq_lens, ...) needs seq_lens (or a MicroBatch)")
         c = self.replayer.chunk_index(model)
-        lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        lens = list(_as_key(seq_lens))
         # default: samples numbered in install order across this pass's micro-batches
         first = self._next_sample[c]
         ids = list(range(first, first + len(lens))) if sample_ids is None else [int(s) for s in sample_ids]
@@ -402,7 +402,7 @@ class ReplayPass:
         self._installed[c] = k + 1
         if callable(mb):
             mb = self._built_once(k, mb)
-        lens = [int(x) for x in (mb.seq_lens.tolist() if isinstance(mb.seq_lens, torch.Tensor) else mb.seq_lens)]
+        lens = list(_as_key(mb.seq_lens))
         known = self._ids.get(k)
         if known is None:
             known = self._ids[k] = self._sample_ids(mb, len(lens), k)
@@ -724,10 +724,11 @@ class ReplayPass:
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
         out.update(self.policy.metrics(threshold=self.replayer.replay_policy == "threshold"))
-        out.update(self._sample_metrics())
+        per_sample = self._per_sample.cpu().numpy()      # one copy to the host per pass, read twice below
+        out.update(self._sample_metrics(per_sample))
         if not self.replayer.agreement:
             out = {k: v for k, v in out.items() if "/agreement/" not in k}
-        self._check_floor(out)
+        self._check_floor(out, per_sample)
         return out
 
     def _sample_counts(self) -> torch.Tensor:
@@ -744,14 +745,14 @@ class ReplayPass:
                         acc[col] += v
         return torch.tensor([per[s] for s in sorted(per)], dtype=torch.int64, device=self.device).reshape(-1, 4)
 
-    def _sample_metrics(self) -> dict[str, float]:
+    def _sample_metrics(self, per_sample: np.ndarray) -> dict[str, float]:
         """Per-sample counts of the pass: ``samples/replayed`` (some route replayed, none refused),
         ``samples/native`` (rows handed, none a route: routed natively), ``samples/without_routes``
         (handed with 0 rows: aborted or interrupted, routed natively, counted apart),
         ``samples/refused`` (some route degenerate, routed natively under ``degenerate_routes:
         native``), and ``degenerate_pairs`` (the (token, layer) pairs whose ids repeat), from every
         rank's counts summed."""
-        replayed, degenerate, _, handed = (x.cpu().numpy() for x in self._per_sample.unbind(1))
+        replayed, degenerate, _, handed = per_sample.T
         refused = degenerate > 0
         without = handed == 0
         prefix = self.replayer.metrics_prefix
@@ -761,7 +762,7 @@ class ReplayPass:
                 f"{prefix}samples/refused": float(refused.sum()),
                 f"{prefix}degenerate_pairs": float(degenerate.sum())}
 
-    def _check_floor(self, metrics: dict[str, float]) -> None:
+    def _check_floor(self, metrics: dict[str, float], per_sample: np.ndarray) -> None:
         """R3: a pass whose routes cover less than ``coverage_floor`` of the real tokens of its
         samples with routes (every rank, every MoE layer) fails here, after its schedule and before
         its result is used: an engine that returned no usable routes (vLLM #54730's all-zero rows
@@ -770,7 +771,7 @@ class ReplayPass:
         and says so (``samples/without_routes`` and one log line)."""
         floor = self.replayer.coverage_floor
         prefix = self.replayer.metrics_prefix
-        replayed, _, pairs, handed = (x.cpu().numpy() for x in self._per_sample.unbind(1))
+        _, _, pairs, handed = per_sample.T
         without = handed == 0
         if without.any() and without.all() and _first_rank():
             logger.warning("r3bridge: every sample of this %s replay pass (%d) came without routes (aborted or "

@@ -3,7 +3,6 @@ megatron-bridge 0.6.2 and Transformer Engine: docs/gpu.md, "Megatron-Bridge").""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from testlab.gpu_scripts import gpu_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def mb():
-    spec = importlib.util.spec_from_file_location("mbridge_autobridge", ROOT / "scripts/gpu/mbridge_autobridge.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return gpu_script("mbridge_autobridge")
 
 
 @pytest.fixture(scope="module")

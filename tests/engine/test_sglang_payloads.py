@@ -9,10 +9,8 @@ engine served), so the engine's routes are compared with the HF model's own top-
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from r3bridge import ReplayBatch
 from r3bridge.engines.route_formats import decode_engine_routes
 from r3bridge.errors import LayerMappingError
 from r3bridge.rollout.stitching import rollout_routes
+from testlab.gpu_scripts import gpu_script
 from testlab.sglang_payloads import sglang_format_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,15 +30,6 @@ MODEL_A_CASES = ("chunked_prefill", "radix_cache", "prompt_start")
 def load(case: str) -> dict:
     with open(os.path.join(FIXTURES, f"sglang_routes_{case}.json")) as f:
         return json.load(f)
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("sglang_routes", os.path.join(ROOT, "scripts", "gpu",
-                                                                                "sglang_routes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_routes"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _batch(p: dict) -> ReplayBatch:
@@ -105,7 +95,7 @@ def test_sglangs_routes_are_the_hf_models_own_routing():
     nearly always."""
     import torch
 
-    routes = _script()
+    routes = gpu_script("sglang_routes")
     p = load("chunked_prefill")
     torch.manual_seed(0)
     ref = routes.build_reference(routes.hf_config(32, ()), seed=11)

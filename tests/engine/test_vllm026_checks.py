@@ -11,22 +11,14 @@ and against the run without speculation alike; the clean payload raises no canar
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import sys
 
 import pytest
 
+from testlab.gpu_scripts import gpu_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "vllm", "vllm_routes_chunked_prefill.npz")
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", "gpu", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +28,8 @@ def setup():
     from r3bridge.demo.hf_engine import build_hf_model
     from testlab.vllm_payloads import load_payloads
 
-    v = _script("vllm026_routes")
-    routes = _script("vllm_routes")
+    v = gpu_script("vllm026_routes")
+    routes = gpu_script("vllm_routes")
     pay = load_payloads(FIXTURE)
     cfg = routes.hf_config(routes.MODEL_A)
     facts = routes._facts(cfg)

@@ -18,7 +18,6 @@ recorded payload is the version that returned it.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import types
 
@@ -28,22 +27,12 @@ import torch
 
 from r3bridge import ParallelLayout, shard
 from r3bridge.rollout.stitching import rollout_routes
+from testlab.gpu_scripts import gpu_script
 from testlab.vllm_payloads import load_payloads, route_dtype, vllm_format_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "vllm")
 CASES = ("smoke", "routes_chunked_prefill", "routes_prefix_cache", "routes_prompt_start", "routes_e320_dense_first")
-
-
-def _script(name: str):
-    """A GPU script of scripts/gpu as a module (registered: its dataclasses need it)."""
-    import sys
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", "gpu", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def load(case: str):
@@ -129,7 +118,7 @@ def test_format_checker_reports_each_deviation():
 def test_smoke_check_reads_request_outputs():
     """``scripts/gpu/vllm_smoke.check`` on the recorded payload's requests (``RequestOutput``-shaped
     records: ``prompt_token_ids``, ``outputs[0].token_ids`` / ``routed_experts``)."""
-    check = _script("vllm_smoke").check
+    check = gpu_script("vllm_smoke").check
     pay = load("smoke")
     outs = [types.SimpleNamespace(prompt_token_ids=p, outputs=[types.SimpleNamespace(token_ids=o, routed_experts=r)])
             for p, o, r in zip(pay.prompts, pay.outputs, pay.routes)]
@@ -143,7 +132,7 @@ def test_smoke_check_reads_request_outputs():
 def test_routes_script_ingests_each_case_as_the_gpu_run_does():
     """``scripts/gpu/vllm_routes.Case.replay_batch``: one call per sample through ``from_vllm``,
     the offset turn through ``rollout_routes``; ``summarize`` passes exact or refused cases only."""
-    routes = _script("vllm_routes")
+    routes = gpu_script("vllm_routes")
     ps = load("routes_prompt_start")
     facts = {k: ps.meta[k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
     case = routes.Case("prompt_start", routes.MODEL_A, [ps.tokens(1)], [list(ps.routes)], [ps.prompt_starts])
