@@ -20,12 +20,14 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from r3bridge import HandedRoutes, ParallelLayout, ShardedTargets
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.handles.backends import RouteResolver
 from r3bridge.handles.handle import RouteHandle, RouteHandleError, block_crc, table_digest
+from r3bridge.parallel.handed import HandedRoutes
+from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.rank_rows import RankRows
 from r3bridge.parallel.read import read_targets
+from r3bridge.parallel.targets import ShardedTargets
 
 __all__ = ["HandleReads", "resolve", "handed_routes", "read_rank_targets"]
 
