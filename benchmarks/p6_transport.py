@@ -1,0 +1,371 @@
+"""P6, end to end: one RL step's routes from the engine's arrays to every rank's router targets,
+through each framework's own transport as it runs, and through route handles, side by side in one
+run on a local Ray cluster (issue 47 item 5).
+
+A "rollout" actor holds the engine's output (P5's ``engine_output``: per trajectory
+``[tokens - 1, L, K]``, vLLM's ``routed_experts``); R "rank" actors stand for R trainer ranks of
+one data-parallel replica of TP x CP x PP (SP on); the driver is the trainer's controller. The
+clock starts when the rollout hands its arrays over and stops when the last rank holds the targets
+of every micro-batch of the step. Arms:
+
+* ``tq`` (verl 0.9.1's TransferQueue 0.1.11, ``SimpleStorage``): the rollout side
+  ``kv_batch_put``s the field (``list_of_dict_to_tensordict``, as verl's ``AgentLoopWorkerTQ``
+  does); the controller passes the keys; every rank ``kv_batch_get``s its samples' whole
+  ``routed_experts`` (``tqbridge``'s per-worker get), then ``r3bridge.rank_targets``;
+* ``controller`` (SkyRL's path): the rollout returns its arrays to the controller (``ray.get``:
+  the generator output in the trainer's process), which ``ray.put``s the replica's batch once;
+  every rank ``ray.get``s it (zero-copy on this node), then ``r3bridge.rank_targets``;
+* ``handles-files`` / ``handles-ray``: the rollout writes each sample once through
+  ``r3bridge.handles.RouteStore`` (``FileRoutes`` under ``/dev/shm``, or ``RayRoutes``) and returns
+  the handles; the controller passes them; every rank runs ``read_rank_targets`` (only its rows of
+  its stage's layers, every digest block it reads checked).
+
+Reported per arm: the step's end-to-end seconds, route bytes each rank received (and x its share:
+its rows x its stage's MoE layers x K x itemsize), route bytes through the controller and through
+storage processes, the ranks' added peak RSS, the node's peak memory added; the targets of every
+rank are compared across arms (a crc32 per micro-batch). Not a test: prints a table or ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from p5_route_path import engine_output, layout_of, lengths_of, micro_batches, peak_rss_bytes, rss_bytes  # noqa: E402
+
+ARMS = ("tq", "controller", "handles-files", "handles-ray")
+
+
+def _reset_peak() -> int:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss_bytes()
+
+
+def _digest(t) -> int:
+    crc = zlib.crc32(t.valid.numpy().tobytes())
+    for lid in t.layer_ids:
+        crc = zlib.crc32(t.indices[lid].numpy().tobytes(), crc)
+    return crc
+
+
+def rank_coords(w: dict) -> list[tuple[int, int, int]]:
+    """The replica's ranks in an order that spreads a prefix over stages and CP ranks first
+    (``--ranks R`` takes the first R): (tp, cp, pp)."""
+    out = [(tp, cp, pp) for tp in range(w["tp"]) for cp in range(w["cp"]) for pp in range(w["pp"])]
+    return out[: w["ranks"]]
+
+
+def share_bytes(w: dict, lens: np.ndarray, coord) -> int:
+    """The rank's share of the step's ids: its token rows (1 / (TP x CP) of every sequence under SP
+    and CP) x its stage's MoE layers x K x itemsize."""
+    lay = layout_of(w)
+    layers = len(lay.moe_layers(coord[2], 0))
+    rows = int(lens.sum()) // (w["tp"] * w["cp"])
+    return rows * layers * w["topk"] * np.dtype(w["dtype"]).itemsize
+
+
+# ------------------------------------------------------------------------------ the actors' work
+def _warm_imports(arm: str) -> None:
+    """Imports and the TransferQueue client made before the clock starts (set-up, not the step's)."""
+    if arm == "tq":
+        import transfer_queue as tq
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: F401
+
+        tq.init()
+    else:
+        import r3bridge.handles  # noqa: F401
+
+def _targets_of(w: dict, lens: np.ndarray, coord, items_of) -> tuple[list[int], int]:
+    """``items_of(a, b)`` -> the engine arrays of samples [a, b); every micro-batch's targets."""
+    import torch
+
+    from r3bridge import rank_targets
+
+    lay = layout_of(w)
+    tp, cp, pp = coord
+    digests, rows = [], 0
+    for a, b in micro_batches(lens, w["mb_tokens"]):
+        t = rank_targets(items_of(a, b), lay, lens[a:b].tolist(), num_experts=w["experts"],
+                         moe_layer_ids=lay.moe_layer_ids, tp_rank=tp, cp_rank=cp, pp_rank=pp,
+                         device=torch.device("cpu"))
+        digests.append(_digest(t))
+        rows += int(t.num_valid)
+    return digests, rows
+
+
+class Rollout:
+    """The engine side: holds the step's arrays (made before the clock starts)."""
+
+    def __init__(self, w: dict) -> None:
+        self.w = dict(w, dtype=np.dtype(w["dtype"]))
+        self.lens = lengths_of(w["dist"], w["n"], w["max_len"], w["seed"])
+        self.items = [np.ascontiguousarray(a) for a in engine_output(self.lens, self.w)]
+        self.store = None
+        _warm_imports(w["arm"])
+
+    def ready(self) -> int:
+        return int(sum(a.nbytes for a in self.items))
+
+    def tq_put(self) -> float:
+        import torch
+        import transfer_queue as tq
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        tq.init()
+        t0 = time.perf_counter()
+        fields = list_of_dict_to_tensordict([{"routed_experts": torch.from_numpy(a)} for a in self.items])
+        tq.kv_batch_put(keys=[f"s{i}" for i in range(len(self.items))], partition_id="train", fields=fields)
+        return time.perf_counter() - t0
+
+    def arrays(self) -> list[np.ndarray]:
+        return self.items
+
+    def write_handles(self, backend: str, root: str) -> dict:
+        from r3bridge.handles import FileRoutes, RayRoutes, RouteStore
+
+        lay = layout_of(self.w)
+        self.store = RouteStore(FileRoutes(root) if backend == "files" else RayRoutes(), block_rows=self.w["block_rows"])
+        handles = [self.store.put(f"traj-{i}", a[:, self.w["dense"]:], lay.moe_layer_ids, step=1,
+                                  num_experts=self.w["experts"]) for i, a in enumerate(self.items)]
+        # returned as objects: Ray serialises the handles' object references with their owner (a
+        # plain pickle of a reference is not tracked, and the reader's get of it times out)
+        return {"run_id": self.store.run_id, "handles": handles}
+
+
+class Rank:
+    """One trainer rank of the replica."""
+
+    def __init__(self, w: dict, coord) -> None:
+        self.w = dict(w, dtype=np.dtype(w["dtype"]))
+        self.coord = tuple(coord)
+        self.lens = lengths_of(w["dist"], w["n"], w["max_len"], w["seed"])
+        # warm-up outside the clock: imports and first calls of the reader
+        from r3bridge import rank_targets
+
+        lay = layout_of(self.w)
+        probe = np.zeros((64, self.w["layers"], self.w["topk"]), self.w["dtype"])
+        probe[:] = np.arange(self.w["topk"], dtype=self.w["dtype"])
+        rank_targets([probe], lay, [65], num_experts=self.w["experts"], moe_layer_ids=lay.moe_layer_ids,
+                     pp_rank=self.coord[2])
+        _warm_imports(w["arm"])
+        self.base = _reset_peak()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _done(self, digests, rows, received, t_in) -> dict:
+        return {"coord": self.coord, "digests": digests, "valid_rows": rows, "bytes_received": int(received),
+                "get_s": t_in, "done_at": time.time(), "added_rss": peak_rss_bytes() - self.base}
+
+    def via_tq(self, n: int) -> dict:
+        import transfer_queue as tq
+
+        tq.init()
+        t0 = time.perf_counter()
+        data = tq.kv_batch_get(keys=[f"s{i}" for i in range(n)], partition_id="train", select_fields=["routed_experts"])
+        field = data["routed_experts"]
+        items = [x.numpy() for x in field.unbind(0)]
+        t_in = time.perf_counter() - t0
+        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b])
+        return self._done(digests, rows, sum(x.nbytes for x in items), t_in)
+
+    def via_ref(self, ref_box) -> dict:
+        import ray
+
+        t0 = time.perf_counter()
+        items = ray.get(ref_box[0])
+        t_in = time.perf_counter() - t0
+        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b])
+        return self._done(digests, rows, sum(x.nbytes for x in items), t_in)
+
+    def via_handles(self, got: dict, backend: str, root: str) -> dict:
+        import torch
+
+        from r3bridge.handles import FileRoutes, HandleReads, RayRoutes, read_rank_targets
+
+        resolvers = {"files": FileRoutes(root)} if backend == "files" else {"ray": RayRoutes()}
+        lay = layout_of(self.w)
+        tp, cp, pp = self.coord
+        stats, digests, rows = HandleReads(), [], 0
+        for a, b in micro_batches(self.lens, self.w["mb_tokens"]):
+            t = read_rank_targets(got["handles"][a:b], resolvers, lay, self.lens[a:b].tolist(), run_id=got["run_id"],
+                                  step=1, tp_rank=tp, cp_rank=cp, pp_rank=pp, stats=stats, device=torch.device("cpu"))
+            digests.append(_digest(t))
+            rows += int(t.num_valid)
+        return self._done(digests, rows, stats.bytes_read + stats.table_bytes, 0.0)
+
+
+# ------------------------------------------------------------------------------ the driver
+class NodeMemory:
+    """The node's peak used memory (``MemTotal - MemAvailable``) above its level at start, sampled
+    every 20 ms: what the step added on the node, storage processes and Ray's object store included."""
+
+    def __init__(self) -> None:
+        self.base = self._used()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    @staticmethod
+    def _used() -> int:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info["MemTotal"] - info["MemAvailable"]
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._used())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak - self.base
+
+
+def run_arm(arm: str, w: dict, lens: np.ndarray, shm: str) -> dict:
+    import ray
+
+    if arm == "tq":
+        import transfer_queue as tq
+
+        tq.init()          # in the controller, as verl's trainer does: its actors and storage units live with it
+    RolloutActor = ray.remote(num_cpus=0)(Rollout)   # placement is not what is measured: TQ's actors take slots too
+    RankActor = ray.remote(num_cpus=0)(Rank)
+    coords = rank_coords(w)
+    w = dict(w, arm=arm)
+    rollout = RolloutActor.remote(w)
+    route_bytes = ray.get(rollout.ready.remote())
+    ranks = [RankActor.remote(w, c) for c in coords]
+    ray.get([r.pid.remote() for r in ranks])
+    mem = NodeMemory()
+    out: dict = {"arm": arm, "route_bytes": route_bytes}
+    t0 = time.time()
+    if arm == "tq":
+        out["put_s"] = ray.get(rollout.tq_put.remote())
+        out["controller_bytes"] = 0                       # the keys only: the storage units hold the bytes
+        out["storage_bytes_in"] = route_bytes
+        results = ray.get([r.via_tq.remote(len(lens)) for r in ranks])
+        out["storage_bytes_out"] = sum(x["bytes_received"] for x in results)
+    elif arm == "controller":
+        items = ray.get(rollout.arrays.remote())         # the generator output in the controller's process
+        out["controller_bytes"] = int(sum(a.nbytes for a in items))
+        ref = ray.put(items)                              # the replica's batch, put once
+        results = ray.get([r.via_ref.remote([ref]) for r in ranks])
+        del items, ref
+    else:
+        backend = arm.split("-", 1)[1]
+        root = os.path.join(shm, "handles")
+        got = ray.get(rollout.write_handles.remote(backend, root))
+        out["controller_bytes"] = len(pickle.dumps(got))   # the handles' size (a reference pickles to its id)
+        results = ray.get([r.via_handles.remote(got, backend, root) for r in ranks])
+    out["step_s"] = max(x["done_at"] for x in results) - t0
+    out["node_added"] = mem.stop()
+    out["ranks"] = [{k: v for k, v in x.items() if k != "done_at"} for x in results]
+    for r in ranks:
+        ray.kill(r)
+    ray.kill(rollout)
+    if arm == "tq":
+        tq.kv_clear(keys=[f"s{i}" for i in range(len(lens))], partition_id="train")
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trajectories", type=int, default=64, help="the replica's samples (its DP shard)")
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--dist", default="typical_rl")
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--dense", type=int, default=0)
+    ap.add_argument("--topk", type=int, default=22)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--dtype", default="int16", choices=["uint8", "int16"])
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--ranks", type=int, default=8, help="how many of the replica's TP x CP x PP ranks run")
+    ap.add_argument("--mb-tokens", type=int, default=65536)
+    ap.add_argument("--block-rows", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    w = dict(layers=a.layers, dense=a.dense, topk=a.topk, experts=a.experts, dtype=a.dtype, tp=a.tp, cp=a.cp, pp=a.pp,
+             ep=1, seed=a.seed, mb_tokens=a.mb_tokens, n=a.trajectories, max_len=a.max_tokens, dist=a.dist,
+             block_rows=a.block_rows, ranks=min(a.ranks, a.tp * a.cp * a.pp))
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARMS]
+    if bad:
+        ap.error(f"unknown arms {bad}; choose from {ARMS}")
+    import ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 2, w["ranks"] + 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{HERE}:{REPO}", "OMP_NUM_THREADS": "1"}})
+    lens = lengths_of(w["dist"], w["n"], w["max_len"], w["seed"])
+    shm = tempfile.mkdtemp(prefix="r3bridge-p6t-", dir=a.store_dir)
+    coords = rank_coords(w)
+    out = {"workload": w, "tokens": int(lens.sum()), "cpus": os.cpu_count(), "arms": {}}
+    try:
+        for arm in arms:
+            out["arms"][arm] = run_arm(arm, w, lens, shm)
+            shutil.rmtree(os.path.join(shm, "handles"), ignore_errors=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        ray.shutdown()
+    shares = [share_bytes(w, lens, c) for c in coords]
+    ref = None
+    for r in out["arms"].values():
+        r["x_share"] = [x["bytes_received"] / s for x, s in zip(r["ranks"], shares)]
+        digests = [x["digests"] for x in r["ranks"]]
+        r["same_targets"] = ref is None or digests == ref
+        ref = ref if ref is not None else digests
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(markdown(out))
+    return out
+
+
+def markdown(out: dict) -> str:
+    w, gib = out["workload"], 2 ** 30
+    lines = [f"{w['n']} trajectories <= {w['max_len']} tokens ({out['tokens']:,} tokens), {w['layers']} layers top-{w['topk']} "
+             f"{w['dtype']}, {w['ranks']} ranks of TP{w['tp']} x CP{w['cp']} x PP{w['pp']}, {out['cpus']} CPUs", "",
+             "| arm | step s | GiB to each rank (max) | x share (max) | GiB via controller | node peak added GiB | "
+             "rank added RSS GiB (max) | same targets |", "|---|---|---|---|---|---|---|---|"]
+    for arm, r in out["arms"].items():
+        lines.append(f"| {arm} | {r['step_s']:.2f} | {max(x['bytes_received'] for x in r['ranks']) / gib:.3f} | "
+                     f"{max(r['x_share']):.2f} | {r['controller_bytes'] / gib:.4f} | {r['node_added'] / gib:.2f} | "
+                     f"{max(x['added_rss'] for x in r['ranks']) / gib:.3f} | {r['same_targets']} |")
+    arms = out["arms"]
+    for peer in ("tq", "controller"):
+        for mine in ("handles-files", "handles-ray"):
+            if peer in arms and mine in arms:
+                lines.append(f"\n{peer} / {mine}: time {arms[peer]['step_s'] / arms[mine]['step_s']:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
