@@ -18,6 +18,7 @@ be re-partitioned freely.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -180,3 +181,15 @@ def gather_recorded_weights(records: Sequence[InstalledMicroBatch], *, layout: P
     if not per_seq:
         return torch.zeros((0, len(col), topk), dtype=torch.float32)
     return _to_host(torch.cat([w for _, w in per_seq]))
+
+
+def with_recorded_weights(batch: ReplayBatch, weights: torch.Tensor) -> ReplayBatch:
+    """``batch`` (:func:`gather_recorded`'s) with the combine weights recorded next to its ids,
+    kept float32: they are the router's own final weights (finite, non-negative by construction,
+    so not validated again), and the update that replays them in this process gives its tokens
+    exactly the weights compute_log_prob gave them (the schema's float16, what ``to_bytes`` and
+    engines' weights carry, would move an fp32 router's by up to 2**-11)."""
+    if tuple(weights.shape) != tuple(batch.routes.shape):
+        raise ReplayStateError(f"recorded weights {tuple(weights.shape)} do not fit the recorded routes "
+                               f"{tuple(batch.routes.shape)}")
+    return dataclasses.replace(batch, weights=weights.to(device=batch.routes.device, dtype=torch.float32))

@@ -48,7 +48,7 @@ from r3bridge.megatron.combine_weights import CombineWeights
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
-from r3bridge.megatron.recorder import gather_recorded, gather_recorded_weights
+from r3bridge.megatron.recorder import gather_recorded, gather_recorded_weights, with_recorded_weights
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
@@ -291,7 +291,7 @@ class ReplayPass:
                         pp_rank=rep.pp_rank, groups=rep.groups, num_experts=rep.num_experts, topk=rep.topk,
                         device=rep.device)
                     if self.record_weights:
-                        self.recorded = self.recorded.with_weights(gather_recorded_weights(
+                        self.recorded = with_recorded_weights(self.recorded, gather_recorded_weights(
                             self._done_records, layout=rep.layout, chunk_layer_ids=chunk_layer_ids,
                             pp_rank=rep.pp_rank, groups=rep.groups, topk=rep.topk, device=rep.device))
         finally:
