@@ -80,6 +80,21 @@ def test_no_gradient_reaches_the_router_through_replayed_weights(runs):
         assert grad is not None and float(grad.abs().sum()) > 0, lid
 
 
+def test_recomputes_replay_the_weights_too(runs):
+    """Full and MoE recompute (activation checkpointing) run the router again in the backward: the
+    recompute gets the recorded weights too, so every gradient equals the run without recompute
+    (with every router moved away from the recording), and the routers get none."""
+    grads = runs["recompute"]
+    plain = grads["None"]
+    assert any("router" in n for n in plain) and any("experts" in n for n in plain)
+    for mode in ("full", "moe"):
+        assert grads[mode].keys() == plain.keys(), mode
+        for name, grad in plain.items():
+            assert torch.equal(grads[mode][name], grad), (mode, name)
+            if name.endswith("router.weight"):
+                assert not bool(grad.any()), name
+
+
 def test_engine_weights_replayed_after_the_scaling_factor_rows_without_route_live(runs):
     """R3 with an engine's weights (replay_weights=rollout): each replayed (token, k) of a row
     with a route gets the engine's weight times moe_router_topk_scaling_factor; rows without a

@@ -8,6 +8,7 @@ routers' gradients and the driver's metrics for the test to assert on."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -141,4 +142,39 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
                                                                record_weights=True))
     out["err_weights_native"] = _error(lambda: rep.open_pass("native", forward_only=True, replay_weights=True))
     rep.detach()
+    # recompute (activation checkpointing) substitutes the recorded weights too: with every router
+    # moved, an update with full or MoE recompute gives the same gradients as the one without
+    out["recompute"] = _recompute_grads(ctx, spec, chunks, recorded, batch, g)
     return out
+
+
+def _recompute_grads(ctx: RankContext, spec: ModelSpec, chunks, recorded, batch, g: torch.Generator) -> dict:
+    """Every parameter's gradient of an R3w update (recorded ids and weights replayed) with each
+    router moved, without recompute and with each recompute mode, on models of the same weights."""
+    from r3bridge.megatron import Replayer
+
+    state = [c.state_dict() for c in chunks]
+    noise = {name: torch.randn(p.shape, generator=g) * 0.5 for name, p in chunks[0].named_parameters()
+             if name.endswith("router.weight")}
+    fs = make_forward_step(ctx, thd=False)
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for mode in (None, "full", "moe"):
+        model = chunks if mode is None else build_model_chunks(dataclasses.replace(spec, recompute=mode), ctx)
+        for c, sd in zip(model, state):
+            c.load_state_dict(sd)
+        with torch.no_grad():
+            for name, p in model[0].named_parameters():
+                if name in noise:
+                    p.add_(noise[name])
+        rep = Replayer(model)
+        zero_grads(model)
+        try:
+            with rep.open_pass("replay", forward_only=False, route_kind="recorded", replay_weights=True) as st:
+                run_schedule(model, [batch], _install_step(st, fs, {id(batch): recorded}, {id(batch): [0, 1, 2]}),
+                             forward_only=False)
+        finally:
+            rep.detach()
+        grads[str(mode)] = {n: p.grad.clone() for n, p in model[0].named_parameters() if p.grad is not None}
+        for c, sd in zip(model, state):      # the shared model back as it was
+            c.load_state_dict(sd)
+    return grads
