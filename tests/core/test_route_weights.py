@@ -312,3 +312,22 @@ def test_replay_weights_off_spellings():
     assert ReplayConfig(replay_mode="R3", replay_weights=False).replay_weights == "off"
     assert ReplayConfig.from_mapping({"replay_mode": "R3", "replay_weights": "recorded"}).as_dict()[
         "replay_weights"] == "recorded"
+
+
+def test_an_adapter_that_carries_no_recorded_weights_refuses_replay_weights_at_set_up():
+    """``replay_weights`` through an adapter that does not hand compute_log_prob's recording
+    (weights included) to its updates would fail only at the first update: its session refuses the
+    setting when the worker sets up; an adapter that declares it carries them gets its session, and
+    a model of another role (never replays) is not refused."""
+    from r3bridge.errors import ConfigError
+    from r3bridge.megatron.roles import Role
+    from r3bridge.session import AdapterSession
+
+    for setting in ("recorded", "rollout"):
+        cfg = {"replay_mode": "R3", "replay_weights": setting}
+        with pytest.raises(ConfigError, match=rf"replay_weights='{setting}': the verl adapter carries routing "
+                                              r"weights as off only"):
+            AdapterSession("verl", cfg, where=None)
+        session = AdapterSession("template", cfg, where=None, routing_weights=("off", "recorded", "rollout"))
+        assert session.config.replay_weights == setting
+        assert AdapterSession("verl", cfg, where=None, role=Role.REFERENCE).config.replay_weights == setting
