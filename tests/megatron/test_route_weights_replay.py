@@ -80,6 +80,23 @@ def test_no_gradient_reaches_the_router_through_replayed_weights(runs):
         assert grad is not None and float(grad.abs().sum()) > 0, lid
 
 
+def test_r3w_through_the_phase_runner(runs):
+    """ReplayConfig(replay_mode=R3, replay_weights=recorded) through the phase runner adapters use:
+    compute_log_prob's result holds the recording with its weights (the same as the driver's), the
+    update replays them and logs the counts under its phase tag."""
+    r = runs["runner"]
+    old_plan, update_plan = r["plans"]
+    assert old_plan.record_weights and old_plan.route_kind == "rollout"
+    assert update_plan.replay_weights and update_plan.route_kind == "recorded"
+    direct = runs["r3w_record"]["recorded"]
+    assert r["recorded"].equals(direct) and torch.equal(r["recorded"].weights, direct.weights)
+    assert r["old"][f"{PREFIX}old_log_prob/coverage"] < 1.0          # the engine's routes: last tokens have none
+    u = r["update"]
+    assert u[f"{PREFIX}update/coverage"] == 1.0
+    assert u[f"{PREFIX}update/weights/replayed_pairs"] == u[f"{PREFIX}update/replayed_pairs"] > 0
+    assert u[f"{PREFIX}update/weights/live_pairs"] == 0
+
+
 def test_recomputes_replay_the_weights_too(runs):
     """Full and MoE recompute (activation checkpointing) run the router again in the backward: the
     recompute gets the recorded weights too, so every gradient equals the run without recompute

@@ -131,6 +131,10 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
     out["r2_update_w"] = run("replay", r2["recorded"], forward_only=False, route_kind="recorded",
                              replay_weights=True)
 
+    # the same R3w pair through the phase runner every adapter uses (ReplayConfig.replay_weights):
+    # compute_log_prob's result carries the recording, the update replays it
+    out["runner"] = _through_phase_runner(rep, chunks, batch, rollout, fs)
+
     # refusals
     out["err_no_weights"] = _error(lambda: run("replay", rollout, forward_only=False, route_kind="rollout",
                                                replay_weights=True))
@@ -146,6 +150,26 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
     # moved, an update with full or MoE recompute gives the same gradients as the one without
     out["recompute"] = _recompute_grads(ctx, spec, chunks, recorded, batch, g)
     return out
+
+
+def _through_phase_runner(rep, chunks, batch, rollout, fs) -> dict[str, Any]:
+    from r3bridge.config import Phase, ReplayConfig
+    from r3bridge.megatron import MicroBatch
+    from r3bridge.session import PhaseRunner
+
+    runner = PhaseRunner(rep, ReplayConfig(replay_mode="R3", replay_weights="recorded"))
+
+    def micro_batch(routes: Any) -> list[MicroBatch]:
+        return [MicroBatch(batch.seq_lens, routes, sample_ids=[0, 1, 2], cu_seqlens_padded=batch.cu_seqlens_padded)]
+
+    with runner.run(Phase.OLD_LOG_PROB, forward_only=True, targets=micro_batch(rollout)) as ps:
+        run_schedule(chunks, [batch], fs, forward_only=True)
+    old = ps.result
+    recorded = old.recorded_for(3)
+    with runner.run(Phase.UPDATE, forward_only=False, targets=micro_batch(recorded)) as ps:
+        run_schedule(chunks, [batch], fs, forward_only=False)
+    return {"plans": (runner.plan(Phase.OLD_LOG_PROB), runner.plan(Phase.UPDATE)), "recorded": recorded,
+            "old": old.tagged, "update": ps.result.tagged}
 
 
 def _recompute_grads(ctx: RankContext, spec: ModelSpec, chunks, recorded, batch, g: torch.Generator) -> dict:
