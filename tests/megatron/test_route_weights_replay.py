@@ -71,6 +71,14 @@ def test_replayed_weights_make_the_moe_output_independent_of_the_router(runs):
         assert torch.equal(moved[lid]["output"][real], runs["r3w_record"]["moe"][lid]["output"][real])
 
 
+def test_router_log_ratio_reads_recorded_weights_as_the_routers_own(runs):
+    """Recorded weights include the routed scaling factor (an engine's do not): replayed at
+    theta_old, the trainer's weights are the recorded ones, so the router log-ratio is 0."""
+    m = runs["update_w"]["metrics"]
+    assert m[f"{PREFIX}replay/router_log_ratio_abs_mean"] == 0.0
+    assert runs["update_w_moved"]["metrics"][f"{PREFIX}replay/router_log_ratio_abs_mean"] > 0.01
+
+
 def test_no_gradient_reaches_the_router_through_replayed_weights(runs):
     """(b) The router's gradient from the combine path is zero under replay_weights (aux loss
     off in this model), non-zero with ids only."""
