@@ -41,7 +41,7 @@ ORIGIN_CONFIG = "config"      # config origins: where the r3bridge section came 
 ORIGIN_DEFAULT = "default"
 
 __all__ = ["ReplayMode", "Phase", "Action", "PhasePlan", "ReplayConfig", "phase_plan", "forward_env", "ENV_SETTINGS",
-           "check_environment"]
+           "check_environment", "REPLAY_WEIGHTS", "check_replay_weights"]
 
 
 class ReplayMode(str, Enum):
@@ -89,6 +89,17 @@ class Action(str, Enum):
 class PhasePlan:
     action: Action
     route_kind: str | None   # which routes a replay pass replays: "rollout" (R3) or "recorded" (R2)
+    # routing-weights replay (ReplayConfig.replay_weights; docs/architecture.md, "Routing weights"):
+    # the pass sets each replayed (token, k)'s combine weight to the routes' weight, router frozen
+    replay_weights: bool = False
+    # the pass records the ids its routers used and their final combine weights (a recorded
+    # ReplayBatch with weights, for the updates to replay): R2's recording, or R3w's compute_log_prob
+    record_weights: bool = False
+
+    @property
+    def records(self) -> bool:
+        """Whether the pass hands back recorded routes (R2's recording, or R3w's)."""
+        return self.action is Action.RECORD or self.record_weights
 
 
 _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
@@ -101,16 +112,53 @@ _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
 }
 
 
-def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
-    """What the driver does in ``phase`` under ``mode``. The reference model never replays."""
+# r3bridge.replay_weights: where the combine weights a replayed token gets come from
+REPLAY_WEIGHTS = ("off", "recorded", "rollout")
+
+
+def check_replay_weights(mode: ReplayMode | str, replay_weights: Any) -> str:
+    """``replay_weights`` checked against ``mode``; returns it. ``recorded``: compute_log_prob
+    records the combine weights of the ids it routed with (R2: its own; R3: the engine's) and every
+    update replays ids and weights; ``rollout`` (R3 only): every pass replays the weights handed
+    with the rollout routes (an engine's, e.g. SGLang's ``--enable-return-routed-expert-weights``)."""
     m = ReplayMode.parse(mode)
+    if replay_weights is False or replay_weights is None:
+        replay_weights = "off"
+    if not isinstance(replay_weights, str) or replay_weights not in REPLAY_WEIGHTS:
+        raise ConfigError(f"replay_weights must be one of {', '.join(REPLAY_WEIGHTS)} (false also means off), "
+                          f"got {replay_weights!r}")
+    if replay_weights != "off" and m is ReplayMode.OFF:
+        raise ConfigError(f"replay_weights={replay_weights} needs replay_mode R2 or R3 (replay_mode is off: "
+                          f"nothing is replayed, so no weight would be)")
+    if replay_weights == "rollout" and m is ReplayMode.R2:
+        raise ConfigError("replay_weights=rollout replays the weights handed with the rollout routes, which "
+                          "R2 does not replay; R2 takes replay_weights=recorded (compute_log_prob records them)")
+    return replay_weights
+
+
+def phase_plan(mode: ReplayMode | str, phase: Phase | str, replay_weights: str = "off") -> PhasePlan:
+    """What the driver does in ``phase`` under ``mode`` (and ``replay_weights``, see
+    :func:`check_replay_weights`). The reference model never replays.
+
+    ``replay_weights="recorded"`` under R3 ("R3w"): compute_log_prob replays the engine's ids and
+    records the combine weights they got; the updates replay the recorded ids (the engine's, the
+    native ones on rows without a route) with those weights, so their route kind is "recorded"."""
+    m = ReplayMode.parse(mode)
+    w = check_replay_weights(m, replay_weights)
     try:
         p = Phase(phase)
     except ValueError:   # (was a bare ValueError; every config problem is a ConfigError)
         raise ConfigError(f"unknown phase {phase!r}; known: {[x.value for x in Phase]}") from None
     if p is Phase.REF_LOG_PROB:
         return PhasePlan(Action.NATIVE, None)
-    return _PLANS[(m, p)]
+    plan = _PLANS[(m, p)]
+    if w == "rollout":
+        return PhasePlan(plan.action, plan.route_kind, replay_weights=True)
+    if w == "recorded":
+        if p is Phase.OLD_LOG_PROB:
+            return PhasePlan(plan.action, plan.route_kind, record_weights=True)
+        return PhasePlan(Action.REPLAY, "recorded", replay_weights=True)
+    return plan
 
 
 # r3bridge.route_transport: the route bytes in the batch, or a handle per sample (r3bridge/handles/)
@@ -197,6 +245,12 @@ class ReplayConfig:
     # routes written once to a store, the field carries a small r3bridge.handles.RouteHandle, and
     # each rank reads only its rows of its stage's layers).
     route_transport: str = "inline"
+    # Routing-weights replay (docs/architecture.md, "Routing weights"): "off" replays expert ids
+    # only (the combine weights are the live router's); "recorded": compute_log_prob records the
+    # final combine weights of the ids it routed with (R3: the engine's ids, "R3w"; R2: its own)
+    # and every update replays ids and weights, the router frozen for those tokens (prime-rl #3523);
+    # "rollout" (R3): every pass replays the weights handed with the rollout routes (an engine's).
+    replay_weights: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -219,6 +273,7 @@ class ReplayConfig:
                 or self.stall_warning_s < 0:
             raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
         check_engine_version_setting(self.engine_version)
+        object.__setattr__(self, "replay_weights", check_replay_weights(self.replay_mode, self.replay_weights))
         if self.route_transport not in ROUTE_TRANSPORTS:
             raise ConfigError(f"route_transport must be one of {', '.join(ROUTE_TRANSPORTS)}, got {self.route_transport!r}")
 
@@ -314,7 +369,7 @@ class ReplayConfig:
         return out
 
     def plan(self, phase: Phase | str) -> PhasePlan:
-        return phase_plan(self.replay_mode, phase)
+        return phase_plan(self.replay_mode, phase, self.replay_weights)
 
 
 def _env_section(env: Mapping[str, str]) -> tuple[Optional[dict[str, Any]], str]:

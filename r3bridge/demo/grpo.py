@@ -10,7 +10,8 @@ Per step (verl's order; weights synced every step, so the engine never lags):
    advantage = (reward - group mean) / (group std + 1e-6) (GRPO);
 3. **compute_log_prob** (weights theta_old) over ``logprob_micro_batches`` packed micro-batches in
    sample order, routed per :func:`r3bridge.config.phase_plan`: native (off), record (R2),
-   replay the engine's routes (R3);
+   replay the engine's routes (R3), replay them and record their combine weights (R3w: R3 with
+   ``replay_weights=recorded``, the updates then replay the ids and those weights, router frozen);
 4. **updates**: the samples shuffled into ``mini_batches`` mini-batches (4: the off-policy stress
    of arXiv 2512.01374, where R3 beat R2), each one forward+backward with the PPO-clip loss
    (ratio against step 3's log-probs, clip 0.2, token mean), gradient clipping at 1.0 and one Adam
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.config import Action, Phase, phase_plan
+from r3bridge.config import Action, Phase, PhasePlan, phase_plan
 from r3bridge.demo import task as task_mod
 from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_warm_start
 from r3bridge.demo.hf_engine import Completion, HFEngine
@@ -105,6 +106,17 @@ def _vllm_rollout(run_dir: Path, hf_config: Any, opts: GRPOOptions, seed: int, n
 
     return VLLMEngine(str(run_dir / "model"), hf_config, seed=seed, max_num_seqs=n, max_model_len=max_len,
                       kv_cache_bytes=opts.vllm_kv_cache_mb << 20)
+
+
+# the evidence modes that are a replay mode plus a routing-weights setting (ReplayConfig.replay_weights)
+WEIGHTS_MODES = {"R3w": ("R3", "recorded")}
+
+
+def arm_plan(mode: str, phase: Phase) -> PhasePlan:
+    """The phase plan of an arm's mode: ``off`` / ``R2`` / ``R3`` as :func:`phase_plan` says, ``R3w``
+    as R3 with ``replay_weights=recorded``."""
+    replay_mode, weights = WEIGHTS_MODES.get(mode, (mode, "off"))
+    return phase_plan(replay_mode, phase, weights)
 
 
 # ------------------------------------------------------------------------------ optimizer
@@ -316,14 +328,15 @@ class ArmRunner:
 
     # ------------------------------------------------------------------------------ passes
     def _pass(self, action: Action, source: Optional[str], batches: list, ids_of: dict, routes_of: dict,
-              probe: bool = False):
+              probe: bool = False, record_weights: bool = False):
         """One forward-only schedule run over ``batches``: (results, replay step, probe or None)."""
         prb = RoutingProbe(self.trainer, include_mtp=False) if probe else None
         for c in self.trainer:
             c.eval()
         try:
             with prb if prb is not None else contextlib.nullcontext():
-                with self.rep.open_pass(action, forward_only=True, route_kind=source) as st:
+                with self.rep.open_pass(action, forward_only=True, route_kind=source,
+                                        record_weights=record_weights) as st:
                     res = run_schedule(self.trainer, batches, _install(st, self.fwd_logits, routes_of, ids_of),
                                        forward_only=True)
         finally:
@@ -431,12 +444,12 @@ class ArmRunner:
     def compute_log_prob(self, s: Samples, lp: list, m: dict[str, float]):
         """theta_old's log-probs per sample (and R2's recording); logs the train-vs-rollout
         mismatch, the entropy and how often the trainer's own routers chose the engine's experts."""
-        plan = phase_plan(self.arm.mode, Phase.OLD_LOG_PROB)
+        plan = arm_plan(self.arm.mode, Phase.OLD_LOG_PROB)
         batches = [b for _, b in lp]
         ids_of = {id(b): list(map(int, g)) for g, b in lp}
         roll_of = {id(b): s.routes.select(ids_of[id(b)]) for b in batches}
         res, st, probe = self._pass(plan.action, plan.route_kind, batches, ids_of, roll_of if plan.route_kind else {},
-                                    probe=plan.route_kind is None)
+                                    probe=plan.route_kind is None, record_weights=plan.record_weights)
         old_lp: list[torch.Tensor] = [torch.empty(0)] * len(s)
         sums, ent_sum, ent_n = None, 0.0, 0
         for (g, b), r in zip(lp, res):
@@ -467,10 +480,10 @@ class ArmRunner:
                m: dict[str, float]) -> None:
         """The samples shuffled into mini-batches, one PPO-clip update each, routed per the plan;
         logs the updates' mismatch with the rollout, the PPO statistics and the gradient norms."""
-        o, plan = self.opts, phase_plan(self.arm.mode, Phase.UPDATE)
+        o, plan = self.opts, arm_plan(self.arm.mode, Phase.UPDATE)
         order = np.random.default_rng([self.arm.seed, step, 1]).permutation(len(s))
         adv = [torch.full((len(r),), float(a)) for r, a in zip(s.responses, s.advantages)]
-        sums, norms, stats, cov, agree = None, [], [], [], []
+        sums, norms, stats, cov, agree, weights = None, [], [], [], [], np.zeros(2)
         for u, g in enumerate(np.array_split(order, o.mini_batches)):
             ids = list(map(int, g))
             b = _pack(s, ids, o.device)
@@ -483,7 +496,8 @@ class ArmRunner:
                 ref = {id(b): s.routes.select(ids)}
             out: list[dict] = []
             self.optim.zero_grad()
-            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind) as us:
+            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind,
+                                    replay_weights=plan.replay_weights) as us:
                 run_schedule(self.trainer, [b], _install(us, _ppo_forward_step(self.te, per, o.clip, out), ref,
                                                          {id(b): ids}), forward_only=False)
             norms.append(self.optim.step())
@@ -491,6 +505,8 @@ class ArmRunner:
             if plan.route_kind:
                 cov.append(us.metrics["r3bridge/coverage"])
                 agree.append(us.metrics["r3bridge/agreement/mean"])
+            if plan.replay_weights:
+                weights += [us.metrics["r3bridge/weights/replayed_pairs"], us.metrics["r3bridge/weights/live_pairs"]]
             mask = b.loss_mask.bool()
             part = logprob_mismatch_sums(out[0]["logp"], _per_token(s, ids, b, s.rollout_lp), mask,
                                          cu_seqlens=b.cu_seqlens_padded, exclude_last=False)
@@ -508,6 +524,9 @@ class ArmRunner:
         if cov:
             m["actor/r3bridge/update/coverage"] = float(np.mean(cov))
             m["actor/r3bridge/update/agreement/mean"] = float(np.mean(agree))
+        if plan.replay_weights:     # (token, MoE layer) pairs whose combine weights were replayed / live
+            m["actor/r3bridge/update/weights/replayed_pairs"] = float(weights[0])
+            m["actor/r3bridge/update/weights/live_pairs"] = float(weights[1])
 
 
 def _put_mismatch(m: dict[str, float], prefix: str, sums: torch.Tensor) -> None:

@@ -35,6 +35,8 @@ class InstalledMicroBatch:
     fwd_left: set[int] = field(default_factory=set)     # layers not yet routed in the forward
     recompute_left: set[int] = field(default_factory=set)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
+    # record_weights: layer -> float32 [rows, K], the final combine weights of the recorded ids
+    recorded_weights: dict[int, torch.Tensor] = field(default_factory=dict)
     forwarded: bool = False
     routes: Optional[HandedRoutes] = None       # REPLAY: re-reads a target for a late recompute
     rank_rows: Optional[RankRows] = None        # REPLAY: the micro-batch's row map on this rank

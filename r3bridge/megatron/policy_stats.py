@@ -39,6 +39,7 @@ class _Scaling(Protocol):
 
 class _Pass(Protocol):
     replayer: _Scaling
+    route_kind: Optional[str]
 
 
 class PolicyStats:
@@ -92,7 +93,9 @@ class PolicyStats:
             probs = output[0].detach()
             train = probs.gather(1, idx).float()
             scale = driver_pass.replayer.topk_scaling_factor
-            if scale:  # engines report the weights before the routed scaling factor
+            # engines report the weights before the routed scaling factor; weights recorded by
+            # the trainer (record_weights) are its final ones, the factor included
+            if scale and driver_pass.route_kind != "recorded":
                 train = train / scale
             mask = valid[:, None] if kept is None else kept & valid[:, None]
             ratio = router_log_ratio(train, rollout, mask)

@@ -18,6 +18,7 @@ be re-partitioned freely.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from r3bridge.errors import ReplayStateError
 from r3bridge.megatron.installed import InstalledMicroBatch
 from r3bridge.parallel.id_words import as_words
 from r3bridge.parallel.layout import ParallelLayout
-from r3bridge.parallel.packing import PackPlan
+from r3bridge.parallel.packing import PackPlan, token_owners
 from r3bridge.parallel.unsharding import assemble_gathered
 
 
@@ -121,3 +122,74 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)
     return host
+
+
+def gather_recorded_weights(records: Sequence[InstalledMicroBatch], *, layout: ParallelLayout,
+                            chunk_layer_ids: Sequence[Sequence[int]], pp_rank: int, groups: Mapping[str, Any],
+                            topk: int, device: torch.device) -> torch.Tensor:
+    """The combine weights recorded next to the ids of ``records`` (``record_weights``): float32
+    ``[rows, L, K]`` aligned row for row with :func:`gather_recorded`'s batch (every token of every
+    sequence, sequences sorted by sample id, every MoE layer of the layout).
+
+    The same three all-gathers as the ids (TP under SP, CP, PP with each stage's part padded to the
+    largest), float32 as it is; each token's row is then read where :func:`token_owners` says its
+    rank holds it (the inverse of the rank split, as the ids' assembly reads it)."""
+    by_index: dict[int, list[InstalledMicroBatch]] = {}
+    for mb in records:
+        by_index.setdefault(mb.index, []).append(mb)
+    metas = [sorted(by_index[m], key=lambda x: x.chunk) for m in sorted(by_index)]
+    rows = [mbs[0].rows for mbs in metas]
+    stage = [[lid for v in range(layout.vp_size) for lid in layout.moe_layers(p, v)] for p in range(layout.pp)]
+    width = [len(lids) for lids in stage]
+    part_len = max(sum(rows) * w * topk for w in width)
+    local = torch.zeros(part_len, dtype=torch.float32, device=device)
+    off = 0
+    for m, mbs in enumerate(metas):
+        layers = [mb.recorded_weights.get(lid) for mb in mbs for lid in chunk_layer_ids[mb.chunk]]
+        missing = [lid for mb in mbs for lid in chunk_layer_ids[mb.chunk] if mb.recorded_weights.get(lid) is None]
+        if missing or any(x.shape != (rows[m], topk) for x in layers):
+            raise ReplayStateError(f"micro-batch {m}: the combine weights of layers {missing or 'all'} were not "
+                                   f"recorded as [{rows[m]}, {topk}] (the router's forward hook did not run?)")
+        if layers:
+            n = rows[m] * len(layers) * topk
+            local[off:off + n].view(rows[m], len(layers), topk).copy_(torch.stack(layers, 1))
+            off += n
+    tp_n = layout.tp if layout.sequence_parallel else 1
+    flat = _all_gather(local, groups.get("tp"), tp_n)
+    flat = _all_gather(flat, groups.get("cp"), layout.cp)
+    flat = _all_gather(flat, groups.get("pp"), layout.pp)
+    # flat = [pp][cp][tp'][part_len]; a rank's part = [micro-batch][rows][its stage's layers][K]
+    ranks = layout.cp * tp_n
+    parts = flat.view(layout.pp, ranks, part_len)
+    col = {lid: j for j, lid in enumerate(layout.moe_layer_ids)}
+    per_seq: list[tuple[int, torch.Tensor]] = []
+    before = 0
+    for m, mbs in enumerate(metas):
+        plan = PackPlan.build(layout, mbs[0].seq_lens, **mbs[0].pack)
+        rank, row = (t.to(device) for t in token_owners(plan, layout, tp_n))
+        out = torch.zeros((int(rank.numel()), len(col), topk), dtype=torch.float32, device=device)
+        for p in range(layout.pp):
+            if not width[p]:
+                continue
+            n = sum(rows) * width[p] * topk
+            block = parts[p, :, :n].view(ranks, sum(rows), width[p], topk)
+            out[:, [col[lid] for lid in stage[p]]] = block[rank, before + row]
+        before += rows[m]
+        for sid, piece in zip(mbs[0].sample_ids, out.split(plan.seq_lens.tolist())):
+            per_seq.append((int(sid), piece))
+    per_seq.sort(key=lambda x: x[0])
+    if not per_seq:
+        return torch.zeros((0, len(col), topk), dtype=torch.float32)
+    return _to_host(torch.cat([w for _, w in per_seq]))
+
+
+def with_recorded_weights(batch: ReplayBatch, weights: torch.Tensor) -> ReplayBatch:
+    """``batch`` (:func:`gather_recorded`'s) with the combine weights recorded next to its ids,
+    kept float32: they are the router's own final weights (finite, non-negative by construction,
+    so not validated again), and the update that replays them in this process gives its tokens
+    exactly the weights compute_log_prob gave them (the schema's float16, what ``to_bytes`` and
+    engines' weights carry, would move an fp32 router's by up to 2**-11)."""
+    if tuple(weights.shape) != tuple(batch.routes.shape):
+        raise ReplayStateError(f"recorded weights {tuple(weights.shape)} do not fit the recorded routes "
+                               f"{tuple(batch.routes.shape)}")
+    return dataclasses.replace(batch, weights=weights.to(device=batch.routes.device, dtype=torch.float32))

@@ -42,12 +42,13 @@ import torch
 from r3bridge.batch.provenance import ProvenanceCount
 from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.config import Action, Phase, PhasePlan
-from r3bridge.errors import ConfigError, CoverageError, ReplayStateError
+from r3bridge.errors import ConfigError, CoverageError, ReplayStateError, RouteWeightsError
 from r3bridge.megatron import stats_mask
+from r3bridge.megatron.combine_weights import CombineWeights
 from r3bridge.megatron.discovery import ChunkRouters
 from r3bridge.megatron.installed import InstalledMicroBatch, PendingRecompute
 from r3bridge.megatron.policy_stats import PolicyStats, per_token
-from r3bridge.megatron.recorder import gather_recorded
+from r3bridge.megatron.recorder import gather_recorded, gather_recorded_weights, with_recorded_weights
 from r3bridge.metrics import AgreementCounter, topk_sets_equal
 from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
@@ -197,13 +198,24 @@ class ReplayPass:
     ``provenance`` check and, on a clean exit, its ``result`` (:class:`r3bridge.session.PhaseResult`)."""
 
     def __init__(self, replayer: PassHost, action: Action | str, *, forward_only: bool,
-                 route_kind: str | None = None) -> None:
+                 route_kind: str | None = None, replay_weights: bool = False, record_weights: bool = False) -> None:
         self.replayer = replayer
         self.action = Action(action)
         self.forward_only = forward_only
         self.route_kind = route_kind        # the plan's: "rollout" (R3) or "recorded" (R2)
+        # routing weights (combine_weights.py): replay the routes' weights / record the ones used
+        self.replay_weights = bool(replay_weights)
+        self.record_weights = bool(record_weights)
         if self.action is Action.RECORD and not forward_only:
             raise ConfigError("R2 recording runs in the forward-only compute_log_prob pass (forward_only=True)")
+        if self.replay_weights and self.action is not Action.REPLAY:
+            raise ConfigError(f"replay_weights: a {self.action.value} pass replays no routes, so no weights")
+        if self.replay_weights and replayer.replay_policy != "hard":
+            raise ConfigError(f"replay_weights with replay_policy={replayer.replay_policy!r}: the policy swaps some "
+                              f"replayed experts for native ones, which the handed weights are not for; use 'hard'")
+        if self.record_weights and (self.action is Action.NATIVE or not forward_only):
+            raise ConfigError("record_weights: the combine weights are recorded in a forward-only compute_log_prob "
+                              "pass that records (R2) or replays (R3)")
         n = len(replayer.chunks)
         self._next_index = [0] * n
         self._next_sample = [0] * n
@@ -243,6 +255,12 @@ class ReplayPass:
         self._counter = AgreementCounter(replayer.layout.moe_layer_ids, device=dev)
         # replay policy / router log-ratio (r3bridge/megatron/policy_stats.py)
         self.policy = PolicyStats(replayer.metrics_prefix, device=dev)
+        self.weights = CombineWeights(replayer.metrics_prefix, device=dev, scaling_factor=replayer.topk_scaling_factor)
+
+    @property
+    def records(self) -> bool:
+        """Whether the pass records the routes it routed with (R2's recording, or R3w's)."""
+        return self.action is Action.RECORD or self.record_weights
 
     # ---------------------------------------------------------------------------- context
     def __enter__(self) -> "ReplayPass":
@@ -255,6 +273,8 @@ class ReplayPass:
             self._handles += stats_mask.attach([found.routers for found in self.replayer.chunks], self)
         if self.action is Action.REPLAY:
             self._handles += self.policy.attach([found.routers for found in self.replayer.chunks], self)
+        if self.replay_weights or self.record_weights:     # last: the hooks above read the live router's output
+            self._handles += self.weights.attach([found.routers for found in self.replayer.chunks])
         self.replayer.active_pass = self
         return self
 
@@ -263,12 +283,17 @@ class ReplayPass:
             if exc_type is None:
                 self._check_drained()
                 self.metrics = self._finish_metrics()
-                if self.action is Action.RECORD:
+                if self.records:
                     rep = self.replayer
+                    chunk_layer_ids = [found.layer_ids for found in rep.chunks]
                     self.recorded = gather_recorded(
-                        self._done_records, layout=rep.layout, chunk_layer_ids=[found.layer_ids for found in rep.chunks],
+                        self._done_records, layout=rep.layout, chunk_layer_ids=chunk_layer_ids,
                         pp_rank=rep.pp_rank, groups=rep.groups, num_experts=rep.num_experts, topk=rep.topk,
                         device=rep.device)
+                    if self.record_weights:
+                        self.recorded = with_recorded_weights(self.recorded, gather_recorded_weights(
+                            self._done_records, layout=rep.layout, chunk_layer_ids=chunk_layer_ids,
+                            pp_rank=rep.pp_rank, groups=rep.groups, topk=rep.topk, device=rep.device))
         finally:
             self.close()
 
@@ -287,6 +312,7 @@ class ReplayPass:
         self._built.clear()
         self._sample_rows = []
         self.policy.clear()
+        self.weights.clear()
         self._current = [None] * len(self._current)
         self._last = [None] * len(self._last)
         if self.replayer.active_pass is self:
@@ -357,6 +383,14 @@ class ReplayPass:
                 raise ReplayStateError(f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay pass without routes")
             self._check_route_kind(handed)
             _check_topk(handed, rep.topk, f"chunk {c}, micro-batch {mb.index} (samples {ids})")
+            if self.replay_weights and not handed.has_weights:
+                raise RouteWeightsError(
+                    f"chunk {c}, micro-batch {mb.index} (samples {ids}): replay_weights replays the combine weights "
+                    f"of the routes, and these {handed.route_kind} routes carry none"
+                    + (" (replay_weights=recorded: the compute_log_prob pass records them with record_weights)"
+                       if handed.route_kind == "recorded" else
+                       " (an engine's weights: SGLang --enable-return-routed-expert-weights; or "
+                       "replay_weights=recorded)"))
             if rep.invalid_rows == "error":
                 _refuse_unrouted(rows, handed, c, mb.index)
             counts: list = []
@@ -511,6 +545,10 @@ class ReplayPass:
 
     def _check_route_kind(self, routes: ReplayBatch | HandedRoutes) -> None:
         want, got = self.route_kind, routes.route_kind
+        if want == "recorded" and got != "recorded" and self.replay_weights:
+            raise ConfigError(f"this update replays the routes and combine weights recorded in compute_log_prob "
+                              f"(replay_weights=recorded), got {got} routes{f' of {routes.engine}' if routes.engine else ''}: "
+                              f"hand the update the compute_log_prob pass's recording (PhaseResult.recorded)")
         if want == "recorded" and got != "recorded":
             raise ConfigError(f"R2 update must replay the routes recorded in compute_log_prob, got {got} routes"
                               f"{f' of {routes.engine}' if routes.engine else ''} (a framework that replays "
@@ -553,7 +591,7 @@ class ReplayPass:
         if mb.forwarded and not mb.recompute_left:
             self._live.pop((mb.chunk, mb.index), None)
             mb.targets = None
-            if self.action is Action.RECORD:
+            if self.records:
                 self._done_records.append(mb)
 
     def micro_batch_of_call(self, chunk: int, layer: int) -> Optional[InstalledMicroBatch]:
@@ -603,6 +641,8 @@ class ReplayPass:
             probs, idx = native_fn(scores, topk, num_groups=num_groups, group_topk=group_topk)
             if in_forward:
                 mb.recorded[layer] = idx.detach().to(route_dtype(self.replayer.num_experts))
+                if self.record_weights:
+                    self.weights.expect_record(c, layer, mb, idx)
                 if self.trace is not None:
                     self.trace.routed(mb, layer, idx, None, None)
             out = probs, idx
@@ -611,6 +651,9 @@ class ReplayPass:
             if pending is not None and not pending.kept_target:
                 t = self._late_target(mb, layer)
             out = self._replay(mb, t, layer, scores, topk, num_groups, group_topk, native_fn, count=in_forward)
+            if self.record_weights and in_forward:     # R3w: the ids used (the engine's; native on rows without)
+                mb.recorded[layer] = out[1].detach().to(route_dtype(self.replayer.num_experts))
+                self.weights.expect_record(c, layer, mb, out[1])
         if mb.targets is not None and layer not in mb.fwd_left and layer not in mb.recompute_left:
             mb.targets.indices.pop(layer, None)   # used up: a second use is an error (the block is freed with the last)
         if not in_forward:
@@ -660,6 +703,15 @@ class ReplayPass:
             self._counter.add(layer, replayed=t.num_valid, native=mb.token_rows - t.num_valid)
             if t.weights is not None:       # the router's output gives the trainer's gate weights
                 self.policy.expect(mb, layer, idx, t.weights[layer], t.valid, kept)
+        if self.replay_weights:
+            if t.weights is None:           # refused at install; a late recompute re-reads the same routes
+                raise RouteWeightsError(f"layer {layer}, chunk {mb.chunk}, micro-batch {mb.index} (samples "
+                                        f"{mb.sample_ids}): replay_weights but the routes read carry no weights")
+            # recorded weights are the router's final ones; an engine's come before the routed scaling factor
+            self.weights.expect_replay(mb.chunk, layer, idx, t.weights[layer], t.valid,
+                                       scaled=self.route_kind == "recorded")
+            if count:
+                self.weights.count(t.num_valid, mb.token_rows - t.num_valid)
         return scores.gather(1, idx), idx
 
     def _sum_counts(self, groups: Sequence[Any]) -> None:
@@ -671,14 +723,15 @@ class ReplayPass:
         if not groups or not (dist.is_available() and dist.is_initialized()):
             return
         counts, per_sample = self._counter.counts, self._per_sample
-        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts,
+        flat = torch.cat([counts.flatten().to(torch.float64), self.policy.counts, self.weights.counts,
                           per_sample.flatten().to(device=counts.device, dtype=torch.float64)])
         for group in groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        n, m = counts.numel(), self.policy.counts.numel()
+        n, m, w = counts.numel(), self.policy.counts.numel(), self.weights.counts.numel()
         counts.copy_(flat[:n].round().view_as(counts).to(counts.dtype))
         self.policy.counts.copy_(flat[n:n + m])
-        per_sample.copy_(flat[n + m:].round().view_as(per_sample).to(per_sample.dtype))
+        self.weights.counts.copy_(flat[n + m:n + m + w])
+        per_sample.copy_(flat[n + m + w:].round().view_as(per_sample).to(per_sample.dtype))
 
     def router_log_ratio(self, chunk: int, index: int) -> Optional[torch.Tensor]:
         """The router log-ratio of micro-batch ``index`` of ``chunk`` on this rank: float32
@@ -724,6 +777,8 @@ class ReplayPass:
         if self.stats_unmasked:
             out[f"{self.replayer.metrics_prefix}stats_unmasked_calls"] = float(self.stats_unmasked)
         out.update(self.policy.metrics(threshold=self.replayer.replay_policy == "threshold"))
+        if self.replay_weights:
+            out.update(self.weights.metrics())
         per_sample = self._per_sample.cpu().numpy()      # one copy to the host per pass, read twice below
         out.update(self._sample_metrics(per_sample))
         if not self.replayer.agreement:

@@ -147,12 +147,16 @@ class Replayer:
                    coverage_floor=config.coverage_floor, degenerate_routes=config.degenerate_routes, **kwargs)
 
     # -------------------------------------------------------------------------------- public
-    def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None) -> ReplayPass:
+    def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None,
+                  replay_weights: bool = False, record_weights: bool = False) -> ReplayPass:
         """One pass (one schedule run); use as a context manager. ``action`` from
         :func:`r3bridge.config.phase_plan`; ``route_kind`` the plan's kind of routes ("rollout" /
-        "recorded", ``PhasePlan.route_kind``), checked against each installed batch."""
+        "recorded", ``PhasePlan.route_kind``), checked against each installed batch;
+        ``replay_weights`` / ``record_weights`` the plan's (routing weights:
+        :mod:`r3bridge.megatron.combine_weights`)."""
         check_actor(self._actor_routers, self._hooks)
-        return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind)
+        return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind,
+                          replay_weights=replay_weights, record_weights=record_weights)
 
     def chunk_index(self, model: torch.nn.Module | int) -> int:
         if isinstance(model, int):

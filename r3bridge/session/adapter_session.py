@@ -68,18 +68,30 @@ class AdapterSession:
             :meth:`check_routes`' errors.
         carry_log_prob_metrics: the framework logs only the update's metrics:
             compute_log_prob's are held and logged with the next update.
+        route_transports: the ``route_transport`` settings this adapter reads; any other is refused.
+        routing_weights: the ``replay_weights`` settings this adapter carries (``recorded``: it
+            hands compute_log_prob's recording, weights included, to every update); any other
+            is refused here, before a pass runs.
     """
 
     def __init__(self, framework: str, config: ReplayConfig | Mapping[str, Any] | None = None, *,
                  where: Optional[str], config_origin: Optional[str] = None, role: Role | str = Role.ACTOR,
                  provide: Optional[Mapping[str, str]] = None, carry_log_prob_metrics: bool = False,
-                 route_transports: Sequence[str] = ("inline",)) -> None:
+                 route_transports: Sequence[str] = ("inline",), routing_weights: Sequence[str] = ("off",)) -> None:
         resolved, origin = ReplayConfig.resolve_with_origin(config)
         if resolved.route_transport not in route_transports:
             # a setting no code of this adapter reads would leave the job on the inline routes, silently
             raise ConfigError(f"r3bridge.route_transport={resolved.route_transport!r}: the {framework} adapter reads "
                               f"routes as {' / '.join(route_transports)} only (routes by reference: docs/route-handles.md "
                               f"says what an adapter needs to read them)")
+        if Role.of(role) is Role.ACTOR and resolved.replay_weights not in routing_weights:
+            # refused here, at the worker's set-up, not after a compute_log_prob pass: an adapter
+            # that does not move the recorded weights to its updates would fail there (a model of
+            # another role never replays: the setting is not its)
+            raise ConfigError(f"r3bridge.replay_weights={resolved.replay_weights!r}: the {framework} adapter carries "
+                              f"routing weights as {' / '.join(routing_weights)} only (docs/architecture.md, "
+                              f"\"Routing weights\": `recorded` needs compute_log_prob's recording, weights "
+                              f"included, handed to every update)")
         self.framework = framework
         self.config = resolved
         self.config_origin = config_origin or origin

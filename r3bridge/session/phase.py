@@ -59,7 +59,7 @@ class PhaseResult:
     action: Action
     metrics: dict[str, float] = field(default_factory=dict)
     tagged: dict[str, float] = field(default_factory=dict)
-    recorded: Optional[ReplayBatch] = None      # RECORD: the real samples, in sample-id order
+    recorded: Optional[ReplayBatch] = None      # a recording pass: the real samples, in sample-id order
 
     def recorded_for(self, num_samples: int) -> ReplayBatch:
         """The R2 recording of a batch of ``num_samples`` samples; ``ReplayStateError`` unless it
@@ -135,7 +135,8 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind) as ps:
+        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind,
+                                     replay_weights=plan.replay_weights, record_weights=plan.record_weights) as ps:
             ps.serve(self, phase, plan, checked)
             ps.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:
@@ -165,7 +166,7 @@ class PhaseRunner:
         if ps.provenance is not None:
             metrics.update(ps.provenance.as_metrics(cfg.metrics_prefix))
         res = PhaseResult(ps.phase, ps.action, metrics, tag_phase(metrics, cfg.metrics_prefix, phase_tag(ps.phase)))
-        if ps.action is Action.RECORD:
+        if ps.records:      # R2's recording, or R3w's (ids and their combine weights)
             res.recorded = ps.recorded_samples()
         return res
 

@@ -267,3 +267,67 @@ def test_sglang_weights_decoded_when_present_all_or_none():
     # vLLM: no weights of its own; a per-sequence array in the routes' shape where one is supplied
     v = ReplayBatch.from_vllm([ids], num_experts=E, moe_layer_ids=[0, 2], weights=[w])
     assert torch.equal(v.weights, torch.from_numpy(w[:, [0, 2]]).half())
+
+
+# ------------------------------------------------------------------ routing-weights replay: the plans
+@pytest.mark.parametrize("mode, weights, phase, plan", [
+    # R3w: compute_log_prob replays the engine's ids and records their weights, updates replay the recording
+    ("R3", "recorded", "compute_log_prob", ("replay", "rollout", False, True)),
+    ("R3", "recorded", "update", ("replay", "recorded", True, False)),
+    # R3 with an engine's weights: every pass replays the rollout's ids and weights
+    ("R3", "rollout", "compute_log_prob", ("replay", "rollout", True, False)),
+    ("R3", "rollout", "update", ("replay", "rollout", True, False)),
+    # R2 with weights: the recording carries them, the updates replay them
+    ("R2", "recorded", "compute_log_prob", ("record", None, False, True)),
+    ("R2", "recorded", "update", ("replay", "recorded", True, False)),
+    ("R3", "recorded", "ref_log_prob", ("native", None, False, False)),
+    ("R3", "off", "update", ("replay", "rollout", False, False)),
+])
+def test_phase_plans_with_routing_weights(mode, weights, phase, plan):
+    from r3bridge.config import Phase, ReplayConfig, phase_plan
+
+    got = phase_plan(mode, phase, weights)
+    assert (got.action.value, got.route_kind, got.replay_weights, got.record_weights) == plan
+    assert got.records == (plan[0] == "record" or plan[3])
+    assert ReplayConfig(replay_mode=mode, replay_weights=weights).plan(Phase(phase)) == got
+
+
+@pytest.mark.parametrize("mode, weights, match", [
+    ("off", "recorded", "needs replay_mode R2 or R3"),
+    ("R2", "rollout", "R2 takes replay_weights=recorded"),
+    ("R3", "on", "replay_weights must be one of off, recorded, rollout"),
+    ("R3", True, "replay_weights must be one of"),
+])
+def test_replay_weights_setting_refused_where_it_cannot_mean_anything(mode, weights, match):
+    from r3bridge.config import ReplayConfig
+    from r3bridge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ReplayConfig(replay_mode=mode, replay_weights=weights)
+
+
+def test_replay_weights_off_spellings():
+    from r3bridge.config import ReplayConfig
+
+    assert ReplayConfig(replay_mode="R3", replay_weights=False).replay_weights == "off"
+    assert ReplayConfig.from_mapping({"replay_mode": "R3", "replay_weights": "recorded"}).as_dict()[
+        "replay_weights"] == "recorded"
+
+
+def test_an_adapter_that_carries_no_recorded_weights_refuses_replay_weights_at_set_up():
+    """``replay_weights`` through an adapter that does not hand compute_log_prob's recording
+    (weights included) to its updates would fail only at the first update: its session refuses the
+    setting when the worker sets up; an adapter that declares it carries them gets its session, and
+    a model of another role (never replays) is not refused."""
+    from r3bridge.errors import ConfigError
+    from r3bridge.megatron.roles import Role
+    from r3bridge.session import AdapterSession
+
+    for setting in ("recorded", "rollout"):
+        cfg = {"replay_mode": "R3", "replay_weights": setting}
+        with pytest.raises(ConfigError, match=rf"replay_weights='{setting}': the verl adapter carries routing "
+                                              r"weights as off only"):
+            AdapterSession("verl", cfg, where=None)
+        session = AdapterSession("template", cfg, where=None, routing_weights=("off", "recorded", "rollout"))
+        assert session.config.replay_weights == setting
+        assert AdapterSession("verl", cfg, where=None, role=Role.REFERENCE).config.replay_weights == setting

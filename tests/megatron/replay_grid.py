@@ -8,7 +8,10 @@ Each cell runs, on every rank, on a real megatron-core model (CPU gloo here, NCC
    ``r3bridge.shard``;
 2. an R2 record step (forward-only), then an R2 forward-only replay of the recorded routes: the
    logits must be bit-identical; the recorded ReplayBatch is returned so the test can compare it
-   with the TP=PP=CP=1 run of the same weights;
+   with the TP=PP=CP=1 run of the same weights. With ``Cell.weights`` the record step also records
+   the combine weights (``record_weights``, gathered over TP / CP / PP like the ids) and the replay
+   replays them (``replay_weights``): the replay's router probs must equal the record's bit for
+   bit on every row, and the gathered weights the serial run's;
 3. after each step no replay state may remain;
 4. the gradient check, replay proven in the backward pass (ROCm/mori #675 broke only the backward:
    forward loss right, gradients wrong). With the same weights and micro-batches, training passes
@@ -67,6 +70,8 @@ class Cell:
     serial_grad_check: bool = False
     # 5.: a replay step whose backward dispatch of the replayed tokens moves no payload (mori #675)
     broken_backward: bool = False
+    # 2. with routing weights recorded and replayed (record_weights / replay_weights)
+    weights: bool = False
 
 
 def default_cells() -> list[Cell]:
@@ -78,10 +83,10 @@ def default_cells() -> list[Cell]:
         # TP cells shard the experts too (etp = tp): with etp=1 megatron-core 0.16.1's MoE output
         # under TP2 differs from the TP1 run on CPU (routes diverge from layer 1 on), which would
         # void the recorded-equals-serial check; replay itself is exact either way.
-        Cell("tp2_sp", Layout(tp=2, etp=2), S(), serial_grad_check=True),
+        Cell("tp2_sp", Layout(tp=2, etp=2), S(), serial_grad_check=True, weights=True),
         Cell("cp2", Layout(cp=2), S(**ident)),
         Cell("pp2_1f1b", Layout(pp=2), S(), memory_steps=50),
-        Cell("pp2_vpp2", Layout(pp=2, vpp=2), S(num_layers=4)),
+        Cell("pp2_vpp2", Layout(pp=2, vpp=2), S(num_layers=4), weights=True),
         Cell("ep2", Layout(ep=2), S()),
         # the other dispatcher at EP2, with shared experts and z-loss; its gradient check also runs
         # a replay step whose backward dispatch is broken on purpose (ROCm/mori #675)
@@ -95,9 +100,10 @@ def default_cells() -> list[Cell]:
         Cell("mtp", Layout(pp=2), S(num_layers=4, mtp_num_layers=1)),
         Cell("full_recompute", Layout(pp=2), S(recompute="full")),
         Cell("moe_recompute", Layout(tp=2, etp=2), S(recompute="moe")),
-        Cell("cp2_tp2", Layout(tp=2, cp=2, etp=2), S(**ident)),
+        Cell("cp2_tp2", Layout(tp=2, cp=2, etp=2), S(**ident), weights=True),
         # > 256 experts: ids travel as int16 (6 per row: 12-byte rows, payload views mid-word)
-        Cell("tp2_pp2_int16_ids", Layout(tp=2, pp=2, etp=2), S(num_moe_experts=320, moe_router_topk=6)),
+        Cell("tp2_pp2_int16_ids", Layout(tp=2, pp=2, etp=2), S(num_moe_experts=320, moe_router_topk=6),
+             weights=True),
         # four stages: the first has no MoE layer (no router at all on that rank), the last is
         # uneven (3 layers, the middle ones 2). Replaces pp2_uneven_dense_stage in the CPU grid
         # (which runs on GPUs only now, gpu_cells): the same two properties, over four stages.
@@ -453,12 +459,13 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     collect = make_forward_step(ctx, thd=thd, collect_logits=True)
     for c in chunks:
         c.eval()
-    with rep.open_pass("record", forward_only=True) as rec:
-        res_a = run_schedule(chunks, batches, _install_step(rec, collect, {}, ids, explicit), forward_only=True)
+    with RoutingProbe(chunks) as probe_rec:
+        with rep.open_pass("record", forward_only=True, record_weights=cell.weights) as rec:
+            res_a = run_schedule(chunks, batches, _install_step(rec, collect, {}, ids, explicit), forward_only=True)
     recorded = rec.recorded
     rec_by_batch = {id(b): recorded.select(ids[id(b)]) for b in batches}
-    with RoutingProbe(chunks) as probe_r2:
-        with rep.open_pass("replay", forward_only=True, route_kind="recorded") as st2:
+    with rep.open_pass("replay", forward_only=True, route_kind="recorded", replay_weights=cell.weights) as st2:
+        with RoutingProbe(chunks) as probe_r2:      # inside the pass: it sees the replayed weights
             res_b = run_schedule(chunks, batches, _install_step(st2, collect, rec_by_batch, ids, explicit),
                                  forward_only=True)
     # every router call of the replay dispatched the recorded routes (layers this rank recorded)
@@ -473,6 +480,12 @@ def _run_cell(ctx: RankContext, cell: Cell, serial: bool, device: str = "cpu") -
     out["r2_logits_maxdiff"] = max([float((a.logits.float() - b.logits.float()).abs().max()) for a, b in zip(res_a, res_b)] or [0.0])
     out["r2_logits_compared"] = len(res_a)
     out["r2_agreement"] = st2.metrics.get("r3bridge/agreement/mean")
+    if cell.weights:
+        # every row's final combine weights: the replayed ones are the recorded ones, exactly
+        out["r2w_probs_equal"] = [torch.equal(a.probs, b.probs) for a, b in zip(probe_rec.calls, probe_r2.calls)]
+        out["r2w_metrics"] = {k: v for k, v in st2.metrics.items() if "pairs" in k}
+        out["recorded_weights"] = recorded.weights.cpu()
+        recorded = recorded.with_weights(None)  # compared apart: float16 on the wire, ulps apart by layout
     out["recorded"] = recorded.to_bytes()
     for c in chunks:
         c.train()

@@ -71,6 +71,24 @@ def test_r2_record_replay_is_bit_exact_and_matches_serial(grid_results, cell):
         assert (o["r2_rows_checked"] > 0) == bool(o["layers"]) and o["r2_mismatching_rows"] == 0
 
 
+@pytest.mark.parametrize("cell", [c.name for c in CELLS if c.weights])
+def test_r2_recorded_weights_gathered_and_replayed_row_for_row(grid_results, cell):
+    """Routing weights under TP / SP, CP, PP and VPP: the combine weights recorded next to the ids
+    are gathered into the serial run's rows (up to the layouts' float rounding), and replaying
+    them gives every router call exactly the recorded weights."""
+    import torch
+
+    par, ser = _ranks(grid_results, cell)
+    serial = ser[0]["recorded_weights"]
+    for r, o in enumerate(par):
+        assert o["recorded_weights"].dtype == torch.float32 and o["recorded_weights"].shape == serial.shape
+        torch.testing.assert_close(o["recorded_weights"], serial, rtol=1e-4, atol=1e-6)
+        assert len(o["r2w_probs_equal"]) == len(grid.SEQ_LENS) * len(o["layers"]) and all(o["r2w_probs_equal"]), r
+        m = o["r2w_metrics"]
+        assert m["r3bridge/weights/replayed_pairs"] == m["r3bridge/replayed_pairs"] > 0
+        assert m["r3bridge/weights/live_pairs"] == m["r3bridge/native_pairs"]
+
+
 @pytest.mark.parametrize("cell", [c.name for c in CELLS])
 def test_no_state_left_after_steps(grid_results, cell):
     par, _ = _ranks(grid_results, cell)
