@@ -95,6 +95,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--calib-wall-s", type=float, default=300.0, help="calibration's bound in seconds (within --wall-s)")
     r.add_argument("--calib-steps", type=int, default=2, help="GRPO steps of each candidate's calibration arm")
     r.add_argument("--calibrate-only", action="store_true", help="stop after the calibration (calibration.json)")
+    r.add_argument("--side-by-side-factor", type=float, default=1.3,
+                   help="calibration: an arm's step time among all the run's arms over its time in the calibration, "
+                        "where a few candidates share the machine (the estimate a candidate's run must fit the time "
+                        "left with; default 1.3)")
     r.add_argument("--procs", type=int, default=None,
                    help="arm processes (default: one per arm on cuda, one on cpu); arms share a process in turn")
     r.add_argument("--gpus", type=int, default=1, help="spread the arm processes over this many GPUs")
@@ -128,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--spec te needs --device cuda")
     if args.steps < 1 or args.wall_s <= 0 or args.calib_steps < 1 or args.calib_wall_s <= 0:
         raise CliError("--steps, --wall-s, --calib-steps and --calib-wall-s must be positive")
+    if args.side_by_side_factor <= 0:
+        raise CliError("--side-by-side-factor must be positive")
     if not 0.0 < args.max_agreement <= 1.0:
         raise CliError(f"--max-agreement must be in (0, 1], got {args.max_agreement}")
     if args.calibrate and args.resume:
@@ -179,7 +185,8 @@ def _run(args: argparse.Namespace) -> int:
     if candidates:
         root.mkdir(parents=True, exist_ok=True)
         calib = evidence.calibrate(root, cfg, candidates, device=args.device, max_agreement=args.max_agreement,
-                                   wall_s=min(args.calib_wall_s, args.wall_s), steps=args.calib_steps)
+                                   wall_s=min(args.calib_wall_s, args.wall_s), steps=args.calib_steps,
+                                   run_deadline=t0 + args.wall_s, side_by_side=args.side_by_side_factor)
         if args.calibrate_only:
             if args.json:
                 print_json(calib)

@@ -17,8 +17,13 @@ start's router knobs) warm-starts in its own process, side by side, then runs on
 arm through the run's engine: the trainer's own top-k at theta_old against the engine's routes
 (``route/native_vs_engine``, per layer too), the router margins, the warm start's accuracy and the
 step time. The run then takes the first candidate, in the given order (cheapest first), whose
-agreement is at most ``max_agreement`` and whose warm start reached its target accuracy, and
-reuses its warm start. When none qualifies it says so and takes the least-agreeing one that ran.
+agreement is at most ``max_agreement``, whose warm start reached its target accuracy and whose
+estimated run fits the time left: the slowest arm's step (the calibration arm's step, its update
+phase scaled to the most mini-batches an arm has) x the run's steps x ``side_by_side`` (arms side by
+side share the GPU and the cores; the step is Python-bound, one core per arm: 10 arms of the
+4-layer model took 1.0-1.3 s per step side by side, CPU time = wall time). It reuses that
+candidate's warm start. When none
+qualifies it says so and takes the least-agreeing one that fits (else the fastest).
 
 Why processes, side by side on one GPU: the model is a few MB, so each arm's kernels are tiny
 and launch-bound; the step time is the Python of megatron's schedule, the replay bookkeeping and
@@ -177,12 +182,16 @@ def _arm_summary(root: Path, name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- calibration
+STARTUP_S = 90.0      # an arm process's start before its first step: imports, engine, trainer (H200, measured ~60 s)
+
+
 def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, device: str, wall_s: float,
-              max_agreement: float, steps: int = 2, log: Callable[[str], None] = _stderr) -> dict[str, Any]:
+              max_agreement: float, run_deadline: float, side_by_side: float = 1.5, steps: int = 2,
+              log: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Every candidate's short run side by side (each its own process: a warm start, then one
-    ``off`` arm of ``steps`` steps through the run's engine), then the choice. Writes and returns
-    ``calibration.json``'s content: ``candidates`` (one row each, in the given order), ``chosen``,
-    ``goal_met`` and ``reason``."""
+    ``off`` arm of ``steps`` steps through the run's engine), then the choice for a run that must
+    end by ``run_deadline`` (unix time). Writes and returns ``calibration.json``'s content:
+    ``candidates`` (one row each, in the given order), ``chosen``, ``goal_met`` and ``reason``."""
     if not candidates:
         raise EvidenceError("calibration needs at least one candidate")
     engine = next((a.engine for a in base.arms if a.engine != "self"), "hf")
@@ -207,15 +216,17 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
             time.sleep(1.0)
     finally:
         _stop([p for *_, p in children])
-    rows = [_candidate_row(cand, d, p.returncode, base.grpo.steps) for cand, d, p in children]
-    result = choose(rows, max_agreement)
+    # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's
+    mb_scale = max([base.mini_batches(a) for a in base.arms] or [base.grpo.mini_batches]) / base.grpo.mini_batches
+    rows = [_candidate_row(cand, d, p.returncode, base.grpo.steps, side_by_side, mb_scale) for cand, d, p in children]
+    result = choose(rows, max_agreement, budget_s=run_deadline - time.time() - STARTUP_S)
     result["seconds"] = time.time() - t0
     (root / "calibration.json").write_text(json.dumps(result, indent=1))
     for r in rows:
         log(f"[calibrate] {r['name']}: agreement {_num(r['agreement'])} (min layer {_num(r['agreement_min_layer'])}), "
             f"warm-start accuracy {_num(r['accuracy'])} in {_num(r['warm_seconds'])} s, margin median "
             f"{_num(r['margin_median'])} ({_num(r['margin_below'])} under {r['margin_threshold']}), step "
-            f"{_num(r['step_s'])} s (run alone ~{_num(r['run_s_alone'])} s){'' if r['ran'] else ': ' + r['error']}")
+            f"{_num(r['step_s'])} s (the run ~{_num(r['run_s_estimate'])} s){'' if r['ran'] else ': ' + r['error']}")
     log(f"[calibrate] chose {result['chosen']}: {result['reason']}")
     return result
 
@@ -224,7 +235,8 @@ def _num(x: Any) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_steps: int) -> dict[str, Any]:
+def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_steps: int,
+                   side_by_side: float, mb_scale: float) -> dict[str, Any]:
     """What a candidate's short run measured (None where it did not get that far)."""
     stats_path = d / "warmstart" / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
@@ -239,7 +251,7 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         "warm_margin_median": margins.get("median"), "warm_margin_below": margins.get("below"),
         "margin_threshold": margins.get("threshold"), "agreement": None, "agreement_per_layer": {},
         "agreement_min_layer": None, "margin_median": None, "margin_below": None, "step_s": None,
-        "run_s_alone": None, "reward": None, "error": ""}
+        "run_s_alone": None, "run_s_estimate": None, "reward": None, "error": ""}
     if data:
         mean = lambda key: sum(x[key] for x in data) / len(data)        # noqa: E731
         row["agreement"] = mean("route/native_vs_engine")
@@ -251,6 +263,8 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         # the last step: the first one pays for allocations and the engine's first batch
         row["step_s"] = data[-1]["timing_s/step"]
         row["run_s_alone"] = row["step_s"] * run_steps
+        slowest = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
+        row["run_s_estimate"] = slowest * run_steps * side_by_side
     else:
         failed = d / "warmstart" / "FAILED"
         tail = (d / "orchestrator.log").read_text().strip().splitlines()[-3:] if (d / "orchestrator.log").exists() else []
@@ -259,24 +273,30 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
     return row
 
 
-def choose(rows: list[dict[str, Any]], max_agreement: float) -> dict[str, Any]:
-    """The first row (in order) that ran, reached its warm start's target accuracy and whose
-    agreement is at most ``max_agreement``; else the least-agreeing row that ran (goal not met)."""
+def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = math.inf) -> dict[str, Any]:
+    """The first row (in order) that ran, reached its warm start's target accuracy, agrees at
+    most ``max_agreement`` and whose estimated run fits ``budget_s``; else the least-agreeing row
+    that fits (the fastest when none fits), said to miss the goal."""
     ran = [r for r in rows if r["ran"]]
     if not ran:
         raise EvidenceError("calibration: no candidate ran a step: " + "; ".join(f"{r['name']}: {r['error']}" for r in rows))
+    out = {"candidates": rows, "max_agreement": max_agreement, "budget_s": budget_s}
     for r in ran:
         reached = r["accuracy"] is not None and r["accuracy"] >= (r["target_accuracy"] or 0.0)
-        if reached and r["agreement"] <= max_agreement:
-            return {"candidates": rows, "max_agreement": max_agreement, "chosen": r["name"], "goal_met": True,
+        if reached and r["agreement"] <= max_agreement and r["run_s_estimate"] <= budget_s:
+            return {**out, "chosen": r["name"], "goal_met": True,
                     "reason": f"the first candidate whose route agreement ({r['agreement']:.4f}) is at most "
-                              f"{max_agreement} and whose warm start reached {r['target_accuracy']} greedy accuracy "
-                              f"({r['accuracy']:.3f})"}
-    best = min(ran, key=lambda r: r["agreement"])
-    return {"candidates": rows, "max_agreement": max_agreement, "chosen": best["name"], "goal_met": False,
-            "reason": f"GOAL NOT MET: no candidate both agreed at most {max_agreement} and reached its warm "
-                      f"start's target accuracy; running the least-agreeing one ({best['agreement']:.4f}, "
-                      f"accuracy {_num(best['accuracy'])})"}
+                              f"{max_agreement}, whose warm start reached {r['target_accuracy']} greedy accuracy "
+                              f"({r['accuracy']:.3f}) and whose run (~{r['run_s_estimate']:.0f} s) fits the "
+                              f"{budget_s:.0f} s left"}
+    fits = [r for r in ran if r["run_s_estimate"] <= budget_s]
+    best = min(fits, key=lambda r: r["agreement"]) if fits else min(ran, key=lambda r: r["run_s_estimate"])
+    return {**out, "chosen": best["name"], "goal_met": False,
+            "reason": f"GOAL NOT MET: no candidate agreed at most {max_agreement}, reached its warm start's target "
+                      f"accuracy and fits the {budget_s:.0f} s left; running "
+                      + (f"the least-agreeing one that fits ({best['agreement']:.4f}, accuracy "
+                         f"{_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)" if fits else
+                         f"the fastest ({best['name']}, ~{best['run_s_estimate']:.0f} s): the run will be cut short")}
 
 
 def _orchestrate(argv: list[str]) -> int:
