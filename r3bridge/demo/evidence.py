@@ -300,7 +300,9 @@ def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = m
 
 
 def _orchestrate(argv: list[str]) -> int:
-    """``--orchestrate DIR DEVICE WALL_S``: a calibration candidate's run (its run.json written)."""
+    """``--orchestrate DIR DEVICE WALL_S``: a calibration candidate's run (its run.json written).
+    Ended by the calibration at its bound, it still ends its own arm process (``run``'s finally)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     d, device, wall_s = Path(argv[0]), argv[1], float(argv[2])
     summary = run(d, RunConfig.load(d), device=device, procs=1, gpus=1, wall_s=wall_s)
     return 0 if all(s["steps"] for s in summary.values()) else 1

@@ -198,6 +198,9 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if time.time() - t0 > opts.max_seconds:      # the bound holds between checks too (a deep model's steps are slow)
+            log(f"[warm start] stopped at step {step + 1}: the {opts.max_seconds:.0f} s bound")
+            break
         if step % 100 == 99:
             model.eval()
             acc = greedy_accuracy(model, task, 256, opts.seed, device)
