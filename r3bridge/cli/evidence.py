@@ -212,13 +212,22 @@ def _kv_cache_mb(shape, samples: int, max_len: int) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from r3bridge.demo.evidence_report import METRICS, curves, load_logs, summarize, table
+    from r3bridge.demo.evidence_report import (
+        METRICS,
+        calibration_table,
+        curves,
+        load_calibration,
+        load_logs,
+        summarize,
+        table,
+    )
 
     try:
         arms = load_logs(args.logs)
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
         raise CliError(f"{args.logs}: {e}") from None
     summary = summarize(arms, args.warmup)
+    calib = load_calibration(args.logs)
     if args.out:
         plt = pyplot()
         cols = 3
@@ -226,9 +235,10 @@ def _plot(args: argparse.Namespace) -> int:
         for ax, (key, label, _, log) in zip(axes.flat, METRICS):
             for group, c in curves(arms, key, log=log, window=args.window).items():
                 color = COLORS.get(group)
+                style = "--" if "-mb" in group else "-"        # the 1 / 8 mini-batch arms dashed
                 for xs, ys in c["seeds"].values():
-                    ax.plot(xs, ys, color=color, lw=0.5, alpha=0.35)
-                ax.plot(*c["mean"], color=color, lw=2, label=f"{group} ({c['members']} seed(s))")
+                    ax.plot(xs, ys, color=color, lw=0.5, alpha=0.35, ls=style)
+                ax.plot(*c["mean"], color=color, lw=2, ls=style, label=f"{group} ({c['members']} seed(s))")
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("GRPO step")
             ax.set_yscale("log" if log else "linear")
@@ -243,8 +253,12 @@ def _plot(args: argparse.Namespace) -> int:
     if args.json:
         if args.out:
             summary["plot"] = args.out
+        if calib is not None:
+            summary["calibration"] = calib
         print_json(summary)
     else:
+        if calib is not None:
+            print("Calibration (candidates side by side, one short off arm each):\n\n" + calibration_table(calib) + "\n")
         print(table(summary))
         if args.out:
             print(f"wrote {args.out}", file=sys.stderr)

@@ -226,6 +226,32 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_calibration(path: str | Path) -> Optional[dict[str, Any]]:
+    """``calibration.json`` of a run folder (or next to its logs), if the run calibrated."""
+    root = Path(path)
+    for candidate in (root / "calibration.json", root.parent / "calibration.json"):
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    return None
+
+
+def calibration_table(calib: dict[str, Any]) -> str:
+    """Markdown: one row per candidate (agreement overall and its worst layer, router margins in
+    the warm start and in the trainer, warm-start accuracy and time, step time, estimated run),
+    then the choice and its reason."""
+    head = ["candidate", "route agreement", "worst layer", "margin median (warm start / trainer)",
+            "margins < threshold (trainer)", "warm-start accuracy", "warm start s", "step s", "run s (est.)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in calib["candidates"]:
+        lines.append("| " + " | ".join([
+            f"`{r['name']}`", _fmt(r["agreement"]), _fmt(r["agreement_min_layer"]),
+            f"{_fmt(r['warm_margin_median'])} / {_fmt(r['margin_median'])}", _fmt(r["margin_below"]),
+            _fmt(r["accuracy"]), _fmt(r["warm_seconds"]), _fmt(r["step_s"]), _fmt(r.get("run_s_estimate")),
+        ]) + " |" + ("" if r["ran"] else f" ({r['error'][:120]})"))
+    lines += ["", f"Chosen: `{calib['chosen']}` - {calib['reason']}."]
+    return "\n".join(lines)
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     out, acc = [], []
     for v in values:

@@ -105,10 +105,12 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
         (packed / f"{name}.jsonl.gz").write_bytes(gzip.compress((out / "logs" / f"{name}.jsonl").read_bytes()))
     again = evidence_report.summarize(evidence_report.load_logs(packed), 0)
     plotted.pop("plot")
+    assert plotted.pop("calibration") == calib           # the run folder's calibration comes with its table
     assert json.loads(json.dumps(jsonable(again))) == plotted
     text = evidence_report.table(again)
     assert "off/R2 (every seed?)" in text and "R2 against R3 at 1, 4 and 8 mini-batches" in text
     assert "off's route agreement <= 0.95" in text and "not measured" in text
+    assert f"Chosen: `{want}`" in evidence_report.calibration_table(calib)
 
 
 def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch, capsys):
