@@ -3,8 +3,14 @@
 ``evidence run`` trains a tiny Qwen3-MoE on generated additions (a supervised warm start, then
 GRPO with 4 mini-batches per rollout batch and the engine's weights synced every step), one arm
 per replay mode and seed plus a noise floor, side by side, within a wall-clock bound
-(r3bridge/demo/evidence.py). ``evidence plot`` reads the arms' logs back: the table of ratios
-after warm-up and the per-step figure. docs/evidence.md has the method and the published numbers.
+(r3bridge/demo/evidence.py). ``--calibrate`` first tries candidate models side by side and runs
+the first whose trainer and engine disagree on enough routes (``--max-agreement``); ``--arms
+issue49`` is the 13-arm set of issue 49. ``evidence plot`` reads the arms' logs back: the table
+of ratios after warm-up, the goals met or not, and the per-step figure. docs/evidence.md has the
+method and the published numbers.
+
+Candidate specs (``--calibrate``): ``L<layers>-E<experts>-k<topk>-h<hidden>-f<moe ffn>-aux<coef>-
+z<coef>-lr<lr>[-dense]`` joined by commas, any part left out taken from the other options.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from pathlib import Path
 from r3bridge.cli._common import CliError, installed, print_json, pyplot, require, save_figure
 
 NAME = "evidence"
-COLORS = {"off": "tab:red", "R2": "tab:orange", "R3": "tab:blue", "floor": "tab:gray"}
+COLORS = {"off": "tab:red", "R2": "tab:orange", "R3": "tab:blue", "R3w": "tab:green", "floor": "tab:gray",
+          "R2-mb1": "gold", "R3-mb1": "tab:cyan", "R2-mb8": "tab:brown", "R3-mb8": "tab:purple"}
 
 
 def _ints(text: str) -> list[int]:
@@ -28,9 +35,9 @@ def _ints(text: str) -> list[int]:
 
 def _modes(text: str) -> list[str]:
     modes = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in modes if m not in ("off", "R2", "R3")]
+    bad = [m for m in modes if m not in ("off", "R2", "R3", "R3w")]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"modes are off, R2, R3 (comma-separated), got {text!r}")
+        raise argparse.ArgumentTypeError(f"modes are off, R2, R3, R3w (comma-separated), got {text!r}")
     return modes
 
 
@@ -47,6 +54,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--modes", type=_modes, default=["off", "R2", "R3"])
     r.add_argument("--seeds", type=_ints, default=[0, 1, 2])
     r.add_argument("--no-floor", action="store_true", help="leave out the noise-floor arm (engine = the trainer)")
+    r.add_argument("--arms", default=None,
+                   help="the arms instead of --modes x --seeds (+ floor): a preset (issue49: off / R2 / R3 / R3w x "
+                        "seeds 0, 1, the floor, R2 / R3 at 1 and 8 mini-batches; small: off, R3, floor) or "
+                        "comma-separated names <mode>[-mb<N>]-s<seed> | floor-s<seed>")
     r.add_argument("--steps", type=int, default=300, help="GRPO steps per arm")
     r.add_argument("--prompts", type=int, default=32, help="problems per step")
     r.add_argument("--group", type=int, default=8, help="samples per problem (GRPO group)")
@@ -61,17 +72,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--sft-seconds", type=float, default=None, help="warm-start time bound (default 150)")
     r.add_argument("--sft-target", type=float, default=None,
                    help="warm-start greedy accuracy at which it stops (default 0.6)")
+    r.add_argument("--sft-lr", type=float, default=None, help="warm-start peak learning rate (default 3e-3)")
+    r.add_argument("--aux-loss", type=float, default=None,
+                   help="warm start's load-balancing loss coefficient (default 0.01; larger: flatter, narrower routers)")
+    r.add_argument("--router-z-loss", type=float, default=None,
+                   help="warm start's router z-loss coefficient per MoE layer (default 0: off)")
     r.add_argument("--max-digits", type=int, default=3, help="operand digits of the addition task")
     r.add_argument("--partial-credit", type=float, default=0.0,
                    help="reward of a wrong answer per digit in place, as a fraction of the whole (default 0)")
     r.add_argument("--layers", type=int, default=4)
     r.add_argument("--experts", type=int, default=8)
+    r.add_argument("--topk", type=int, default=2, help="experts per token")
+    r.add_argument("--hidden", type=int, default=128, help="hidden size (a multiple of 16)")
+    r.add_argument("--moe-ffn", type=int, default=128, help="each expert's FFN size (a multiple of 16)")
     r.add_argument("--dense-first", action="store_true", help="layer 0 dense, the others MoE")
+    r.add_argument("--calibrate", nargs="?", const="default", default=None, metavar="CANDIDATES",
+                   help="first try candidate models side by side (comma-separated specs, see above; 'default': "
+                        "the built-in list, cheapest first), then run the first whose route agreement is at most "
+                        "--max-agreement and whose warm start reached its target (else the least-agreeing one)")
+    r.add_argument("--max-agreement", type=float, default=0.95,
+                   help="calibration: the most route agreement (trainer's own top-k vs engine's) a model may have")
+    r.add_argument("--calib-wall-s", type=float, default=300.0, help="calibration's bound in seconds (within --wall-s)")
+    r.add_argument("--calib-steps", type=int, default=2, help="GRPO steps of each candidate's calibration arm")
+    r.add_argument("--calibrate-only", action="store_true", help="stop after the calibration (calibration.json)")
+    r.add_argument("--side-by-side-factor", type=float, default=1.3,
+                   help="calibration: an arm's step time among all the run's arms over its time in the calibration, "
+                        "where a few candidates share the machine (the estimate a candidate's run must fit the time "
+                        "left with; default 1.3)")
     r.add_argument("--procs", type=int, default=None,
                    help="arm processes (default: one per arm on cuda, one on cpu); arms share a process in turn")
     r.add_argument("--gpus", type=int, default=1, help="spread the arm processes over this many GPUs")
     r.add_argument("--wall-s", type=float, default=660.0,
-                   help="hard bound on the whole run in seconds: no step starts that would end after it")
+                   help="hard bound on the whole run (calibration included) in seconds: no step starts that "
+                        "would end after it")
     r.add_argument("--resume", action="store_true",
                    help="reuse OUT's warm start and continue each arm from its last checkpoint")
     r.add_argument("--checkpoint-every", type=int, default=100, help="steps between an arm's checkpoints (0: none)")
@@ -97,44 +130,104 @@ def _run(args: argparse.Namespace) -> int:
                        "without it use --engine hf")
     if args.spec == "te" and args.device != "cuda":
         raise CliError("--spec te needs --device cuda")
-    if args.steps < 1 or args.wall_s <= 0:
-        raise CliError("--steps and --wall-s must be positive")
+    if args.steps < 1 or args.wall_s <= 0 or args.calib_steps < 1 or args.calib_wall_s <= 0:
+        raise CliError("--steps, --wall-s, --calib-steps and --calib-wall-s must be positive")
+    if args.side_by_side_factor <= 0:
+        raise CliError("--side-by-side-factor must be positive")
+    if not 0.0 < args.max_agreement <= 1.0:
+        raise CliError(f"--max-agreement must be in (0, 1], got {args.max_agreement}")
+    if args.calibrate and args.resume:
+        raise CliError("--calibrate and --resume exclude each other (a resumed run keeps its model)")
+    import time
+
     from r3bridge.demo import evidence
-    from r3bridge.demo.evidence_config import GRPOOptions, RunConfig, make_arms
+    from r3bridge.demo.evidence_config import (
+        DEFAULT_CANDIDATES,
+        GRPOOptions,
+        RunConfig,
+        arms_from_spec,
+        make_arms,
+        parse_candidate,
+    )
     from r3bridge.demo.task import AdditionTask
     from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
 
+    t0 = time.time()
     cuda = args.device == "cuda"
     try:
+        shape = EvidenceModelShape(layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
+                                   moe_ffn=args.moe_ffn, dense_first=args.dense_first)
+        warm = WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
+                                                     ("max_seconds", args.sft_seconds), ("target_accuracy", args.sft_target),
+                                                     ("lr", args.sft_lr), ("aux_loss", args.aux_loss),
+                                                     ("router_z_loss", args.router_z_loss)) if v is not None})
+        candidates = []
+        if args.calibrate:
+            specs = DEFAULT_CANDIDATES if args.calibrate == "default" else args.calibrate.split(",")
+            candidates = [parse_candidate(c, shape, warm) for c in specs if c.strip()]
+            if len({c.name for c in candidates}) != len(candidates):
+                raise ValueError(f"--calibrate {args.calibrate!r}: a candidate is named twice")
+        task = AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit)
+        biggest = max([shape, *(c.shape for c in candidates)], key=lambda s: s.layers)
         grpo = GRPOOptions(steps=args.steps, prompts=args.prompts, group=args.group, mini_batches=args.mini_batches,
                            device=args.device, trainer_dtype=args.trainer_dtype or ("bf16" if cuda else "fp32"),
                            layer_spec=args.spec, checkpoint_every=args.checkpoint_every,
+                           vllm_kv_cache_mb=_kv_cache_mb(biggest, args.prompts * args.group,
+                                                         task.max_prompt_len + task.max_response_len),
                            **({} if args.lr is None else {"lr": args.lr}))
-        cfg = RunConfig(
-            shape=EvidenceModelShape(layers=args.layers, experts=args.experts, dense_first=args.dense_first),
-            task=AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit),
-            warm=WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
-                                                       ("max_seconds", args.sft_seconds),
-                                                       ("target_accuracy", args.sft_target)) if v is not None}),
-            grpo=grpo, arms=make_arms(args.modes, args.seeds, args.engine, not args.no_floor),
-            resume=args.resume)
+        arms = (arms_from_spec(args.arms, args.engine) if args.arms
+                else make_arms(args.modes, args.seeds, args.engine, not args.no_floor))
+        cfg = RunConfig(shape=shape, task=task, warm=warm, grpo=grpo, arms=arms, resume=args.resume)
     except ValueError as e:
         raise CliError(str(e)) from None
+    root = Path(args.out)
+    warm_from = None
+    if candidates:
+        root.mkdir(parents=True, exist_ok=True)
+        calib = evidence.calibrate(root, cfg, candidates, device=args.device, max_agreement=args.max_agreement,
+                                   wall_s=min(args.calib_wall_s, args.wall_s), steps=args.calib_steps,
+                                   run_deadline=t0 + args.wall_s, side_by_side=args.side_by_side_factor)
+        if args.calibrate_only:
+            if args.json:
+                print_json(calib)
+            return 0
+        chosen = next(c for c in candidates if c.name == calib["chosen"])
+        cfg.shape, cfg.warm = chosen.shape, chosen.warm(cfg.warm)
+        warm_from = root / "calib" / chosen.name / "warmstart"
+    left = args.wall_s - (time.time() - t0)
+    if left <= 30:
+        raise CliError(f"no time left for the run after the calibration ({left:.0f} s of --wall-s {args.wall_s:.0f})")
     procs = args.procs or (len(cfg.arms) if cuda else 1)
-    summary = evidence.run(Path(args.out), cfg, device=args.device, procs=procs, gpus=args.gpus, wall_s=args.wall_s)
+    summary = evidence.run(root, cfg, device=args.device, procs=procs, gpus=args.gpus, wall_s=left,
+                           warm_from=warm_from)
     if args.json:
         print_json(summary)
     return 0 if all(s["steps"] for s in summary.values()) else 1
 
 
+def _kv_cache_mb(shape, samples: int, max_len: int) -> int:
+    """vLLM's fixed KV cache for one step's samples at full length, twice over (at least 64 MB)."""
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2          # K and V, bf16
+    return max(64, -(-2 * per_token * samples * max_len // (1 << 20)))
+
+
 def _plot(args: argparse.Namespace) -> int:
-    from r3bridge.demo.evidence_report import METRICS, curves, load_logs, summarize, table
+    from r3bridge.demo.evidence_report import (
+        METRICS,
+        calibration_table,
+        curves,
+        load_calibration,
+        load_logs,
+        summarize,
+        table,
+    )
 
     try:
         arms = load_logs(args.logs)
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
         raise CliError(f"{args.logs}: {e}") from None
     summary = summarize(arms, args.warmup)
+    calib = load_calibration(args.logs)
     if args.out:
         plt = pyplot()
         cols = 3
@@ -142,9 +235,10 @@ def _plot(args: argparse.Namespace) -> int:
         for ax, (key, label, _, log) in zip(axes.flat, METRICS):
             for group, c in curves(arms, key, log=log, window=args.window).items():
                 color = COLORS.get(group)
+                style = "--" if "-mb" in group else "-"        # the 1 / 8 mini-batch arms dashed
                 for xs, ys in c["seeds"].values():
-                    ax.plot(xs, ys, color=color, lw=0.5, alpha=0.35)
-                ax.plot(*c["mean"], color=color, lw=2, label=f"{group} ({c['members']} seed(s))")
+                    ax.plot(xs, ys, color=color, lw=0.5, alpha=0.35, ls=style)
+                ax.plot(*c["mean"], color=color, lw=2, ls=style, label=f"{group} ({c['members']} seed(s))")
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("GRPO step")
             ax.set_yscale("log" if log else "linear")
@@ -159,8 +253,12 @@ def _plot(args: argparse.Namespace) -> int:
     if args.json:
         if args.out:
             summary["plot"] = args.out
+        if calib is not None:
+            summary["calibration"] = calib
         print_json(summary)
     else:
+        if calib is not None:
+            print("Calibration (candidates side by side, one short off arm each):\n\n" + calibration_table(calib) + "\n")
         print(table(summary))
         if args.out:
             print(f"wrote {args.out}", file=sys.stderr)

@@ -9,6 +9,21 @@ Layout of the run folder (``--out``)::
     logs/<arm>.json          the arm's options and final status
     procs/<i>.log            stdout / stderr of arm process i
     ckpt/<arm>.pt            the latest resumable checkpoint (--resume continues from it)
+    calib/<candidate>/       with --calibrate: each candidate's own small run (the same layout)
+    calibration.json         with --calibrate: every candidate's numbers, the choice and its reason
+
+**Calibration** (:func:`calibrate`): before the run, every candidate model (a shape and the warm
+start's router knobs) warm-starts in its own process, side by side, then runs one short ``off``
+arm through the run's engine: the trainer's own top-k at theta_old against the engine's routes
+(``route/native_vs_engine``, per layer too), the router margins, the warm start's accuracy and the
+step time. The run then takes the first candidate, in the given order (cheapest first), whose
+agreement is at most ``max_agreement``, whose warm start reached its target accuracy and whose
+estimated run fits the time left: the slowest arm's step (the calibration arm's step, its update
+phase scaled to the most mini-batches an arm has) x the run's steps x ``side_by_side`` (arms side by
+side share the GPU and the cores; the step is Python-bound, one core per arm: 10 arms of the
+4-layer model took 1.0-1.3 s per step side by side, CPU time = wall time). It reuses that
+candidate's warm start. When none
+qualifies it says so and takes the least-agreeing one that fits (else the fastest).
 
 Why processes, side by side on one GPU: the model is a few MB, so each arm's kernels are tiny
 and launch-bound; the step time is the Python of megatron's schedule, the replay bookkeeping and
@@ -22,16 +37,19 @@ it): the named arms, one after the other, the process itself being a one-rank me
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from r3bridge.demo.evidence_config import RunConfig
+from r3bridge.demo.evidence_config import Arm, Candidate, EvidenceError, RunConfig
 from r3bridge.demo.warmstart import EvidenceModelShape
 
 
@@ -84,15 +102,24 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _stderr(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
+
+
 def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_s: float,
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """The whole run, bounded by ``wall_s`` seconds; returns each arm's status and steps."""
+        log: Callable[[str], None] = _stderr, warm_from: Optional[Path] = None) -> dict[str, Any]:
+    """The whole run, bounded by ``wall_s`` seconds; returns each arm's status and steps.
+    ``warm_from``: a warm start folder to reuse (the calibration's), instead of training one."""
     t0 = time.time()
     for sub in ("logs", "warmstart", "procs", "ckpt"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     run.deadline = t0 + wall_s
     _write_model_dir(root, run.shape)
-    have_warm = run.resume and (root / "warmstart" / "state.pt").exists()
+    if warm_from is not None:
+        for name in ("stats.json", "state.pt"):         # state.pt last: the arms wait for it
+            shutil.copyfile(warm_from / name, root / "warmstart" / f"{name}.tmp")
+            os.replace(root / "warmstart" / f"{name}.tmp", root / "warmstart" / name)
+    have_warm = warm_from is not None or (run.resume and (root / "warmstart" / "state.pt").exists())
     if not have_warm:
         for stale in ("state.pt", "FAILED"):
             (root / "warmstart" / stale).unlink(missing_ok=True)
@@ -154,6 +181,133 @@ def _arm_summary(root: Path, name: str) -> dict[str, Any]:
     return {"status": status, "steps": len(_tail_lines(root / "logs" / f"{name}.jsonl"))}
 
 
+# ---------------------------------------------------------------------------------- calibration
+STARTUP_S = 90.0      # an arm process's start before its first step: imports, engine, trainer (H200, measured ~60 s)
+
+
+def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, device: str, wall_s: float,
+              max_agreement: float, run_deadline: float, side_by_side: float = 1.5, steps: int = 2,
+              log: Callable[[str], None] = _stderr) -> dict[str, Any]:
+    """Every candidate's short run side by side (each its own process: a warm start, then one
+    ``off`` arm of ``steps`` steps through the run's engine), then the choice for a run that must
+    end by ``run_deadline`` (unix time). Writes and returns ``calibration.json``'s content:
+    ``candidates`` (one row each, in the given order), ``chosen``, ``goal_met`` and ``reason``."""
+    if not candidates:
+        raise EvidenceError("calibration needs at least one candidate")
+    engine = next((a.engine for a in base.arms if a.engine != "self"), "hf")
+    t0 = time.time()
+    children: list[tuple[Candidate, Path, subprocess.Popen]] = []
+    for cand in candidates:
+        d = root / "calib" / cand.name
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = RunConfig(shape=cand.shape, task=base.task, warm=cand.warm(base.warm),
+                        grpo=dataclasses.replace(base.grpo, steps=steps, checkpoint_every=0),
+                        arms=[Arm("off-s0", "off", 0, engine)])
+        cfg.save(d)
+        out = open(d / "orchestrator.log", "w")
+        cmd = [sys.executable, "-m", "r3bridge.demo.evidence", "--orchestrate", str(d), device, str(wall_s)]
+        children.append((cand, d, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                   env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                                   start_new_session=True)))
+    log(f"[calibrate] {len(children)} candidate(s) side by side, bound {wall_s:.0f} s: "
+        + ", ".join(c.name for c in candidates))
+    try:
+        while any(p.poll() is None for *_, p in children) and time.time() < t0 + wall_s + 60:
+            time.sleep(1.0)
+    finally:
+        _stop([p for *_, p in children])
+    # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's
+    mb_scale = max([base.mini_batches(a) for a in base.arms] or [base.grpo.mini_batches]) / base.grpo.mini_batches
+    rows = [_candidate_row(cand, d, p.returncode, base.grpo.steps, side_by_side, mb_scale) for cand, d, p in children]
+    result = choose(rows, max_agreement, budget_s=run_deadline - time.time() - STARTUP_S)
+    result["seconds"] = time.time() - t0
+    (root / "calibration.json").write_text(json.dumps(result, indent=1))
+    for r in rows:
+        log(f"[calibrate] {r['name']}: agreement {_num(r['agreement'])} (min layer {_num(r['agreement_min_layer'])}), "
+            f"warm-start accuracy {_num(r['accuracy'])} in {_num(r['warm_seconds'])} s, margin median "
+            f"{_num(r['margin_median'])} ({_num(r['margin_below'])} under {r['margin_threshold']}), step "
+            f"{_num(r['step_s'])} s (the run ~{_num(r['run_s_estimate'])} s){'' if r['ran'] else ': ' + r['error']}")
+    log(f"[calibrate] chose {result['chosen']}: {result['reason']}")
+    return result
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
+
+
+def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_steps: int,
+                   side_by_side: float, mb_scale: float) -> dict[str, Any]:
+    """What a candidate's short run measured (None where it did not get that far)."""
+    stats_path = d / "warmstart" / "stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    lines = _tail_lines(d / "logs" / "off-s0.jsonl")
+    data = [json.loads(line)["data"] for line in lines]
+    margins = stats.get("router_margins", {})
+    row: dict[str, Any] = {
+        "name": cand.name, "shape": dataclasses.asdict(cand.shape), "aux_loss": cand.aux_loss,
+        "router_z_loss": cand.router_z_loss, "lr": cand.lr, "ran": bool(data), "steps": len(data),
+        "accuracy": stats.get("greedy_accuracy"), "target_accuracy": stats.get("options", {}).get("target_accuracy"),
+        "warm_steps": stats.get("steps"), "warm_seconds": stats.get("seconds"),
+        "warm_margin_median": margins.get("median"), "warm_margin_below": margins.get("below"),
+        "margin_threshold": margins.get("threshold"), "agreement": None, "agreement_per_layer": {},
+        "agreement_min_layer": None, "margin_median": None, "margin_below": None, "step_s": None,
+        "run_s_alone": None, "run_s_estimate": None, "reward": None, "error": ""}
+    if data:
+        mean = lambda key: sum(x[key] for x in data) / len(data)        # noqa: E731
+        row["agreement"] = mean("route/native_vs_engine")
+        per_layer = {k.rsplit("layer", 1)[1]: mean(k) for k in data[0] if k.startswith("route/native_vs_engine/layer")}
+        row["agreement_per_layer"] = per_layer
+        row["agreement_min_layer"] = min(per_layer.values()) if per_layer else None
+        row["margin_median"], row["margin_below"] = mean("route/margin/median"), mean("route/margin/below")
+        row["reward"] = mean("critic/score/mean")
+        # the last step: the first one pays for allocations and the engine's first batch
+        row["step_s"] = data[-1]["timing_s/step"]
+        row["run_s_alone"] = row["step_s"] * run_steps
+        slowest = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
+        row["run_s_estimate"] = slowest * run_steps * side_by_side
+    else:
+        failed = d / "warmstart" / "FAILED"
+        tail = (d / "orchestrator.log").read_text().strip().splitlines()[-3:] if (d / "orchestrator.log").exists() else []
+        row["error"] = (failed.read_text().strip() if failed.exists() else
+                        f"no step logged (exit {returncode}): " + " | ".join(tail))
+    return row
+
+
+def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = math.inf) -> dict[str, Any]:
+    """The first row (in order) that ran, reached its warm start's target accuracy, agrees at
+    most ``max_agreement`` and whose estimated run fits ``budget_s``; else the least-agreeing row
+    that fits (the fastest when none fits), said to miss the goal."""
+    ran = [r for r in rows if r["ran"]]
+    if not ran:
+        raise EvidenceError("calibration: no candidate ran a step: " + "; ".join(f"{r['name']}: {r['error']}" for r in rows))
+    out = {"candidates": rows, "max_agreement": max_agreement, "budget_s": budget_s}
+    for r in ran:
+        reached = r["accuracy"] is not None and r["accuracy"] >= (r["target_accuracy"] or 0.0)
+        if reached and r["agreement"] <= max_agreement and r["run_s_estimate"] <= budget_s:
+            return {**out, "chosen": r["name"], "goal_met": True,
+                    "reason": f"the first candidate whose route agreement ({r['agreement']:.4f}) is at most "
+                              f"{max_agreement}, whose warm start reached {r['target_accuracy']} greedy accuracy "
+                              f"({r['accuracy']:.3f}) and whose run (~{r['run_s_estimate']:.0f} s) fits the "
+                              f"{budget_s:.0f} s left"}
+    fits = [r for r in ran if r["run_s_estimate"] <= budget_s]
+    best = min(fits, key=lambda r: r["agreement"]) if fits else min(ran, key=lambda r: r["run_s_estimate"])
+    return {**out, "chosen": best["name"], "goal_met": False,
+            "reason": f"GOAL NOT MET: no candidate agreed at most {max_agreement}, reached its warm start's target "
+                      f"accuracy and fits the {budget_s:.0f} s left; running "
+                      + (f"the least-agreeing one that fits ({best['agreement']:.4f}, accuracy "
+                         f"{_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)" if fits else
+                         f"the fastest ({best['name']}, ~{best['run_s_estimate']:.0f} s): the run will be cut short")}
+
+
+def _orchestrate(argv: list[str]) -> int:
+    """``--orchestrate DIR DEVICE WALL_S``: a calibration candidate's run (its run.json written).
+    Ended by the calibration at its bound, it still ends its own arm process (``run``'s finally)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    d, device, wall_s = Path(argv[0]), argv[1], float(argv[2])
+    summary = run(d, RunConfig.load(d), device=device, procs=1, gpus=1, wall_s=wall_s)
+    return 0 if all(s["steps"] for s in summary.values()) else 1
+
+
 def _arm_process(argv: list[str]) -> int:
     """This process is one rank running the named arms (the orchestrator ends it at the bound)."""
     from r3bridge.demo.grpo import run_arms
@@ -167,4 +321,6 @@ def _arm_process(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--orchestrate"]:
+        raise SystemExit(_orchestrate(sys.argv[2:]))
     raise SystemExit(_arm_process(sys.argv[1:]))

@@ -1,10 +1,13 @@
 """What an evidence run is made of, as plain data (``run.json``): the model, the task, the warm
 start, the GRPO options and the arms. The orchestrator (:mod:`r3bridge.demo.evidence`) writes it,
 every arm process (:mod:`r3bridge.demo.grpo`) reads it, and waits here for the warm start's
-weights (:func:`wait_for_warm_start`)."""
+weights (:func:`wait_for_warm_start`). Also the calibration's candidates (:class:`Candidate`: a
+model shape and the warm start's router knobs) and the arm presets (:data:`ARM_PRESETS`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,22 +17,27 @@ from r3bridge.demo.task import AdditionTask
 from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
 from r3bridge.errors import ReplayError
 
-MODES = ("off", "R2", "R3")
+# R3w: R3 with the engine's routing (combine) weights replayed too (prime-rl #3523's idea)
+MODES = ("off", "R2", "R3", "R3w")
 ENGINES = ("hf", "vllm", "self")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """``name`` is the log file's stem, e.g. ``R3-s1`` or ``floor-s0``."""
+    """``name`` is the log file's stem, e.g. ``R3-s1``, ``R3-mb8-s0`` or ``floor-s0``.
+    ``mini_batches``: updates per rollout batch for this arm (None: the run's ``GRPOOptions``)."""
 
     name: str
     mode: str
     seed: int
     engine: str
+    mini_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES or self.engine not in ENGINES:
             raise ValueError(f"arm {self.name}: mode must be one of {MODES}, engine one of {ENGINES}")
+        if self.mini_batches is not None and self.mini_batches < 1:
+            raise ValueError(f"arm {self.name}: mini_batches must be >= 1, got {self.mini_batches}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,16 @@ class RunConfig:
     deadline: Optional[float] = None       # unix time: no arm starts a step it cannot finish before it
     resume: bool = False
 
+    def __post_init__(self) -> None:
+        n = self.grpo.prompts * self.grpo.group
+        for a in self.arms:
+            if a.mini_batches is not None and n % a.mini_batches:
+                raise ValueError(f"arm {a.name}: {self.grpo.prompts} x {self.grpo.group} samples must split into "
+                                 f"{a.mini_batches} mini-batches")
+
+    def mini_batches(self, arm: Arm) -> int:
+        return self.grpo.mini_batches if arm.mini_batches is None else arm.mini_batches
+
     def arm(self, name: str) -> Arm:
         for a in self.arms:
             if a.name == name:
@@ -89,6 +107,43 @@ class RunConfig:
                    resume=d["resume"])
 
 
+_ARM_NAME = re.compile(r"^(?P<mode>[A-Za-z0-9]+?)(?:-mb(?P<mb>\d+))?-s(?P<seed>\d+)$")
+
+# --arms presets. "issue49": the run of issue 49 - off / R2 / R3 / R3w for seeds 0 and 1 at the
+# run's mini-batches (4), the noise floor, and R2 / R3 at 1 and 8 mini-batches (seed 0), the pair
+# that tests arXiv 2512.01374's "R2 better at few mini-batches, R3 at many" (13 arms)
+ARM_PRESETS: dict[str, tuple[str, ...]] = {
+    "issue49": ("off-s0", "R2-s0", "R3-s0", "R3w-s0", "off-s1", "R2-s1", "R3-s1", "R3w-s1", "floor-s0",
+                "R2-mb1-s0", "R3-mb1-s0", "R2-mb8-s0", "R3-mb8-s0"),
+    "small": ("off-s0", "R3-s0", "floor-s0"),
+}
+
+
+def parse_arm(name: str, engine: str) -> Arm:
+    """``<mode>[-mb<N>]-s<seed>`` (``R3-mb8-s0``: R3, 8 mini-batches, seed 0) or ``floor-s<seed>``
+    (R3 whose engine is the trainer itself) -> the arm; the mini-batch count is in the name, so
+    the log file says which arm it was."""
+    m = _ARM_NAME.match(name)
+    if not m:
+        raise ValueError(f"arm {name!r}: expected <mode>[-mb<N>]-s<seed> (e.g. R3-s0, R2-mb8-s1) or floor-s<seed>")
+    mode, mb = m.group("mode"), m.group("mb")
+    if mode == "floor":
+        return Arm(name, "R3", int(m.group("seed")), "self", None if mb is None else int(mb))
+    if mode not in MODES:
+        raise ValueError(f"arm {name!r}: mode {mode!r} is not one of {', '.join(MODES)} (or floor)")
+    return Arm(name, mode, int(m.group("seed")), engine, None if mb is None else int(mb))
+
+
+def arms_from_spec(spec: str, engine: str) -> list[Arm]:
+    """``--arms``: a preset's name (:data:`ARM_PRESETS`) or comma-separated arm names."""
+    names = ARM_PRESETS.get(spec.strip()) or tuple(x.strip() for x in spec.split(",") if x.strip())
+    if not names:
+        raise ValueError(f"--arms {spec!r}: no arm named (presets: {', '.join(ARM_PRESETS)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--arms {spec!r}: an arm is named twice")
+    return [parse_arm(n, engine) for n in names]
+
+
 def make_arms(modes: Sequence[str], seeds: Sequence[int], engine: str, floor: bool) -> list[Arm]:
     """``<mode>-s<seed>`` per mode and seed with the run's engine, plus ``floor-s<first seed>``: R3
     with the trainer's own forward as the engine (r3bridge.demo.grpo)."""
@@ -96,6 +151,64 @@ def make_arms(modes: Sequence[str], seeds: Sequence[int], engine: str, floor: bo
     if floor:
         arms.append(Arm(f"floor-s{seeds[0]}", "R3", int(seeds[0]), "self"))
     return arms
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model the calibration tries: a shape and the warm start's router knobs. ``name`` is
+    its spec, e.g. ``L12-E64-k8-aux0.05-z0.001`` (:func:`parse_candidate`)."""
+
+    name: str
+    shape: EvidenceModelShape
+    aux_loss: float
+    router_z_loss: float
+    lr: Optional[float] = None
+
+    def warm(self, base: WarmStartOptions) -> WarmStartOptions:
+        return dataclasses.replace(base, aux_loss=self.aux_loss, router_z_loss=self.router_z_loss,
+                                   lr=base.lr if self.lr is None else self.lr)
+
+
+_CANDIDATE_KEYS = {"L": ("layers", int), "E": ("experts", int), "k": ("topk", int), "h": ("hidden", int),
+                   "f": ("moe_ffn", int), "aux": ("aux_loss", float), "z": ("router_z_loss", float),
+                   "lr": ("lr", float)}
+_CANDIDATE_PART = re.compile(r"(?P<key>aux|lr|L|E|k|h|f|z)(?P<value>[0-9][0-9.]*(?:e[+-]?[0-9]+)?)")
+_CANDIDATE_SPLIT = re.compile(r"-(?![0-9])")     # "z1e-3": the minus of an exponent does not split
+
+# The calibration's default candidates, cheapest first (step time grows with layers x experts:
+# megatron's local spec runs its experts one after the other). All top-8 with narrow margins
+# by training (a load-balancing loss 5-10x the usual and a router z-loss): the shape of a trained
+# 128-expert top-8 MoE (Qwen3-30B-A3B: 48 layers, 128 experts, top-8) at a size whose 13 arms x
+# 300 steps fit one H200 in about 12 minutes (docs/evidence.md, "Where routing disagrees").
+DEFAULT_CANDIDATES = ("L8-E32-k8-aux0.05-z0.001", "L8-E64-k8-aux0.05-z0.001", "L12-E64-k8-aux0.1-z0.01",
+                      "L12-E128-k8-aux0.1-z0.01")
+
+
+def parse_candidate(spec: str, base: EvidenceModelShape, warm: WarmStartOptions) -> Candidate:
+    """``L<layers>-E<experts>-k<topk>-h<hidden>-f<moe ffn>-aux<coef>-z<coef>-lr<lr>[-dense]``, any
+    part left out taken from ``base`` / ``warm`` (the run's own options)."""
+    shape: dict = {}
+    knobs: dict = {"aux_loss": warm.aux_loss, "router_z_loss": warm.router_z_loss, "lr": None}
+    for part in _CANDIDATE_SPLIT.split(spec.strip()):
+        if part == "dense":
+            shape["dense_first"] = True
+            continue
+        m = _CANDIDATE_PART.fullmatch(part)
+        if not m:
+            raise ValueError(f"candidate {spec!r}: cannot read {part!r} (parts: L<layers> E<experts> k<topk> "
+                             f"h<hidden> f<moe ffn> aux<coef> z<coef> lr<lr> dense, joined by '-')")
+        field_name, kind = _CANDIDATE_KEYS[m.group("key")]
+        try:
+            value = kind(m.group("value"))
+        except ValueError:
+            raise ValueError(f"candidate {spec!r}: {part!r} is not a number") from None
+        (knobs if field_name in knobs else shape)[field_name] = value
+    try:
+        cand = Candidate(spec.strip(), dataclasses.replace(base, **shape), **knobs)
+        cand.warm(warm)          # validates the knobs
+    except ValueError as e:
+        raise ValueError(f"candidate {spec!r}: {e}") from None
+    return cand
 
 
 def wait_for_warm_start(root: Path, deadline: Optional[float]) -> None:

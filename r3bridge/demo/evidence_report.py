@@ -1,9 +1,11 @@
-"""Reading an evidence run's logs back: the table (ratios after warm-up, drift, collapse, seeds)
-and the figure (per-step curves per metric, arms coloured, seeds thin, their mean thick).
+"""Reading an evidence run's logs back: the table (ratios after warm-up, drift, collapse, seeds),
+issue 49's goals met or not, and the figure (per-step curves per metric, arms coloured, seeds
+thin, their mean thick).
 
 Reads ``<arm>.jsonl`` or ``<arm>.jsonl.gz`` (verl's file-logger lines ``{"step", "data"}``) from a
 run folder, its ``logs/`` or any folder of such files; an arm's group is its name before ``-s<seed>``
-(``off-s1`` -> ``off``). Plain Python; ``r3bridge evidence plot`` (r3bridge/cli/evidence.py) draws.
+(``off-s1`` -> ``off``, ``R3-mb8-s0`` -> ``R3-mb8``). Plain Python; ``r3bridge evidence plot``
+(r3bridge/cli/evidence.py) draws.
 """
 from __future__ import annotations
 
@@ -22,11 +24,24 @@ METRICS: list[tuple[str, str, Optional[bool], bool]] = [
     ("actor/r3bridge/update/mismatch/k3_kl", "k3 KL, update forwards vs rollout", True, True),
     ("route/native_vs_engine", "route agreement: trainer's own top-k vs engine's", False, False),
     ("actor/first_update/abs_log_ratio", "|log ratio| of the first update (theta_old)", True, True),
-    ("actor/grad_norm/p50", "gradient norm p50 (4 updates)", None, True),
-    ("actor/grad_norm/p99", "gradient norm p99 (4 updates)", None, True),
+    ("actor/grad_norm/p50", "gradient norm p50 (the step's updates)", None, True),
+    ("actor/grad_norm/p99", "gradient norm p99 (the step's updates)", None, True),
     ("critic/score/mean", "reward (exact match)", False, False),
     ("actor/entropy", "entropy (nats / token)", None, False),
+    ("route/margin/median", "router margin median, k-th - (k+1)-th logit (native arms)", None, True),
 ]
+# (numerator, denominator) groups whose per-metric ratio the table shows, where both ran: off
+# against each replay; R2 against R3 at 1, 4 and 8 mini-batches (arXiv 2512.01374: R2 better at
+# few mini-batches per rollout batch, R3 at 4 and 8)
+PAIRS = (("off", "R3"), ("off", "R2"), ("off", "R3w"), ("R3", "R3w"),
+         ("R2-mb1", "R3-mb1"), ("R2", "R3"), ("R2-mb8", "R3-mb8"))
+K3, F2, P99, AGREE = ("actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/r3bridge/old_log_prob/mismatch/F2",
+                      "actor/grad_norm/p99", "route/native_vs_engine")
+# issue 49's goals: (label, pair, metric, at least) and off's agreement at most 0.95
+GOALS = (("R3's k3 KL (compute_log_prob) >= 5x below off's", ("off", "R3"), K3, 5.0),
+         ("R3's F(2) (compute_log_prob) >= 10x below off's", ("off", "R3"), F2, 10.0),
+         ("off's gradient-norm p99 >= 3x R3's", ("off", "R3"), P99, 3.0))
+MAX_OFF_AGREEMENT = 0.95
 MIN_POSITIVE = 1e-12      # floor for log axes and ratios: a metric that is exactly 0
 
 
@@ -90,7 +105,8 @@ def _collapsed(arm: ArmLog) -> bool:
     return _mean(r[-max(1, len(r) // 10):]) < 0.5 * best
 
 
-ORDER = ("off", "R2", "R3", "floor")      # the table's and the legend's order; other groups after
+# the table's and the legend's order; other groups after
+ORDER = ("off", "R2", "R3", "R3w", "floor", "R2-mb1", "R3-mb1", "R2-mb8", "R3-mb8")
 
 
 def _ordered(groups: set[str]) -> list[str]:
@@ -109,22 +125,24 @@ def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
         for key, *_ in METRICS:
             cell = out["groups"][g]["metrics"][key]
             cell["mean"] = _mean([v for v in cell["per_seed"].values() if not math.isnan(v)])
-    for other in ("R3", "R2"):
-        if "off" not in by_group or other not in by_group:
+    for num, den in PAIRS:
+        if num not in by_group or den not in by_group:
             continue
         rows = {}
         for key, _, lower, _ in METRICS:
             per_seed = {}
-            for a in by_group["off"]:
-                b = next((x for x in by_group[other] if x.seed == a.seed), None)
+            for a in by_group[num]:
+                b = next((x for x in by_group[den] if x.seed == a.seed), None)
                 if b is not None:
                     per_seed[a.seed] = _ratio(_mean(_after(a, key, warmup)), _mean(_after(b, key, warmup)))
-            overall = _ratio(out["groups"]["off"]["metrics"][key]["mean"], out["groups"][other]["metrics"][key]["mean"])
+            overall = _ratio(out["groups"][num]["metrics"][key]["mean"], out["groups"][den]["metrics"][key]["mean"])
+            # "the ratio points the same way in each seed": the denominator's arm is better
             better = None if lower is None else [(r > 1) if lower else (r < 1) for r in per_seed.values()
                                                  if not math.isnan(r)]
             rows[key] = {"ratio": overall, "per_seed": per_seed,
                          "holds_across_seeds": None if better is None or not better else all(better)}
-        out["ratios"][f"off/{other}"] = rows
+        out["ratios"][f"{num}/{den}"] = rows
+    out["goals"] = _goals(out)
     if "off" in by_group:
         for key in ("actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/grad_norm/p99", "critic/score/mean"):
             drift = []
@@ -134,6 +152,20 @@ def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
                 drift.append(_ratio(_mean(v[-q:]), _mean(v[:q])) if v else math.nan)
             out["off"][key] = {"last_quarter_over_first": drift}
     return out
+
+
+def _goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 49's goals, each with its measured value and met / not met (None: not measurable,
+    e.g. an arm missing)."""
+    goals = []
+    off = summary["groups"].get("off")
+    value = off["metrics"][AGREE]["mean"] if off else math.nan
+    goals.append({"goal": f"off's route agreement <= {MAX_OFF_AGREEMENT}", "value": value,
+                  "met": None if math.isnan(value) else value <= MAX_OFF_AGREEMENT})
+    for label, (num, den), key, least in GOALS:
+        r = summary["ratios"].get(f"{num}/{den}", {}).get(key, {}).get("ratio", math.nan)
+        goals.append({"goal": label, "value": r, "met": None if math.isnan(r) else r >= least})
+    return goals
 
 
 def _fmt(x: Any) -> str:
@@ -148,13 +180,11 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def table(summary: dict[str, Any]) -> str:
-    """Markdown: per metric the mean after warm-up of each group, then off/R3 and off/R2 with
-    whether every seed points the same way; then off's drift and the collapse check."""
-    groups = list(summary["groups"])
-    pairs = list(summary["ratios"])
-    head = ["metric (mean after step %d)" % summary["warmup"], *groups,
-            *[f"{p} (every seed?)" for p in pairs]]
+MINI_BATCH_GROUPS = ("R2-mb1", "R3-mb1", "R2-mb8", "R3-mb8")
+
+
+def _grid(summary: dict[str, Any], groups: list[str], pairs: list[str], head0: str) -> list[str]:
+    head = [head0, *groups, *[f"{p} (every seed?)" for p in pairs]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label, *_ in METRICS:
         row = [label] + [_fmt(summary["groups"][g]["metrics"][key]["mean"]) for g in groups]
@@ -162,15 +192,63 @@ def table(summary: dict[str, Any]) -> str:
             r = summary["ratios"][p][key]
             row.append(f"{_fmt(r['ratio'])} ({_fmt(r['holds_across_seeds'])})")
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Markdown: per metric the mean after warm-up of each group, then off against each replay
+    with whether every seed points the same way; where the 1 / 8 mini-batch arms ran, a second
+    table of R2 against R3 at 1, 4 and 8 mini-batches; then off's drift, the collapse check and
+    issue 49's goals, each met or not."""
+    all_groups = list(summary["groups"])
+    groups = [g for g in all_groups if g not in MINI_BATCH_GROUPS]
+    pairs = [p for p in summary["ratios"] if not p.startswith("R2")]
+    lines = _grid(summary, groups, pairs, "metric (mean after step %d)" % summary["warmup"])
+    mb_groups = [g for g in ("R2-mb1", "R3-mb1", "R2", "R3", "R2-mb8", "R3-mb8") if g in all_groups]
+    mb_pairs = [p for p in ("R2-mb1/R3-mb1", "R2/R3", "R2-mb8/R3-mb8") if p in summary["ratios"]]
+    if any(g in all_groups for g in MINI_BATCH_GROUPS):
+        lines += ["", "R2 against R3 at 1, 4 and 8 mini-batches per rollout batch (R2, R3: 4; ratio < 1 where "
+                  "lower is better: R2 better):", ""]
+        lines += _grid(summary, mb_groups, mb_pairs, "metric (mean after step %d)" % summary["warmup"])
     lines.append("")
-    steps = ", ".join(f"{g}: {summary['groups'][g]['steps']}" for g in groups)
+    steps = ", ".join(f"{g}: {summary['groups'][g]['steps']}" for g in all_groups)
     lines.append(f"Steps per arm: {steps}.")
     for key, d in summary["off"].items():
         lines.append(f"off, {key}: last quarter / first quarter after warm-up = "
                      + ", ".join(_fmt(x) for x in d["last_quarter_over_first"]) + " (per seed).")
-    collapsed = [n for g in groups for n in summary["groups"][g]["collapsed"]]
+    collapsed = [n for g in all_groups for n in summary["groups"][g]["collapsed"]]
     lines.append("Collapsed (reward of the last tenth < half its best 20-step mean, or a value not finite): "
                  + (", ".join(collapsed) if collapsed else "none") + ".")
+    lines += ["", "Goals (issue 49, means after warm-up):", ""]
+    for g in summary.get("goals", []):
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
+        lines.append(f"- {g['goal']}: {_fmt(g['value'])} - **{verdict}**")
+    return "\n".join(lines)
+
+
+def load_calibration(path: str | Path) -> Optional[dict[str, Any]]:
+    """``calibration.json`` of a run folder (or next to its logs), if the run calibrated."""
+    root = Path(path)
+    for candidate in (root / "calibration.json", root.parent / "calibration.json"):
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    return None
+
+
+def calibration_table(calib: dict[str, Any]) -> str:
+    """Markdown: one row per candidate (agreement overall and its worst layer, router margins in
+    the warm start and in the trainer, warm-start accuracy and time, step time, estimated run),
+    then the choice and its reason."""
+    head = ["candidate", "route agreement", "worst layer", "margin median (warm start / trainer)",
+            "margins < threshold (trainer)", "warm-start accuracy", "warm start s", "step s", "run s (est.)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in calib["candidates"]:
+        lines.append("| " + " | ".join([
+            f"`{r['name']}`", _fmt(r["agreement"]), _fmt(r["agreement_min_layer"]),
+            f"{_fmt(r['warm_margin_median'])} / {_fmt(r['margin_median'])}", _fmt(r["margin_below"]),
+            _fmt(r["accuracy"]), _fmt(r["warm_seconds"]), _fmt(r["step_s"]), _fmt(r.get("run_s_estimate")),
+        ]) + " |" + ("" if r["ran"] else f" ({r['error'][:120]})"))
+    lines += ["", f"Chosen: `{calib['chosen']}` - {calib['reason']}."]
     return "\n".join(lines)
 
 

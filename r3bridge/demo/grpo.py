@@ -57,11 +57,12 @@ from r3bridge.demo.hf_to_mcore import (
     to_te_names,
 )
 from r3bridge.demo.job import batch_to, count_agreement
+from r3bridge.demo.warmstart import margins_of
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
 from r3bridge.testing.harness.dist import RankContext
 from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
-from r3bridge.testing.harness.probe import RoutingProbe
+from r3bridge.testing.harness.probe import RoutingProbe, find_routers
 from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 
 
@@ -248,6 +249,44 @@ def _ppo_forward_step(thd: bool, per_batch: dict[int, dict[str, torch.Tensor]], 
     return forward_step
 
 
+class RouterInputs:
+    """Forward pre-hooks keeping what each of the trainer's routers was given in a pass: the
+    router margins (:func:`r3bridge.demo.warmstart.margins_of`) at theta_old are its logits,
+    recomputed in fp32 from it (the routing probe keeps only the chosen experts' scores)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        self.routers = [r for r in find_routers(chunks) if not r.mtp]
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "RouterInputs":
+        for ref in self.routers:
+            self._handles.append(ref.module.register_forward_pre_hook(self._hook(ref.layer_id)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer_id: int):
+        def hook(_module: torch.nn.Module, args: tuple) -> None:
+            self.inputs.setdefault(layer_id, []).append(args[0].detach())
+        return hook
+
+    @torch.no_grad()
+    def margins(self, topk: int) -> dict[str, Any]:
+        logits, layer_ids = [], []
+        for ref in self.routers:
+            calls = self.inputs.get(ref.layer_id, [])
+            if calls:
+                w = ref.module.weight.float()
+                x = torch.cat([c.reshape(-1, c.shape[-1]) for c in calls]).float()
+                logits.append(x @ w.t())
+                layer_ids.append(ref.layer_id)
+        return margins_of(logits, layer_ids, int(topk))
+
+
 # ------------------------------------------------------------------------------------ the log
 def _compact(x: float) -> float:
     return float(f"{x:.5g}")
@@ -301,6 +340,7 @@ class ArmRunner:
         self.optim = MainWeightsAdam([p for c in self.trainer for p in c.parameters()], opts.lr, opts.grad_clip)
         self.fwd_logits = make_forward_step(ctx, thd=self.te, collect_logits=True)
         self.engine = engine
+        self.mini_batches = opts.mini_batches if arm.mini_batches is None else arm.mini_batches
         self.num_experts = int(self.cfg.num_experts)
         self.moe_ids = list(self.rep.layout.moe_layer_ids)
 
@@ -448,8 +488,11 @@ class ArmRunner:
         batches = [b for _, b in lp]
         ids_of = {id(b): list(map(int, g)) for g, b in lp}
         roll_of = {id(b): s.routes.select(ids_of[id(b)]) for b in batches}
-        res, st, probe = self._pass(plan.action, plan.route_kind, batches, ids_of, roll_of if plan.route_kind else {},
-                                    probe=plan.route_kind is None, record_weights=plan.record_weights)
+        native = plan.route_kind is None
+        with RouterInputs(self.trainer) if native else contextlib.nullcontext() as inputs:
+            res, st, probe = self._pass(plan.action, plan.route_kind, batches, ids_of,
+                                        roll_of if plan.route_kind else {}, probe=native,
+                                        record_weights=plan.record_weights)
         old_lp: list[torch.Tensor] = [torch.empty(0)] * len(s)
         sums, ent_sum, ent_n = None, 0.0, 0
         for (g, b), r in zip(lp, res):
@@ -471,6 +514,12 @@ class ArmRunner:
             tally = {"agree": torch.zeros(n), "total": torch.zeros(n)}
             count_agreement(probe, batches, roll_of, self.rep.layout, self.ctx, tally, grad_enabled=False)
             m["route/native_vs_engine"] = float(tally["agree"].sum() / tally["total"].sum().clamp(min=1))
+            for lid in self.moe_ids:
+                m[f"route/native_vs_engine/layer{lid}"] = float(tally["agree"][lid] / tally["total"][lid].clamp(min=1))
+            margins = inputs.margins(self.cfg.num_experts_per_tok)
+            m["route/margin/median"], m["route/margin/below"] = margins["median"], margins["below"]
+            for lay in margins["per_layer"]:
+                m[f"route/margin/layer{lay['layer']}/median"] = lay["median"]
         else:                       # R3: the driver compares the native top-k with the replayed engine's
             m["route/native_vs_engine"] = st.metrics["r3bridge/agreement/mean"]
             m["actor/r3bridge/old_log_prob/coverage"] = st.metrics["r3bridge/coverage"]
@@ -484,7 +533,8 @@ class ArmRunner:
         order = np.random.default_rng([self.arm.seed, step, 1]).permutation(len(s))
         adv = [torch.full((len(r),), float(a)) for r, a in zip(s.responses, s.advantages)]
         sums, norms, stats, cov, agree, weights = None, [], [], [], [], np.zeros(2)
-        for u, g in enumerate(np.array_split(order, o.mini_batches)):
+        m["actor/mini_batches"] = self.mini_batches
+        for u, g in enumerate(np.array_split(order, self.mini_batches)):
             ids = list(map(int, g))
             b = _pack(s, ids, o.device)
             per = {id(b): {"old_lp": _per_token(s, ids, b, old_lp), "adv": _per_token(s, ids, b, adv),

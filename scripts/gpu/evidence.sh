@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# The evidence run on the device machine (docs/evidence.md): off / R2 / R3 x 3 seeds + the noise
-# floor, GRPO on one GPU, in the background, bounded in wall-clock time.
+# The evidence run on the device machine (docs/evidence.md): a calibration of candidate models,
+# then the 13 arms of issue 49 (off / R2 / R3 / R3w x 2 seeds, the noise floor, R2 / R3 at 1 and 8
+# mini-batches), GRPO on one GPU, in the background, bounded in wall-clock time.
 #
 #   bash scripts/gpu/evidence.sh smoke            one R3 arm, 3 steps, in the foreground (about 1.5 min): vLLM
 #                                                 in-process, the weight sync and the routes work here
 #   bash scripts/gpu/evidence.sh start [ARGS...]  start it (setsid nohup) and return after its first lines;
-#                                                 ARGS go to `r3bridge evidence run` (default: the docs' run)
-#   bash scripts/gpu/evidence.sh status           the orchestrator's last lines and the steps per arm
+#                                                 ARGS go to `r3bridge evidence run` (default: $DEFAULT_ARGS below:
+#                                                 calibration, then the issue-49 arms, 300 steps, 1080 s in all)
+#   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
+#   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
 #   bash scripts/gpu/evidence.sh collect          into $OUT/evidence: the logs gzipped, run.json, the arms'
-#                                                 statuses, the warm start's stats, the figure and the table
+#                                                 statuses, the warm start's stats, the calibration, the figure
+#                                                 and the table
+#
+# The device machine goes back 30 s after a call ends, and the background run with it: make the
+# calls back to back, each under 590 s, e.g. (about 25 min of device time in all):
+#   1. the bundle's install call:  bash scripts/gpu/bundle.sh install DIR/qN && bash scripts/gpu/evidence.sh start
+#   2.                             bash scripts/gpu/evidence.sh wait 560
+#   3.                             bash scripts/gpu/evidence.sh wait 520; bash scripts/gpu/evidence.sh collect
 #
 # Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
 # the base and vllm sets (scripts/gpu/bundle.sh; scripts/gpu/wheels/vllm.txt), which puts the vllm set in
@@ -16,6 +26,7 @@
 # ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
 set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
+DEFAULT_ARGS="--engine vllm --device cuda --calibrate --arms issue49 --steps 300 --calib-wall-s 300 --wall-s 1080"
 EXTRA_PYTHONPATH=${EXTRA_PYTHONPATH-$(bash "$(dirname "$0")/bundle.sh" pythonpath vllm)}
 export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD${PYTHONPATH:+:$PYTHONPATH}
 # no network on the device: no usage report, no hub look-up (the model folder is local, tokenizer-free)
@@ -33,7 +44,8 @@ smoke)
   python -c "import json, sys; [print(json.loads(l)) for l in open(sys.argv[1])]" "$RUN/smoke/logs/R3-s0.jsonl" ;;
 start)
   shift
-  [ $# -gt 0 ] || set -- --engine vllm --device cuda --seeds 0,1,2 --steps 300 --wall-s 660
+  # shellcheck disable=SC2086
+  [ $# -gt 0 ] || set -- $DEFAULT_ARGS
   mkdir -p "$RUN"
   versions | tee "$RUN/versions.txt"
   setsid nohup python -m r3bridge evidence run --out "$RUN/run" "$@" > "$RUN/orchestrator.log" 2>&1 < /dev/null &
@@ -41,18 +53,37 @@ start)
   sleep 45
   tail -n 5 "$RUN/orchestrator.log"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv || true ;;
 status)
+  grep '\[calibrate\]' "$RUN/orchestrator.log" | tail -n 8 || true
   tail -n 3 "$RUN/orchestrator.log"
   for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && echo "$(basename "$f" .jsonl): $(wc -l < "$f") steps"; done
-  for f in "$RUN"/run/procs/*.log; do grep -q Traceback "$f" && { echo "== $f"; tail -n 4 "$f"; }; done || true
+  for f in "$RUN"/run/procs/*.log "$RUN"/run/calib/*/procs/*.log; do
+    [ -e "$f" ] && grep -q Traceback "$f" && { echo "== $f"; tail -n 4 "$f"; }; done || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true ;;
+wait)
+  end=$(( $(date +%s) + ${2:-540} ))
+  n=0
+  while kill -0 "$(cat "$RUN/pid")" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do
+    sleep 10; n=$((n + 1))
+    [ $((n % 6)) -eq 0 ] && { echo "== $(date -u +%H:%M:%S)"; bash "$0" status; }
+  done
+  kill -0 "$(cat "$RUN/pid")" 2>/dev/null && echo "still running" || { echo "run ended"; tail -n 6 "$RUN/orchestrator.log"; } ;;
 collect)
   dest=${OUT:-.}/evidence; mkdir -p "$dest"
   for f in "$RUN"/run/logs/*.jsonl; do gzip -9c "$f" > "$dest/$(basename "$f").gz"; done
   cp "$RUN"/run/logs/*.json "$RUN/run/run.json" "$RUN/versions.txt" "$dest/"
   cp "$RUN/run/warmstart/stats.json" "$dest/warmstart.json" 2>/dev/null || true
+  if [ -e "$RUN/run/calibration.json" ]; then       # the calibration: its choice and every candidate's numbers
+    cp "$RUN/run/calibration.json" "$dest/"
+    for d in "$RUN"/run/calib/*/; do
+      c=$(basename "$d"); mkdir -p "$dest/calib/$c"
+      cp "$d/warmstart/stats.json" "$dest/calib/$c/warmstart.json" 2>/dev/null || true
+      gzip -9c "$d/logs/off-s0.jsonl" > "$dest/calib/$c/off-s0.jsonl.gz" 2>/dev/null || true
+      tail -n 20 "$d/orchestrator.log" > "$dest/calib/$c/orchestrator.tail.txt" 2>/dev/null || true
+    done
+  fi
   tail -n 40 "$RUN/orchestrator.log" > "$dest/orchestrator.tail.txt"
   for f in "$RUN"/run/procs/*.log; do tail -n 20 "$f" > "$dest/proc$(basename "$f" .log).tail.txt"; done
   python -m r3bridge evidence plot "$RUN/run" --out "$dest/evidence.png" | tee "$dest/table.md"
   du -sh "$dest" ;;
-*) sed -n 2,16p "$0"; exit 2 ;;
+*) sed -n 2,24p "$0"; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """`r3bridge evidence run` / `plot`: the GRPO evidence loop run for real at a tiny size (HF
-transformers engine, megatron-core trainer, CPU), and its logs read back by the plot command."""
+transformers engine, megatron-core trainer, CPU): a calibration of two candidate models, the
+chosen one's arms (a mini-batch count in an arm's name), and the logs read back by the plot command."""
 from __future__ import annotations
 
 import gzip
@@ -8,7 +9,7 @@ import subprocess
 import sys
 
 from r3bridge.cli._common import jsonable
-from r3bridge.demo import evidence_report
+from r3bridge.demo import evidence, evidence_report
 
 KEYS = {"critic/score/mean", "task/accuracy", "actor/entropy", "route/native_vs_engine",
         "actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/r3bridge/old_log_prob/mismatch/F2",
@@ -27,22 +28,54 @@ def _steps(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_evidence_run_three_arms_and_floor_then_plot(tmp_path):
+def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     out = tmp_path / "run"
+    # two candidates side by side; the second is the first to agree at most 0.999 (the HF engine
+    # holds bf16-rounded weights, the fp32 trainer does not: a few routes flip); its warm start
+    # is reused and every arm runs on its shape
+    candidates = "L2-E8-k2,L3-E16-k4-h64-f32-aux0.05-z0.001"
     proc = _cli("run", "--out", str(out), "--engine", "hf", "--device", "cpu", "--steps", "2", "--prompts", "4",
-                "--group", "2", "--seeds", "0", "--layers", "2", "--sft-steps", "2", "--sft-batch", "16",
-                "--wall-s", "500", "--json")
+                "--group", "2", "--sft-steps", "2", "--sft-batch", "16", "--sft-target", "0",
+                "--calibrate", candidates, "--calib-steps", "1", "--max-agreement", "0.999",
+                "--arms", "off-s0,R2-s0,R3-mb1-s0,floor-s0", "--wall-s", "500", "--json")
+    calib = json.loads((out / "calibration.json").read_text())
+    rows = {r["name"]: r for r in calib["candidates"]}
+    assert list(rows) == candidates.split(",") and all(r["ran"] for r in rows.values())
+    for r in rows.values():
+        assert 0.0 < r["agreement"] <= 1.0 and r["step_s"] > 0 and r["run_s_alone"] == r["step_s"] * 2
+        assert set(r["agreement_per_layer"]) == {str(i) for i in range(r["shape"]["layers"])}
+        assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0
+    want = next((n for n, r in rows.items() if r["agreement"] <= 0.999), None)
+    if want is None:                        # none qualifies: the least-agreeing one, said so
+        want = min(rows, key=lambda n: rows[n]["agreement"])
+        assert not calib["goal_met"] and calib["reason"].startswith("GOAL NOT MET")
+    assert calib["chosen"] == want
+    # no candidate qualifies (agreement at most 0): the least-agreeing one runs, and it says so
+    none = evidence.choose(calib["candidates"], 0.0)
+    assert none["chosen"] == min(rows, key=lambda n: rows[n]["agreement"]) and not none["goal_met"]
+    assert none["reason"].startswith("GOAL NOT MET")
+    run = json.loads((out / "run.json").read_text())
+    assert run["shape"] == rows[want]["shape"] and run["warm"]["router_z_loss"] == rows[want]["router_z_loss"]
+    assert (out / "warmstart" / "state.pt").read_bytes() == (out / "calib" / want / "warmstart" / "state.pt").read_bytes()
+
     summary = json.loads(proc.stdout)
-    assert summary == {n: {"status": "done", "steps": 2} for n in ("off-s0", "R2-s0", "R3-s0", "floor-s0")}
+    assert summary == {n: {"status": "done", "steps": 2} for n in ("off-s0", "R2-s0", "R3-mb1-s0", "floor-s0")}
     logs = {n: _steps(out / "logs" / f"{n}.jsonl") for n in summary}
     for name, lines in logs.items():
         assert [line["step"] for line in lines] == [0, 1], name          # verl's file-logger lines
         assert KEYS <= set(lines[0]["data"]), (name, KEYS - set(lines[0]["data"]))
-    # the same warm start and seed: the three arms sample the same first step
-    first = {n: logs[n][0]["data"] for n in ("off-s0", "R2-s0", "R3-s0")}
+    assert {n: logs[n][0]["data"]["actor/mini_batches"] for n in summary} == {
+        "off-s0": 4, "R2-s0": 4, "R3-mb1-s0": 1, "floor-s0": 4}
+    # native routing at theta_old: the margins of the trainer's own routers and the agreement per layer
+    off = logs["off-s0"][0]["data"]
+    per_layer = [off[f"route/native_vs_engine/layer{i}"] for i in range(run["shape"]["layers"])]
+    assert min(per_layer) <= off["route/native_vs_engine"] <= max(per_layer)
+    assert off["route/margin/median"] > 0
+    # the same warm start and seed: the arms sample the same first step
+    first = {n: logs[n][0]["data"] for n in ("off-s0", "R2-s0", "R3-mb1-s0")}
     assert len({(d["critic/score/mean"], d["response_length/mean"]) for d in first.values()}) == 1
     # replay runs on every row that has a route (each sequence's last token has none)
-    r3 = logs["R3-s0"][0]["data"]
+    r3 = logs["R3-mb1-s0"][0]["data"]
     assert 0.8 < r3["actor/r3bridge/update/coverage"] < 1.0 and r3["actor/r3bridge/old_log_prob/coverage"] > 0.8
     assert "actor/r3bridge/update/coverage" not in first["off-s0"]
     # the noise floor: the engine is the trainer's own forward, so under R3 compute_log_prob repeats
@@ -51,14 +84,19 @@ def test_evidence_run_three_arms_and_floor_then_plot(tmp_path):
         assert line["data"]["actor/r3bridge/old_log_prob/mismatch/k3_kl"] == 0.0
         assert line["data"]["route/native_vs_engine"] == 1.0
     meta = json.loads((out / "logs" / "R2-s0.json").read_text())
-    assert meta["status"] == "done" and meta["arm"] == {"name": "R2-s0", "mode": "R2", "seed": 0, "engine": "hf"}
+    assert meta["status"] == "done" and meta["arm"] == {"name": "R2-s0", "mode": "R2", "seed": 0, "engine": "hf",
+                                                        "mini_batches": None}
 
     # the figure and the table from the logs, and the same summary from the compressed logs
     png = tmp_path / "evidence.png"
     plotted = json.loads(_cli("plot", str(out), "--out", str(png), "--warmup", "0", "--json").stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert set(plotted["groups"]) == {"off", "R2", "R3", "floor"}
-    assert set(plotted["ratios"]) == {"off/R3", "off/R2"}
+    assert set(plotted["groups"]) == {"off", "R2", "R3-mb1", "floor"}
+    assert set(plotted["ratios"]) == {"off/R2"}
+    goals = {g["goal"]: g for g in plotted["goals"]}
+    assert goals["off's route agreement <= 0.95"]["met"] == (plotted["groups"]["off"]["metrics"][
+        "route/native_vs_engine"]["mean"] <= 0.95)
+    assert goals["R3's k3 KL (compute_log_prob) >= 5x below off's"]["met"] is None     # no R3 arm at 4 mini-batches
     # the committed form: gzipped logs read back to the same summary (in this process: one CLI
     # start less), and its table
     packed = tmp_path / "packed"
@@ -67,8 +105,12 @@ def test_evidence_run_three_arms_and_floor_then_plot(tmp_path):
         (packed / f"{name}.jsonl.gz").write_bytes(gzip.compress((out / "logs" / f"{name}.jsonl").read_bytes()))
     again = evidence_report.summarize(evidence_report.load_logs(packed), 0)
     plotted.pop("plot")
+    assert plotted.pop("calibration") == calib           # the run folder's calibration comes with its table
     assert json.loads(json.dumps(jsonable(again))) == plotted
-    assert "off/R3 (every seed?)" in evidence_report.table(again)
+    text = evidence_report.table(again)
+    assert "off/R2 (every seed?)" in text and "R2 against R3 at 1, 4 and 8 mini-batches" in text
+    assert "off's route agreement <= 0.95" in text and "not measured" in text
+    assert f"Chosen: `{want}`" in evidence_report.calibration_table(calib)
 
 
 def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch, capsys):
@@ -78,7 +120,14 @@ def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch,
     monkeypatch.setattr(evidence_cmd, "installed", lambda module: module != "vllm")
     cases = [(["--device", "cpu"], "--engine vllm needs vLLM importable"),
              (["--engine", "hf", "--device", "cpu", "--spec", "te"], "--spec te needs --device cuda"),
-             (["--engine", "hf", "--device", "cpu", "--prompts", "3", "--group", "3"], "must split into 4 mini-batches")]
+             (["--engine", "hf", "--device", "cpu", "--prompts", "3", "--group", "3"], "must split into 4 mini-batches"),
+             (["--engine", "hf", "--device", "cpu", "--topk", "9"], "topk must be in 1..experts (8), got 9"),
+             (["--engine", "hf", "--device", "cpu", "--hidden", "100"], "hidden must be a multiple of 16"),
+             (["--engine", "hf", "--device", "cpu", "--calibrate", "L4-E8,L8-x2"], "cannot read 'x2'"),
+             (["--engine", "hf", "--device", "cpu", "--calibrate", "L4-E8-k16"], "candidate 'L4-E8-k16': the evidence"),
+             (["--engine", "hf", "--device", "cpu", "--arms", "off-s0,R4-s0"], "mode 'R4' is not one of"),
+             (["--engine", "hf", "--device", "cpu", "--prompts", "2", "--group", "2", "--mini-batches", "2",
+               "--arms", "off-s0,R2-mb8-s0"], "arm R2-mb8-s0: 2 x 2 samples must split into 8")]
     for args, message in cases:
         assert main(["evidence", "run", "--out", str(tmp_path / "run"), *args]) == 2
         err = capsys.readouterr().err
