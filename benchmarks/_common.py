@@ -13,9 +13,29 @@ from unittest import mock
 
 import torch
 
+# The checkout these scripts sit in is what they measure, whatever r3bridge the interpreter has
+# installed (an editable install of another worktree, a wheel): its root goes first on the path.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or None outside git."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
 
 def machine_info() -> dict:
     info = {
+        "commit": _commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -195,6 +195,7 @@ def main(argv=None):
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
+        print(summary_line(report), file=sys.stderr)
         return report
     m = report["machine"]
     print(f"P1 shard | {m.get('cpu_model', m['processor'])} | {m['cpu_count']} cpus, torch threads "
@@ -212,7 +213,21 @@ def main(argv=None):
     for k, v in ratios.items():
         print(f"{k:<32} {v:6.2f}x")
     print("goal (faster than both peers, within 3x of the copy floor):", "met" if report["goal_met"] else "NOT met")
+    print(summary_line(report))
     return report
+
+
+def summary_line(report: dict) -> str:
+    """The run in one line, to paste into docs/benchmarks.md's P1 table (also printed with
+    ``--json``, on stderr)."""
+    m, res, r = report["machine"], report["results"], report["ratios"]
+    peers = "".join(f" | {p} {res[p]['median_rank_ms']:.2f} ms = {r[f'{p}_over_r3bridge']:.1f}x"
+                    for p in ("verl", "skyrl") if p in res)
+    return (f"P1 summary | {m.get('commit')} | {m.get('cpu_model', m['processor'])}, {m['cpu_count']} cpus, load "
+            f"{m.get('loadavg_1m', 0):.1f}, torch {m['torch']} | r3bridge {res['r3bridge']['median_rank_ms']:.2f} ms"
+            f"{peers} | copy floor {res['copy_floor']['median_rank_ms']:.2f} ms: r3bridge / floor "
+            f"{r['r3bridge_over_copy_floor']:.2f}x (best {r['best_r3bridge_over_best_copy_floor']:.2f}x) | goal "
+            f"{'met' if report['goal_met'] else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -121,16 +121,21 @@ class PassHost(Protocol):
     def chunk_index(self, model: torch.nn.Module | int) -> int: ...
 
 
+# AgreementCounter's columns
+_AGREE, _COMPARED, _REPLAYED, _NATIVE = (AgreementCounter.FIELDS.index(f)
+                                          for f in ("agree", "compared", "replayed", "native"))
+
 # Rows of the router scores summed into the fingerprint: enough spread to tell micro-batches
 # apart, few enough to be free next to the router's own matmul.
 FINGERPRINT_ROWS = 16
 
 
 def fingerprint(scores: torch.Tensor) -> torch.Tensor:
-    """Row sums of up to FINGERPRINT_ROWS evenly spaced rows of ``scores`` (float32, on device)."""
+    """Row sums of up to FINGERPRINT_ROWS evenly spaced rows of ``scores`` (float32, on device):
+    one kernel per router call (the sum reads the rows in their dtype and accumulates in float32)."""
     n = scores.shape[0]
     stride = max(1, n // FINGERPRINT_ROWS)
-    return scores.detach()[::stride][:FINGERPRINT_ROWS].float().sum(-1)
+    return scores.detach()[::stride][:FINGERPRINT_ROWS].sum(-1, dtype=torch.float32)
 
 
 def as_handed(routes: ReplayBatch | HandedRoutes) -> HandedRoutes:
@@ -253,6 +258,12 @@ class ReplayPass:
         # Every MoE layer of the model (not just this stage's), so one all_reduce over the
         # model-parallel group sums every stage; fed on device, no host sync per router call.
         self._counter = AgreementCounter(replayer.layout.moe_layer_ids, device=dev)
+        # The counts known on the host (rows compared, replayed, routed natively: Python ints per
+        # router call) add up here and reach the device counter once, at the end of the pass; the
+        # agreement sums (device scalars) are kept per call and added there in one kernel: a
+        # router call launches no counting kernel of its own (P3: what replay adds per call).
+        self._host_counts = np.zeros(self._counter.counts.shape, dtype=np.int64)
+        self._agree_sums: list[tuple[int, torch.Tensor]] = []
         # replay policy / router log-ratio (r3bridge/megatron/policy_stats.py)
         self.policy = PolicyStats(replayer.metrics_prefix, device=dev)
         self.weights = CombineWeights(replayer.metrics_prefix, device=dev, scaling_factor=replayer.topk_scaling_factor)
@@ -308,6 +319,7 @@ class ReplayPass:
             q.clear()
         self._pairings.clear()
         self._pair_mismatch.clear()
+        self._agree_sums.clear()
         self._reads.clear()
         self._built.clear()
         self._sample_rows = []
@@ -696,11 +708,15 @@ class ReplayPass:
                     self.trace.routed(mb, layer, native, target, t.valid)
                 if self.replayer.agreement:
                     same = topk_sets_equal(native, target) & t.valid
-                    self._counter.add(layer, agree=same.sum(), compared=t.num_valid)
+                    slot = self._counter.slot(layer)
+                    self._agree_sums.append((slot, same.sum()))
+                    self._host_counts[slot, _COMPARED] += t.num_valid
         if count:
             # coverage is over real tokens: packing padding never has a route, so the valid rows
             # (counted on the host at install) are the replayed tokens and the rest went native
-            self._counter.add(layer, replayed=t.num_valid, native=mb.token_rows - t.num_valid)
+            slot = self._counter.slot(layer)
+            self._host_counts[slot, _REPLAYED] += t.num_valid
+            self._host_counts[slot, _NATIVE] += mb.token_rows - t.num_valid
             if t.weights is not None:       # the router's output gives the trainer's gate weights
                 self.policy.expect(mb, layer, idx, t.weights[layer], t.valid, kept)
         if self.replay_weights:
@@ -713,6 +729,19 @@ class ReplayPass:
             if count:
                 self.weights.count(t.num_valid, mb.token_rows - t.num_valid)
         return scores.gather(1, idx), idx
+
+    def _fold_counts(self) -> None:
+        """The pass's host counts and per-call agreement sums into the device counter (one
+        host-to-device copy, one scatter-add), before the counts are summed over the ranks."""
+        counts = self._counter.counts
+        if self._host_counts.any():
+            counts += torch.from_numpy(self._host_counts).to(counts.device)
+            self._host_counts[:] = 0
+        if self._agree_sums:
+            slots = torch.tensor([slot for slot, _ in self._agree_sums], dtype=torch.int64, device=counts.device)
+            sums = torch.stack([v for _, v in self._agree_sums]).to(counts.dtype)
+            counts[:, _AGREE].index_add_(0, slots, sums)
+            self._agree_sums.clear()
 
     def _sum_counts(self, groups: Sequence[Any]) -> None:
         """Sum the agreement counts, the replay policy's counts and the per-sample read counts over
@@ -772,6 +801,7 @@ class ReplayPass:
         if self.action is not Action.REPLAY:
             return {}
         self._per_sample = self._sample_counts()
+        self._fold_counts()
         self._sum_counts(self.replayer.metrics_groups)
         out = self._counter.as_metrics(self.replayer.metrics_prefix)
         if self.stats_unmasked:

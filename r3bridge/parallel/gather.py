@@ -3,8 +3,8 @@
 Given which source rows to read (read row ``t`` is row ``src[t]`` of sequence ``seq[t]``) and which
 layer columns, :func:`gather_rows` returns them layer-major ``[nl, T, K]`` in a dtype that holds
 the source ids exactly: one index gather on a tensor grid (the ``K`` ids of a (row, layer) moved
-as one machine word where they can be), or one strided copy per run of consecutive rows from
-engine arrays. :func:`read_weights` reads the routing weights of the same rows; :func:`unrouted_rows`
+as one machine word where they can be), or one strided copy per run of consecutive rows (engine
+arrays; a host grid whose read rows come in long runs). :func:`read_weights` reads the routing weights of the same rows; :func:`unrouted_rows`
 finds rows whose transport writes "no route" in-band. Nothing here checks an id
 (:func:`r3bridge.engines.route_checks.check_read` does, where the ids go).
 
@@ -29,6 +29,12 @@ _HOLDS = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8, np.dty
           np.dtype(np.uint16): torch.int32, np.dtype(np.int32): torch.int32, np.dtype(np.uint32): torch.int64,
           np.dtype(np.int64): torch.int64, np.dtype(np.uint64): torch.int64}
 TORCH_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+# A rank's rows come in runs of consecutive source rows (THD packing: each sequence's one or two
+# CP slices, clipped to the SP slice). On the host, from this many read rows per run on average,
+# one strided copy per run beats building a row index and gathering by it (P1); short runs (BSHD's
+# s-major rows: every row its own run) take the index gather.
+RUN_COPY_MIN_ROWS = 256
 
 
 class HandedBuffers(Protocol):
@@ -77,10 +83,16 @@ def gather_rows(routes: HandedBuffers, seq: np.ndarray, src: np.ndarray, covered
     src_cols = routes.source_columns(cols)
     if grid.shape[0] * grid.shape[1] == 0 or t == 0:
         return torch.zeros((len(cols), t, routes.topk), dtype=exact_dtype(grid.dtype), device=grid.device)
+    flat = _flat_rows(grid)
+    if flat is not None and grid.device.type == "cpu":
+        cols_read = src_cols if src_cols is not None else list(range(grid.shape[2]))
+        run_start, run_end = _runs(seq, src, covered)
+        if _consecutive(cols_read) and run_start.size * RUN_COPY_MIN_ROWS <= t:
+            first = routes.seq_b[seq[run_start]] * grid.shape[1] + routes.seq_s0[seq[run_start]] + src[run_start]
+            return _copy_runs_layer_major(flat, first, run_start, run_end, covered, cols_read)
     b = routes.seq_b[seq]
     s = np.where(covered, routes.seq_s0[seq] + src, 0)
     b = np.where(covered, b, 0)
-    flat = _flat_rows(grid)
     if flat is not None:
         row = torch.from_numpy(b * grid.shape[1] + s).to(grid.device)
         return _gather_layer_major(flat, row, src_cols if src_cols is not None else list(range(grid.shape[2])))
@@ -123,6 +135,49 @@ def _flat_rows(grid: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
+def _consecutive(cols: list[int]) -> bool:
+    return bool(cols) and cols == list(range(cols[0], cols[0] + len(cols)))
+
+
+def _as_words(src: torch.Tensor) -> torch.Tensor:
+    """``src [rows, L, K]`` viewed as ``[rows, L, words]`` of the widest int type dividing ``K *
+    itemsize`` (the ``K`` ids of one (row, layer) as one machine word where they can be); ``src``
+    itself where it cannot be viewed so (not contiguous, or a storage offset off the word size)."""
+    rows, num_layers, topk = src.shape
+    nbytes = topk * src.element_size()
+    word, word_dtype = next((w, dt) for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
+                                                   (1, torch.uint8)) if nbytes % w == 0)
+    if word > src.element_size() and src.is_contiguous():
+        try:
+            return src.view(rows, num_layers * topk).view(word_dtype).view(rows, num_layers, nbytes // word)
+        except RuntimeError:       # storage offset not aligned to the word size: keep elements
+            pass
+    return src
+
+
+def _copy_runs_layer_major(src: torch.Tensor, first: np.ndarray, run_start: np.ndarray, run_end: np.ndarray,
+                           covered: np.ndarray, cols: list[int]) -> torch.Tensor:
+    """The read rows of consecutive layer columns ``cols`` of ``src [rows, L, K]`` layer-major
+    (``[nl, T, K]``, src's dtype), where the read rows come in runs: read rows ``[run_start[r],
+    run_end[r])`` are source rows ``first[r]...`` (rows of runs not covered: 0, never read).
+
+    Speed (P1 in docs/benchmarks.md, the host path): one strided copy per run, moving machine
+    words, into the layer-major buffer: no row index built, one pass instead of an index gather and
+    a transposing copy (~1.5x faster on a rank's rows of THD packing, a few long runs)."""
+    words = _as_words(src)
+    nl, t = len(cols), int(run_end[-1]) if run_end.size else 0
+    out = torch.empty((nl, t, words.shape[2]), dtype=words.dtype, device=src.device)
+    view = words[:, cols[0]:cols[0] + nl]                                  # [rows, nl, n], a view
+    for r0, r1, f in zip(run_start.tolist(), run_end.tolist(), first.tolist()):
+        if covered[r0]:
+            out[:, r0:r1].copy_(view[f:f + r1 - r0].transpose(0, 1))
+        else:
+            out[:, r0:r1] = 0
+    if words is not src:
+        out = out.view(torch.uint8).view(src.dtype).view(nl, t, src.shape[2])
+    return out
+
+
 def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -> torch.Tensor:
     """``src[row][:, cols].permute(1, 0, 2).contiguous()`` (``[nl, T, K]``, src's dtype).
 
@@ -131,18 +186,10 @@ def _gather_layer_major(src: torch.Tensor, row: torch.Tensor, cols: list[int]) -
     itemsize``), and a stage's consecutive layer columns are sliced (a view) before one
     ``index_select`` on rows (advanced indexing with two index tensors is ~20x slower on CPU).
     Plain element gathers where ``src`` cannot be viewed as words."""
-    rows, num_layers, topk = src.shape
-    nbytes = topk * src.element_size()
-    word, word_dtype = next((w, dt) for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16),
-                                                   (1, torch.uint8)) if nbytes % w == 0)
-    words = src
-    if word > src.element_size() and src.is_contiguous():
-        try:
-            words = src.view(rows, num_layers * topk).view(word_dtype).view(rows, num_layers, nbytes // word)
-        except RuntimeError:       # storage offset not aligned to the word size: keep elements
-            words = src
+    topk = src.shape[2]
+    words = _as_words(src)
     first_col = cols[0]
-    if cols == list(range(first_col, first_col + len(cols))):
+    if _consecutive(cols):
         part = words[:, first_col:first_col + len(cols)].index_select(0, row)    # [T, nl, n]
     else:
         part = words.index_select(0, row).index_select(1, torch.tensor(cols, device=src.device))

@@ -75,7 +75,7 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
         hint = "" if model_layers is None else shifted_layer_ids_hint(routes.layer_ids, model_layers)
         raise LayerMappingError(f"{where} needs MoE layers {missing}, but the batch only has "
                                 f"layers {list(routes.layer_ids)}{hint}")
-    dev = device if device is not None else routes.device
+    dev = torch.device(device if device is not None else routes.device)
     k, n = routes.topk, routes.num_seqs
     covered = rank_rows.covered.copy()
     degenerate_rows = np.zeros(0, dtype=np.int64)
@@ -87,11 +87,11 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
                               {} if routes.has_weights else None)
     cols = [pos_of[x] for x in want]
     compact = gather_rows(routes, rank_rows.seq, rank_rows.src, covered, cols)   # [nl, T, K], source dtype
-    compact = compact.to(dev, non_blocking=True)
+    compact = _to_device(compact, dev)
     covered &= ~unrouted_rows(compact, routes, covered)
     # the mask goes to the device once: the check and the fill below share it (per micro-batch,
     # each extra host-to-device copy and sync is a measurable part of P5 on the device host)
-    valid_t = torch.from_numpy(covered).to(dev, non_blocking=True)
+    valid_t = _to_device(torch.from_numpy(covered), dev)
     if not routes.trusted and covered.any():
         checked, degenerate_rows = check_read(compact, covered, seq=rank_rows.seq, row=rank_rows.src,
                                               starts=routes.starts, layer_ids=want,
@@ -100,7 +100,7 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
                                               covered_on_device=valid_t)
         if checked is not covered:          # degenerate rows routed natively: a new mask
             covered = checked
-            valid_t = torch.from_numpy(covered).to(dev)
+            valid_t = _to_device(torch.from_numpy(covered), dev)
     if counts is not None:          # before the fill: an int64 read is widened in place
         counts.append(_read_counts(rank_rows, routes, covered, compact, degenerate_rows, len(want)))
     out = _widened_with_fillers(compact, covered, valid_t, k)
@@ -108,6 +108,15 @@ def read_targets(routes: HandedRoutes, rank_rows: RankRows, layer_ids: Sequence[
                else None)
     return ShardedTargets({lid: out[j] for j, lid in enumerate(want)}, valid_t, tuple(want), k,
                           int(covered.sum()), weights)
+
+
+def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``host`` on ``dev``; to an accelerator through a page-locked copy, so the copy is queued
+    and the host goes on: a copy from pageable memory first waits for the device's queue to
+    drain (a host sync per micro-batch, which stalls a schedule that runs ahead of the device)."""
+    if dev.type == "cpu" or host.device.type != "cpu":
+        return host.to(dev)
+    return host.pin_memory().to(dev, non_blocking=True)
 
 
 def _widened_with_fillers(compact: torch.Tensor, covered: np.ndarray, valid_t: torch.Tensor, k: int) -> torch.Tensor:

@@ -136,6 +136,17 @@ def test_every_rank_row_is_the_route_megatron_places_there_and_unshard_inverts(d
     assert owned == lay.moe_layer_ids
 
 
+def test_every_rank_row_is_the_route_megatron_places_there_by_run_copies():
+    """The same check with every host read taking the run copy (one strided copy per run of
+    consecutive source rows), however short the runs: both gathers give the same targets."""
+    from unittest import mock
+
+    from r3bridge.parallel import gather
+
+    with mock.patch.object(gather, "RUN_COPY_MIN_ROWS", 1):
+        test_every_rank_row_is_the_route_megatron_places_there_and_unshard_inverts()
+
+
 def _expected_from_packed_tags(rows, b, P, layer_ids):
     """Expected (indices per layer, valid) for rows holding ``1 + P*seq + pos`` tags (0: pad)."""
     T = len(rows)
@@ -431,6 +442,45 @@ def test_word_gather_equals_plain_gather(data):
     got = _gather_layer_major(src, row, cols)
     want = src[row][:, cols].permute(1, 0, 2)
     assert got.dtype == src.dtype and torch.equal(got, want)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(data=st.data())
+def test_run_copy_equals_plain_gather(data):
+    """On the host, read rows that come in runs of consecutive source rows are copied one run at a
+    time (machine words where they fit); the covered rows are the plain element gather's, whatever
+    the dtype, top-k, contiguity or storage offset, and the rows of uncovered runs are 0."""
+    from r3bridge.parallel.gather import _copy_runs_layer_major
+
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.int32]))
+    k = data.draw(st.integers(1, 9))
+    L = data.draw(st.integers(1, 6))
+    rows = data.draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    base = torch.randint(0, 100, (rows + 1, L, k), generator=g).to(dtype)
+    kind = data.draw(st.sampled_from(["contiguous", "offset", "transposed"]))
+    if kind == "offset":
+        src = base.view(-1)[1:1 + rows * L * k].view(rows, L, k)
+    elif kind == "transposed":
+        src = base[:rows].transpose(0, 1).contiguous().transpose(0, 1)
+    else:
+        src = base[:rows]
+    runs = data.draw(st.lists(st.tuples(st.integers(0, rows - 1), st.integers(1, 8), st.booleans()),
+                              min_size=1, max_size=6))
+    runs = [(f, min(n, rows - f), c) for f, n, c in runs]
+    lens = np.array([n for _, n, _ in runs])
+    run_end = np.cumsum(lens)
+    run_start = run_end - lens
+    covered = np.repeat([c for _, _, c in runs], lens)
+    first = np.array([f for f, _, _ in runs])
+    c0 = data.draw(st.integers(0, L - 1))
+    cols = list(range(c0, data.draw(st.integers(c0 + 1, L))))
+    got = _copy_runs_layer_major(src, first, run_start, run_end, covered, cols)
+    row = torch.from_numpy(np.concatenate([np.arange(f, f + n) for f, n, _ in runs]))
+    want = src[row][:, cols].permute(1, 0, 2)
+    cov = torch.from_numpy(covered)
+    assert got.dtype == src.dtype and got.shape == want.shape
+    assert torch.equal(got[:, cov], want[:, cov]) and not got[:, ~cov].any()
 
 
 def test_shard_with_unsorted_batch_layer_order_and_layer_override():
