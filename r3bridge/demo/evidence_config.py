@@ -17,7 +17,8 @@ from r3bridge.demo.task import AdditionTask
 from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
 from r3bridge.errors import ReplayError
 
-# R3w: R3 with the engine's routing (combine) weights replayed too (prime-rl #3523's idea)
+# R3w: R3 whose updates also replay the combine weights compute_log_prob gave the engine's experts at
+# theta_old, router frozen (prime-rl #3523's idea; vLLM 0.24 returns no weights of its own)
 MODES = ("off", "R2", "R3", "R3w")
 ENGINES = ("hf", "vllm", "self")
 
