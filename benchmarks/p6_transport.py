@@ -312,6 +312,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
     w = dict(layers=a.layers, dense=a.dense, topk=a.topk, experts=a.experts, dtype=a.dtype, tp=a.tp, cp=a.cp, pp=a.pp,
              ep=1, seed=a.seed, mb_tokens=a.mb_tokens, n=a.trajectories, max_len=a.max_tokens, dist=a.dist,
@@ -342,6 +343,8 @@ def main(argv=None) -> dict:
         digests = [x["digests"] for x in r["ranks"]]
         r["same_targets"] = ref is None or digests == ref
         ref = ref if ref is not None else digests
+    if a.out:
+        Path(a.out).write_text(json.dumps(out))
     if a.json:
         print(json.dumps(out))
     else:
