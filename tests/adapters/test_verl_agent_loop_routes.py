@@ -129,3 +129,27 @@ def test_a_regenerated_turn_starts_the_next_attempt():
     assert capture.attempts == [0, 0, 1]
     routes, logprobs = call_provenance(capture.outputs, engine="vllm", request_id="r", attempts=capture.attempts)
     assert (routes.attempt, logprobs.attempt) == (0, 1) and routes.differences(logprobs) == ("attempt",)
+
+
+def test_route_writer_stores_the_moe_layers_of_the_routed_rows_once(tmp_path):
+    """route_transport: handles: what an agent loop stores for one finished sample (verl's
+    ``routed_experts``, every decoder layer, zero rows after the last fed token): the MoE layers of
+    the routed rows, read back exactly through the reader's ``resolve``; an unrouted row before a
+    routed one is refused, naming the sample."""
+    from r3bridge.adapters.verl.route_handles import RouteWriter
+    from r3bridge.config import ReplayConfig
+    from r3bridge.errors import CoverageError
+    from r3bridge.handles import RouteHandle, resolve
+    from r3bridge.handles.backends import FileRoutes
+
+    cfg = ReplayConfig(replay_mode="R3", route_transport="handles", route_store=str(tmp_path))
+    writer = RouteWriter(cfg, moe_layer_ids=[1, 2], num_hidden_layers=LAYERS, num_experts=E, run_id="run1")
+    routes = np.concatenate([_call(9, 3), np.zeros((2, LAYERS, K), dtype=np.uint8)])   # 2 unfed rows
+    h = RouteHandle.from_json(writer.put(routes, step=4, sample="uid7_1_x"))
+    assert (h.rows, h.layer_ids, h.step, h.run_id, h.key) == (9, (1, 2), 4, "run1", "run1/4/uid7_1_x")
+    got = resolve(h, {"files": FileRoutes(str(tmp_path))})
+    assert np.array_equal(got, routes[:9, 1:].astype(np.int16))
+    holed = routes.copy()
+    holed[4] = 0
+    with pytest.raises(CoverageError, match="sample 'uid7_1_y': row 4 has no route"):
+        writer.put(holed, step=4, sample="uid7_1_y")
