@@ -20,7 +20,7 @@ from r3bridge.adapters.verl import engine_pass
 from r3bridge.adapters.verl.codec import LOG_RATIO_KEY, ROUTES_KEY, SAMPLE_KEY, handed_routes, provenance_pairing
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.adapters.verl.nested import nested_like, nested_routes
-from r3bridge.adapters.verl.route_handles import HANDLE_KEY, RouteHandles, uses_handles
+from r3bridge.adapters.verl.route_handles import HANDLE_KEY, RECORDED_HANDLE_KEY, RouteHandles, uses_handles
 from r3bridge.adapters.verl.watch import report
 from r3bridge.config import Action, Phase
 from r3bridge.megatron.roles import Role
@@ -90,7 +90,7 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         by_reference = self._r3_handles is not None and phase is not Phase.REF_LOG_PROB and \
             self._r3_handles.take(data)
         if by_reference:
-            routes, field = self._r3_handles.batch, f"extra_fields[{HANDLE_KEY!r}]"
+            routes, field = self._r3_handles.batch, f"route handles ({HANDLE_KEY} / {RECORDED_HANDLE_KEY})"
         plan = engine_pass.checked_plan(self.r3, phase, routes, field=field, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
@@ -118,7 +118,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         report("first_pass")
         if not output:                                  # not the last pipeline stage
             return output
-        if plan.action is Action.RECORD:
+        if plan.action is Action.RECORD and self._r3_handles is not None:
+            # routes by reference: the recording stored once, only its handles go back to verl
+            output.setdefault("model_output", {})[RECORDED_HANDLE_KEY] = self._r3_handles.store_recorded(
+                self.r3.recorded_for(len(data)), data)
+        elif plan.action is Action.RECORD:
             output.setdefault("model_output", {})[ROUTES_KEY] = nested_routes(self.r3.recorded_for(len(data)))
         logp = (output.get("model_output") or {}).get("log_probs")
         rollout_logp = data.get("rollout_log_probs", None)

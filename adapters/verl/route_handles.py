@@ -28,11 +28,12 @@ from r3bridge.config import ReplayConfig
 from r3bridge.errors import ConfigError, CoverageError
 from r3bridge.handles import FileRoutes, RouteHandle, RouteHandleError, RouteStore
 
-__all__ = ["HANDLE_KEY", "RUN_ENV", "STALE_RUN_AGE_S", "uses_handles", "check_route_store", "launch_run_id",
+__all__ = ["HANDLE_KEY", "RECORDED_HANDLE_KEY", "RUN_ENV", "STALE_RUN_AGE_S", "uses_handles", "check_route_store", "launch_run_id",
            "route_run_id", "resolvers", "RouteWriter", "sample_name", "sample_handles", "sample_steps",
            "release_handles", "RouteHandles"]
 
 HANDLE_KEY = "r3bridge_route_handle"      # in each sample's extra_fields: its route handle's JSON
+RECORDED_HANDLE_KEY = "r3bridge_recorded_handle"     # R2: per sample, the handle of compute_log_prob's recording
 RUN_ENV = "R3BRIDGE_ROUTES_RUN"           # the run id the launcher hands every worker
 # a run folder nothing wrote to for this long is a killed run's (a live run writes every step)
 STALE_RUN_AGE_S = 6 * 3600.0
@@ -141,14 +142,18 @@ def sample_handles(texts: Sequence[Any], names: Sequence[str]) -> list[RouteHand
     return out
 
 
+def _as_list(value: Any) -> list:
+    """A per-sample field as a plain list (verl's ``NonTensorStack`` lists its values by ``tolist``)."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
 def sample_steps(data: Any, names: Sequence[str]) -> list[int]:
     """Each sample's RL step (verl's per-sample ``global_steps``: the step its prompt was drawn for)."""
     value = data.get("global_steps", None) if hasattr(data, "get") else None
     if value is None:
         raise RouteHandleError(f"{names[0] if names else 'the batch'}: the batch has no global_steps field (verl's "
                                f"V1 trainer carries it per sample); routes by reference are read for their sample's step")
-    values = value.tolist() if hasattr(value, "tolist") else list(value) if isinstance(value, (list, tuple)) else \
-        [value] * len(names)
+    values = _as_list(value) if hasattr(value, "tolist") or isinstance(value, (list, tuple)) else [value] * len(names)
     return [int(v) for v in values]
 
 
@@ -177,20 +182,52 @@ class RouteHandles:
         self._consumed: dict[str, RouteHandle] = {}     # the step's update passes' (released after the last)
 
     def take(self, data: Any) -> bool:
-        """Read the batch's handles (``extra_fields[HANDLE_KEY]`` of each sample) and RL steps;
-        False when no sample carries one (routes inline, or none)."""
-        import torch
-
-        from r3bridge.adapters.verl.sample_fields import indexed_names, sample_field
+        """Read the batch's handles (the rollout's: ``extra_fields[HANDLE_KEY]`` of each sample;
+        R2's recording: the :data:`RECORDED_HANDLE_KEY` field) and RL steps; False when no sample
+        carries one (routes inline, or none)."""
+        from r3bridge.adapters.verl.sample_fields import sample_field
 
         self.batch, self.steps = [], []
-        texts = sample_field(data, HANDLE_KEY, nested="extra_fields")
+        texts = sample_field(data, RECORDED_HANDLE_KEY)
+        texts = _as_list(texts) if texts is not None else sample_field(data, HANDLE_KEY, nested="extra_fields")
         if texts is None:
             return False
-        names = indexed_names(len(texts), torch.arange(len(texts)), data.get("uid", None))
+        names = self._names(data, len(texts))
         self.batch = sample_handles(texts, names)
         self.steps = sample_steps(data, names)
         return True
+
+    @staticmethod
+    def _names(data: Any, count: int) -> list[str]:
+        import torch
+
+        from r3bridge.adapters.verl.sample_fields import indexed_names
+
+        return indexed_names(count, torch.arange(count), data.get("uid", None))
+
+    def store_recorded(self, recorded: Any, data: Any) -> list[str]:
+        """R2: compute_log_prob's recording (a :class:`~r3bridge.ReplayBatch`, one sequence per
+        sample in batch order) stored once, per sample for its own RL step; the handles' JSON in
+        batch order (what goes back to verl instead of the routes)."""
+        import numpy as np
+        import torch
+
+        names = self._names(data, recorded.num_seqs)
+        steps = sample_steps(data, names)
+        uids = data.get("uid", None)
+        uids = _as_list(uids) if uids is not None and not isinstance(uids, torch.Tensor) else [None] * recorded.num_seqs
+        store = RouteStore(FileRoutes(self.cfg.route_store), run_id=self.run_id, keep=self.cfg.trace_dir is not None)
+        offs, valid, routes = recorded.offsets.tolist(), recorded.valid.cpu().numpy(), recorded.routes.cpu().numpy()
+        out = []
+        for i, step in enumerate(steps):
+            lo, hi = offs[i], offs[i + 1]
+            bad = np.flatnonzero(~valid[lo:hi])
+            if bad.size:
+                raise CoverageError(f"{names[i]}: recorded row {int(bad[0])} has no route; R2 records every token")
+            sample = f"{uids[i] if uids[i] is not None else 'sample'}_recorded_{uuid.uuid4().hex[:8]}"
+            out.append(store.put(sample, routes[lo:hi].astype(np.int16), recorded.layer_ids, recorded.start_rows[i],
+                                 step=step, num_experts=recorded.num_experts, route_kind="recorded").to_json())
+        return out
 
     def check_topk(self, session: Any, *, where: str) -> None:
         for h in self.batch:

@@ -502,13 +502,13 @@ def _by_reference(ctx, eng, td, *, damage=None, sample_step=HANDLE_STEP) -> dict
     return {"run_dir": run_dir, "bytes": sum(len(t) for t in texts), "tmp": tempfile.gettempdir()}
 
 
-def _handles_setup(ctx, store: str):
+def _handles_setup(ctx, store: str, mode: str = "R3"):
     import os
 
     from r3bridge.adapters.verl.route_handles import RUN_ENV
 
     os.environ[RUN_ENV] = "enginetest"
-    return _setup(ctx, "R3", route_transport="handles", route_store=store)
+    return _setup(ctx, mode, route_transport="handles", route_store=store)
 
 
 def _shared_dir(ctx, name: str) -> str:
@@ -547,6 +547,42 @@ def _r3_handles(ctx) -> dict:
     return res
 
 
+def _r2_handles(ctx) -> dict:
+    """R2 with routes by reference: compute_log_prob stores its recording once (the last stage,
+    where verl collects outputs) and hands verl only handles; the update, re-partitioned by verl,
+    dispatches for every (sample, layer) exactly what compute_log_prob chose."""
+    import os
+
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY
+    from r3bridge.adapters.verl.route_handles import RECORDED_HANDLE_KEY
+
+    _, eng, td = _handles_setup(ctx, _shared_dir(ctx, "r2"), mode="R2")
+    td.pop(ROUTES_KEY)                                      # R2's rollout returns no routes
+    n = len(td)
+    tu.assign_non_tensor_stack(td, "uid", [f"uid{s}" for s in range(n)])
+    tu.assign_non_tensor_stack(td, "global_steps", [HANDLE_STEP] * n)
+    rec_out, rec_probe = _run(eng, td, forward_only=True, max_tokens=MAX_TOKENS[0])
+    chose = _dispatched(eng, rec_probe)
+    texts = _to_every_rank(rec_out["model_output"][RECORDED_HANDLE_KEY] if rec_out else None, ctx)
+    res = dict(routes_out=bool(rec_out) and ROUTES_KEY in rec_out["model_output"], handles=len(texts),
+               handle_bytes=sum(len(t) for t in texts))
+    tu.assign_non_tensor_stack(td, RECORDED_HANDLE_KEY, list(texts))     # verl's trainer: the output into the batch
+    tu.assign_non_tensor(td, update_lr_scheduler=True)
+    run_dir = os.path.join(eng.r3.config.route_store, eng._r3_handles.run_id)
+    res["files_before"] = sum(len(f) for _, _, f in os.walk(run_dir))
+    _, upd_probe = _run(eng, td, forward_only=False, max_tokens=MAX_TOKENS[1])
+    got = _dispatched(eng, upd_probe)
+    res["differ"] = [key for key in chose if not torch.equal(chose[key].sort(1).values, got[key].sort(1).values)]
+    res["compared"] = len(chose)
+    res["upd_metrics"] = dict(eng.r3.runner.results[-1].metrics)
+    torch.distributed.barrier()
+    res["files_after"] = sum(len(f) for _, _, f in os.walk(run_dir))
+    return res
+
+
 def _handles_fail_closed(ctx) -> dict:
     """A missing, truncated or altered route object, or a handle of another step: refused before
     any router replays it, naming verl's sample (its uid) and the handle."""
@@ -579,7 +615,7 @@ def _handles_fail_closed(ctx) -> dict:
 
 ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_failure": _schedule_failure,
             "router_log_ratio": _router_log_ratio, "provenance": _provenance, "handles_fail_closed": _handles_fail_closed}
-PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch, "r3_handles": _r3_handles}
+PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch, "r3_handles": _r3_handles, "r2_handles": _r2_handles}
 
 
 LAYOUTS = [Layout(pp=2, vpp=2), Layout()]
@@ -660,6 +696,16 @@ def test_r3_by_reference_replays_as_inline_and_releases_the_step(pp2_vpp2):
             assert r["files_before"] == BATCH
         assert rank["files_after"] == 0
         assert rank["handle_bytes"] < 600 * BATCH         # what verl's TransferQueue moves per sample now
+
+
+def test_r2_records_by_reference_and_the_update_replays_it(pp2_vpp2):
+    first, last = _ranks(pp2_vpp2, "r2_handles")
+    # only handles go back to verl (from the last stage), one per sample, stored once
+    assert last["handles"] == BATCH and not last["routes_out"] and last["handle_bytes"] < 600 * BATCH
+    for r in (first, last):
+        assert r["differ"] == [] and r["compared"] > 0, r["differ"]
+        assert r["upd_metrics"]["r3bridge/agreement/mean"] == pytest.approx(1.0)
+        assert r["files_before"] == BATCH and r["files_after"] == 0
 
 
 def test_route_handles_fail_closed_naming_verls_sample(one_rank):
