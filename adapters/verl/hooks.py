@@ -1,8 +1,10 @@
 """The engine r3bridge registers (only when the job asks for replay): verl's
 ``MegatronEngineWithLMHead`` translating each batch for the driver (:class:`r3bridge.session.AdapterSession`).
 Phases: the reference engine and LoRA-adapter-disabled passes are ``ref_log_prob``, other
-forward-only passes ``compute_log_prob``, passes with a backward ``update``.
-docs/use-with-verl.md, "How it hooks into verl".
+forward-only passes ``compute_log_prob``, passes with a backward ``update``. With
+``route_transport: handles`` the routes come as route handles (:mod:`.route_handles`: each rank
+reads its rows of its stage's layers; R2's recording goes back as handles; the step's files are
+released after its last update pass). docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
