@@ -191,6 +191,11 @@ class RouteHandles:
         texts = sample_field(data, RECORDED_HANDLE_KEY)
         texts = _as_list(texts) if texts is not None else sample_field(data, HANDLE_KEY, nested="extra_fields")
         if texts is None:
+            if data.get("routed_experts", None) is not None:     # never read inline under handles: not silently
+                raise ConfigError("r3bridge.route_transport=handles, but the batch carries routed_experts inline and "
+                                  "no route handles: its agent loops are verl's own; set their _target_ to "
+                                  "r3bridge.adapters.verl.agent_loop's FirstSeenToolAgentLoop / HandleSingleTurnAgentLoop "
+                                  "(docs/use-with-verl.md, 'Routes by reference')")
             return False
         names = self._names(data, len(texts))
         self.batch = sample_handles(texts, names)

@@ -610,6 +610,15 @@ def _handles_fail_closed(ctx) -> dict:
             res[name] = None
         except RouteHandleError as e:
             res[name] = dict(error=str(e), active=eng.r3.replayer.active_pass is not None)
+    # verl's own agent loops under handles: the bytes inline, never read silently
+    from r3bridge.errors import ConfigError
+
+    _, eng, td = _handles_setup(ctx, _shared_dir(ctx, "inline"))
+    try:
+        _run(eng, td, forward_only=True)
+        res["inline"] = None
+    except ConfigError as e:
+        res["inline"] = str(e)
     return res
 
 
@@ -717,6 +726,7 @@ def test_route_handles_fail_closed_naming_verls_sample(one_rank):
         assert "sample 'uid3_0_w'" in err and says in err, (name, err)
         assert not r[name]["active"]                       # nothing half-applied: the pass was torn down
     assert "(route handle files:enginetest/7/uid3_0_w" in r["missing"]["error"]
+    assert "routed_experts inline and no route handles: its agent loops are verl's own" in r["inline"]
 
 
 def test_r2_records_then_replays_its_own_routes_per_sample(pp2_vpp2):
