@@ -7,6 +7,8 @@ two server calls each), reward, compute_log_prob, reference, GRPO update, 2 step
 is r3bridge's HF transformers engine (:mod:`testlab.verl_hf_rollout`). The R3 job is the block as
 written; R2 and off append overrides to the same script, as a user would; the control (the last
 call's routes, verl's own behaviour without first-seen stitching) is checked on the R3 job's record.
+Routes by reference (``r3bridge.route_transport=handles``): a second R3 job, checked like the first
+and against its counters, and the R2 job, each leaving no route file behind.
 
 Every router call of the actor and the reference model is logged in the Ray workers
 (:mod:`testlab.verl_e2e_worker`, switched on by ``R3E2E_LOG_DIR``: observation only) and checked per
