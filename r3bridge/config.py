@@ -32,6 +32,8 @@ ENV_SETTINGS = {
     ENV_MODE: "the replay mode alone: R2, R3 or off",
     ENV_FROM: "set by a launcher next to the R3BRIDGE_CONFIG it forwards to its workers",
     "R3BRIDGE_WATCH": "set by a launcher: the stall watchdog's job id its workers report under",
+    "R3BRIDGE_ROUTES_RUN": "set by a launcher: the run id its rollout and trainer workers store and read "
+                           "routes by reference under (route_transport: handles)",
     "R3BRIDGE_LOGGING_LEVEL": "the level of r3bridge's own logger (default INFO)",
     "R3BRIDGE_CONFORMANCE_FAULT": "scripts/gpu/nccl_conformance.py: a fault injected into one rank",
     "R3BRIDGE_VERL_ROOT": "benchmarks: a framework source tree to import from",
@@ -163,6 +165,7 @@ def phase_plan(mode: ReplayMode | str, phase: Phase | str, replay_weights: str =
 
 # r3bridge.route_transport: the route bytes in the batch, or a handle per sample (r3bridge/handles/)
 ROUTE_TRANSPORTS = ("inline", "handles")
+DEFAULT_ROUTE_STORE = "/dev/shm/r3bridge-routes"      # r3bridge.route_store: route files in shared memory
 
 
 @dataclass
@@ -251,6 +254,10 @@ class ReplayConfig:
     # and every update replays ids and weights, the router frozen for those tokens (prime-rl #3523);
     # "rollout" (R3): every pass replays the weights handed with the rollout routes (an engine's).
     replay_weights: str = "off"
+    # Where route_transport: handles stores the routes: a folder (one memory-mapped file per sample
+    # under <folder>/<run id>/<RL step>/; the default is shared memory on one node, a shared file
+    # system's folder serves several nodes) or "ray" (Ray's object store, where an adapter supports it).
+    route_store: str = DEFAULT_ROUTE_STORE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -276,6 +283,10 @@ class ReplayConfig:
         object.__setattr__(self, "replay_weights", check_replay_weights(self.replay_mode, self.replay_weights))
         if self.route_transport not in ROUTE_TRANSPORTS:
             raise ConfigError(f"route_transport must be one of {', '.join(ROUTE_TRANSPORTS)}, got {self.route_transport!r}")
+        if not isinstance(self.route_store, str) or not self.route_store.strip():
+            raise ConfigError(f"route_store must be a folder path or 'ray', got {self.route_store!r}")
+        if self.route_store != "ray":        # a folder: absolute where the launcher resolves it (as trace_dir)
+            object.__setattr__(self, "route_store", os.path.abspath(os.path.expanduser(self.route_store)))
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):

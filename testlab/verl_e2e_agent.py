@@ -12,8 +12,10 @@ it a format of its own through verl's registries (no verl class changed):
   on or off (off = verl's own last-call behaviour, the control the test must fail with), each
   turn capped at :data:`TURN_TOKENS` tokens so the first turn leaves room for the tool's reply
   and a second turn inside ``response_length``;
-* :class:`RecordingSingleTurn`: verl's own ``SingleTurnAgentLoop``, registered as
-  ``r3e2e_single_agent`` (the single-turn prompts' ``agent_name``).
+* :class:`RecordingSingleTurn`: verl's own ``SingleTurnAgentLoop`` (through r3bridge's
+  :class:`~r3bridge.adapters.verl.agent_loop.HandleSingleTurnAgentLoop`, verl's own loop unless the
+  job stores routes by reference), registered as ``r3e2e_single_agent`` (the single-turn prompts'
+  ``agent_name``).
 
 Every one of them records what the rollout server handed back (:class:`CallRecorder`, under
 ``R3E2E_AGENT_LOG_DIR``): the prompt ids sent, the token ids and ``routed_experts`` returned, one
@@ -32,10 +34,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
 
-from r3bridge.adapters.verl.agent_loop import FirstSeenToolAgentLoop
+from r3bridge.adapters.verl.agent_loop import FirstSeenToolAgentLoop, HandleSingleTurnAgentLoop
 
 TURN_TOKENS = 8
 TOOL_NAME = "lookup"
@@ -90,7 +91,7 @@ class _Recording:
             self.server_manager = CallRecorder(self.server_manager, log_dir)
 
 
-class RecordingSingleTurn(_Recording, SingleTurnAgentLoop):
+class RecordingSingleTurn(_Recording, HandleSingleTurnAgentLoop):
     pass
 
 

@@ -10,6 +10,7 @@ import contextlib
 import os
 from typing import Any, Mapping
 
+from r3bridge.adapters.verl.route_handles import check_route_store, launch_run_id
 from r3bridge.announce import announce
 from r3bridge.config import ReplayConfig, ReplayMode, forward_env
 from r3bridge.engines.engine_settings import kv_transfer_problem, speculative_decoding_problem
@@ -56,6 +57,7 @@ def _check(cfg: ReplayConfig, f: Mapping[str, Any], where: str, hf_config: Any =
                  f"only verl's zigzag CP layout is supported")
     check.refuse(f.get("speculative"), f.get("speculative"))
     check.refuse(f.get("kv_transfer"), f.get("kv_transfer"))
+    check.refuse(check_route_store(cfg) is not None, check_route_store(cfg))
     check.moe_model(None if hf_config is None else moe_layer_ids_from_hf_config(hf_config)).raise_if_any()
 
 
@@ -148,6 +150,8 @@ def prepare_verl_config(verl_cfg: Any, hf_config: Any = None, *, announce_where:
     validate_verl_config(verl_cfg, hf_config, cfg)
     if announce_where is not None:
         announce(cfg, origin, announce_where)
+    # routes by reference: one run id for the rollout and trainer workers (and killed runs' files removed)
+    worker_env = {**(worker_env or {}), **launch_run_id(cfg)}
     forward_section(verl_cfg, cfg, announce_where or "verl launcher", worker_env=worker_env)
     model = setting(verl_cfg, "actor_rollout_ref.model")
     if cfg.replay_mode is not ReplayMode.OFF and model is not None:

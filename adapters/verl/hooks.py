@@ -1,8 +1,10 @@
 """The engine r3bridge registers (only when the job asks for replay): verl's
 ``MegatronEngineWithLMHead`` translating each batch for the driver (:class:`r3bridge.session.AdapterSession`).
 Phases: the reference engine and LoRA-adapter-disabled passes are ``ref_log_prob``, other
-forward-only passes ``compute_log_prob``, passes with a backward ``update``.
-docs/use-with-verl.md, "How it hooks into verl".
+forward-only passes ``compute_log_prob``, passes with a backward ``update``. With
+``route_transport: handles`` the routes come as route handles (:mod:`.route_handles`: each rank
+reads its rows of its stage's layers; R2's recording goes back as handles; the step's files are
+released after its last update pass). docs/use-with-verl.md, "How it hooks into verl".
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from verl.models.mcore.util import preprocess_thd_engine
+from verl.utils import tensordict_utils as tu
 from verl.utils.megatron_utils import unwrap_model
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
@@ -19,6 +22,7 @@ from r3bridge.adapters.verl import engine_pass
 from r3bridge.adapters.verl.codec import LOG_RATIO_KEY, ROUTES_KEY, SAMPLE_KEY, handed_routes, provenance_pairing
 from r3bridge.adapters.verl.config import check_engine_config
 from r3bridge.adapters.verl.nested import nested_like, nested_routes
+from r3bridge.adapters.verl.route_handles import HANDLE_KEY, RECORDED_HANDLE_KEY, RouteHandles, uses_handles
 from r3bridge.adapters.verl.watch import report
 from r3bridge.config import Action, Phase
 from r3bridge.megatron.roles import Role
@@ -45,7 +49,9 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         ref = bool(getattr(self.engine_config, "forward_only", False))
         self.r3 = AdapterSession("verl", cfg, where="verl reference engine" if ref else "verl engine",
                                  role=Role.REFERENCE if ref else Role.ACTOR, provide=_PROVIDE,
-                                 carry_log_prob_metrics=True)
+                                 carry_log_prob_metrics=True, route_transports=("inline", "handles"))
+        # routes by reference (route_transport: handles): the pass's handles, and the step's to release
+        self._r3_handles = RouteHandles(self.r3.config) if uses_handles(self.r3.config) and self.r3.replays else None
         self._r3_pass = None              # the open ReplayPass while verl's schedule runs
         self._r3_adapter_off = 0          # >0 inside disable_adapter(): LoRA reference pass
 
@@ -82,11 +88,19 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function: Callable, forward_only: bool = False) -> Any:
         phase = self.r3_phase(forward_only)
         routes = data.get(ROUTES_KEY, None)
-        plan = engine_pass.checked_plan(self.r3, phase, routes, field=ROUTES_KEY, where=f"the {phase.value} batch")
+        field = ROUTES_KEY
+        by_reference = self._r3_handles is not None and phase is not Phase.REF_LOG_PROB and \
+            self._r3_handles.take(data)
+        if by_reference:
+            routes, field = self._r3_handles.batch, f"route handles ({HANDLE_KEY} / {RECORDED_HANDLE_KEY})"
+        plan = engine_pass.checked_plan(self.r3, phase, routes, field=field, where=f"the {phase.value} batch")
         if plan is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
         if plan.action is Action.REPLAY:
-            self._r3_check_topk(data, phase)
+            if by_reference:
+                self._r3_handles.check_topk(self.r3, where=f"the {phase.value} batch")
+            else:
+                self._r3_check_topk(data, phase)
         # the batch-level sample index travels with each sample through verl's micro-batching:
         # R2 records by it, and route errors name the sample by it (not its micro-batch position)
         data[SAMPLE_KEY] = torch.arange(len(data), dtype=torch.int64)
@@ -100,10 +114,17 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         finally:
             self._r3_pass = None
             data.pop(SAMPLE_KEY, None)
+        if by_reference:        # after the step's last update pass its routes are released
+            self._r3_handles.pass_done(update=phase is Phase.UPDATE, releases=self.is_mp_src_rank_with_outputs(),
+                                       last_of_step=bool(tu.get(data, "update_lr_scheduler", default=False)))
         report("first_pass")
         if not output:                                  # not the last pipeline stage
             return output
-        if plan.action is Action.RECORD:
+        if plan.action is Action.RECORD and self._r3_handles is not None:
+            # routes by reference: the recording stored once, only its handles go back to verl
+            output.setdefault("model_output", {})[RECORDED_HANDLE_KEY] = self._r3_handles.store_recorded(
+                self.r3.recorded_for(len(data)), data)
+        elif plan.action is Action.RECORD:
             output.setdefault("model_output", {})[ROUTES_KEY] = nested_routes(self.r3.recorded_for(len(data)))
         logp = (output.get("model_output") or {}).get("log_probs")
         rollout_logp = data.get("rollout_log_probs", None)
@@ -138,7 +159,11 @@ class R3BridgeMegatronEngine(MegatronEngineWithLMHead):
         """verl's micro-batch as the driver installs it, with its routes (REPLAY) and the
         batch-level sample index (R2 records by it, traces and route errors name samples by it)."""
         routes = None
-        if self._r3_pass.action is Action.REPLAY:
+        if self._r3_pass.action is Action.REPLAY and self._r3_handles is not None and self._r3_handles.batch:
+            # routes by reference: the micro-batch's handles; the driver's read of each chunk reads
+            # this rank's rows of the chunk's layers from the store, every byte checked
+            routes = self._r3_handles.micro_batch(batch[SAMPLE_KEY].tolist(), batch["input_ids"].offsets().diff().tolist())
+        elif self._r3_pass.action is Action.REPLAY:
             # verl's nested values viewed (nothing copied; their width was checked for the whole
             # batch before the schedule): the driver's reader reads this rank's rows once
             m = self.r3.model

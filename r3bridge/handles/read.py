@@ -120,12 +120,15 @@ def resolve(handle: RouteHandle, resolvers: Mapping[str, RouteResolver], rows: O
     return np.ascontiguousarray(data[:, lo - first:hi - first].transpose(1, 0, 2))
 
 
-def _check_handles(handles: Sequence[RouteHandle], run_id: str, step: int) -> None:
-    for h in handles:
+def _check_handles(handles: Sequence[RouteHandle], run_id: str, step: int | Sequence[int]) -> None:
+    steps = [int(s) for s in step] if isinstance(step, (list, tuple)) else [int(step)] * len(handles)
+    if len(steps) != len(handles):
+        raise CoverageError(f"{len(steps)} RL steps for {len(handles)} route handles")
+    for h, s in zip(handles, steps):
         if not isinstance(h, RouteHandle):
             raise RouteHandleError(f"expected route handles, got {type(h).__name__}")
-        if h.run_id != run_id or h.step != int(step):
-            raise RouteHandleError(f"{h.where()}: this read is for run {run_id} step {step}; a handle of another run "
+        if h.run_id != run_id or h.step != s:
+            raise RouteHandleError(f"{h.where()}: this read is for run {run_id} step {s}; a handle of another run "
                                    f"or step is never read (a crashed or earlier step's routes)")
     for attr in ("topk", "num_experts", "route_kind"):
         seen = {getattr(h, attr) for h in handles}
@@ -203,13 +206,14 @@ class _HandleRows:
 
 
 def handed_routes(handles: Sequence[RouteHandle], resolvers: Mapping[str, RouteResolver], seq_lens: Sequence[int],
-                  *, run_id: str, step: int, stats: Optional[HandleReads] = None,
+                  *, run_id: str, step: int | Sequence[int], stats: Optional[HandleReads] = None,
                   framework: Optional[str] = None) -> HandedRoutes:
     """One micro-batch's routes by reference as the one reader's :class:`r3bridge.HandedRoutes`:
     what an adapter hands the driver (``MicroBatch.routes``) instead of the framework's route
     buffer. Nothing is read here; the driver's read of each chunk reads this rank's rows of that
     chunk's layers from the store. ``seq_lens``: the trainer's token counts (rows past a handle's
-    stored rows have no route). A handle of another run or step is refused."""
+    stored rows have no route). A handle of another run or step is refused (``step``: one RL step, or
+    each handle's own, e.g. each sample's where a micro-batch mixes steps)."""
     handles, lens = list(handles), [int(n) for n in seq_lens]
     if len(handles) != len(lens):
         raise CoverageError(f"{len(handles)} route handles for {len(lens)} seq_lens")

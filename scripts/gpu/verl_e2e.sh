@@ -19,6 +19,13 @@
 # testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH); R3E2E_PREFIX_CACHE=0|1 (vLLM prefix
 # caching, default 1); R3E2E_VLLM_GPU_MEM (vLLM's share of the GPU, default 0.3, beside the trainer).
 #
+# Routes by reference (docs/use-with-verl.md, "Routes by reference"): R3E2E_ROUTES=handles appends
+# r3bridge.route_transport=handles with the route files under the job's folder (route-store/), the
+# tag gets "_handles" and the summary says how many route files the job left (0: each step released).
+#
+#   verl_e2e.sh run R3        then   R3E2E_ROUTES=handles verl_e2e.sh run R3     (same for R2): the
+#   same job inline and by reference, one call each; compare their summaries' metrics
+#
 # Several GPUs (testlab/verl_e2e_parallel.py): R3E2E_GPUS=N and the trainer's layout R3E2E_TP, R3E2E_EP,
 # R3E2E_ETP, R3E2E_PP, R3E2E_VPP, R3E2E_SP (1/0); the files get the layout's name (e.g.
 # verl_e2e_R3_first_tp2_sp.json); CUDA_VISIBLE_DEVICES picks the GPUs (jobs can run side by side).
@@ -48,17 +55,22 @@ from testlab import verl_e2e as E
 from testlab.verl_e2e_parallel import Parallel
 mode, variant, out = sys.argv[1], sys.argv[2], sys.argv[3]
 layout = Parallel.from_env().label      # R3E2E_GPUS / _TP / _EP / _PP / _SP ...: "tp1" on one GPU
-tag = E.run_tag(mode, variant) + ("" if layout == "tp1" else f"_{layout}")
+handles = os.environ.get("R3E2E_ROUTES", "inline") == "handles"
+tag = E.run_tag(mode, variant) + ("" if layout == "tp1" else f"_{layout}") + ("_handles" if handles else "")
 root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}")
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, gpu=True)
+store = os.path.join(root, "route-store")
+command = E.job_command(paths, mode)
+if handles:     # routes by reference: route files under the job's folder, released after each step
+    command += ["r3bridge.route_transport=handles", f"r3bridge.route_store={store}"]
 t0 = time.monotonic()
 if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
     rc = 0
 else:
     with open(os.path.join(root, "job.log"), "w") as log:
         try:  # a hung job still leaves its log in $OUT
-            rc = subprocess.run(E.job_command(paths, mode), env=env, cwd=root, stdout=log,
+            rc = subprocess.run(command, env=env, cwd=root, stdout=log,
                                 stderr=subprocess.STDOUT,
                                 timeout=float(os.environ.get("R3E2E_TIMEOUT", "480"))).returncode
         except subprocess.TimeoutExpired:
@@ -73,9 +85,11 @@ checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
 summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "layout": layout,
            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
-           "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res)}
+           "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res),
+           "route_transport": "handles" if handles else "inline",
+           "route_files_left": sum(len(f) for _, _, f in os.walk(store)) if handles else None}
 json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
-print(json.dumps({k: summary[k] for k in ("tag", "rc", "wall_s", "server_calls", "router_calls")}))
+print(json.dumps({k: summary[k] for k in ("tag", "rc", "wall_s", "server_calls", "router_calls", "route_files_left")}))
 for c in checks:
     agree, rows = c.native_vs_rollout
     print(f"step {c.step}: compared {c.compared}, errors {len(c.errors)}, ref native {c.ref_native}, "
@@ -89,7 +103,7 @@ if variant == "last" and rc == 0:
     json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
     print(f"control: the last call's routes fail the first-seen check on {len(wrong)} router rows")
     control_ok = bool(wrong)
-sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok))
+sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
 *) sed -n 2,32p "$0"; exit 2 ;;

@@ -1,7 +1,10 @@
 """``VerlRollout.sample_rows``: one agent-loop sample's server calls -> first-seen rows in
 verl's transport, re-prefill disagreements counted (what ``FirstSeenToolAgentLoop`` stores; the
-whole loop runs in tests/adapters/test_verl_e2e.py)."""
+whole loop runs in tests/adapters/test_verl_e2e.py); with routes by reference, what the agent
+loop's writer stores and when the engine releases a step's files."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -129,3 +132,52 @@ def test_a_regenerated_turn_starts_the_next_attempt():
     assert capture.attempts == [0, 0, 1]
     routes, logprobs = call_provenance(capture.outputs, engine="vllm", request_id="r", attempts=capture.attempts)
     assert (routes.attempt, logprobs.attempt) == (0, 1) and routes.differences(logprobs) == ("attempt",)
+
+
+def test_route_writer_stores_the_moe_layers_of_the_routed_rows_once(tmp_path):
+    """route_transport: handles: what an agent loop stores for one finished sample (verl's
+    ``routed_experts``, every decoder layer, zero rows after the last fed token): the MoE layers of
+    the routed rows, read back exactly through the reader's ``resolve``; an unrouted row before a
+    routed one is refused, naming the sample."""
+    from r3bridge.adapters.verl.route_handles import RouteWriter
+    from r3bridge.config import ReplayConfig
+    from r3bridge.errors import CoverageError
+    from r3bridge.handles import RouteHandle, resolve
+    from r3bridge.handles.backends import FileRoutes
+
+    cfg = ReplayConfig(replay_mode="R3", route_transport="handles", route_store=str(tmp_path))
+    writer = RouteWriter(cfg, moe_layer_ids=[1, 2], num_hidden_layers=LAYERS, num_experts=E, run_id="run1")
+    routes = np.concatenate([_call(9, 3), np.zeros((2, LAYERS, K), dtype=np.uint8)])   # 2 unfed rows
+    h = RouteHandle.from_json(writer.put(routes, step=4, sample="uid7_1_x"))
+    assert (h.rows, h.layer_ids, h.step, h.run_id, h.key) == (9, (1, 2), 4, "run1", "run1/4/uid7_1_x")
+    got = resolve(h, {"files": FileRoutes(str(tmp_path))})
+    assert np.array_equal(got, routes[:9, 1:].astype(np.int16))
+    holed = routes.copy()
+    holed[4] = 0
+    with pytest.raises(CoverageError, match="sample 'uid7_1_y': row 4 has no route"):
+        writer.put(holed, step=4, sample="uid7_1_y")
+
+
+@pytest.mark.parametrize("trace_dir", [None, "traces"])
+def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, trace_dir):
+    """The engine's lifetime rule: compute_log_prob and the update's earlier mini-batches keep the
+    step's files; after the last update pass (verl's ``update_lr_scheduler``) the releasing rank
+    deletes every file the step's update passes read, unless ``trace_dir`` keeps them for traces."""
+    from r3bridge.adapters.verl.route_handles import RouteHandles, RouteWriter
+    from r3bridge.config import ReplayConfig
+    from r3bridge.handles import RouteHandle
+
+    store = tmp_path / "store"
+    cfg = ReplayConfig(replay_mode="R3", route_transport="handles", route_store=str(store),
+                       trace_dir=None if trace_dir is None else str(tmp_path / trace_dir))
+    writer = RouteWriter(cfg, moe_layer_ids=[1, 2], num_hidden_layers=LAYERS, num_experts=E, run_id="run2")
+    handles = [RouteHandle.from_json(writer.put(_call(5, s), step=1, sample=f"uid{s}_0_x")) for s in range(4)]
+
+    def files() -> int:
+        return sum(len(f) for _, _, f in os.walk(store))
+    engine = RouteHandles(cfg, run_id="run2")
+    for batch, update, last in ((handles, False, False), (handles[:2], True, False), (handles[2:], True, True)):
+        engine.batch = list(batch)          # what take() read from the pass's batch
+        released = engine.pass_done(update=update, last_of_step=last, releases=True)
+        assert files() == (4 if not last or trace_dir else 0)
+    assert released == (0 if trace_dir else 4)

@@ -307,3 +307,39 @@ def test_r3_with_speculative_decoding_on_an_engine_without_the_fix_is_refused(ba
     assert vc.validate_verl_config(cfg, hf_config=MOE_HF).replay_mode is ReplayMode.R3
     r2 = job(base_cfg, "R2", **{"actor_rollout_ref.rollout.name": engine}, **settings)
     vc.validate_verl_config(r2, hf_config=MOE_HF)           # R2 replays the trainer's own routes: no engine routes
+
+
+def test_routes_by_reference_get_one_run_id_and_a_store_verl_can_use(base_cfg, monkeypatch, tmp_path):
+    """route_transport: handles: the launcher hands every worker one fresh run id (the rollout
+    writes and the trainer reads under it) after removing what killed runs left in the store;
+    Ray's object store is refused before Ray starts (verl's TransferQueue pickles outside Ray)."""
+    import time
+
+    from r3bridge.adapters.verl.route_handles import RUN_ENV, STALE_RUN_AGE_S
+
+    for var in (ENV_CONFIG, ENV_FROM):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    store = tmp_path / "store"
+    (store / "killedrun" / "3").mkdir(parents=True)
+    (store / "killedrun" / "3" / "s.routes").write_bytes(b"x")
+    (store / "liverun" / "1").mkdir(parents=True)
+    (store / "liverun" / "1" / "s.routes").write_bytes(b"x")
+    old = time.time() - STALE_RUN_AGE_S - 60
+    os.utime(store / "killedrun" / "3" / "s.routes", (old, old))
+    cfg = job(base_cfg, "R3", **{"r3bridge.route_transport": "handles", "r3bridge.route_store": str(store)})
+    got = vc.prepare_verl_config(cfg, hf_config=MOE_HF)
+    assert got.route_transport == "handles" and got.route_store == str(store)
+    env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    run = env[RUN_ENV]
+    assert len(run) == 16 and sorted(os.listdir(store)) == ["liverun"]         # the killed run's folder removed
+    vc.prepare_verl_config(job(base_cfg, "R3", **{"r3bridge.route_transport": "handles",
+                                                   "r3bridge.route_store": str(store)}), hf_config=MOE_HF)
+    inline = job(base_cfg, "R3")
+    vc.prepare_verl_config(inline, hf_config=MOE_HF)
+    assert RUN_ENV not in inline.ray_kwargs.ray_init.runtime_env.env_vars       # inline routes: no run id
+    with pytest.raises(ConfigError, match="route_store=ray: verl's agent loops hand their outputs to verl's"):
+        vc.validate_verl_config(job(base_cfg, "R3", **{"r3bridge.route_transport": "handles",
+                                                        "r3bridge.route_store": "ray"}), hf_config=MOE_HF)
+    with pytest.raises(ConfigError, match="route_store must be a folder path or 'ray'"):
+        vc.validate_verl_config(job(base_cfg, "R3", **{"r3bridge.route_store": ""}), hf_config=MOE_HF)

@@ -7,6 +7,8 @@ two server calls each), reward, compute_log_prob, reference, GRPO update, 2 step
 is r3bridge's HF transformers engine (:mod:`testlab.verl_hf_rollout`). The R3 job is the block as
 written; R2 and off append overrides to the same script, as a user would; the control (the last
 call's routes, verl's own behaviour without first-seen stitching) is checked on the R3 job's record.
+Routes by reference (``r3bridge.route_transport=handles``): a second R3 job, checked like the first
+and against its counters, and the R2 job, each leaving no route file behind.
 
 Every router call of the actor and the reference model is logged in the Ray workers
 (:mod:`testlab.verl_e2e_worker`, switched on by ``R3E2E_LOG_DIR``: observation only) and checked per
@@ -103,10 +105,26 @@ def r3(tmp_path_factory):
     return _run(tmp_path_factory, "R3")
 
 
+def _by_reference(tmp_path_factory, name: str) -> tuple[str, str]:
+    """(the overrides that store routes by reference in a folder of this test's, the folder);
+    route traces off, so the step's files are released (trace_dir keeps them)."""
+    store = str(tmp_path_factory.mktemp(f"route_store_{name}"))
+    return f"r3bridge.route_transport=handles r3bridge.route_store={store} r3bridge.trace_dir=null", store
+
+
+@pytest.fixture(scope="module")
+def r3_handles(tmp_path_factory):
+    """The guide's R3 block with routes by reference (docs/use-with-verl.md, "Routes by reference")."""
+    extra, store = _by_reference(tmp_path_factory, "R3")
+    return _run(tmp_path_factory, "R3_handles", extra)[0], store
+
+
 @pytest.fixture(scope="module")
 def r2(tmp_path_factory):
+    """R2, its recordings stored by reference (R2 inline: tests/adapters/test_verl_engine.py)."""
+    extra, store = _by_reference(tmp_path_factory, "R2")
     return _run(tmp_path_factory, "R2", "r3bridge.replay_mode=R2 actor_rollout_ref.rollout.enable_rollout_routing_replay"
-                "=False r3bridge.stall_warning_s=20")[0]
+                f"=False r3bridge.stall_warning_s=20 {extra}")[0], store
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +145,27 @@ def _checked(res: E.RunResult, mode: str, **kw) -> list[E.StepCheck]:
 
 
 def test_r3_dispatches_the_servers_first_seen_routes(r3):
-    res, _ = r3
+    _check_r3(r3[0])
+
+
+def test_r3_by_reference_replays_as_inline_and_leaves_no_route_files(r3, r3_handles):
+    """route_transport: handles: the agent loops store each sample's routes once and verl's
+    TransferQueue carries handles; every router dispatched the servers' first-seen routes, with the
+    same counters as the inline job, and no route file is left after the two steps."""
+    res, store = r3_handles
+    _check_r3(res)
+    counters = ("coverage", "replayed_pairs", "native_pairs", "samples/replayed", "samples/native",
+                "provenance/checked_samples", "provenance/unchecked_samples", "provenance/mismatched_samples")
+    inline = E.r3bridge_metrics(r3[0])
+    for m_inline, m_handles in zip(inline, E.r3bridge_metrics(res)):
+        for tag in ("old_log_prob", "update"):
+            for c in counters:
+                key = f"actor/r3bridge/{tag}/{c}"
+                assert m_handles[key] == m_inline[key], (key, m_handles[key], m_inline[key])
+    assert os.listdir(store) == []          # each step's files released after its update
+
+
+def _check_r3(res: E.RunResult) -> None:
     checks = _checked(res, "R3")
     for c in checks:
         assert c.errors == [], c.errors
@@ -186,6 +224,8 @@ def test_r3_with_last_call_routes_fails_the_check(r3):
 
 
 def test_r2_update_replays_what_compute_log_prob_chose(r2):
+    r2, store = r2
+    assert os.listdir(store) == []          # the recordings, stored by reference, released with each step
     checks = _checked(r2, "R2")
     for c in checks:
         assert c.errors == [], c.errors

@@ -461,9 +461,170 @@ def _provenance(ctx) -> dict:
     return res
 
 
+HANDLE_STEP = 7
+
+
+def _by_reference(ctx, eng, td, *, damage=None, sample_step=HANDLE_STEP) -> dict:
+    """Routes by reference in ``td``: each sample's routes (verl's transport, as the agent loop
+    finished them) written once by the adapter's :class:`RouteWriter` on rank 0 into a folder all
+    ranks see; the batch keeps only the handle in each sample's ``extra_fields`` (and verl's
+    per-sample ``uid`` / ``global_steps``). ``damage(path)``: done to sample 3's file after writing;
+    ``sample_step``: sample 3's ``global_steps``."""
+    import os
+    import tempfile
+
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY
+    from r3bridge.adapters.verl.route_handles import HANDLE_KEY, RouteWriter
+    from r3bridge.handles import FileRoutes, RouteHandle
+
+    cfg, hs = eng.r3.config, eng._r3_handles
+    texts = None
+    if ctx.rank == 0:
+        writer = RouteWriter(cfg, moe_layer_ids=eng.r3.model.moe_layer_ids, num_hidden_layers=eng.r3.model.num_layers,
+                             num_experts=eng.r3.model.num_experts, run_id=hs.run_id)
+        texts = [writer.put(r.numpy(), step=HANDLE_STEP, sample=f"uid{s}_0_w") for s, r in enumerate(td[ROUTES_KEY].unbind())]
+        if damage is not None:
+            damage(FileRoutes(cfg.route_store).path(RouteHandle.from_json(texts[3]).key))
+    if ctx.world_size > 1:
+        box = [texts]
+        torch.distributed.broadcast_object_list(box, src=0)
+        texts = box[0]
+    td.pop(ROUTES_KEY)
+    tu.assign_non_tensor_stack(td, "extra_fields", [{HANDLE_KEY: t} for t in texts])
+    tu.assign_non_tensor_stack(td, "uid", [f"uid{s}" for s in range(len(texts))])
+    steps = [HANDLE_STEP] * len(texts)
+    steps[3] = sample_step                                  # sample 3's prompt drawn for this step
+    tu.assign_non_tensor_stack(td, "global_steps", steps)
+    run_dir = os.path.join(cfg.route_store, hs.run_id)
+    return {"run_dir": run_dir, "bytes": sum(len(t) for t in texts), "tmp": tempfile.gettempdir()}
+
+
+def _handles_setup(ctx, store: str, mode: str = "R3"):
+    import os
+
+    from r3bridge.adapters.verl.route_handles import RUN_ENV
+
+    os.environ[RUN_ENV] = "enginetest"
+    return _setup(ctx, mode, route_transport="handles", route_store=store)
+
+
+def _shared_dir(ctx, name: str) -> str:
+    import tempfile
+
+    import torch
+
+    box = [tempfile.mkdtemp(prefix=f"r3h-{name}-") if ctx.rank == 0 else None]
+    if ctx.world_size > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _r3_handles(ctx) -> dict:
+    """R3 with routes by reference: the same replay as inline (every router call, the metrics),
+    and the step's files released after its last update pass (verl's ``update_lr_scheduler``)."""
+    import os
+
+    from verl.utils import tensordict_utils as tu
+
+    rollout, eng, td = _handles_setup(ctx, _shared_dir(ctx, "r3"))
+    info = _by_reference(ctx, eng, td)
+    expected = rollout.expected()
+    res = {"handle_bytes": info["bytes"]}
+    for phase, fo, mt in (("compute_log_prob", True, MAX_TOKENS[0]), ("update", False, MAX_TOKENS[1])):
+        if not fo:
+            tu.assign_non_tensor(td, update_lr_scheduler=True)         # the step's last update mini-batch
+        files_before = sum(len(f) for _, _, f in os.walk(info["run_dir"]))
+        out, probe = _run(eng, td, forward_only=fo, max_tokens=mt)
+        errors, checked = _dispatch_errors(ctx, eng, probe, expected)
+        res[phase] = dict(errors=errors, checked=checked, files_before=files_before,
+                          metrics=dict(eng.r3.runner.results[-1].metrics), logged=out.get("metrics") if out else None)
+    import torch
+    torch.distributed.barrier()
+    res["files_after"] = sum(len(f) for _, _, f in os.walk(info["run_dir"]))
+    return res
+
+
+def _r2_handles(ctx) -> dict:
+    """R2 with routes by reference: compute_log_prob stores its recording once (the last stage,
+    where verl collects outputs) and hands verl only handles; the update, re-partitioned by verl,
+    dispatches for every (sample, layer) exactly what compute_log_prob chose."""
+    import os
+
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from r3bridge.adapters.verl.codec import ROUTES_KEY
+    from r3bridge.adapters.verl.route_handles import RECORDED_HANDLE_KEY
+
+    _, eng, td = _handles_setup(ctx, _shared_dir(ctx, "r2"), mode="R2")
+    td.pop(ROUTES_KEY)                                      # R2's rollout returns no routes
+    n = len(td)
+    tu.assign_non_tensor_stack(td, "uid", [f"uid{s}" for s in range(n)])
+    tu.assign_non_tensor_stack(td, "global_steps", [HANDLE_STEP] * n)
+    rec_out, rec_probe = _run(eng, td, forward_only=True, max_tokens=MAX_TOKENS[0])
+    chose = _dispatched(eng, rec_probe)
+    texts = _to_every_rank(rec_out["model_output"][RECORDED_HANDLE_KEY] if rec_out else None, ctx)
+    res = dict(routes_out=bool(rec_out) and ROUTES_KEY in rec_out["model_output"], handles=len(texts),
+               handle_bytes=sum(len(t) for t in texts))
+    tu.assign_non_tensor_stack(td, RECORDED_HANDLE_KEY, list(texts))     # verl's trainer: the output into the batch
+    tu.assign_non_tensor(td, update_lr_scheduler=True)
+    run_dir = os.path.join(eng.r3.config.route_store, eng._r3_handles.run_id)
+    res["files_before"] = sum(len(f) for _, _, f in os.walk(run_dir))
+    _, upd_probe = _run(eng, td, forward_only=False, max_tokens=MAX_TOKENS[1])
+    got = _dispatched(eng, upd_probe)
+    res["differ"] = [key for key in chose if not torch.equal(chose[key].sort(1).values, got[key].sort(1).values)]
+    res["compared"] = len(chose)
+    res["upd_metrics"] = dict(eng.r3.runner.results[-1].metrics)
+    torch.distributed.barrier()
+    res["files_after"] = sum(len(f) for _, _, f in os.walk(run_dir))
+    return res
+
+
+def _handles_fail_closed(ctx) -> dict:
+    """A missing, truncated or altered route object, or a handle of another step: refused before
+    any router replays it, naming verl's sample (its uid) and the handle."""
+    import os
+
+    from r3bridge.handles import RouteHandleError
+
+    def truncate(path):
+        os.truncate(path, os.path.getsize(path) - 7)
+
+    def alter(path):
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)                 # the last stored row of the last layer
+            b = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x1]))
+
+    res = {}
+    for name, damage, step in (("missing", os.unlink, HANDLE_STEP), ("truncated", truncate, HANDLE_STEP),
+                               ("altered", alter, HANDLE_STEP), ("other_step", None, HANDLE_STEP + 1)):
+        _, eng, td = _handles_setup(ctx, _shared_dir(ctx, name))
+        _by_reference(ctx, eng, td, damage=damage, sample_step=step)
+        try:
+            _run(eng, td, forward_only=True)
+            res[name] = None
+        except RouteHandleError as e:
+            res[name] = dict(error=str(e), active=eng.r3.replayer.active_pass is not None)
+    # verl's own agent loops under handles: the bytes inline, never read silently
+    from r3bridge.errors import ConfigError
+
+    _, eng, td = _handles_setup(ctx, _shared_dir(ctx, "inline"))
+    try:
+        _run(eng, td, forward_only=True)
+        res["inline"] = None
+    except ConfigError as e:
+        res["inline"] = str(e)
+    return res
+
+
 ONE_RANK = {"reference": _reference, "config_errors": _config_errors, "schedule_failure": _schedule_failure,
-            "router_log_ratio": _router_log_ratio, "provenance": _provenance}
-PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch}
+            "router_log_ratio": _router_log_ratio, "provenance": _provenance, "handles_fail_closed": _handles_fail_closed}
+PP2_VPP2 = {"r3": _r3, "r2": _r2, "mismatch": _mismatch, "r3_handles": _r3_handles, "r2_handles": _r2_handles}
 
 
 LAYOUTS = [Layout(pp=2, vpp=2), Layout()]
@@ -528,6 +689,44 @@ def test_r3_replays_rollout_routes_in_log_prob_and_update(pp2_vpp2):
     assert logged["r3bridge/old_log_prob/agreement/mean"] == [pytest.approx(clp["r3bridge/agreement/mean"])]
     # the driver's metrics are reduced over the pipeline: both stages report the same numbers
     assert first["update"]["metrics"] == pytest.approx(last["update"]["metrics"])
+
+
+def test_r3_by_reference_replays_as_inline_and_releases_the_step(pp2_vpp2):
+    """route_transport: handles: each sample's routes stored once, the batch carries handles, each
+    stage reads its rows of its layers: the same dispatch and the same counters as inline; after
+    the step's last update pass the step's route files are gone."""
+    inline = _ranks(pp2_vpp2, "r3")
+    for rank, ref in zip(_ranks(pp2_vpp2, "r3_handles"), inline):
+        for phase in ("compute_log_prob", "update"):
+            r = rank[phase]
+            assert r["errors"] == [] and r["checked"] == ref[phase]["checked"] > 0, r["errors"]
+            assert r["metrics"] == pytest.approx(ref[phase]["metrics"]), (r["metrics"], ref[phase]["metrics"])
+            assert r["logged"] == ref[phase]["logged"]
+            assert r["files_before"] == BATCH
+        assert rank["files_after"] == 0
+        assert rank["handle_bytes"] < 600 * BATCH         # what verl's TransferQueue moves per sample now
+
+
+def test_r2_records_by_reference_and_the_update_replays_it(pp2_vpp2):
+    first, last = _ranks(pp2_vpp2, "r2_handles")
+    # only handles go back to verl (from the last stage), one per sample, stored once
+    assert last["handles"] == BATCH and not last["routes_out"] and last["handle_bytes"] < 600 * BATCH
+    for r in (first, last):
+        assert r["differ"] == [] and r["compared"] > 0, r["differ"]
+        assert r["upd_metrics"]["r3bridge/agreement/mean"] == pytest.approx(1.0)
+        assert r["files_before"] == BATCH and r["files_after"] == 0
+
+
+def test_route_handles_fail_closed_naming_verls_sample(one_rank):
+    r = one_rank["handles_fail_closed"]
+    for name, says in (("missing", "no route file"), ("truncated", "truncated"), ("altered", "changed"),
+                       ("other_step", "step 8")):
+        assert r[name] is not None, name
+        err = r[name]["error"]
+        assert "sample 'uid3_0_w'" in err and says in err, (name, err)
+        assert not r[name]["active"]                       # nothing half-applied: the pass was torn down
+    assert "(route handle files:enginetest/7/uid3_0_w" in r["missing"]["error"]
+    assert "routed_experts inline and no route handles: its agent loops are verl's own" in r["inline"]
 
 
 def test_r2_records_then_replays_its_own_routes_per_sample(pp2_vpp2):
