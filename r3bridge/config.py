@@ -115,6 +115,9 @@ def phase_plan(mode: ReplayMode | str, phase: Phase | str) -> PhasePlan:
 
 # r3bridge.route_transport: the route bytes in the batch, or a handle per sample (r3bridge/handles/)
 ROUTE_TRANSPORTS = ("inline", "handles")
+# r3bridge.route_store: where route_transport=handles writes them (r3bridge.handles.FileRoutes under
+# /dev/shm/r3bridge-routes on one node, RayRoutes: Ray's object store, for jobs across nodes)
+ROUTE_STORES = ("files", "ray")
 
 
 @dataclass
@@ -197,6 +200,10 @@ class ReplayConfig:
     # routes written once to a store, the field carries a small r3bridge.handles.RouteHandle, and
     # each rank reads only its rows of its stage's layers).
     route_transport: str = "inline"
+    # Where route_transport=handles stores the routes: "files" (one memory-mapped file per sample
+    # under /dev/shm/r3bridge-routes/<run id>: writer and trainer ranks on one node) or "ray"
+    # (Ray's object store: any node of the job's Ray cluster).
+    route_store: str = "files"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replay_mode", ReplayMode.parse(self.replay_mode))
@@ -221,6 +228,8 @@ class ReplayConfig:
         check_engine_version_setting(self.engine_version)
         if self.route_transport not in ROUTE_TRANSPORTS:
             raise ConfigError(f"route_transport must be one of {', '.join(ROUTE_TRANSPORTS)}, got {self.route_transport!r}")
+        if self.route_store not in ROUTE_STORES:
+            raise ConfigError(f"route_store must be one of {', '.join(ROUTE_STORES)}, got {self.route_store!r}")
 
     def _check_trace(self) -> None:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
