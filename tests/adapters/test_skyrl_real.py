@@ -91,10 +91,6 @@ def test_skyrl_real_training_path_pp2_vpp2(results):
     _check(results[1], handles=True)
 
 
-# the metrics that may differ between the transports: the route field's bytes (handles carry none)
-_TRANSPORT_METRICS = ("bytes",)
-
-
 def _check_handles(inline, by_ref):
     """Routes by reference replay exactly what the inline field replays: every router call checked,
     the same counts and the same metrics, the same log-probs and gradients; each step's routes were
@@ -109,9 +105,7 @@ def _check_handles(inline, by_ref):
             assert b.get(key) == a.get(key), (key, a.get(key), b.get(key))
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
         for which in ("fwd_metrics", "upd_metrics"):
-            same = {k: v for k, v in a[which].items() if not any(t in k for t in _TRANSPORT_METRICS)}
-            assert same, which
-            assert {k: b[which][k] for k in same} == same, which
+            assert b[which] == a[which] and (a[which] or which == "fwd_metrics"), which   # R2's recording: none
         assert b["stored_files"] == 8 and b["released"] == 8 and b["files_after_release"] == 0, b
 
 
