@@ -114,10 +114,23 @@ def batch04(rollout: CanonicalRollout):
     ``prompt_start``, as SkyRL 0.4's request asks), ``convert_prompts_responses_to_batch_tensors``
     (``PackedTensor`` routes) and ``make_router_padding_mask``. Returns (the tensors
     ``convert_prompts_responses_to_batch_tensors`` returned, router padding mask)."""
+    pre = _skyrl("skyrl.train.dataset.preprocess")
+    routes = generator_routes04(rollout)
+    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    out = pre.convert_prompts_responses_to_batch_tensors(
+        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
+        None, routes, None)
+    return out, pre.make_router_padding_mask(out[1], [len(r) for r in routes])
+
+
+def generator_routes04(rollout: CanonicalRollout) -> list:
+    """Each sample's ``rollout_expert_indices`` as SkyRL 0.4's generator returns them: one
+    ``RoutedExpertTrace`` per sample fed call by call (the engine answering from the trace's
+    ``prompt_start``, as 0.4's request asks), finalized: the routed prefix, nothing fabricated."""
     import numpy as np
 
     trace_mod = _skyrl("skyrl.backends.skyrl_train.utils.routed_experts")
-    pre = _skyrl("skyrl.train.dataset.preprocess")
     routes = []
     for i, calls in enumerate(rollout.calls):
         trace = trace_mod.RoutedExpertTrace()
@@ -126,12 +139,7 @@ def batch04(rollout: CanonicalRollout):
                                     routed_experts=np.ascontiguousarray(c[trace.prompt_start:]))
         n = len(rollout.tokens[i])
         routes.append(trace.finalize(token_count=n, loss_mask=[0] * n))
-    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    out = pre.convert_prompts_responses_to_batch_tensors(
-        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
-        None, routes, None)
-    return out, pre.make_router_padding_mask(out[1], [len(r) for r in routes])
+    return routes
 
 
 def _training_input04(rollout: CanonicalRollout, *, seed: int):

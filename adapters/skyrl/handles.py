@@ -28,6 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from r3bridge.adapters.skyrl.codec import MASK_KEY, ROUTES_KEY, ROUTES_MARK
 from r3bridge.adapters.skyrl.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
@@ -89,7 +90,7 @@ class RouteWriter:
     def write_rollout(self, batch: Any, routes: Optional[Sequence[Any]], uids: Sequence[str], *, step: int,
                       model: ModelInfo) -> None:
         """R3: the generator's ``rollout_expert_indices`` (per sample ``[rows, num_hidden_layers, K]``
-        from token 0, as SkyRL's generator returns them, multi-turn first-seen) written once, the
+        from token 0, the rows the engine routed, multi-turn first-seen) written once, the
         batch's field and metadata set (module docstring). ``routes`` None: nothing written (the
         worker refuses a replay without routes, naming the SkyRL setting)."""
         if routes is None:
@@ -102,15 +103,13 @@ class RouteWriter:
         handles = []
         for i, (sample_routes, n) in enumerate(zip(routes, seq_lens)):
             name = _sample_name(i, uids)
-            rows = _captured_rows(name, sample_routes, n, model)
+            rows = _generator_rows(name, sample_routes, n, model)
             handles.append(self.store.put(name, rows[:, moe], moe, 0, step=step, num_experts=model.num_experts))
         _carry(batch, self._batch_handles(step, handles))
 
     def write_recorded(self, batch: Any, recorded: ReplayBatch, uids: Sequence[str], *, step: int) -> None:
         """R2: the routes compute_log_prob recorded (one sequence per batch row) written once, the
         batch's field and metadata set, the batch marked as carrying recorded routes."""
-        from r3bridge.adapters.skyrl.codec import ROUTES_MARK
-
         names = [_sample_name(i, uids) for i in range(recorded.num_seqs)]
         _carry(batch, self._batch_handles(step, self.store.put_batch(recorded, names, step=step)))
         batch.metadata[ROUTES_MARK] = "recorded"
@@ -126,11 +125,13 @@ def _sample_name(row: int, uids: Sequence[str]) -> str:
     return f"row{row}-uid{uid}"
 
 
-def _captured_rows(name: str, sample_routes: Any, seq_len: int, model: ModelInfo) -> np.ndarray:
-    """One sample's generator routes as ``[rows, num_hidden_layers, K]``: cut to the tokens the
-    trainer sees (as SkyRL's batch conversion cuts them) and to the rows that hold a route (SkyRL
-    0.3 pads with zero rows: what follows the last non-zero row has no route). A zero row inside is
-    refused: a handle stores captured rows only, and inline the reader would route it natively."""
+def _generator_rows(name: str, sample_routes: Any, seq_len: int, model: ModelInfo) -> np.ndarray:
+    """One sample's generator routes as ``[rows, num_hidden_layers, K]``, cut to the tokens the
+    trainer sees (as SkyRL's batch conversion cuts them). The generator's list holds the rows the
+    engine routed and nothing past them (SkyRL 0.3's nested lists, 0.4's ``RoutedExpertTrace``
+    prefix): every row is a route, a row of repeated ids a degenerate one (the reader refuses it,
+    or routes it natively under ``degenerate_routes: native``); the zero rows that mean "no route"
+    exist only in the dense field SkyRL 0.3 would build from it."""
     if sample_routes is None or len(sample_routes) == 0:
         return np.zeros((0, model.num_layers, model.topk), dtype=np.int32)
     a = np.asarray(sample_routes)
@@ -140,20 +141,11 @@ def _captured_rows(name: str, sample_routes: Any, seq_len: int, model: ModelInfo
     if a.shape[1] != model.num_layers:
         raise LayerMappingError(f"SkyRL sample {name!r}: routes of {a.shape[1]} layers, the model has "
                                 f"{model.num_layers} decoder layers (SkyRL's vLLM returns every layer)")
-    a = a[:seq_len]
-    nonzero = np.flatnonzero(a.reshape(a.shape[0], -1).any(1))
-    a = a[:int(nonzero[-1]) + 1] if nonzero.size else a[:0]
-    inside = np.setdiff1d(np.arange(a.shape[0]), nonzero)
-    if inside.size:
-        raise RouteShapeError(f"SkyRL sample {name!r}: token {int(inside[0])} has no route (an all-zero row) inside "
-                              f"its routed rows; routes by reference store routed rows only")
-    return a
+    return a[:seq_len]
 
 
 def _carry(batch: Any, handles: BatchHandles) -> None:
     rows, seq_len = batch["attention_mask"].shape
-    from r3bridge.adapters.skyrl.codec import MASK_KEY, ROUTES_KEY
-
     batch[ROUTES_KEY] = sample_id_field(range(int(rows)), int(seq_len))
     if MASK_KEY in batch:
         batch[MASK_KEY] = None

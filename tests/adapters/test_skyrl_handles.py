@@ -16,7 +16,7 @@ import torch
 from r3bridge.adapters.skyrl import SkyRLReplay, codec
 from r3bridge.adapters.skyrl.handles import HANDLES_KEY, RouteWriter, micro_batch_routes
 from r3bridge.config import ReplayConfig
-from r3bridge.errors import ConfigError
+from r3bridge.errors import ConfigError, DegenerateRouteError
 from r3bridge.handles import RouteHandleError
 from r3bridge.hf import ModelInfo
 from r3bridge.parallel.layout import ParallelLayout
@@ -158,15 +158,19 @@ def test_settings_refused_or_contradicted():
     SkyRLReplay([], ReplayConfig(replay_mode="off", route_transport="handles"), ModelInfo.from_hf_config(HF))
 
 
-def test_zero_row_inside_routed_rows_is_refused(tmp_path):
+def test_a_zero_row_is_a_degenerate_route_named_with_skyrls_sample(tmp_path):
+    """The generator's rows are all routes (no zero-row "no route" outside SkyRL 0.3's dense field):
+    an all-zero row (vLLM #54730) is read as a route whose ids repeat, refused naming the sample."""
     rollout = make_rollout(3, batch_size=2, num_experts=E, topk=K, num_layers=4, moe_layer_ids=MOE)
     batch = training_input(rollout)
     routes = generator_routes(rollout)
     routes[1] = np.asarray(routes[1])
     routes[1][2] = 0
     writer = RouteWriter(_config(tmp_path), directory=str(tmp_path / "routes"))
-    with pytest.raises(Exception, match=r"SkyRL sample 'row1-uid1': token 2 has no route"):
-        writer.write_rollout(batch, routes, batch.metadata["uids"], step=0, model=ModelInfo.from_hf_config(HF))
+    writer.write_rollout(batch, routes, batch.metadata["uids"], step=0, model=ModelInfo.from_hf_config(HF))
+    handed, lens = _handle_routes(batch, [0, 1], batch.metadata[HANDLES_KEY].resolvers())
+    with pytest.raises(DegenerateRouteError, match=r"row1-uid1"):
+        _targets(handed, lens, ParallelLayout(4, [0, 1, 1, 1]))
 
 
 # ---------------------------------------------------------------------------------- the trainer
@@ -282,3 +286,47 @@ def test_trainer_r2_stores_the_recording_once(tmp_path):
     want = recorded.select([3, 0])
     for j, lid in enumerate(MOE):
         assert torch.equal(t_got.indices[lid].sort(1).values, want.routes[:, j].long().sort(1).values)
+
+
+def _worker_targets(batch, rows):
+    """In a Ray worker process: the policy worker's read of micro-batch ``rows`` of ``batch`` (its
+    fields and metadata, as SkyRL's dispatch hands them over: SkyRL's ``TrainingInputBatch`` class
+    itself does not import on Python 3.11 outside r3bridge's ``import_skyrl``)."""
+    mb = _rows(batch, rows)
+    handles = batch["metadata"][HANDLES_KEY]
+    lens = mb["attention_mask"].sum(-1).tolist()
+    handed = micro_batch_routes(mb[codec.ROUTES_KEY], handles, lens, handles.resolvers(), route_kind="rollout")
+    t = _targets(handed, lens, ParallelLayout(4, [0, 1, 1, 1], pp=2), pp_rank=1)
+    return t.valid, {lid: t.indices[lid] for lid in t.layer_ids}
+
+
+@pytest.mark.slow
+def test_ray_store_reaches_another_process(tmp_path):
+    """``route_store: ray``: the driver's handles travel in the batch's metadata to a Ray worker
+    process (pickled by Ray, their object references counted), which reads its stage's layers
+    from Ray's object store: the inline field's targets."""
+    import ray
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": {
+                 "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), here]),
+                 "OMP_NUM_THREADS": "1"}})
+    try:
+        rollout = make_rollout(21, batch_size=8, num_experts=E, topk=K, num_layers=4, moe_layer_ids=MOE)
+        inline, by_ref = training_input(rollout), training_input(rollout)
+        writer = RouteWriter(ReplayConfig(replay_mode="R3", route_transport="handles", route_store="ray"))
+        writer.write_rollout(by_ref, generator_routes(rollout), by_ref.metadata["uids"], step=2,
+                             model=ModelInfo.from_hf_config(HF))
+        assert by_ref.metadata[HANDLES_KEY].store == "ray" and not os.path.exists(tmp_path / "routes")
+        sent = {k: by_ref[k] for k in ("attention_mask", codec.ROUTES_KEY)} | {"metadata": by_ref.metadata}
+        valid, indices = ray.get(ray.remote(_worker_targets).remote(ray.put(sent), ORDER[:4]))
+        mb = _rows(inline, ORDER[:4])
+        want = _targets(codec.handed_routes(mb, num_experts=E, moe_layer_ids=MOE, num_hidden_layers=4),
+                        mb["attention_mask"].sum(-1).tolist(), ParallelLayout(4, [0, 1, 1, 1], pp=2), pp_rank=1)
+        assert want.valid.any() and torch.equal(valid, want.valid) and sorted(indices) == list(want.layer_ids)
+        for lid in want.layer_ids:
+            assert torch.equal(indices[lid], want.indices[lid]), lid
+        assert writer.release(2) == 8
+    finally:
+        ray.shutdown()
