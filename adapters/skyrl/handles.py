@@ -59,6 +59,10 @@ class BatchHandles:
     directory: Optional[str]         # FileRoutes' folder (None: Ray)
     handles: tuple[RouteHandle, ...]
 
+    def __repr__(self) -> str:      # SkyRL prints a batch's metadata: one line, not every handle
+        return (f"BatchHandles(run {self.run_id} step {self.step}: {len(self.handles)} samples in "
+                f"{self.store}{'' if self.directory is None else ' ' + self.directory})")
+
     def __deepcopy__(self, memo: dict) -> "BatchHandles":
         # SkyRL's pad_training_input_batch deep-copies metadata: the handles are immutable, and a
         # Ray object reference must stay the one Ray counts

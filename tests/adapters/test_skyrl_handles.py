@@ -66,6 +66,7 @@ def test_handles_give_each_rank_the_inline_targets(tmp_path):
     assert tuple(field.shape[2:]) == (1, 1) and field.dtype == torch.int32       # sample ids, not routes
     handles = by_ref.metadata[HANDLES_KEY]
     assert handles.step == 3 and len(handles.handles) == 8
+    assert repr(handles) == f"BatchHandles(run {handles.run_id} step 3: 8 samples in files {tmp_path / 'routes'})"
     assert sum(len(f) for _, _, f in os.walk(tmp_path / "routes")) == 8          # written once per sample
     resolvers = handles.resolvers()
     for layout in (ParallelLayout(4, [0, 1, 1, 1], tp=2), ParallelLayout(4, [0, 1, 1, 1], cp=2),
