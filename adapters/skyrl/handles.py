@@ -5,7 +5,7 @@ hands every policy worker the whole field; one rank replays a fraction of it. Wi
 trainer writes each sample's routes **once** (:class:`RouteWriter`: R3's rollout routes from the
 generator's output, R2's recorded routes), and the batch carries, instead of the route bytes:
 
-* in ``rollout_expert_indices``: each row's sample id (``[B, S, 1, 1]`` int32,
+* in ``rollout_expert_indices``: each row's sample id (``[B, 1, 1, 1]`` int32,
   :func:`r3bridge.adapters.skyrl.id_field.sample_id_field`). It is the one per-sample field SkyRL
   carries into every micro-batch, through its permutations, its DP split, its padding rows (copies
   of row 0: they read sample 0's routes, as their tokens are sample 0's) and token-based
@@ -149,8 +149,8 @@ def _generator_rows(name: str, sample_routes: Any, seq_len: int, model: ModelInf
 
 
 def _carry(batch: Any, handles: BatchHandles) -> None:
-    rows, seq_len = batch["attention_mask"].shape
-    batch[ROUTES_KEY] = sample_id_field(range(int(rows)), int(seq_len))
+    # one id per row ([B, 1, 1, 1]: 4 bytes a sample, not a token: SkyRL only moves the field by row)
+    batch[ROUTES_KEY] = sample_id_field(range(int(batch["attention_mask"].shape[0])), 1)
     if MASK_KEY in batch:
         batch[MASK_KEY] = None
     if getattr(batch, "metadata", None) is None:

@@ -63,7 +63,7 @@ def _handle_routes(by_ref, rows, resolvers):
 def test_handles_give_each_rank_the_inline_targets(tmp_path):
     inline, by_ref, writer = _batches(tmp_path)
     field = by_ref[codec.ROUTES_KEY]
-    assert tuple(field.shape[2:]) == (1, 1) and field.dtype == torch.int32       # sample ids, not routes
+    assert tuple(field.shape) == (8, 1, 1, 1) and field.dtype == torch.int32     # one sample id a row, no routes
     handles = by_ref.metadata[HANDLES_KEY]
     assert handles.step == 3 and len(handles.handles) == 8
     assert repr(handles) == f"BatchHandles(run {handles.run_id} step 3: 8 samples in files {tmp_path / 'routes'})"
