@@ -4,6 +4,7 @@ The quick check of the guides' "Try it on CPU" (docs/use-with-skyrl.md, use-with
 guide rehearses verl's own launch line instead: examples/verl/run_cpu_rehearsal.sh):
 
     python /path/to/r3bridge/testlab/cpu_step.py verl|skyrl|areal [--mode R3|R2|off] [--steps N] [--trace-dir DIR]
+        [--route-transport inline|handles (skyrl)]
 
 It runs the same code as the suite's real-path tests, in one gloo rank (docs/testing-harness.md
 lists what stands in for what a CPU cannot run): verl's ``TrainingWorker`` (``infer_batch``,
@@ -59,7 +60,7 @@ def _verl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
     }
 
 
-def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
+def _skyrl(ctx: Any, workdir: str, mode: str, steps: int, route_transport: str = "inline") -> dict:
     from r3bridge.testing.harness.models import ModelSpec
     from r3bridge.testing.kit.conformance import make_rollout
     from testlab.skyrl_real import StepSpec, run_steps
@@ -76,7 +77,9 @@ def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
         )
         for s in range(steps)
     ]
-    res = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=False, permute=SKYRL_PERMUTE), rollouts)
+    res = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=False, permute=SKYRL_PERMUTE,
+                                        route_transport=route_transport, routes_dir=os.path.join(workdir, "routes")),
+                    rollouts)
     out = []
     for i, s in enumerate(res["steps"]):
         errors = s.get("fwd_errors", []) + s.get("upd_errors", [])
@@ -115,8 +118,10 @@ def _areal(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
     }
 
 
-def _rank(ctx: Any, framework: str, workdir: str, mode: str, steps: int) -> dict:
-    run = {"verl": _verl, "skyrl": _skyrl, "areal": _areal}[framework]
+def _rank(ctx: Any, framework: str, workdir: str, mode: str, steps: int, route_transport: str = "inline") -> dict:
+    if framework == "skyrl":
+        return _skyrl(ctx, workdir, mode, steps, route_transport)
+    run = {"verl": _verl, "areal": _areal}[framework]
     return run(ctx, workdir, mode, steps)
 
 
@@ -160,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--trace-dir", default=None,
                    help="write route traces there (the r3bridge option trace_dir; read them with r3bridge inspect)")
+    p.add_argument("--route-transport", default="inline", choices=("inline", "handles"),
+                   help="skyrl: handles = each step's routes written once, each rank reading its rows "
+                        "(docs/route-handles.md)")
     args = p.parse_args(argv)
+    if args.route_transport != "inline" and args.framework != "skyrl":
+        p.error(f"--route-transport {args.route_transport}: wired here for skyrl only (docs/route-handles.md)")
 
     import r3bridge
     from r3bridge.config import ENV_CONFIG
@@ -173,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         env["trace_dir"] = os.path.abspath(args.trace_dir)
         os.environ[ENV_CONFIG] = json.dumps(env)
     print(
-        f"cpu_step: {args.framework}, replay_mode={args.mode}, {args.steps} step(s), 1 gloo rank; "
+        f"cpu_step: {args.framework}, replay_mode={args.mode}, {args.steps} step(s), 1 gloo rank, "
+        f"route_transport={args.route_transport}; "
         f"r3bridge {r3bridge.__version__} from {os.path.dirname(r3bridge.__file__)}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix=f"r3bridge-cpu-step-{args.framework}-") as workdir:
-        (res,) = spawn(_rank, world_size=1, args=(args.framework, workdir, args.mode, args.steps), timeout=900)
+        (res,) = spawn(_rank, world_size=1, args=(args.framework, workdir, args.mode, args.steps, args.route_transport),
+                       timeout=900)
     lines, rc = report(res, args.mode)
     if args.trace_dir and args.mode != "off":
         lines.insert(-1, f"route traces: {os.path.abspath(args.trace_dir)} (r3bridge inspect {args.trace_dir})")

@@ -58,6 +58,8 @@ class StepSpec:
     lr: float = 0.05
     extra: dict = field(default_factory=dict)
     trace_dir: Optional[str] = None            # the r3bridge option trace_dir (route traces)
+    route_transport: str = "inline"            # "handles": TrainerMixin's RouteWriter writes, workers read by reference
+    routes_dir: Optional[str] = None           # route_store's folder override (handles; default: the section's, /dev/shm/r3bridge-routes)
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -66,20 +68,13 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
     ``convert_prompts_responses_to_batch_tensors`` (left-padded sequences, the generator's routes
     accumulated first-seen as r3bridge's ``FirstSeenRoutesMixin`` leaves them), plus the fields the
     update reads (advantages; old / base log-probs are filled in after compute_log_prob)."""
-    from r3bridge.adapters.skyrl.rollout import merge_first_seen
-
     if _release() == "0.4":
         return _training_input04(rollout, seed=seed)
     pre = _skyrl("skyrl.train.dataset.preprocess")
     tb = _skyrl("skyrl.backends.skyrl_train.training_batch")
     prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
     responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    routes = []
-    for calls in rollout.calls:
-        acc = None
-        for c in calls:
-            acc = merge_first_seen(acc, c.tolist())
-        routes.append(acc)
+    routes = generator_routes(rollout)
     tok = type("Tok", (), {"pad_token_id": 0})()      # convert_* reads only pad_token_id
     seqs, attn, resp_mask, rewards, loss_mask, _, rei = pre.convert_prompts_responses_to_batch_tensors(
         tok, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
@@ -93,6 +88,21 @@ def training_input(rollout: CanonicalRollout, *, seed: int = 0):
     return batch
 
 
+def generator_routes(rollout: CanonicalRollout) -> list:
+    """Each sample's ``rollout_expert_indices`` as SkyRL 0.3's generator returns them: nested lists
+    ``[rows, num_hidden_layers, K]``, the turns accumulated first-seen as r3bridge's
+    ``FirstSeenRoutesMixin`` leaves them."""
+    from r3bridge.adapters.skyrl.rollout import merge_first_seen
+
+    routes = []
+    for calls in rollout.calls:
+        acc = None
+        for c in calls:
+            acc = merge_first_seen(acc, c.tolist())
+        routes.append(acc)
+    return routes
+
+
 def _release() -> Optional[str]:
     from r3bridge.adapters.skyrl._compat import skyrl_release
     return skyrl_release()
@@ -104,10 +114,23 @@ def batch04(rollout: CanonicalRollout):
     ``prompt_start``, as SkyRL 0.4's request asks), ``convert_prompts_responses_to_batch_tensors``
     (``PackedTensor`` routes) and ``make_router_padding_mask``. Returns (the tensors
     ``convert_prompts_responses_to_batch_tensors`` returned, router padding mask)."""
+    pre = _skyrl("skyrl.train.dataset.preprocess")
+    routes = generator_routes04(rollout)
+    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
+    out = pre.convert_prompts_responses_to_batch_tensors(
+        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
+        None, routes, None)
+    return out, pre.make_router_padding_mask(out[1], [len(r) for r in routes])
+
+
+def generator_routes04(rollout: CanonicalRollout) -> list:
+    """Each sample's ``rollout_expert_indices`` as SkyRL 0.4's generator returns them: one
+    ``RoutedExpertTrace`` per sample fed call by call (the engine answering from the trace's
+    ``prompt_start``, as 0.4's request asks), finalized: the routed prefix, nothing fabricated."""
     import numpy as np
 
     trace_mod = _skyrl("skyrl.backends.skyrl_train.utils.routed_experts")
-    pre = _skyrl("skyrl.train.dataset.preprocess")
     routes = []
     for i, calls in enumerate(rollout.calls):
         trace = trace_mod.RoutedExpertTrace()
@@ -116,12 +139,7 @@ def batch04(rollout: CanonicalRollout):
                                     routed_experts=np.ascontiguousarray(c[trace.prompt_start:]))
         n = len(rollout.tokens[i])
         routes.append(trace.finalize(token_count=n, loss_mask=[0] * n))
-    prompts = [t[:p] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    responses = [t[p:] for t, p in zip(rollout.tokens, rollout.prompt_lens)]
-    out = pre.convert_prompts_responses_to_batch_tensors(
-        0, prompts, responses, [[0.0] * len(r) for r in responses], [[1] * len(r) for r in responses],
-        None, routes, None)
-    return out, pre.make_router_padding_mask(out[1], [len(r) for r in routes])
+    return routes
 
 
 def _training_input04(rollout: CanonicalRollout, *, seed: int):
@@ -484,8 +502,10 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     from megatron.core import parallel_state as ps
 
     from r3bridge.adapters.skyrl import PolicyWorkerMixin, SkyRLCodec
+    from r3bridge.adapters.skyrl.handles import RouteWriter
     from r3bridge.adapters.skyrl.hooks import RECORDED_KEY
     from r3bridge.config import ReplayConfig
+    from r3bridge.hf import ModelInfo
     from r3bridge.testing.harness.models import build_model_chunks
     from r3bridge.testing.harness.probe import RoutingProbe
     from testlab.dispatch_records import DispatchLog
@@ -512,13 +532,17 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
     hf = {"num_hidden_layers": mc.num_layers, "num_experts": mc.num_moe_experts,
           "num_experts_per_tok": mc.moe_router_topk, "mlp_only_layers": [i for i in range(mc.num_layers) if i not in moe]}
     worker_cls = type("HarnessPolicyWorker", (PolicyWorkerMixin, PolicyWorkerStandIn),
-                      {"r3_config": ReplayConfig(replay_mode=step.mode, trace_dir=step.trace_dir)})
+                      {"r3_config": ReplayConfig(replay_mode=step.mode, trace_dir=step.trace_dir,
+                                                 route_transport=step.route_transport)})
     w = worker_cls(cfg, chunks, hf)
     w.init_model()
     if ctx.vpp:
         mc.microbatch_group_size_per_vp_stage = ctx.pp
     layout = ParallelLayout.from_megatron(mc)
     codec = SkyRLCodec(num_experts=mc.num_moe_experts, moe_layer_ids=moe, num_hidden_layers=mc.num_layers)
+    writer = None
+    if step.route_transport == "handles":      # what TrainerMixin does in SkyRL's driver (one writer per job)
+        writer = RouteWriter(w.r3_config, **({"directory": step.routes_dir} if step.routes_dir else {}))
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     recompute = mc.recompute_granularity is not None
     results = []
@@ -529,6 +553,9 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
             batch["rollout_expert_indices"] = None
             if "router_padding_mask" in batch:
                 batch["router_padding_mask"] = None
+        elif writer is not None:    # TrainerMixin.convert_to_training_input: written once, handles in the batch
+            writer.write_rollout(batch, generator_routes(rollout), batch.metadata["uids"], step=s,
+                                 model=ModelInfo.from_hf_config(hf))
         b, a = batch["sequences"].shape[0], batch.metadata["response_length"]
         seq_lens = batch["attention_mask"].sum(-1).tolist()
         res: dict[str, Any] = {"step": s}
@@ -545,7 +572,10 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
             outs = out.loss_fn_outputs
             recorded = ReplayBatch.concat([ReplayBatch.from_bytes(o[RECORDED_KEY]) for o in outs]) if last else None
             recorded = _broadcast_obj(recorded)
-            codec.write_recorded(batch, recorded)        # what TrainerMixin does with them
+            if writer is not None:                        # TrainerMixin with handles: written once
+                writer.write_recorded(batch, recorded, batch.metadata["uids"], step=s)
+            else:
+                codec.write_recorded(batch, recorded)        # what TrainerMixin does with them
             expected = recorded
             res["recorded_rows"] = recorded.rows_per_seq
             res["recorded"] = recorded.to_bytes()       # what the update had to replay (for dispatch checks)
@@ -582,8 +612,19 @@ def run_steps(ctx: Any, spec: Any, step: StepSpec, rollouts: Sequence[CanonicalR
                 diffs.append(float((got - lp[i, a - got.numel():]).abs().max()) if got.numel() else 0.0)
             res["max_logprob_diff"] = max(diffs)
         res["grad_norm"] = w.optim_step()
+        if writer is not None:      # TrainerMixin.train_critic_and_policy's end: the step's routes go
+            res["stored_files"] = _files(writer.directory, writer.store.run_id)
+            res["released"] = writer.release(s)
+            res["files_after_release"] = _files(writer.directory, writer.store.run_id)
         results.append(res)
     return {"pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "steps": results, "dispatch": log.records()}
+
+
+def _files(directory: Optional[str], run_id: str) -> int:
+    """Route files a run holds (route_store a folder)."""
+    import os
+
+    return sum(len(f) for _, _, f in os.walk(os.path.join(directory, run_id))) if directory else 0
 
 
 def _broadcast_obj(obj: Any) -> Any:

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 
 from r3bridge.adapters.skyrl import codec
 from r3bridge.adapters.skyrl._compat import import_skyrl, skyrl_release
+from r3bridge.adapters.skyrl.handles import HANDLES_KEY, RouteWriter
 from r3bridge.adapters.skyrl.replay import SkyRLReplay
 from r3bridge.adapters.skyrl.rollout import first_seen_update
 from r3bridge.batch.recorded import from_payloads
@@ -27,8 +28,12 @@ class _Configured:
     r3_config: Optional[ReplayConfig] = None    # the launcher's section (None: R3BRIDGE_CONFIG, else off)
 
     @property
+    def r3_section(self) -> ReplayConfig:
+        return ReplayConfig.resolve(self.r3_config)
+
+    @property
     def r3_mode(self) -> ReplayMode:
-        return ReplayConfig.resolve(self.r3_config).replay_mode
+        return self.r3_section.replay_mode
 
 
 def model_wrapper_class(base: Optional[type] = None) -> type:
@@ -99,7 +104,7 @@ class PolicyWorkerMixin(_Configured):
 
     def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         # kwargs: SkyRL 0.4's return_per_token_outputs, passed through
-        with self._r3_provenance(data):
+        with self._r3_provenance(data), self.model.r3.handles_from(data.metadata):
             if self.r3_mode is not ReplayMode.R2 or loss_fn is not None:
                 return super().forward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
             r3 = self.model.r3
@@ -119,14 +124,53 @@ class PolicyWorkerMixin(_Configured):
             raise ConfigError("replay_mode=R2: this batch does not carry the routes recorded in compute_log_prob "
                               "(use r3bridge's TrainerMixin; verl 0.9.1 silently replayed rollout routes here)")
         self.model.r3.route_kind = "recorded" if mark == "recorded" else "rollout"
-        with self._r3_provenance(data):
+        with self._r3_provenance(data), self.model.r3.handles_from(data.metadata):
             return super().forward_backward(data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kwargs)
 
 
 class TrainerMixin(_Configured):
-    """``class MyTrainer(TrainerMixin, RayPPOTrainer)``: R2's recorded routes go back into the batch."""
+    """``class MyTrainer(TrainerMixin, RayPPOTrainer)``: R2's recorded routes go back into the batch;
+    with ``route_transport: handles`` each sample's routes are written once and the batch carries
+    handles (:mod:`r3bridge.adapters.skyrl.handles`), released when the step's training ends."""
+
+    r3_routes_dir: Optional[str] = None  # overrides the section's route_store folder (tests)
+    _r3_writer: Optional[RouteWriter] = None
+    _r3_fwd_handles: Any = None          # the handles compute_log_prob's batch (SkyRL's select) dropped
+
+    def _r3_route_writer(self) -> Optional[RouteWriter]:
+        """The job's route store (``route_transport: handles``, replay on), made once."""
+        rc = self.r3_section
+        if rc.route_transport != "handles" or rc.replay_mode is ReplayMode.OFF:
+            return None
+        if self._r3_writer is None:
+            self._r3_writer = RouteWriter(rc, directory=self.r3_routes_dir)
+        return self._r3_writer
+
+    def _r3_model(self) -> ModelInfo:
+        return ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path)
+
+    def convert_to_training_input(self, generator_output, uids):
+        writer = self._r3_route_writer()
+        if writer is None or self.r3_mode is not ReplayMode.R3:
+            return super().convert_to_training_input(generator_output, uids)
+        # the routes are written once, here; SkyRL never builds their dense field
+        routes = generator_output.get(codec.ROUTES_KEY)
+        out = super().convert_to_training_input({**generator_output, codec.ROUTES_KEY: None}, uids)
+        writer.write_rollout(out, routes, uids, step=self.global_step, model=self._r3_model())
+        return out
+
+    def train_critic_and_policy(self, data):
+        try:
+            return super().train_critic_and_policy(data)
+        finally:                                  # the step's training ended (or failed): its routes go
+            if self._r3_writer is not None:
+                self._r3_writer.release(self.global_step)
 
     def _execute_forward_pass(self, model, data_fwd_pass, key, mini_batch_boundaries):
+        if model == "policy" and self._r3_fwd_handles is not None:
+            # the policy's batch only (a view of the same fields): the other models' never carry handles
+            data_fwd_pass = data_fwd_pass.select(keys=list(data_fwd_pass.keys()))
+            data_fwd_pass.metadata = {**(data_fwd_pass.metadata or {}), HANDLES_KEY: self._r3_fwd_handles}
         if model != "policy" or self.r3_mode is not ReplayMode.R2:
             return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
         to_tensor = import_skyrl("skyrl.backends.skyrl_train.distributed.dispatch").loss_fn_outputs_to_tensor
@@ -141,13 +185,22 @@ class TrainerMixin(_Configured):
 
     def fwd_logprobs_values_reward(self, training_input):
         self._r3_recorded = None
-        out = super().fwd_logprobs_values_reward(training_input)
+        self._r3_fwd_handles = (training_input.metadata or {}).get(HANDLES_KEY)
+        try:
+            out = super().fwd_logprobs_values_reward(training_input)
+        finally:
+            self._r3_fwd_handles = None
         rec = self._r3_recorded
         if self.r3_mode is ReplayMode.R2:
             if rec is None:
                 raise ReplayStateError("replay_mode=R2 but the policy forward recorded no routes (skipped forward? "
                                        "LOSSES_WITHOUT_OLD_LOGPROBS cannot be combined with R2)")
-            n = ModelInfo.from_hf_config(self.cfg.trainer.policy.model.path).num_layers
+            writer = self._r3_route_writer()
+            if writer is not None:      # written once; the batch carries handles, marked "recorded"
+                writer.write_recorded(training_input, rec, training_input.metadata.get("uids") or [],
+                                      step=self.global_step)
+                return out
+            n = self._r3_model().num_layers
             # in the installed release's layout (0.3 dense, 0.4 PackedTensor), marked "recorded"
             codec.SkyRLCodec(num_experts=rec.num_experts, moe_layer_ids=rec.layer_ids,
                        num_hidden_layers=n).write_recorded(training_input, rec)

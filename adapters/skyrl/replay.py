@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, MutableMapping, Optional, S
 import torch
 
 from r3bridge.adapters.skyrl import codec
+from r3bridge.adapters.skyrl.handles import HANDLES_KEY, BatchHandles, micro_batch_routes
 from r3bridge.adapters.skyrl.id_field import is_sample_id_field, sample_id_field, sample_ids_from_field
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.recorded import per_sample_payloads
@@ -53,13 +54,18 @@ class SkyRLReplay:
     def __init__(self, actor_module: Sequence[torch.nn.Module], cfg: ReplayConfig | None, model: ModelInfo,
                  layout=None, *, where: Optional[str] = None) -> None:
         # SkyRL logs no compute_log_prob metrics: the session reports them with the update
-        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True)
+        self.session = AdapterSession("skyrl", cfg, where=where, provide=_PROVIDE, carry_log_prob_metrics=True,
+                                      route_transports=("inline", "handles"))
         self.session.attach(actor_module, model, layout=layout)
         self.route_kind: Optional[str] = None   # which routes the batch carries (None: not told)
         # the next pass's route / log-prob provenance: used once (take_provenance)
         self.provenance: Optional[ProvenancePairing] = None
         # the last update's + its compute_log_prob's, tagged; r3bridge/replay_mode always (also off)
         self.log_metrics: dict[str, float] = self.session.replay_mode_metric
+        # route_transport=handles: the batch's route handles, for the SkyRL call that runs the pass
+        # (handles_from), and the resolvers that read them (one per store, kept for the worker's life)
+        self.route_handles: Optional[BatchHandles] = None
+        self._resolvers: dict[tuple, dict] = {}
 
     @property
     def replayer(self) -> Any:
@@ -89,6 +95,22 @@ class SkyRLReplay:
             yield
         finally:
             self.provenance = None
+
+    @contextlib.contextmanager
+    def handles_from(self, metadata: Optional[Mapping[str, Any]]) -> Iterator[None]:
+        """The route handles a batch's ``metadata`` carries are the pass's inside this block only;
+        ``ConfigError`` when they contradict ``r3bridge.route_transport`` (never read inline routes
+        for handles, nor the reverse, in silence)."""
+        handles = (metadata or {}).get(HANDLES_KEY)
+        wants = self.session.config.route_transport
+        if handles is not None and wants != "handles":
+            raise ConfigError(f"the batch carries route handles, this worker's r3bridge.route_transport is {wants!r}: "
+                              f"set the same route_transport for the trainer and its workers")
+        self.route_handles = handles
+        try:
+            yield
+        finally:
+            self.route_handles = None
 
     def record_into(self, outputs: Callable[[], Sequence[dict]], key: str) -> None:
         """R2: the last pass's recording, one payload per sample (:mod:`r3bridge.batch.recorded`),
@@ -128,9 +150,24 @@ class SkyRLReplay:
         """REPLAY: SkyRL's own micro-batch field (``fields`` with the ``route_keys`` back in)
         viewed: the driver's reader reads this rank's rows once."""
         m = self.session.model
+        if self.session.config.route_transport == "handles":
+            return self._handle_routes(fields, plan)
         return codec.handed_routes(fields, num_experts=m.num_experts, moe_layer_ids=m.moe_layer_ids,
                                    route_kind=plan.route_kind,
                                    num_hidden_layers=None if plan.route_kind == "recorded" else m.num_layers)
+
+    def _handle_routes(self, fields: dict, plan: PhasePlan) -> HandedRoutes:
+        handles = self.route_handles
+        if handles is None:
+            raise ConfigError(f"r3bridge.route_transport=handles: the batch carries no route handles (metadata "
+                              f"{HANDLES_KEY!r}): write the routes with r3bridge's TrainerMixin under the same "
+                              f"route_transport")
+        key = (handles.store, handles.directory)
+        if key not in self._resolvers:
+            self._resolvers[key] = handles.resolvers()
+        seq_lens = fields[self.attention_key].sum(-1).long().tolist()
+        return micro_batch_routes(fields[codec.ROUTES_KEY], handles, seq_lens, self._resolvers[key],
+                                  route_kind=plan.route_kind)
 
     def run_micro_batches(self, phase: Phase, micro_batches: Sequence[Mapping[str, Any]], *, forward_only: bool,
                           call: Callable[[list[dict]], Any]) -> Any:

@@ -20,6 +20,8 @@ log-probs must equal compute_log_prob's (same weights, same routes).
     ranks; every rank's router calls checked, the dispatch records merged over the ranks);
     --layer-spec te (default; TE attention on SkyRL's packed THD input, bf16) or local (MoE-only
     layers, fp32).
+  --route-transport handles: the routes by reference (docs/route-handles.md, "SkyRL"); per mode
+    ``route_files``: each step's route files while it trained and after its release (0).
   --device cpu: gloo with the CPU shim, local spec, whatever SkyRL comes first on the path: 0.3 as
     installed on the CPU machines, or 0.4.0 (PYTHONPATH=build/skyrl04 and megatron-core >= 0.17 first;
     SkyRL 0.4's wrapper then imports on Python 3.11), with testlab.skyrl04_env's stand-in for
@@ -46,7 +48,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 LAYOUTS = {"tp1": {}, "tp2_sp": {"tp": 2, "etp": 2}, "pp2_vpp2": {"pp": 2, "vpp": 2}}
 
 
-def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
+def _cell(ctx: Any, layer_spec: str, steps: int, device: str, route_transport: str = "inline") -> dict:
     from testlab.device_runs import PERMUTE, skyrl_rollouts, skyrl_spec
     from testlab.skyrl04_env import apply
     from testlab.skyrl_real import StepSpec, run_steps
@@ -61,7 +63,8 @@ def _cell(ctx: Any, layer_spec: str, steps: int, device: str) -> dict:
         out[mode] = run_steps(
             ctx,
             spec,
-            StepSpec(mode=mode, remove_microbatch_padding=True, permute=PERMUTE, micro_train_batch_size=2),
+            StepSpec(mode=mode, remove_microbatch_padding=True, permute=PERMUTE, micro_train_batch_size=2,
+                     route_transport=route_transport),
             rollouts,
         )
         out[mode]["seconds"] = round(time.time() - t0, 2)
@@ -107,6 +110,8 @@ def summarize(per_rank: list, steps: int, logprob_tol: float) -> dict:
             )
             m["dispatch_errors"] += errs[:5]
             m["dispatch_compared"] += n
+        if "stored_files" in ranks[0]["steps"][0]:     # route_transport=handles: written per step, released after it
+            m["route_files"] = [[s["stored_files"], s["files_after_release"]] for s in ranks[0]["steps"]]
         m["coverage_update"] = ranks[-1]["steps"][-1]["upd_metrics"].get("r3bridge/coverage")
         m["agreement_update"] = ranks[-1]["steps"][-1]["upd_metrics"].get("r3bridge/agreement/mean")
         mode_ok = (
@@ -136,6 +141,9 @@ def main() -> int:
     )
     ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS),
                     help="tp1 (1 GPU), tp2_sp or pp2_vpp2 (2 ranks: TP2 + SP, or PP2 x VPP2 with SkyRL's p2p settings)")
+    ap.add_argument("--route-transport", default="inline", choices=["inline", "handles"],
+                    help="handles: each step's routes written once (route_store: the default folder /dev/shm/r3bridge-routes), "
+                         "each rank reads its rows of its stage's layers (docs/route-handles.md)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
@@ -155,6 +163,7 @@ def main() -> int:
         "device": a.device,
         "layer_spec": layer_spec,
         "layout": a.layout,
+        "route_transport": a.route_transport,
     }
     if a.device == "cuda":
         import torch
@@ -167,7 +176,7 @@ def main() -> int:
             _cell,
             world_size=layout.tp * layout.pp,
             layouts=[layout],
-            args=(layer_spec, a.steps, a.device),
+            args=(layer_spec, a.steps, a.device, a.route_transport),
             backend=backend_of(a.device),
             timeout=a.timeout,
         )

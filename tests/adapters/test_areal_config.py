@@ -57,3 +57,18 @@ def test_topk_mismatch_at_ingest_names_sample_token_layer_and_both_topks():
         assert part in msg, (part, msg)
     with pytest.raises(RouteShapeError, match="carries 3 expert ids per token and layer, the model routes top-2"):
         check_topk("'r3bridge_routes'", torch.zeros(2, 4, 3, 9).shape[2], 2, where="AReaL batch (every sample)")
+
+
+def test_routes_by_reference_are_refused_when_the_actor_starts():
+    """AReaL's rollout writes trajectories before the step that trains on them is known, on every
+    data-parallel head (docs/route-handles.md, "AReaL: not wired (why)"): ``route_transport:
+    handles`` is refused when the actor's session starts, never left on inline routes in silence."""
+    from r3bridge.adapters.areal.hooks import MegatronEngineMixin
+    from r3bridge.errors import ConfigError
+    from r3bridge.hf import ModelInfo
+
+    engine = type("Engine", (MegatronEngineMixin,), {})()
+    engine.r3_config = ReplayConfig(replay_mode="R3", route_transport="handles")
+    with pytest.raises(ConfigError, match=r"route_transport='handles': the areal adapter reads routes as inline only "
+                                          r"\(routes by reference: docs/route-handles.md"):
+        engine.r3_attach(ModelInfo(num_experts=4, moe_layer_ids=[1], num_layers=2, topk=2))

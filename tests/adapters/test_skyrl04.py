@@ -169,10 +169,64 @@ def check_launcher_builds_skyrls_generator():
     assert type(gen) is launcher.SkyRLGymGenerator, type(gen).__mro__
 
 
+def check_handles_written_once_04():
+    """Routes by reference under SkyRL 0.4: r3bridge's RouteWriter writes 0.4's generator routes
+    (``RoutedExpertTrace`` prefixes) once, the batch's ``PackedTensor`` field becomes each row's
+    sample id (``router_padding_mask`` None), and SkyRL 0.4's own batch padding (its metadata
+    deep-copied: the handles stay themselves), re-indexing and chunking carry the ids with their
+    rows: each micro-batch's handles read the inline field's targets (SkyRL's padding rows, copies
+    of row 0, read sample 0's routes, as 0.3's padding rows carry them)."""
+    import tempfile
+
+    import torch
+
+    from r3bridge.adapters.skyrl.handles import HANDLES_KEY, RouteWriter, micro_batch_routes
+    from r3bridge.config import ReplayConfig
+    from r3bridge.hf import ModelInfo
+    from r3bridge.parallel.layout import ParallelLayout
+    from r3bridge.parallel.rank_rows import RankRows
+    from r3bridge.parallel.read import read_targets
+    from r3bridge.testing.kit.conformance import make_rollout
+    from testlab.skyrl_real import generator_routes04
+
+    rollout = make_rollout(7, batch_size=6)
+    inline, by_ref = _batch04(rollout), _batch04(rollout)
+    writer = RouteWriter(ReplayConfig(replay_mode="R3", route_transport="handles"), directory=tempfile.mkdtemp())
+    model = ModelInfo(num_experts=rollout.num_experts, moe_layer_ids=rollout.moe_layer_ids,
+                      num_layers=rollout.num_layers, topk=rollout.topk)
+    writer.write_rollout(by_ref, generator_routes04(rollout), by_ref.metadata["uids"], step=1, model=model)
+    assert by_ref["router_padding_mask"] is None and tuple(by_ref["rollout_expert_indices"].shape[2:]) == (1, 1)
+    handles = by_ref.metadata[HANDLES_KEY]
+    padded = _sk("skyrl.backends.skyrl_train.training_batch").pad_training_input_batch(by_ref, 2)
+    assert padded.metadata[HANDLES_KEY] is handles
+    layout = ParallelLayout(rollout.num_layers, [int(i in rollout.moe_layer_ids) for i in range(rollout.num_layers)])
+    codec = _codec(rollout)
+
+    def targets(routes, lens):
+        return read_targets(routes, RankRows.build(layout, lens, tp_rank=0, cp_rank=0).cover(routes),
+                            rollout.moe_layer_ids)
+
+    order = [4, 6, 2, 0, 7, 5, 1, 3]
+    checked = 0
+    for part, ids in codec.split(padded, 3, order=order):
+        want_part = codec.split(inline, 1, order=[i if i < 6 else 0 for i in ids])[0][0]
+        lens = part["attention_mask"].sum(-1).tolist()
+        got = targets(micro_batch_routes(part["rollout_expert_indices"], handles, lens, handles.resolvers(),
+                                         route_kind="rollout"), lens)
+        want = targets(codec.handed_routes(want_part), lens)
+        assert torch.equal(got.valid, want.valid), ids
+        for lid in rollout.moe_layer_ids:
+            assert torch.equal(got.indices[lid], want.indices[lid]), (ids, lid)
+        checked += int(got.valid.sum())
+    assert checked > 0
+    assert writer.release(1) == 6
+
+
 # ------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("check", ["check_release", "check_ingest_byte_identical", "check_padding_rows_are_skyrls",
                                    "check_recorded_written_back_in_04_layout", "check_refusals",
-                                   "check_first_seen_mixin_refused", "check_launcher_builds_skyrls_generator"])
+                                   "check_first_seen_mixin_refused", "check_launcher_builds_skyrls_generator",
+                                   "check_handles_written_once_04"])
 def test_skyrl04(check):
     _run(check)
 

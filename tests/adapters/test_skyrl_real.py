@@ -31,6 +31,14 @@ def _cell(ctx, cells):
     for mode in ("R3", "R2"):
         out[mode] = run_steps(ctx, spec, StepSpec(mode=mode, remove_microbatch_padding=thd, permute=PERMUTE,
                                                   **step_kw), rollouts)
+    if ctx.pp == 2:     # routes by reference: TrainerMixin's RouteWriter, each stage reads its layers' rows
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as routes:
+            for mode in ("R3", "R2"):
+                out[f"{mode} handles"] = run_steps(ctx, spec, StepSpec(
+                    mode=mode, remove_microbatch_padding=thd, permute=PERMUTE, route_transport="handles",
+                    routes_dir=routes, **step_kw), rollouts)
     out["reference"] = reference_roles(ctx, spec)
     return out
 
@@ -42,10 +50,12 @@ CELLS = {(2, 1): (False, {}, {}),
                   {"micro_train_batch_size": 2})}
 
 
-def _check(res):
+def _check(res, handles=False):
     for r in res:
         _check_reference(r["reference"])
         for mode in ("R3", "R2"):
+            if handles:
+                _check_handles(r[mode], r[f"{mode} handles"])
             steps = r[mode]["steps"]
             assert len(steps) == 2
             for s in steps:
@@ -77,7 +87,26 @@ def test_skyrl_real_training_path_tp2(results):
 
 @pytest.mark.slow
 def test_skyrl_real_training_path_pp2_vpp2(results):
-    _check(results[1])
+    """Also with ``route_transport: handles`` (R3 and R2): the same dispatch, counters and metrics."""
+    _check(results[1], handles=True)
+
+
+def _check_handles(inline, by_ref):
+    """Routes by reference replay exactly what the inline field replays: every router call checked,
+    the same counts and the same metrics, the same log-probs and gradients; each step's routes were
+    stored and are gone after its training."""
+    import torch
+
+    a, b = inline["dispatch"], by_ref["dispatch"]       # every router row dispatched the same experts
+    assert len(a) > 0 and torch.equal(a.keys, b.keys) and torch.equal(a.ids, b.ids)
+    for a, b in zip(inline["steps"], by_ref["steps"]):
+        assert b["fwd_errors"] == [] and b["upd_errors"] == [], (b["fwd_errors"], b["upd_errors"])
+        for key in ("fwd_checked", "upd_checked", "fwd_mismatched", "upd_mismatched", "max_logprob_diff"):
+            assert b.get(key) == a.get(key), (key, a.get(key), b.get(key))
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+        for which in ("fwd_metrics", "upd_metrics"):
+            assert b[which] == a[which] and (a[which] or which == "fwd_metrics"), which   # R2's recording: none
+        assert b["stored_files"] == 8 and b["released"] == 8 and b["files_after_release"] == 0, b
 
 
 def _check_reference(ref) -> None:
