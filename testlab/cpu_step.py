@@ -153,6 +153,46 @@ def report(res: dict, mode: str) -> tuple[list[str], int]:
     return lines, 1 if bad else 0
 
 
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def environment_problems(framework: str, *, installed=_installed, importable=None) -> list[str]:
+    """What this environment lacks for the CPU step, one line each, found before a rank is spawned
+    (where each would be a traceback from deep inside an import). Both were met on Python 3.12, where
+    pip resolves newer releases than on 3.11:
+
+    * megatron-core 0.18 and later import triton in ``import megatron.core`` (0.18.2, 0.19.2:
+      ``megatron/core/transformer/moe/ops/paged_stash.py``); torch's CPU build does not bring triton.
+      0.16.1, the release the suite runs, imports without it (the guides' blocks pin it).
+    * SkyRL 0.4's ``MegatronModelWrapper`` imports ``megatron.bridge`` at module level
+      (``skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:8``); Megatron-Bridge
+      needs Transformer Engine, so no CPU machine has it. The CPU step runs SkyRL 0.3."""
+    import importlib.util
+
+    from packaging.version import Version
+
+    importable = importable or (lambda name: importlib.util.find_spec(name) is not None)
+    problems = []
+    mcore = installed("megatron-core")
+    if mcore is not None and Version(mcore) >= Version("0.18") and not importable("triton"):
+        problems.append(f"megatron-core {mcore} imports triton (megatron/core/transformer/moe/ops/paged_stash.py), "
+                        "which torch's CPU build does not bring: pip install megatron-core==0.16.1 (the release the "
+                        "CPU steps run; the guide's block pins it), or pip install triton")
+    skyrl = installed("skyrl") if framework == "skyrl" else None
+    if skyrl is not None and Version(skyrl) >= Version("0.4") and not importable("megatron.bridge"):
+        problems.append(f"SkyRL {skyrl}'s MegatronModelWrapper imports megatron.bridge at module level "
+                        "(skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py), and Megatron-Bridge "
+                        "needs Transformer Engine (a GPU): the CPU step runs SkyRL 0.3, pip install skyrl==0.3.0 "
+                        "(the guide's block pins it)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpu_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("framework", choices=FRAMEWORKS)
@@ -161,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-dir", default=None,
                    help="write route traces there (the r3bridge option trace_dir; read them with r3bridge inspect)")
     args = p.parse_args(argv)
+    problems = environment_problems(args.framework)
+    if problems:
+        print("\n".join(f"error: {line}" for line in problems), file=sys.stderr, flush=True)
+        return 2
 
     import r3bridge
     from r3bridge.config import ENV_CONFIG

@@ -178,6 +178,13 @@ def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhe
     # line stops it ("No matching distribution") instead of pulling the CUDA build
     args = _pip_args(r3_line)
     assert args[0] == f'"$R3BRIDGE[{framework}]"' and f"torch=={version}+cpu" in args, r3_line
+    # megatron-core pinned to the suite's release: Python 3.12 resolves 0.19.2, whose `import megatron.core`
+    # needs triton, which torch's CPU build lacks (testlab.cpu_step.environment_problems says so)
+    from importlib.metadata import version as installed_version
+    assert f"megatron-core=={installed_version('megatron-core')}" in args, r3_line
+    readme_cpu_lines = [line for line in readme.splitlines() if line.startswith('pip install ".[') and "+cpu" in line]
+    assert readme_cpu_lines and all(f"megatron-core=={installed_version('megatron-core')}" in line
+                                    for line in readme_cpu_lines), readme_cpu_lines
     assert f'pip install ".[{framework}]"' in readme
     pips = [_pip_args(line) for line in block if line.startswith("pip install")]
     assert not [p for p in pips if "-e" in p or "--editable" in p], pips
@@ -241,7 +248,9 @@ def test_the_fresh_venv_script_runs_each_block_as_written():
 def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
     """torch and every package the block adds for the CPU step, against the release's own metadata
     (the installed wheel): a pin the framework would refuse fails here, not in a user's virtualenv."""
+    import tomllib
     from importlib.metadata import distribution
+    from importlib.metadata import version as installed_version
 
     from packaging.requirements import Requirement
     from packaging.version import Version
@@ -267,6 +276,12 @@ def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
                     assert Version(version) in theirs.specifier or not theirs.specifier, (framework, arg, str(theirs))
             if req.name == framework:          # the release the CPU step runs, pinned (SkyRL 0.4 on 3.12: not)
                 assert pinned == [dist.version], (arg, dist.version)
+                continue
+            if req.name == "megatron-core":    # r3bridge's own extra names it: the suite's release, in its range
+                assert pinned == [installed_version("megatron-core")], (arg, installed_version("megatron-core"))
+                extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+                ours = [r for r in map(Requirement, extra[framework]) if r.name == "megatron-core"]
+                assert ours and all(Version(pinned[0]) in r.specifier for r in ours), (arg, [str(r) for r in ours])
                 continue
             if framework == "skyrl" and req.name != "torch":   # what SkyRL's skyrl-train extra brings
                 extra = [r for r in own.get(req.name, []) if r.marker and r.marker.evaluate({"extra": "skyrl-train"})]
