@@ -43,8 +43,8 @@ def _verl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
     layout = verl_job.JobLayout(recompute=True)
     res = verl_job.run_training_worker(ctx, verl_job.write_tiny_qwen3_moe(workdir), layout, mode, steps)
     per_step: dict[str, list] = {}
-    for p in res["passes"]:  # "step0/compute_log_prob", "step0/update", ...
-        per_step.setdefault(p.phase.split("/")[0], []).append(p)
+    for p in res["passes"]:  # "step0/compute_log_prob", "step0/update", ...: step 1, ...
+        per_step.setdefault(f"step {int(p.phase.split('/')[0][4:]) + 1}", []).append(p)
     return {
         "steps": [
             {
@@ -82,7 +82,7 @@ def _skyrl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
         errors = s.get("fwd_errors", []) + s.get("upd_errors", [])
         out.append(
             {
-                "what": f"step {i} compute_log_prob + update",
+                "what": f"step {i + 1} compute_log_prob + update",
                 "checked": s.get("fwd_checked", 0) + s.get("upd_checked", 0),
                 "mismatching": len(errors),
                 "first": errors[:3],
@@ -132,8 +132,9 @@ def report(res: dict, mode: str) -> tuple[list[str], int]:
     (token, layer) pair must dispatch its target (exit 1 otherwise). Under ``off`` nothing replays:
     the same comparison is the *baseline*, how often the trainer's own routing differs from the
     routes the rollout sampled with (what R3 removes); it is reported as such, never as a failure."""
+    # steps count from 1, as verl's and the route traces' (`r3bridge inspect`, printed after these lines)
     lines = [f"step {i} metrics: " + ", ".join(f"{k}={_value(v)}" for k, v in sorted(m.items()))
-             for i, m in enumerate(res["metrics"])]
+             for i, m in enumerate(res["metrics"], 1)]
     bad = checked = 0
     for s in res["steps"]:
         bad += s["mismatching"]

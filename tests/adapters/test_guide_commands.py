@@ -358,3 +358,17 @@ def test_cpu_step_runs_from_another_folder_with_an_installed_r3bridge(tmp_path, 
     trace = json.loads(read.stdout)
     assert trace["framework"] == "skyrl" and trace["mode"] == "R3" and \
         {p["pass"].split(".")[0] for p in trace["passes"]} == {"compute_log_prob", "update"}
+    # what the guide says the block prints is what it prints (steps from 1, inspect's columns, its
+    # verdict): every line of the guide's "Expected" block that elides nothing, the folder aside
+    text = subprocess.run([sys.executable, "-m", "r3bridge", "inspect", "routes"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr
+    guide = (ROOT / "docs" / "use-with-skyrl.md").read_text()
+    start = guide.index("```\n", guide.index("Expected, after SkyRL's"))
+    expected = guide[start + 4:guide.index("```", start + 4)].splitlines()
+    printed = (out + text.stdout).replace(str(tmp_path / "routes"), "/tmp/routes").splitlines()
+    verbatim = [line for line in expected if "..." not in line]
+    assert len(verbatim) >= 6 and all(line in printed for line in verbatim), \
+        [line for line in verbatim if line not in printed]
+    elided = [part.strip(" ,") for line in expected if "..." in line for part in line.split("...")]
+    assert [part for part in elided if part and part not in "\n".join(printed)] == []
