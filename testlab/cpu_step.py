@@ -44,8 +44,8 @@ def _verl(ctx: Any, workdir: str, mode: str, steps: int) -> dict:
     layout = verl_job.JobLayout(recompute=True)
     res = verl_job.run_training_worker(ctx, verl_job.write_tiny_qwen3_moe(workdir), layout, mode, steps)
     per_step: dict[str, list] = {}
-    for p in res["passes"]:  # "step0/compute_log_prob", "step0/update", ...
-        per_step.setdefault(p.phase.split("/")[0], []).append(p)
+    for p in res["passes"]:  # "step0/compute_log_prob", "step0/update", ...: step 1, ...
+        per_step.setdefault(f"step {int(p.phase.split('/')[0][4:]) + 1}", []).append(p)
     return {
         "steps": [
             {
@@ -85,7 +85,7 @@ def _skyrl(ctx: Any, workdir: str, mode: str, steps: int, route_transport: str =
         errors = s.get("fwd_errors", []) + s.get("upd_errors", [])
         out.append(
             {
-                "what": f"step {i} compute_log_prob + update",
+                "what": f"step {i + 1} compute_log_prob + update",
                 "checked": s.get("fwd_checked", 0) + s.get("upd_checked", 0),
                 "mismatching": len(errors),
                 "first": errors[:3],
@@ -137,8 +137,9 @@ def report(res: dict, mode: str) -> tuple[list[str], int]:
     (token, layer) pair must dispatch its target (exit 1 otherwise). Under ``off`` nothing replays:
     the same comparison is the *baseline*, how often the trainer's own routing differs from the
     routes the rollout sampled with (what R3 removes); it is reported as such, never as a failure."""
+    # steps count from 1, as verl's and the route traces' (`r3bridge inspect`, printed after these lines)
     lines = [f"step {i} metrics: " + ", ".join(f"{k}={_value(v)}" for k, v in sorted(m.items()))
-             for i, m in enumerate(res["metrics"])]
+             for i, m in enumerate(res["metrics"], 1)]
     bad = checked = 0
     for s in res["steps"]:
         bad += s["mismatching"]
@@ -158,6 +159,46 @@ def report(res: dict, mode: str) -> tuple[list[str], int]:
     return lines, 1 if bad else 0
 
 
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def environment_problems(framework: str, *, installed=_installed, importable=None) -> list[str]:
+    """What this environment lacks for the CPU step, one line each, found before a rank is spawned
+    (where each would be a traceback from deep inside an import). Both were met on Python 3.12, where
+    pip resolves newer releases than on 3.11:
+
+    * megatron-core 0.18 and later import triton in ``import megatron.core`` (0.18.2, 0.19.2:
+      ``megatron/core/transformer/moe/ops/paged_stash.py``); torch's CPU build does not bring triton.
+      0.16.1, the release the suite runs, imports without it (the guides' blocks pin it).
+    * SkyRL 0.4's ``MegatronModelWrapper`` imports ``megatron.bridge`` at module level
+      (``skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:8``); Megatron-Bridge
+      needs Transformer Engine, so no CPU machine has it. The CPU step runs SkyRL 0.3."""
+    import importlib.util
+
+    from packaging.version import Version
+
+    importable = importable or (lambda name: importlib.util.find_spec(name) is not None)
+    problems = []
+    mcore = installed("megatron-core")
+    if mcore is not None and Version(mcore) >= Version("0.18") and not importable("triton"):
+        problems.append(f"megatron-core {mcore} imports triton (megatron/core/transformer/moe/ops/paged_stash.py), "
+                        "which torch's CPU build does not bring: pip install megatron-core==0.16.1 (the release the "
+                        "CPU steps run; the guide's block pins it), or pip install triton")
+    skyrl = installed("skyrl") if framework == "skyrl" else None
+    if skyrl is not None and Version(skyrl) >= Version("0.4") and not importable("megatron.bridge"):
+        problems.append(f"SkyRL {skyrl}'s MegatronModelWrapper imports megatron.bridge at module level "
+                        "(skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py), and Megatron-Bridge "
+                        "needs Transformer Engine (a GPU): the CPU step runs SkyRL 0.3, pip install skyrl==0.3.0 "
+                        "(the guide's block pins it)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpu_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("framework", choices=FRAMEWORKS)
@@ -171,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.route_transport != "inline" and args.framework != "skyrl":
         p.error(f"--route-transport {args.route_transport}: wired here for skyrl only (docs/route-handles.md)")
+    problems = environment_problems(args.framework)
+    if problems:
+        print("\n".join(f"error: {line}" for line in problems), file=sys.stderr, flush=True)
+        return 2
 
     import r3bridge
     from r3bridge.config import ENV_CONFIG

@@ -31,6 +31,31 @@ def test_rollouts_cover_the_hard_cases():
         assert want.rows_per_seq[i] in (len(r.tokens[i]) - 1, len(r.tokens[i]))
 
 
+def test_porting_md_documents_every_field_of_the_canonical_rollout_and_the_zero_row_rule():
+    """A new framework's author reads porting.md, not the kit's source (issue 50 items 3 and 5): every
+    field, property and method of CanonicalRollout has its row in the table, and porting.md and
+    options.md state how an aborted sample is handed and counted."""
+    import dataclasses
+    from pathlib import Path
+
+    from r3bridge.testing.kit.rollouts import CanonicalRollout
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    porting = (docs / "porting.md").read_text()
+    section = porting[porting.index("### The canonical rollout"):]
+    table = section[:section.index("\n\n", section.index("| field |"))]
+    public = {f.name for f in dataclasses.fields(CanonicalRollout)} | {
+        name for name, value in vars(CanonicalRollout).items()
+        if not name.startswith("_") and (isinstance(value, property) or callable(value))}
+    missing = sorted(name for name in public if f"`{name}" not in table and f", `{name}`" not in table)
+    assert not missing, f"porting.md's canonical rollout table lacks {missing}"
+    rule = " ".join(porting.split())
+    assert "an aborted sample** (the engine returned `routes=None`) still trains: hand it as **0 rows**" in rule
+    assert "counted apart (`samples/without_routes`, outside `min_coverage` and `coverage_floor`)" in rule
+    assert "Only 0 rows may start anywhere" in rule
+    assert "a sample the engine returned no routes for is handed as 0" in " ".join((docs / "options.md").read_text().split())
+
+
 def test_single_call_rollouts_have_one_engine_call_per_sample():
     r = make_rollout(0, batch_size=9, single_call=True, aborted=(4,))
     assert [len(c) for c in r.calls] == [1] * 9 and r.aborted == [4]

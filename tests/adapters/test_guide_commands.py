@@ -178,6 +178,13 @@ def test_fresh_venv_block_installs_the_readme_line_and_runs_the_cpu_step_elsewhe
     # line stops it ("No matching distribution") instead of pulling the CUDA build
     args = _pip_args(r3_line)
     assert args[0] == f'"$R3BRIDGE[{framework}]"' and f"torch=={version}+cpu" in args, r3_line
+    # megatron-core pinned to the suite's release: Python 3.12 resolves 0.19.2, whose `import megatron.core`
+    # needs triton, which torch's CPU build lacks (testlab.cpu_step.environment_problems says so)
+    from importlib.metadata import version as installed_version
+    assert f"megatron-core=={installed_version('megatron-core')}" in args, r3_line
+    readme_cpu_lines = [line for line in readme.splitlines() if line.startswith('pip install ".[') and "+cpu" in line]
+    assert readme_cpu_lines and all(f"megatron-core=={installed_version('megatron-core')}" in line
+                                    for line in readme_cpu_lines), readme_cpu_lines
     assert f'pip install ".[{framework}]"' in readme
     pips = [_pip_args(line) for line in block if line.startswith("pip install")]
     assert not [p for p in pips if "-e" in p or "--editable" in p], pips
@@ -241,7 +248,9 @@ def test_the_fresh_venv_script_runs_each_block_as_written():
 def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
     """torch and every package the block adds for the CPU step, against the release's own metadata
     (the installed wheel): a pin the framework would refuse fails here, not in a user's virtualenv."""
+    import tomllib
     from importlib.metadata import distribution
+    from importlib.metadata import version as installed_version
 
     from packaging.requirements import Requirement
     from packaging.version import Version
@@ -267,6 +276,12 @@ def test_fresh_venv_block_pins_what_the_framework_release_pins(framework):
                     assert Version(version) in theirs.specifier or not theirs.specifier, (framework, arg, str(theirs))
             if req.name == framework:          # the release the CPU step runs, pinned (SkyRL 0.4 on 3.12: not)
                 assert pinned == [dist.version], (arg, dist.version)
+                continue
+            if req.name == "megatron-core":    # r3bridge's own extra names it: the suite's release, in its range
+                assert pinned == [installed_version("megatron-core")], (arg, installed_version("megatron-core"))
+                extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+                ours = [r for r in map(Requirement, extra[framework]) if r.name == "megatron-core"]
+                assert ours and all(Version(pinned[0]) in r.specifier for r in ours), (arg, [str(r) for r in ours])
                 continue
             if framework == "skyrl" and req.name != "torch":   # what SkyRL's skyrl-train extra brings
                 extra = [r for r in own.get(req.name, []) if r.marker and r.marker.evaluate({"extra": "skyrl-train"})]
@@ -343,3 +358,17 @@ def test_cpu_step_runs_from_another_folder_with_an_installed_r3bridge(tmp_path, 
     trace = json.loads(read.stdout)
     assert trace["framework"] == "skyrl" and trace["mode"] == "R3" and \
         {p["pass"].split(".")[0] for p in trace["passes"]} == {"compute_log_prob", "update"}
+    # what the guide says the block prints is what it prints (steps from 1, inspect's columns, its
+    # verdict): every line of the guide's "Expected" block that elides nothing, the folder aside
+    text = subprocess.run([sys.executable, "-m", "r3bridge", "inspect", "routes"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr
+    guide = (ROOT / "docs" / "use-with-skyrl.md").read_text()
+    start = guide.index("```\n", guide.index("Expected, after SkyRL's"))
+    expected = guide[start + 4:guide.index("```", start + 4)].splitlines()
+    printed = (out + text.stdout).replace(str(tmp_path / "routes"), "/tmp/routes").splitlines()
+    verbatim = [line for line in expected if "..." not in line]
+    assert len(verbatim) >= 6 and all(line in printed for line in verbatim), \
+        [line for line in verbatim if line not in printed]
+    elided = [part.strip(" ,") for line in expected if "..." in line for part in line.split("...")]
+    assert [part for part in elided if part and part not in "\n".join(printed)] == []
