@@ -427,6 +427,7 @@ def _bench(ctx, args) -> dict:
     steps = []
     prev = None
     rng = random.Random(args.seed)
+    t_start = time.perf_counter()
     for it in range(args.warmup + args.iters):
         # every round runs each arm once; "rotate" shifts the order by one per round (each arm
         # keeps its predecessor), "shuffle" draws it (seeded), so that what an arm pays for the arm
@@ -442,6 +443,8 @@ def _bench(ctx, args) -> dict:
             if it >= args.warmup:
                 steps.append({"arm": name, "round": it, "pos": pos, "prev": prev, **rec})
             prev = name
+        print(f"p3: round {it + 1}/{args.warmup + args.iters} ({'warm-up' if it < args.warmup else 'timed'}) "
+              f"{time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
     arms = {}
     for name in names:
         mine = [s for s in steps if s["arm"] == name]
@@ -517,7 +520,7 @@ def print_table(res: dict) -> None:
           f"spec {sh['spec']} | {sh['layers']} layers, hidden {sh['hidden']}, {sh['experts']} experts top-{sh['topk']}, "
           f"{sh['seqs']} x {sh['seq_len']} tokens, {sh['route_sets']} route sets, routes as {sh['routes']} | "
           f"{sh['iters']} rounds after "
-          f"{sh['warmup']} warm-up, arms rotating")
+          f"{sh['warmup']} warm-up, arm order: {sh['order']}")
     cols = ("wall", "enqueue", "span", "router", "install", "install_host", "gc", "mallocs", "faults")
     head = {"wall": "wall ms", "enqueue": "enqueue ms", "span": "dev span ms", "router": "router ms",
             "install": "install dev", "install_host": "install host", "gc": "gc ms", "mallocs": "cudaMalloc",

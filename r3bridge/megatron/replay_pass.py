@@ -731,16 +731,19 @@ class ReplayPass:
         return scores.gather(1, idx), idx
 
     def _fold_counts(self) -> None:
-        """The pass's host counts and per-call agreement sums into the device counter (one
-        host-to-device copy, one scatter-add), before the counts are summed over the ranks."""
+        """The pass's host counts and per-call agreement sums into the device counter, before the
+        counts are summed over the ranks: a few kernels per pass, whatever its router calls (the
+        sums go to their layers through a 0/1 matrix built on the host: a plain product and sum,
+        exact for integers and deterministic, no atomics)."""
         counts = self._counter.counts
         if self._host_counts.any():
             counts += torch.from_numpy(self._host_counts).to(counts.device)
             self._host_counts[:] = 0
         if self._agree_sums:
-            slots = torch.tensor([slot for slot, _ in self._agree_sums], dtype=torch.int64, device=counts.device)
+            onehot = np.zeros((len(self._agree_sums), counts.shape[0]), dtype=np.int64)
+            onehot[np.arange(len(self._agree_sums)), [slot for slot, _ in self._agree_sums]] = 1
             sums = torch.stack([v for _, v in self._agree_sums]).to(counts.dtype)
-            counts[:, _AGREE].index_add_(0, slots, sums)
+            counts[:, _AGREE] += (sums[:, None] * torch.from_numpy(onehot).to(counts.device)).sum(0)
             self._agree_sums.clear()
 
     def _sum_counts(self, groups: Sequence[Any]) -> None:

@@ -69,8 +69,9 @@ class RankRows:
         starts = np.asarray(routes.starts, dtype=np.int64)
         hi = np.minimum(starts + routes.captured_rows(), lens)
         seq, pos = self.seq, self.pos
-        covered = (pos >= starts[seq]) & (pos < hi[seq])
-        src = np.where(covered, pos - starts[seq], 0)
+        start = starts[seq]
+        covered = (pos >= start) & (pos < hi[seq])
+        src = np.where(covered, pos - start, 0)
         if routes.no_route == "mask" and covered.any():
             idx = np.flatnonzero(covered)
             b = torch.from_numpy(routes.seq_b[seq[idx]]).to(routes.mask.device)

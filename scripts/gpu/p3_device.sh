@@ -64,7 +64,9 @@ run)
   "$PY" -c "import torch, megatron.core as m; print('p3_device:', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', 'megatron-core', m.__version__)"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader || true
   out=${OUT:-/tmp/p3_out}; mkdir -p "$out"
-  "$PY" benchmarks/p3_step_overhead.py --profile --out "$out/p3.json" "${args[@]}" | tee "$out/p3.txt" ;;
+  # inside the call's 10 minutes, so that what was printed comes back (P3_TIMEOUT seconds)
+  timeout "${P3_TIMEOUT:-560}" "$PY" benchmarks/p3_step_overhead.py --profile --out "$out/p3.json" "${args[@]}" \
+    | tee "$out/p3.txt" ;;
 cpu)
   cd "$repo"
   PY=${PY:-$(pick_python)}
