@@ -89,7 +89,8 @@ class CombineWeights:
                 probs = self._substitute(probs, *replay)
             if record is not None:
                 mb, idx = record
-                mb.recorded_weights[layer] = probs.detach().gather(1, idx).float()
+                # in the router's dtype (a bf16 router's take half float32's memory until the gather)
+                mb.recorded_weights[layer] = probs.detach().gather(1, idx)
             return (probs, routing_map, *output[2:]) if replay is not None else None
 
         return post
