@@ -171,3 +171,13 @@ def test_missing_or_misplaced_weights_are_refused_naming_the_samples(runs):
     assert kind == "ConfigError" and "replay_weights=recorded" in msg, msg
     assert runs["err_record_in_update"][0] == "ConfigError"
     assert runs["err_weights_native"][0] == "ConfigError"
+
+
+def test_a_configured_replayer_opens_passes_from_the_plan_only(runs):
+    """Replayer.from_config with replay_weights set: a pass opened from the action alone would
+    replay ids only, silently; it is refused, and the plan gives the pass its flags."""
+    kind, msg = runs["err_action_only"]
+    assert kind == "ConfigError" and "replay_weights='recorded'" in msg and "phase's plan" in msg, msg
+    kind, msg = runs["err_plan_contradicted"]
+    assert kind == "ConfigError" and "contradict the plan" in msg, msg
+    assert runs["plan_pass"] == ("replay", "recorded", True, False)

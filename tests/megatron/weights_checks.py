@@ -146,6 +146,20 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
                                                                record_weights=True))
     out["err_weights_native"] = _error(lambda: rep.open_pass("native", forward_only=True, replay_weights=True))
     rep.detach()
+    # a Replayer configured with a replay_weights setting refuses a pass opened from the action
+    # alone (it would replay ids only); the plan carries the flags
+    from r3bridge.config import Phase, ReplayConfig
+    cfg = ReplayConfig(replay_mode="R3", replay_weights="recorded")
+    configured = Replayer.from_config(chunks, cfg)
+    try:
+        out["err_action_only"] = _error(lambda: configured.open_pass("replay", forward_only=False,
+                                                                     route_kind="recorded"))
+        out["err_plan_contradicted"] = _error(lambda: configured.open_pass(cfg.plan(Phase.UPDATE), forward_only=False,
+                                                                           replay_weights=False))
+        p = configured.open_pass(cfg.plan(Phase.UPDATE), forward_only=False)
+        out["plan_pass"] = (p.action.value, p.route_kind, p.replay_weights, p.record_weights)
+    finally:
+        configured.detach()
     # recompute (activation checkpointing) substitutes the recorded weights too: with every router
     # moved, an update with full or MoE recompute gives the same gradients as the one without
     out["recompute"] = _recompute_grads(ctx, spec, chunks, recorded, batch, g)
