@@ -86,6 +86,11 @@ def test_no_gradient_reaches_the_router_through_replayed_weights(runs):
         assert grad is None or not bool(grad.any()), lid
     for lid, grad in runs["update_ids_moved"]["grads"].items():
         assert grad is not None and float(grad.abs().sum()) > 0, lid
+    # the aux loss (from the router's logits) still reaches it, and the outputs are unchanged
+    real = _real_rows(runs)
+    for lid, grad in runs["update_w_aux"]["grads"].items():
+        assert grad is not None and float(grad.abs().sum()) > 0, lid
+    assert torch.equal(runs["update_w_aux"]["logits"][real], runs["update_w_moved"]["logits"][real])
 
 
 def test_r3w_through_the_phase_runner(runs):

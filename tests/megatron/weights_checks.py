@@ -98,6 +98,15 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
         out["update_w_moved"] = run("replay", recorded, forward_only=False, route_kind="recorded",
                                     replay_weights=True)
         out["update_ids_moved"] = run("replay", recorded, forward_only=False, route_kind="recorded")
+        # the aux loss is computed from the router's logits, not through the combine weights: with
+        # it on, the router still gets its gradient under replay_weights
+        config = chunks[0].config
+        config.moe_aux_loss_coeff = 1e-2
+        try:
+            out["update_w_aux"] = run("replay", recorded, forward_only=False, route_kind="recorded",
+                                      replay_weights=True)
+        finally:
+            config.moe_aux_loss_coeff = 0.0
         # the direct computation of the first MoE layer's output with the recorded weights: each
         # token's experts (its recorded ids) called on its input, scaled by the recorded weight
         first = min(moe)
