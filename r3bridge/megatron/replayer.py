@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.config import REPLAY_WEIGHTS, Action, PhasePlan, ReplayConfig
+from r3bridge.config import REPLAY_WEIGHTS, Action, PhasePlan, ReplayConfig, check_replay_weights
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.engines.route_checks import DEGENERATE_CHOICES
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
@@ -147,6 +147,7 @@ class Replayer:
     def from_config(cls, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, config: ReplayConfig,
                     layout: Optional[ParallelLayout] = None, **kwargs: Any) -> "Replayer":
         """Every option of the job's ``r3bridge`` section, so adapters cannot forget one."""
+        check_replay_weights(config.replay_mode, config.replay_weights)
         return cls(model_chunks, layout, agreement=config.agreement, min_coverage=config.min_coverage,
                    invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix,
                    replay_policy=config.replay_policy, threshold_ratio=config.threshold_ratio,
