@@ -118,18 +118,22 @@ _PLANS: dict[tuple[ReplayMode, Phase], PhasePlan] = {
 REPLAY_WEIGHTS = ("off", "recorded", "rollout")
 
 
-def check_replay_weights(mode: ReplayMode | str, replay_weights: Any) -> str:
+def check_replay_weights(mode: ReplayMode | str, replay_weights: Any, *, resolved: bool = True) -> str:
     """``replay_weights`` checked against ``mode``; returns it. ``recorded``: compute_log_prob
     records the combine weights of the ids it routed with (R2: its own; R3: the engine's) and every
     update replays ids and weights; ``rollout`` (R3 only): every pass replays the weights handed
-    with the rollout routes (an engine's, e.g. SGLang's ``--enable-return-routed-expert-weights``)."""
+    with the rollout routes (an engine's, e.g. SGLang's ``--enable-return-routed-expert-weights``).
+
+    ``resolved=False`` (a section that may still be merged with the environment's
+    ``replay_mode``: :meth:`ReplayConfig.resolve_with_origin`) leaves out the check that replay
+    is on; the adapter session and :func:`phase_plan` make it on the options in force."""
     m = ReplayMode.parse(mode)
     if replay_weights is False or replay_weights is None:
         replay_weights = "off"
     if not isinstance(replay_weights, str) or replay_weights not in REPLAY_WEIGHTS:
         raise ConfigError(f"replay_weights must be one of {', '.join(REPLAY_WEIGHTS)} (false also means off), "
                           f"got {replay_weights!r}")
-    if replay_weights != "off" and m is ReplayMode.OFF:
+    if replay_weights != "off" and m is ReplayMode.OFF and resolved:
         raise ConfigError(f"replay_weights={replay_weights} needs replay_mode R2 or R3 (replay_mode is off: "
                           f"nothing is replayed, so no weight would be)")
     if replay_weights == "rollout" and m is ReplayMode.R2:
@@ -280,7 +284,9 @@ class ReplayConfig:
                 or self.stall_warning_s < 0:
             raise ConfigError(f"stall_warning_s must be a number of seconds >= 0 (0: off), got {self.stall_warning_s!r}")
         check_engine_version_setting(self.engine_version)
-        object.__setattr__(self, "replay_weights", check_replay_weights(self.replay_mode, self.replay_weights))
+        # (that replay is on is checked on the options in force, after the environment's merge)
+        object.__setattr__(self, "replay_weights",
+                           check_replay_weights(self.replay_mode, self.replay_weights, resolved=False))
         if self.route_transport not in ROUTE_TRANSPORTS:
             raise ConfigError(f"route_transport must be one of {', '.join(ROUTE_TRANSPORTS)}, got {self.route_transport!r}")
         if not isinstance(self.route_store, str) or not self.route_store.strip():

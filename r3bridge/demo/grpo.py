@@ -546,8 +546,7 @@ class ArmRunner:
                 ref = {id(b): s.routes.select(ids)}
             out: list[dict] = []
             self.optim.zero_grad()
-            with self.rep.open_pass(plan.action, forward_only=False, route_kind=plan.route_kind,
-                                    replay_weights=plan.replay_weights) as us:
+            with self.rep.open_pass(plan, forward_only=False) as us:
                 run_schedule(self.trainer, [b], _install(us, _ppo_forward_step(self.te, per, o.clip, out), ref,
                                                          {id(b): ids}), forward_only=False)
             norms.append(self.optim.step())

@@ -17,9 +17,10 @@ factor, and with the aux-loss gradient attached). A forward hook on each router 
   (the replayed ids under R3, its own under R2) into the micro-batch's record, next to its ids
   (:func:`r3bridge.megatron.recorder.gather_recorded_weights` gathers them like the ids).
 
-The weights replayed are the routes' ``ReplayBatch.weights`` (float16, as the schema keeps them:
-exact for a bf16 router's weights, 2**-11 relative for a float32 router's), cast to ``probs``'
-dtype. Engines report weights before megatron's routed scaling factor (SGLang's
+The weights replayed are the routes' ``ReplayBatch.weights``, cast to ``probs``' dtype: a
+recording's as recorded (float32 in the recording process: exactly the weights compute_log_prob
+used), an engine's or a payload's in the schema's float16 (exact for a bf16 router's weights,
+2**-11 relative for a float32 router's). Engines report weights before megatron's routed scaling factor (SGLang's
 ``select_experts``; the router log-ratio divides the same way), so "rollout" weights are
 multiplied by ``moe_router_topk_scaling_factor`` here; recorded weights are the router's own
 final ones and are replayed as they are.
@@ -89,7 +90,8 @@ class CombineWeights:
                 probs = self._substitute(probs, *replay)
             if record is not None:
                 mb, idx = record
-                mb.recorded_weights[layer] = probs.detach().gather(1, idx).float()
+                # in the router's dtype (a bf16 router's take half float32's memory until the gather)
+                mb.recorded_weights[layer] = probs.detach().gather(1, idx)
             return (probs, routing_map, *output[2:]) if replay is not None else None
 
         return post

@@ -35,7 +35,7 @@ class InstalledMicroBatch:
     fwd_left: set[int] = field(default_factory=set)     # layers not yet routed in the forward
     recompute_left: set[int] = field(default_factory=set)
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # RECORD: layer -> [rows, K]
-    # record_weights: layer -> float32 [rows, K], the final combine weights of the recorded ids
+    # record_weights: layer -> [rows, K] in the router's dtype, the final combine weights of the recorded ids
     recorded_weights: dict[int, torch.Tensor] = field(default_factory=dict)
     forwarded: bool = False
     routes: Optional[HandedRoutes] = None       # REPLAY: re-reads a target for a late recompute

@@ -132,8 +132,10 @@ def gather_recorded_weights(records: Sequence[InstalledMicroBatch], *, layout: P
     sequence, sequences sorted by sample id, every MoE layer of the layout).
 
     The same three all-gathers as the ids (TP under SP, CP, PP with each stage's part padded to the
-    largest), float32 as it is; each token's row is then read where :func:`token_owners` says its
-    rank holds it (the inverse of the rank split, as the ids' assembly reads it)."""
+    largest), as float32 on every rank (a stage without MoE layers recorded nothing to read a dtype
+    from, and the ranks' byte counts must agree); each token's row is then read where
+    :func:`token_owners` says its rank holds it (the inverse of the rank split, as the ids'
+    assembly reads it)."""
     by_index: dict[int, list[InstalledMicroBatch]] = {}
     for mb in records:
         by_index.setdefault(mb.index, []).append(mb)

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from r3bridge.config import Action, ReplayConfig
+from r3bridge.config import REPLAY_WEIGHTS, Action, PhasePlan, ReplayConfig, check_replay_weights
 from r3bridge.engines.layer_ids import shifted_layer_ids_hint
 from r3bridge.engines.route_checks import DEGENERATE_CHOICES
 from r3bridge.errors import ConfigError, LayerMappingError, ReplayStateError, RoleError
@@ -47,8 +47,11 @@ class Replayer:
                  pp_rank: Optional[int] = None, groups: Optional[dict[str, Any]] = None,
                  expect_moe_layer_ids: Optional[Sequence[int]] = None, replay_policy: str = "hard",
                  threshold_ratio: float = 0.5, role: Role | str = Role.ACTOR, coverage_floor: float = 0.0,
-                 degenerate_routes: str = "refuse") -> None:
-        """``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
+                 degenerate_routes: str = "refuse", replay_weights: str = "off") -> None:
+        """``replay_weights``: the job's routing-weights setting (``ReplayConfig.replay_weights``);
+        when it is not ``off``, every pass must be opened with its phase's plan (or its flags), so
+        a pass opened from the action alone never replays ids only in silence.
+        ``expect_moe_layer_ids``: the MoE layers the routes are indexed by (from the HF config,
         :class:`r3bridge.hf.ModelInfo`); refused unless they are the model's, else routes would
         land on the wrong layers (field notes 8.4: the dense-layer shift). ``role``: the role the framework
         built this model for; anything but ``actor`` is refused (:mod:`r3bridge.megatron.roles`)."""
@@ -85,6 +88,9 @@ class Replayer:
         # R3: a pass covering less of its tokens fails (ReplayConfig.coverage_floor; 0: never)
         self.coverage_floor = float(coverage_floor)
         self.degenerate_routes = degenerate_routes
+        if replay_weights not in REPLAY_WEIGHTS:
+            raise ConfigError(f"replay_weights must be one of {', '.join(REPLAY_WEIGHTS)}, got {replay_weights!r}")
+        self.replay_weights = replay_weights
         self.invalid_rows = invalid_rows
         self.metrics_prefix = metrics_prefix
         check_policy(replay_policy, threshold_ratio)
@@ -141,22 +147,40 @@ class Replayer:
     def from_config(cls, model_chunks: Sequence[torch.nn.Module] | torch.nn.Module, config: ReplayConfig,
                     layout: Optional[ParallelLayout] = None, **kwargs: Any) -> "Replayer":
         """Every option of the job's ``r3bridge`` section, so adapters cannot forget one."""
+        check_replay_weights(config.replay_mode, config.replay_weights)
         return cls(model_chunks, layout, agreement=config.agreement, min_coverage=config.min_coverage,
                    invalid_rows=config.invalid_rows, metrics_prefix=config.metrics_prefix,
                    replay_policy=config.replay_policy, threshold_ratio=config.threshold_ratio,
-                   coverage_floor=config.coverage_floor, degenerate_routes=config.degenerate_routes, **kwargs)
+                   coverage_floor=config.coverage_floor, degenerate_routes=config.degenerate_routes,
+                   replay_weights=config.replay_weights, **kwargs)
 
     # -------------------------------------------------------------------------------- public
-    def open_pass(self, action: Action | str, *, forward_only: bool, route_kind: str | None = None,
-                  replay_weights: bool = False, record_weights: bool = False) -> ReplayPass:
-        """One pass (one schedule run); use as a context manager. ``action`` from
-        :func:`r3bridge.config.phase_plan`; ``route_kind`` the plan's kind of routes ("rollout" /
-        "recorded", ``PhasePlan.route_kind``), checked against each installed batch;
-        ``replay_weights`` / ``record_weights`` the plan's (routing weights:
-        :mod:`r3bridge.megatron.combine_weights`)."""
+    def open_pass(self, action: PhasePlan | Action | str, *, forward_only: bool, route_kind: str | None = None,
+                  replay_weights: Optional[bool] = None, record_weights: Optional[bool] = None) -> ReplayPass:
+        """One pass (one schedule run); use as a context manager. ``action``: the phase's plan
+        (:func:`r3bridge.config.phase_plan`: its action, route kind and routing-weights flags), or
+        the plan's action with ``route_kind`` (the kind of routes, "rollout" / "recorded", checked
+        against each installed batch) and ``replay_weights`` / ``record_weights`` (routing weights:
+        :mod:`r3bridge.megatron.combine_weights`; left out: off, refused when this Replayer was
+        configured with a ``replay_weights`` setting)."""
         check_actor(self._actor_routers, self._hooks)
+        if isinstance(action, PhasePlan):
+            plan = action
+            given = {k: v for k, v in (("route_kind", route_kind), ("replay_weights", replay_weights),
+                                       ("record_weights", record_weights)) if v is not None}
+            clash = {k: v for k, v in given.items() if getattr(plan, k) != v}
+            if clash:
+                raise ConfigError(f"open_pass({plan}): {clash} contradict the plan")
+            action, route_kind = plan.action, plan.route_kind
+            replay_weights, record_weights = plan.replay_weights, plan.record_weights
+        if replay_weights is None and record_weights is None and self.replay_weights != "off" \
+                and Action(action) is not Action.NATIVE:
+            raise ConfigError(f"replay_weights={self.replay_weights!r} is set for this model, and this {Action(action).value} "
+                              f"pass was opened without its routing-weights flags: open it with the phase's plan, "
+                              f"open_pass(phase_plan(...) or config.plan(phase), forward_only=...), else it would "
+                              f"replay expert ids only")
         return ReplayPass(self, action, forward_only=forward_only, route_kind=route_kind,
-                          replay_weights=replay_weights, record_weights=record_weights)
+                          replay_weights=bool(replay_weights), record_weights=bool(record_weights))
 
     def chunk_index(self, model: torch.nn.Module | int) -> int:
         if isinstance(model, int):

@@ -39,7 +39,7 @@ import torch
 from r3bridge.announce import announce, replay_mode_metric
 from r3bridge.batch.provenance import ProvenancePairing
 from r3bridge.batch.schema import ReplayBatch
-from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode
+from r3bridge.config import Action, Phase, PhasePlan, ReplayConfig, ReplayMode, check_replay_weights
 from r3bridge.errors import ConfigError, ReplayStateError, RoleError
 from r3bridge.hf import ModelInfo, check_topk
 from r3bridge.megatron.replay_pass import ReplayPass
@@ -84,6 +84,7 @@ class AdapterSession:
             raise ConfigError(f"r3bridge.route_transport={resolved.route_transport!r}: the {framework} adapter reads "
                               f"routes as {' / '.join(route_transports)} only (routes by reference: docs/route-handles.md "
                               f"says what an adapter needs to read them)")
+        check_replay_weights(resolved.replay_mode, resolved.replay_weights)     # replay on, in the options in force
         if Role.of(role) is Role.ACTOR and resolved.replay_weights not in routing_weights:
             # refused here, at the worker's set-up, not after a compute_log_prob pass: an adapter
             # that does not move the recorded weights to its updates would fail there (a model of

@@ -135,8 +135,7 @@ class PhaseRunner:
             yield None
             return
         checked = self._check_provenance(plan, provenance)
-        with self.replayer.open_pass(plan.action, forward_only=forward_only, route_kind=plan.route_kind,
-                                     replay_weights=plan.replay_weights, record_weights=plan.record_weights) as ps:
+        with self.replayer.open_pass(plan, forward_only=forward_only) as ps:
             ps.serve(self, phase, plan, checked)
             ps.trace = None if self.tracer is None else self.tracer.begin(self.replayer, phase, plan.action)
             if targets is None:

@@ -293,7 +293,6 @@ def test_phase_plans_with_routing_weights(mode, weights, phase, plan):
 
 
 @pytest.mark.parametrize("mode, weights, match", [
-    ("off", "recorded", "needs replay_mode R2 or R3"),
     ("R2", "rollout", "R2 takes replay_weights=recorded"),
     ("R3", "on", "replay_weights must be one of off, recorded, rollout"),
     ("R3", True, "replay_weights must be one of"),
@@ -331,3 +330,20 @@ def test_an_adapter_that_carries_no_recorded_weights_refuses_replay_weights_at_s
         session = AdapterSession("template", cfg, where=None, routing_weights=("off", "recorded", "rollout"))
         assert session.config.replay_weights == setting
         assert AdapterSession("verl", cfg, where=None, role=Role.REFERENCE).config.replay_weights == setting
+
+
+def test_replay_weights_with_replay_off_refused_on_the_options_in_force():
+    """A section may set replay_weights and leave replay_mode to the environment: the section
+    alone is accepted, the merged options are what is checked (by the adapter session, the
+    Replayer and every phase plan); with replay off in the end, refused."""
+    from r3bridge.config import Phase, ReplayConfig, phase_plan
+    from r3bridge.errors import ConfigError
+    from r3bridge.session import AdapterSession
+
+    merged, _ = ReplayConfig.resolve_with_origin({"replay_weights": "recorded"}, {"R3BRIDGE_REPLAY_MODE": "R3"})
+    assert (merged.replay_mode.value, merged.replay_weights) == ("R3", "recorded")
+    off = ReplayConfig(replay_weights="recorded")
+    for refuse in (lambda: phase_plan("off", "update", "recorded"), lambda: off.plan(Phase.UPDATE),
+                   lambda: AdapterSession("template", off, where=None, routing_weights=("off", "recorded"))):
+        with pytest.raises(ConfigError, match="needs replay_mode R2 or R3"):
+            refuse()

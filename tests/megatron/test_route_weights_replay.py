@@ -86,6 +86,11 @@ def test_no_gradient_reaches_the_router_through_replayed_weights(runs):
         assert grad is None or not bool(grad.any()), lid
     for lid, grad in runs["update_ids_moved"]["grads"].items():
         assert grad is not None and float(grad.abs().sum()) > 0, lid
+    # the aux loss (from the router's logits) still reaches it, and the outputs are unchanged
+    real = _real_rows(runs)
+    for lid, grad in runs["update_w_aux"]["grads"].items():
+        assert grad is not None and float(grad.abs().sum()) > 0, lid
+    assert torch.equal(runs["update_w_aux"]["logits"][real], runs["update_w_moved"]["logits"][real])
 
 
 def test_r3w_through_the_phase_runner(runs):
@@ -171,3 +176,13 @@ def test_missing_or_misplaced_weights_are_refused_naming_the_samples(runs):
     assert kind == "ConfigError" and "replay_weights=recorded" in msg, msg
     assert runs["err_record_in_update"][0] == "ConfigError"
     assert runs["err_weights_native"][0] == "ConfigError"
+
+
+def test_a_configured_replayer_opens_passes_from_the_plan_only(runs):
+    """Replayer.from_config with replay_weights set: a pass opened from the action alone would
+    replay ids only, silently; it is refused, and the plan gives the pass its flags."""
+    kind, msg = runs["err_action_only"]
+    assert kind == "ConfigError" and "replay_weights='recorded'" in msg and "phase's plan" in msg, msg
+    kind, msg = runs["err_plan_contradicted"]
+    assert kind == "ConfigError" and "contradict the plan" in msg, msg
+    assert runs["plan_pass"] == ("replay", "recorded", True, False)

@@ -98,6 +98,15 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
         out["update_w_moved"] = run("replay", recorded, forward_only=False, route_kind="recorded",
                                     replay_weights=True)
         out["update_ids_moved"] = run("replay", recorded, forward_only=False, route_kind="recorded")
+        # the aux loss is computed from the router's logits, not through the combine weights: with
+        # it on, the router still gets its gradient under replay_weights
+        config = chunks[0].config
+        config.moe_aux_loss_coeff = 1e-2
+        try:
+            out["update_w_aux"] = run("replay", recorded, forward_only=False, route_kind="recorded",
+                                      replay_weights=True)
+        finally:
+            config.moe_aux_loss_coeff = 0.0
         # the direct computation of the first MoE layer's output with the recorded weights: each
         # token's experts (its recorded ids) called on its input, scaled by the recorded weight
         first = min(moe)
@@ -146,6 +155,20 @@ def run_weights_checks(ctx: RankContext) -> dict[str, Any]:
                                                                record_weights=True))
     out["err_weights_native"] = _error(lambda: rep.open_pass("native", forward_only=True, replay_weights=True))
     rep.detach()
+    # a Replayer configured with a replay_weights setting refuses a pass opened from the action
+    # alone (it would replay ids only); the plan carries the flags
+    from r3bridge.config import Phase, ReplayConfig
+    cfg = ReplayConfig(replay_mode="R3", replay_weights="recorded")
+    configured = Replayer.from_config(chunks, cfg)
+    try:
+        out["err_action_only"] = _error(lambda: configured.open_pass("replay", forward_only=False,
+                                                                     route_kind="recorded"))
+        out["err_plan_contradicted"] = _error(lambda: configured.open_pass(cfg.plan(Phase.UPDATE), forward_only=False,
+                                                                           replay_weights=False))
+        p = configured.open_pass(cfg.plan(Phase.UPDATE), forward_only=False)
+        out["plan_pass"] = (p.action.value, p.route_kind, p.replay_weights, p.record_weights)
+    finally:
+        configured.detach()
     # recompute (activation checkpointing) substitutes the recorded weights too: with every router
     # moved, an update with full or MoE recompute gives the same gradients as the one without
     out["recompute"] = _recompute_grads(ctx, spec, chunks, recorded, batch, g)
