@@ -99,8 +99,15 @@ class WarmStartOptions:
     eval_problems: int = 512
     target_accuracy: float = 0.6
     max_seconds: float = 150.0
+    # transformers' expert kernels: "grouped_mm" runs all experts of a layer in one grouped GEMM
+    # (its default, "eager", loops over them in Python: a few kernels per expert and layer, which
+    # bounds a deep many-expert model's warm start on a GPU); the same loss and gradients (CPU-checked)
+    experts_implementation: str = "grouped_mm"
 
     def __post_init__(self) -> None:
+        if self.experts_implementation not in ("grouped_mm", "eager"):
+            raise ValueError(f"warm start: experts_implementation must be grouped_mm or eager, got "
+                             f"{self.experts_implementation!r}")
         if self.aux_loss < 0 or self.router_z_loss < 0 or self.lr <= 0:
             raise ValueError(f"warm start: aux_loss and router_z_loss must be >= 0 and lr > 0, got "
                              f"{self.aux_loss}, {self.router_z_loss}, {self.lr}")
@@ -182,9 +189,14 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
 
     torch.manual_seed(opts.seed)
     cfg = shape.hf_config()
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    def build(impl: str):
+        torch.manual_seed(opts.seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation=impl).to(device)
+        model.train()
+        return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    impl = opts.experts_implementation
+    model, opt = build(impl)
     rng = np.random.default_rng(opts.seed)
     t0 = time.time()
     curve = []
@@ -192,8 +204,18 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, opts)
         ids, mask = task.sft_batch(opts.batch, rng)
-        total, loss, *_ = _answer_loss(model, torch.as_tensor(ids, device=device),
-                                       torch.as_tensor(mask, device=device), opts.aux_loss, opts.router_z_loss)
+        ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
+        try:
+            total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
+        except (RuntimeError, NotImplementedError) as e:
+            if step or impl == "eager":
+                raise
+            # by design, said and kept in the stats: a torch without fp32 grouped GEMMs on this device
+            log(f"[warm start] experts_implementation {impl!r} failed ({type(e).__name__}: {str(e)[:200]}); "
+                f"training with 'eager' (a Python loop over the experts: slower)")
+            impl = f"eager (after {impl}: {type(e).__name__})"
+            model, opt = build("eager")
+            total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -216,6 +238,7 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
     log(f"[warm start] router margins (k-th minus (k+1)-th logit): median {margins['median']:.3g}, "
         f"{margins['below']:.1%} of tokens under {margins['threshold']:g}")
     stats = {"greedy_accuracy": acc, "steps": step + 1, "seconds": time.time() - t0, "curve": curve,
+             "experts_implementation": impl,
              "router_margins": margins, "shape": asdict(shape), "options": asdict(opts)}
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
     return state, stats

@@ -135,3 +135,35 @@ def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch,
     assert not (tmp_path / "run").exists()                 # refused before anything was written
     assert main(["evidence", "plot", str(tmp_path)]) == 2
     assert "no <arm>.jsonl" in capsys.readouterr().err
+
+
+def test_warm_start_grouped_experts_and_z_loss_as_the_loop_computes_them():
+    """The warm start's grouped expert GEMMs (its default: one kernel per layer on a GPU) give the
+    Python loop's loss and gradients, z-loss and load-balancing loss included; its margins read
+    the k-th minus the (k+1)-th router logit."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from r3bridge.demo.task import AdditionTask
+    from r3bridge.demo.warmstart import EvidenceModelShape, _answer_loss, margins_of
+
+    cfg = EvidenceModelShape(layers=2, experts=16, topk=4, hidden=64, moe_ffn=32).hf_config()
+    ids, mask = (torch.as_tensor(x) for x in AdditionTask().sft_batch(16, np.random.default_rng(0)))
+    out = {}
+    for impl in ("eager", "grouped_mm"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation=impl)
+        total, loss, *_ = _answer_loss(model, ids, mask, 0.05, 1e-2)
+        total.backward()
+        out[impl] = (total.item(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        _, plain, *_ = _answer_loss(model, ids, mask, 0.0, 0.0)
+        assert total.item() > plain.item() == loss.item()          # the router losses are in the total only
+    (t_loop, l_loop, g_loop), (t_grp, l_grp, g_grp) = out["eager"], out["grouped_mm"]
+    assert abs(t_loop - t_grp) < 1e-5 and abs(l_loop - l_grp) < 1e-5
+    for name, g in g_loop.items():
+        torch.testing.assert_close(g_grp[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    logits = torch.tensor([[3.0, 2.5, 2.495, 0.0], [1.0, 0.2, 0.9, 0.0]])
+    m = margins_of([logits, logits[:1]], [0, 2], topk=2)
+    assert [x["layer"] for x in m["per_layer"]] == [0, 2]
+    assert m["per_layer"][0]["below"] == 0.5 and abs(m["per_layer"][1]["median"] - 0.005) < 1e-6
