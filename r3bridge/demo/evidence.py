@@ -275,8 +275,9 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
 
 def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = math.inf) -> dict[str, Any]:
     """The first row (in order) that ran, reached its warm start's target accuracy, agrees at
-    most ``max_agreement`` and whose estimated run fits ``budget_s``; else the least-agreeing row
-    that fits (the fastest when none fits), said to miss the goal."""
+    most ``max_agreement`` and whose estimated run fits ``budget_s``; else, said to miss the goal,
+    the least-agreeing row that fits among those that reached the target accuracy (else half of
+    it, else any), or the fastest when none fits."""
     ran = [r for r in rows if r["ran"]]
     if not ran:
         raise EvidenceError("calibration: no candidate ran a step: " + "; ".join(f"{r['name']}: {r['error']}" for r in rows))
@@ -290,12 +291,17 @@ def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = m
                               f"({r['accuracy']:.3f}) and whose run (~{r['run_s_estimate']:.0f} s) fits the "
                               f"{budget_s:.0f} s left"}
     fits = [r for r in ran if r["run_s_estimate"] <= budget_s]
-    best = min(fits, key=lambda r: r["agreement"]) if fits else min(ran, key=lambda r: r["run_s_estimate"])
+    # GRPO needs signal before disagreement is worth anything: among those that fit, the ones that
+    # reached the target, else at least half of it, else any
+    acc = lambda r, frac: r["accuracy"] is not None and r["accuracy"] >= frac * (r["target_accuracy"] or 0.0)  # noqa: E731
+    pool = next((p for p in ([r for r in fits if acc(r, 1.0)], [r for r in fits if acc(r, 0.5)], fits) if p), [])
+    best = min(pool, key=lambda r: r["agreement"]) if pool else min(ran, key=lambda r: r["run_s_estimate"])
     return {**out, "chosen": best["name"], "goal_met": False,
             "reason": f"GOAL NOT MET: no candidate agreed at most {max_agreement}, reached its warm start's target "
                       f"accuracy and fits the {budget_s:.0f} s left; running "
-                      + (f"the least-agreeing one that fits ({best['agreement']:.4f}, accuracy "
-                         f"{_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)" if fits else
+                      + (f"the least-agreeing one that fits, preferring those nearest the target accuracy "
+                         f"({best['agreement']:.4f}, accuracy {_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)"
+                         if pool else
                          f"the fastest ({best['name']}, ~{best['run_s_estimate']:.0f} s): the run will be cut short")}
 
 

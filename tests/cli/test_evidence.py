@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from r3bridge.cli._common import jsonable
 from r3bridge.demo import evidence, evidence_report
 
@@ -167,3 +169,25 @@ def test_warm_start_grouped_experts_and_z_loss_as_the_loop_computes_them():
     m = margins_of([logits, logits[:1]], [0, 2], topk=2)
     assert [x["layer"] for x in m["per_layer"]] == [0, 2]
     assert m["per_layer"][0]["below"] == 0.5 and abs(m["per_layer"][1]["median"] - 0.005) < 1e-6
+
+
+def test_calibration_choice_wants_disagreement_accuracy_and_time_in_that_order():
+    def row(name, agreement, accuracy, run_s):
+        return {"name": name, "ran": True, "agreement": agreement, "accuracy": accuracy, "target_accuracy": 0.6,
+                "run_s_estimate": run_s, "error": ""}
+
+    rows = [row("cheap", 0.99, 0.7, 100), row("untrained", 0.93, 0.2, 100), row("mid", 0.97, 0.65, 200),
+            row("slow", 0.90, 0.7, 10_000)]
+    # the first (cheapest) that qualifies, not the least-agreeing
+    assert evidence.choose(rows, 0.98, budget_s=500)["chosen"] == "mid"
+    # none qualifies: least-agreeing among those that fit and reached the target accuracy
+    # ("untrained" agrees less but its warm start is far from the target, "slow" does not fit)
+    none = evidence.choose(rows, 0.95, budget_s=500)
+    assert none["chosen"] == "mid" and not none["goal_met"] and none["reason"].startswith("GOAL NOT MET")
+    assert evidence.choose(rows, 0.95, budget_s=20_000)["chosen"] == "slow"
+    # nothing fits: the fastest, and the reason says the run will be cut short
+    short = evidence.choose(rows, 0.95, budget_s=50)
+    assert short["chosen"] == "cheap" and "cut short" in short["reason"]
+    failed = [{**row("x", 0.5, 0.7, 1), "ran": False, "error": "the warm start failed: boom"}]
+    with pytest.raises(evidence.EvidenceError, match="no candidate ran a step: x: the warm start failed: boom"):
+        evidence.choose(failed, 0.95)
