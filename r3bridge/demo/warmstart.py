@@ -10,7 +10,8 @@ engine as the trainer's weights at step 0.
 **Router margins.** Whether a bf16 engine and a bf16 trainer pick the same experts depends on how
 far apart a token's k-th and (k+1)-th router logits are (:func:`router_margins`). A trained large
 MoE has narrow margins: many experts, a load-balancing loss that pulls the routers towards using
-all of them evenly, a router z-loss that keeps the logits small. ``aux_loss`` (HF's
+all of them evenly, a router z-loss that holds each token's logsumexp near 0 (so its logits sit
+near -log(experts), where bf16's grid is coarse next to the margins). ``aux_loss`` (HF's
 load-balancing coefficient) and ``router_z_loss`` (ST-MoE's z-loss, per MoE layer, as megatron's
 ``moe_z_loss_coeff``) make the warm-started router like that by training; the margins it ends with
 are measured and kept in the stats.
