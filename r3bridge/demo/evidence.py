@@ -18,11 +18,11 @@ arm through the run's engine: the trainer's own top-k at theta_old against the e
 (``route/native_vs_engine``, per layer too), the router margins, the warm start's accuracy and the
 step time. The run then takes the first candidate, in the given order (cheapest first), whose
 agreement is at most ``max_agreement``, whose warm start reached its target accuracy and whose
-estimated run fits the time left: the slowest arm's step (the calibration arm's step, its update
-phase scaled to the most mini-batches an arm has) x the run's steps x ``side_by_side`` (arms side by
-side share the GPU and the cores; the step is Python-bound, one core per arm: 10 arms of the
-4-layer model took 1.0-1.3 s per step side by side, CPU time = wall time). It reuses that
-candidate's warm start. When none
+estimated run fits the time left (:func:`_estimate_runs`: the slowest arm's step - the calibration
+arm's, its update phase scaled to the most mini-batches an arm has - x the run's steps, bound by the
+cores: x ``side_by_side``, the step being Python-bound, one core per arm (10 arms of the 4-layer
+model took 1.0-1.3 s per step side by side, CPU time = wall time); or by the GPU: the run's arms
+x each arm's share of the GPU's measured busy time). It reuses that candidate's warm start. When none
 qualifies it says so and takes the least-agreeing one that fits (else the fastest).
 
 Why processes, side by side on one GPU: the model is a few MB, so each arm's kernels are tiny
@@ -218,7 +218,8 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         _stop([p for *_, p in children])
     # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's
     mb_scale = max([base.mini_batches(a) for a in base.arms] or [base.grpo.mini_batches]) / base.grpo.mini_batches
-    rows = [_candidate_row(cand, d, p.returncode, base.grpo.steps, side_by_side, mb_scale) for cand, d, p in children]
+    rows = [_candidate_row(cand, d, p.returncode, mb_scale) for cand, d, p in children]
+    _estimate_runs(rows, base.grpo.steps, len(base.arms), side_by_side)
     result = choose(rows, max_agreement, budget_s=run_deadline - time.time() - STARTUP_S)
     result["seconds"] = time.time() - t0
     (root / "calibration.json").write_text(json.dumps(result, indent=1))
@@ -226,7 +227,8 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         log(f"[calibrate] {r['name']}: agreement {_num(r['agreement'])} (min layer {_num(r['agreement_min_layer'])}), "
             f"warm-start accuracy {_num(r['accuracy'])} in {_num(r['warm_seconds'])} s, margin median "
             f"{_num(r['margin_median'])} ({_num(r['margin_below'])} under {r['margin_threshold']}), step "
-            f"{_num(r['step_s'])} s (the run ~{_num(r['run_s_estimate'])} s){'' if r['ran'] else ': ' + r['error']}")
+            f"{_num(r['step_s'])} s, GPU {_num(r['gpu_utilization'])} % busy (the run ~{_num(r['run_s_estimate'])} s, "
+            f"bound by its {r['bound_by']}){'' if r['ran'] else ': ' + r['error']}")
     log(f"[calibrate] chose {result['chosen']}: {result['reason']}")
     return result
 
@@ -235,8 +237,23 @@ def _num(x: Any) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_steps: int,
-                   side_by_side: float, mb_scale: float) -> dict[str, Any]:
+def _estimate_runs(rows: list[dict[str, Any]], steps: int, arms: int, side_by_side: float) -> None:
+    """Each candidate's estimated run, the longer of two bounds: its cores (the slowest arm's step
+    x ``side_by_side``) and the GPU (every arm's share of the busy GPU: the utilization measured
+    during its calibration steps, split evenly among the candidates that ran side by side, times
+    the run's arms; kernels of different processes take turns on one GPU)."""
+    side = max(1, sum(1 for r in rows if r["ran"]))
+    for r in rows:
+        if not r["ran"]:
+            continue
+        r["run_s_alone"] = r["step_s"] * steps
+        cores = r["slowest_step_s"] * side_by_side
+        gpu = None if r["gpu_utilization"] is None else arms * r["gpu_utilization"] / 100 / side * r["slowest_step_s"]
+        r["run_s_estimate"] = max(cores, gpu or 0.0) * steps
+        r["bound_by"] = "GPU" if gpu is not None and gpu > cores else "cores"
+
+
+def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], mb_scale: float) -> dict[str, Any]:
     """What a candidate's short run measured (None where it did not get that far)."""
     stats_path = d / "warmstart" / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
@@ -251,7 +268,8 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         "warm_margin_median": margins.get("median"), "warm_margin_below": margins.get("below"),
         "margin_threshold": margins.get("threshold"), "agreement": None, "agreement_per_layer": {},
         "agreement_min_layer": None, "margin_median": None, "margin_below": None, "step_s": None,
-        "run_s_alone": None, "run_s_estimate": None, "reward": None, "error": ""}
+        "run_s_alone": None, "slowest_step_s": None, "gpu_utilization": None, "run_s_estimate": None,
+        "bound_by": None, "reward": None, "error": ""}
     if data:
         mean = lambda key: sum(x[key] for x in data) / len(data)        # noqa: E731
         row["agreement"] = mean("route/native_vs_engine")
@@ -262,9 +280,9 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         row["reward"] = mean("critic/score/mean")
         # the last step: the first one pays for allocations and the engine's first batch
         row["step_s"] = data[-1]["timing_s/step"]
-        row["run_s_alone"] = row["step_s"] * run_steps
-        slowest = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
-        row["run_s_estimate"] = slowest * run_steps * side_by_side
+        row["slowest_step_s"] = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
+        if "perf/gpu_utilization" in data[-1]:
+            row["gpu_utilization"] = data[-1]["perf/gpu_utilization"]
     else:
         failed = d / "warmstart" / "FAILED"
         tail = (d / "orchestrator.log").read_text().strip().splitlines()[-3:] if (d / "orchestrator.log").exists() else []

@@ -45,6 +45,10 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     assert list(rows) == candidates.split(",") and all(r["ran"] for r in rows.values())
     for r in rows.values():
         assert 0.0 < r["agreement"] <= 1.0 and r["step_s"] > 0 and r["run_s_alone"] == r["step_s"] * 2
+        # no arm has more mini-batches than the calibration arm's 4: its step is the slowest; no
+        # GPU here, so the cores bound the estimate (x 1.3, --side-by-side-factor's default)
+        assert r["slowest_step_s"] == r["step_s"] and r["gpu_utilization"] is None and r["bound_by"] == "cores"
+        assert r["run_s_estimate"] == pytest.approx(r["step_s"] * 2 * 1.3)
         assert set(r["agreement_per_layer"]) == {str(i) for i in range(r["shape"]["layers"])}
         assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0
     want = next((n for n, r in rows.items() if r["agreement"] <= 0.999), None)
@@ -188,6 +192,14 @@ def test_calibration_choice_wants_disagreement_accuracy_and_time_in_that_order()
     # nothing fits: the fastest, and the reason says the run will be cut short
     short = evidence.choose(rows, 0.95, budget_s=50)
     assert short["chosen"] == "cheap" and "cut short" in short["reason"]
+    # the estimate: the longer of the cores' bound and the GPU's (13 arms' shares of a GPU that two
+    # candidates side by side kept 40 % busy: 13 x 20 % of the step)
+    est = [{"ran": True, "step_s": 1.0, "slowest_step_s": 1.5, "gpu_utilization": 40.0},
+           {"ran": True, "step_s": 1.0, "slowest_step_s": 1.0, "gpu_utilization": None}, {"ran": False}]
+    evidence._estimate_runs(est, steps=300, arms=13, side_by_side=1.3)
+    assert est[0]["bound_by"] == "GPU" and est[0]["run_s_estimate"] == pytest.approx(13 * 0.2 * 1.5 * 300)
+    assert est[1]["bound_by"] == "cores" and est[1]["run_s_estimate"] == pytest.approx(1.3 * 300)
+    assert "run_s_estimate" not in est[2]
     failed = [{**row("x", 0.5, 0.7, 1), "ran": False, "error": "the warm start failed: boom"}]
     with pytest.raises(evidence.EvidenceError, match="no candidate ran a step: x: the warm start failed: boom"):
         evidence.choose(failed, 0.95)
