@@ -196,13 +196,17 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         raise EvidenceError("calibration needs at least one candidate")
     engine = next((a.engine for a in base.arms if a.engine != "self"), "hf")
     t0 = time.time()
+    gate = root / "calib" / "GO"
+    gate.parent.mkdir(parents=True, exist_ok=True)
+    gate.unlink(missing_ok=True)
     children: list[tuple[Candidate, Path, subprocess.Popen]] = []
     for cand in candidates:
         d = root / "calib" / cand.name
         d.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig(shape=cand.shape, task=base.task, warm=cand.warm(base.warm),
                         grpo=dataclasses.replace(base.grpo, steps=steps, checkpoint_every=0),
-                        arms=[Arm("off-s0", "off", 0, engine)])
+                        arms=[Arm("off-s0", "off", 0, engine)], start_gate=str(gate))
+        (d / "logs" / "off-s0.ready").unlink(missing_ok=True)
         cfg.save(d)
         out = open(d / "orchestrator.log", "w")
         cmd = [sys.executable, "-m", "r3bridge.demo.evidence", "--orchestrate", str(d), device, str(wall_s)]
@@ -214,6 +218,13 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
     try:
         while any(p.poll() is None for *_, p in children) and time.time() < t0 + wall_s + 60:
             time.sleep(1.0)
+            # every candidate's arm built (or its process gone), or 3/4 of the bound spent: all
+            # step together, so each one's step time and the GPU's busy share are side by side
+            ready = [(d / "logs" / "off-s0.ready").exists() or p.poll() is not None for _, d, p in children]
+            if not gate.exists() and (all(ready) or time.time() > t0 + 0.75 * wall_s):
+                gate.touch()
+                log(f"[calibrate] {sum(ready)} of {len(ready)} candidate(s) ready after {time.time() - t0:.0f} s: "
+                    "their steps start together")
     finally:
         _stop([p for *_, p in children])
     # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's

@@ -79,6 +79,9 @@ class RunConfig:
     arms: list[Arm] = field(default_factory=list)
     deadline: Optional[float] = None       # unix time: no arm starts a step it cannot finish before it
     resume: bool = False
+    # a file the arms wait for, trainer built, before their first step (the calibration opens it
+    # once every candidate is ready, so that their steps, timed and GPU-measured, run side by side)
+    start_gate: Optional[str] = None
 
     def __post_init__(self) -> None:
         n = self.grpo.prompts * self.grpo.group
@@ -104,7 +107,7 @@ class RunConfig:
         d = json.loads((root / "run.json").read_text())
         return cls(shape=EvidenceModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
                    grpo=GRPOOptions(**d["grpo"]), arms=[Arm(**a) for a in d["arms"]], deadline=d["deadline"],
-                   resume=d["resume"])
+                   resume=d["resume"], start_gate=d.get("start_gate"))
 
 
 _ARM_NAME = re.compile(r"^(?P<mode>[A-Za-z0-9]+?)(?:-mb(?P<mb>\d+))?-s(?P<seed>\d+)$")
@@ -211,6 +214,14 @@ def parse_candidate(spec: str, base: EvidenceModelShape, warm: WarmStartOptions)
     except ValueError as e:
         raise ValueError(f"candidate {spec!r}: {e}") from None
     return cand
+
+
+def wait_for_gate(gate: Path, deadline: Optional[float]) -> None:
+    """Block an arm until ``gate`` exists (:attr:`RunConfig.start_gate`) or ``deadline`` passed."""
+    while not gate.exists():
+        if deadline and time.time() > deadline:
+            raise EvidenceError(f"the wall-clock bound passed before {gate} opened")
+        time.sleep(0.2)
 
 
 def wait_for_warm_start(root: Path, deadline: Optional[float]) -> None:

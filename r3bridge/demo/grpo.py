@@ -44,7 +44,7 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, phase_plan
 from r3bridge.demo import task as task_mod
-from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_warm_start
+from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_gate, wait_for_warm_start
 from r3bridge.demo.hf_engine import Completion, HFEngine
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
@@ -612,6 +612,9 @@ def _run_one(ctx: RankContext, root: Path, run: RunConfig, arm: Arm, engine: Opt
     meta_path.write_text(json.dumps(meta, indent=1))
     runner = ArmRunner(ctx, root, arm, run.grpo, run.shape, run.task, engine)
     start = runner.restore() if run.resume else 0
+    if run.start_gate:
+        (root / "logs" / f"{arm.name}.ready").touch()
+        wait_for_gate(Path(run.start_gate), run.deadline)
     log = StepLog(root / "logs" / f"{arm.name}.jsonl", start)
     status, last = "done", 0.0
     try:

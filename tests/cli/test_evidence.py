@@ -51,6 +51,7 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
         assert r["run_s_estimate"] == pytest.approx(r["step_s"] * 2 * 1.3)
         assert set(r["agreement_per_layer"]) == {str(i) for i in range(r["shape"]["layers"])}
         assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0
+    assert "2 of 2 candidate(s) ready" in proc.stderr and (out / "calib" / "GO").exists()   # stepped together
     want = next((n for n, r in rows.items() if r["agreement"] <= 0.999), None)
     if want is None:                        # none qualifies: the least-agreeing one, said so
         want = min(rows, key=lambda n: rows[n]["agreement"])
