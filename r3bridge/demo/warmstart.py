@@ -188,8 +188,8 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
     """Train the HF model from scratch on the task; returns its fp32 state dict (CPU) and stats."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(opts.seed)
     cfg = shape.hf_config()
+
     def build(impl: str):
         torch.manual_seed(opts.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation=impl).to(device)
@@ -197,30 +197,38 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
         return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     impl = opts.experts_implementation
-    model, opt = build(impl)
+    model, opt = build("eager") if impl == "eager" else (None, None)
     rng = np.random.default_rng(opts.seed)
     t0 = time.time()
     curve = []
-    for step in range(opts.steps):
+
+    def train_step(step: int, ids_t: torch.Tensor, mask_t: torch.Tensor) -> torch.Tensor:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, opts)
-        ids, mask = task.sft_batch(opts.batch, rng)
-        ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
-        try:
-            total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
-        except (RuntimeError, NotImplementedError) as e:
-            if step or impl == "eager":
-                raise
-            # by design, said and kept in the stats: a torch without fp32 grouped GEMMs on this device
-            log(f"[warm start] experts_implementation {impl!r} failed ({type(e).__name__}: {str(e)[:200]}); "
-                f"training with 'eager' (a Python loop over the experts: slower)")
-            impl = f"eager (after {impl}: {type(e).__name__})"
-            model, opt = build("eager")
-            total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
+        total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        return loss
+
+    for step in range(opts.steps):
+        ids, mask = task.sft_batch(opts.batch, rng)
+        ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
+        if step == 0 and model is None:
+            try:
+                model, opt = build(impl)
+                loss = train_step(step, ids_t, mask_t)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                # by design, said and kept in the stats: a torch / transformers without fp32 grouped
+                # GEMMs here; the first step is taken again from the same initial weights
+                log(f"[warm start] experts_implementation {impl!r} failed ({type(e).__name__}: {str(e)[:200]}); "
+                    f"training with 'eager' (a Python loop over the experts: slower)")
+                impl = f"eager (after {impl}: {type(e).__name__})"
+                model, opt = build("eager")
+                loss = train_step(step, ids_t, mask_t)
+        else:
+            loss = train_step(step, ids_t, mask_t)
         if time.time() - t0 > opts.max_seconds:      # the bound holds between checks too (a deep model's steps are slow)
             log(f"[warm start] stopped at step {step + 1}: the {opts.max_seconds:.0f} s bound")
             break
