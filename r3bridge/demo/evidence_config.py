@@ -183,8 +183,9 @@ _CANDIDATE_SPLIT = re.compile(r"-(?![0-9])")     # "z1e-3": the minus of an expo
 # All top-8 with a load-balancing loss 5-10x the usual and a router z-loss: the z-loss pulls each
 # token's logsumexp to 0, so the logits sit near -log(experts) (about -4.7) where bf16's grid is
 # 1/32, while the k-th / (k+1)-th margins stay ~0.1: a bf16 forward then flips routes that an fp32
-# one keeps (CPU proxy, L8-E32-k8 after 400 warm-start steps: fp32 vs bf16 top-k agreement 0.981
-# without z-loss, 0.941 with aux 0.05 + z 0.01). docs/evidence.md, "Where routing disagrees".
+# one keeps (CPU proxy after 400 warm-start steps, fp32 vs bf16 top-k agreement: L8-E32-k8 0.981
+# without z-loss, 0.941 with aux 0.05 + z 0.01; L8-E64-k8 with them 0.899). docs/evidence.md,
+# "Where routing disagrees".
 DEFAULT_CANDIDATES = ("L8-E32-k8-aux0.05-z0.01", "L8-E32-k8-aux0.1-z0.05", "L8-E64-k8-aux0.05-z0.01",
                       "L12-E64-k8-aux0.1-z0.01")
 
