@@ -186,7 +186,7 @@ STARTUP_S = 90.0      # an arm process's start before its first step: imports, e
 
 
 def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, device: str, wall_s: float,
-              max_agreement: float, run_deadline: float, side_by_side: float = 1.5, steps: int = 2,
+              max_agreement: float, run_deadline: float, side_by_side: float = 1.3, steps: int = 2,
               log: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Every candidate's short run side by side (each its own process: a warm start, then one
     ``off`` arm of ``steps`` steps through the run's engine), then the choice for a run that must
@@ -200,6 +200,7 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
     gate.parent.mkdir(parents=True, exist_ok=True)
     gate.unlink(missing_ok=True)
     children: list[tuple[Candidate, Path, subprocess.Popen]] = []
+    outs = []
     for cand in candidates:
         d = root / "calib" / cand.name
         d.mkdir(parents=True, exist_ok=True)
@@ -209,6 +210,7 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         (d / "logs" / "off-s0.ready").unlink(missing_ok=True)
         cfg.save(d)
         out = open(d / "orchestrator.log", "w")
+        outs.append(out)
         cmd = [sys.executable, "-m", "r3bridge.demo.evidence", "--orchestrate", str(d), device, str(wall_s)]
         children.append((cand, d, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -227,6 +229,8 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
                     "their steps start together")
     finally:
         _stop([p for *_, p in children])
+        for out in outs:
+            out.close()
     # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's
     mb_scale = max([base.mini_batches(a) for a in base.arms] or [base.grpo.mini_batches]) / base.grpo.mini_batches
     rows = [_candidate_row(cand, d, p.returncode, mb_scale) for cand, d, p in children]
