@@ -106,7 +106,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="hard bound on the whole run (calibration included) in seconds: no step starts that "
                         "would end after it")
     r.add_argument("--resume", action="store_true",
-                   help="reuse OUT's warm start and continue each arm from its last checkpoint")
+                   help="reuse OUT's warm start and continue each arm from its last checkpoint (a calibrated run: "
+                        "on the model its calibration chose)")
     r.add_argument("--checkpoint-every", type=int, default=100, help="steps between an arm's checkpoints (0: none)")
     r.add_argument("--json", action="store_true", help="print each arm's status and steps as one JSON object")
     q = cmds.add_parser("plot", help="table and figure from a run's logs (.jsonl or .jsonl.gz)")
@@ -182,6 +183,12 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     root = Path(args.out)
     warm_from = None
+    if args.resume and (root / "calibration.json").exists():
+        # a calibrated run resumes on the model its calibration chose (its warm start is in OUT)
+        chosen_name = json.loads((root / "calibration.json").read_text())["chosen"]
+        chosen = parse_candidate(chosen_name, shape, warm)
+        cfg.shape, cfg.warm = chosen.shape, chosen.warm(cfg.warm)
+        print(f"[evidence] --resume: the calibration's choice {chosen_name} (OUT/calibration.json)", file=sys.stderr)
     if candidates:
         root.mkdir(parents=True, exist_ok=True)
         calib = evidence.calibrate(root, cfg, candidates, device=args.device, max_agreement=args.max_agreement,

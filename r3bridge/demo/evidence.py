@@ -18,11 +18,11 @@ arm through the run's engine: the trainer's own top-k at theta_old against the e
 (``route/native_vs_engine``, per layer too), the router margins, the warm start's accuracy and the
 step time. The run then takes the first candidate, in the given order (cheapest first), whose
 agreement is at most ``max_agreement``, whose warm start reached its target accuracy and whose
-estimated run fits the time left: the slowest arm's step (the calibration arm's step, its update
-phase scaled to the most mini-batches an arm has) x the run's steps x ``side_by_side`` (arms side by
-side share the GPU and the cores; the step is Python-bound, one core per arm: 10 arms of the
-4-layer model took 1.0-1.3 s per step side by side, CPU time = wall time). It reuses that
-candidate's warm start. When none
+estimated run fits the time left (:func:`_estimate_runs`: the slowest arm's step - the calibration
+arm's, its update phase scaled to the most mini-batches an arm has - x the run's steps, bound by the
+cores: x ``side_by_side``, the step being Python-bound, one core per arm (10 arms of the 4-layer
+model took 1.0-1.3 s per step side by side, CPU time = wall time); or by the GPU: the run's arms
+x each arm's share of the GPU's measured busy time). It reuses that candidate's warm start. When none
 qualifies it says so and takes the least-agreeing one that fits (else the fastest).
 
 Why processes, side by side on one GPU: the model is a few MB, so each arm's kernels are tiny
@@ -186,7 +186,7 @@ STARTUP_S = 90.0      # an arm process's start before its first step: imports, e
 
 
 def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, device: str, wall_s: float,
-              max_agreement: float, run_deadline: float, side_by_side: float = 1.5, steps: int = 2,
+              max_agreement: float, run_deadline: float, side_by_side: float = 1.3, steps: int = 2,
               log: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Every candidate's short run side by side (each its own process: a warm start, then one
     ``off`` arm of ``steps`` steps through the run's engine), then the choice for a run that must
@@ -196,15 +196,21 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         raise EvidenceError("calibration needs at least one candidate")
     engine = next((a.engine for a in base.arms if a.engine != "self"), "hf")
     t0 = time.time()
+    gate = root / "calib" / "GO"
+    gate.parent.mkdir(parents=True, exist_ok=True)
+    gate.unlink(missing_ok=True)
     children: list[tuple[Candidate, Path, subprocess.Popen]] = []
+    outs = []
     for cand in candidates:
         d = root / "calib" / cand.name
         d.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig(shape=cand.shape, task=base.task, warm=cand.warm(base.warm),
                         grpo=dataclasses.replace(base.grpo, steps=steps, checkpoint_every=0),
-                        arms=[Arm("off-s0", "off", 0, engine)])
+                        arms=[Arm("off-s0", "off", 0, engine)], start_gate=str(gate))
+        (d / "logs" / "off-s0.ready").unlink(missing_ok=True)
         cfg.save(d)
         out = open(d / "orchestrator.log", "w")
+        outs.append(out)
         cmd = [sys.executable, "-m", "r3bridge.demo.evidence", "--orchestrate", str(d), device, str(wall_s)]
         children.append((cand, d, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -214,11 +220,21 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
     try:
         while any(p.poll() is None for *_, p in children) and time.time() < t0 + wall_s + 60:
             time.sleep(1.0)
+            # every candidate's arm built (or its process gone), or 3/4 of the bound spent: all
+            # step together, so each one's step time and the GPU's busy share are side by side
+            ready = [(d / "logs" / "off-s0.ready").exists() or p.poll() is not None for _, d, p in children]
+            if not gate.exists() and (all(ready) or time.time() > t0 + 0.75 * wall_s):
+                gate.touch()
+                log(f"[calibrate] {sum(ready)} of {len(ready)} candidate(s) ready after {time.time() - t0:.0f} s: "
+                    "their steps start together")
     finally:
         _stop([p for *_, p in children])
+        for out in outs:
+            out.close()
     # the slowest arm has the most mini-batches: its update phase is that many over the calibration arm's
     mb_scale = max([base.mini_batches(a) for a in base.arms] or [base.grpo.mini_batches]) / base.grpo.mini_batches
-    rows = [_candidate_row(cand, d, p.returncode, base.grpo.steps, side_by_side, mb_scale) for cand, d, p in children]
+    rows = [_candidate_row(cand, d, p.returncode, mb_scale) for cand, d, p in children]
+    _estimate_runs(rows, base.grpo.steps, len(base.arms), side_by_side)
     result = choose(rows, max_agreement, budget_s=run_deadline - time.time() - STARTUP_S)
     result["seconds"] = time.time() - t0
     (root / "calibration.json").write_text(json.dumps(result, indent=1))
@@ -226,7 +242,8 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         log(f"[calibrate] {r['name']}: agreement {_num(r['agreement'])} (min layer {_num(r['agreement_min_layer'])}), "
             f"warm-start accuracy {_num(r['accuracy'])} in {_num(r['warm_seconds'])} s, margin median "
             f"{_num(r['margin_median'])} ({_num(r['margin_below'])} under {r['margin_threshold']}), step "
-            f"{_num(r['step_s'])} s (the run ~{_num(r['run_s_estimate'])} s){'' if r['ran'] else ': ' + r['error']}")
+            f"{_num(r['step_s'])} s, GPU {_num(r['gpu_utilization'])} % busy (the run ~{_num(r['run_s_estimate'])} s, "
+            f"bound by its {r['bound_by']}){'' if r['ran'] else ': ' + r['error']}")
     log(f"[calibrate] chose {result['chosen']}: {result['reason']}")
     return result
 
@@ -235,8 +252,23 @@ def _num(x: Any) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_steps: int,
-                   side_by_side: float, mb_scale: float) -> dict[str, Any]:
+def _estimate_runs(rows: list[dict[str, Any]], steps: int, arms: int, side_by_side: float) -> None:
+    """Each candidate's estimated run, the longer of two bounds: its cores (the slowest arm's step
+    x ``side_by_side``) and the GPU (every arm's share of the busy GPU: the utilization measured
+    during its calibration steps, split evenly among the candidates that ran side by side, times
+    the run's arms; kernels of different processes take turns on one GPU)."""
+    side = max(1, sum(1 for r in rows if r["ran"]))
+    for r in rows:
+        if not r["ran"]:
+            continue
+        r["run_s_alone"] = r["step_s"] * steps
+        cores = r["slowest_step_s"] * side_by_side
+        gpu = None if r["gpu_utilization"] is None else arms * r["gpu_utilization"] / 100 / side * r["slowest_step_s"]
+        r["run_s_estimate"] = max(cores, gpu or 0.0) * steps
+        r["bound_by"] = "GPU" if gpu is not None and gpu > cores else "cores"
+
+
+def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], mb_scale: float) -> dict[str, Any]:
     """What a candidate's short run measured (None where it did not get that far)."""
     stats_path = d / "warmstart" / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
@@ -251,7 +283,8 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         "warm_margin_median": margins.get("median"), "warm_margin_below": margins.get("below"),
         "margin_threshold": margins.get("threshold"), "agreement": None, "agreement_per_layer": {},
         "agreement_min_layer": None, "margin_median": None, "margin_below": None, "step_s": None,
-        "run_s_alone": None, "run_s_estimate": None, "reward": None, "error": ""}
+        "run_s_alone": None, "slowest_step_s": None, "gpu_utilization": None, "run_s_estimate": None,
+        "bound_by": None, "reward": None, "error": ""}
     if data:
         mean = lambda key: sum(x[key] for x in data) / len(data)        # noqa: E731
         row["agreement"] = mean("route/native_vs_engine")
@@ -262,9 +295,9 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
         row["reward"] = mean("critic/score/mean")
         # the last step: the first one pays for allocations and the engine's first batch
         row["step_s"] = data[-1]["timing_s/step"]
-        row["run_s_alone"] = row["step_s"] * run_steps
-        slowest = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
-        row["run_s_estimate"] = slowest * run_steps * side_by_side
+        row["slowest_step_s"] = row["step_s"] + data[-1]["timing_s/update_actor"] * max(0.0, mb_scale - 1.0)
+        if "perf/gpu_utilization" in data[-1]:
+            row["gpu_utilization"] = data[-1]["perf/gpu_utilization"]
     else:
         failed = d / "warmstart" / "FAILED"
         tail = (d / "orchestrator.log").read_text().strip().splitlines()[-3:] if (d / "orchestrator.log").exists() else []
@@ -275,8 +308,9 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], run_step
 
 def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = math.inf) -> dict[str, Any]:
     """The first row (in order) that ran, reached its warm start's target accuracy, agrees at
-    most ``max_agreement`` and whose estimated run fits ``budget_s``; else the least-agreeing row
-    that fits (the fastest when none fits), said to miss the goal."""
+    most ``max_agreement`` and whose estimated run fits ``budget_s``; else, said to miss the goal,
+    the least-agreeing row that fits among those that reached the target accuracy (else half of
+    it, else any), or the fastest when none fits."""
     ran = [r for r in rows if r["ran"]]
     if not ran:
         raise EvidenceError("calibration: no candidate ran a step: " + "; ".join(f"{r['name']}: {r['error']}" for r in rows))
@@ -290,12 +324,17 @@ def choose(rows: list[dict[str, Any]], max_agreement: float, budget_s: float = m
                               f"({r['accuracy']:.3f}) and whose run (~{r['run_s_estimate']:.0f} s) fits the "
                               f"{budget_s:.0f} s left"}
     fits = [r for r in ran if r["run_s_estimate"] <= budget_s]
-    best = min(fits, key=lambda r: r["agreement"]) if fits else min(ran, key=lambda r: r["run_s_estimate"])
+    # GRPO needs signal before disagreement is worth anything: among those that fit, the ones that
+    # reached the target, else at least half of it, else any
+    acc = lambda r, frac: r["accuracy"] is not None and r["accuracy"] >= frac * (r["target_accuracy"] or 0.0)  # noqa: E731
+    pool = next((p for p in ([r for r in fits if acc(r, 1.0)], [r for r in fits if acc(r, 0.5)], fits) if p), [])
+    best = min(pool, key=lambda r: r["agreement"]) if pool else min(ran, key=lambda r: r["run_s_estimate"])
     return {**out, "chosen": best["name"], "goal_met": False,
             "reason": f"GOAL NOT MET: no candidate agreed at most {max_agreement}, reached its warm start's target "
                       f"accuracy and fits the {budget_s:.0f} s left; running "
-                      + (f"the least-agreeing one that fits ({best['agreement']:.4f}, accuracy "
-                         f"{_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)" if fits else
+                      + (f"the least-agreeing one that fits, preferring those nearest the target accuracy "
+                         f"({best['agreement']:.4f}, accuracy {_num(best['accuracy'])}, ~{best['run_s_estimate']:.0f} s)"
+                         if pool else
                          f"the fastest ({best['name']}, ~{best['run_s_estimate']:.0f} s): the run will be cut short")}
 
 

@@ -80,6 +80,9 @@ class RunConfig:
     arms: list[Arm] = field(default_factory=list)
     deadline: Optional[float] = None       # unix time: no arm starts a step it cannot finish before it
     resume: bool = False
+    # a file the arms wait for, trainer built, before their first step (the calibration opens it
+    # once every candidate is ready, so that their steps, timed and GPU-measured, run side by side)
+    start_gate: Optional[str] = None
 
     def __post_init__(self) -> None:
         n = self.grpo.prompts * self.grpo.group
@@ -105,7 +108,7 @@ class RunConfig:
         d = json.loads((root / "run.json").read_text())
         return cls(shape=EvidenceModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
                    grpo=GRPOOptions(**d["grpo"]), arms=[Arm(**a) for a in d["arms"]], deadline=d["deadline"],
-                   resume=d["resume"])
+                   resume=d["resume"], start_gate=d.get("start_gate"))
 
 
 _ARM_NAME = re.compile(r"^(?P<mode>[A-Za-z0-9]+?)(?:-mb(?P<mb>\d+))?-s(?P<seed>\d+)$")
@@ -177,12 +180,18 @@ _CANDIDATE_PART = re.compile(r"(?P<key>aux|lr|L|E|k|h|f|z)(?P<value>[0-9][0-9.]*
 _CANDIDATE_SPLIT = re.compile(r"-(?![0-9])")     # "z1e-3": the minus of an exponent does not split
 
 # The calibration's default candidates, cheapest first (step time grows with layers x experts:
-# megatron's local spec runs its experts one after the other). All top-8 with narrow margins
-# by training (a load-balancing loss 5-10x the usual and a router z-loss): the shape of a trained
-# 128-expert top-8 MoE (Qwen3-30B-A3B: 48 layers, 128 experts, top-8) at a size whose 13 arms x
-# 300 steps fit one H200 in about 12 minutes (docs/evidence.md, "Where routing disagrees").
-DEFAULT_CANDIDATES = ("L8-E32-k8-aux0.05-z0.001", "L8-E64-k8-aux0.05-z0.001", "L12-E64-k8-aux0.1-z0.01",
-                      "L12-E128-k8-aux0.1-z0.01")
+# megatron's local spec runs a layer's experts one after the other, and the step is Python-bound).
+# Top-6 of 16 or top-8 of 32-64, with a load-balancing loss 5-10x the usual and a router z-loss:
+# the z-loss pulls each token's logsumexp to 0, so the logits sit near -log(experts) (about -4.7)
+# where bf16's grid is 1/32, while the k-th / (k+1)-th margins stay ~0.1: a bf16 forward then
+# flips routes that an fp32 one keeps (CPU proxy after 400 warm-start steps, fp32 vs bf16 top-k agreement: L8-E32-k8 0.981
+# without z-loss, 0.941 with aux 0.05 + z 0.01; L8-E64-k8 with them 0.899). docs/evidence.md,
+# "Where routing disagrees".
+# The step's cost is mostly megatron's expert loop (CPU, 8 samples a step, CPU seconds: L4-E8-k2
+# 0.16, L8-E32-k8 0.78, L8-E64-k8 1.26, L12-E64-k8 1.90, L8-E128-k8 2.43), so the list starts
+# small: the calibration runs the first that disagrees enough and fits the time left.
+DEFAULT_CANDIDATES = ("L4-E16-k6-aux0.05-z0.01", "L6-E32-k8-aux0.05-z0.01", "L8-E32-k8-aux0.05-z0.01",
+                      "L8-E64-k8-aux0.05-z0.01", "L12-E64-k8-aux0.1-z0.01")
 
 
 def parse_candidate(spec: str, base: EvidenceModelShape, warm: WarmStartOptions) -> Candidate:
@@ -210,6 +219,14 @@ def parse_candidate(spec: str, base: EvidenceModelShape, warm: WarmStartOptions)
     except ValueError as e:
         raise ValueError(f"candidate {spec!r}: {e}") from None
     return cand
+
+
+def wait_for_gate(gate: Path, deadline: Optional[float]) -> None:
+    """Block an arm until ``gate`` exists (:attr:`RunConfig.start_gate`) or ``deadline`` passed."""
+    while not gate.exists():
+        if deadline and time.time() > deadline:
+            raise EvidenceError(f"the wall-clock bound passed before {gate} opened")
+        time.sleep(0.2)
 
 
 def wait_for_warm_start(root: Path, deadline: Optional[float]) -> None:

@@ -45,7 +45,7 @@ import torch
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import Action, Phase, PhasePlan, phase_plan
 from r3bridge.demo import task as task_mod
-from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_warm_start
+from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_gate, wait_for_warm_start
 from r3bridge.demo.hf_engine import Completion, HFEngine
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
@@ -341,6 +341,7 @@ class ArmRunner:
         self.fwd_logits = make_forward_step(ctx, thd=self.te, collect_logits=True)
         self.engine = engine
         self.mini_batches = opts.mini_batches if arm.mini_batches is None else arm.mini_batches
+        self.gpu_util_unavailable: Optional[str] = None
         self.num_experts = int(self.cfg.num_experts)
         self.moe_ids = list(self.rep.layout.moe_layer_ids)
 
@@ -470,16 +471,33 @@ class ArmRunner:
         m: dict[str, float] = {"critic/score/mean": float(s.rewards.mean()),
                                "task/accuracy": float((s.rewards == 1.0).mean()),
                                "response_length/mean": float(np.mean([len(r) for r in s.responses]))}
+        util = [self._gpu_utilization()]
         t = time.perf_counter()
         old_lp, recorded = self.compute_log_prob(s, lp, m)
         timing["old_log_prob"] = time.perf_counter() - t
+        util.append(self._gpu_utilization())
         t = time.perf_counter()
         self.update(step, s, old_lp, recorded, m)
         timing["update_actor"] = time.perf_counter() - t
+        util.append(self._gpu_utilization())
         timing["step"] = time.perf_counter() - t_step
         timing["step_cpu"] = time.process_time() - cpu_step     # this process's CPU time (a shared box: wall / cpu)
         m.update({f"timing_s/{k}": v for k, v in timing.items()})
+        if None not in util:
+            m["perf/gpu_utilization"] = float(np.mean(util))
         return m
+
+    def _gpu_utilization(self) -> Optional[float]:
+        """The whole GPU's busy percentage over NVML's last sample period (every process's
+        kernels): side by side, it tells whether the arms will wait for the GPU or for their
+        cores. None off the GPU or without NVML (then not logged; ``logs/<arm>.json`` says why)."""
+        if self.opts.device != "cuda" or self.gpu_util_unavailable:
+            return None
+        try:
+            return float(torch.cuda.utilization())
+        except Exception as e:          # pynvml missing or NVML refusing: a metric less, said once
+            self.gpu_util_unavailable = f"{type(e).__name__}: {e}"
+            return None
 
     def compute_log_prob(self, s: Samples, lp: list, m: dict[str, float]):
         """theta_old's log-probs per sample (and R2's recording); logs the train-vs-rollout
@@ -613,6 +631,9 @@ def _run_one(ctx: RankContext, root: Path, run: RunConfig, arm: Arm, engine: Opt
     meta_path.write_text(json.dumps(meta, indent=1))
     runner = ArmRunner(ctx, root, arm, run.grpo, run.shape, run.task, engine)
     start = runner.restore() if run.resume else 0
+    if run.start_gate:
+        (root / "logs" / f"{arm.name}.ready").touch()
+        wait_for_gate(Path(run.start_gate), run.deadline)
     log = StepLog(root / "logs" / f"{arm.name}.jsonl", start)
     status, last = "done", 0.0
     try:
@@ -622,6 +643,8 @@ def _run_one(ctx: RankContext, root: Path, run: RunConfig, arm: Arm, engine: Opt
                 break
             m = runner.step(step)
             last = m["timing_s/step"]
+            if runner.gpu_util_unavailable and "gpu_utilization" not in meta:
+                meta["gpu_utilization"] = f"not logged: {runner.gpu_util_unavailable}"
             log.write(step, m)
             meta["steps_done"] = step + 1
             every = run.grpo.checkpoint_every

@@ -10,7 +10,8 @@ engine as the trainer's weights at step 0.
 **Router margins.** Whether a bf16 engine and a bf16 trainer pick the same experts depends on how
 far apart a token's k-th and (k+1)-th router logits are (:func:`router_margins`). A trained large
 MoE has narrow margins: many experts, a load-balancing loss that pulls the routers towards using
-all of them evenly, a router z-loss that keeps the logits small. ``aux_loss`` (HF's
+all of them evenly, a router z-loss that holds each token's logsumexp near 0 (so its logits sit
+near -log(experts), where bf16's grid is coarse next to the margins). ``aux_loss`` (HF's
 load-balancing coefficient) and ``router_z_loss`` (ST-MoE's z-loss, per MoE layer, as megatron's
 ``moe_z_loss_coeff``) make the warm-started router like that by training; the margins it ends with
 are measured and kept in the stats.
@@ -99,8 +100,15 @@ class WarmStartOptions:
     eval_problems: int = 512
     target_accuracy: float = 0.6
     max_seconds: float = 150.0
+    # transformers' expert kernels: "grouped_mm" runs all experts of a layer in one grouped GEMM
+    # (its default, "eager", loops over them in Python: a few kernels per expert and layer, which
+    # bounds a deep many-expert model's warm start on a GPU); the same loss and gradients (CPU-checked)
+    experts_implementation: str = "grouped_mm"
 
     def __post_init__(self) -> None:
+        if self.experts_implementation not in ("grouped_mm", "eager"):
+            raise ValueError(f"warm start: experts_implementation must be grouped_mm or eager, got "
+                             f"{self.experts_implementation!r}")
         if self.aux_loss < 0 or self.router_z_loss < 0 or self.lr <= 0:
             raise ValueError(f"warm start: aux_loss and router_z_loss must be >= 0 and lr > 0, got "
                              f"{self.aux_loss}, {self.router_z_loss}, {self.lr}")
@@ -180,24 +188,47 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
     """Train the HF model from scratch on the task; returns its fp32 state dict (CPU) and stats."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(opts.seed)
     cfg = shape.hf_config()
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    def build(impl: str):
+        torch.manual_seed(opts.seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation=impl).to(device)
+        model.train()
+        return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    impl = opts.experts_implementation
+    model, opt = build("eager") if impl == "eager" else (None, None)
     rng = np.random.default_rng(opts.seed)
     t0 = time.time()
     curve = []
-    for step in range(opts.steps):
+
+    def train_step(step: int, ids_t: torch.Tensor, mask_t: torch.Tensor) -> torch.Tensor:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, opts)
-        ids, mask = task.sft_batch(opts.batch, rng)
-        total, loss, *_ = _answer_loss(model, torch.as_tensor(ids, device=device),
-                                       torch.as_tensor(mask, device=device), opts.aux_loss, opts.router_z_loss)
+        total, loss, *_ = _answer_loss(model, ids_t, mask_t, opts.aux_loss, opts.router_z_loss)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        return loss
+
+    for step in range(opts.steps):
+        ids, mask = task.sft_batch(opts.batch, rng)
+        ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
+        if step == 0 and model is None:
+            try:
+                model, opt = build(impl)
+                loss = train_step(step, ids_t, mask_t)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                # by design, said and kept in the stats: a torch / transformers without fp32 grouped
+                # GEMMs here; the first step is taken again from the same initial weights
+                log(f"[warm start] experts_implementation {impl!r} failed ({type(e).__name__}: {str(e)[:200]}); "
+                    f"training with 'eager' (a Python loop over the experts: slower)")
+                impl = f"eager (after {impl}: {type(e).__name__})"
+                model, opt = build("eager")
+                loss = train_step(step, ids_t, mask_t)
+        else:
+            loss = train_step(step, ids_t, mask_t)
         if time.time() - t0 > opts.max_seconds:      # the bound holds between checks too (a deep model's steps are slow)
             log(f"[warm start] stopped at step {step + 1}: the {opts.max_seconds:.0f} s bound")
             break
@@ -216,6 +247,7 @@ def warm_start(shape: EvidenceModelShape, task: task_mod.AdditionTask, opts: War
     log(f"[warm start] router margins (k-th minus (k+1)-th logit): median {margins['median']:.3g}, "
         f"{margins['below']:.1%} of tokens under {margins['threshold']:g}")
     stats = {"greedy_accuracy": acc, "steps": step + 1, "seconds": time.time() - t0, "curve": curve,
+             "experts_implementation": impl,
              "router_margins": margins, "shape": asdict(shape), "options": asdict(opts)}
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
     return state, stats

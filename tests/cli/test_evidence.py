@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from r3bridge.cli._common import jsonable
 from r3bridge.demo import evidence, evidence_report
 
@@ -43,8 +45,13 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     assert list(rows) == candidates.split(",") and all(r["ran"] for r in rows.values())
     for r in rows.values():
         assert 0.0 < r["agreement"] <= 1.0 and r["step_s"] > 0 and r["run_s_alone"] == r["step_s"] * 2
+        # no arm has more mini-batches than the calibration arm's 4: its step is the slowest; no
+        # GPU here, so the cores bound the estimate (x 1.3, --side-by-side-factor's default)
+        assert r["slowest_step_s"] == r["step_s"] and r["gpu_utilization"] is None and r["bound_by"] == "cores"
+        assert r["run_s_estimate"] == pytest.approx(r["step_s"] * 2 * 1.3)
         assert set(r["agreement_per_layer"]) == {str(i) for i in range(r["shape"]["layers"])}
         assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0
+    assert "2 of 2 candidate(s) ready" in proc.stderr and (out / "calib" / "GO").exists()   # stepped together
     want = next((n for n, r in rows.items() if r["agreement"] <= 0.999), None)
     if want is None:                        # none qualifies: the least-agreeing one, said so
         want = min(rows, key=lambda n: rows[n]["agreement"])
@@ -135,3 +142,65 @@ def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch,
     assert not (tmp_path / "run").exists()                 # refused before anything was written
     assert main(["evidence", "plot", str(tmp_path)]) == 2
     assert "no <arm>.jsonl" in capsys.readouterr().err
+
+
+def test_warm_start_grouped_experts_and_z_loss_as_the_loop_computes_them():
+    """The warm start's grouped expert GEMMs (its default: one kernel per layer on a GPU) give the
+    Python loop's loss and gradients, z-loss and load-balancing loss included; its margins read
+    the k-th minus the (k+1)-th router logit."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from r3bridge.demo.task import AdditionTask
+    from r3bridge.demo.warmstart import EvidenceModelShape, _answer_loss, margins_of
+
+    cfg = EvidenceModelShape(layers=2, experts=16, topk=4, hidden=64, moe_ffn=32).hf_config()
+    ids, mask = (torch.as_tensor(x) for x in AdditionTask().sft_batch(16, np.random.default_rng(0)))
+    out = {}
+    for impl in ("eager", "grouped_mm"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation=impl)
+        total, loss, *_ = _answer_loss(model, ids, mask, 0.05, 1e-2)
+        total.backward()
+        out[impl] = (total.item(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        _, plain, *_ = _answer_loss(model, ids, mask, 0.0, 0.0)
+        assert total.item() > plain.item() == loss.item()          # the router losses are in the total only
+    (t_loop, l_loop, g_loop), (t_grp, l_grp, g_grp) = out["eager"], out["grouped_mm"]
+    assert abs(t_loop - t_grp) < 1e-5 and abs(l_loop - l_grp) < 1e-5
+    for name, g in g_loop.items():
+        torch.testing.assert_close(g_grp[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    logits = torch.tensor([[3.0, 2.5, 2.495, 0.0], [1.0, 0.2, 0.9, 0.0]])
+    m = margins_of([logits, logits[:1]], [0, 2], topk=2)
+    assert [x["layer"] for x in m["per_layer"]] == [0, 2]
+    assert m["per_layer"][0]["below"] == 0.5 and abs(m["per_layer"][1]["median"] - 0.005) < 1e-6
+
+
+def test_calibration_choice_wants_disagreement_accuracy_and_time_in_that_order():
+    def row(name, agreement, accuracy, run_s):
+        return {"name": name, "ran": True, "agreement": agreement, "accuracy": accuracy, "target_accuracy": 0.6,
+                "run_s_estimate": run_s, "error": ""}
+
+    rows = [row("cheap", 0.99, 0.7, 100), row("untrained", 0.93, 0.2, 100), row("mid", 0.97, 0.65, 200),
+            row("slow", 0.90, 0.7, 10_000)]
+    # the first (cheapest) that qualifies, not the least-agreeing
+    assert evidence.choose(rows, 0.98, budget_s=500)["chosen"] == "mid"
+    # none qualifies: least-agreeing among those that fit and reached the target accuracy
+    # ("untrained" agrees less but its warm start is far from the target, "slow" does not fit)
+    none = evidence.choose(rows, 0.95, budget_s=500)
+    assert none["chosen"] == "mid" and not none["goal_met"] and none["reason"].startswith("GOAL NOT MET")
+    assert evidence.choose(rows, 0.95, budget_s=20_000)["chosen"] == "slow"
+    # nothing fits: the fastest, and the reason says the run will be cut short
+    short = evidence.choose(rows, 0.95, budget_s=50)
+    assert short["chosen"] == "cheap" and "cut short" in short["reason"]
+    # the estimate: the longer of the cores' bound and the GPU's (13 arms' shares of a GPU that two
+    # candidates side by side kept 40 % busy: 13 x 20 % of the step)
+    est = [{"ran": True, "step_s": 1.0, "slowest_step_s": 1.5, "gpu_utilization": 40.0},
+           {"ran": True, "step_s": 1.0, "slowest_step_s": 1.0, "gpu_utilization": None}, {"ran": False}]
+    evidence._estimate_runs(est, steps=300, arms=13, side_by_side=1.3)
+    assert est[0]["bound_by"] == "GPU" and est[0]["run_s_estimate"] == pytest.approx(13 * 0.2 * 1.5 * 300)
+    assert est[1]["bound_by"] == "cores" and est[1]["run_s_estimate"] == pytest.approx(1.3 * 300)
+    assert "run_s_estimate" not in est[2]
+    failed = [{**row("x", 0.5, 0.7, 1), "ran": False, "error": "the warm start failed: boom"}]
+    with pytest.raises(evidence.EvidenceError, match="no candidate ran a step: x: the warm start failed: boom"):
+        evidence.choose(failed, 0.95)
