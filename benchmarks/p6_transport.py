@@ -36,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -46,25 +45,10 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from p5_route_path import engine_output, layout_of, lengths_of, micro_batches, peak_rss_bytes, rss_bytes  # noqa: E402
+from p5_route_path import engine_output, layout_of, lengths_of, micro_batches, peak_rss_bytes  # noqa: E402
+from p6_route_handles import _digest, _reset_peak  # noqa: E402  (one rank's targets' crc32; the peak RSS reset)
 
 ARMS = ("tq", "controller", "handles-files", "handles-ray")
-
-
-def _reset_peak() -> int:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return rss_bytes()
-
-
-def _digest(t) -> int:
-    crc = zlib.crc32(t.valid.numpy().tobytes())
-    for lid in t.layer_ids:
-        crc = zlib.crc32(t.indices[lid].numpy().tobytes(), crc)
-    return crc
 
 
 def rank_coords(w: dict) -> list[tuple[int, int, int]]:
