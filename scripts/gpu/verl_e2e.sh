@@ -58,6 +58,9 @@ layout = Parallel.from_env().label      # R3E2E_GPUS / _TP / _EP / _PP / _SP ...
 handles = os.environ.get("R3E2E_ROUTES", "inline") == "handles"
 tag = E.run_tag(mode, variant) + ("" if layout == "tp1" else f"_{layout}") + ("_handles" if handles else "")
 root = os.path.join(os.environ.get("R3E2E_WORK", "/tmp/r3e2e"), f"verl_e2e_{tag}")
+if os.environ.get("R3E2E_CHECK_ONLY") != "1":   # a rerun on a warm machine: never merge an earlier job's records
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
 paths = E.write_job(root, first_seen=variant != "last")
 env = E.job_env(paths, gpu=True)
 store = os.path.join(root, "route-store")
