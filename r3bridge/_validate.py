@@ -3,6 +3,7 @@ values are :mod:`r3bridge.engines.route_checks`')."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -94,7 +95,14 @@ def as_number_tensor(x: Any, *, what: str, error: _Err, kinds: str, expected: st
     a = np.asarray(x)
     if a.dtype.kind not in kinds:
         raise error(f"{what}: expected {expected}, got dtype {a.dtype}")
-    return torch.from_numpy(np.ascontiguousarray(native_order(a)))
+    a = np.ascontiguousarray(native_order(a))
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    # a read-only array (np.frombuffer of wire bytes): shared, never written (masks are read, weights
+    # narrowed or cloned before rows are zeroed), so torch's "not writable" warning would be noise
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 def as_mask(x: Any, *, what: str, error: _Err) -> torch.Tensor:

@@ -21,7 +21,10 @@ def _compose(cmd: list[str]):
     from r3bridge.adapters.verl.main_ppo import section_overrides
 
     assert cmd[1:3] == ["-m", "r3bridge.adapters.verl.main_ppo"] and cmd[3].startswith("--config-name=")
+    from hydra.core.global_hydra import GlobalHydra
+
     config_dir = os.path.join(os.path.dirname(verl_main.__file__), "config")
+    GlobalHydra.instance().clear()      # a test before it in this worker may have left hydra initialised
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose(config_name=cmd[3].split("=", 1)[1], overrides=section_overrides(cmd[4:]))
 
