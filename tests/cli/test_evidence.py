@@ -32,9 +32,9 @@ def _steps(path) -> list[dict]:
 
 def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     out = tmp_path / "run"
-    # two candidates side by side; the second is the first to agree at most 0.999 (the HF engine
-    # holds bf16-rounded weights, the fp32 trainer does not: a few routes flip); its warm start
-    # is reused and every arm runs on its shape
+    # two candidates side by side (untrained: --sft-target 0); the first to agree at most 0.999
+    # runs (the HF engine holds bf16-rounded weights, the fp32 trainer does not: a few routes
+    # flip), its warm start reused, every arm on its shape
     candidates = "L2-E8-k2,L3-E16-k4-h64-f32-aux0.05-z0.001"
     proc = _cli("run", "--out", str(out), "--engine", "hf", "--device", "cpu", "--steps", "2", "--prompts", "4",
                 "--group", "2", "--sft-steps", "2", "--sft-batch", "16", "--sft-target", "0",
