@@ -64,7 +64,8 @@ def training_batch_fields(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """R2 write-back, SkyRL 0.3: ``rollout_expert_indices`` ``[B, S, num_hidden_layers, K]`` (dummy
     rows ``0..K-1`` where there is no route) and ``router_padding_mask``."""
-    routes, mask = masked_padded_routes(rb, attention_mask, num_hidden_layers=num_hidden_layers, dtype=dtype)
+    routes, mask = masked_padded_routes(rb, attention_mask, num_hidden_layers=num_hidden_layers, dtype=dtype,
+                                        names=row_names(rb.num_seqs), framework="SkyRL")
     return {ROUTES_KEY: routes, MASK_KEY: mask}
 
 
@@ -87,7 +88,8 @@ class SkyRLCodec(HandedCodec):
         if self.release == "0.4":      # SkyRL's own PackedTensor and padding row, so its batch ops accept them
             values, cu, mask = masked_packed_routes(
                 recorded, native["attention_mask"], num_hidden_layers=self.num_hidden_layers,
-                fill=import_skyrl("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row)
+                fill=import_skyrl("skyrl.backends.skyrl_train.utils.replay_utils").replay_padding_row,
+                names=row_names(recorded.num_seqs), framework="SkyRL")
             packed = import_skyrl("skyrl.backends.skyrl_train.utils.packed_tensor").PackedTensor
             fields = {ROUTES_KEY: packed(values, cu), MASK_KEY: mask}
         else:

@@ -21,7 +21,7 @@ from r3bridge.batch.schema import ReplayBatch, route_dtype
 from r3bridge.engines.layer_axis import axis_columns
 from r3bridge.errors import RouteShapeError
 from r3bridge.hf import check_topk
-from r3bridge.parallel.handed import HandedRoutes, zero_row_rule
+from r3bridge.parallel.handed import HandedRoutes, naming_samples, shown_names, zero_row_rule
 
 __all__ = ["batch_field", "row_names", "masked_field_routes", "masked_padded_routes", "masked_packed_routes"]
 
@@ -95,13 +95,16 @@ def _token_mask(rb: ReplayBatch, attention_mask: torch.Tensor) -> tuple[torch.Te
 
 
 def masked_padded_routes(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
-                         dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         dtype: Optional[torch.dtype] = None, names: Optional[Sequence[str]] = None,
+                         framework: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, S, num_hidden_layers, K]`` routes on the real tokens, dummy rows ``0..K-1``
-    everywhere else; the ``[B, S]`` no-route mask)``."""
+    everywhere else; the ``[B, S]`` no-route mask)``. Errors name ``names[i]`` (the framework's
+    sample), else "sequence i"."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts) if dtype is None else dtype
     dummy = torch.arange(rb.topk, dtype=dtype)
-    values, routed = token_rows(rb, lens, fill=dummy, dtype=dtype, num_hidden_layers=num_hidden_layers)
+    with naming_samples(shown_names(names, framework)):
+        values, routed = token_rows(rb, lens, fill=dummy, dtype=dtype, num_hidden_layers=num_hidden_layers)
     out = dummy.expand(*attn.shape, num_hidden_layers, rb.topk).clone()
     out[attn] = values
     mask = torch.ones_like(attn)
@@ -110,13 +113,16 @@ def masked_padded_routes(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_h
 
 
 def masked_packed_routes(rb: ReplayBatch, attention_mask: torch.Tensor, *, num_hidden_layers: int,
-                         fill: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         fill: Any, names: Optional[Sequence[str]] = None,
+                         framework: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values [real tokens, num_hidden_layers, K], cu_seqlens int32 [B + 1], [B, S] no-route
-    mask)``; ``fill(topk, dtype=)``: the row a token without a route holds."""
+    mask)``; ``fill(topk, dtype=)``: the row a token without a route holds. Errors name
+    ``names[i]`` (the framework's sample), else "sequence i"."""
     attn, lens = _token_mask(rb, attention_mask)
     dtype = route_dtype(rb.num_experts)
-    values, routed = token_rows(rb, lens, fill=torch.as_tensor(fill(rb.topk, dtype=dtype)), dtype=dtype,
-                                num_hidden_layers=num_hidden_layers)
+    with naming_samples(shown_names(names, framework)):
+        values, routed = token_rows(rb, lens, fill=torch.as_tensor(fill(rb.topk, dtype=dtype)), dtype=dtype,
+                                    num_hidden_layers=num_hidden_layers)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     mask = torch.ones_like(attn)

@@ -276,6 +276,9 @@ def test_a_sample_one_row_short_is_refused_in_every_form_naming_the_framework_sa
     attn = torch.ones(2, 7, dtype=torch.bool)
     with _raises(CoverageError, "sequence 1", "ends at token 5", "7 tokens"):
         masked_padded_routes(rb, attn, num_hidden_layers=3)
+    with _raises(CoverageError, "myfw sample req-9", "ends at token 5", "7 tokens") as err:    # the write-back names it too
+        masked_padded_routes(rb, attn, num_hidden_layers=3, names=["req-7", "req-9"], framework="myfw")
+    assert "sequence 1" not in str(err.value)
     with _raises(CoverageError, "sequence 1", "ends at token 5"):
         padded_routes(rb, attn)
     masked_padded_routes(ReplayBatch.from_ragged([full, full], num_experts=8, layer_ids=[0, 1, 2]), attn,
