@@ -124,12 +124,13 @@ class Rollout:
         return self.items
 
     def write_handles(self, backend: str, root: str) -> dict:
-        from r3bridge.handles import FileRoutes, RayRoutes, RouteStore
+        from r3bridge.handles import FileRoutes, RayRoutes, RouteStore, SampleRoutes
 
         lay = layout_of(self.w)
-        self.store = RouteStore(FileRoutes(root) if backend == "files" else RayRoutes(), block_rows=self.w["block_rows"])
-        handles = [self.store.put(f"traj-{i}", a[:, self.w["dense"]:], lay.moe_layer_ids, step=1,
-                                  num_experts=self.w["experts"]) for i, a in enumerate(self.items)]
+        self.store = RouteStore(FileRoutes(root) if backend == "files" else RayRoutes(), block_rows=self.w["block_rows"],
+                                workers=self.w["write_threads"])    # as SkyRL's driver writes a batch
+        handles = self.store.put_many([SampleRoutes(f"traj-{i}", a[:, self.w["dense"]:], lay.moe_layer_ids, 0,
+                                                    self.w["experts"]) for i, a in enumerate(self.items)], step=1)
         # returned as objects: Ray serialises the handles' object references with their owner (a
         # plain pickle of a reference is not tracked, and the reader's get of it times out)
         return {"run_id": self.store.run_id, "handles": handles}
@@ -292,6 +293,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", type=int, default=8, help="how many of the replica's TP x CP x PP ranks run")
     ap.add_argument("--mb-tokens", type=int, default=65536)
     ap.add_argument("--block-rows", type=int, default=256)
+    ap.add_argument("--write-threads", type=int, default=8, help="the handles writer's threads (RouteStore workers)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
@@ -300,7 +302,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     w = dict(layers=a.layers, dense=a.dense, topk=a.topk, experts=a.experts, dtype=a.dtype, tp=a.tp, cp=a.cp, pp=a.pp,
              ep=1, seed=a.seed, mb_tokens=a.mb_tokens, n=a.trajectories, max_len=a.max_tokens, dist=a.dist,
-             block_rows=a.block_rows, ranks=min(a.ranks, a.tp * a.cp * a.pp))
+             block_rows=a.block_rows, ranks=min(a.ranks, a.tp * a.cp * a.pp), write_threads=a.write_threads)
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad:

@@ -24,6 +24,7 @@ The trainer releases a step's routes when its training ends (kept when ``trace_d
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from r3bridge.adapters.skyrl.id_field import is_sample_id_field, sample_id_field
 from r3bridge.batch.schema import ReplayBatch
 from r3bridge.config import ReplayConfig
 from r3bridge.errors import ConfigError, LayerMappingError, RouteShapeError
-from r3bridge.handles import FileRoutes, RayRoutes, RouteHandle, RouteStore, handed_routes
+from r3bridge.handles import FileRoutes, RayRoutes, RouteHandle, RouteStore, SampleRoutes, handed_routes
 from r3bridge.handles.handle import table_digest
 from r3bridge.hf import ModelInfo
 from r3bridge.parallel.handed import HandedRoutes
@@ -44,6 +45,7 @@ HANDLES_KEY = "r3bridge_route_handles"      # TrainingInputBatch.metadata: the b
 # route_store a folder: at start, a run folder nothing was written to for this long is a killed run's
 # (a live run writes every step and releases at its end; a step's training takes minutes, not hours)
 STALE_RUN_AGE_S = 6 * 3600.0
+WRITE_THREADS = 8          # the driver's writer threads at most (a batch's samples written side by side)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,10 @@ class RouteWriter:
             self.directory: Optional[str] = backend.directory
         else:
             backend, self.directory = RayRoutes(), None
-        self.store = RouteStore(backend, run_id=run_id, keep=config.trace_dir is not None)
+        # the driver writes a whole batch at once: its samples on threads (files and Ray objects
+        # take concurrent writes; the copy, crc32s and writes release the GIL)
+        self.store = RouteStore(backend, run_id=run_id, keep=config.trace_dir is not None,
+                                workers=min(WRITE_THREADS, os.cpu_count() or 1))
         if self.directory is not None:
             backend.remove_stale_runs(STALE_RUN_AGE_S, keep=[self.store.run_id])
 
@@ -103,12 +108,12 @@ class RouteWriter:
             raise RouteShapeError(f"SkyRL's generator returned routes for {len(routes)} samples, the batch has "
                                   f"{len(seq_lens)}")
         moe = list(model.moe_layer_ids)
-        handles = []
+        entries = []
         for i, (sample_routes, n) in enumerate(zip(routes, seq_lens)):
             name = _sample_name(i, uids)
             rows = _generator_rows(name, sample_routes, n, model)
-            handles.append(self.store.put(name, rows[:, moe], moe, 0, step=step, num_experts=model.num_experts))
-        _carry(batch, self._batch_handles(step, handles))
+            entries.append(SampleRoutes(name, rows[:, moe], moe, 0, model.num_experts))
+        _carry(batch, self._batch_handles(step, self.store.put_many(entries, step=step)))
 
     def write_recorded(self, batch: Any, recorded: ReplayBatch, uids: Sequence[str], *, step: int) -> None:
         """R2: the routes compute_log_prob recorded (one sequence per batch row) written once, the

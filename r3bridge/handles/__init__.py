@@ -23,8 +23,8 @@ from r3bridge.handles.backends import (
 )
 from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError
 from r3bridge.handles.read import HandleReads, handed_routes, read_rank_targets, resolve
-from r3bridge.handles.store import RouteStore
+from r3bridge.handles.store import RouteStore, SampleRoutes
 
 __all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "RouteResolver", "RouteBackend", "OpenRoutes",
-           "FileRoutes", "RayRoutes", "KeyValueRoutes", "KeyValueStore", "LocalKeyValue", "RouteStore",
+           "FileRoutes", "RayRoutes", "KeyValueRoutes", "KeyValueStore", "LocalKeyValue", "RouteStore", "SampleRoutes",
            "HandleReads", "handed_routes", "read_rank_targets", "resolve"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Iterator, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,16 +23,30 @@ from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.handles.backends import RouteBackend
 from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError, digest_table, table_digest
 
-__all__ = ["RouteStore"]
+__all__ = ["RouteStore", "SampleRoutes"]
+
+
+class SampleRoutes(NamedTuple):
+    """One sample's routes for :meth:`RouteStore.put_many` (the arguments of :meth:`RouteStore.put`)."""
+
+    sample: str
+    routes: Any
+    layer_ids: Sequence[int]
+    start_row: int
+    num_experts: int
+    route_kind: str = "rollout"
 
 
 class RouteStore:
     """Writes samples' routes through ``backend`` (a :class:`~r3bridge.handles.RouteBackend`) and
     releases them per RL step. One per process that writes routes; ``run_id`` defaults to a fresh
-    random id (the trainer reads with the same ``run_id``: pass it along with the handles)."""
+    random id (the trainer reads with the same ``run_id``: pass it along with the handles).
+    ``workers``: threads :meth:`put_many` writes samples on (the layer-major copy, the crc32s and a
+    file write release the GIL); more than 1 only for a backend whose ``write`` may run
+    concurrently (``FileRoutes``, ``RayRoutes``; an external ``kv`` client may not)."""
 
     def __init__(self, backend: RouteBackend, *, run_id: Optional[str] = None,
-                 block_rows: int = DEFAULT_BLOCK_ROWS, keep: bool = False) -> None:
+                 block_rows: int = DEFAULT_BLOCK_ROWS, keep: bool = False, workers: int = 1) -> None:
         if not isinstance(backend, RouteBackend):
             raise RouteHandleError(f"{backend!r} is not a route backend (name, open, write, delete)")
         if int(block_rows) < 1:
@@ -42,6 +57,9 @@ class RouteStore:
             raise RouteHandleError(f"run_id must be a non-empty word without '/', got {self.run_id!r}")
         self.block_rows = int(block_rows)
         self.keep = bool(keep)
+        if int(workers) < 1:
+            raise RouteHandleError(f"workers must be >= 1, got {workers}")
+        self.workers = int(workers)
         self._live: dict[int, dict[str, RouteHandle]] = {}
 
     @property
@@ -60,30 +78,73 @@ class RouteStore:
         """Store one sample's routes ``[rows, L, K]`` (any integer dtype: kept as given) for layers
         ``layer_ids`` from token ``start_row``, for RL step ``step``; the handle. A sample is
         written once per step (a retry is another attempt: give it its own name)."""
-        sample = str(sample)
+        return self.put_many([SampleRoutes(sample, routes, layer_ids, start_row, num_experts, route_kind)], step=step)[0]
+
+    def put_many(self, entries: Sequence[SampleRoutes], *, step: int) -> list[RouteHandle]:
+        """:meth:`put` of several samples, their writes on up to ``workers`` threads; the handles in
+        entry order. Every entry is checked before anything is written, and a write that fails
+        deletes this call's other writes: all of them are stored, or none."""
+        per_step = self._live.get(int(step), {})
+        checked, names = [], set()
+        for e in entries:
+            sample, a, ids = self._checked(e)
+            if sample in per_step or sample in names:
+                raise RouteHandleError(f"sample {sample!r}: already stored for step {step} (run {self.run_id}); a retry "
+                                       f"never overwrites an attempt: store it under its own name")
+            names.add(sample)
+            checked.append((e, sample, a, ids, f"{self.run_id}/{int(step)}/{sample}"))
+
+        def write(item: tuple) -> tuple[np.ndarray, Any]:
+            layer_major = np.ascontiguousarray(item[2].transpose(1, 0, 2))
+            table = digest_table(layer_major, self.block_rows)
+            return table, self.backend.write(item[4], layer_major, table)
+
+        if self.workers > 1 and len(checked) > 1:
+            with ThreadPoolExecutor(min(self.workers, len(checked))) as pool:
+                futures = [pool.submit(write, item) for item in checked]
+            results = [f.exception() or f.result() for f in futures]
+        else:
+            results = []
+            for item in checked:
+                try:
+                    results.append(write(item))
+                except Exception as err:    # the ones after it are not written: nothing more to undo
+                    results.append(err)
+                    break
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for item, r in zip(checked, results):
+                if not isinstance(r, BaseException):
+                    self.backend.delete(self._handle(item, r[0], r[1], step))
+            raise failed
+        per_step = self._live.setdefault(int(step), {})
+        out = []
+        for item, (table, ref) in zip(checked, results):
+            handle = self._handle(item, table, ref, step)
+            per_step[item[1]] = handle
+            out.append(handle)
+        return out
+
+    @staticmethod
+    def _checked(e: SampleRoutes) -> tuple[str, np.ndarray, list[int]]:
+        sample, routes = str(e.sample), e.routes
         a = routes.detach().cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
-        ids = [int(x) for x in layer_ids]
+        ids = [int(x) for x in e.layer_ids]
         if a.ndim != 3 or a.dtype.kind not in "iu":
             raise RouteShapeError(f"sample {sample!r}: routes must be an integer [rows, layers, topk] array, got "
                                   f"shape {tuple(a.shape)} of {a.dtype}")
         if a.shape[1] != len(ids):
             raise LayerMappingError(f"sample {sample!r}: routes have {a.shape[1]} layers, layer_ids {ids} "
                                     f"{len(ids)}")
-        if int(start_row) < 0:
-            raise CoverageError(f"sample {sample!r}: start_row {start_row} < 0")
-        per_step = self._live.setdefault(int(step), {})
-        if sample in per_step:
-            raise RouteHandleError(f"sample {sample!r}: already stored for step {step} (run {self.run_id}); a retry "
-                                   f"never overwrites an attempt: store it under its own name")
-        key = f"{self.run_id}/{int(step)}/{sample}"
-        layer_major = np.ascontiguousarray(a.transpose(1, 0, 2))
-        table = digest_table(layer_major, self.block_rows)
-        ref = self.backend.write(key, layer_major, table)
-        handle = RouteHandle(self.name, key, self.run_id, int(step), sample, int(a.shape[0]), int(start_row),
-                             tuple(ids), int(a.shape[2]), int(num_experts), a.dtype.name, self.block_rows,
-                             table_digest(table), route_kind, ref)
-        per_step[sample] = handle
-        return handle
+        if int(e.start_row) < 0:
+            raise CoverageError(f"sample {sample!r}: start_row {e.start_row} < 0")
+        return sample, a, ids
+
+    def _handle(self, item: tuple, table: np.ndarray, ref: Any, step: int) -> RouteHandle:
+        e, sample, a, ids, key = item
+        return RouteHandle(self.name, key, self.run_id, int(step), sample, int(a.shape[0]), int(e.start_row),
+                           tuple(ids), int(a.shape[2]), int(e.num_experts), a.dtype.name, self.block_rows,
+                           table_digest(table), e.route_kind, ref)
 
     def put_batch(self, batch: Any, samples: Sequence[str], *, step: int) -> list[RouteHandle]:
         """Every sequence of a :class:`r3bridge.ReplayBatch` (e.g. the rollout's stitched routes), one
@@ -94,16 +155,16 @@ class RouteStore:
         offs = batch.offsets.tolist()
         valid = batch.valid.cpu().numpy()
         routes = batch.routes.cpu().numpy()
-        out = []
+        entries = []
         for i, sample in enumerate(samples):
             lo, hi = offs[i], offs[i + 1]
             bad = np.flatnonzero(~valid[lo:hi])
             if bad.size:
                 raise CoverageError(f"sample {sample!r}: row {int(bad[0])} (token {batch.start_rows[i] + int(bad[0])}) "
                                     f"has no route; a handle stores captured rows only")
-            out.append(self.put(sample, routes[lo:hi], batch.layer_ids, batch.start_rows[i], step=step,
-                                num_experts=batch.num_experts, route_kind=batch.route_kind))
-        return out
+            entries.append(SampleRoutes(sample, routes[lo:hi], batch.layer_ids, batch.start_rows[i], batch.num_experts,
+                                        batch.route_kind))
+        return self.put_many(entries, step=step)
 
     def release(self, step: int) -> int:
         """Delete the routes of RL step ``step`` (kept when the store keeps them for traces);
