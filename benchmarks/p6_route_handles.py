@@ -167,9 +167,9 @@ def _run(role: str, w: dict, timeout: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trajectories", type=int, default=64)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The production-shape workload both P6 benchmarks take (p6_transport.py too)."""
+    ap.add_argument("--trajectories", type=int, default=64, help="the replica's samples (its DP shard)")
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--dist", default="typical_rl")
     ap.add_argument("--layers", type=int, default=40)
@@ -180,11 +180,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--mb-tokens", type=int, default=65536)
     ap.add_argument("--block-rows", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--role", nargs=2, default=None, help=argparse.SUPPRESS)

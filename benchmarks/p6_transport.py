@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 from p5_route_path import engine_output, layout_of, lengths_of, micro_batches, peak_rss_bytes  # noqa: E402
-from p6_route_handles import _digest, _reset_peak  # noqa: E402  (one rank's targets' crc32; the peak RSS reset)
+from p6_route_handles import _digest, _reset_peak, add_workload_args  # noqa: E402  (one rank's targets' crc32; the peak RSS reset)
 
 ARMS = ("tq", "controller", "handles-files", "handles-ray")
 
@@ -279,24 +279,10 @@ def run_arm(arm: str, w: dict, lens: np.ndarray, shm: str) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trajectories", type=int, default=64, help="the replica's samples (its DP shard)")
-    ap.add_argument("--max-tokens", type=int, default=32768)
-    ap.add_argument("--dist", default="typical_rl")
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--dense", type=int, default=0)
-    ap.add_argument("--topk", type=int, default=22)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--dtype", default="int16", choices=["uint8", "int16"])
-    ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--cp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=4)
+    add_workload_args(ap)
     ap.add_argument("--ranks", type=int, default=8, help="how many of the replica's TP x CP x PP ranks run")
-    ap.add_argument("--mb-tokens", type=int, default=65536)
-    ap.add_argument("--block-rows", type=int, default=256)
     ap.add_argument("--write-threads", type=int, default=8, help="the handles writer's threads (RouteStore workers)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
