@@ -10,7 +10,17 @@
 #   device: vllm026_device.sh install DIR/qN     join, check, pip install --target /tmp/site-vllm026
 #   device: vllm026_device.sh run ARGS...        PYTHONPATH and VLLM_USE_FLASHINFER_SAMPLER=0 set, then
 #                                                python3 scripts/gpu/vllm026_routes.py ARGS
-# Install and the first run go in the same call (the call carrying the last part).
+#   device: vllm026_device.sh variants [--budget S] [ARGS...]   (ARGS: more vllm026_routes.py options)
+#                                                probe each of VARIANTS in order (one engine, one generate,
+#                                                every process's stacks dumped to its log if it hangs), then
+#                                                the full run (direct cases + speculative decoding) with the
+#                                                first variant that returned routes, in what is left of S
+#                                                (default 290) seconds; logs and results under $OUT as they
+#                                                come (probe_V.log / .json, variants.txt, full.log, full/)
+# Install and the first run go in the same call (the call carrying the last part). Either installer
+# puts vLLM into /tmp/site-vllm026: this script's `install` or `bundle.sh install` (set vllm026).
+# VLLM026_DRY_RUN=1 (CPU, no vLLM): the routes script only parses its arguments (--dry-run), and
+# the variants named in R3B_DRY_FAIL report a hang: the variant logic is checked without a GPU.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -36,5 +46,35 @@ run)
   shift
   export PYTHONPATH=/tmp/site-vllm026:$here:$repo VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
   python3 "$here/vllm026_routes.py" "$@" ;;
-*) sed -n 2,15p "$0"; exit 2 ;;
+variants)
+  shift; budget=290
+  if [ "${1:-}" = --budget ]; then budget=$2; shift 2; fi
+  out=${OUT:?variants writes under \$OUT}; mkdir -p "$out"; t0=$(date +%s)
+  # in order: (a) the engine core in-process, routes on; (b) the same, routes off (is capture the
+  # cause?); (c) in-process with a small KV pool (docs/gpu-results/vllm-0.26.0/README.md says why)
+  VARIANTS="inproc inproc_noroutes inproc_small_kv"; ROUTES_OFF="inproc_noroutes"
+  PROBE_S=${PROBE_S:-85}   # each probe's processes: stacks dumped and exit after this (engine start included)
+  GEN_S=${GEN_S:-40}       # a probe's generate: stacks dumped and exit when it has not returned by then
+  # the faulthandler folder's sitecustomize arms the dump in every process, vLLM's children too
+  export PYTHONPATH=/tmp/site-vllm026:$here/vllm026_faulthandler:$here:$repo VLLM_USE_FLASHINFER_SAMPLER=0 \
+    PYTHONUNBUFFERED=1
+  dry=(); if [ "${VLLM026_DRY_RUN:-0}" = 1 ]; then dry=(--dry-run); PYTHONPATH=$here:$repo
+  elif [ ! -d /tmp/site-vllm026/vllm ]; then echo "no vLLM in /tmp/site-vllm026: install first" >&2; exit 3; fi
+  chosen=""
+  for v in $VARIANTS; do
+    R3B_FAULT_AFTER=$PROBE_S timeout -s KILL $((PROBE_S + 15)) python3 "$here/vllm026_routes.py" --probe \
+      --variant "$v" --generate-timeout "$GEN_S" --out "$out" "${dry[@]}" "$@" 2>&1 | tee "$out/probe_$v.log"
+    rc=${PIPESTATUS[0]}
+    echo "probe $v: rc $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/variants.txt"
+    if [ "$rc" = 0 ] && [[ " $ROUTES_OFF " != *" $v "* ]]; then chosen=$v; break; fi
+  done
+  if [ -z "$chosen" ]; then echo "no variant returned routes" | tee -a "$out/variants.txt"; exit 1; fi
+  left=$(( budget - ($(date +%s) - t0) ))
+  if [ "$left" -lt 60 ]; then echo "chosen $chosen; ${left} s left: no full run" | tee -a "$out/variants.txt"; exit 1; fi
+  echo "chosen $chosen; full run in ${left} s" | tee -a "$out/variants.txt"
+  R3B_FAULT_AFTER=$((left - 10)) timeout -s KILL "$left" python3 "$here/vllm026_routes.py" --variant "$chosen" \
+    --out "$out/full" "${dry[@]}" "$@" 2>&1 | tee "$out/full.log"
+  rc=${PIPESTATUS[0]}; echo "full run ($chosen): rc $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/variants.txt"
+  exit "$rc" ;;
+*) sed -n 2,25p "$0"; exit 2 ;;
 esac

@@ -32,6 +32,7 @@ result), 1 when one could not start (the error is the result).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -164,10 +165,81 @@ def spec_counters(llm: Any) -> dict[str, float]:
     return out
 
 
+# The engine settings tried one after another on the device (vllm026_device.sh variants) after
+# 0.26.0's generate never returned with vLLM's defaults (docs/gpu-results/vllm-0.26.0): each is
+# (environment set before vLLM is imported, more ``vllm.LLM`` arguments, why).
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+SMALL_KV_BLOCKS = 1024              # x 16 tokens: 64 x (max_model_len 256) x the 16 sequences, with room
+VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any], str]] = {
+    "default": ({}, {}, "vLLM's defaults: the engine core in its own process (the run that hung)"),
+    "inproc": (IN_PROCESS, {}, "the engine core in-process, so one stack dump shows where it waits"),
+    "inproc_noroutes": (IN_PROCESS, {"enable_return_routed_experts": False},
+                        "the same without routes capture: is capture the cause? (diagnosis only, no routes)"),
+    "inproc_small_kv": (IN_PROCESS, {"num_gpu_blocks_override": SMALL_KV_BLOCKS},
+                        "a KV pool of 1024 blocks instead of the ~5.4 M blocks (87 M token slots) 0.15 of an "
+                        "H200 gives this tiny model: the scheduler's block pool and the RoutedExpertsManager "
+                        "slot buffer (1.39 GB) scale with it"),
+}
+ROUTES_OFF = {k for k, (_, kw, _) in VARIANTS.items() if kw.get("enable_return_routed_experts") is False}
+
+
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``--no-async-scheduling``: vLLM's asynchronous scheduling off (on by default since it is
-    compatible; slime turns it off with routed experts: vime #34)."""
-    return {"async_scheduling": False} if args.no_async_scheduling else {}
+    """More ``vllm.LLM`` arguments: the variant's, and ``--no-async-scheduling`` (vLLM's asynchronous
+    scheduling off; on by default since it is compatible; slime turns it off with routed experts:
+    vime #34)."""
+    out = dict(VARIANTS[args.variant][1])
+    if args.no_async_scheduling:
+        out["async_scheduling"] = False
+    return out
+
+
+def apply_variant_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variant's environment, set before anything imports vLLM (``vllm.envs`` reads it lazily,
+    but the engine client is chosen when ``LLM`` is built)."""
+    env = VARIANTS[args.variant][0]
+    os.environ.update(env)
+    return dict(env)
+
+
+def run_probe(args: argparse.Namespace, res: dict) -> bool:
+    """One engine (model A, the speculative cases' settings without speculation) and one ``generate``
+    of the four speculative prompts, with a stack dump of every thread if it does not return within
+    ``--generate-timeout`` s. True when it returned (with routes on, every request's routes too)."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm_routes import MODEL_A, _shutdown, write_checkpoint
+    from vllm_smoke import llm_kwargs
+
+    path = os.path.join(args.work, "model_A")
+    write_checkpoint(path, MODEL_A)
+    extra = dict(SPEC_ENGINE, **engine_overrides(args))
+    res["engine_kwargs"] = extra
+    t = time.monotonic()
+    progress(f"probe {args.variant}: starting the engine ({extra})")
+    llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **extra))
+    res["engine_start_s"] = round(time.monotonic() - t, 1)
+    reqs = spec_prompts()
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False) for _ in reqs]
+    progress(f"probe {args.variant}: engine up in {res['engine_start_s']} s; generating {len(reqs)} requests "
+             f"(stack dump and exit after {args.generate_timeout} s)")
+    faulthandler.dump_traceback_later(args.generate_timeout, exit=True)
+    t = time.monotonic()
+    outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
+    faulthandler.cancel_dump_traceback_later()
+    res["generate_s"] = round(time.monotonic() - t, 3)
+    routes_on = args.variant not in ROUTES_OFF
+    got = []
+    for p, o in zip(reqs, outs):
+        r = o.outputs[0].routed_experts
+        got.append({"prompt": len(p), "generated": len(o.outputs[0].token_ids),
+                    "routes_shape": None if r is None else list(np.asarray(r).shape)})
+    res["requests"] = got
+    progress(f"probe {args.variant}: generated in {res['generate_s']} s: {got}")
+    _shutdown(llm)
+    if routes_on and any(g["routes_shape"] is None for g in got):
+        res["error"] = "generate returned without routes although enable_return_routed_experts was on"
+        return False
+    return True
 
 
 def run_spec(args: argparse.Namespace, res: dict, version: str) -> None:
@@ -330,15 +402,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-only", action="store_true", help="the speculative-decoding cases only")
     ap.add_argument("--direct-only", action="store_true", help="vllm_routes.py's direct cases only")
     ap.add_argument("--no-async-scheduling", action="store_true", help="vllm.LLM(async_scheduling=False)")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="default",
+                    help="engine settings: " + "; ".join(f"{k}: {v[2]}" for k, v in VARIANTS.items()))
+    ap.add_argument("--probe", action="store_true",
+                    help="one engine and one generate only (does the variant return?); exit 0 when it did")
+    ap.add_argument("--generate-timeout", type=float, default=45.0,
+                    help="--probe: dump every thread's stack and exit when generate has not returned by then")
+    ap.add_argument("--dry-run", action="store_true", help="print the settings the run would use and stop")
     args = ap.parse_args(argv)
+    if args.variant in ROUTES_OFF and not args.probe:
+        ap.error(f"--variant {args.variant} returns no routes: --probe only")
+    if args.probe and (args.spec_only or args.direct_only):
+        ap.error("--probe runs one engine only: not with --spec-only / --direct-only")
+    env = apply_variant_environment(args)
+    if args.dry_run:
+        # VLLM026_DRY_RUN's stand-in for a hang: the variants named in R3B_DRY_FAIL report one
+        hang = args.probe and args.variant in os.environ.get("R3B_DRY_FAIL", "").split()
+        print(json.dumps({"variant": args.variant, "environment": env, "engine_kwargs": engine_overrides(args),
+                          "probe": args.probe, "out": args.out, "dry_run_hang": hang}))
+        return 1 if hang else 0
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
-    import faulthandler
     import signal
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)    # `timeout` shows where it stood
-    res: dict[str, Any] = {"ran": False, "async_scheduling": "off" if args.no_async_scheduling else "vLLM's default"}
+    res: dict[str, Any] = {"ran": False, "async_scheduling": "off" if args.no_async_scheduling else "vLLM's default",
+                           "variant": args.variant, "variant_environment": env}
     t0 = time.monotonic()
+    if args.probe:
+        try:
+            res["ran"] = run_probe(args, res)
+        except Exception as e:  # noqa: BLE001 - reported, exit 1
+            res["error"] = f"{type(e).__name__}: {e}"
+            res["traceback"] = traceback.format_exc()[-6000:]
+            print(res["traceback"], file=sys.stderr)
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        with open(os.path.join(args.out, f"probe_{args.variant}.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(json.dumps({k: res.get(k) for k in ("variant", "ran", "engine_start_s", "generate_s", "error")}))
+        return 0 if res["ran"] else 1
     try:
         run(args, res)
         res["ran"] = not any("engine_error" in c for c in res.get("cases", {}).values())

@@ -11,6 +11,7 @@ and against the run without speculation alike; the clean payload raises no canar
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -92,3 +93,75 @@ def test_rows_are_compared_only_over_the_tokens_both_runs_share(setup):
     assert cmp["rows"] == sum(len(x) for x in pay.routes) - (len(pay.routes[0]) - (p0 + 3))
     assert cmp["differing"] == {0: [[p0 + 1, [2]]]}
     assert cmp["prompt"] == [0, sum(len(p) for p in pay.prompts)] and cmp["generated"][0] == 1
+
+
+DEVICE_SH = os.path.join(ROOT, "scripts", "gpu", "vllm026_device.sh")
+FAULT_DIR = os.path.join(ROOT, "scripts", "gpu", "vllm026_faulthandler")
+
+
+def _variants(tmp_path, hang: str, *args: str):
+    """``vllm026_device.sh variants`` on the CPU (VLLM026_DRY_RUN: the routes script parses its real
+    arguments and stops; the variants named in ``hang`` report a hang as a probe that timed out)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path), VLLM026_DRY_RUN="1", R3B_DRY_FAIL=hang,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    p = subprocess.run(["bash", DEVICE_SH, "variants", *args], env=env, capture_output=True, text=True, timeout=120)
+    return p.returncode, (tmp_path / "variants.txt").read_text().splitlines(), p.stdout
+
+
+@pytest.mark.parametrize("hang, probed, chosen", [
+    ("", ["inproc"], "inproc"),                                       # (a) returns: straight to the full run
+    ("inproc", ["inproc", "inproc_noroutes", "inproc_small_kv"], "inproc_small_kv"),
+    ("inproc inproc_small_kv", ["inproc", "inproc_noroutes", "inproc_small_kv"], None),
+])
+def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path, hang, probed, chosen):
+    """(b), routes off, returning is evidence about (a), never the variant the full run uses."""
+    rc, lines, out = _variants(tmp_path, hang, "--budget", "240", "--gpu-mem", "0.1")
+    assert [ln.split()[1].rstrip(":") for ln in lines if ln.startswith("probe ")] == probed
+    for ln in lines:
+        if ln.startswith("probe "):
+            name = ln.split()[1].rstrip(":")
+            assert ln.split()[3] == ("1" if name in hang.split() else "0")
+            assert (tmp_path / f"probe_{name}.log").exists()
+    if chosen is None:
+        assert rc == 1 and lines[-1] == "no variant returned routes"
+        return
+    assert rc == 0 and f"chosen {chosen}; full run in" in "\n".join(lines)
+    full = [json.loads(ln) for ln in (tmp_path / "full.log").read_text().splitlines() if ln.startswith("{")]
+    assert full[-1]["variant"] == chosen and full[-1]["probe"] is False and full[-1]["out"] == str(tmp_path / "full")
+    assert full[-1]["environment"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def test_no_full_run_without_time_left(tmp_path):
+    rc, lines, _ = _variants(tmp_path, "", "--budget", "30")
+    assert rc == 1 and lines[-1].startswith("chosen inproc; ") and lines[-1].endswith("no full run")
+    assert not (tmp_path / "full.log").exists()
+
+
+def test_variant_arguments():
+    v = gpu_script("vllm026_routes")
+    with pytest.raises(SystemExit):                          # routes off: a probe only, never the full run
+        v.main(["--variant", "inproc_noroutes", "--dry-run"])
+    with pytest.raises(SystemExit):
+        v.main(["--probe", "--spec-only", "--dry-run"])
+    assert v.ROUTES_OFF == {"inproc_noroutes"}
+    import argparse
+
+    small = v.engine_overrides(argparse.Namespace(variant="inproc_small_kv", no_async_scheduling=True))
+    assert small == {"num_gpu_blocks_override": v.SMALL_KV_BLOCKS, "async_scheduling": False}
+
+
+def test_every_process_dumps_its_stacks_when_it_hangs():
+    """The faulthandler folder's sitecustomize: a process and the child it starts (as vLLM starts its
+    engine core) both dump their stacks and exit after R3B_FAULT_AFTER s."""
+    import subprocess
+    import sys
+
+    child = "import time; time.sleep(30)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)"
+    env = dict(os.environ, PYTHONPATH=FAULT_DIR, R3B_FAULT_AFTER="1")
+    p = subprocess.run([sys.executable, "-c", parent], env=env, capture_output=True, text=True, timeout=25)
+    assert p.returncode != 0
+    assert p.stderr.count("Timeout (0:00:01)!") == 2 and p.stderr.count("most recent call first") >= 2
