@@ -52,9 +52,10 @@ variants)
   out=${OUT:?variants writes under \$OUT}; mkdir -p "$out"; t0=$(date +%s)
   # in order: (a) the engine core in-process, routes on; (b) the same, routes off (is capture the
   # cause?); (c) in-process with a small KV pool (docs/gpu-results/vllm-0.26.0/README.md says why)
-  VARIANTS="inproc inproc_noroutes inproc_small_kv"; ROUTES_OFF="inproc_noroutes"
-  PROBE_S=${PROBE_S:-85}   # each probe's processes: stacks dumped and exit after this (engine start included)
-  GEN_S=${GEN_S:-40}       # a probe's generate: stacks dumped and exit when it has not returned by then
+  # (VARIANTS=... overrides the order, e.g. a second call straight to the variant a first one found)
+  VARIANTS=${VARIANTS:-"inproc inproc_noroutes inproc_small_kv"}; ROUTES_OFF="inproc_noroutes"
+  PROBE_S=${PROBE_S:-80}   # each probe's processes: stacks dumped and exit after this (engine start included)
+  GEN_S=${GEN_S:-30}       # a probe's generate (normally < 1 s): stacks dumped and exit when not back by then
   # the faulthandler folder's sitecustomize arms the dump in every process, vLLM's children too
   export PYTHONPATH=/tmp/site-vllm026:$here/vllm026_faulthandler:$here:$repo VLLM_USE_FLASHINFER_SAMPLER=0 \
     PYTHONUNBUFFERED=1

@@ -218,6 +218,8 @@ def run_probe(args: argparse.Namespace, res: dict) -> bool:
     progress(f"probe {args.variant}: starting the engine ({extra})")
     llm = LLM(**llm_kwargs(path, args.gpu_mem, skip_tokenizer_init=True, **extra))
     res["engine_start_s"] = round(time.monotonic() - t, 1)
+    cache = llm.llm_engine.vllm_config.cache_config
+    res["kv_pool"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     reqs = spec_prompts()
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False) for _ in reqs]
     progress(f"probe {args.variant}: engine up in {res['engine_start_s']} s; generating {len(reqs)} requests "

@@ -99,7 +99,7 @@ DEVICE_SH = os.path.join(ROOT, "scripts", "gpu", "vllm026_device.sh")
 FAULT_DIR = os.path.join(ROOT, "scripts", "gpu", "vllm026_faulthandler")
 
 
-def _variants(tmp_path, hang: str, *args: str):
+def _variants(tmp_path, hang: str, *args: str, order: str | None = None):
     """``vllm026_device.sh variants`` on the CPU (VLLM026_DRY_RUN: the routes script parses its real
     arguments and stops; the variants named in ``hang`` report a hang as a probe that timed out)."""
     import subprocess
@@ -107,6 +107,9 @@ def _variants(tmp_path, hang: str, *args: str):
 
     env = dict(os.environ, OUT=str(tmp_path), VLLM026_DRY_RUN="1", R3B_DRY_FAIL=hang,
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("VARIANTS", None)
+    if order is not None:
+        env["VARIANTS"] = order
     p = subprocess.run(["bash", DEVICE_SH, "variants", *args], env=env, capture_output=True, text=True, timeout=120)
     return p.returncode, (tmp_path / "variants.txt").read_text().splitlines(), p.stdout
 
@@ -132,6 +135,11 @@ def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path,
     full = [json.loads(ln) for ln in (tmp_path / "full.log").read_text().splitlines() if ln.startswith("{")]
     assert full[-1]["variant"] == chosen and full[-1]["probe"] is False and full[-1]["out"] == str(tmp_path / "full")
     assert full[-1]["environment"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def test_a_second_call_goes_straight_to_the_variant_a_first_one_found(tmp_path):
+    rc, lines, _ = _variants(tmp_path, "inproc", order="inproc_small_kv")
+    assert rc == 0 and lines[0].startswith("probe inproc_small_kv: rc 0") and lines[1].startswith("chosen inproc_small_kv")
 
 
 def test_no_full_run_without_time_left(tmp_path):
