@@ -118,13 +118,22 @@ def _stderr(s: str) -> None:
 
 
 def source_commit() -> Optional[str]:
-    """The r3bridge commit this run is made from: git's HEAD where the tree is a checkout, else
-    ``R3BRIDGE_COMMIT`` (a copied tree without .git), else None (said as unknown in the report)."""
+    """The r3bridge commit this run is made from: git's HEAD where this package is a checkout's
+    (``-dirty`` when its files differ from HEAD), else ``R3BRIDGE_COMMIT`` (a copied tree without
+    .git, as on the device), else None (the report says unknown)."""
+    package = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *argv], cwd=package, capture_output=True, text=True, timeout=10)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        # an installed package inside some other repository (a venv in a checkout) is not that repository's code
+        if top.returncode == 0 and (Path(top.stdout.strip()) / "r3bridge").resolve() == package:
+            head = git("rev-parse", "HEAD").stdout.strip()
+            if head:
+                dirty = git("diff", "--quiet", "HEAD", "--", ".").returncode != 0
+                return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
     return os.environ.get("R3BRIDGE_COMMIT") or None
