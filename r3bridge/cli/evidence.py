@@ -151,6 +151,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--calibrate and --resume exclude each other (a resumed run keeps its model)")
     if args.warm_start and (args.calibrate or args.resume):
         raise CliError("--warm-start excludes --calibrate and --resume (the warm start fixes the model)")
+    training = [f"--{k.replace('_', '-')}" for k in ("sft_steps", "sft_batch", "sft_seconds", "sft_target", "sft_lr",
+                                                      "aux_loss", "router_z_loss") if getattr(args, k) is not None]
+    if args.warm_start and training:
+        raise CliError(f"{', '.join(training)}: no effect with --warm-start (its warm start is already trained; "
+                       "spec.json says with what)")
     import time
 
     from r3bridge.demo import evidence

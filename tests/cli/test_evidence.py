@@ -165,6 +165,8 @@ def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
             f"shape.layers ({layers + 1} vs {layers})")
     refused([*base, "--warm-start", str(out / "warmstart"), "--max-digits", "5"], "task.max_digits (5 vs 3)")
     refused([*base, "--warm-start", str(out / "warmstart"), "--calibrate"], "--warm-start excludes --calibrate")
+    refused([*base, "--warm-start", str(out / "warmstart"), "--sft-steps", "5", "--aux-loss", "0.1"],
+            "--sft-steps, --aux-loss: no effect with --warm-start")
     damaged = tmp_path / "damaged"
     shutil.copytree(out / "warmstart", damaged)
     with open(damaged / "state.pt", "ab") as f:
