@@ -5,7 +5,9 @@ GRPO with 4 mini-batches per rollout batch and the engine's weights synced every
 per replay mode and seed plus a noise floor, side by side, within a wall-clock bound
 (r3bridge/demo/evidence.py). ``--calibrate`` first tries candidate models side by side and runs
 the first whose trainer and engine disagree on enough routes (``--max-agreement``); ``--arms
-issue49`` is the 13-arm set of issue 49. ``evidence plot`` reads the arms' logs back: the table
+issue49`` is the 13-arm set of issue 49; ``--warm-start DIR`` reuses an earlier run's warm start
+(another device session: the same model, task and weights, so its arms join the earlier ones).
+``evidence plot`` (or ``report``) reads the arms' logs back, of one run or several: the table
 of ratios after warm-up, the goals met or not, and the per-step figure. docs/evidence.md has the
 method and the published numbers.
 
@@ -44,7 +46,7 @@ def _modes(text: str) -> list[str]:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(NAME, help="GRPO run off / R2 / R3 side by side, and its figure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = p.add_subparsers(dest="evidence_command", metavar="{run,plot}")
+    cmds = p.add_subparsers(dest="evidence_command", metavar="{run,plot,report}")
     cmds.required = True
     r = cmds.add_parser("run", help="the whole run: warm start, then every arm, within --wall-s")
     r.add_argument("--out", required=True, help="run folder (created); logs in OUT/logs")
@@ -77,15 +79,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="warm start's load-balancing loss coefficient (default 0.01; larger: flatter, narrower routers)")
     r.add_argument("--router-z-loss", type=float, default=None,
                    help="warm start's router z-loss coefficient per MoE layer (default 0: off)")
-    r.add_argument("--max-digits", type=int, default=3, help="operand digits of the addition task")
-    r.add_argument("--partial-credit", type=float, default=0.0,
+    # the model's and the task's options default to None: with --warm-start they come from the warm
+    # start's spec.json, and one given that differs from it is refused
+    r.add_argument("--max-digits", type=int, default=None, help="operand digits of the addition task (default 3)")
+    r.add_argument("--partial-credit", type=float, default=None,
                    help="reward of a wrong answer per digit in place, as a fraction of the whole (default 0)")
-    r.add_argument("--layers", type=int, default=4)
-    r.add_argument("--experts", type=int, default=8)
-    r.add_argument("--topk", type=int, default=2, help="experts per token")
-    r.add_argument("--hidden", type=int, default=128, help="hidden size (a multiple of 16)")
-    r.add_argument("--moe-ffn", type=int, default=128, help="each expert's FFN size (a multiple of 16)")
-    r.add_argument("--dense-first", action="store_true", help="layer 0 dense, the others MoE")
+    r.add_argument("--layers", type=int, default=None, help="(default 4)")
+    r.add_argument("--experts", type=int, default=None, help="(default 8)")
+    r.add_argument("--topk", type=int, default=None, help="experts per token (default 2)")
+    r.add_argument("--hidden", type=int, default=None, help="hidden size, a multiple of 16 (default 128)")
+    r.add_argument("--moe-ffn", type=int, default=None, help="each expert's FFN size, a multiple of 16 (default 128)")
+    r.add_argument("--dense-first", action="store_true", default=None, help="layer 0 dense, the others MoE")
+    r.add_argument("--warm-start", default=None, metavar="DIR",
+                   help="reuse this warm start folder (state.pt, stats.json, spec.json: e.g. an earlier session's "
+                        "RUN/warmstart) instead of training one; the model and task are the ones it was trained "
+                        "for (an option above that differs is refused); no calibration")
     r.add_argument("--calibrate", nargs="?", const="default", default=None, metavar="CANDIDATES",
                    help="first try candidate models side by side (comma-separated specs, see above; 'default': "
                         "the built-in list, cheapest first), then run the first whose route agreement is at most "
@@ -110,8 +118,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "on the model its calibration chose)")
     r.add_argument("--checkpoint-every", type=int, default=100, help="steps between an arm's checkpoints (0: none)")
     r.add_argument("--json", action="store_true", help="print each arm's status and steps as one JSON object")
-    q = cmds.add_parser("plot", help="table and figure from a run's logs (.jsonl or .jsonl.gz)")
-    q.add_argument("logs", help="run folder, its logs/, or a folder of <arm>.jsonl[.gz]")
+    q = cmds.add_parser("plot", aliases=["report"], help="table and figure from the logs (.jsonl or .jsonl.gz) of "
+                        "one run or of several (e.g. one per device session) that loaded the same warm start")
+    q.add_argument("logs", nargs="+", help="run folder, its logs/, or a folder of <arm>.jsonl[.gz] with run.json "
+                                           "beside them (collect's); several: their arms in one table")
     q.add_argument("--out", default="evidence.png", help="figure path ('' to skip)")
     q.add_argument("--warmup", type=int, default=50, help="steps left out of the table's means")
     q.add_argument("--window", type=int, default=10, help="running mean of the thick lines, in steps")
@@ -139,6 +149,13 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"--max-agreement must be in (0, 1], got {args.max_agreement}")
     if args.calibrate and args.resume:
         raise CliError("--calibrate and --resume exclude each other (a resumed run keeps its model)")
+    if args.warm_start and (args.calibrate or args.resume):
+        raise CliError("--warm-start excludes --calibrate and --resume (the warm start fixes the model)")
+    training = [f"--{k.replace('_', '-')}" for k in ("sft_steps", "sft_batch", "sft_seconds", "sft_target", "sft_lr",
+                                                      "aux_loss", "router_z_loss") if getattr(args, k) is not None]
+    if args.warm_start and training:
+        raise CliError(f"{', '.join(training)}: no effect with --warm-start (its warm start is already trained; "
+                       "spec.json says with what)")
     import time
 
     from r3bridge.demo import evidence
@@ -155,20 +172,28 @@ def _run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     cuda = args.device == "cuda"
+    given_shape = {k: getattr(args, k) for k in SHAPE_OPTIONS if getattr(args, k) is not None}
+    given_task = {k: getattr(args, k) for k in TASK_OPTIONS if getattr(args, k) is not None}
+    warm_spec = _warm_start_spec(Path(args.warm_start), given_shape, given_task) if args.warm_start else None
     try:
-        shape = EvidenceModelShape(layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
-                                   moe_ffn=args.moe_ffn, dense_first=args.dense_first)
-        warm = WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
-                                                     ("max_seconds", args.sft_seconds), ("target_accuracy", args.sft_target),
-                                                     ("lr", args.sft_lr), ("aux_loss", args.aux_loss),
-                                                     ("router_z_loss", args.router_z_loss)) if v is not None})
+        if warm_spec is not None:
+            shape = EvidenceModelShape(**warm_spec["shape"])
+            warm = WarmStartOptions(**warm_spec["warm"])
+            task = AdditionTask(**warm_spec["task"])
+        else:
+            shape = EvidenceModelShape(**given_shape)
+            warm = WarmStartOptions(**{k: v for k, v in (("steps", args.sft_steps), ("batch", args.sft_batch),
+                                                         ("max_seconds", args.sft_seconds),
+                                                         ("target_accuracy", args.sft_target), ("lr", args.sft_lr),
+                                                         ("aux_loss", args.aux_loss),
+                                                         ("router_z_loss", args.router_z_loss)) if v is not None})
+            task = AdditionTask(**given_task)
         candidates = []
         if args.calibrate:
             specs = DEFAULT_CANDIDATES if args.calibrate == "default" else args.calibrate.split(",")
             candidates = [parse_candidate(c, shape, warm) for c in specs if c.strip()]
             if len({c.name for c in candidates}) != len(candidates):
                 raise ValueError(f"--calibrate {args.calibrate!r}: a candidate is named twice")
-        task = AdditionTask(max_digits=args.max_digits, partial_credit=args.partial_credit)
         biggest = max([shape, *(c.shape for c in candidates)], key=lambda s: s.layers)
         grpo = GRPOOptions(steps=args.steps, prompts=args.prompts, group=args.group, mini_batches=args.mini_batches,
                            device=args.device, trainer_dtype=args.trainer_dtype or ("bf16" if cuda else "fp32"),
@@ -182,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     root = Path(args.out)
-    warm_from = None
+    warm_from = Path(args.warm_start) if args.warm_start else None
     if args.resume and (root / "calibration.json").exists():
         # a calibrated run resumes on the model its calibration chose (its warm start is in OUT)
         chosen_name = json.loads((root / "calibration.json").read_text())["chosen"]
@@ -212,6 +237,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if all(s["steps"] for s in summary.values()) else 1
 
 
+SHAPE_OPTIONS = ("layers", "experts", "topk", "hidden", "moe_ffn", "dense_first")
+TASK_OPTIONS = ("max_digits", "partial_credit")
+
+
+def _warm_start_spec(folder: Path, given_shape: dict, given_task: dict) -> dict:
+    """``--warm-start``'s spec.json, checked; an option given that differs from what the warm start
+    was trained for is refused, naming it."""
+    from r3bridge.demo.evidence_config import EvidenceError, mismatches, read_warm_start
+
+    try:
+        spec = read_warm_start(folder)
+    except (EvidenceError, OSError, json.JSONDecodeError, KeyError) as e:
+        raise CliError(f"--warm-start: {e}") from None
+    bad = mismatches(given_shape, spec["shape"], "shape") + mismatches(given_task, spec["task"], "task")
+    if bad:
+        raise CliError(f"--warm-start {folder} was trained for another model or task: {'; '.join(bad)} "
+                       "(given vs the warm start's; leave these options out to take the warm start's)")
+    return spec
+
+
 def _kv_cache_mb(shape, samples: int, max_len: int) -> int:
     """vLLM's fixed KV cache for one step's samples at full length, twice over (at least 64 MB)."""
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2          # K and V, bf16
@@ -219,22 +264,24 @@ def _kv_cache_mb(shape, samples: int, max_len: int) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from r3bridge.demo.evidence_config import EvidenceError
     from r3bridge.demo.evidence_report import (
         METRICS,
         calibration_table,
         curves,
         load_calibration,
-        load_logs,
+        load_runs,
+        runs_table,
         summarize,
         table,
     )
 
     try:
-        arms = load_logs(args.logs)
-    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
-        raise CliError(f"{args.logs}: {e}") from None
+        arms, runs = load_runs(args.logs)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, EvidenceError) as e:
+        raise CliError(f"{' '.join(args.logs)}: {e}") from None
     summary = summarize(arms, args.warmup)
-    calib = load_calibration(args.logs)
+    calib = next((c for c in map(load_calibration, args.logs) if c is not None), None)
     if args.out:
         plt = pyplot()
         cols = 3
@@ -262,10 +309,12 @@ def _plot(args: argparse.Namespace) -> int:
             summary["plot"] = args.out
         if calib is not None:
             summary["calibration"] = calib
+        summary["runs"] = runs
         print_json(summary)
     else:
         if calib is not None:
             print("Calibration (candidates side by side, one short off arm each):\n\n" + calibration_table(calib) + "\n")
+        print("Runs (the arms' warm start and commit):\n\n" + runs_table(runs) + "\n")
         print(table(summary))
         if args.out:
             print(f"wrote {args.out}", file=sys.stderr)

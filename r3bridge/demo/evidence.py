@@ -4,7 +4,8 @@ Layout of the run folder (``--out``)::
 
     run.json                 everything the arms read (model, task, options, arms, deadline)
     model/config.json        the HF config vLLM starts from (dummy weights, synced before step 0)
-    warmstart/state.pt       the supervised warm start (HF names, fp32); stats.json next to it
+    warmstart/state.pt       the supervised warm start (HF names, fp32); stats.json and spec.json (what it
+                             was trained for, state.pt's sha256) next to it: ``--warm-start`` reuses the folder
     logs/<arm>.jsonl         one line per step, verl's file-logger format (r3bridge.demo.grpo)
     logs/<arm>.json          the arm's options and final status
     procs/<i>.log            stdout / stderr of arm process i
@@ -49,7 +50,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from r3bridge.demo.evidence_config import Arm, Candidate, EvidenceError, RunConfig
+from r3bridge.demo.evidence_config import (
+    WARM_START_FILES,
+    Arm,
+    Candidate,
+    EvidenceError,
+    RunConfig,
+    sha256_of,
+    write_warm_start_spec,
+)
 from r3bridge.demo.warmstart import EvidenceModelShape
 
 
@@ -74,8 +83,10 @@ def _run_warm_start(root: Path, run: RunConfig, device: str, log: Callable[[str]
         (ws / "FAILED").write_text(f"{type(e).__name__}: {e}")
         raise
     torch.save(state, ws / "state.tmp")
-    os.replace(ws / "state.tmp", ws / "state.pt")
+    spec = write_warm_start_spec(ws, run, ws / "state.tmp")
     (ws / "stats.json").write_text(json.dumps(stats, indent=1))
+    os.replace(ws / "state.tmp", ws / "state.pt")
+    run.warm_start_sha256 = spec["state_sha256"]
     log(f"[evidence] warm start: greedy accuracy {stats['greedy_accuracy']:.3f} in {stats['seconds']:.0f} s")
 
 
@@ -106,23 +117,49 @@ def _stderr(s: str) -> None:
     print(s, file=sys.stderr, flush=True)
 
 
+def source_commit() -> Optional[str]:
+    """The r3bridge commit this run is made from: git's HEAD where this package is a checkout's
+    (``-dirty`` when its files differ from HEAD), else ``R3BRIDGE_COMMIT`` (a copied tree without
+    .git, as on the device), else None (the report says unknown)."""
+    package = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *argv], cwd=package, capture_output=True, text=True, timeout=10)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        # an installed package inside some other repository (a venv in a checkout) is not that repository's code
+        if top.returncode == 0 and (Path(top.stdout.strip()) / "r3bridge").resolve() == package:
+            head = git("rev-parse", "HEAD").stdout.strip()
+            if head:
+                dirty = git("diff", "--quiet", "HEAD", "--", ".").returncode != 0
+                return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("R3BRIDGE_COMMIT") or None
+
+
 def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_s: float,
         log: Callable[[str], None] = _stderr, warm_from: Optional[Path] = None) -> dict[str, Any]:
     """The whole run, bounded by ``wall_s`` seconds; returns each arm's status and steps.
-    ``warm_from``: a warm start folder to reuse (the calibration's), instead of training one."""
+    ``warm_from``: a warm start folder to reuse (the calibration's, or ``--warm-start``'s from an
+    earlier session), instead of training one."""
     t0 = time.time()
     for sub in ("logs", "warmstart", "procs", "ckpt"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     run.deadline = t0 + wall_s
+    run.commit = source_commit()
     _write_model_dir(root, run.shape)
-    if warm_from is not None:
-        for name in ("stats.json", "state.pt"):         # state.pt last: the arms wait for it
+    if warm_from is not None and warm_from.resolve() != (root / "warmstart").resolve():
+        for name in WARM_START_FILES:         # state.pt last: the arms wait for it
             shutil.copyfile(warm_from / name, root / "warmstart" / f"{name}.tmp")
             os.replace(root / "warmstart" / f"{name}.tmp", root / "warmstart" / name)
     have_warm = warm_from is not None or (run.resume and (root / "warmstart" / "state.pt").exists())
     if not have_warm:
         for stale in ("state.pt", "FAILED"):
             (root / "warmstart" / stale).unlink(missing_ok=True)
+    else:
+        run.warm_start_sha256 = sha256_of(root / "warmstart" / "state.pt")
     run.save(root)
     names = [a.name for a in run.arms]
     groups = [names[i::procs] for i in range(min(procs, len(names)))]
@@ -131,6 +168,7 @@ def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_
     try:
         if not have_warm:
             _run_warm_start(root, run, device, log)
+            run.save(root)          # with the warm start's sha256 (the arms read only what they read before)
         reported, failed = time.time(), set()
         while any(p.poll() is None for p in children) and time.time() < run.deadline + 60:
             time.sleep(1.0)

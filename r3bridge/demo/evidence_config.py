@@ -6,6 +6,7 @@ model shape and the warm start's router knobs) and the arm presets (:data:`ARM_P
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import time
@@ -83,6 +84,10 @@ class RunConfig:
     # a file the arms wait for, trainer built, before their first step (the calibration opens it
     # once every candidate is ready, so that their steps, timed and GPU-measured, run side by side)
     start_gate: Optional[str] = None
+    # where the arms came from, for merging the arms of several runs (sessions) into one table:
+    # the sha256 of the warm start's state.pt they all load, and the source commit (None: unknown)
+    warm_start_sha256: Optional[str] = None
+    commit: Optional[str] = None
 
     def __post_init__(self) -> None:
         n = self.grpo.prompts * self.grpo.group
@@ -101,14 +106,60 @@ class RunConfig:
         raise EvidenceError(f"no arm {name!r} in this run ({', '.join(a.name for a in self.arms)})")
 
     def save(self, root: Path) -> None:
-        (root / "run.json").write_text(json.dumps(asdict(self), indent=1))
+        # atomic: the arm processes may read run.json while the orchestrator adds the warm start's sha256
+        (root / "run.json.tmp").write_text(json.dumps(asdict(self), indent=1))
+        (root / "run.json.tmp").replace(root / "run.json")
 
     @classmethod
     def load(cls, root: Path) -> "RunConfig":
         d = json.loads((root / "run.json").read_text())
         return cls(shape=EvidenceModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
                    grpo=GRPOOptions(**d["grpo"]), arms=[Arm(**a) for a in d["arms"]], deadline=d["deadline"],
-                   resume=d["resume"], start_gate=d.get("start_gate"))
+                   resume=d["resume"], start_gate=d.get("start_gate"), warm_start_sha256=d.get("warm_start_sha256"),
+                   commit=d.get("commit"))
+
+
+# ------------------------------------------------------------------------------ the warm start folder
+# warmstart/ holds state.pt (HF names, fp32), stats.json (warm_start's) and spec.json: what the
+# weights were trained for (shape, task, warm-start options) and state.pt's sha256, so a later
+# run (another session) can reuse the folder and refuse it for another model or task
+WARM_START_FILES = ("spec.json", "stats.json", "state.pt")      # state.pt last: the arms wait for it
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_warm_start_spec(folder: Path, run: RunConfig, state: Path) -> dict:
+    """``folder/spec.json`` for the weights in ``state`` (state.pt, or its copy before the rename); returns it."""
+    spec = {"shape": asdict(run.shape), "task": asdict(run.task), "warm": asdict(run.warm),
+            "state_sha256": sha256_of(state), "state_bytes": state.stat().st_size}
+    (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+    return spec
+
+
+def read_warm_start(folder: Path) -> dict:
+    """A warm start folder's spec.json, after checking that its files are there and that state.pt
+    is the one the spec names (a truncated or swapped copy is refused)."""
+    missing = [n for n in WARM_START_FILES if not (folder / n).is_file()]
+    if missing:
+        raise EvidenceError(f"warm start {folder}: {', '.join(missing)} missing (a warm start folder holds "
+                            f"{', '.join(WARM_START_FILES)}; spec.json is written by runs of this version)")
+    spec = json.loads((folder / "spec.json").read_text())
+    digest = sha256_of(folder / "state.pt")
+    if digest != spec["state_sha256"]:
+        raise EvidenceError(f"warm start {folder}: state.pt's sha256 {digest[:12]} is not spec.json's "
+                            f"{spec['state_sha256'][:12]} (a different or damaged file)")
+    return spec
+
+
+def mismatches(want: dict, have: dict, prefix: str) -> list[str]:
+    """``prefix.field (a vs b)`` for each field of ``want`` whose value in ``have`` differs."""
+    return [f"{prefix}.{k} ({want[k]!r} vs {have.get(k)!r})" for k in want if have.get(k) != want[k]]
 
 
 _ARM_NAME = re.compile(r"^(?P<mode>[A-Za-z0-9]+?)(?:-mb(?P<mb>\d+))?-s(?P<seed>\d+)$")

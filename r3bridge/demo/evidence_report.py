@@ -4,7 +4,8 @@ thin, their mean thick).
 
 Reads ``<arm>.jsonl`` or ``<arm>.jsonl.gz`` (verl's file-logger lines ``{"step", "data"}``) from a
 run folder, its ``logs/`` or any folder of such files; an arm's group is its name before ``-s<seed>``
-(``off-s1`` -> ``off``, ``R3-mb8-s0`` -> ``R3-mb8``). Plain Python; ``r3bridge evidence plot``
+(``off-s1`` -> ``off``, ``R3-mb8-s0`` -> ``R3-mb8``). Several runs (device sessions) merge into
+one table where they loaded the same warm start (:func:`load_runs`). Plain Python; ``r3bridge evidence plot``
 (r3bridge/cli/evidence.py) draws.
 """
 from __future__ import annotations
@@ -79,6 +80,80 @@ def load_logs(path: str | Path) -> list[ArmLog]:
     return arms
 
 
+# run.json's GRPO options that may differ between runs merged into one table: the KV cache is sized
+# from the largest calibration candidate (twice every sample at full length: the same batching either
+# way) and checkpoints change nothing a step computes
+MERGE_IGNORES = ("vllm_kv_cache_mb", "checkpoint_every")
+
+
+def _run_json(path: Path) -> Optional[dict[str, Any]]:
+    """The run.json of a run folder, or the one next to a logs folder (``collect`` copies it there)."""
+    root = Path(path)
+    for candidate in (root / "run.json", root.parent / "run.json"):
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    return None
+
+
+def load_runs(paths: list[str | Path]) -> tuple[list[ArmLog], list[dict[str, Any]]]:
+    """The arms of one or several runs (e.g. one per device session), and per run where its arms
+    came from: folder, the warm start's sha256, the commit, its arms. Several runs merge only where
+    every one says which warm start it loaded, all loaded the same one, with the same model, task
+    and GRPO options, and no arm name repeats; else :class:`EvidenceError` names what differs."""
+    from r3bridge.demo.evidence_config import EvidenceError
+
+    arms: list[ArmLog] = []
+    runs: list[dict[str, Any]] = []
+    for p in paths:
+        got = load_logs(p)
+        info = _run_json(Path(p))
+        runs.append({"folder": str(p), "warm_start_sha256": (info or {}).get("warm_start_sha256"),
+                     "commit": (info or {}).get("commit"), "arms": [a.name for a in got], "run_json": info})
+        arms += got
+    if len(runs) > 1:
+        unknown = [r["folder"] for r in runs if not r["warm_start_sha256"]]
+        if unknown:
+            raise EvidenceError(f"cannot merge runs: {', '.join(unknown)} says no warm start sha256 (no run.json "
+                                "beside its logs, or a run from before runs recorded it)")
+        first = runs[0]
+        for r in runs[1:]:
+            if r["warm_start_sha256"] != first["warm_start_sha256"]:
+                raise EvidenceError(f"cannot merge runs: {r['folder']}'s warm start {r['warm_start_sha256'][:12]} is "
+                                    f"not {first['folder']}'s {first['warm_start_sha256'][:12]} (arms from different "
+                                    "warm starts do not compare)")
+            bad = []
+            for part in ("shape", "task", "grpo"):
+                want = {k: v for k, v in first["run_json"][part].items() if k not in MERGE_IGNORES}
+                have = r["run_json"][part]
+                bad += [f"{part}.{k} ({want[k]!r} vs {have.get(k)!r})" for k in want if have.get(k) != want[k]]
+            if bad:
+                raise EvidenceError(f"cannot merge runs: {first['folder']} and {r['folder']} differ in "
+                                    + "; ".join(bad))
+        seen: dict[str, str] = {}
+        for r in runs:
+            for n in r["arms"]:
+                if n in seen:
+                    raise EvidenceError(f"cannot merge runs: arm {n} is in both {seen[n]} and {r['folder']}")
+                seen[n] = r["folder"]
+    for r in runs:
+        r.pop("run_json")
+    return arms, runs
+
+
+def runs_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown: which run (warm start, commit) each arm came from."""
+    lines = ["| run folder | warm start sha256 | commit | arms |", "|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['folder']} | {(r['warm_start_sha256'] or 'unknown')[:16]} | "
+                     f"{(r['commit'] or 'unknown')[:12]} | {', '.join(r['arms'])} |")
+    return "\n".join(lines)
+
+
+# where a step's seconds go (r3bridge.demo.grpo's timing_s/*): weight sync to the engine, generation,
+# compute_log_prob, the updates, the whole step
+PHASES = ("update_weights", "gen", "old_log_prob", "update_actor", "step")
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
@@ -125,6 +200,8 @@ def summarize(arms: list[ArmLog], warmup: int) -> dict[str, Any]:
         for key, *_ in METRICS:
             cell = out["groups"][g]["metrics"][key]
             cell["mean"] = _mean([v for v in cell["per_seed"].values() if not math.isnan(v)])
+        out["groups"][g]["timing_s"] = {ph: _mean([v for a in members for v in _after(a, f"timing_s/{ph}", warmup)])
+                                        for ph in PHASES}
     for num, den in PAIRS:
         if num not in by_group or den not in by_group:
             continue
@@ -213,6 +290,12 @@ def table(summary: dict[str, Any]) -> str:
     lines.append("")
     steps = ", ".join(f"{g}: {summary['groups'][g]['steps']}" for g in all_groups)
     lines.append(f"Steps per arm: {steps}.")
+    lines += ["", "Where a step's seconds go (mean after warm-up, s: weight sync, generation, compute_log_prob, "
+              "updates, whole step):", "", "| group | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for g in all_groups:
+        t = summary["groups"][g].get("timing_s", {})
+        lines.append(f"| {g} | " + " | ".join(_fmt(t.get(ph, math.nan)) for ph in PHASES) + " |")
+    lines.append("")
     for key, d in summary["off"].items():
         lines.append(f"off, {key}: last quarter / first quarter after warm-up = "
                      + ", ".join(_fmt(x) for x in d["last_quarter_over_first"]) + " (per seed).")

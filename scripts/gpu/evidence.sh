@@ -8,17 +8,32 @@
 #   bash scripts/gpu/evidence.sh start [ARGS...]  start it (setsid nohup) and return after its first lines;
 #                                                 ARGS go to `r3bridge evidence run` (default: $DEFAULT_ARGS below:
 #                                                 calibration, then the issue-49 arms, 300 steps, 1080 s in all)
+#   bash scripts/gpu/evidence.sh start-from WARMDIR ARM...
+#                                                 a later session: the same as start, from an earlier session's
+#                                                 warm start (collect's evidence/warmstart, carried here), no
+#                                                 calibration, only the ARMs named (e.g. off-s1 R2-s1 R3-s1; or
+#                                                 one comma-separated word), with the same settings ($SESSION_ARGS,
+#                                                 --wall-s $WALL_S); the model and task are the warm start's
 #   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
 #   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
 #   bash scripts/gpu/evidence.sh collect          into $OUT/evidence: the logs gzipped, run.json, the arms'
 #                                                 statuses, the warm start's stats, the calibration, the figure
-#                                                 and the table
+#                                                 and the table; and the warm start itself (state.pt, stats.json,
+#                                                 spec.json) in evidence/warmstart when state.pt is under 60 MiB
+#                                                 (fp32: the default candidates' are 13.6-51.2 MiB, L8-E64-k8's 99.3)
 #
 # The device machine goes back 30 s after a call ends, and the background run with it: make the
 # calls back to back, each under 590 s, e.g. (about 25 min of device time in all):
 #   1. the bundle's install call:  bash scripts/gpu/bundle.sh install DIR/qN && bash scripts/gpu/evidence.sh start
 #   2.                             bash scripts/gpu/evidence.sh wait 560
 #   3.                             bash scripts/gpu/evidence.sh wait 520; bash scripts/gpu/evidence.sh collect
+# More arms than one session's 30 min of device time hold (issue 49's 13 x 300 steps side by side take
+# about 30 min): the first session runs a few arms (start ... --arms off-s0,R2-s0,R3-s0,...) and collects;
+# its evidence/warmstart is carried to the next ones (a git-ignored folder, `carry`), which run
+#   bash scripts/gpu/bundle.sh install DIR/qN && bash scripts/gpu/evidence.sh start-from WARMDIR off-s1 R2-s1 ...
+# then wait / collect as above; `r3bridge evidence report S1/evidence S2/evidence ...` merges the
+# sessions' arms into one table (refused if their warm starts or settings differ). The device's tree
+# has no .git: set R3BRIDGE_COMMIT=<commit> on the command line so run.json says which code ran.
 #
 # Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
 # the base and vllm sets (scripts/gpu/bundle.sh; scripts/gpu/wheels/vllm.txt), which puts the vllm set in
@@ -26,7 +41,11 @@
 # ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
 set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
-DEFAULT_ARGS="--engine vllm --device cuda --calibrate --arms issue49 --steps 300 --calib-wall-s 300 --wall-s 1080"
+# the settings every session's arms share (the report refuses to merge arms run with others)
+SESSION_ARGS=${SESSION_ARGS:-"--engine vllm --device cuda --steps 300"}
+DEFAULT_ARGS="$SESSION_ARGS --calibrate --arms issue49 --calib-wall-s 300 --wall-s 1080"
+WALL_S=${WALL_S:-1080}
+WARM_MAX_BYTES=$((60 * 1024 * 1024))   # a file coming back through $OUT must stay well under 64 MiB
 EXTRA_PYTHONPATH=${EXTRA_PYTHONPATH-$(bash "$(dirname "$0")/bundle.sh" pythonpath vllm)}
 export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$PWD${PYTHONPATH:+:$PYTHONPATH}
 # no network on the device: no usage report, no hub look-up (the model folder is local, tokenizer-free)
@@ -42,12 +61,21 @@ smoke)
   timeout 240 python -m r3bridge evidence run --out "$RUN/smoke" --engine vllm --device cuda --seeds 0 --modes R3 \
     --no-floor --steps 3 --sft-steps 200 --wall-s 200 --json || { tail -n 40 "$RUN"/smoke/procs/0.log; exit 1; }
   python -c "import json, sys; [print(json.loads(l)) for l in open(sys.argv[1])]" "$RUN/smoke/logs/R3-s0.jsonl" ;;
-start)
-  shift
-  # shellcheck disable=SC2086
-  [ $# -gt 0 ] || set -- $DEFAULT_ARGS
+start|start-from)
+  if [ "$1" = start-from ]; then
+    [ $# -ge 3 ] || { echo "usage: $0 start-from WARMDIR ARM..." >&2; exit 2; }
+    warm=$2; shift 2
+    arms=$(IFS=,; echo "$*")
+    # shellcheck disable=SC2086
+    set -- $SESSION_ARGS --warm-start "$warm" --arms "$arms" --wall-s "$WALL_S"
+  else
+    shift
+    # shellcheck disable=SC2086
+    [ $# -gt 0 ] || set -- $DEFAULT_ARGS
+  fi
   mkdir -p "$RUN"
   versions | tee "$RUN/versions.txt"
+  echo "r3bridge evidence run --out $RUN/run $*" | tee -a "$RUN/versions.txt"
   setsid nohup python -m r3bridge evidence run --out "$RUN/run" "$@" > "$RUN/orchestrator.log" 2>&1 < /dev/null &
   echo "$!" > "$RUN/pid"
   sleep 45
@@ -81,9 +109,22 @@ collect)
       tail -n 20 "$d/orchestrator.log" > "$dest/calib/$c/orchestrator.tail.txt" 2>/dev/null || true
     done
   fi
+  # the warm start for the later sessions (start-from): fp32 as the arms load it - bf16 would halve it
+  # but round the fp32 main weights the trainer starts from, so a later session's arms would not
+  # start where this session's did
+  ws="$RUN/run/warmstart"
+  if [ -e "$ws/state.pt" ]; then
+    size=$(stat -c %s "$ws/state.pt")
+    if [ "$size" -lt "$WARM_MAX_BYTES" ]; then
+      mkdir -p "$dest/warmstart" && cp "$ws/state.pt" "$ws/stats.json" "$ws/spec.json" "$dest/warmstart/"
+      echo "warm start collected: state.pt $((size / 1024)) KiB, sha256 $(sha256sum "$ws/state.pt" | cut -c1-16)"
+    else
+      echo "warm start NOT collected: state.pt is $((size / 1024 / 1024)) MiB (at most 60 MiB come back through \$OUT)"
+    fi
+  fi
   tail -n 40 "$RUN/orchestrator.log" > "$dest/orchestrator.tail.txt"
   for f in "$RUN"/run/procs/*.log; do tail -n 20 "$f" > "$dest/proc$(basename "$f" .log).tail.txt"; done
   python -m r3bridge evidence plot "$RUN/run" --out "$dest/evidence.png" | tee "$dest/table.md"
   du -sh "$dest" ;;
-*) sed -n 2,24p "$0"; exit 2 ;;
+*) sed -n 2,40p "$0"; exit 2 ;;
 esac

@@ -1,17 +1,19 @@
 """`r3bridge evidence run` / `plot`: the GRPO evidence loop run for real at a tiny size (HF
 transformers engine, megatron-core trainer, CPU): a calibration of two candidate models, the
-chosen one's arms (a mini-batch count in an arm's name), and the logs read back by the plot command."""
+chosen one's arms (a mini-batch count in an arm's name), a second run from the first one's warm
+start (as a later device session would), and both runs' logs read back into one table."""
 from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from r3bridge.cli._common import jsonable
-from r3bridge.demo import evidence, evidence_report
+from r3bridge.demo import evidence, evidence_config, evidence_report
 
 KEYS = {"critic/score/mean", "task/accuracy", "actor/entropy", "route/native_vs_engine",
         "actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/r3bridge/old_log_prob/mismatch/F2",
@@ -30,7 +32,7 @@ def _steps(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
+def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     # two candidates side by side (untrained: --sft-target 0); the first to agree at most 0.999
     # runs (the HF engine holds bf16-rounded weights, the fp32 trainer does not: a few routes
@@ -39,7 +41,7 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     proc = _cli("run", "--out", str(out), "--engine", "hf", "--device", "cpu", "--steps", "2", "--prompts", "4",
                 "--group", "2", "--sft-steps", "2", "--sft-batch", "16", "--sft-target", "0",
                 "--calibrate", candidates, "--calib-steps", "1", "--max-agreement", "0.999",
-                "--arms", "off-s0,R2-s0,R3-mb1-s0,floor-s0", "--wall-s", "500", "--json")
+                "--arms", "off-s0,R2-s0,floor-s0", "--wall-s", "500", "--json")
     calib = json.loads((out / "calibration.json").read_text())
     rows = {r["name"]: r for r in calib["candidates"]}
     assert list(rows) == candidates.split(",") and all(r["ran"] for r in rows.values())
@@ -65,9 +67,27 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     assert run["shape"] == rows[want]["shape"] and run["warm"]["router_z_loss"] == rows[want]["router_z_loss"]
     assert (out / "warmstart" / "state.pt").read_bytes() == (out / "calib" / want / "warmstart" / "state.pt").read_bytes()
 
-    summary = json.loads(proc.stdout)
-    assert summary == {n: {"status": "done", "steps": 2} for n in ("off-s0", "R2-s0", "R3-mb1-s0", "floor-s0")}
-    logs = {n: _steps(out / "logs" / f"{n}.jsonl") for n in summary}
+    # the warm start says what it was trained for and which weights; run.json says which it loaded
+    spec = json.loads((out / "warmstart" / "spec.json").read_text())
+    assert spec["shape"] == run["shape"] and spec["task"] == run["task"]
+    assert spec["state_sha256"] == run["warm_start_sha256"] == evidence_config.sha256_of(out / "warmstart" / "state.pt")
+    assert run["commit"] == evidence.source_commit()
+
+    # a later session: the first run's warm start, one more arm, the same options (model and task
+    # taken from the warm start's spec.json)
+    out2 = tmp_path / "run2"
+    proc2 = _cli("run", "--out", str(out2), "--engine", "hf", "--device", "cpu", "--steps", "2", "--prompts", "4",
+                 "--group", "2", "--warm-start", str(out / "warmstart"), "--arms", "R3-mb1-s0", "--wall-s", "300",
+                 "--json")
+    run2 = json.loads((out2 / "run.json").read_text())
+    assert run2["shape"] == run["shape"] and run2["task"] == run["task"] and run2["warm"] == run["warm"]
+    assert run2["warm_start_sha256"] == run["warm_start_sha256"]
+    assert not (out2 / "calibration.json").exists() and "[warm start]" not in proc2.stderr   # nothing trained
+
+    summary = {**json.loads(proc.stdout), **json.loads(proc2.stdout)}
+    assert summary == {n: {"status": "done", "steps": 2} for n in ("off-s0", "R2-s0", "floor-s0", "R3-mb1-s0")}
+    folder = {n: out if n != "R3-mb1-s0" else out2 for n in summary}
+    logs = {n: _steps(folder[n] / "logs" / f"{n}.jsonl") for n in summary}
     for name, lines in logs.items():
         assert [line["step"] for line in lines] == [0, 1], name          # verl's file-logger lines
         assert KEYS <= set(lines[0]["data"]), (name, KEYS - set(lines[0]["data"]))
@@ -78,7 +98,7 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     per_layer = [off[f"route/native_vs_engine/layer{i}"] for i in range(run["shape"]["layers"])]
     assert min(per_layer) <= off["route/native_vs_engine"] <= max(per_layer)
     assert off["route/margin/median"] > 0
-    # the same warm start and seed: the arms sample the same first step
+    # the same warm start and seed: the arms sample the same first step, in either run
     first = {n: logs[n][0]["data"] for n in ("off-s0", "R2-s0", "R3-mb1-s0")}
     assert len({(d["critic/score/mean"], d["response_length/mean"]) for d in first.values()}) == 1
     # replay runs on every row that has a route (each sequence's last token has none)
@@ -94,11 +114,18 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     assert meta["status"] == "done" and meta["arm"] == {"name": "R2-s0", "mode": "R2", "seed": 0, "engine": "hf",
                                                         "mini_batches": None}
 
-    # the figure and the table from the logs, and the same summary from the compressed logs
+    # the figure and the table from both runs' logs, and the same summary from the compressed logs
     png = tmp_path / "evidence.png"
-    plotted = json.loads(_cli("plot", str(out), "--out", str(png), "--warmup", "0", "--json").stdout)
+    plotted = json.loads(_cli("report", str(out), str(out2), "--out", str(png), "--warmup", "0", "--json").stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(plotted["groups"]) == {"off", "R2", "R3-mb1", "floor"}
+    assert [(r["folder"], r["warm_start_sha256"], r["commit"], r["arms"]) for r in plotted["runs"]] == [
+        (str(out), run["warm_start_sha256"], run["commit"], ["R2-s0", "floor-s0", "off-s0"]),
+        (str(out2), run["warm_start_sha256"], run2["commit"], ["R3-mb1-s0"])]
+    for g, d in plotted["groups"].items():      # where each step's seconds went, phase by phase
+        t = d["timing_s"]
+        assert all(t[ph] >= 0 for ph in evidence_report.PHASES) and t["gen"] > 0, (g, t)
+        assert t["gen"] + t["old_log_prob"] + t["update_actor"] <= t["step"], (g, t)
     assert set(plotted["ratios"]) == {"off/R2"}
     goals = {g["goal"]: g for g in plotted["goals"]}
     assert goals["off's route agreement <= 0.95"]["met"] == (plotted["groups"]["off"]["metrics"][
@@ -109,15 +136,59 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path):
     packed = tmp_path / "packed"
     packed.mkdir()
     for name in summary:
-        (packed / f"{name}.jsonl.gz").write_bytes(gzip.compress((out / "logs" / f"{name}.jsonl").read_bytes()))
+        (packed / f"{name}.jsonl.gz").write_bytes(gzip.compress((folder[name] / "logs" / f"{name}.jsonl").read_bytes()))
     again = evidence_report.summarize(evidence_report.load_logs(packed), 0)
     plotted.pop("plot")
+    plotted.pop("runs")
     assert plotted.pop("calibration") == calib           # the run folder's calibration comes with its table
     assert json.loads(json.dumps(jsonable(again))) == plotted
     text = evidence_report.table(again)
     assert "off/R2 (every seed?)" in text and "R2 against R3 at 1, 4 and 8 mini-batches" in text
     assert "off's route agreement <= 0.95" in text and "not measured" in text
+    assert "Where a step's seconds go" in text
     assert f"Chosen: `{want}`" in evidence_report.calibration_table(calib)
+    _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run)
+
+
+def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
+    """In this process, on the runs above: a warm start for another shape or task, a damaged one,
+    and arms of different warm starts or settings merged, each refused naming what differs."""
+    from r3bridge.cli.main import main
+
+    def refused(args, message):
+        assert main(["evidence", *args]) == 2
+        assert message in (err := capsys.readouterr().err), err
+
+    base = ["run", "--out", str(tmp_path / "refused"), "--engine", "hf", "--device", "cpu", "--arms", "off-s0"]
+    layers = run["shape"]["layers"]
+    refused([*base, "--warm-start", str(out / "warmstart"), "--layers", str(layers + 1)],
+            f"shape.layers ({layers + 1} vs {layers})")
+    refused([*base, "--warm-start", str(out / "warmstart"), "--max-digits", "5"], "task.max_digits (5 vs 3)")
+    refused([*base, "--warm-start", str(out / "warmstart"), "--calibrate"], "--warm-start excludes --calibrate")
+    refused([*base, "--warm-start", str(out / "warmstart"), "--sft-steps", "5", "--aux-loss", "0.1"],
+            "--sft-steps, --aux-loss: no effect with --warm-start")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out / "warmstart", damaged)
+    with open(damaged / "state.pt", "ab") as f:
+        f.write(b"\0")
+    refused([*base, "--warm-start", str(damaged)], "is not spec.json's")
+    (damaged / "spec.json").unlink()
+    refused([*base, "--warm-start", str(damaged)], "spec.json missing")
+    assert not (tmp_path / "refused").exists()
+    # merging: another warm start's arms, another setting, the same arm twice
+    other = tmp_path / "other"
+    shutil.copytree(out2, other, ignore=shutil.ignore_patterns("ckpt", "model", "warmstart"))
+    doc = json.loads((other / "run.json").read_text())
+    for change, message in ((lambda d: d.update(warm_start_sha256="0" * 64), "warm start 000000000000 is not"),
+                            (lambda d: d["grpo"].update(lr=1e-3), "differ in grpo.lr (0.0001 vs 0.001)")):
+        changed = json.loads(json.dumps(doc))
+        change(changed)
+        (other / "run.json").write_text(json.dumps(changed))
+        assert main(["evidence", "report", str(out), str(other), "--out", ""]) == 2
+        assert "cannot merge runs" in (err := capsys.readouterr().err) and message in err, err
+    (other / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(evidence_config.EvidenceError, match="arm R3-mb1-s0 is in both"):
+        evidence_report.load_runs([out2, other])
 
 
 def test_evidence_refuses_what_cannot_run_before_starting(tmp_path, monkeypatch, capsys):
