@@ -16,11 +16,16 @@
 #                                                 --wall-s $WALL_S); the model and task are the warm start's
 #   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
 #   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
-#   bash scripts/gpu/evidence.sh collect          into $OUT/evidence: the logs gzipped, run.json, the arms'
-#                                                 statuses, the warm start's stats, the calibration, the figure
-#                                                 and the table; and the warm start itself (state.pt, stats.json,
-#                                                 spec.json) in evidence/warmstart when state.pt is under 60 MiB
-#                                                 (fp32: the default candidates' are 13.6-51.2 MiB, L8-E64-k8's 99.3)
+#   bash scripts/gpu/evidence.sh collect          into $OUT (what comes back from the device: at most 8 files of
+#                                                 16 MiB, 64 MiB in all): evidence.tar.gz (the logs, run.json, the
+#                                                 arms' statuses, the calibration, the figure and the table, the warm
+#                                                 start's stats.json / spec.json) and the warm start's fp32 state.pt in
+#                                                 15 MiB parts warm-state.pt.NN when it fits (the default candidates'
+#                                                 are 13.6-51.2 MiB, L8-E64-k8's 99.3: not collected). After a
+#                                                 calibrate-only run the warm start is the chosen candidate's
+#   bash scripts/gpu/evidence.sh unpack FROM DEST here: FROM = the call's files_at folder; DEST/evidence (the run's
+#                                                 files) and DEST/evidence/warmstart (state.pt joined, its sha256
+#                                                 checked against spec.json): carry DEST/evidence/warmstart later
 #
 # The device machine goes back 30 s after a call ends, and the background run with it: make the
 # calls back to back, each under 590 s, e.g. (about 25 min of device time in all):
@@ -96,10 +101,10 @@ wait)
   done
   kill -0 "$(cat "$RUN/pid")" 2>/dev/null && echo "still running" || { echo "run ended"; tail -n 6 "$RUN/orchestrator.log"; } ;;
 collect)
-  dest=${OUT:-.}/evidence; mkdir -p "$dest"
-  for f in "$RUN"/run/logs/*.jsonl; do gzip -9c "$f" > "$dest/$(basename "$f").gz"; done
-  cp "$RUN"/run/logs/*.json "$RUN/run/run.json" "$RUN/versions.txt" "$dest/"
-  cp "$RUN/run/warmstart/stats.json" "$dest/warmstart.json" 2>/dev/null || true
+  out=${OUT:-.}; dest=$RUN/collect/evidence; rm -rf "$RUN/collect"; mkdir -p "$dest"
+  for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && gzip -9c "$f" > "$dest/$(basename "$f").gz"; done
+  cp "$RUN"/run/logs/*.json "$RUN/run/run.json" "$RUN/versions.txt" "$dest/" 2>/dev/null || true
+  ws="$RUN/run/warmstart"
   if [ -e "$RUN/run/calibration.json" ]; then       # the calibration: its choice and every candidate's numbers
     cp "$RUN/run/calibration.json" "$dest/"
     for d in "$RUN"/run/calib/*/; do
@@ -108,23 +113,42 @@ collect)
       gzip -9c "$d/logs/off-s0.jsonl" > "$dest/calib/$c/off-s0.jsonl.gz" 2>/dev/null || true
       tail -n 20 "$d/orchestrator.log" > "$dest/calib/$c/orchestrator.tail.txt" 2>/dev/null || true
     done
+    chosen=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['chosen'])" "$RUN/run/calibration.json")
+    [ -e "$ws/state.pt" ] || ws="$RUN/run/calib/$chosen/warmstart"   # calibrate-only: the chosen candidate's
   fi
   # the warm start for the later sessions (start-from): fp32 as the arms load it - bf16 would halve it
   # but round the fp32 main weights the trainer starts from, so a later session's arms would not
   # start where this session's did
-  ws="$RUN/run/warmstart"
   if [ -e "$ws/state.pt" ]; then
+    mkdir -p "$dest/warmstart" && cp "$ws/stats.json" "$ws/spec.json" "$dest/warmstart/"
     size=$(stat -c %s "$ws/state.pt")
     if [ "$size" -lt "$WARM_MAX_BYTES" ]; then
-      mkdir -p "$dest/warmstart" && cp "$ws/state.pt" "$ws/stats.json" "$ws/spec.json" "$dest/warmstart/"
-      echo "warm start collected: state.pt $((size / 1024)) KiB, sha256 $(sha256sum "$ws/state.pt" | cut -c1-16)"
+      split -b 15M -d -a 2 "$ws/state.pt" "$out/warm-state.pt."
+      echo "warm start collected ($ws): state.pt $((size / 1024)) KiB in $(ls "$out"/warm-state.pt.* | wc -l) parts, sha256 $(sha256sum "$ws/state.pt" | cut -c1-16)"
     else
       echo "warm start NOT collected: state.pt is $((size / 1024 / 1024)) MiB (at most 60 MiB come back through \$OUT)"
     fi
   fi
   tail -n 40 "$RUN/orchestrator.log" > "$dest/orchestrator.tail.txt"
-  for f in "$RUN"/run/procs/*.log; do tail -n 20 "$f" > "$dest/proc$(basename "$f" .log).tail.txt"; done
-  python -m r3bridge evidence plot "$RUN/run" --out "$dest/evidence.png" | tee "$dest/table.md"
-  du -sh "$dest" ;;
+  for f in "$RUN"/run/procs/*.log; do [ -e "$f" ] && tail -n 20 "$f" > "$dest/proc$(basename "$f" .log).tail.txt"; done
+  ls "$RUN"/run/logs/*.jsonl > /dev/null 2>&1 \
+    && { python -m r3bridge evidence plot "$RUN/run" --out "$dest/evidence.png" | tee "$dest/table.md" || true; }
+  tar czf "$out/evidence.tar.gz" -C "$RUN/collect" evidence
+  ls -l "$out" ;;
+unpack)   # here, after the collect call: FROM = its files_at folder
+  from=$2; dest=$3; mkdir -p "$dest"
+  tar xzf "$from/evidence.tar.gz" -C "$dest"
+  if ls "$from"/warm-state.pt.* > /dev/null 2>&1; then
+    cat "$from"/warm-state.pt.* > "$dest/evidence/warmstart/state.pt"
+    python3 - "$dest/evidence/warmstart" <<'PY'
+import hashlib, json, sys, pathlib
+d = pathlib.Path(sys.argv[1]); spec = json.loads((d / "spec.json").read_text())
+got = hashlib.sha256((d / "state.pt").read_bytes()).hexdigest()
+want = spec.get("state_sha256")
+if got != want:
+    sys.exit(f"unpack: state.pt sha256 {got[:16]} differs from spec.json's {str(want)[:16]}")
+print(f"warm start {d}: sha256 {got[:16]} as spec.json says")
+PY
+  fi ;;
 *) sed -n 2,40p "$0"; exit 2 ;;
 esac
