@@ -50,10 +50,11 @@ variants)
   shift; budget=290
   if [ "${1:-}" = --budget ]; then budget=$2; shift 2; fi
   out=${OUT:?variants writes under \$OUT}; mkdir -p "$out"; t0=$(date +%s)
-  # in order: (a) the engine core in-process, routes on; (b) the same, routes off (is capture the
-  # cause?); (c) in-process with a small KV pool (docs/gpu-results/vllm-0.26.0/README.md says why)
+  # in order: FlashAttention 2, then flex attention (the first device call, 2026-11-29, found every
+  # earlier variant - in-process, routes off, a small KV pool - stopped inside FA3's varlen kernel:
+  # docs/gpu-results/vllm-0.26.0/README.md), then FA2 with the engine core in its own process
   # (VARIANTS=... overrides the order, e.g. a second call straight to the variant a first one found)
-  VARIANTS=${VARIANTS:-"inproc inproc_noroutes inproc_small_kv"}; ROUTES_OFF="inproc_noroutes"
+  VARIANTS=${VARIANTS:-"inproc_fa2 inproc_flex fa2"}; ROUTES_OFF="inproc_noroutes"
   PROBE_S=${PROBE_S:-80}   # each probe's processes: stacks dumped and exit after this (engine start included)
   GEN_S=${GEN_S:-30}       # a probe's generate (normally < 1 s): stacks dumped and exit when not back by then
   # the faulthandler folder's sitecustomize arms the dump in every process, vLLM's children too

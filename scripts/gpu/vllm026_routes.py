@@ -184,6 +184,15 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any], str]] = {
                         "a KV pool of 1024 blocks instead of the ~5.4 M blocks (87 M token slots) 0.15 of an "
                         "H200 gives this tiny model: the scheduler's block pool and the RoutedExpertsManager "
                         "slot buffer (1.39 GB) scale with it"),
+    # 2026-11-29, 1 x H200: inproc, inproc_noroutes and inproc_small_kv all stopped in the first
+    # forward inside vllm_flash_attn's flash_attn_varlen_func (FlashAttention 3, the backend 0.26.0
+    # picks on Hopper), so routes capture and the KV pool are not the cause; the attention kernel is
+    "inproc_fa2": (IN_PROCESS, {"attention_config": {"flash_attn_version": 2}},
+                   "FlashAttention 2 instead of 3 (the first forward stopped inside FA3's varlen kernel)"),
+    "inproc_flex": (IN_PROCESS, {"attention_backend": "FLEX_ATTENTION"},
+                    "torch's flex attention instead of FlashAttention (the other backend 0.26.0 offers here)"),
+    "fa2": ({}, {"attention_config": {"flash_attn_version": 2}},
+            "FlashAttention 2 with the engine core in its own process, as vLLM runs by default"),
 }
 ROUTES_OFF = {k for k, (_, kw, _) in VARIANTS.items() if kw.get("enable_return_routed_experts") is False}
 

@@ -114,14 +114,18 @@ def _variants(tmp_path, hang: str, *args: str, order: str | None = None):
     return p.returncode, (tmp_path / "variants.txt").read_text().splitlines(), p.stdout
 
 
-@pytest.mark.parametrize("hang, probed, chosen", [
-    ("", ["inproc"], "inproc"),                                       # (a) returns: straight to the full run
-    ("inproc", ["inproc", "inproc_noroutes", "inproc_small_kv"], "inproc_small_kv"),
-    ("inproc inproc_small_kv", ["inproc", "inproc_noroutes", "inproc_small_kv"], None),
+FIRST_CALL = "inproc inproc_noroutes inproc_small_kv"     # the first device call's order
+
+
+@pytest.mark.parametrize("order, hang, probed, chosen", [
+    (FIRST_CALL, "", ["inproc"], "inproc"),                           # (a) returns: straight to the full run
+    (FIRST_CALL, "inproc", ["inproc", "inproc_noroutes", "inproc_small_kv"], "inproc_small_kv"),
+    (FIRST_CALL, "inproc inproc_small_kv", ["inproc", "inproc_noroutes", "inproc_small_kv"], None),
+    (None, "inproc_fa2", ["inproc_fa2", "inproc_flex"], "inproc_flex"),  # the default order now
 ])
-def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path, hang, probed, chosen):
+def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path, order, hang, probed, chosen):
     """(b), routes off, returning is evidence about (a), never the variant the full run uses."""
-    rc, lines, out = _variants(tmp_path, hang, "--budget", "240", "--gpu-mem", "0.1")
+    rc, lines, out = _variants(tmp_path, hang, "--budget", "240", "--gpu-mem", "0.1", order=order)
     assert [ln.split()[1].rstrip(":") for ln in lines if ln.startswith("probe ")] == probed
     for ln in lines:
         if ln.startswith("probe "):
@@ -144,7 +148,7 @@ def test_a_second_call_goes_straight_to_the_variant_a_first_one_found(tmp_path):
 
 def test_no_full_run_without_time_left(tmp_path):
     rc, lines, _ = _variants(tmp_path, "", "--budget", "30")
-    assert rc == 1 and lines[-1].startswith("chosen inproc; ") and lines[-1].endswith("no full run")
+    assert rc == 1 and lines[-1].startswith("chosen inproc_fa2; ") and lines[-1].endswith("no full run")
     assert not (tmp_path / "full.log").exists()
 
 
