@@ -53,7 +53,12 @@ def _install() -> str:
                                 vendor=vendor)(R3BridgeMegatronEngine)
     if lookup() is not R3BridgeMegatronEngine:
         raise RuntimeError(f"EngineRegistry holds {lookup()!r} for {ENGINE_KEY}, not the r3bridge engine")
-    return f"{R3BridgeMegatronEngine.__name__} registered for {ENGINE_KEY}"
+    # verl's SGLang rollout cannot read SGLang 0.5.11+'s routes itself (sglang_routes.py): r3bridge's
+    # replica serves verl's name "sglang" (SGLang is imported only when verl starts that rollout)
+    from r3bridge.adapters.verl.sglang_routes import register_sglang_rollout
+
+    register_sglang_rollout()
+    return f"{R3BridgeMegatronEngine.__name__} registered for {ENGINE_KEY}; rollout 'sglang' read by r3bridge"
 
 
 def register() -> bool:
