@@ -178,7 +178,8 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
 
 # ------------------------------------------------------------------------------------ rollout backend
 VLLM_SITE = "/tmp/site-vllm"      # scripts/gpu/bundle.sh installs the vLLM wheel set there
-SGLANG_SITE = "/tmp/site-sglang"  # ... and the SGLang one there
+SGLANG_SITE = "/tmp/site-sglang"  # ... and the SGLang one there,
+SGLANG_VERL_SITE = "/tmp/site-sglang_verl"   # and what verl needs over it (transformers 5.9.0), first
 ROLLOUTS = ("hf", "vllm", "sglang")
 
 
@@ -235,15 +236,17 @@ def rollout_env(env: dict[str, str]) -> dict[str, str]:
     """The backend's environment: its wheel set's site first on ``PYTHONPATH``. vLLM: fastapi
     0.136 over verl's 0.165 (vLLM 0.24.0 pins < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0`` (the set
     carries no flashinfer; vLLM's sampler imports it unguarded at the default). SGLang: its set
-    (transformers 5.6.0, fastapi 0.136, uvicorn, sglang-kernel, ...: scripts/gpu/wheels/sglang.txt)
-    for every process of the job (verl's trainer workers import SGLang's weight-sync client too)."""
+    (fastapi 0.136, uvicorn, sglang-kernel, soundfile, ...: scripts/gpu/wheels/sglang.txt) behind
+    ``sglang_verl`` (transformers 5.9.0: verl 0.9.1 excludes the sglang set's 5.6.0;
+    scripts/gpu/wheels/sglang_verl.txt), for every process of the job (verl's trainer workers import
+    SGLang's weight-sync client too)."""
     backend = rollout_backend()
     if backend == "hf":
         return env
-    site = (os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE) if backend == "vllm"
-            else os.environ.get("R3E2E_SGLANG_SITE", SGLANG_SITE))
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
-    out = {**env, "PYTHONPATH": os.pathsep.join([site, *parts])}
+    sites = ([os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE)] if backend == "vllm" else
+             [os.environ.get("R3E2E_SGLANG_VERL_SITE", SGLANG_VERL_SITE), os.environ.get("R3E2E_SGLANG_SITE", SGLANG_SITE)])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sites]
+    out = {**env, "PYTHONPATH": os.pathsep.join([*sites, *parts])}
     if backend == "vllm":
         out["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return out

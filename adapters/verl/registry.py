@@ -6,6 +6,9 @@ be off in that process without a word. :func:`register` therefore logs the outco
 naming the error) and, when the job asked for replay (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``,
 which the launcher hands every worker), fails with an ``ImportError`` instead of training without it.
 :func:`requested_mode` is the opt-in: a job that did not ask for replay imports nothing of verl's internals.
+With the engine, verl's rollout name ``sglang`` is served by r3bridge's SGLang replica, whose server reads
+SGLang's routes itself (:mod:`r3bridge.adapters.verl.sglang_routes`: verl 0.9.1's own reading fails on
+SGLang 0.5.12); SGLang is imported only when verl starts that rollout.
 """
 from __future__ import annotations
 

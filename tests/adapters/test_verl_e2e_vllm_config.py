@@ -111,7 +111,8 @@ def test_sglang_job_composes_into_verls_rollout_config(monkeypatch, tmp_path, mo
     assert rollout.max_num_seqs == 16 and rollout.load_format == "dummy" and rollout.free_cache_engine is True
     assert cfg.r3bridge.replay_mode == mode
     env = E.job_env(paths, gpu=True)
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == E.SGLANG_SITE and "VLLM_USE_FLASHINFER_SAMPLER" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [E.SGLANG_VERL_SITE, E.SGLANG_SITE]
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in env
     assert E.run_tag(mode, "first") == f"sglang_{mode}_first_rc1"
     monkeypatch.setenv("R3E2E_PREFIX_CACHE", "0")
     assert "++actor_rollout_ref.rollout.engine_kwargs.sglang.disable_radix_cache=True" in E.rollout_overrides(mode)
