@@ -52,7 +52,11 @@ run)
   mode=$2; variant=${3:-first}
   out=${OUT:-$repo/gpu_verl_e2e_out}; mkdir -p "$out"
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 R3E2E_DENSE=${R3E2E_DENSE:-none} R3E2E_SAVE_WEIGHTS=${R3E2E_SAVE_WEIGHTS:-1}
-  if [ "${R3E2E_ROLLOUT:-hf}" = sglang ]; then export R3E2E_HEAD_DIM=${R3E2E_HEAD_DIM:-64}; fi
+  if [ "${R3E2E_ROLLOUT:-hf}" = sglang ]; then
+    # the job's files (config, tokenizer) written with the job's own stack: transformers 5.9.0 and
+    # tokenizers 0.22.2 of the sglang_verl / sglang sets, not the image's 5.17.0 / 0.23.2
+    export R3E2E_HEAD_DIM=${R3E2E_HEAD_DIM:-64} PYTHONPATH=/tmp/site-sglang_verl:/tmp/site-sglang${PYTHONPATH:+:$PYTHONPATH}
+  fi
   cd "$repo"
   python - "$mode" "$variant" "$out" <<'PY'
 import json, os, subprocess, sys, time
