@@ -12,9 +12,11 @@ metrics; :func:`check_dispatch` compares them per (sample, token, layer) through
 :mod:`testlab.dispatch_records`.
 
 The rollout backend is chosen by ``R3E2E_ROLLOUT`` (:func:`rollout_backend`): ``hf`` (default,
-:mod:`testlab.verl_hf_rollout`, which logs its own calls) or ``vllm`` (verl's own vLLM server and
-weight sync; :func:`rollout_overrides`, :func:`rollout_env`), whose returned routes are logged by
-the agent loops (:class:`testlab.verl_e2e_agent.CallRecorder`) and checked the same way.
+:mod:`testlab.verl_hf_rollout`, which logs its own calls), ``vllm`` or ``sglang`` (verl's own
+vLLM / SGLang server, agent loop and weight sync; :func:`rollout_overrides`, :func:`rollout_env`;
+SGLang's routes read by r3bridge's :mod:`r3bridge.adapters.verl.sglang_routes` inside verl's
+server), whose returned routes are logged by the agent loops
+(:class:`testlab.verl_e2e_agent.CallRecorder`) and checked the same way.
 
 Samples are told apart by their tokens: each rollout call is logged with its prompt and output,
 a trajectory's calls are the ones whose tokens it continues, and a packed trainer sequence is the
@@ -176,13 +178,16 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
 
 # ------------------------------------------------------------------------------------ rollout backend
 VLLM_SITE = "/tmp/site-vllm"      # scripts/gpu/bundle.sh installs the vLLM wheel set there
+SGLANG_SITE = "/tmp/site-sglang"  # ... and the SGLang one there,
+SGLANG_VERL_SITE = "/tmp/site-sglang_verl"   # and what verl needs over it (transformers 5.9.0), first
+ROLLOUTS = ("hf", "vllm", "sglang")
 
 
 def rollout_backend() -> str:
-    """``R3E2E_ROLLOUT``: ``hf`` (default) or ``vllm`` (verl's own server; the device only)."""
+    """``R3E2E_ROLLOUT``: ``hf`` (default), ``vllm`` or ``sglang`` (verl's own servers; the device only)."""
     name = os.environ.get("R3E2E_ROLLOUT", "hf")
-    if name not in ("hf", "vllm"):
-        raise ValueError(f"R3E2E_ROLLOUT={name!r}: hf or vllm")
+    if name not in ROLLOUTS:
+        raise ValueError(f"R3E2E_ROLLOUT={name!r}: one of {', '.join(ROLLOUTS)}")
     return name
 
 
@@ -199,28 +204,62 @@ def rollout_overrides(mode: str) -> list[str]:
     if rollout_backend() == "hf":
         return [f"{a}.name=hf_r3", *common]
     prefix = os.environ.get("R3E2E_PREFIX_CACHE", "1") == "1"
+    if rollout_backend() == "sglang":
+        return sglang_overrides(common, prefix)
     return [f"{a}.name=vllm", *common, f"{a}.gpu_memory_utilization={os.environ.get('R3E2E_VLLM_GPU_MEM', '0.3')}",
             f"{a}.enable_prefix_caching={prefix}", f"{a}.enable_chunked_prefill=True",
             f"{a}.max_num_batched_tokens=32", f"{a}.max_num_seqs=16", f"{a}.free_cache_engine=True",
             f"{a}.enforce_eager=False", f"{a}.load_format=dummy"]
 
 
+def sglang_overrides(common: list[str], radix_cache: bool) -> list[str]:
+    """verl's SGLang rollout as the direct SGLang 0.5.12 run needed it (docs/gpu-results/sglang-0.5.12):
+    SGLang's own settings through verl's ``engine_kwargs.sglang`` (``attention_backend=triton``,
+    ``sampling_backend=pytorch``: the wheel set carries no flashinfer cubins; ``chunked_prefill_size=32``,
+    the vLLM arm's 32-token budget, so the prompts of up to 60 tokens are prefilled in chunks;
+    ``disable_radix_cache`` for ``R3E2E_PREFIX_CACHE=0``); verl's own keys for the rest:
+    ``gpu_memory_utilization`` is SGLang's ``mem_fraction_static`` (``R3E2E_SGLANG_GPU_MEM``, default
+    0.3: SGLang takes 0.88 by default and the trainer shares the GPU), ``enforce_eager`` its
+    ``disable_cuda_graph`` (eager, as the direct run), ``max_num_seqs`` its ``max_running_requests``,
+    ``load_format=dummy`` (the engine serves only what verl's weight sync sent), ``skip_tokenizer_init``
+    verl's default (the one path r3bridge reads: :func:`r3bridge.adapters.verl.sglang_routes.check_sglang_rollout`)."""
+    a, kw = "actor_rollout_ref.rollout", "actor_rollout_ref.rollout.engine_kwargs.sglang"
+    return [f"{a}.name=sglang", *common,
+            f"{a}.gpu_memory_utilization={os.environ.get('R3E2E_SGLANG_GPU_MEM', '0.3')}",
+            f"{a}.max_num_seqs=16", f"{a}.free_cache_engine=True", f"{a}.enforce_eager=True",
+            f"{a}.load_format=dummy", f"{a}.skip_tokenizer_init=True",
+            f"++{kw}.attention_backend=triton", f"++{kw}.sampling_backend=pytorch",
+            f"++{kw}.chunked_prefill_size=32", f"++{kw}.disable_radix_cache={not radix_cache}"]
+
+
 def rollout_env(env: dict[str, str]) -> dict[str, str]:
-    """The backend's environment. vLLM: its wheel set's site first on ``PYTHONPATH`` (fastapi
-    0.136 over verl's 0.165: vLLM 0.24.0 pins < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0``
-    (the set carries no flashinfer; vLLM's sampler imports it unguarded at the default)."""
-    if rollout_backend() != "vllm":
+    """The backend's environment: its wheel set's site first on ``PYTHONPATH``. vLLM: fastapi
+    0.136 over verl's 0.165 (vLLM 0.24.0 pins < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0`` (the set
+    carries no flashinfer; vLLM's sampler imports it unguarded at the default). SGLang: its set
+    (fastapi 0.136, uvicorn, sglang-kernel, soundfile, ...: scripts/gpu/wheels/sglang.txt) behind
+    ``sglang_verl`` (transformers 5.9.0: verl 0.9.1 excludes the sglang set's 5.6.0;
+    scripts/gpu/wheels/sglang_verl.txt), for every process of the job (verl's trainer workers import
+    SGLang's weight-sync client too)."""
+    backend = rollout_backend()
+    if backend == "hf":
         return env
-    site = os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
-    return {**env, "PYTHONPATH": os.pathsep.join([site, *parts]), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    sites = ([os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE)] if backend == "vllm" else
+             [os.environ.get("R3E2E_SGLANG_VERL_SITE", SGLANG_VERL_SITE), os.environ.get("R3E2E_SGLANG_SITE", SGLANG_SITE)])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sites]
+    out = {**env, "PYTHONPATH": os.pathsep.join([*sites, *parts])}
+    if backend == "vllm":
+        out["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return out
 
 
 def run_tag(mode: str, variant: str) -> str:
-    """The output name of one job: the HF runs keep their names; vLLM runs carry the prefix-cache arm."""
-    if rollout_backend() == "hf":
+    """The output name of one job: the HF runs keep their names; vLLM / SGLang runs carry the
+    prefix-cache arm (SGLang: its radix cache)."""
+    backend = rollout_backend()
+    if backend == "hf":
         return f"{mode}_{variant}"
-    return f"vllm_{mode}_{variant}_pc{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
+    arm = "pc" if backend == "vllm" else "rc"
+    return f"{backend}_{mode}_{variant}_{arm}{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
 
 
 def stand_in_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
@@ -378,9 +417,9 @@ class RunResult:
 
 def read_run(paths: dict[str, str], rc: int, output: str = "") -> RunResult:
     """The run's logs. The routes to check are the ones the rollout server handed back: the HF
-    server logs its own calls; verl's vLLM server does not, and the agent loops' log is read."""
+    server logs its own calls; verl's vLLM and SGLang servers do not, and the agent loops' log is read."""
     agent = read_calls(paths["agent_calls"])
-    calls = agent if rollout_backend() == "vllm" else read_calls(paths["logs"])
+    calls = read_calls(paths["logs"]) if rollout_backend() == "hf" else agent
     recs = read_dispatch(paths["logs"])
     tokens = [c.tokens for c in calls]
     for r in recs:    # padded-only sequences of a first pipeline stage at TP > 1 (verl_e2e_parallel)

@@ -6,6 +6,9 @@ be off in that process without a word. :func:`register` therefore logs the outco
 naming the error) and, when the job asked for replay (``R3BRIDGE_CONFIG`` / ``R3BRIDGE_REPLAY_MODE``,
 which the launcher hands every worker), fails with an ``ImportError`` instead of training without it.
 :func:`requested_mode` is the opt-in: a job that did not ask for replay imports nothing of verl's internals.
+With the engine, verl's rollout name ``sglang`` is served by r3bridge's SGLang replica, whose server reads
+SGLang's routes itself (:mod:`r3bridge.adapters.verl.sglang_routes`: verl 0.9.1's own reading fails on
+SGLang 0.5.12); SGLang is imported only when verl starts that rollout.
 """
 from __future__ import annotations
 
@@ -53,7 +56,12 @@ def _install() -> str:
                                 vendor=vendor)(R3BridgeMegatronEngine)
     if lookup() is not R3BridgeMegatronEngine:
         raise RuntimeError(f"EngineRegistry holds {lookup()!r} for {ENGINE_KEY}, not the r3bridge engine")
-    return f"{R3BridgeMegatronEngine.__name__} registered for {ENGINE_KEY}"
+    # verl's SGLang rollout cannot read SGLang 0.5.11+'s routes itself (sglang_routes.py): r3bridge's
+    # replica serves verl's name "sglang" (SGLang is imported only when verl starts that rollout)
+    from r3bridge.adapters.verl.sglang_routes import register_sglang_rollout
+
+    register_sglang_rollout()
+    return f"{R3BridgeMegatronEngine.__name__} registered for {ENGINE_KEY}; rollout 'sglang' read by r3bridge"
 
 
 def register() -> bool:

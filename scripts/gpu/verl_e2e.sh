@@ -14,10 +14,14 @@
 #                                 and .log, TAG = MODE_VARIANT, or vllm_MODE_VARIANT_pcN for vLLM (the job's
 #                                 own files stay under $R3E2E_WORK, /tmp/r3e2e)
 #
-# Rollout backend: R3E2E_ROLLOUT=hf (default: testlab/verl_hf_rollout.py) or vllm (verl's own vLLM
-# async server, agent loop and weight sync; needs the bundle's vllm set in /tmp/site-vllm, which
-# testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH); R3E2E_PREFIX_CACHE=0|1 (vLLM prefix
-# caching, default 1); R3E2E_VLLM_GPU_MEM (vLLM's share of the GPU, default 0.3, beside the trainer).
+# Rollout backend: R3E2E_ROLLOUT=hf (default: testlab/verl_hf_rollout.py), vllm or sglang (verl's own
+# vLLM / SGLang server, agent loop and weight sync; needs the bundle's vllm / sglang set in
+# /tmp/site-vllm / /tmp/site-sglang, which testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH);
+# R3E2E_PREFIX_CACHE=0|1 (vLLM prefix caching / SGLang radix cache, default 1); R3E2E_VLLM_GPU_MEM /
+# R3E2E_SGLANG_GPU_MEM (the engine's share of the GPU, default 0.3, beside the trainer). SGLang: verl's
+# own rollout name `sglang`, its routes read by r3bridge (adapters/verl/sglang_routes.py: verl 0.9.1's
+# own reading fails on SGLang 0.5.12), triton attention and pytorch sampling through
+# engine_kwargs.sglang, heads of 64 (R3E2E_HEAD_DIM, as the direct SGLang run); TAG sglang_MODE_VARIANT_rcN.
 #
 # Routes by reference (docs/use-with-verl.md, "Routes by reference"): R3E2E_ROUTES=handles appends
 # r3bridge.route_transport=handles with the route files under the job's folder (route-store/), the
@@ -48,6 +52,11 @@ run)
   mode=$2; variant=${3:-first}
   out=${OUT:-$repo/gpu_verl_e2e_out}; mkdir -p "$out"
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 R3E2E_DENSE=${R3E2E_DENSE:-none} R3E2E_SAVE_WEIGHTS=${R3E2E_SAVE_WEIGHTS:-1}
+  if [ "${R3E2E_ROLLOUT:-hf}" = sglang ]; then
+    # the job's files (config, tokenizer) written with the job's own stack: transformers 5.9.0 and
+    # tokenizers 0.22.2 of the sglang_verl / sglang sets, not the image's 5.17.0 / 0.23.2
+    export R3E2E_HEAD_DIM=${R3E2E_HEAD_DIM:-64} PYTHONPATH=/tmp/site-sglang_verl:/tmp/site-sglang${PYTHONPATH:+:$PYTHONPATH}
+  fi
   cd "$repo"
   python - "$mode" "$variant" "$out" <<'PY'
 import json, os, subprocess, sys, time
@@ -109,5 +118,5 @@ if variant == "last" and rc == 0:
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
-*) sed -n 2,32p "$0"; exit 2 ;;
+*) sed -n 2,46p "$0"; exit 2 ;;
 esac
