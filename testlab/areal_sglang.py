@@ -1,10 +1,11 @@
 """AReaL 1.0.4's own rollout path against a real SGLang server (``areal_actor.py --rollout sglang``;
 tests and device scripts only).
 
-* :func:`write_model` - the tiny Qwen3-MoE folder both sides load: ``config.json`` + bf16 weights
+* :func:`write_model` - the tiny Qwen3-MoE folder SGLang serves: ``config.json`` + bf16 weights
   drawn from (seed, parameter name) (:func:`r3bridge.demo.hf_engine.build_hf_model`), and a word-level
   tokenizer with a chat template in ``tokenizer/`` (AReaL's ``MultiTurnWorkflow`` applies it; the
-  server runs on token ids with ``--skip-tokenizer-init``). Every layer is MoE: SGLang 0.5.12 runs a
+  server runs on token ids with ``--skip-tokenizer-init``). The actor builds its model from the same
+  config (its weights are the harness's: its layers are MoE-only, identity attention). Every layer is MoE: SGLang 0.5.12 runs a
   checkpoint's dense layers as MoE layers (docs/gpu-results/sglang-0.5.12/README.md).
 * :func:`server_command` / :class:`SGLangServer` - ``python -m sglang.launch_server`` with
   ``--enable-return-routed-experts``, triton attention, pytorch sampling, the radix cache on, as a
@@ -50,6 +51,7 @@ SPECIALS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
 ROUTER_STD = 0.5        # clear top-k margins, as scripts/gpu/sglang_routes.py
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def hf_config() -> Any:
@@ -70,37 +72,41 @@ def tiny_tokenizer(vocab: int = MODEL["vocab"]) -> Any:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|endoftext|>",
-                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+                                   unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def write_model(path: str, seed: int = 7) -> Any:
-    """The folder SGLang serves and the actor's mbridge reads (its config): returns the HF config."""
+def write_checkpoint(path: str, seed: int = 7) -> None:
+    """``config.json`` + bf16 safetensors of :func:`hf_config`, weights from (seed, parameter name)."""
     import torch
 
     from r3bridge.demo.hf_engine import build_hf_model
 
-    cfg = hf_config()
     os.makedirs(path, exist_ok=True)
-    build_hf_model(cfg, seed=seed, router_std=ROUTER_STD).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    build_hf_model(hf_config(), seed=seed, router_std=ROUTER_STD).to(torch.bfloat16).save_pretrained(
+        path, safe_serialization=True)
+
+
+def write_model(path: str, seed: int = 7, *, server_env: Optional[dict] = None) -> Any:
+    """The folder SGLang serves: the checkpoint, written in the server's own environment when
+    ``server_env`` is given (its transformers reads the config: SGLang 0.5.12 pins 5.6.0, the
+    device image has 5.17, which names the expert count ``num_local_experts``), as
+    scripts/gpu/sglang_routes.py wrote the one SGLang ran; the tokenizer (``tokenizer/``, read by
+    AReaL's workflow here). Returns the HF config (the actor's model: the same config)."""
+    if server_env is None:
+        write_checkpoint(path, seed)
+    else:
+        env = dict(server_env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _ROOT) if p)
+        code = "import sys; from testlab.areal_sglang import write_checkpoint; write_checkpoint(sys.argv[1], int(sys.argv[2]))"
+        proc = subprocess.run([sys.executable, "-c", code, path, str(seed)], env=env, cwd=_ROOT, capture_output=True,
+                              text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"writing the checkpoint in the server's environment failed ({proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-4000:]}")
     tiny_tokenizer().save_pretrained(os.path.join(path, "tokenizer"))
-    _legacy_keys(os.path.join(path, "config.json"))
-    return cfg
-
-
-def _legacy_keys(config_json: str) -> None:
-    """The writer's transformers (the device image's 5.17) names the expert count
-    ``num_local_experts`` and keeps ``rope_theta`` only in ``rope_parameters``; the server's
-    (SGLang 0.5.12 pins 5.6.0) may read ``num_experts`` / ``rope_theta``: both spellings, one value."""
-    with open(config_json) as f:
-        doc = json.load(f)
-    experts = doc.get("num_experts", doc.get("num_local_experts"))
-    doc["num_experts"] = doc["num_local_experts"] = experts
-    if "rope_theta" not in doc and isinstance(doc.get("rope_parameters"), dict):
-        doc["rope_theta"] = doc["rope_parameters"].get("rope_theta")
-    with open(config_json, "w") as f:
-        json.dump(doc, f, indent=2)
+    return hf_config()
 
 
 def free_port() -> int:
@@ -474,12 +480,13 @@ def serve_and_roll(workdir: str, out_dir: Optional[str], *, n: int, max_new_toke
     """Model folder, server up, AReaL's rollout, server down; the payloads and the server's log into
     ``out_dir``. Returns the rollout and what to report (start and rollout seconds, the checks)."""
     model_dir = os.path.join(workdir, "model")
-    cfg = write_model(model_dir)
+    env = server_env(server_pythonpath)
+    cfg = write_model(model_dir, server_env=env)
     port = free_port()
     log = os.path.join(out_dir or workdir, "sglang_server.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     server = SGLangServer(server_command(model_dir, port, mem_fraction=mem_fraction, module=module), port, log,
-                          timeout=server_timeout, env=server_env(server_pythonpath))
+                          timeout=server_timeout, env=env)
     with server as addr:
         rr = run_rollout(addr, cfg, n=n, max_new_tokens=max_new_tokens, interrupts=interrupts)
     info = {"server_ready_s": server.ready_s, "rollout_s": rr.seconds, "server_module": module,

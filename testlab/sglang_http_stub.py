@@ -34,7 +34,7 @@ class _Model:
             cfg = json.load(f)
         self.layers = int(cfg["num_hidden_layers"])
         self.topk = int(cfg["num_experts_per_tok"])
-        self.experts = int(cfg["num_experts"])
+        self.experts = int(cfg.get("num_experts") or cfg["num_local_experts"])   # transformers 5.10+: the latter
         self.vocab = int(cfg["vocab_size"])
         self.cache: dict[tuple, np.ndarray] = {}       # token prefix -> its last token's routes
         self.requests = 0
