@@ -316,7 +316,9 @@ def _decode(meta: dict, layers: int, topk: int) -> np.ndarray:
     if raw is None:
         return np.zeros((0, layers, topk), dtype=np.int32)
     flat = np.frombuffer(base64.b64decode(raw), dtype="<i4")
-    return flat.reshape(int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1, layers, topk)
+    # rows from the payload itself, from row 0 (an aborted attempt's count is whatever SGLang
+    # routed; the adapter checks it against prompt + completion - 1 and says so when it differs)
+    return flat.reshape(-1, layers, topk)
 
 
 @dataclass
@@ -427,6 +429,15 @@ class RecordedRollout:
         ok = (not problems and totals["multi_turn_samples"] > 0 and totals["resubmitted_samples"] > 0
               and totals["cached_rows"] > 0)
         return {"ok": ok, "stitching_problems": problems[:10], **totals, "per_sample": per_sample}
+
+    @classmethod
+    def from_payloads(cls, doc: dict, trajectories: Sequence[dict] = ()) -> "RecordedRollout":
+        """A recorded run back from :meth:`payloads` (``$OUT/areal_sglang_payloads.json``, the CPU
+        fixture): the attempts and tokens, ``trajectories`` if given (else none: :meth:`expected`
+        and the counts of :meth:`rows_of` need only the attempts)."""
+        return cls(trajectories=list(trajectories), attempts=doc["attempts"], tokens=doc["trajectory_tokens"],
+                   num_layers=doc["num_hidden_layers"], moe_layer_ids=doc["moe_layer_ids"],
+                   num_experts=doc["num_experts"], topk=doc["topk"])
 
     def payloads(self) -> dict:
         """What $OUT keeps (the CPU fixture's content): the model's facts, every attempt, the tokens."""

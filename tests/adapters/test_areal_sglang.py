@@ -88,16 +88,13 @@ def test_areal_actor_on_areals_own_rollout_path(tmp_path):
     from r3bridge.adapters.areal.codec import ROUTES_KEY
     from r3bridge.adapters.areal.sequence_last import sequence_last_routes
 
-    facts = dict(num_layers=doc["num_hidden_layers"], moe_layer_ids=doc["moe_layer_ids"],
-                 num_experts=doc["num_experts"], topk=doc["topk"])
-    bare = RecordedRollout(trajectories=[], attempts=doc["attempts"], tokens=doc["trajectory_tokens"], **facts)
-    want = bare.expected()
+    want = RecordedRollout.from_payloads(doc).expected()
     assert int(want.valid.sum()) == checks["rows"]
     trajs = [{"input_ids": torch.tensor([t]), ROUTES_KEY: sequence_last_routes(want.select([i]), [len(t)])}
              for i, t in enumerate(doc["trajectory_tokens"])]
-    assert RecordedRollout(trajectories=trajs, attempts=doc["attempts"], **facts).checks()["stitching_problems"] == []
+    assert RecordedRollout.from_payloads(doc, trajs).checks()["stitching_problems"] == []
     bad = trajs[3][ROUTES_KEY]                    # [1, L, K, S]: sample 3, layer 2, token 5, one expert swapped
     bad[0, 2, 0, 5] = next(e for e in range(doc["num_experts"]) if e not in bad[0, 2, :, 5].tolist())
-    problems = RecordedRollout(trajectories=trajs, attempts=doc["attempts"], **facts).checks()["stitching_problems"]
+    problems = RecordedRollout.from_payloads(doc, trajs).checks()["stitching_problems"]
     assert problems == [f"sample 3: 1 of {int(want.select([3]).valid.sum())} rows differ from the recorded first-seen routes"]
 
