@@ -117,14 +117,16 @@ def free_port() -> int:
 
 def server_command(model_dir: str, port: int, *, mem_fraction: float = 0.25, python: str = sys.executable,
                    module: str = "sglang.launch_server") -> list[str]:
-    """The server's command line (the flags are ``sglang.srt.server_args.ServerArgs`` fields; the
-    same ones ``scripts/gpu/sglang_routes.py`` ran ``sglang.Engine`` with on the H200). The radix
-    cache stays on (AReaL's ``SGLangConfig`` turns it off by default): the multi-turn episodes'
-    later turns are served from cached prefixes, which is what is checked."""
+    """The server's command line: the ``sglang.Engine`` options ``scripts/gpu/sglang_routes.py`` ran
+    on the H200, as SGLang 0.5.12's own flags (each one checked in its ``server_args.py``), plus
+    ``--disable-piecewise-cuda-graph`` (its capture was part of the 85 s first start; nothing here
+    needs it). The radix cache stays on (AReaL's ``SGLangConfig`` turns it off by default): the
+    multi-turn episodes' later turns are served from cached prefixes, which is what is checked.
+    ``--log-level info``: the log in $OUT says what the server did."""
     return [python, "-m", module, "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--enable-return-routed-experts", "--attention-backend", "triton",
-            "--sampling-backend", "pytorch", "--disable-cuda-graph", "--mem-fraction-static", str(mem_fraction),
-            "--random-seed", "0", "--log-level", "warning"]
+            "--sampling-backend", "pytorch", "--disable-cuda-graph", "--disable-piecewise-cuda-graph",
+            "--mem-fraction-static", str(mem_fraction), "--random-seed", "0", "--log-level", "info"]
 
 
 class SGLangServer:

@@ -52,7 +52,8 @@ def test_dry_run_builds_the_areal_objects_and_the_server_command(tmp_path):
     got = _run(["--rollout", "sglang", "--dry-run", "--server-pythonpath", "/tmp/site-sglang"], str(tmp_path), 300)
     cmd = got["server_command"]
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--disable-cuda-graph"):
+    for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--disable-cuda-graph",
+                 "--disable-piecewise-cuda-graph"):
         assert flag in cmd
     assert cmd[cmd.index("--attention-backend") + 1] == "triton"
     assert cmd[cmd.index("--sampling-backend") + 1] == "pytorch"
