@@ -1,7 +1,8 @@
 """One AReaL training step after another on the real engine, every router call checked (tests only).
 
 Rollout: :func:`testlab.areal_rollout.trajectories` (AReaL's own ``SGLangBackend``
-decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``). Trainer:
+decoding SGLang's ``meta_info``, r3bridge's ``WorkflowMixin``), or the trajectories of a real SGLang
+server's rollout through AReaL's own engine client (:mod:`testlab.areal_sglang`). Trainer:
 :func:`testlab.areal_engine.make_actor` (AReaL's ``MegatronPPOActor`` with r3bridge's
 mixins, a tiny Qwen3-MoE matching the rollout built through mbridge). :func:`run_steps` runs
 ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` (AReaL's GRPO loss and optimizer
@@ -102,9 +103,20 @@ def _check_pass(ctx: Any, layout: Any, p: dict, calls: list, expected: Any, log:
     return errors, records, checked
 
 
-def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, steps: int = 2, n_mbs: int = 2,
+def _fresh_trajectories(rollout: Any) -> list[dict]:
+    """This step's trajectory dicts: built from a canonical rollout through AReaL's client code, or
+    copies of the ones a real rollout returned (``testlab.areal_sglang.RecordedRollout``: the
+    trainer adds and replaces fields, every step starts from the rollout's)."""
+    if isinstance(rollout, CanonicalRollout):
+        from testlab.areal_rollout import trajectories
+
+        return trajectories(rollout)
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in t.items()} for t in rollout.trajectories]
+
+
+def run_steps(ctx: Any, mode: str, rollout: Any, workdir: str, *, steps: int = 2, n_mbs: int = 2,
               ppo_n_minibatches: int = 2, recompute: bool = True, trace_dir: Optional[str] = None,
-              device: str = "cpu") -> dict:
+              device: str = "cpu", hf_config: Any = None) -> dict:
     """``steps`` AReaL PPO steps on the same rollout (``compute_logp``, ``compute_advantages``,
     ``ppo_update``), every router call checked. Returns plain data: ``errors`` (empty when every
     call dispatched the expected routes), ``checked_rows``, ``calls`` per phase, ``metrics`` (the
@@ -113,18 +125,20 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
     rank's :class:`~testlab.dispatch_records.DispatchRecords`: every real token's
     dispatched ids per (step, phase, grad, sample, token, layer), for comparing frameworks),
     ``recorded`` (R2: each step's recorded routes, ``ReplayBatch.to_bytes``). ``device``: "cpu"
-    (the CPU harness) or "cuda" (``testlab.areal_engine.make_actor`` on this rank's GPU)."""
+    (the CPU harness) or "cuda" (``testlab.areal_engine.make_actor`` on this rank's GPU). ``rollout``: a
+    :class:`CanonicalRollout`, or a real rollout's trajectories (``testlab.areal_sglang.RecordedRollout``:
+    ``trajectories``, ``expected()``, the model's facts); ``hf_config``: the model the rollout served
+    (default: a tiny Qwen3-MoE with the rollout's layers, experts and top-k)."""
     from r3bridge.testing.harness.probe import RoutingProbe
     from testlab.areal_engine import chunks_of, make_actor
-    from testlab.areal_rollout import trajectories
     from testlab.dispatch_records import DispatchLog
     from testlab.mbridge_spec import tiny_qwen3_moe
 
     st = import_areal("areal.utils.stats_tracker")
     data_mod = import_areal("areal.utils.data")
-    hf = tiny_qwen3_moe(num_layers=rollout.num_layers,
-                        dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
-                        num_experts=rollout.num_experts, topk=rollout.topk)
+    hf = hf_config if hf_config is not None else tiny_qwen3_moe(
+        num_layers=rollout.num_layers, dense=tuple(i for i in range(rollout.num_layers) if i not in rollout.moe_layer_ids),
+        num_experts=rollout.num_experts, topk=rollout.topk)
     eng = make_actor(ctx, mode, workdir, hf_config=hf, n_mbs=n_mbs, ppo_n_minibatches=ppo_n_minibatches,
                      recompute=recompute, trace_dir=trace_dir, device=device)
     chunks = chunks_of(eng)
@@ -143,7 +157,7 @@ def run_steps(ctx: Any, mode: str, rollout: CanonicalRollout, workdir: str, *, s
         # moves the rollout's trajectories with tensor_container_to(.., current_device()) before
         # compute_logp (areal/infra/dist_rollout.py, rollout_batch / prepare_batch); compute_logp's
         # prox_logp comes back on that device and compute_advantages mixes it with loss_mask
-        trajs = data_mod.tensor_container_to(trajectories(rollout), eng.device)
+        trajs = data_mod.tensor_container_to(_fresh_trajectories(rollout), eng.device)
         with RoutingProbe(chunks, include_mtp=False) as probe:
             log = _PassLog(eng, probe)
             try:
