@@ -129,11 +129,13 @@ class Rollout:
         lay = layout_of(self.w)
         self.store = RouteStore(FileRoutes(root) if backend == "files" else RayRoutes(), block_rows=self.w["block_rows"],
                                 workers=self.w["write_threads"])    # as SkyRL's driver writes a batch
+        t0 = time.perf_counter()
         handles = self.store.put_many([SampleRoutes(f"traj-{i}", a[:, self.w["dense"]:], lay.moe_layer_ids, 0,
                                                     self.w["experts"]) for i, a in enumerate(self.items)], step=1)
         # returned as objects: Ray serialises the handles' object references with their owner (a
         # plain pickle of a reference is not tracked, and the reader's get of it times out)
-        return {"run_id": self.store.run_id, "handles": handles}
+        return {"run_id": self.store.run_id, "handles": handles, "write_s": time.perf_counter() - t0,
+                "write_phases": self.store.times.as_dict(), "written_at": time.time()}
 
 
 class Rank:
@@ -187,6 +189,7 @@ class Rank:
 
         from r3bridge.handles import FileRoutes, HandleReads, RayRoutes, read_rank_targets
 
+        started_at, t0 = time.time(), time.perf_counter()
         resolvers = {"files": FileRoutes(root)} if backend == "files" else {"ray": RayRoutes()}
         lay = layout_of(self.w)
         tp, cp, pp = self.coord
@@ -196,7 +199,14 @@ class Rank:
                                   step=1, tp_rank=tp, cp_rank=cp, pp_rank=pp, stats=stats, device=torch.device("cpu"))
             digests.append(_digest(t))
             rows += int(t.num_valid)
-        return self._done(digests, rows, stats.bytes_read + stats.table_bytes, 0.0)
+        out = self._done(digests, rows, stats.bytes_read + stats.table_bytes, 0.0)
+        total = time.perf_counter() - t0
+        # the rank's phases: the handles' trip (the write's end to this call), opening handles,
+        # reading and checking its blocks, the rest of the one reader (row map, targets)
+        out["phases"] = {"trip_s": started_at - got["written_at"], "open_s": stats.open_s, "read_s": stats.read_s,
+                         "check_s": stats.check_s, "targets_s": total - stats.open_s - stats.read_s - stats.check_s,
+                         "rank_s": total}
+        return out
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -264,7 +274,9 @@ def run_arm(arm: str, w: dict, lens: np.ndarray, shm: str) -> dict:
         backend = arm.split("-", 1)[1]
         root = os.path.join(shm, "handles")
         got = ray.get(rollout.write_handles.remote(backend, root))
-        out["controller_bytes"] = len(pickle.dumps(got))   # the handles' size (a reference pickles to its id)
+        out["handles_at_controller_s"] = time.time() - got["written_at"]     # the handles' trip, first leg
+        out["controller_bytes"] = len(pickle.dumps(got["handles"]))   # a reference pickles to its id
+        out["write_s"], out["write_phases"] = got["write_s"], got["write_phases"]
         results = ray.get([r.via_handles.remote(got, backend, root) for r in ranks])
     out["step_s"] = max(x["done_at"] for x in results) - t0
     out["node_added"] = mem.stop()
@@ -281,7 +293,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(ap)
     ap.add_argument("--ranks", type=int, default=8, help="how many of the replica's TP x CP x PP ranks run")
-    ap.add_argument("--write-threads", type=int, default=8, help="the handles writer's threads (RouteStore workers)")
+    ap.add_argument("--write-threads", type=int, default=os.cpu_count() or 1,
+                    help="the handles writer's threads (RouteStore workers; default: this host's CPUs)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
@@ -294,6 +307,8 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unknown arms {bad}; choose from {ARMS}")
     import ray
+
+    import r3bridge.handles  # noqa: F401  (the controller unpickles handles: its import is set-up, not the step's)
 
     ray.init(num_cpus=max(os.cpu_count() or 2, w["ranks"] + 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{HERE}:{REPO}", "OMP_NUM_THREADS": "1"}})
@@ -339,6 +354,15 @@ def markdown(out: dict) -> str:
         for mine in ("handles-files", "handles-ray"):
             if peer in arms and mine in arms:
                 lines.append(f"\n{peer} / {mine}: time {arms[peer]['step_s'] / arms[mine]['step_s']:.2f}x")
+    for arm, r in arms.items():
+        if "write_s" in r:
+            ph = [x["phases"] for x in r["ranks"]]
+            slow = max(ph, key=lambda p: p["trip_s"] + p["rank_s"])
+            wp = r["write_phases"]
+            lines.append(f"\n{arm} phases: write {r['write_s']:.3f} s wall (over {w['write_threads']} threads: copy "
+                         f"{wp['copy_s']:.3f}, digest {wp['digest_s']:.3f}, store {wp['store_s']:.3f} s summed); slowest "
+                         f"rank: trip {slow['trip_s']:.3f}, open {slow['open_s']:.3f}, read {slow['read_s']:.3f}, check "
+                         f"{slow['check_s']:.3f}, targets {slow['targets_s']:.3f} (rank {slow['rank_s']:.3f}) s")
     return "\n".join(lines)
 
 
