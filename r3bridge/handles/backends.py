@@ -196,10 +196,33 @@ class FileRoutes:
                 removed.append(urllib.parse.unquote(run))
         return removed
 
+    def remove_steps_before(self, run_id: str, step: int) -> int:
+        """Delete what run ``run_id`` stored for RL steps before ``step`` and still holds: routes no
+        update pass consumed (validation rollouts', samples a trainer dropped), once the trainer
+        consumes only later steps. How many route files were removed (other removers may race)."""
+        import shutil
+
+        folder = os.path.dirname(self.path(f"{run_id}/0/x"))
+        run_dir = os.path.dirname(folder)
+        removed = 0
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if not (name.lstrip("-").isdigit() and int(name) < int(step)):
+                continue
+            step_dir = os.path.join(run_dir, name)
+            removed += sum(f.endswith(".routes") for _, _, files in os.walk(step_dir) for f in files)
+            shutil.rmtree(step_dir, ignore_errors=True)
+        return removed
+
     def delete(self, handle: RouteHandle) -> None:
         path = self.path(handle.key)
-        if os.path.exists(path):
+        try:
             os.unlink(path)
+        except FileNotFoundError:           # released already (another replica's sweep of old steps)
+            pass
         folder = os.path.dirname(path)            # the step's folder, once empty
         while folder.startswith(self.directory + os.sep):
             try:
