@@ -254,8 +254,8 @@ class RouteHandles:
         """After a pass: an update pass's handles are the step's consumed ones; after the step's
         last update pass (``last_of_step``: verl's ``update_lr_scheduler``) every rank has read its
         rows, and the rank that ``releases`` (one per data-parallel replica: its samples) deletes
-        them, and every route file of steps older than the oldest it consumed (validation's, which
-        no update pass reads). How many it deleted."""
+        them; when they were all of one RL step, also every route file of older steps (validation's,
+        which no update pass reads). How many it deleted."""
         if update:
             self._consumed.update((h.key, h) for h in self.batch)
         self.batch, self.steps = [], []
@@ -269,10 +269,12 @@ class RouteHandles:
         if not releases:
             return 0
         released = release_handles(consumed, self.cfg)
-        if consumed and self.cfg.trace_dir is None:
+        steps = {h.step for h in consumed}
+        if len(steps) == 1 and self.cfg.trace_dir is None:
             # routes of earlier steps that no update pass consumed: validation's (verl's agent loop
-            # cannot tell a validation rollout from a training one; _validate runs after a step's
-            # update and writes for that step) and samples the trainer dropped. verl's trainer
-            # consumes samples oldest step first, so none older than this step's oldest comes later.
-            released += FileRoutes(self.cfg.route_store).remove_steps_before(self.run_id, min(h.step for h in consumed))
+            # is not told it runs for _validate, which runs after a step's update and writes for
+            # that step). Only when the step consumed one step's samples (verl's synchronous
+            # trainers: every prompt of a step is trained on in that step): an off-policy trainer
+            # may still train on an older, in-flight prompt, whose routes must stay.
+            released += FileRoutes(self.cfg.route_store).remove_steps_before(self.run_id, steps.pop())
         return released

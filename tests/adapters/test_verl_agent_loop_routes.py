@@ -165,7 +165,8 @@ def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, 
     deletes every file the step's update passes read, unless ``trace_dir`` keeps them for traces.
     Validation rollouts' routes (written by the same agent loops for the validating step: before
     training, step 0, and after step 1's update, step 1; no update pass reads them) go with the
-    next step's release; the next step's own files stay until then."""
+    next step's release when that step trained on one step's samples; the next step's own files stay
+    until then."""
     from r3bridge.adapters.verl.route_handles import RouteHandles, RouteWriter
     from r3bridge.config import ReplayConfig
     from r3bridge.handles import RouteHandle
@@ -195,3 +196,10 @@ def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, 
     engine.batch = step2
     released = engine.pass_done(update=True, last_of_step=True, releases=True)
     assert files() == (7 + 4 if trace_dir else 0) and released == (0 if trace_dir else 2 + 2)
+    # an off-policy step (it trained on samples of two steps) leaves older steps' files alone: an
+    # older prompt still in flight may be trained on later
+    put(2, 1, "val")
+    late, step3 = put(2, 1, "late"), put(3, 1, "uid")
+    engine.batch = late + step3
+    released = engine.pass_done(update=True, last_of_step=True, releases=True)
+    assert files() == (7 + 4 + 3 if trace_dir else 1) and released == (0 if trace_dir else 2)
