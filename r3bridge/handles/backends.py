@@ -7,8 +7,8 @@ delete (:class:`r3bridge.handles.RouteStore` writes through one). Resolvers are 
 reads (the session passes a mapping store name -> resolver to the reader): nothing is registered
 on a class.
 
-* :class:`FileRoutes` - one file per sample under a directory, memory-mapped on read: a rank's
-  rows of a stage's layers are the only pages it touches. Node-local disk, a shared file system, or
+* :class:`FileRoutes` - one file per sample under a directory, read with one ``pread`` per layer
+  of the rows asked for: a rank's rows of a stage's layers are the only bytes it reads. Node-local disk, a shared file system, or
   shared memory (``/dev/shm/...``).
 * :class:`RayRoutes` - Ray's object store: one object per sample (the digest table and the
   layer-major array, mapped zero-copy on its node), or per layer plus a small index object
@@ -73,7 +73,7 @@ def _missing(handle: RouteHandle, what: str) -> RouteHandleError:
                             f"never written, or written by another run)")
 
 
-# ---------------------------------------------------------------------- files (memory-mapped)
+# ---------------------------------------------------------------------- files (read by pread)
 _MAGIC = b"R3RH0001"
 _ALIGN = 64
 
@@ -111,22 +111,32 @@ class _OpenFile:
         self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * 4],
                                    dtype=np.uint32).reshape(handle.num_layers, handle.num_blocks)
         self._path, self._offset, self._shape, self._dtype = path, d0, shape, np.dtype(handle.dtype)
+        self._where = handle.where()
 
     def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
-        # mapped per read and held only by what the read returns: an opened handle holds no file
-        # descriptor (a pass keeps every micro-batch's handles; a mapping holds a descriptor)
-        if not all(self._shape):
-            return np.zeros(self._shape, dtype=self._dtype)[list(layer_positions), lo:hi]
-        data = np.memmap(self._path, dtype=self._dtype, mode="r", offset=self._offset, shape=self._shape)
+        # one pread per layer of just these rows, into the array returned (a file's pages are read
+        # by the kernel's copy: no mapping to fault in); the file is opened per read, so an opened
+        # handle holds no file descriptor (a pass keeps every micro-batch's handles)
         pos = [int(p) for p in layer_positions]
-        if pos and pos == list(range(pos[0], pos[0] + len(pos))):
-            return data[pos[0]:pos[0] + len(pos), lo:hi]          # a view of the mapping
-        return data[pos, lo:hi]
+        out = np.empty((len(pos), max(hi - lo, 0), self._shape[2]), dtype=self._dtype)
+        if not out.size:
+            return out
+        row_bytes = self._shape[2] * self._dtype.itemsize
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            for j, p in enumerate(pos):
+                at = self._offset + (p * self._shape[1] + lo) * row_bytes
+                if os.preadv(fd, [memoryview(out[j]).cast("B")], at) != out[j].nbytes:
+                    raise RouteHandleError(f"{self._where}: {self._path} ended before rows {lo}-{hi} of layer "
+                                           f"position {p} (truncated after it was opened)")
+        finally:
+            os.close(fd)
+        return out
 
 
 class FileRoutes:
-    """Route files under ``directory`` (``<run>/<step>/<sample>.routes``), memory-mapped on read.
-    Written to a temporary name and renamed: a crash mid-write leaves no file a reader could take.
+    """Route files under ``directory`` (``<run>/<step>/<sample>.routes``), each read of only the
+    rows and layers asked for. Written to a temporary name and renamed: a crash mid-write leaves no file a reader could take.
     Shared memory: ``FileRoutes("/dev/shm/r3bridge-routes")``."""
 
     def __init__(self, directory: str, *, name: str = "files") -> None:
