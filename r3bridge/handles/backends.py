@@ -225,6 +225,10 @@ class FileRoutes:
             step_dir = os.path.join(run_dir, name)
             removed += sum(f.endswith(".routes") for _, _, files in os.walk(step_dir) for f in files)
             shutil.rmtree(step_dir, ignore_errors=True)
+        try:
+            os.rmdir(run_dir)                   # the run's folder, once empty (as delete leaves it)
+        except OSError:
+            pass
         return removed
 
     def delete(self, handle: RouteHandle) -> None:

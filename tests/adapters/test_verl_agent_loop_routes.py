@@ -196,6 +196,7 @@ def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, 
     engine.batch = step2
     released = engine.pass_done(update=True, last_of_step=True, releases=True)
     assert files() == (7 + 4 if trace_dir else 0) and released == (0 if trace_dir else 2 + 2)
+    assert trace_dir or os.listdir(store) == []           # no folder left either
     # an off-policy step (it trained on samples of two steps) leaves older steps' files alone: an
     # older prompt still in flight may be trained on later
     put(2, 1, "val")
