@@ -6,7 +6,8 @@ A "rollout" actor holds the engine's output (P5's ``engine_output``: per traject
 ``[tokens - 1, L, K]``, vLLM's ``routed_experts``); R "rank" actors stand for R trainer ranks of
 one data-parallel replica of TP x CP x PP (SP on); the driver is the trainer's controller. The
 clock starts when the rollout hands its arrays over and stops when the last rank holds the targets
-of every micro-batch of the step. Arms:
+of every micro-batch of the step (the crc32 of each rank's targets that compares the arms is timed
+and left out). Imports, Ray actors and TransferQueue's client are made before it. Arms:
 
 * ``tq`` (verl 0.9.1's TransferQueue 0.1.11, ``SimpleStorage``): the rollout side
   ``kv_batch_put``s the field (``list_of_dict_to_tensordict``, as verl's ``AgentLoopWorkerTQ``
@@ -18,12 +19,18 @@ of every micro-batch of the step. Arms:
 * ``handles-files`` / ``handles-ray``: the rollout writes each sample once through
   ``r3bridge.handles.RouteStore`` (``FileRoutes`` under ``/dev/shm``, or ``RayRoutes``) and returns
   the handles; the controller passes them; every rank runs ``read_rank_targets`` (only its rows of
-  its stage's layers, every digest block it reads checked).
+  its stage's layers, every digest block it reads checked). ``--write-threads`` (default: the
+  host's CPUs) threads write the samples.
 
 Reported per arm: the step's end-to-end seconds, route bytes each rank received (and x its share:
 its rows x its stage's MoE layers x K x itemsize), route bytes through the controller and through
 storage processes, the ranks' added peak RSS, the node's peak memory added; the targets of every
-rank are compared across arms (a crc32 per micro-batch). Not a test: prints a table or ``--json``.
+rank are compared across arms (a crc32 per micro-batch). The handles arms also report their phases:
+the write's wall time and its copy / digest / store seconds summed over the writer's threads
+(``write_s``, ``write_phases``), the handles' trip to the controller (``handles_at_controller_s``)
+and per rank (``ranks[i].phases``) the trip from the write's end to the rank's start, the seconds
+opening handles, reading and checking its blocks, and the rest of the one reader (row map,
+targets). Not a test: prints a table or ``--json``.
 """
 from __future__ import annotations
 
@@ -78,7 +85,16 @@ def _warm_imports(arm: str) -> None:
     else:
         import r3bridge.handles  # noqa: F401
 
-def _targets_of(w: dict, lens: np.ndarray, coord, items_of) -> tuple[list[int], int]:
+def _timed_digest(t, spent: list) -> int:
+    """The targets' crc32 (compared across arms), its seconds added to ``spent[0]``: the rank's
+    clock excludes it (it checks the benchmark, it is no part of the step)."""
+    t0 = time.perf_counter()
+    crc = _digest(t)
+    spent[0] += time.perf_counter() - t0
+    return crc
+
+
+def _targets_of(w: dict, lens: np.ndarray, coord, items_of, spent: list) -> tuple[list[int], int]:
     """``items_of(a, b)`` -> the engine arrays of samples [a, b); every micro-batch's targets."""
     import torch
 
@@ -91,7 +107,7 @@ def _targets_of(w: dict, lens: np.ndarray, coord, items_of) -> tuple[list[int], 
         t = rank_targets(items_of(a, b), lay, lens[a:b].tolist(), num_experts=w["experts"],
                          moe_layer_ids=lay.moe_layer_ids, tp_rank=tp, cp_rank=cp, pp_rank=pp,
                          device=torch.device("cpu"))
-        digests.append(_digest(t))
+        digests.append(_timed_digest(t, spent))
         rows += int(t.num_valid)
     return digests, rows
 
@@ -129,11 +145,13 @@ class Rollout:
         lay = layout_of(self.w)
         self.store = RouteStore(FileRoutes(root) if backend == "files" else RayRoutes(), block_rows=self.w["block_rows"],
                                 workers=self.w["write_threads"])    # as SkyRL's driver writes a batch
+        t0 = time.perf_counter()
         handles = self.store.put_many([SampleRoutes(f"traj-{i}", a[:, self.w["dense"]:], lay.moe_layer_ids, 0,
                                                     self.w["experts"]) for i, a in enumerate(self.items)], step=1)
         # returned as objects: Ray serialises the handles' object references with their owner (a
         # plain pickle of a reference is not tracked, and the reader's get of it times out)
-        return {"run_id": self.store.run_id, "handles": handles}
+        return {"run_id": self.store.run_id, "handles": handles, "write_s": time.perf_counter() - t0,
+                "write_phases": self.store.times.as_dict(), "written_at": time.time()}
 
 
 class Rank:
@@ -157,9 +175,10 @@ class Rank:
     def pid(self) -> int:
         return os.getpid()
 
-    def _done(self, digests, rows, received, t_in) -> dict:
+    def _done(self, digests, rows, received, t_in, spent) -> dict:
         return {"coord": self.coord, "digests": digests, "valid_rows": rows, "bytes_received": int(received),
-                "get_s": t_in, "done_at": time.time(), "added_rss": peak_rss_bytes() - self.base}
+                "get_s": t_in, "done_at": time.time() - spent[0], "digest_s": spent[0],
+                "added_rss": peak_rss_bytes() - self.base}
 
     def via_tq(self, n: int) -> dict:
         import transfer_queue as tq
@@ -169,34 +188,42 @@ class Rank:
         data = tq.kv_batch_get(keys=[f"s{i}" for i in range(n)], partition_id="train", select_fields=["routed_experts"])
         field = data["routed_experts"]
         items = [x.numpy() for x in field.unbind(0)]
-        t_in = time.perf_counter() - t0
-        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b])
-        return self._done(digests, rows, sum(x.nbytes for x in items), t_in)
+        t_in, spent = time.perf_counter() - t0, [0.0]
+        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b], spent)
+        return self._done(digests, rows, sum(x.nbytes for x in items), t_in, spent)
 
     def via_ref(self, ref_box) -> dict:
         import ray
 
         t0 = time.perf_counter()
         items = ray.get(ref_box[0])
-        t_in = time.perf_counter() - t0
-        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b])
-        return self._done(digests, rows, sum(x.nbytes for x in items), t_in)
+        t_in, spent = time.perf_counter() - t0, [0.0]
+        digests, rows = _targets_of(self.w, self.lens, self.coord, lambda a, b: items[a:b], spent)
+        return self._done(digests, rows, sum(x.nbytes for x in items), t_in, spent)
 
     def via_handles(self, got: dict, backend: str, root: str) -> dict:
         import torch
 
         from r3bridge.handles import FileRoutes, HandleReads, RayRoutes, read_rank_targets
 
+        started_at, t0 = time.time(), time.perf_counter()
         resolvers = {"files": FileRoutes(root)} if backend == "files" else {"ray": RayRoutes()}
         lay = layout_of(self.w)
         tp, cp, pp = self.coord
-        stats, digests, rows = HandleReads(), [], 0
+        stats, digests, rows, spent = HandleReads(), [], 0, [0.0]
         for a, b in micro_batches(self.lens, self.w["mb_tokens"]):
             t = read_rank_targets(got["handles"][a:b], resolvers, lay, self.lens[a:b].tolist(), run_id=got["run_id"],
                                   step=1, tp_rank=tp, cp_rank=cp, pp_rank=pp, stats=stats, device=torch.device("cpu"))
-            digests.append(_digest(t))
+            digests.append(_timed_digest(t, spent))
             rows += int(t.num_valid)
-        return self._done(digests, rows, stats.bytes_read + stats.table_bytes, 0.0)
+        out = self._done(digests, rows, stats.bytes_read + stats.table_bytes, 0.0, spent)
+        total = time.perf_counter() - t0 - spent[0]
+        # the rank's phases: the handles' trip (the write's end to this call), opening handles,
+        # reading and checking its blocks, the rest of the one reader (row map, targets)
+        out["phases"] = {"trip_s": started_at - got["written_at"], "open_s": stats.open_s, "read_s": stats.read_s,
+                         "check_s": stats.check_s, "targets_s": total - stats.open_s - stats.read_s - stats.check_s,
+                         "rank_s": total}
+        return out
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -264,7 +291,9 @@ def run_arm(arm: str, w: dict, lens: np.ndarray, shm: str) -> dict:
         backend = arm.split("-", 1)[1]
         root = os.path.join(shm, "handles")
         got = ray.get(rollout.write_handles.remote(backend, root))
-        out["controller_bytes"] = len(pickle.dumps(got))   # the handles' size (a reference pickles to its id)
+        out["handles_at_controller_s"] = time.time() - got["written_at"]     # the handles' trip, first leg
+        out["controller_bytes"] = len(pickle.dumps(got["handles"]))   # a reference pickles to its id
+        out["write_s"], out["write_phases"] = got["write_s"], got["write_phases"]
         results = ray.get([r.via_handles.remote(got, backend, root) for r in ranks])
     out["step_s"] = max(x["done_at"] for x in results) - t0
     out["node_added"] = mem.stop()
@@ -281,7 +310,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(ap)
     ap.add_argument("--ranks", type=int, default=8, help="how many of the replica's TP x CP x PP ranks run")
-    ap.add_argument("--write-threads", type=int, default=8, help="the handles writer's threads (RouteStore workers)")
+    ap.add_argument("--write-threads", type=int, default=os.cpu_count() or 1,
+                    help="the handles writer's threads (RouteStore workers; default: this host's CPUs)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
@@ -294,6 +324,8 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unknown arms {bad}; choose from {ARMS}")
     import ray
+
+    import r3bridge.handles  # noqa: F401  (the controller unpickles handles: its import is set-up, not the step's)
 
     ray.init(num_cpus=max(os.cpu_count() or 2, w["ranks"] + 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{HERE}:{REPO}", "OMP_NUM_THREADS": "1"}})
@@ -339,6 +371,15 @@ def markdown(out: dict) -> str:
         for mine in ("handles-files", "handles-ray"):
             if peer in arms and mine in arms:
                 lines.append(f"\n{peer} / {mine}: time {arms[peer]['step_s'] / arms[mine]['step_s']:.2f}x")
+    for arm, r in arms.items():
+        if "write_s" in r:
+            ph = [x["phases"] for x in r["ranks"]]
+            slow = max(ph, key=lambda p: p["trip_s"] + p["rank_s"])
+            wp = r["write_phases"]
+            lines.append(f"\n{arm} phases: write {r['write_s']:.3f} s wall (over {w['write_threads']} threads: copy "
+                         f"{wp['copy_s']:.3f}, digest {wp['digest_s']:.3f}, store {wp['store_s']:.3f} s summed); slowest "
+                         f"rank: trip {slow['trip_s']:.3f}, open {slow['open_s']:.3f}, read {slow['read_s']:.3f}, check "
+                         f"{slow['check_s']:.3f}, targets {slow['targets_s']:.3f} (rank {slow['rank_s']:.3f}) s")
     return "\n".join(lines)
 
 

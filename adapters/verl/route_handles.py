@@ -7,8 +7,10 @@ sample's routes, as the trainer replays them (first-seen stitched, the model's M
 worker's pull then move a few hundred bytes per sample. Read at the rank: the engine
 (:mod:`.hooks`) hands the driver each micro-batch's handles (:func:`r3bridge.handles.handed_routes`),
 so each rank reads only its rows of its stage's layers, every byte checked. Lifetime: the engine
-deletes a step's routes after the step's last update pass (kept when ``trace_dir`` is set);
-the launcher removes what earlier, killed runs left.
+deletes a step's routes after the step's last update pass, and with them what earlier steps left
+that no update pass reads (validation rollouts' routes: verl's agent loop cannot tell them from
+training ones); all kept when ``trace_dir`` is set. The launcher removes what earlier, killed
+runs left.
 
 The run id reaches both sides as ``R3BRIDGE_ROUTES_RUN`` in Ray's runtime env (the launcher draws
 it, :func:`launch_run_id`), never through a registry. The RL step is the sample's own
@@ -252,7 +254,8 @@ class RouteHandles:
         """After a pass: an update pass's handles are the step's consumed ones; after the step's
         last update pass (``last_of_step``: verl's ``update_lr_scheduler``) every rank has read its
         rows, and the rank that ``releases`` (one per data-parallel replica: its samples) deletes
-        them. How many it deleted."""
+        them; when they were all of one RL step, also every route file of older steps (validation's,
+        which no update pass reads). How many it deleted."""
         if update:
             self._consumed.update((h.key, h) for h in self.batch)
         self.batch, self.steps = [], []
@@ -263,4 +266,15 @@ class RouteHandles:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()          # every rank's last read of the step done before any file goes
         consumed, self._consumed = list(self._consumed.values()), {}
-        return release_handles(consumed, self.cfg) if releases else 0
+        if not releases:
+            return 0
+        released = release_handles(consumed, self.cfg)
+        steps = {h.step for h in consumed}
+        if len(steps) == 1 and self.cfg.trace_dir is None:
+            # routes of earlier steps that no update pass consumed: validation's (verl's agent loop
+            # is not told it runs for _validate, which runs after a step's update and writes for
+            # that step). Only when the step consumed one step's samples (verl's synchronous
+            # trainers: every prompt of a step is trained on in that step): an off-policy trainer
+            # may still train on an older, in-flight prompt, whose routes must stay.
+            released += FileRoutes(self.cfg.route_store).remove_steps_before(self.run_id, steps.pop())
+        return released

@@ -1,5 +1,5 @@
 """Routes by reference (issue 47): each sample's routes are written once, where they appear, to a
-store (memory-mapped files, shared memory, Ray's object store, an external key-value store), the
+store (files, in shared memory or on disk, Ray's object store, an external key-value store), the
 batch carries a small :class:`RouteHandle`, and each trainer rank reads only its token rows of its
 stage's layers, every byte read checked against its digest (docs/route-handles.md). Off by default:
 ``r3bridge.route_transport: handles`` turns it on.

@@ -7,12 +7,13 @@ delete (:class:`r3bridge.handles.RouteStore` writes through one). Resolvers are 
 reads (the session passes a mapping store name -> resolver to the reader): nothing is registered
 on a class.
 
-* :class:`FileRoutes` - one file per sample under a directory, memory-mapped on read: a rank's
-  rows of a stage's layers are the only pages it touches. Node-local disk, a shared file system, or
+* :class:`FileRoutes` - one file per sample under a directory, read with one ``pread`` per layer
+  of the rows asked for: a rank's rows of a stage's layers are the only bytes it reads. Node-local disk, a shared file system, or
   shared memory (``/dev/shm/...``).
-* :class:`RayRoutes` - Ray's object store: one object per layer (Ray cannot read a slice of a
-  remote object, so a stage fetches its layers only) and a small index object (the digest table and
-  the layers' references); the handle holds the index's reference.
+* :class:`RayRoutes` - Ray's object store: one object per sample (the digest table and the
+  layer-major array, mapped zero-copy on its node), or per layer plus a small index object
+  (``per_layer=True``: Ray cannot read a slice of a remote object, so a stage on another node
+  fetches its layers only); the handle holds the (index) object's reference.
 * :class:`KeyValueRoutes` - the plug point for an external store (vLLM's Mooncake keys, a Redis, a
   framework's own store): any object with ``put(key, bytes)``, ``get(key) -> bytes | None`` and
   ``remove(key)``; one value per layer and one for the digest table. :class:`LocalKeyValue` is a
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import urllib.parse
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from r3bridge.handles.handle import RouteHandle, RouteHandleError
+from r3bridge.handles.handle import RouteHandle, RouteHandleError, WriteTimes, layer_major
 
 __all__ = ["RouteResolver", "RouteBackend", "OpenRoutes", "FileRoutes", "RayRoutes", "KeyValueRoutes",
            "KeyValueStore", "LocalKeyValue"]
@@ -55,9 +57,13 @@ class RouteResolver(Protocol):
 
 @runtime_checkable
 class RouteBackend(RouteResolver, Protocol):
-    """A resolver that also stores (``write`` returns the reference the handle keeps, or None) and deletes."""
+    """A resolver that also stores and deletes. ``write`` stores one sample's ``[rows, L, K]``
+    routes (the engine's array, any strides) layer-major under ``key``, digesting each block of
+    ``block_rows`` rows as it goes (:func:`~r3bridge.handles.handle.layer_major`); it returns the
+    digest table (uint32 ``[L, blocks]``) and the reference the handle keeps (or None)."""
 
-    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> Optional[Any]: ...
+    def write(self, key: str, routes: np.ndarray, block_rows: int,
+              times: Optional[WriteTimes] = None) -> tuple[np.ndarray, Optional[Any]]: ...
 
     def delete(self, handle: RouteHandle) -> None: ...
 
@@ -67,7 +73,7 @@ def _missing(handle: RouteHandle, what: str) -> RouteHandleError:
                             f"never written, or written by another run)")
 
 
-# ---------------------------------------------------------------------- files (memory-mapped)
+# ---------------------------------------------------------------------- files (read by pread)
 _MAGIC = b"R3RH0001"
 _ALIGN = 64
 
@@ -77,6 +83,14 @@ def _layout(handle: RouteHandle) -> tuple[int, int, int]:
     table_bytes = handle.num_layers * handle.num_blocks * 4
     data = -(-(len(_MAGIC) + table_bytes) // _ALIGN) * _ALIGN
     return len(_MAGIC), data, data + handle.nbytes
+
+
+def _write_all(fd: int, data: Any, offset: int) -> int:
+    """``os.pwrite`` until every byte of ``data`` is written at ``offset``; how many."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
 
 
 class _OpenFile:
@@ -97,22 +111,32 @@ class _OpenFile:
         self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * 4],
                                    dtype=np.uint32).reshape(handle.num_layers, handle.num_blocks)
         self._path, self._offset, self._shape, self._dtype = path, d0, shape, np.dtype(handle.dtype)
+        self._where = handle.where()
 
     def read(self, layer_positions: Sequence[int], lo: int, hi: int) -> np.ndarray:
-        # mapped per read and held only by what the read returns: an opened handle holds no file
-        # descriptor (a pass keeps every micro-batch's handles; a mapping holds a descriptor)
-        if not all(self._shape):
-            return np.zeros(self._shape, dtype=self._dtype)[list(layer_positions), lo:hi]
-        data = np.memmap(self._path, dtype=self._dtype, mode="r", offset=self._offset, shape=self._shape)
+        # one pread per layer of just these rows, into the array returned (a file's pages are read
+        # by the kernel's copy: no mapping to fault in); the file is opened per read, so an opened
+        # handle holds no file descriptor (a pass keeps every micro-batch's handles)
         pos = [int(p) for p in layer_positions]
-        if pos and pos == list(range(pos[0], pos[0] + len(pos))):
-            return data[pos[0]:pos[0] + len(pos), lo:hi]          # a view of the mapping
-        return data[pos, lo:hi]
+        out = np.empty((len(pos), max(hi - lo, 0), self._shape[2]), dtype=self._dtype)
+        if not out.size:
+            return out
+        row_bytes = self._shape[2] * self._dtype.itemsize
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            for j, p in enumerate(pos):
+                at = self._offset + (p * self._shape[1] + lo) * row_bytes
+                if os.preadv(fd, [memoryview(out[j]).cast("B")], at) != out[j].nbytes:
+                    raise RouteHandleError(f"{self._where}: {self._path} ended before rows {lo}-{hi} of layer "
+                                           f"position {p} (truncated after it was opened)")
+        finally:
+            os.close(fd)
+        return out
 
 
 class FileRoutes:
-    """Route files under ``directory`` (``<run>/<step>/<sample>.routes``), memory-mapped on read.
-    Written to a temporary name and renamed: a crash mid-write leaves no file a reader could take.
+    """Route files under ``directory`` (``<run>/<step>/<sample>.routes``), each read of only the
+    rows and layers asked for. Written to a temporary name and renamed: a crash mid-write leaves no file a reader could take.
     Shared memory: ``FileRoutes("/dev/shm/r3bridge-routes")``."""
 
     def __init__(self, directory: str, *, name: str = "files") -> None:
@@ -126,23 +150,39 @@ class FileRoutes:
     def open(self, handle: RouteHandle) -> _OpenFile:
         return _OpenFile(handle, self.path(handle.key))
 
-    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> None:
+    def write(self, key: str, routes: np.ndarray, block_rows: int,
+              times: Optional[WriteTimes] = None) -> tuple[np.ndarray, None]:
+        """Each layer copied once from ``routes`` into a small buffer, digested while it is in cache
+        and written at its place in the file; the header (magic, digest table) last."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        head = _MAGIC + np.ascontiguousarray(table, dtype=np.uint32).tobytes()
-        head += b"\0" * (-(-len(head) // _ALIGN) * _ALIGN - len(head))
+        rows, num_layers, _ = routes.shape
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
+        head_bytes = len(_MAGIC) + table.nbytes
+        data_at = -(-head_bytes // _ALIGN) * _ALIGN
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
+        clock = time.perf_counter
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                if layer_major.size:
-                    f.write(memoryview(np.ascontiguousarray(layer_major).reshape(-1)).cast("B"))
+            try:
+                offset = data_at
+                for j, layer, crcs in layer_major(routes, block_rows, times):
+                    t0 = clock()
+                    table[j] = crcs
+                    offset += _write_all(fd, memoryview(layer).cast("B") if layer.size else b"", offset)
+                    if times is not None:
+                        times.store_s += clock() - t0
+                head = _MAGIC + table.tobytes()
+                _write_all(fd, head + b"\0" * (data_at - len(head)), 0)
+                if offset == data_at:                  # no route bytes: the file still has its full size
+                    os.ftruncate(fd, data_at)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        return None
+        return table, None
 
     def remove_stale_runs(self, max_age_s: float, *, keep: Sequence[str] = ()) -> list[str]:
         """Delete the folders of runs (other than ``keep``) that wrote nothing for ``max_age_s``
@@ -166,10 +206,37 @@ class FileRoutes:
                 removed.append(urllib.parse.unquote(run))
         return removed
 
+    def remove_steps_before(self, run_id: str, step: int) -> int:
+        """Delete what run ``run_id`` stored for RL steps before ``step`` and still holds: routes no
+        update pass consumed (validation rollouts', samples a trainer dropped), once the trainer
+        consumes only later steps. How many route files were removed (other removers may race)."""
+        import shutil
+
+        folder = os.path.dirname(self.path(f"{run_id}/0/x"))
+        run_dir = os.path.dirname(folder)
+        removed = 0
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if not (name.lstrip("-").isdigit() and int(name) < int(step)):
+                continue
+            step_dir = os.path.join(run_dir, name)
+            removed += sum(f.endswith(".routes") for _, _, files in os.walk(step_dir) for f in files)
+            shutil.rmtree(step_dir, ignore_errors=True)
+        try:
+            os.rmdir(run_dir)                   # the run's folder, once empty (as delete leaves it)
+        except OSError:
+            pass
+        return removed
+
     def delete(self, handle: RouteHandle) -> None:
         path = self.path(handle.key)
-        if os.path.exists(path):
+        try:
             os.unlink(path)
+        except FileNotFoundError:           # released already (another replica's sweep of old steps)
+            pass
         folder = os.path.dirname(path)            # the step's folder, once empty
         while folder.startswith(self.directory + os.sep):
             try:
@@ -211,39 +278,67 @@ def _layer(handle: RouteHandle, position: int, raw: Any) -> np.ndarray:
 
 
 class RayRoutes:
-    """Ray's object store: one object per layer (``ray.put`` of a ``[rows, K]`` array: a stage
-    ``ray.get``s its layers only, zero-copy on the node that holds them) and one index object (the
-    digest table and the layers' references; the handle holds its reference). Ray counts references:
-    :meth:`delete` (the step's release) drops the writer's, and Ray frees the objects once the
-    last handle (the step's batch) is dropped too; a later step never reads them (the reader
-    refuses a handle of another step)."""
+    """Ray's object store. ``per_layer=False`` (the default): one object per sample, the digest
+    table and the layer-major ``[L, rows, K]`` array, in one ``ray.put`` (one copy into the store);
+    a rank on the node that holds it maps it zero-copy and touches only its rows of its layers, but
+    a rank on another node pulls the whole sample (Ray cannot read a slice of a remote object).
+    ``per_layer=True``: one object per layer and a small index object (the table and the layers'
+    references), so that a stage on another node pulls its layers only, at L + 1 puts per sample.
+    The handle holds the (index) object's reference. Ray counts references: :meth:`delete` (the
+    step's release) drops the writer's, and Ray frees the objects once the last handle (the step's
+    batch) is dropped too; a later step never reads them (the reader refuses a handle of another
+    step)."""
 
-    def __init__(self, *, name: str = "ray") -> None:
+    def __init__(self, *, name: str = "ray", per_layer: bool = False) -> None:
         import ray  # lazily: only jobs that store routes in Ray need it
 
         self._ray = ray
         self.name = name
-        self._held: dict[str, tuple[Any, list[Any]]] = {}
+        self.per_layer = bool(per_layer)
+        self._held: dict[str, Any] = {}
 
-    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> Any:
-        refs = [self._ray.put(np.ascontiguousarray(layer_major[j])) for j in range(layer_major.shape[0])]
-        index = self._ray.put((np.ascontiguousarray(table, dtype=np.uint32), refs))
-        self._held[key] = (index, refs)
-        return index
+    def write(self, key: str, routes: np.ndarray, block_rows: int,
+              times: Optional[WriteTimes] = None) -> tuple[np.ndarray, Any]:
+        rows, num_layers, k = routes.shape
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
+        clock, put_s = time.perf_counter, 0.0
+        if self.per_layer:
+            refs = []
+            for j, layer, crcs in layer_major(routes, block_rows, times):
+                t0 = clock()
+                table[j] = crcs
+                refs.append(self._ray.put(layer))        # copied into the store: the buffer is reused
+                put_s += clock() - t0
+            t0 = clock()
+            ref = self._ray.put((table, refs))
+            held: Any = (ref, refs)
+        else:
+            stored = np.empty((num_layers, rows, k), dtype=routes.dtype)
+            for j, layer, crcs in layer_major(routes, block_rows, times):
+                stored[j], table[j] = layer, crcs
+            t0 = clock()
+            ref = held = self._ray.put((table, stored))
+        if times is not None:
+            times.store_s += put_s + clock() - t0
+        self._held[key] = held
+        return table, ref
 
     def open(self, handle: RouteHandle) -> _OpenObjects:
         if handle.ref is None:
             raise _missing(handle, "the handle holds no Ray object reference")
         try:
-            table, refs = self._ray.get(handle.ref, timeout=60)
+            table, stored = self._ray.get(handle.ref, timeout=60)    # zero-copy on the node that holds it
         except Exception as e:      # ObjectLostError, OwnerDiedError, GetTimeoutError: all mean "gone"
-            raise _missing(handle, f"Ray could not get its index object ({type(e).__name__}: {e})") from e
-        if len(refs) != handle.num_layers:
-            raise RouteHandleError(f"{handle.where()}: index lists {len(refs)} layers, the handle {handle.num_layers}")
+            raise _missing(handle, f"Ray could not get its object ({type(e).__name__}: {e})") from e
+        count = len(stored) if isinstance(stored, list) else np.asarray(stored).shape[0]
+        if count != handle.num_layers:
+            raise RouteHandleError(f"{handle.where()}: its object holds {count} layers, the handle {handle.num_layers}")
+        if not isinstance(stored, list):
+            return _OpenObjects(_table(handle, table), lambda positions: [_layer(handle, p, stored[p]) for p in positions])
 
         def fetch(positions: list[int]) -> list[np.ndarray]:
             try:
-                got = self._ray.get([refs[p] for p in positions], timeout=60)
+                got = self._ray.get([stored[p] for p in positions], timeout=60)
             except Exception as e:
                 raise _missing(handle, f"Ray could not get its layer objects ({type(e).__name__}: {e})") from e
             return [_layer(handle, p, a) for p, a in zip(positions, got)]
@@ -290,11 +385,15 @@ class KeyValueRoutes:
         self.kv = kv
         self.name = name
 
-    def write(self, key: str, layer_major: np.ndarray, table: np.ndarray) -> None:
-        for j in range(layer_major.shape[0]):
-            self.kv.put(f"{key}/layer/{j}", np.ascontiguousarray(layer_major[j]).tobytes())
-        self.kv.put(f"{key}/table", np.ascontiguousarray(table, dtype=np.uint32).tobytes())
-        return None
+    def write(self, key: str, routes: np.ndarray, block_rows: int,
+              times: Optional[WriteTimes] = None) -> tuple[np.ndarray, None]:
+        rows, num_layers, _ = routes.shape
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
+        for j, layer, crcs in layer_major(routes, block_rows, times):
+            table[j] = crcs
+            self.kv.put(f"{key}/layer/{j}", layer.tobytes())
+        self.kv.put(f"{key}/table", table.tobytes())
+        return table, None
 
     def open(self, handle: RouteHandle) -> _OpenObjects:
         raw = self.kv.get(f"{handle.key}/table")

@@ -11,15 +11,17 @@ hundred bytes, JSON- and pickle-able.
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from r3bridge.errors import PayloadError
 
-__all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "digest_table", "table_digest"]
+__all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "WriteTimes", "layer_digests", "layer_major",
+           "table_digest"]
 
 # Rows per digest block. A rank reads whole blocks (to check them), so a block's edges cost at most
 # 2 x block_rows extra rows per contiguous run a rank reads; the table is L x ceil(rows / block_rows)
@@ -114,23 +116,54 @@ class RouteHandle:
             raise RouteHandleError(f"not a route handle: {e}") from e
 
 
-def digest_table(layer_major: np.ndarray, block_rows: int) -> np.ndarray:
-    """uint32 ``[L, ceil(rows / block_rows)]``: crc32 of each (layer, row block) of a C-contiguous
-    ``[L, rows, K]`` array."""
-    num_layers, rows = layer_major.shape[:2]
-    nb = -(-rows // block_rows)
-    out = np.zeros((num_layers, nb), dtype=np.uint32)
-    for layer in range(num_layers):
-        for b in range(nb):
-            out[layer, b] = zlib.crc32(layer_major[layer, b * block_rows:(b + 1) * block_rows])
-    return out
+class WriteTimes:
+    """Seconds a store's writes spent per phase, summed over samples (and over writer threads:
+    more than the wall time when they overlap): ``copy_s`` (the layer-major copies), ``digest_s``
+    (the block crc32s), ``store_s`` (handing the bytes to the store: file writes, ``ray.put``)."""
+
+    def __init__(self) -> None:
+        self.copy_s = self.digest_s = self.store_s = 0.0
+
+    def add(self, other: "WriteTimes") -> None:
+        self.copy_s += other.copy_s
+        self.digest_s += other.digest_s
+        self.store_s += other.store_s
+
+    def as_dict(self) -> dict:
+        return {"copy_s": self.copy_s, "digest_s": self.digest_s, "store_s": self.store_s}
+
+
+def layer_digests(layer: np.ndarray, block_rows: int) -> np.ndarray:
+    """uint32 ``[ceil(rows / block_rows)]``: crc32 of each block of ``block_rows`` rows of one
+    layer's C-contiguous ``[rows, K]`` array (zlib releases the GIL on each block's buffer)."""
+    if not layer.size:
+        return np.zeros(-(-layer.shape[0] // block_rows), dtype=np.uint32)
+    raw = memoryview(layer).cast("B")
+    step = block_rows * (layer.nbytes // layer.shape[0])
+    return np.fromiter((zlib.crc32(raw[o:o + step]) for o in range(0, len(raw), step)), dtype=np.uint32,
+                       count=-(-layer.shape[0] // block_rows))
+
+
+def layer_major(routes: np.ndarray, block_rows: int, times: Optional[WriteTimes] = None
+                ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Each layer of a sample's ``[rows, L, K]`` routes (any strides: the engine's array as it
+    is) as ``(position, [rows, K] C-contiguous, its block crc32s)``: one strided copy per layer into
+    one reused buffer (consume it before the next layer), never the whole sample's layer-major copy."""
+    rows, num_layers, k = routes.shape
+    buf = np.empty((rows, k), dtype=routes.dtype)
+    clock = time.perf_counter
+    for j in range(num_layers):
+        t0 = clock()
+        np.copyto(buf, routes[:, j])
+        t1 = clock()
+        crcs = layer_digests(buf, block_rows)
+        if times is not None:
+            times.copy_s += t1 - t0
+            times.digest_s += clock() - t1
+        yield j, buf, crcs
 
 
 def table_digest(table: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(table, dtype=np.uint32).tobytes())
-
-
-def block_crc(block: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(block))
 
 

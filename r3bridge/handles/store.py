@@ -21,7 +21,7 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.handles.backends import RouteBackend
-from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError, digest_table, table_digest
+from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError, WriteTimes, table_digest
 
 __all__ = ["RouteStore", "SampleRoutes"]
 
@@ -61,6 +61,7 @@ class RouteStore:
             raise RouteHandleError(f"workers must be >= 1, got {workers}")
         self.workers = int(workers)
         self._live: dict[int, dict[str, RouteHandle]] = {}
+        self.times = WriteTimes()      # where the writes' time went (summed over samples and threads)
 
     @property
     def name(self) -> str:
@@ -94,10 +95,10 @@ class RouteStore:
             names.add(sample)
             checked.append((e, sample, a, ids, f"{self.run_id}/{int(step)}/{sample}"))
 
-        def write(item: tuple) -> tuple[np.ndarray, Any]:
-            layer_major = np.ascontiguousarray(item[2].transpose(1, 0, 2))
-            table = digest_table(layer_major, self.block_rows)
-            return table, self.backend.write(item[4], layer_major, table)
+        def write(item: tuple) -> tuple[np.ndarray, Any, WriteTimes]:
+            times = WriteTimes()
+            table, ref = self.backend.write(item[4], item[2], self.block_rows, times)
+            return table, ref, times
 
         if self.workers > 1 and len(checked) > 1:
             with ThreadPoolExecutor(min(self.workers, len(checked))) as pool:
@@ -119,7 +120,8 @@ class RouteStore:
             raise failed
         per_step = self._live.setdefault(int(step), {})
         out = []
-        for item, (table, ref) in zip(checked, results):
+        for item, (table, ref, times) in zip(checked, results):
+            self.times.add(times)
             handle = self._handle(item, table, ref, step)
             per_step[item[1]] = handle
             out.append(handle)

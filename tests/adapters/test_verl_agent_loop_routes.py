@@ -162,7 +162,11 @@ def test_route_writer_stores_the_moe_layers_of_the_routed_rows_once(tmp_path):
 def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, trace_dir):
     """The engine's lifetime rule: compute_log_prob and the update's earlier mini-batches keep the
     step's files; after the last update pass (verl's ``update_lr_scheduler``) the releasing rank
-    deletes every file the step's update passes read, unless ``trace_dir`` keeps them for traces."""
+    deletes every file the step's update passes read, unless ``trace_dir`` keeps them for traces.
+    Validation rollouts' routes (written by the same agent loops for the validating step: before
+    training, step 0, and after step 1's update, step 1; no update pass reads them) go with the
+    next step's release when that step trained on one step's samples; the next step's own files stay
+    until then."""
     from r3bridge.adapters.verl.route_handles import RouteHandles, RouteWriter
     from r3bridge.config import ReplayConfig
     from r3bridge.handles import RouteHandle
@@ -171,13 +175,32 @@ def test_the_steps_routes_go_after_its_last_update_pass_unless_traced(tmp_path, 
     cfg = ReplayConfig(replay_mode="R3", route_transport="handles", route_store=str(store),
                        trace_dir=None if trace_dir is None else str(tmp_path / trace_dir))
     writer = RouteWriter(cfg, moe_layer_ids=[1, 2], num_hidden_layers=LAYERS, num_experts=E, run_id="run2")
-    handles = [RouteHandle.from_json(writer.put(_call(5, s), step=1, sample=f"uid{s}_0_x")) for s in range(4)]
+
+    def put(step: int, count: int, kind: str) -> list:
+        return [RouteHandle.from_json(writer.put(_call(5, s), step=step, sample=f"{kind}{s}_0_x"))
+                for s in range(count)]
 
     def files() -> int:
         return sum(len(f) for _, _, f in os.walk(store))
+    put(0, 3, "val")                        # val_before_train: verl's _validate at global step 0
+    handles = put(1, 4, "uid")
     engine = RouteHandles(cfg, run_id="run2")
     for batch, update, last in ((handles, False, False), (handles[:2], True, False), (handles[2:], True, True)):
         engine.batch = list(batch)          # what take() read from the pass's batch
         released = engine.pass_done(update=update, last_of_step=last, releases=True)
-        assert files() == (4 if not last or trace_dir else 0)
-    assert released == (0 if trace_dir else 4)
+        assert files() == (7 if not last or trace_dir else 0)
+    assert released == (0 if trace_dir else 4 + 3)
+    put(1, 2, "val")                        # the validation after step 1's update: written for step 1
+    step2 = put(2, 2, "uid")
+    assert files() == (7 + 4 if trace_dir else 4)
+    engine.batch = step2
+    released = engine.pass_done(update=True, last_of_step=True, releases=True)
+    assert files() == (7 + 4 if trace_dir else 0) and released == (0 if trace_dir else 2 + 2)
+    assert trace_dir or os.listdir(store) == []           # no folder left either
+    # an off-policy step (it trained on samples of two steps) leaves older steps' files alone: an
+    # older prompt still in flight may be trained on later
+    put(2, 1, "val")
+    late, step3 = put(2, 1, "late"), put(3, 1, "uid")
+    engine.batch = late + step3
+    released = engine.pass_done(update=True, last_of_step=True, releases=True)
+    assert files() == (7 + 4 + 3 if trace_dir else 1) and released == (0 if trace_dir else 2)

@@ -233,7 +233,8 @@ def test_lifetime_release_and_foreign_handles(tmp_path):
 
 
 def test_ray_object_store(tmp_path):
-    """Routes in Ray's object store: one object per layer, a stage fetches only its layers; a
+    """Routes in Ray's object store, one object per sample (the default: one put, mapped zero-copy)
+    and one per layer (a stage fetches only its layers): every rank's targets equal ``shard``'s; a
     handle whose digest does not match what Ray holds is refused; a released step's handles are
     refused by a later step's read (Ray frees the objects when the last handle is dropped)."""
     import dataclasses
@@ -247,22 +248,25 @@ def test_ray_object_store(tmp_path):
     try:
         samples = _samples(5)
         lens = [s[2] for s in samples]
-        store = RouteStore(RayRoutes(), block_rows=16)
-        handles = _put(store, samples, step=2)
-        assert len(pickle.dumps(handles[0])) < 800
-        handles = pickle.loads(pickle.dumps(handles))          # as they travel in a batch
-        resolvers = {"ray": store.backend}
         layout = r3bridge.ParallelLayout(NUM_LAYERS, MOE, tp=2, cp=2, pp=2)
         rb = _batch(samples)
-        for ranks in _ranks(layout):
-            got = read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=2, **ranks)
-            _same(got, r3bridge.shard(rb, layout, lens, **ranks))
-        forged = [dataclasses.replace(handles[0], digest=handles[0].digest ^ 1)] + handles[1:]
-        with pytest.raises(RouteHandleError, match=r"sample 's0'.*digest table does not match"):
-            read_rank_targets(forged, resolvers, layout, lens, run_id=store.run_id, step=2)
-        store.release(2)
-        with pytest.raises(RouteHandleError, match=r"sample 's0'.*step 3"):
-            read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=3)
+        for per_layer in (False, True):
+            store = RouteStore(RayRoutes(per_layer=per_layer), block_rows=16)
+            handles = _put(store, samples, step=2)
+            assert len(pickle.dumps(handles[0])) < 800
+            handles = pickle.loads(pickle.dumps(handles))          # as they travel in a batch
+            stored = ray.get(handles[0].ref)[1]
+            assert (isinstance(stored, list) and len(stored) == len(MOE_IDS)) == per_layer
+            resolvers = {"ray": store.backend}
+            for ranks in _ranks(layout):
+                got = read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=2, **ranks)
+                _same(got, r3bridge.shard(rb, layout, lens, **ranks))
+            forged = [dataclasses.replace(handles[0], digest=handles[0].digest ^ 1)] + handles[1:]
+            with pytest.raises(RouteHandleError, match=r"sample 's0'.*digest table does not match"):
+                read_rank_targets(forged, resolvers, layout, lens, run_id=store.run_id, step=2)
+            store.release(2)
+            with pytest.raises(RouteHandleError, match=r"sample 's0'.*step 3"):
+                read_rank_targets(handles, resolvers, layout, lens, run_id=store.run_id, step=3)
     finally:
         ray.shutdown()
 
@@ -398,10 +402,10 @@ def test_put_many_on_threads_writes_what_put_writes_or_nothing(tmp_path):
     assert not os.path.exists(threaded.backend.path("run/1/new"))                   # checked before writing
 
     class FailsOnThird(FileRoutes):
-        def write(self, key, layer_major, table):
+        def write(self, key, routes, block_rows, times=None):
             if key.endswith("/t2"):
                 raise OSError("disk full")
-            return super().write(key, layer_major, table)
+            return super().write(key, routes, block_rows, times)
 
     store = RouteStore(FailsOnThird(str(tmp_path / "failing")), run_id="run", workers=4)
     with pytest.raises(OSError, match="disk full"):
