@@ -10,10 +10,10 @@ on a class.
 * :class:`FileRoutes` - one file per sample under a directory, read with one ``pread`` per layer
   of the rows asked for: a rank's rows of a stage's layers are the only bytes it reads. Node-local disk, a shared file system, or
   shared memory (``/dev/shm/...``).
-* :class:`RayRoutes` - Ray's object store: one object per sample (the digest table and the
-  layer-major array, mapped zero-copy on its node), or per layer plus a small index object
-  (``per_layer=True``: Ray cannot read a slice of a remote object, so a stage on another node
-  fetches its layers only); the handle holds the (index) object's reference.
+* :class:`RayRoutes` - Ray's object store: one object per layer plus a small index object (Ray
+  cannot read a slice of a remote object, so a stage on another node fetches its layers only), or
+  (``per_layer=False``, single-node jobs) one object per sample, mapped zero-copy on its node; the
+  handle holds the (index) object's reference.
 * :class:`KeyValueRoutes` - the plug point for an external store (vLLM's Mooncake keys, a Redis, a
   framework's own store): any object with ``put(key, bytes)``, ``get(key) -> bytes | None`` and
   ``remove(key)``; one value per layer and one for the digest table. :class:`LocalKeyValue` is a
@@ -278,18 +278,19 @@ def _layer(handle: RouteHandle, position: int, raw: Any) -> np.ndarray:
 
 
 class RayRoutes:
-    """Ray's object store. ``per_layer=False`` (the default): one object per sample, the digest
-    table and the layer-major ``[L, rows, K]`` array, in one ``ray.put`` (one copy into the store);
-    a rank on the node that holds it maps it zero-copy and touches only its rows of its layers, but
-    a rank on another node pulls the whole sample (Ray cannot read a slice of a remote object).
-    ``per_layer=True``: one object per layer and a small index object (the table and the layers'
-    references), so that a stage on another node pulls its layers only, at L + 1 puts per sample.
+    """Ray's object store. ``per_layer=True`` (the default): one object per layer and a small index
+    object (the table and the layers' references), so that a stage on any node pulls its layers
+    only (issue 47's bound: a rank receives about its share of the ids), at L + 1 puts per sample.
+    ``per_layer=False``: one object per sample, the digest table and the layer-major ``[L, rows, K]``
+    array in one ``ray.put``; a rank on the node that holds it maps it zero-copy and touches only its
+    rows of its layers, but a rank on another node pulls the whole sample (Ray cannot read a slice
+    of a remote object): for single-node jobs, where it saves the per-layer puts.
     The handle holds the (index) object's reference. Ray counts references: :meth:`delete` (the
     step's release) drops the writer's, and Ray frees the objects once the last handle (the step's
     batch) is dropped too; a later step never reads them (the reader refuses a handle of another
     step)."""
 
-    def __init__(self, *, name: str = "ray", per_layer: bool = False) -> None:
+    def __init__(self, *, name: str = "ray", per_layer: bool = True) -> None:
         import ray  # lazily: only jobs that store routes in Ray need it
 
         self._ray = ray
