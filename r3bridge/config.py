@@ -258,7 +258,7 @@ class ReplayConfig:
     # and every update replays ids and weights, the router frozen for those tokens (prime-rl #3523);
     # "rollout" (R3): every pass replays the weights handed with the rollout routes (an engine's).
     replay_weights: str = "off"
-    # Where route_transport: handles stores the routes: a folder (one memory-mapped file per sample
+    # Where route_transport: handles stores the routes: a folder (one file per sample, read with pread,
     # under <folder>/<run id>/<RL step>/; the default is shared memory on one node, a shared file
     # system's folder serves several nodes) or "ray" (Ray's object store, where an adapter supports it).
     route_store: str = DEFAULT_ROUTE_STORE
