@@ -109,10 +109,27 @@ def write_model(path: str, seed: int = 7, *, server_env: Optional[dict] = None) 
     return hf_config()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# SGLang 0.5.12 derives its gRPC port as the HTTP port + 10000 and refuses one over 65535
+# (server_args.py:1147-1154, `_handle_deprecated_args`): the device's first run drew 65167 from the
+# kernel's ephemeral range and the server would not start. So the port is drawn below 55536, with its
+# +10000 free too.
+SGLANG_GRPC_OFFSET = 10000
+
+
+def free_port(low: int = 20000, high: int = 65535 - SGLANG_GRPC_OFFSET, tries: int = 200) -> int:
+    import random
+
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.randrange(low, high + 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + SGLANG_GRPC_OFFSET))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port pair (p, p + {SGLANG_GRPC_OFFSET}) with p in [{low}, {high}] after {tries} tries")
 
 
 def server_command(model_dir: str, port: int, *, mem_fraction: float = 0.25, python: str = sys.executable,

@@ -99,3 +99,15 @@ def test_areal_actor_on_areals_own_rollout_path(tmp_path):
     problems = RecordedRollout.from_payloads(doc, trajs).checks()["stitching_problems"]
     assert problems == [f"sample 3: 1 of {int(want.select([3]).valid.sum())} rows differ from the recorded first-seen routes"]
 
+
+
+def test_the_servers_port_leaves_room_for_sglangs_grpc_port():
+    """SGLang 0.5.12 opens its gRPC port at the HTTP port + 10000 and refuses one over 65535: the
+    device's first run drew 65167 from the kernel's ephemeral range and the server never started."""
+    import socket
+
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port <= 65535 - 10000
+        with socket.socket() as s:                     # the gRPC port was free when it was drawn
+            s.bind(("127.0.0.1", port + 10000))
