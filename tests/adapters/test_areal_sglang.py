@@ -9,14 +9,19 @@ run swaps the stand-in for the real server (docs/gpu-results/sglang-0.5.12/READM
 """
 from __future__ import annotations
 
+import asyncio
+import base64
+import copy
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
+from r3bridge import PayloadError, RouteValueError
 from testlab.areal_sglang import RecordedRollout, SGLangServer, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,3 +116,150 @@ def test_the_servers_port_leaves_room_for_sglangs_grpc_port():
         assert 20000 <= port <= 65535 - 10000
         with socket.socket() as s:                     # the gRPC port was free when it was drawn
             s.bind(("127.0.0.1", port + 10000))
+
+
+# ------------------------------------------------------------- the device run's payloads (CPU fixture)
+# What SGLang 0.5.12 returned to AReaL 1.0.4's client on the H200 (tests/fixtures/sglang_areal/README.md):
+# every attempt's request tokens, output tokens and meta_info, the trajectories' tokens; areal_actor.json
+# is what that run reported.
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "sglang_areal")
+
+
+def _recorded() -> tuple[dict, dict]:
+    with open(os.path.join(FIXTURE, "areal_sglang_payloads.json")) as f:
+        doc = json.load(f)
+    with open(os.path.join(FIXTURE, "areal_actor.json")) as f:
+        report = json.load(f)
+    return doc, report
+
+
+def _requests_of(doc: dict, tokens: list) -> list[list[dict]]:
+    """One trajectory's requests (its turns), each its attempts in the order sent: the attempts whose
+    request tokens open the trajectory; an aborted attempt is resubmitted by AReaL's client with its
+    output appended to the request, until one finishes."""
+    own = [a for a in doc["attempts"] if tokens[:len(a["input_ids"])] == a["input_ids"]]
+    requests, current = [], []
+    for a in own:
+        if current:
+            prev = current[-1]
+            assert a["input_ids"] == prev["input_ids"] + prev["output_ids"], "a resubmit is not its attempt continued"
+        current.append(a)
+        if a["meta_info"]["finish_reason"]["type"] != "abort":
+            requests.append(current)
+            current = []
+    assert current == [], "a trajectory ends in an aborted attempt"
+    return requests
+
+
+class _RecordedClient:
+    """AReaL's client replaying recorded responses: each attempt's response through AReaL's own
+    ``SGLangBackend.parse_generation_response`` (``self.backend``, which r3bridge's rollout hook
+    wraps to see each attempt), accumulated as ``RemoteInfEngine.agenerate`` does (output tokens
+    appended, the attempts' routes concatenated: AReaL #1207) into AReaL's ``ModelResponse``."""
+
+    def __init__(self) -> None:
+        from testlab.areal_env import import_areal
+
+        self.backend = import_areal("areal.engine.sglang_remote").SGLangBackend()
+        self._response = import_areal("areal.api.io_struct").ModelResponse
+
+    async def agenerate(self, attempts: list[dict]) -> object:
+        output, routes = [], []
+        for a in attempts:
+            # SGLang's meta_info as recorded, its output_token_logprobs back from the recorded ids
+            meta = dict(a["meta_info"], output_token_logprobs=[[0.0, t, None] for t in a["output_ids"]])
+            got = self.backend.parse_generation_response({"meta_info": meta})
+            output += got.output_tokens
+            if got.routed_experts is not None:
+                routes.append(got.routed_experts)
+        return self._response(input_tokens=list(attempts[0]["input_ids"]), output_tokens=output,
+                              output_versions=[0] * len(output), stop_reason=got.stop_reason,
+                              routed_experts=np.concatenate(routes) if routes else None)
+
+
+class _RecordedEpisode:
+    """A workflow whose episode sends the trajectory's recorded requests, turn by turn, and returns
+    its tokens (``MultiTurnWorkflow``'s ``[1, S]`` ``input_ids``)."""
+
+    async def arun_episode(self, engine, data):
+        for request in data["requests"]:
+            await engine.agenerate(request)
+        return {"input_ids": torch.tensor([data["tokens"]])}
+
+
+def _adapter_trajectories(doc: dict) -> list[dict]:
+    """Each recorded trajectory through AReaL's backend and r3bridge's ``WorkflowMixin`` (its
+    resubmit dedup at the backend, its multi-turn stitching), as the device's rollout ran them."""
+    from r3bridge.adapters.areal import workflow_class
+
+    workflow = workflow_class(_RecordedEpisode, doc["hf_config"])()
+    return [asyncio.run(workflow.arun_episode(_RecordedClient(), {"index": i, "tokens": tokens,
+                                                                   "requests": _requests_of(doc, tokens)}))
+            for i, tokens in enumerate(doc["trajectory_tokens"])]
+
+
+def _with_row(doc: dict, attempt: int, row: int, layer: int, slot: int, expert: int) -> dict:
+    bad = copy.deepcopy(doc)
+    meta = bad["attempts"][attempt]["meta_info"]
+    ids = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").copy()
+    ids = ids.reshape(-1, doc["num_hidden_layers"], doc["topk"])
+    ids[row, layer, slot] = expert
+    meta["routed_experts"] = base64.b64encode(ids.tobytes()).decode()
+    return bad
+
+
+def test_every_recorded_attempt_decodes_as_sglang_0_5_12_ships_it():
+    from r3bridge.engines.route_formats import decode_engine_routes
+
+    doc, report = _recorded()
+    assert len(doc["attempts"]) == report["rollout_sglang"]["attempts"] == 27
+    layers, topk = doc["num_hidden_layers"], doc["topk"]
+    for i, a in enumerate(doc["attempts"]):
+        meta = a["meta_info"]
+        got = decode_engine_routes("sglang", meta, version="0.5.12", num_hidden_layers=layers, topk=topk, seq=i)
+        assert got.format == "sglang-int32-base64" and got.start_row == 0, i
+        # every attempt, aborted ones too, routed each of its tokens but the last (from row 0)
+        assert got.routes.shape == (meta["prompt_tokens"] + meta["completion_tokens"] - 1, layers, topk), i
+        assert (len(a["input_ids"]), len(a["output_ids"])) == (meta["prompt_tokens"], meta["completion_tokens"]), i
+        plain = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").reshape(got.routes.shape)
+        assert (got.routes == plain).all(), i
+        assert ((plain >= 0) & (plain < doc["num_experts"])).all(), i
+        assert (plain[..., 0] != plain[..., 1]).all(), i
+
+    # an attempt cut short by one row is refused naming the attempt and both row counts
+    short = dict(doc["attempts"][20]["meta_info"])
+    short["routed_experts"] = base64.b64encode(base64.b64decode(short["routed_experts"])[:-4 * layers * topk]).decode()
+    with pytest.raises(PayloadError, match=r"sequence 20: routed_experts has 126 rows, expected 127"):
+        decode_engine_routes("sglang", short, version="0.5.12", num_hidden_layers=layers, topk=topk, seq=20)
+
+
+def test_the_recorded_rollout_rebuilds_the_device_runs_counts():
+    doc, report = _recorded()
+    device = report["rollout_sglang"]["checks"]
+    want = RecordedRollout.from_payloads(doc).expected()
+    # every token of every trajectory but its last has a first-seen route, whatever attempt routed it first
+    assert want.rows_per_seq == [len(t) - 1 for t in doc["trajectory_tokens"]]
+    assert int(want.valid.sum()) == device["rows"] == 1012
+
+    got = RecordedRollout.from_payloads(doc, _adapter_trajectories(doc)).checks()
+    assert got["stitching_problems"] == [] and got["ok"]
+    for key in ("attempts", "turns", "resubmits", "resubmitted_samples", "multi_turn_samples", "samples",
+                "cached_rows", "cached_rows_differing", "overlap_rows", "overlap_rows_differing", "rows"):
+        assert got[key] == device[key], key
+    # what the device run reported, and what it means: resubmits and later turns served from SGLang's
+    # radix cache, every cached row the same as where it was first seen
+    assert (got["resubmits"], got["resubmitted_samples"], got["multi_turn_samples"]) == (12, 7, 5)
+    assert got["cached_rows"] == 996 and got["cached_rows_differing"] == 0
+    per = got["per_sample"]
+    assert any(s["turns"] > 1 and s["resubmits"] > 0 for s in per)       # both stitchings in one sample
+
+
+def test_a_recorded_row_changed_is_refused_at_its_row():
+    doc, _ = _recorded()
+    # attempt 26: sample 2's last turn (after two others and one resubmit); its last row, 229, is
+    # routed by no other attempt: the trajectory replays it
+    meta = doc["attempts"][26]["meta_info"]
+    last = meta["prompt_tokens"] + meta["completion_tokens"] - 2
+    assert last == len(doc["trajectory_tokens"][2]) - 2
+    with pytest.raises(RouteValueError, match=rf"row {last} \(token {last}\), layer 1: expert ids \[8, \d\] out of range"):
+        _adapter_trajectories(_with_row(doc, 26, last, 1, 0, doc["num_experts"]))
