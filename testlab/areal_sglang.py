@@ -110,7 +110,7 @@ def write_model(path: str, seed: int = 7, *, server_env: Optional[dict] = None) 
 
 
 # SGLang 0.5.12 derives its gRPC port as the HTTP port + 10000 and refuses one over 65535
-# (server_args.py:1147-1154, `_handle_deprecated_args`): the device's first run drew 65167 from the
+# (server_args.py:1147-1154, `_handle_deprecated_args`): the device's first run drew 56167 from the
 # kernel's ephemeral range and the server would not start. So the port is drawn below 55536, with its
 # +10000 free too.
 SGLANG_GRPC_OFFSET = 10000

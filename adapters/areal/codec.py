@@ -23,12 +23,15 @@ from r3bridge.forms.codec import HandedCodec
 from r3bridge.hf import ModelInfo
 from r3bridge.parallel.handed import HandedRoutes
 
-__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
+__all__ = ["ROUTES_KEY", "RECORDED_KEY", "SAMPLE_KEY", "REPREFILL_KEY", "ROUTE_PROVENANCE_KEY", "LOGPROB_PROVENANCE_KEY", "ENGINE",
            "ArealCodec", "handed_routes", "batch_handed_routes", "batch_tensor"]
 
 ROUTES_KEY = "r3bridge_routes"        # rollout routes (R3), one [g, L_moe, K, S] tensor per trajectory
 RECORDED_KEY = "r3bridge_recorded"    # R2: routes recorded in compute_logp, same layout
 SAMPLE_KEY = "r3bridge_sample"        # [B, S] int64 batch-level sample id (transient, added by the actor)
+# per trajectory [1, 2] int64 (batched [B, 2]): (rows a later turn returned again, of those the rows
+# that differed from the first-seen ones): the counts verl's agent loop keeps as extra fields
+REPREFILL_KEY = "r3bridge_reprefill_rows"
 # ROUTE_PROVENANCE_KEY / LOGPROB_PROVENANCE_KEY (r3bridge.batch.provenance): per trajectory [1, 3] int64
 # (batched [B, 3]): (weight version, re-prefill epoch, attempt), -1 unknown; AReaL's R3 engine is
 # SGLang, no request id travels

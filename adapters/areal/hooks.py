@@ -74,9 +74,13 @@ class WorkflowMixin:
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ConfigError("WorkflowMixin handles one trajectory per episode ([1, S] input_ids)")
         tokens, m = ids[0].tolist(), self.r3_model
-        rb = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
-                                   topk=m.topk, moe_layer_ids=m.moe_layer_ids, sample=sample_name(data, len(tokens)))
-        out[codec.ROUTES_KEY] = sequence_last_routes(rb, [len(tokens)])
+        stitched = routes_from_responses(responses, tokens, num_experts=m.num_experts, num_layers=m.num_layers,
+                                         topk=m.topk, moe_layer_ids=m.moe_layer_ids,
+                                         sample=sample_name(data, len(tokens)))
+        out[codec.ROUTES_KEY] = sequence_last_routes(stitched.routes, [len(tokens)])
+        # rows a later turn returned again (re-prefill, radix cache) and how many of them differed from
+        # the first-seen rows that replay: per trajectory, as verl's agent loop reports them
+        out[codec.REPREFILL_KEY] = torch.tensor([[stitched.overlap_rows, stitched.disagreeing_rows]], dtype=torch.int64)
         # the first turn's rows are first-seen for the earliest tokens: its provenance is the routes'
         routes, logprobs = (getattr(responses[0], "r3bridge_provenance", None) if responses else None) or (None, None)
         out.update(provenance_fields([routes], [logprobs]))     # one row each: one trajectory

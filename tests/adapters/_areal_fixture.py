@@ -166,7 +166,8 @@ def trajectories(rollout: CanonicalRollout, *, dedupe: bool = True) -> list[dict
             responses: list = []
             traj = asyncio.run(_Episode(rollout).arun_episode(_PlainRecorder(inner, responses), {"i": i}))
             rb = routes_from_responses(responses, rollout.tokens[i], num_experts=info.num_experts,
-                                       num_layers=info.num_layers, topk=info.topk, moe_layer_ids=info.moe_layer_ids)
+                                       num_layers=info.num_layers, topk=info.topk,
+                                       moe_layer_ids=info.moe_layer_ids).routes
             traj[ROUTES_KEY] = trajectory_tensor(rb, [len(rollout.tokens[i])])
             out.append(traj)
     return out

@@ -24,7 +24,7 @@ from r3bridge import ReplayBatch  # noqa: E402
 from r3bridge.adapters.areal.attempts import RecordingBackend, decode_sglang, routes_from_attempts  # noqa: E402
 from r3bridge.adapters.areal.codec import RECORDED_KEY, ROUTES_KEY, ArealCodec, batch_handed_routes  # noqa: E402
 from r3bridge.adapters.areal.sequence_last import sequence_last_routes as trajectory_tensor  # noqa: E402
-from r3bridge.errors import PayloadError  # noqa: E402
+from r3bridge.errors import PayloadError, RouteValueError  # noqa: E402
 from r3bridge.rollout.stitching import first_seen_rows  # noqa: E402
 from r3bridge.testing.kit.conformance import check_ingest, check_recorded_survives_split, make_rollout  # noqa: E402
 from r3bridge.testing.kit.suite import BaseIngestTests  # noqa: E402
@@ -159,11 +159,30 @@ def test_parent_concat_keeps_only_agreeing_prefix():
     a_parent, a_child = _arr(4, 3), _arr(8, 4)
     p = io.ModelResponse(input_tokens=parent_tokens[:3], output_tokens=parent_tokens[3:], routed_experts=a_parent.reshape(4, -1))
     c = io.ModelResponse(input_tokens=child_prompt, output_tokens=[13, 14, 15], routed_experts=a_child.reshape(8, -1))
-    rb = routes_from_responses([p, c], child_prompt + [13, 14, 15], num_experts=8, num_layers=4, topk=2,
-                               moe_layer_ids=[1, 2, 3])
+    stitched = routes_from_responses([p, c], child_prompt + [13, 14, 15], num_experts=8, num_layers=4, topk=2,
+                                     moe_layer_ids=[1, 2, 3])
+    rb = stitched.routes
     assert rb.rows_per_seq == [8] and bool(rb.valid.all())
+    # the child re-prefilled the parent's 4 kept rows: counted, and those that differ counted too
+    differ = int((a_parent != a_child[:4]).reshape(4, -1).any(1).sum())
+    assert (stitched.overlap_rows, stitched.disagreeing_rows) == (4, differ) and differ > 0
     assert torch.equal(rb.routes[:4], torch.from_numpy(a_parent[:, 1:]).to(torch.uint8))     # first-seen
     assert torch.equal(rb.routes[4:], torch.from_numpy(a_child[4:, 1:]).to(torch.uint8))
     with pytest.raises(PayloadError, match="no routed_experts"):
         routes_from_responses([io.ModelResponse(input_tokens=[1], output_tokens=[2])], [1, 2], num_experts=8,
                               num_layers=4, topk=2, moe_layer_ids=[1])
+
+
+def test_a_bad_id_in_a_row_a_later_turn_repeats_is_refused_naming_the_sample_and_turn():
+    """First-seen stitching replays the parent's rows; the child's copy of them is not replayed, but
+    an id out of range there is still bad input: refused, not dropped because another turn came first."""
+    io = import_areal("areal.api.io_struct")
+    from r3bridge.adapters.areal.rollout import routes_from_responses
+    a_parent, a_child = _arr(4, 3), _arr(8, 4)
+    a_child[2, 1, 0] = 8                               # 8 experts: ids 0..7; row 2 is the parent's row too
+    p = io.ModelResponse(input_tokens=[5, 6, 7], output_tokens=[8, 99], routed_experts=a_parent.reshape(4, -1))
+    c = io.ModelResponse(input_tokens=[5, 6, 7, 8, 11, 12], output_tokens=[13, 14, 15],
+                         routed_experts=a_child.reshape(8, -1))
+    with pytest.raises(RouteValueError, match=r"AReaL sample index=3, turn 1.*row 2"):
+        routes_from_responses([p, c], [5, 6, 7, 8, 11, 12, 13, 14, 15], num_experts=8, num_layers=4, topk=2,
+                              moe_layer_ids=[1, 2, 3], sample="index=3")

@@ -108,7 +108,7 @@ def test_areal_actor_on_areals_own_rollout_path(tmp_path):
 
 def test_the_servers_port_leaves_room_for_sglangs_grpc_port():
     """SGLang 0.5.12 opens its gRPC port at the HTTP port + 10000 and refuses one over 65535: the
-    device's first run drew 65167 from the kernel's ephemeral range and the server never started."""
+    device's first run drew 56167 from the kernel's ephemeral range (its gRPC port 66167) and the server never started."""
     import socket
 
     for _ in range(20):
@@ -261,5 +261,5 @@ def test_a_recorded_row_changed_is_refused_at_its_row():
     meta = doc["attempts"][26]["meta_info"]
     last = meta["prompt_tokens"] + meta["completion_tokens"] - 2
     assert last == len(doc["trajectory_tokens"][2]) - 2
-    with pytest.raises(RouteValueError, match=rf"row {last} \(token {last}\), layer 1: expert ids \[8, \d\] out of range"):
+    with pytest.raises(RouteValueError, match=rf"AReaL sample index=2, turn \d.*row {last} \(token {last}\), layer 1: expert ids \[8, \d\] out of range"):
         _adapter_trajectories(_with_row(doc, 26, last, 1, 0, doc["num_experts"]))
