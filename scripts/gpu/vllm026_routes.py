@@ -30,9 +30,10 @@ result), 1 when one could not start (the error is the result).
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site-vllm026:$PWD python scripts/gpu/vllm026_routes.py --out $OUT
 
 ``--variant`` picks the engine settings (``VARIANTS``: in-process engine core, routes off, a small KV
-pool) and ``--probe`` runs one engine and one ``generate`` only, dumping every thread's stack if it
-does not return: ``vllm026_device.sh variants`` probes them in order after 0.26.0's ``generate`` never
-returned with vLLM's defaults, then runs everything with the first that returned routes.
+pool, the attention backend, the heads' width) and ``--probe`` runs one engine and one ``generate``
+only, dumping every thread's stack if it does not return: ``vllm026_device.sh variants`` probes them
+in order after 0.26.0's ``generate`` never returned with vLLM's defaults, then runs everything with
+the first that returned routes (never a diagnosis-only variant: ``PROBE_ONLY``).
 """
 from __future__ import annotations
 
