@@ -50,11 +50,15 @@ variants)
   shift; budget=290
   if [ "${1:-}" = --budget ]; then budget=$2; shift 2; fi
   out=${OUT:?variants writes under \$OUT}; mkdir -p "$out"; t0=$(date +%s)
-  # in order: FlashAttention 2, then flex attention (the first device call, 2026-11-29, found every
-  # earlier variant - in-process, routes off, a small KV pool - stopped inside FA3's varlen kernel:
-  # docs/gpu-results/vllm-0.26.0/README.md), then FA2 with the engine core in its own process
-  # (VARIANTS=... overrides the order, e.g. a second call straight to the variant a first one found)
-  VARIANTS=${VARIANTS:-"inproc_fa2 inproc_flex fa2"}; ROUTES_OFF="inproc_noroutes"
+  # in order (docs/gpu-results/vllm-0.26.0/README.md: 2026-11-29's two calls stopped in the first
+  # forward's attention kernel, FA3 and FA2 alike, with model A's heads of 8): FA3 with heads of 64
+  # (the likely fix; the full run follows when it returns), Triton attention with heads of 64 (no
+  # FlashAttention binary), then heads of 8 with synchronous launches (diagnosis: which kernel never
+  # ends). ~60 s a probe that returns, ~90 s one that hangs. Second-call diagnoses, alone on the GPU:
+  # VARIANTS=inproc_noaot, VARIANTS=inproc_hd8_long GEN_S=150 PROBE_S=200 (a slow first launch?).
+  # VARIANTS=... overrides the order, e.g. a second call straight to the variant a first one found.
+  VARIANTS=${VARIANTS:-"inproc_hd64 inproc_triton_hd64 inproc_sync"}
+  PROBE_ONLY="inproc_noroutes inproc_sync inproc_noaot inproc_hd8_long"   # never the full run's settings
   PROBE_S=${PROBE_S:-80}   # each probe's processes: stacks dumped and exit after this (engine start included)
   GEN_S=${GEN_S:-30}       # a probe's generate (normally < 1 s): stacks dumped and exit when not back by then
   # the faulthandler folder's sitecustomize arms the dump in every process, vLLM's children too
@@ -68,7 +72,7 @@ variants)
       --variant "$v" --generate-timeout "$GEN_S" --out "$out" "${dry[@]}" "$@" 2>&1 | tee "$out/probe_$v.log"
     rc=${PIPESTATUS[0]}
     echo "probe $v: rc $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/variants.txt"
-    if [ "$rc" = 0 ] && [[ " $ROUTES_OFF " != *" $v "* ]]; then chosen=$v; break; fi
+    if [ "$rc" = 0 ] && [[ " $PROBE_ONLY " != *" $v "* ]]; then chosen=$v; break; fi
   done
   if [ -z "$chosen" ]; then echo "no variant returned routes" | tee -a "$out/variants.txt"; exit 1; fi
   left=$(( budget - ($(date +%s) - t0) ))

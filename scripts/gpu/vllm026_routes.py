@@ -30,9 +30,10 @@ result), 1 when one could not start (the error is the result).
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site-vllm026:$PWD python scripts/gpu/vllm026_routes.py --out $OUT
 
 ``--variant`` picks the engine settings (``VARIANTS``: in-process engine core, routes off, a small KV
-pool) and ``--probe`` runs one engine and one ``generate`` only, dumping every thread's stack if it
-does not return: ``vllm026_device.sh variants`` probes them in order after 0.26.0's ``generate`` never
-returned with vLLM's defaults, then runs everything with the first that returned routes.
+pool, the attention backend, the heads' width) and ``--probe`` runs one engine and one ``generate``
+only, dumping every thread's stack if it does not return: ``vllm026_device.sh variants`` probes them
+in order after 0.26.0's ``generate`` never returned with vLLM's defaults, then runs everything with
+the first that returned routes (never a diagnosis-only variant: ``PROBE_ONLY``).
 """
 from __future__ import annotations
 
@@ -193,8 +194,30 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any], str]] = {
                     "torch's flex attention instead of FlashAttention (the other backend 0.26.0 offers here)"),
     "fa2": ({}, {"attention_config": {"flash_attn_version": 2}},
             "FlashAttention 2 with the engine core in its own process, as vLLM runs by default"),
+    # 2026-11-29, second call (beside two SGLang jobs): inproc_fa2 stopped in FA2's varlen kernel the
+    # same way (0.26.0's FA2 carries sm_80 SASS + PTX only: Hopper JIT-compiles it at first use),
+    # inproc_flex was still in inductor's compile at 30 s. Model A's heads are 8 wide (testlab's
+    # tiny_qwen3_moe default): FA3 has no hdim-8 kernel (rounded up to its smallest), TRITON_ATTN
+    # refuses < 32 (triton_attn.py:386-387), and 0.26.0 changed the FlashAttention KV page to K and V
+    # interleaved per token (flash_attn.py:141/878 vs 0.24.0's :149/768). The next probes:
+    "inproc_hd64": (dict(IN_PROCESS, R3E2E_HEAD_DIM="64"), {},
+                    "FA3 with heads of 64 (a head size FA3 compiles; SGLang's runs used 64): is head_dim 8 "
+                    "the cause?"),
+    "inproc_triton_hd64": (dict(IN_PROCESS, R3E2E_HEAD_DIM="64"), {"attention_backend": "TRITON_ATTN"},
+                           "Triton attention (no FlashAttention binary at all; it needs heads >= 32)"),
+    "inproc_sync": (dict(IN_PROCESS, CUDA_LAUNCH_BLOCKING="1"), {},
+                    "heads of 8 on FA3 with every launch synchronous, so the dump names the kernel that "
+                    "never finishes (diagnosis only, never the full run)"),
+    "inproc_noaot": (dict(IN_PROCESS, VLLM_BATCH_INVARIANT="1"), {},
+                     "heads of 8 on FA3 without the AOT scheduler (VLLM_BATCH_INVARIANT turns it off: "
+                     "flash_attn.py:469-471; it changes other kernels too: diagnosis only)"),
+    "inproc_hd8_long": (IN_PROCESS, {},
+                        "heads of 8 on FA3 with a long generate timeout (GEN_S=150, alone on the GPU): a "
+                        "hang or a slow first launch? (diagnosis only)"),
 }
 ROUTES_OFF = {k for k, (_, kw, _) in VARIANTS.items() if kw.get("enable_return_routed_experts") is False}
+# variants that are evidence about the hang only, never the settings of the full run
+PROBE_ONLY = ROUTES_OFF | {"inproc_sync", "inproc_noaot", "inproc_hd8_long"}
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -426,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--probe: dump every thread's stack and exit when generate has not returned by then")
     ap.add_argument("--dry-run", action="store_true", help="print the settings the run would use and stop")
     args = ap.parse_args(argv)
-    if args.variant in ROUTES_OFF and not args.probe:
-        ap.error(f"--variant {args.variant} returns no routes: --probe only")
+    if args.variant in PROBE_ONLY and not args.probe:
+        ap.error(f"--variant {args.variant} is a diagnosis (routes off or a changed engine): --probe only")
     if args.probe and (args.spec_only or args.direct_only):
         ap.error("--probe runs one engine only: not with --spec-only / --direct-only")
     env = apply_variant_environment(args)

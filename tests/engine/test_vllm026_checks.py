@@ -121,7 +121,9 @@ FIRST_CALL = "inproc inproc_noroutes inproc_small_kv"     # the first device cal
     (FIRST_CALL, "", ["inproc"], "inproc"),                           # (a) returns: straight to the full run
     (FIRST_CALL, "inproc", ["inproc", "inproc_noroutes", "inproc_small_kv"], "inproc_small_kv"),
     (FIRST_CALL, "inproc inproc_small_kv", ["inproc", "inproc_noroutes", "inproc_small_kv"], None),
-    (None, "inproc_fa2", ["inproc_fa2", "inproc_flex"], "inproc_flex"),  # the default order now
+    ("inproc_fa2 inproc_flex fa2", "inproc_fa2", ["inproc_fa2", "inproc_flex"], "inproc_flex"),  # the 2nd call's
+    (None, "inproc_hd64", ["inproc_hd64", "inproc_triton_hd64"], "inproc_triton_hd64"),  # the default order now
+    (None, "inproc_hd64 inproc_triton_hd64", ["inproc_hd64", "inproc_triton_hd64", "inproc_sync"], None),
 ])
 def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path, order, hang, probed, chosen):
     """(b), routes off, returning is evidence about (a), never the variant the full run uses."""
@@ -138,7 +140,11 @@ def test_the_first_variant_that_returns_routes_goes_on_to_the_full_run(tmp_path,
     assert rc == 0 and f"chosen {chosen}; full run in" in "\n".join(lines)
     full = [json.loads(ln) for ln in (tmp_path / "full.log").read_text().splitlines() if ln.startswith("{")]
     assert full[-1]["variant"] == chosen and full[-1]["probe"] is False and full[-1]["out"] == str(tmp_path / "full")
-    assert full[-1]["environment"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert full[-1]["environment"] == v_environment(chosen)
+
+
+def v_environment(variant):
+    return gpu_script("vllm026_routes").VARIANTS[variant][0]
 
 
 def test_a_second_call_goes_straight_to_the_variant_a_first_one_found(tmp_path):
@@ -148,7 +154,7 @@ def test_a_second_call_goes_straight_to_the_variant_a_first_one_found(tmp_path):
 
 def test_no_full_run_without_time_left(tmp_path):
     rc, lines, _ = _variants(tmp_path, "", "--budget", "30")
-    assert rc == 1 and lines[-1].startswith("chosen inproc_fa2; ") and lines[-1].endswith("no full run")
+    assert rc == 1 and lines[-1].startswith("chosen inproc_hd64; ") and lines[-1].endswith("no full run")
     assert not (tmp_path / "full.log").exists()
 
 
@@ -159,6 +165,12 @@ def test_variant_arguments():
     with pytest.raises(SystemExit):
         v.main(["--probe", "--spec-only", "--dry-run"])
     assert v.ROUTES_OFF == {"inproc_noroutes"}
+    assert v.PROBE_ONLY == {"inproc_noroutes", "inproc_sync", "inproc_noaot", "inproc_hd8_long"}
+    with pytest.raises(SystemExit):                          # a diagnosis is never the full run's settings
+        v.main(["--variant", "inproc_sync", "--dry-run"])
+    text = open(DEVICE_SH).read()                            # the device script's list is the same set
+    [line] = [ln for ln in text.splitlines() if ln.strip().startswith("PROBE_ONLY=")]
+    assert set(line.split('"')[1].split()) == v.PROBE_ONLY
     import argparse
 
     small = v.engine_overrides(argparse.Namespace(variant="inproc_small_kv", no_async_scheduling=True))
