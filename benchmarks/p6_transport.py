@@ -31,6 +31,10 @@ the write's wall time and its copy / digest / store seconds summed over the writ
 and per rank (``ranks[i].phases``) the trip from the write's end to the rank's start, the seconds
 opening handles, reading and checking its blocks, and the rest of the one reader (row map,
 targets). Not a test: prints a table or ``--json``.
+
+``--write-only``: the handles-files write alone, no Ray (``RouteStore.put_many`` of the step's samples
+to ``FileRoutes`` under ``--store-dir`` on ``--write-threads`` threads, ``--repeats`` times): its wall
+time, GiB/s and copy / digest / store seconds summed over the threads, per repeat.
 """
 from __future__ import annotations
 
@@ -306,6 +310,32 @@ def run_arm(arm: str, w: dict, lens: np.ndarray, shm: str) -> dict:
     return out
 
 
+def write_only(w: dict, store_dir, repeats: int) -> dict:
+    """The handles-files write alone: each repeat one fresh ``RouteStore`` writes the step's samples
+    (the engine's ``[tokens - 1, L, K]`` arrays, its MoE layers: a strided view) with ``put_many``."""
+    from r3bridge.handles import FileRoutes, RouteStore, SampleRoutes
+
+    wd = dict(w, dtype=np.dtype(w["dtype"]))
+    lens = lengths_of(w["dist"], w["n"], w["max_len"], w["seed"])
+    items = [np.ascontiguousarray(a) for a in engine_output(lens, wd)]
+    lay = layout_of(wd)
+    routes = [a[:, w["dense"]:] for a in items]
+    root = tempfile.mkdtemp(prefix="r3bridge-p6w-", dir=store_dir)
+    runs = []
+    try:
+        for i in range(repeats):
+            store = RouteStore(FileRoutes(root), block_rows=w["block_rows"], workers=w["write_threads"])
+            entries = [SampleRoutes(f"traj-{j}", r, lay.moe_layer_ids, 0, w["experts"]) for j, r in enumerate(routes)]
+            t0 = time.perf_counter()
+            store.put_many(entries, step=i)
+            runs.append({"write_s": time.perf_counter() - t0, **store.times.as_dict()})
+            store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"workload": w, "tokens": int(lens.sum()), "bytes": int(sum(r.nbytes for r in routes)),
+            "cpus": os.cpu_count(), "runs": runs}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(ap)
@@ -313,6 +343,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--write-threads", type=int, default=os.cpu_count() or 1,
                     help="the handles writer's threads (RouteStore workers; default: this host's CPUs)")
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--write-only", action="store_true", help="time the handles-files write alone (no Ray)")
+    ap.add_argument("--repeats", type=int, default=3, help="--write-only: how many writes")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     a = ap.parse_args(argv)
@@ -323,6 +355,17 @@ def main(argv=None) -> dict:
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"unknown arms {bad}; choose from {ARMS}")
+    if a.write_only:
+        out = write_only(w, a.store_dir, a.repeats)
+        if a.out:
+            Path(a.out).write_text(json.dumps(out))
+        gib = out["bytes"] / 2 ** 30
+        print(json.dumps(out) if a.json else "\n".join(
+            [f"write only: {w['n']} trajectories <= {w['max_len']} tokens, {gib:.3f} GiB, {w['write_threads']} threads, "
+             f"{out['cpus']} CPUs"] +
+            [f"  write {r['write_s']:.3f} s ({gib / r['write_s']:.2f} GiB/s); summed over threads: copy "
+             f"{r['copy_s']:.3f}, digest {r['digest_s']:.3f}, store {r['store_s']:.3f} s" for r in out["runs"]]))
+        return out
     import ray
 
     import r3bridge.handles  # noqa: F401  (the controller unpickles handles: its import is set-up, not the step's)

@@ -29,14 +29,14 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from r3bridge.handles.handle import RouteHandle, RouteHandleError, WriteTimes, layer_major
+from r3bridge.handles.handle import DIGEST_DTYPE, DIGEST_KIND, RouteHandle, RouteHandleError, WriteTimes, layer_major
 
 __all__ = ["RouteResolver", "RouteBackend", "OpenRoutes", "FileRoutes", "RayRoutes", "KeyValueRoutes",
            "KeyValueStore", "LocalKeyValue"]
 
 
 class OpenRoutes(Protocol):
-    """One handle's routes, opened: ``table`` (uint32 ``[L, blocks]``, as stored) and ``read``."""
+    """One handle's routes, opened: ``table`` (``DIGEST_DTYPE`` ``[L, blocks]``, as stored) and ``read``."""
 
     table: np.ndarray
 
@@ -60,7 +60,7 @@ class RouteBackend(RouteResolver, Protocol):
     """A resolver that also stores and deletes. ``write`` stores one sample's ``[rows, L, K]``
     routes (the engine's array, any strides) layer-major under ``key``, digesting each block of
     ``block_rows`` rows as it goes (:func:`~r3bridge.handles.handle.layer_major`); it returns the
-    digest table (uint32 ``[L, blocks]``) and the reference the handle keeps (or None)."""
+    digest table (``DIGEST_DTYPE`` ``[L, blocks]``) and the reference the handle keeps (or None)."""
 
     def write(self, key: str, routes: np.ndarray, block_rows: int,
               times: Optional[WriteTimes] = None) -> tuple[np.ndarray, Optional[Any]]: ...
@@ -74,13 +74,14 @@ def _missing(handle: RouteHandle, what: str) -> RouteHandleError:
 
 
 # ---------------------------------------------------------------------- files (read by pread)
-_MAGIC = b"R3RH0001"
+# the format: "R3RH0002" (64-bit block digests, DIGEST_KIND); "R3RH0001" files hold crc32s
+_MAGIC = b"R3RH0002"
 _ALIGN = 64
 
 
 def _layout(handle: RouteHandle) -> tuple[int, int, int]:
     """(table offset, data offset, file size) of a handle's file."""
-    table_bytes = handle.num_layers * handle.num_blocks * 4
+    table_bytes = handle.num_layers * handle.num_blocks * DIGEST_DTYPE.itemsize
     data = -(-(len(_MAGIC) + table_bytes) // _ALIGN) * _ALIGN
     return len(_MAGIC), data, data + handle.nbytes
 
@@ -107,9 +108,12 @@ class _OpenFile:
         with open(path, "rb") as f:
             head = f.read(d0)
         if head[:t0] != _MAGIC:
-            raise RouteHandleError(f"{handle.where()}: {path} is not an r3bridge route file")
-        self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * 4],
-                                   dtype=np.uint32).reshape(handle.num_layers, handle.num_blocks)
+            found = head[:t0].decode("ascii", "replace")
+            raise RouteHandleError(f"{handle.where()}: {path} is not an r3bridge route file of format "
+                                   f"{_MAGIC.decode()} ({DIGEST_KIND} digests): it starts {found!r} (an older "
+                                   f"r3bridge's file, or not a route file)")
+        self.table = np.frombuffer(head[t0:t0 + handle.num_layers * handle.num_blocks * DIGEST_DTYPE.itemsize],
+                                   dtype=DIGEST_DTYPE).reshape(handle.num_layers, handle.num_blocks)
         self._path, self._offset, self._shape, self._dtype = path, d0, shape, np.dtype(handle.dtype)
         self._where = handle.where()
 
@@ -157,7 +161,7 @@ class FileRoutes:
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         rows, num_layers, _ = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
         head_bytes = len(_MAGIC) + table.nbytes
         data_at = -(-head_bytes // _ALIGN) * _ALIGN
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
@@ -165,9 +169,9 @@ class FileRoutes:
         try:
             try:
                 offset = data_at
-                for j, layer, crcs in layer_major(routes, block_rows, times):
+                for j, layer, digests in layer_major(routes, block_rows, times):
                     t0 = clock()
-                    table[j] = crcs
+                    table[j] = digests
                     offset += _write_all(fd, memoryview(layer).cast("B") if layer.size else b"", offset)
                     if times is not None:
                         times.store_s += clock() - t0
@@ -260,7 +264,10 @@ class _OpenObjects:
 
 
 def _table(handle: RouteHandle, raw: Any) -> np.ndarray:
-    table = np.asarray(raw, dtype=np.uint32)
+    table = np.asarray(raw)
+    if table.dtype != DIGEST_DTYPE:         # never cast: another dtype is another digest kind
+        raise RouteHandleError(f"{handle.where()}: digest table of {table.dtype}, this reader checks "
+                               f"{DIGEST_DTYPE} ({DIGEST_KIND} digests)")
     if table.size != handle.num_layers * handle.num_blocks:
         raise RouteHandleError(f"{handle.where()}: digest table of {table.size} entries, the handle's shape needs "
                                f"{handle.num_layers * handle.num_blocks}")
@@ -301,13 +308,13 @@ class RayRoutes:
     def write(self, key: str, routes: np.ndarray, block_rows: int,
               times: Optional[WriteTimes] = None) -> tuple[np.ndarray, Any]:
         rows, num_layers, k = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
         clock, put_s = time.perf_counter, 0.0
         if self.per_layer:
             refs = []
-            for j, layer, crcs in layer_major(routes, block_rows, times):
+            for j, layer, digests in layer_major(routes, block_rows, times):
                 t0 = clock()
-                table[j] = crcs
+                table[j] = digests
                 refs.append(self._ray.put(layer))        # copied into the store: the buffer is reused
                 put_s += clock() - t0
             t0 = clock()
@@ -315,8 +322,8 @@ class RayRoutes:
             held: Any = (ref, refs)
         else:
             stored = np.empty((num_layers, rows, k), dtype=routes.dtype)
-            for j, layer, crcs in layer_major(routes, block_rows, times):
-                stored[j], table[j] = layer, crcs
+            for j, layer, digests in layer_major(routes, block_rows, times):
+                stored[j], table[j] = layer, digests
             t0 = clock()
             ref = held = self._ray.put((table, stored))
         if times is not None:
@@ -389,9 +396,9 @@ class KeyValueRoutes:
     def write(self, key: str, routes: np.ndarray, block_rows: int,
               times: Optional[WriteTimes] = None) -> tuple[np.ndarray, None]:
         rows, num_layers, _ = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=np.uint32)
-        for j, layer, crcs in layer_major(routes, block_rows, times):
-            table[j] = crcs
+        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
+        for j, layer, digests in layer_major(routes, block_rows, times):
+            table[j] = digests
             self.kv.put(f"{key}/layer/{j}", layer.tobytes())
         self.kv.put(f"{key}/table", table.tobytes())
         return table, None
@@ -410,7 +417,7 @@ class KeyValueRoutes:
                 out.append(_layer(handle, p, value))
             return out
 
-        return _OpenObjects(_table(handle, np.frombuffer(raw, dtype=np.uint32)), fetch)
+        return _OpenObjects(_table(handle, np.frombuffer(raw, dtype=DIGEST_DTYPE)), fetch)
 
     def delete(self, handle: RouteHandle) -> None:
         for j in range(handle.num_layers):

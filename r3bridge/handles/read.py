@@ -23,7 +23,7 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.handles.backends import RouteResolver
-from r3bridge.handles.handle import RouteHandle, RouteHandleError, layer_digests, table_digest
+from r3bridge.handles.handle import DIGEST_KIND, RouteHandle, RouteHandleError, layer_digests, table_digest
 from r3bridge.parallel.handed import HandedRoutes
 from r3bridge.parallel.layout import ParallelLayout
 from r3bridge.parallel.rank_rows import RankRows
@@ -63,6 +63,10 @@ class _Opened:
         if resolver is None:
             raise RouteHandleError(f"{handle.where()}: no resolver for store {handle.store!r} (this reader has "
                                    f"{sorted(resolvers)})")
+        if handle.digest_kind != DIGEST_KIND:
+            raise RouteHandleError(f"{handle.where()}: its digests are {handle.digest_kind!r} (a handle written by "
+                                   f"another r3bridge version), this reader checks {DIGEST_KIND!r}: write the "
+                                   f"step's routes again with this version")
         self.handle, self.stats = handle, stats
         t0 = time.perf_counter()
         try:

@@ -21,7 +21,14 @@ import torch
 
 from r3bridge.errors import CoverageError, LayerMappingError, RouteShapeError
 from r3bridge.handles.backends import RouteBackend
-from r3bridge.handles.handle import DEFAULT_BLOCK_ROWS, RouteHandle, RouteHandleError, WriteTimes, table_digest
+from r3bridge.handles.handle import (
+    DEFAULT_BLOCK_ROWS,
+    DIGEST_KIND,
+    RouteHandle,
+    RouteHandleError,
+    WriteTimes,
+    table_digest,
+)
 
 __all__ = ["RouteStore", "SampleRoutes"]
 
@@ -41,7 +48,7 @@ class RouteStore:
     """Writes samples' routes through ``backend`` (a :class:`~r3bridge.handles.RouteBackend`) and
     releases them per RL step. One per process that writes routes; ``run_id`` defaults to a fresh
     random id (the trainer reads with the same ``run_id``: pass it along with the handles).
-    ``workers``: threads :meth:`put_many` writes samples on (the layer-major copy, the crc32s and a
+    ``workers``: threads :meth:`put_many` writes samples on (the layer-major copy, the block digests and a
     file write release the GIL); more than 1 only for a backend whose ``write`` may run
     concurrently (``FileRoutes``, ``RayRoutes``; an external ``kv`` client may not)."""
 
@@ -146,7 +153,7 @@ class RouteStore:
         e, sample, a, ids, key = item
         return RouteHandle(self.name, key, self.run_id, int(step), sample, int(a.shape[0]), int(e.start_row),
                            tuple(ids), int(a.shape[2]), int(e.num_experts), a.dtype.name, self.block_rows,
-                           table_digest(table), e.route_kind, ref)
+                           table_digest(table), e.route_kind, ref, DIGEST_KIND)
 
     def put_batch(self, batch: Any, samples: Sequence[str], *, step: int) -> list[RouteHandle]:
         """Every sequence of a :class:`r3bridge.ReplayBatch` (e.g. the rollout's stitched routes), one

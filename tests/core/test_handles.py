@@ -4,6 +4,8 @@ PP / VPP layouts and every store; a missing, truncated or altered object is refu
 sample; handles of another run or step are refused; a step's routes are released when it ends."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 from pathlib import Path
@@ -25,6 +27,7 @@ from r3bridge.handles import (
     read_rank_targets,
     resolve,
 )
+from r3bridge.handles.handle import DIGEST_KIND, layer_digests
 
 NUM_LAYERS, MOE = 8, [0, 1, 1, 1, 1, 1, 1, 1]
 MOE_IDS = [i for i, m in enumerate(MOE) if m]
@@ -121,6 +124,50 @@ def test_resolve_and_handle_forms(tmp_path):
     assert RouteHandle.from_json(text) == h
     with pytest.raises(RouteHandleError, match="not a route handle"):
         RouteHandle.from_json('{"store": "files"}')
+    # a handle written before the digest kind was named (crc32 blocks), as JSON or pickled: refused by
+    # name, never compared against this version's digests
+    assert h.digest_kind == DIGEST_KIND
+    old = json.loads(text)
+    old.pop("digest_kind")
+    legacy = RouteHandle.from_json(json.dumps(old))
+    unkinded = dataclasses.replace(h)
+    object.__delattr__(unkinded, "digest_kind")          # what unpickling an older version's handle gives
+    for old_handle in (legacy, pickle.loads(pickle.dumps(unkinded))):
+        assert old_handle.digest_kind == "crc32"
+        with pytest.raises(RouteHandleError, match=r"sample 's0'.*digests are 'crc32'.*this reader checks 'wsum64'"):
+            resolve(old_handle, resolvers)
+    # an older version's file (format R3RH0001) under a current handle: refused by its format
+    path = Path(store.backend.path(h.key))
+    raw = path.read_bytes()
+    path.write_bytes(b"R3RH0001" + raw[8:])
+    with pytest.raises(RouteHandleError, match=r"sample 's0'.*not an r3bridge route file of format R3RH0002"):
+        resolve(h, resolvers)
+
+
+@pytest.mark.parametrize("rows,topk,dtype,block_rows", [(1000, 22, np.int16, 256), (37, 3, np.int16, 8),
+                                                        (29, 3, np.int8, 5), (300, 1, np.uint8, 3)])
+def test_block_digest_sees_every_single_change_and_swap(rows, topk, dtype, block_rows):
+    """Each block's digest changes when any one id in it changes (by one, or in its top bit) or two
+    unequal ids in it swap, and no other block's does; whole words and padded ones (a short last
+    block, blocks of odd byte counts) alike."""
+    rng = np.random.default_rng(rows)
+    layer = rng.integers(0, 100, (rows, topk)).astype(dtype)
+    want = layer_digests(layer, block_rows)
+    assert want.shape == (-(-rows // block_rows),) and want.dtype == np.uint64
+    top = np.array(np.iinfo(dtype).min if np.iinfo(dtype).min else np.iinfo(dtype).max // 2 + 1, dtype=dtype)
+    for r in range(rows):
+        for c in range(topk):
+            for changed in (layer[r, c] + 1, layer[r, c] ^ top):
+                other = layer.copy()
+                other[r, c] = changed
+                got = layer_digests(other, block_rows)
+                assert np.flatnonzero(got != want).tolist() == [r // block_rows], (r, c)
+    for r in range(0, rows, max(1, rows // 50)):
+        other = layer.copy()
+        r2 = min(rows - 1, (r // block_rows) * block_rows + block_rows - 1)
+        other[r, 0], other[r2, topk - 1] = layer[r2, topk - 1], layer[r, 0]
+        if layer[r, 0] != layer[r2, topk - 1]:
+            assert np.flatnonzero(layer_digests(other, block_rows) != want).tolist() == [r // block_rows]
 
 
 def test_template_rollout_writes_stitched_routes(tmp_path):
