@@ -21,7 +21,7 @@
 #                                                 arms' statuses, the calibration, the figure and the table, the warm
 #                                                 start's stats.json / spec.json) and the warm start's fp32 state.pt in
 #                                                 15 MiB parts warm-state.pt.NN when it fits (the default candidates'
-#                                                 are 13.6-51.2 MiB, L8-E64-k8's 99.3: not collected). After a
+#                                                 are 38.4-56.4 MiB; L8-E64-k8 99.3: not collected). After a
 #                                                 calibrate-only run the warm start is the chosen candidate's
 #   bash scripts/gpu/evidence.sh unpack FROM DEST here: FROM = the call's files_at folder; DEST/evidence (the run's
 #                                                 files) and DEST/evidence/warmstart (state.pt joined, its sha256

@@ -275,3 +275,30 @@ def test_calibration_choice_wants_disagreement_accuracy_and_time_in_that_order()
     failed = [{**row("x", 0.5, 0.7, 1), "ran": False, "error": "the warm start failed: boom"}]
     with pytest.raises(evidence.EvidenceError, match="no candidate ran a step: x: the warm start failed: boom"):
         evidence.choose(failed, 0.95)
+
+
+def test_default_candidates_are_cheapest_first_and_their_warm_starts_can_be_carried():
+    """The next session's calibration takes DEFAULT_CANDIDATES as they are: each must parse, they
+    must come cheapest first (a step costs about layers x experts: the calibration takes the first
+    that qualifies), and each warm start's fp32 state.pt must fit what evidence.sh collects and a
+    later session carries (its WARM_MAX_BYTES)."""
+    import re
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from r3bridge.demo.warmstart import EvidenceModelShape, WarmStartOptions
+
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "evidence.sh").read_text()
+    limit_mib = int(re.search(r"^WARM_MAX_BYTES=\$\(\((\d+) \* 1024 \* 1024\)\)", script, re.M).group(1))
+    cands = [evidence_config.parse_candidate(s, EvidenceModelShape(), WarmStartOptions())
+             for s in evidence_config.DEFAULT_CANDIDATES]
+    assert 4 <= len(cands) <= 6 and len({c.name for c in cands}) == len(cands)
+    costs = [c.shape.layers * c.shape.experts for c in cands]
+    assert costs == sorted(costs), [c.name for c in cands]
+    for c in cands:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(c.shape.hf_config(), dtype=torch.float32)
+        mib = sum(v.numel() * 4 for v in model.state_dict().values()) / 2**20
+        assert mib < limit_mib - 1, f"{c.name}: its warm start's state.pt ({mib:.1f} MiB) cannot be carried"
