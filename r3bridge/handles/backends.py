@@ -29,7 +29,15 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from r3bridge.handles.handle import DIGEST_DTYPE, DIGEST_KIND, RouteHandle, RouteHandleError, WriteTimes, layer_major
+from r3bridge.handles.handle import (
+    DIGEST_DTYPE,
+    DIGEST_KIND,
+    RouteHandle,
+    RouteHandleError,
+    WriteTimes,
+    digest_table,
+    layer_major,
+)
 
 __all__ = ["RouteResolver", "RouteBackend", "OpenRoutes", "FileRoutes", "RayRoutes", "KeyValueRoutes",
            "KeyValueStore", "LocalKeyValue"]
@@ -160,8 +168,7 @@ class FileRoutes:
         and written at its place in the file; the header (magic, digest table) last."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        rows, num_layers, _ = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
+        table = digest_table(routes, block_rows)
         head_bytes = len(_MAGIC) + table.nbytes
         data_at = -(-head_bytes // _ALIGN) * _ALIGN
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
@@ -308,7 +315,7 @@ class RayRoutes:
     def write(self, key: str, routes: np.ndarray, block_rows: int,
               times: Optional[WriteTimes] = None) -> tuple[np.ndarray, Any]:
         rows, num_layers, k = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
+        table = digest_table(routes, block_rows)
         clock, put_s = time.perf_counter, 0.0
         if self.per_layer:
             refs = []
@@ -395,8 +402,7 @@ class KeyValueRoutes:
 
     def write(self, key: str, routes: np.ndarray, block_rows: int,
               times: Optional[WriteTimes] = None) -> tuple[np.ndarray, None]:
-        rows, num_layers, _ = routes.shape
-        table = np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
+        table = digest_table(routes, block_rows)
         for j, layer, digests in layer_major(routes, block_rows, times):
             table[j] = digests
             self.kv.put(f"{key}/layer/{j}", layer.tobytes())

@@ -22,7 +22,7 @@ import numpy as np
 
 from r3bridge.errors import PayloadError
 
-__all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "DIGEST_KIND", "DIGEST_DTYPE", "WriteTimes",
+__all__ = ["RouteHandle", "RouteHandleError", "DEFAULT_BLOCK_ROWS", "DIGEST_KIND", "DIGEST_DTYPE", "digest_table", "WriteTimes",
            "layer_digests", "layer_major", "table_digest"]
 
 # Rows per digest block. A rank reads whole blocks (to check them), so a block's edges cost at most
@@ -188,6 +188,13 @@ def layer_digests(layer: np.ndarray, block_rows: int) -> np.ndarray:
         tail[:rest.size] = rest
         out[full] = np.einsum("j,j->", tail.view(np.uint32), weights)
     return out
+
+
+def digest_table(routes: np.ndarray, block_rows: int) -> np.ndarray:
+    """The zeroed ``DIGEST_DTYPE`` ``[L, blocks]`` table a store fills from :func:`layer_major`'s
+    digests for a sample's ``[rows, L, K]`` routes."""
+    rows, num_layers, _ = routes.shape
+    return np.zeros((num_layers, -(-rows // block_rows)), dtype=DIGEST_DTYPE)
 
 
 def layer_major(routes: np.ndarray, block_rows: int, times: Optional[WriteTimes] = None
