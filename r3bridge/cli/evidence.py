@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         # a calibrated run resumes on the model its calibration chose (its warm start is in OUT)
         chosen_name = json.loads((root / "calibration.json").read_text())["chosen"]
         chosen = parse_candidate(chosen_name, shape, warm)
-        cfg.shape, cfg.warm = chosen.shape, chosen.warm(cfg.warm)
+        cfg.shape, cfg.warm, cfg.grpo = chosen.shape, chosen.warm(cfg.warm), chosen.grpo(cfg.grpo)
         print(f"[evidence] --resume: the calibration's choice {chosen_name} (OUT/calibration.json)", file=sys.stderr)
     if candidates:
         root.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ def _run(args: argparse.Namespace) -> int:
                 print_json(calib)
             return 0
         chosen = next(c for c in candidates if c.name == calib["chosen"])
-        cfg.shape, cfg.warm = chosen.shape, chosen.warm(cfg.warm)
+        cfg.shape, cfg.warm, cfg.grpo = chosen.shape, chosen.warm(cfg.warm), chosen.grpo(cfg.grpo)
         warm_from = root / "calib" / chosen.name / "warmstart"
     left = args.wall_s - (time.time() - t0)
     if left <= 30:

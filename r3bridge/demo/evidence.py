@@ -243,7 +243,7 @@ def calibrate(root: Path, base: RunConfig, candidates: Sequence[Candidate], *, d
         d = root / "calib" / cand.name
         d.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig(shape=cand.shape, task=base.task, warm=cand.warm(base.warm),
-                        grpo=dataclasses.replace(base.grpo, steps=steps, checkpoint_every=0),
+                        grpo=dataclasses.replace(cand.grpo(base.grpo), steps=steps, checkpoint_every=0),
                         arms=[Arm("off-s0", "off", 0, engine)], start_gate=str(gate))
         (d / "logs" / "off-s0.ready").unlink(missing_ok=True)
         cfg.save(d)
@@ -315,7 +315,7 @@ def _candidate_row(cand: Candidate, d: Path, returncode: Optional[int], mb_scale
     margins = stats.get("router_margins", {})
     row: dict[str, Any] = {
         "name": cand.name, "shape": dataclasses.asdict(cand.shape), "aux_loss": cand.aux_loss,
-        "router_z_loss": cand.router_z_loss, "lr": cand.lr, "ran": bool(data), "steps": len(data),
+        "router_z_loss": cand.router_z_loss, "lr": cand.lr, "trainer_dtype": cand.trainer_dtype, "ran": bool(data), "steps": len(data),
         "accuracy": stats.get("greedy_accuracy"), "target_accuracy": stats.get("options", {}).get("target_accuracy"),
         "warm_steps": stats.get("steps"), "warm_seconds": stats.get("seconds"),
         "warm_margin_median": margins.get("median"), "warm_margin_below": margins.get("below"),

@@ -52,7 +52,7 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, caps
         assert r["slowest_step_s"] == r["step_s"] and r["gpu_utilization"] is None and r["bound_by"] == "cores"
         assert r["run_s_estimate"] == pytest.approx(r["step_s"] * 2 * 1.3)
         assert set(r["agreement_per_layer"]) == {str(i) for i in range(r["shape"]["layers"])}
-        assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0
+        assert r["warm_margin_median"] > 0 and 0.0 <= r["margin_below"] <= 1.0 and r["trainer_dtype"] is None
     assert "2 of 2 candidate(s) ready" in proc.stderr and (out / "calib" / "GO").exists()   # stepped together
     want = next((n for n, r in rows.items() if r["agreement"] <= 0.999), None)
     if want is None:                        # none qualifies: the least-agreeing one, said so
@@ -295,8 +295,19 @@ def test_default_candidates_are_cheapest_first_and_their_warm_starts_can_be_carr
     cands = [evidence_config.parse_candidate(s, EvidenceModelShape(), WarmStartOptions())
              for s in evidence_config.DEFAULT_CANDIDATES]
     assert 4 <= len(cands) <= 6 and len({c.name for c in cands}) == len(cands)
-    costs = [c.shape.layers * c.shape.experts for c in cands]
+    # the run's own (bf16) trainer first, cheapest first; an fp32-trainer fallback only after all of them
+    own = [c for c in cands if c.trainer_dtype is None]
+    assert cands[:len(own)] == own and all(c.trainer_dtype == "fp32" for c in cands[len(own):])
+    costs = [c.shape.layers * c.shape.experts for c in own]
     assert costs == sorted(costs), [c.name for c in cands]
+    # a candidate's trainer dtype reaches its GRPO options (the calibration arm's and, if chosen, the run's)
+    from r3bridge.demo.evidence_config import GRPOOptions
+    fp32 = evidence_config.parse_candidate("L2-E8-k2-aux0.4-fp32", EvidenceModelShape(), WarmStartOptions())
+    assert fp32.trainer_dtype == "fp32" and fp32.aux_loss == 0.4 and fp32.shape.layers == 2
+    assert fp32.grpo(GRPOOptions(trainer_dtype="bf16")).trainer_dtype == "fp32"
+    assert own[0].grpo(GRPOOptions(trainer_dtype="bf16")).trainer_dtype == "bf16"       # None: the run's own
+    with pytest.raises(ValueError, match="cannot read 'fp16'"):
+        evidence_config.parse_candidate("L2-E8-k2-fp16", EvidenceModelShape(), WarmStartOptions())
     for c in cands:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(c.shape.hf_config(), dtype=torch.float32)
