@@ -118,9 +118,12 @@ def _stderr(s: str) -> None:
 
 
 def source_commit() -> Optional[str]:
-    """The r3bridge commit this run is made from: git's HEAD where this package is a checkout's
-    (``-dirty`` when its files differ from HEAD), else ``R3BRIDGE_COMMIT`` (a copied tree without
-    .git, as on the device), else None (the report says unknown)."""
+    """The r3bridge commit this run is made from: ``R3BRIDGE_COMMIT`` when set (a copied tree, as on
+    the device: its .git, where the copy has one, can be older than the files - 2026-11-29's device
+    copy reported 469d207 for 33cfc8e's files), else git's HEAD where this package is a checkout's
+    (``-dirty`` when its files differ from HEAD), else None (the report says unknown)."""
+    if os.environ.get("R3BRIDGE_COMMIT"):
+        return os.environ["R3BRIDGE_COMMIT"]
     package = Path(__file__).resolve().parent.parent
 
     def git(*argv: str) -> subprocess.CompletedProcess:
@@ -136,7 +139,7 @@ def source_commit() -> Optional[str]:
                 return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("R3BRIDGE_COMMIT") or None
+    return None
 
 
 def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_s: float,
@@ -291,16 +294,20 @@ def _num(x: Any) -> str:
 
 
 def _estimate_runs(rows: list[dict[str, Any]], steps: int, arms: int, side_by_side: float) -> None:
-    """Each candidate's estimated run, the longer of two bounds: its cores (the slowest arm's step
-    x ``side_by_side``) and the GPU (every arm's share of the busy GPU: the utilization measured
-    during its calibration steps, split evenly among the candidates that ran side by side, times
-    the run's arms; kernels of different processes take turns on one GPU)."""
+    """Each candidate's estimated run, the longer of two bounds: its cores (the slowest arm's step,
+    x ``side_by_side`` when the run has more arms than the calibration had candidates side by side;
+    with as many or fewer the calibration's step already bears that load) and the GPU (every arm's
+    share of the busy GPU: the utilization measured during its calibration steps, split evenly
+    among the candidates that ran side by side, times the run's arms; kernels of different
+    processes take turns on one GPU). Calibration 4 (H200): L4-E64-k8 stepped 2.69 s among 6
+    candidates and 2.0-2.4 s as one of 4 arms; x 1.3 there estimated 1,050 s for a run that took
+    657 s, and the only candidate under 0.95 was passed over for not fitting 970 s."""
     side = max(1, sum(1 for r in rows if r["ran"]))
     for r in rows:
         if not r["ran"]:
             continue
         r["run_s_alone"] = r["step_s"] * steps
-        cores = r["slowest_step_s"] * side_by_side
+        cores = r["slowest_step_s"] * (side_by_side if arms > side else 1.0)
         gpu = None if r["gpu_utilization"] is None else arms * r["gpu_utilization"] / 100 / side * r["slowest_step_s"]
         r["run_s_estimate"] = max(cores, gpu or 0.0) * steps
         r["bound_by"] = "GPU" if gpu is not None and gpu > cores else "cores"

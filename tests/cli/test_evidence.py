@@ -272,6 +272,11 @@ def test_calibration_choice_wants_disagreement_accuracy_and_time_in_that_order()
     assert est[0]["bound_by"] == "GPU" and est[0]["run_s_estimate"] == pytest.approx(13 * 0.2 * 1.5 * 300)
     assert est[1]["bound_by"] == "cores" and est[1]["run_s_estimate"] == pytest.approx(1.3 * 300)
     assert "run_s_estimate" not in est[2]
+    # as many arms as candidates ran side by side (or fewer): the calibration's step already bore
+    # that load, no x 1.3 (calibration 4 passed over its only candidate under 0.95 for it)
+    evidence._estimate_runs(est, steps=300, arms=2, side_by_side=1.3)
+    assert est[1]["bound_by"] == "cores" and est[1]["run_s_estimate"] == pytest.approx(1.0 * 300)
+    assert est[0]["bound_by"] == "cores" and est[0]["run_s_estimate"] == pytest.approx(1.5 * 300)
     failed = [{**row("x", 0.5, 0.7, 1), "ran": False, "error": "the warm start failed: boom"}]
     with pytest.raises(evidence.EvidenceError, match="no candidate ran a step: x: the warm start failed: boom"):
         evidence.choose(failed, 0.95)
@@ -313,3 +318,18 @@ def test_default_candidates_are_cheapest_first_and_their_warm_starts_can_be_carr
             model = AutoModelForCausalLM.from_config(c.shape.hf_config(), dtype=torch.float32)
         mib = sum(v.numel() * 4 for v in model.state_dict().values()) / 2**20
         assert mib < limit_mib - 1, f"{c.name}: its warm start's state.pt ({mib:.1f} MiB) cannot be carried"
+
+
+def test_source_commit_prefers_the_commit_the_runner_names(monkeypatch):
+    """On the device the tree is a copy whose .git can be older than its files: R3BRIDGE_COMMIT, when
+    set, is what run.json records; unset, a checkout's HEAD (this one's)."""
+    from pathlib import Path
+
+    monkeypatch.delenv("R3BRIDGE_COMMIT", raising=False)
+    here = evidence.source_commit()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(evidence.__file__).parent, capture_output=True,
+                          text=True).stdout.strip()
+    # a checkout: its HEAD (-dirty while files differ); a tree without .git: unknown
+    assert (here or "").split("-")[0] == head
+    monkeypatch.setenv("R3BRIDGE_COMMIT", "33cfc8e")
+    assert evidence.source_commit() == "33cfc8e"
