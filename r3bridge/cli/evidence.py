@@ -68,6 +68,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default=None,
                    help="megatron trainer: bf16 params + fp32 main weights (default on cuda) or fp32 (cpu)")
     r.add_argument("--spec", choices=["local", "te"], default="local", help="trainer layer spec (te: cuda)")
+    r.add_argument("--grpo-router-losses", choices=["off", "warm"], default="off",
+                   help="warm: the trainer keeps the warm start's load-balancing and z-loss during GRPO (as "
+                        "megatron's moe_aux_loss_coeff / moe_z_loss_coeff), which holds the routers' margins "
+                        "where the warm start left them; off: the GRPO loss alone (default)")
     r.add_argument("--sft-steps", type=int, default=None,
                    help="warm-start steps at most (default 3000; it stops at 60%% greedy accuracy or after 150 s)")
     r.add_argument("--sft-batch", type=int, default=None, help="warm-start batch (default 256)")
@@ -198,6 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         grpo = GRPOOptions(steps=args.steps, prompts=args.prompts, group=args.group, mini_batches=args.mini_batches,
                            device=args.device, trainer_dtype=args.trainer_dtype or ("bf16" if cuda else "fp32"),
                            layer_spec=args.spec, checkpoint_every=args.checkpoint_every,
+                           router_losses=args.grpo_router_losses,
                            vllm_kv_cache_mb=_kv_cache_mb(biggest, args.prompts * args.group,
                                                          task.max_prompt_len + task.max_response_len),
                            **({} if args.lr is None else {"lr": args.lr}))

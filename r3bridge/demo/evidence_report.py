@@ -14,7 +14,7 @@ import gzip
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,6 +86,15 @@ def load_logs(path: str | Path) -> list[ArmLog]:
 MERGE_IGNORES = ("vllm_kv_cache_mb", "checkpoint_every")
 
 
+def _grpo_defaults() -> dict[str, Any]:
+    from r3bridge.demo.evidence_config import GRPOOptions
+
+    return asdict(GRPOOptions())
+
+
+_DEFAULTS = {"shape": dict, "task": dict, "grpo": _grpo_defaults}
+
+
 def _run_json(path: Path) -> Optional[dict[str, Any]]:
     """The run.json of a run folder, or the one next to a logs folder (``collect`` copies it there)."""
     root = Path(path)
@@ -123,8 +132,10 @@ def load_runs(paths: list[str | Path]) -> tuple[list[ArmLog], list[dict[str, Any
                                     "warm starts do not compare)")
             bad = []
             for part in ("shape", "task", "grpo"):
-                want = {k: v for k, v in first["run_json"][part].items() if k not in MERGE_IGNORES}
-                have = r["run_json"][part]
+                # an option a run predates is its default (router_losses came after 33cfc8e's arms)
+                want = {**_DEFAULTS[part](), **first["run_json"][part]}
+                want = {k: v for k, v in want.items() if k not in MERGE_IGNORES}
+                have = {**_DEFAULTS[part](), **r["run_json"][part]}
                 bad += [f"{part}.{k} ({want[k]!r} vs {have.get(k)!r})" for k in want if have.get(k) != want[k]]
             if bad:
                 raise EvidenceError(f"cannot merge runs: {first['folder']} and {r['folder']} differ in "

@@ -57,7 +57,7 @@ from r3bridge.demo.hf_to_mcore import (
     to_te_names,
 )
 from r3bridge.demo.job import batch_to, count_agreement
-from r3bridge.demo.warmstart import margins_of
+from r3bridge.demo.warmstart import WarmStartOptions, margins_of
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
 from r3bridge.testing.harness.dist import RankContext
@@ -314,12 +314,39 @@ class StepLog:
         self.fp.close()
 
 
+def trainer_router_losses(warm: WarmStartOptions, hf_config: Any) -> tuple[float, Optional[float]]:
+    """megatron's ``moe_aux_loss_coeff`` and ``moe_z_loss_coeff`` that give the GRPO trainer's routers
+    the warm start's router losses (GRPOOptions.router_losses = "warm").
+
+    The z-loss is the same per MoE layer on both sides (mean logsumexp^2, summed over layers). The
+    load-balancing loss is not: HF's ``load_balancing_loss_func`` is one switch loss over the tokens
+    of every MoE layer concatenated, whose gradient on a token's router probability is
+    ``aux * top_k * load / (tokens * moe_layers)`` (``load``: the expert's share of all layers'
+    routing); megatron's is one switch loss per layer, ``coeff * load_of_the_layer / tokens``. So
+    ``coeff = aux * top_k / moe_layers`` pulls against an imbalance the layers share as the warm start
+    did (one layer's own imbalance harder)."""
+    moe_layers = hf_config.num_hidden_layers - len(getattr(hf_config, "mlp_only_layers", None) or [])
+    aux = warm.aux_loss * hf_config.num_experts_per_tok / max(1, moe_layers)
+    return aux, (warm.router_z_loss if warm.router_z_loss > 0 else None)
+
+
+def _take_router_losses(m: dict[str, float], updates: int, moe_layers: int) -> None:
+    """The update passes' router losses from megatron's aux-loss tracker (each pass adds its value
+    per layer, before the coefficient), as means per MoE layer and update; then cleared for the
+    next step. Nothing is logged when no router loss is on (the tracker stays empty)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        m[f"actor/router/{name}"] = float(entry["values"].sum()) / max(1, updates * moe_layers)
+    clear_aux_losses_tracker()
+
+
 # ------------------------------------------------------------------------------------- the arm
 class ArmRunner:
     """Builds the trainer from the warm start and runs the arm's steps."""
 
     def __init__(self, ctx: RankContext, run_dir: Path, arm: Arm, opts: GRPOOptions, shape: Any,
-                 task: task_mod.AdditionTask, engine: Optional[Engine]) -> None:
+                 task: task_mod.AdditionTask, engine: Optional[Engine], warm: Optional[WarmStartOptions] = None) -> None:
         from r3bridge.megatron import Replayer
 
         self.ctx, self.run_dir, self.arm, self.opts, self.task = ctx, run_dir, arm, opts, task
@@ -328,10 +355,15 @@ class ArmRunner:
         self.te = opts.layer_spec == "te"
         bf16 = opts.trainer_dtype == "bf16"
         spec = spec_from_hf(self.cfg)
-        extra = {**spec.extra_config, "moe_aux_loss_coeff": 0.0}
+        aux, z = 0.0, None
+        if opts.router_losses == "warm":
+            if warm is None:
+                raise ValueError("router_losses='warm' needs the warm start's options")
+            aux, z = trainer_router_losses(warm, self.cfg)
+        extra = {**spec.extra_config, "moe_aux_loss_coeff": aux, "moe_z_loss_coeff": z}
         if bf16:
             extra.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-        spec = dataclasses.replace(spec, layer_spec=opts.layer_spec, extra_config=extra, moe_aux_loss_coeff=0.0)
+        spec = dataclasses.replace(spec, layer_spec=opts.layer_spec, extra_config=extra, moe_aux_loss_coeff=aux)
         chunks = build_model_chunks(spec, ctx)
         reference = hf_to_mcore(self.hf_ref, self.cfg)
         load_reference_state(chunks, to_te_names(reference) if self.te else reference, ctx)
@@ -582,6 +614,7 @@ class ArmRunner:
                 shift = (out[0]["logp"] - per[id(b)]["old_lp"]).abs()[mask]
                 m["actor/first_update/abs_log_ratio"] = float(shift.mean())
         _put_mismatch(m, "actor/r3bridge/update/mismatch/", sums)
+        _take_router_losses(m, self.mini_batches, len(self.moe_ids))
         m.update({"actor/pg_loss": float(np.mean([x["loss"] for x in stats])),
                   "actor/pg_clipfrac": float(np.mean([x["clipfrac"] for x in stats])),
                   "actor/ppo_kl": float(np.mean([x["ppo_kl"] for x in stats])),
@@ -629,7 +662,7 @@ def _run_one(ctx: RankContext, root: Path, run: RunConfig, arm: Arm, engine: Opt
     meta: dict[str, Any] = {"arm": asdict(arm), "grpo": asdict(run.grpo), "status": "running",
                             "engine_version": getattr(engine, "version", None), "started": time.time()}
     meta_path.write_text(json.dumps(meta, indent=1))
-    runner = ArmRunner(ctx, root, arm, run.grpo, run.shape, run.task, engine)
+    runner = ArmRunner(ctx, root, arm, run.grpo, run.shape, run.task, engine, warm=run.warm)
     start = runner.restore() if run.resume else 0
     if run.start_gate:
         (root / "logs" / f"{arm.name}.ready").touch()

@@ -13,8 +13,9 @@
 #                                                 warm start (collect's evidence/warmstart, carried here), no
 #                                                 calibration, only the ARMs named (e.g. off-s1 R2-s1 R3-s1; or
 #                                                 one comma-separated word), with the same settings ($SESSION_ARGS,
-#                                                 --wall-s $WALL_S, and the trainer dtype of WARMDIR/../run.json
-#                                                 where collect put one); the model and task are the warm start's
+#                                                 --wall-s $WALL_S, and the trainer dtype and GRPO router losses of
+#                                                 WARMDIR/../run.json where collect put one); the model and task are
+#                                                 the warm start's
 #   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
 #   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
 #   bash scripts/gpu/evidence.sh collect          into $OUT (what comes back from the device: at most 8 files of
@@ -72,13 +73,15 @@ start|start-from)
     [ $# -ge 3 ] || { echo "usage: $0 start-from WARMDIR ARM..." >&2; exit 2; }
     warm=$2; shift 2
     arms=$(IFS=,; echo "$*")
-    # the trainer dtype the earlier session's arms ran with (a calibration may choose an -fp32
-    # candidate): collect puts run.json beside warmstart/; the report refuses arms that differ
-    dtype=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['grpo']['trainer_dtype'])" \
+    # the trainer dtype and GRPO router losses the earlier session's arms ran with (a calibration may
+    # choose an -fp32 candidate): collect puts run.json beside warmstart/; the report refuses arms
+    # whose settings differ
+    same=$(python -c "import json, sys; g = json.load(open(sys.argv[1]))['grpo']; \
+print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('router_losses', 'off'))" \
       "$warm/../run.json" 2>/dev/null || true)
-    [ -n "$dtype" ] && echo "start-from: trainer dtype $dtype (from $warm/../run.json)"
+    [ -n "$same" ] && echo "start-from: $same (from $warm/../run.json)"
     # shellcheck disable=SC2086
-    set -- $SESSION_ARGS ${dtype:+--trainer-dtype "$dtype"} --warm-start "$warm" --arms "$arms" --wall-s "$WALL_S"
+    set -- $SESSION_ARGS $same --warm-start "$warm" --arms "$arms" --wall-s "$WALL_S"
   else
     shift
     # shellcheck disable=SC2086

@@ -105,6 +105,7 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, caps
     r3 = logs["R3-mb1-s0"][0]["data"]
     assert 0.8 < r3["actor/r3bridge/update/coverage"] < 1.0 and r3["actor/r3bridge/old_log_prob/coverage"] > 0.8
     assert "actor/r3bridge/update/coverage" not in first["off-s0"]
+    assert not any(k.startswith("actor/router/") for k in first["off-s0"])    # no router loss by default
     # the noise floor: the engine is the trainer's own forward, so under R3 compute_log_prob repeats
     # it exactly on the CPU: not a rounding error, no router flip
     for line in logs["floor-s0"]:
@@ -180,12 +181,19 @@ def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
     shutil.copytree(out2, other, ignore=shutil.ignore_patterns("ckpt", "model", "warmstart"))
     doc = json.loads((other / "run.json").read_text())
     for change, message in ((lambda d: d.update(warm_start_sha256="0" * 64), "warm start 000000000000 is not"),
-                            (lambda d: d["grpo"].update(lr=1e-3), "differ in grpo.lr (0.0001 vs 0.001)")):
+                            (lambda d: d["grpo"].update(lr=1e-3), "differ in grpo.lr (0.0001 vs 0.001)"),
+                            (lambda d: d["grpo"].update(router_losses="warm"),
+                             "differ in grpo.router_losses ('off' vs 'warm')")):
         changed = json.loads(json.dumps(doc))
         change(changed)
         (other / "run.json").write_text(json.dumps(changed))
         assert main(["evidence", "report", str(out), str(other), "--out", ""]) == 2
         assert "cannot merge runs" in (err := capsys.readouterr().err) and message in err, err
+    # a run from before an option existed (router_losses: 2026-11-29's arms) holds its default
+    older = json.loads(json.dumps(doc))
+    del older["grpo"]["router_losses"]
+    (other / "run.json").write_text(json.dumps(older))
+    assert len(evidence_report.load_runs([out, other])[1]) == 2
     (other / "run.json").write_text(json.dumps(doc))
     with pytest.raises(evidence_config.EvidenceError, match="arm R3-mb1-s0 is in both"):
         evidence_report.load_runs([out2, other])
