@@ -3,7 +3,7 @@ routes checked row by row and recorded as CPU fixtures (issue 46, item 2).
 
 Engine side only, as ``scripts/gpu/sglang_routes.py``: no megatron-core, TE, ray or verl on the
 device (the replay in megatron-core runs on the CPU from the recorded payloads:
-``tests/engine/test_vllm026_payloads.py``). Everything goes through vLLM 0.26.0's own
+``tests/engine/test_vllm026_checks.py``). Everything goes through vLLM 0.26.0's own
 ``LLM.generate`` with ``enable_return_routed_experts`` on tiny Qwen3-MoE checkpoints saved here
 (random weights drawn from (seed, parameter name), no hub, no tokenizer: ``skip_tokenizer_init``).
 
