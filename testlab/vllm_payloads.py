@@ -141,9 +141,10 @@ def recorded_case(payloads: Payloads, model: Any) -> Any:
 
 
 def replay_recorded_rank(ctx: Any, paths: Sequence[str], head_dim: int) -> dict[str, dict]:
-    """A rank function (``spawn_layouts``): recorded payload files of ``vllm_routes.MODEL_A``, served
-    with heads ``head_dim`` wide (vLLM 0.26.0's run: 64), replayed under R3 in the megatron-core
-    model converted from that HF model (``sglang_routes.replay_cases``), every router row checked."""
+    """A rank function (``spawn_layouts``): recorded payload files of ``vllm_routes``' models A and B
+    (told apart by ``meta["model_seed"]``), served with heads ``head_dim`` wide (vLLM 0.26.0's run:
+    64), replayed under R3 in the megatron-core model converted from each HF model
+    (``sglang_routes.replay_cases``), every router row checked."""
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,9 +154,14 @@ def replay_recorded_rank(ctx: Any, paths: Sequence[str], head_dim: int) -> dict[
     import sglang_routes
     import vllm_routes
 
-    model = vllm_routes.MODEL_A
-    cases = [recorded_case(load_payloads(p), model) for p in paths]
-    return sglang_routes.replay_cases(ctx, vllm_routes.hf_config(model, head_dim=head_dim), model.seed, cases)
+    out: dict[str, dict] = {}
+    pays = [load_payloads(p) for p in paths]
+    for model in (vllm_routes.MODEL_A, vllm_routes.MODEL_B):
+        cases = [recorded_case(p, model) for p in pays if p.meta["model_seed"] == model.seed]
+        if cases:
+            out.update(sglang_routes.replay_cases(ctx, vllm_routes.hf_config(model, head_dim=head_dim), model.seed,
+                                                  cases))
+    return out
 
 
 # ------------------------------------------------------------------------------------ the releases' formats
