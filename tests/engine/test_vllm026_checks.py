@@ -10,7 +10,8 @@ routes equal the reference's row by row (and byte for byte) with the same output
 the script's comparisons recomputed here give the numbers its ``vllm026_routes.json`` recorded.
 A payload whose layer 0 holds the draft model's choices (vLLM #48622's corruption before 0.26.0,
 written here over the real draft run's routes) is valid in every shape and dtype, decodes through
-0.26.0's decoder, and only the canary names it.
+0.26.0's decoder, and only the canary names it. Every recorded payload (the direct cases too)
+replays exactly under R3 in the megatron-core model converted from the HF model vLLM served.
 
 **Heads of 64.** The device run set ``R3E2E_HEAD_DIM=64`` (recorded in ``vllm026_routes.json``'s
 ``variant_environment``; heads of 8 stall in 0.26.0's FlashAttention call). The weights are drawn
