@@ -125,6 +125,45 @@ def load_payloads(path: str) -> Payloads:
     return Payloads(routes, prompts, outputs, meta)
 
 
+def recorded_case(payloads: Payloads, model: Any) -> Any:
+    """A recorded payload file as ``scripts/gpu/vllm_routes.Case`` (what its ``replay_case`` takes):
+    one sample per request, or, when a request starts at a later row (``prompt_start``), one sample
+    of the two calls stitched (the last request's tokens)."""
+    import vllm_routes
+
+    facts = {k: payloads.meta[k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
+    name, n = payloads.meta["case"], len(payloads.routes)
+    if any(payloads.prompt_starts):
+        return vllm_routes.Case(name, model, [payloads.tokens(n - 1)], [list(payloads.routes)],
+                                [payloads.prompt_starts], payloads, facts, payloads.meta.get("version"))
+    return vllm_routes.Case(name, model, [payloads.tokens(i) for i in range(n)], [[r] for r in payloads.routes],
+                            [[0]] * n, payloads, facts, payloads.meta.get("version"))
+
+
+def replay_recorded_rank(ctx: Any, paths: Sequence[str], head_dim: int) -> dict[str, dict]:
+    """A rank function (``spawn_layouts``): recorded payload files of ``vllm_routes``' models A and B
+    (told apart by ``meta["model_seed"]``), served with heads ``head_dim`` wide (vLLM 0.26.0's run:
+    64), replayed under R3 in the megatron-core model converted from each HF model
+    (``sglang_routes.replay_cases``), every router row checked."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for p in (os.path.join(root, "scripts", "gpu"), os.path.join(root, "tests", "megatron")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import sglang_routes
+    import vllm_routes
+
+    out: dict[str, dict] = {}
+    pays = [load_payloads(p) for p in paths]
+    for model in (vllm_routes.MODEL_A, vllm_routes.MODEL_B):
+        cases = [recorded_case(p, model) for p in pays if p.meta["model_seed"] == model.seed]
+        if cases:
+            out.update(sglang_routes.replay_cases(ctx, vllm_routes.hf_config(model, head_dim=head_dim), model.seed,
+                                                  cases))
+    return out
+
+
 # ------------------------------------------------------------------------------------ the releases' formats
 # One request's routes (vLLM 0.24's array: [tokens - 1 - start, num_hidden_layers, K]) in the form
 # another vLLM release ships them, as its source defines it (r3bridge/engines/route_formats.py

@@ -271,9 +271,18 @@ class RecordedCase:
 
 
 def replay_rank(ctx: Any, payloads: list[dict], seed: int) -> dict[str, dict]:
-    """In a rank of ``r3bridge.testing.harness.dist.spawn_layouts``: the megatron-core model converted
-    from the same HF model the engine served (local spec, fp32, the rank's device), every recorded
-    case replayed under R3 with every router row checked against the engine's routes
+    """In a rank of ``r3bridge.testing.harness.dist.spawn_layouts``: every recorded SGLang case of
+    one model replayed in the megatron-core model converted from the HF model the engine served
+    (:func:`replay_cases`)."""
+    facts = {k: payloads[0][k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
+    dense = tuple(i for i in range(facts["num_hidden_layers"]) if i not in facts["moe_layer_ids"])
+    return replay_cases(ctx, hf_config(facts["num_experts"], dense), seed, [RecordedCase(p) for p in payloads])
+
+
+def replay_cases(ctx: Any, cfg: Any, seed: int, cases: list[Any]) -> dict[str, dict]:
+    """The megatron-core model converted from the HF model ``(cfg, seed)`` an engine served (local
+    spec, fp32, the rank's device), every case (``.name``, ``.tokens``, ``.facts``,
+    ``.replay_batch``) replayed under R3 with every router row checked against the engine's routes
     (``vllm_routes.replay_case``: a native pass for agreement, then an R3 forward)."""
     import dataclasses
 
@@ -284,9 +293,6 @@ def replay_rank(ctx: Any, payloads: list[dict], seed: int) -> dict[str, dict]:
     from r3bridge.megatron import Replayer
     from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
 
-    facts = {k: payloads[0][k] for k in ("num_experts", "num_hidden_layers", "topk", "moe_layer_ids")}
-    dense = tuple(i for i in range(facts["num_hidden_layers"]) if i not in facts["moe_layer_ids"])
-    cfg = hf_config(facts["num_experts"], dense)
     state = {k: v.detach().clone() for k, v in build_reference(cfg, seed).state_dict().items()}
     spec = spec_from_hf(cfg, attention="real")
     spec = dataclasses.replace(spec, extra_config={**spec.extra_config, "params_dtype": torch.float32})
@@ -296,9 +302,9 @@ def replay_rank(ctx: Any, payloads: list[dict], seed: int) -> dict[str, dict]:
     chunks = [c.to(device) for c in chunks]
     rep = Replayer(chunks)
     out: dict[str, dict] = {}
-    for p in payloads:
-        out[p["case"]] = {}
-        replay_case(RecordedCase(p), chunks, rep, ctx, out[p["case"]], device=device, thd=False)
+    for case in cases:
+        out[case.name] = {}
+        replay_case(case, chunks, rep, ctx, out[case.name], device=device, thd=False)
     return out
 
 

@@ -9,7 +9,8 @@
 #                                                (the machine keeps ~/stash only while warm: 30 s idle)
 #   device: vllm026_device.sh install DIR/qN     join, check, pip install --target /tmp/site-vllm026
 #   device: vllm026_device.sh run ARGS...        PYTHONPATH and VLLM_USE_FLASHINFER_SAMPLER=0 set, then
-#                                                python3 scripts/gpu/vllm026_routes.py ARGS
+#                                                python3 scripts/gpu/vllm026_routes.py ARGS (pass
+#                                                --variant inproc_hd64: heads of 64 are required, below)
 #   device: vllm026_device.sh variants [--budget S] [ARGS...]   (ARGS: more vllm026_routes.py options)
 #                                                probe each of VARIANTS in order (one engine, one generate,
 #                                                every process's stacks dumped to its log if it hangs), then
@@ -50,12 +51,14 @@ variants)
   shift; budget=290
   if [ "${1:-}" = --budget ]; then budget=$2; shift 2; fi
   out=${OUT:?variants writes under \$OUT}; mkdir -p "$out"; t0=$(date +%s)
-  # in order (docs/gpu-results/vllm-0.26.0/README.md: 2026-11-29's two calls stopped in the first
-  # forward's attention kernel, FA3 and FA2 alike, with model A's heads of 8): FA3 with heads of 64
-  # (the likely fix; the full run follows when it returns), Triton attention with heads of 64 (no
-  # FlashAttention binary), then heads of 8 with synchronous launches (diagnosis: which kernel never
-  # ends). ~60 s a probe that returns, ~90 s one that hangs. Second-call diagnoses, alone on the GPU:
-  # VARIANTS=inproc_noaot, VARIANTS=inproc_hd8_long GEN_S=150 PROBE_S=200 (a slow first launch?).
+  # Heads of 64 are required on 0.26.0 (docs/gpu-results/vllm-0.26.0/README.md): with model A's
+  # default heads of 8 the first forward's FlashAttention call never returned (FA3 and FA2, calls 1
+  # and 2); with R3E2E_HEAD_DIM=64 (inproc_hd64) FA3 returned and the full run passed (call 3: probe
+  # 53 s, everything 156 s, rc 0). So inproc_hd64 comes first; Triton attention with heads of 64 (no
+  # FlashAttention binary) is the fallback should FA3 fail another way; heads of 8 with synchronous
+  # launches (inproc_sync) only names the kernel that never ends (diagnosis, never the full run).
+  # ~60 s a probe that returns, ~90 s one that hangs. More diagnoses of the heads-of-8 stall, alone on
+  # the GPU: VARIANTS=inproc_noaot, VARIANTS=inproc_hd8_long GEN_S=150 PROBE_S=200 (a slow first launch?).
   # VARIANTS=... overrides the order, e.g. a second call straight to the variant a first one found.
   VARIANTS=${VARIANTS:-"inproc_hd64 inproc_triton_hd64 inproc_sync"}
   PROBE_ONLY="inproc_noroutes inproc_sync inproc_noaot inproc_hd8_long"   # never the full run's settings
@@ -82,5 +85,5 @@ variants)
     --out "$out/full" "${dry[@]}" "$@" 2>&1 | tee "$out/full.log"
   rc=${PIPESTATUS[0]}; echo "full run ($chosen): rc $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/variants.txt"
   exit "$rc" ;;
-*) sed -n 2,25p "$0"; exit 2 ;;
+*) sed -n 2,24p "$0"; exit 2 ;;
 esac

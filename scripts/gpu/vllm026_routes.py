@@ -3,7 +3,7 @@ routes checked row by row and recorded as CPU fixtures (issue 46, item 2).
 
 Engine side only, as ``scripts/gpu/sglang_routes.py``: no megatron-core, TE, ray or verl on the
 device (the replay in megatron-core runs on the CPU from the recorded payloads:
-``tests/engine/test_vllm026_payloads.py``). Everything goes through vLLM 0.26.0's own
+``tests/engine/test_vllm026_checks.py``). Everything goes through vLLM 0.26.0's own
 ``LLM.generate`` with ``enable_return_routed_experts`` on tiny Qwen3-MoE checkpoints saved here
 (random weights drawn from (seed, parameter name), no hub, no tokenizer: ``skip_tokenizer_init``).
 
@@ -33,7 +33,9 @@ result), 1 when one could not start (the error is the result).
 pool, the attention backend, the heads' width) and ``--probe`` runs one engine and one ``generate``
 only, dumping every thread's stack if it does not return: ``vllm026_device.sh variants`` probes them
 in order after 0.26.0's ``generate`` never returned with vLLM's defaults, then runs everything with
-the first that returned routes (never a diagnosis-only variant: ``PROBE_ONLY``).
+the first that returned routes (never a diagnosis-only variant: ``PROBE_ONLY``). ``inproc_hd64``
+(model A's heads 64 wide) is the one that ran (2026-11-29, docs/gpu-results/vllm-0.26.0): with heads
+of 8, 0.26.0's FlashAttention call never returns.
 """
 from __future__ import annotations
 
@@ -199,10 +201,11 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any], str]] = {
     # inproc_flex was still in inductor's compile at 30 s. Model A's heads are 8 wide (testlab's
     # tiny_qwen3_moe default): FA3 has no hdim-8 kernel (rounded up to its smallest), TRITON_ATTN
     # refuses < 32 (triton_attn.py:386-387), and 0.26.0 changed the FlashAttention KV page to K and V
-    # interleaved per token (flash_attn.py:141/878 vs 0.24.0's :149/768). The next probes:
+    # interleaved per token (flash_attn.py:141/878 vs 0.24.0's :149/768). The next probes
+    # (third call: inproc_hd64 returned and the full run passed, so heads of 8 were the trigger):
     "inproc_hd64": (dict(IN_PROCESS, R3E2E_HEAD_DIM="64"), {},
-                    "FA3 with heads of 64 (a head size FA3 compiles; SGLang's runs used 64): is head_dim 8 "
-                    "the cause?"),
+                    "FA3 with heads of 64 (a head size FA3 compiles; SGLang's runs used 64): the setting "
+                    "that ran (heads of 8 stall in 0.26.0's FlashAttention call)"),
     "inproc_triton_hd64": (dict(IN_PROCESS, R3E2E_HEAD_DIM="64"), {"attention_backend": "TRITON_ATTN"},
                            "Triton attention (no FlashAttention binary at all; it needs heads >= 32)"),
     "inproc_sync": (dict(IN_PROCESS, CUDA_LAUNCH_BLOCKING="1"), {},

@@ -74,11 +74,12 @@ MODEL_A = ModelCase("A", num_experts=32, topk=4, dense=(), engine=dict(
 MODEL_B = ModelCase("B", num_experts=320, topk=4, dense=(0,), seed=12, engine=dict(enforce_eager=True))
 
 
-def hf_config(m: ModelCase) -> Any:
+def hf_config(m: ModelCase, head_dim: Optional[int] = None) -> Any:
+    """``head_dim``: None takes ``tiny_qwen3_moe``'s (8, or ``R3E2E_HEAD_DIM``: vLLM 0.26.0 ran with 64)."""
     from testlab.mbridge_spec import tiny_qwen3_moe
 
     return tiny_qwen3_moe(num_layers=m.num_layers, dense=m.dense, num_experts=m.num_experts, topk=m.topk,
-                          vocab=64, max_positions=256)
+                          vocab=64, max_positions=256, head_dim=head_dim)
 
 
 def write_checkpoint(path: str, m: ModelCase) -> tuple[Any, dict]:
@@ -109,6 +110,7 @@ class Case:
     starts: list[list[int]]                     # per sample, each call's routed_experts_prompt_start
     payloads: Any = None                        # testlab.vllm_payloads.Payloads of every call
     facts: dict[str, Any] = field(default_factory=dict)
+    engine_version: Optional[str] = None        # the vLLM release that returned them (its decoder reads them)
 
     def replay_batch(self, facts: dict[str, Any]) -> Any:
         """The rollout's routes as r3bridge ingests them: one call per sample through
@@ -118,7 +120,7 @@ class Case:
 
         if all(len(c) == 1 and s == [0] for c, s in zip(self.calls, self.starts)):
             return ReplayBatch.from_vllm([c[0] for c in self.calls], num_experts=facts["num_experts"],
-                                         moe_layer_ids=facts["moe_layer_ids"])
+                                         moe_layer_ids=facts["moe_layer_ids"], engine_version=self.engine_version)
         return rollout_routes(self.calls, num_experts=facts["num_experts"], moe_layer_ids=facts["moe_layer_ids"],
                               start_rows=self.starts)
 

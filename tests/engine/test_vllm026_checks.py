@@ -1,12 +1,23 @@
-"""The row-by-row checks ``scripts/gpu/vllm026_routes.py`` runs on vLLM 0.26.0's speculative-decoding
-payloads, exercised on routes a real vLLM returned (``tests/fixtures/vllm/``, vLLM 0.24.0 on the GPU).
+"""The row-by-row checks ``scripts/gpu/vllm026_routes.py`` ran on vLLM 0.26.0's speculative-decoding
+payloads, rerun on the CPU from what vLLM 0.26.0 returned on 1 x H200 (``tests/fixtures/vllm026/``,
+2026-11-29, docs/gpu-results/vllm-0.26.0).
 
-vLLM 0.26.0 itself has not returned a payload yet: it installed and started on the H200 but its
-``generate`` did not come back (docs/gpu-results/vllm-0.26.0/README.md). What the script will
-conclude from such a payload is tested here: a payload whose layer 0 holds a draft model's choices
-(vLLM #48622's corruption, before 0.26.0) is valid in every shape and dtype, decodes through the
-0.22-0.30 decoder as "0.26.0", and only ``agreement_canaries`` names it, against the HF reference
-and against the run without speculation alike; the clean payload raises no canary.
+The run (``vllm026_device.sh variants``, variant ``inproc_hd64``) served model A (4 MoE layers, 32
+experts top-4) three times with the same settings: ``spec_reference`` (no speculation), ``spec_ngram``
+(prompt lookup) and ``spec_draft`` (a one-layer MoE draft model). Here: both speculative runs'
+routes equal the reference's row by row (and byte for byte) with the same outputs, and neither
+``agreement_canaries`` comparison (against the reference, against the fp32 HF model) says a word;
+the script's comparisons recomputed here give the numbers its ``vllm026_routes.json`` recorded.
+A payload whose layer 0 holds the draft model's choices (vLLM #48622's corruption before 0.26.0,
+written here over the real draft run's routes) is valid in every shape and dtype, decodes through
+0.26.0's decoder, and only the canary names it. Every recorded payload (the direct cases too)
+replays exactly under R3 in the megatron-core model converted from the HF model vLLM served.
+
+**Heads of 64.** The device run set ``R3E2E_HEAD_DIM=64`` (recorded in ``vllm026_routes.json``'s
+``variant_environment``; heads of 8 stall in 0.26.0's FlashAttention call). The weights are drawn
+per parameter name and shape, so the fp32 HF reference (and the draft model) are rebuilt here with
+the recorded head width, through the same ``tiny_qwen3_moe`` and environment variable the device
+used; built with the default heads of 8 the same seed is another model (agreement near 0).
 """
 from __future__ import annotations
 
@@ -14,30 +25,50 @@ import copy
 import json
 import os
 
+import numpy as np
 import pytest
 
 from testlab.gpu_scripts import gpu_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "vllm", "vllm_routes_chunked_prefill.npz")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "vllm026")
+SPEC_RUNS = ("spec_ngram", "spec_draft")
+
+
+def recorded_summary() -> dict:
+    with open(os.path.join(FIXTURES, "vllm026_routes.json")) as f:
+        return json.load(f)
+
+
+def _models(head_dim: str):
+    """Model A's fp32 HF reference, its facts and the draft model, built as the device run built
+    them with ``R3E2E_HEAD_DIM=head_dim``."""
+    from r3bridge.demo.hf_engine import build_hf_model
+
+    v = gpu_script("vllm026_routes")
+    routes = gpu_script("vllm_routes")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("R3E2E_HEAD_DIM", head_dim)
+        cfg, dcfg = routes.hf_config(routes.MODEL_A), v.draft_config()
+    assert cfg.head_dim == dcfg.head_dim == int(head_dim)
+    ref = v.hf_reference(cfg, build_hf_model(cfg, seed=routes.MODEL_A.seed, router_std=routes.ROUTER_STD).state_dict())
+    draft = v.hf_reference(dcfg, build_hf_model(dcfg, seed=v.DRAFT_SEED, router_std=routes.ROUTER_STD).state_dict())
+    return routes._facts(cfg), ref, draft
 
 
 @pytest.fixture(scope="module")
 def setup():
-    """The recorded payload (model A: 4 MoE layers, 32 experts top-4), the HF model it was served
-    from (fp32) and the script's one-layer MoE draft model, as the GPU run builds them."""
-    from r3bridge.demo.hf_engine import build_hf_model
+    """The three recorded runs, and model A's HF reference and draft with the run's head width."""
     from testlab.vllm_payloads import load_payloads
 
     v = gpu_script("vllm026_routes")
-    routes = gpu_script("vllm_routes")
-    pay = load_payloads(FIXTURE)
-    cfg = routes.hf_config(routes.MODEL_A)
-    facts = routes._facts(cfg)
-    ref = v.hf_reference(cfg, build_hf_model(cfg, seed=routes.MODEL_A.seed, router_std=routes.ROUTER_STD).state_dict())
-    draft = v.hf_reference(v.draft_config(), build_hf_model(v.draft_config(), seed=v.DRAFT_SEED,
-                                                            router_std=routes.ROUTER_STD).state_dict())
-    return v, pay, facts, ref, draft
+    summary = recorded_summary()
+    assert summary["ran"] is True and summary["environment"]["vllm"] == "0.26.0"
+    head_dim = summary["variant_environment"]["R3E2E_HEAD_DIM"]
+    assert head_dim == "64"
+    pays = {n: load_payloads(os.path.join(FIXTURES, f"vllm026_{n}.npz")) for n in ("spec_reference", *SPEC_RUNS)}
+    facts, ref, draft = _models(head_dim)
+    return v, pays, facts, ref, draft, summary
 
 
 def _draft_wrote_layer_0(pay, draft):
@@ -50,29 +81,50 @@ def _draft_wrote_layer_0(pay, draft):
     return bad
 
 
-def test_clean_payload_raises_no_canary(setup):
-    v, pay, facts, ref, _ = setup
-    vs_hf = v._merged(pay, None, ref, facts)
-    assert vs_hf["rows"] == sum(len(r) for r in pay.routes) == 141
-    assert 0.9 < vs_hf["agreement"] < 1.0                       # bf16 engine vs fp32 reference: drift, not replay
-    assert v.canaries(vs_hf) == []
-    same = v._merged(pay, pay, None, facts)
-    assert same["agreement"] == 1.0 and same["differing"] == {} and v.canaries(same) == []
-    assert v.decode_check(pay, "0.26.0") == {"decode": "ok", "rows": 141}
+@pytest.mark.parametrize("name", SPEC_RUNS)
+def test_speculative_runs_replay_the_reference_row_by_row(setup, name):
+    v, pays, facts, ref, _, summary = setup
+    base, pay = pays["spec_reference"], pays[name]
+    counters = pay.meta["spec_counters"]
+    assert counters["vllm:spec_decode_num_drafts"] > 0 and counters["vllm:spec_decode_num_draft_tokens"] > 0
+    assert pay.meta["speculative_config"]["method"] == {"spec_ngram": "ngram", "spec_draft": "draft_model"}[name]
+    assert pay.outputs == base.outputs                             # greedy: speculation changes no token
+    assert all(np.array_equal(a, b) for a, b in zip(pay.routes, base.routes))
+    cmp = v._merged(pay, base, None, facts)
+    assert cmp["rows"] == 193 and cmp["agreement"] == 1.0 and cmp["differing"] == {}
+    assert all(agree == rows == 193 for agree, rows in cmp["per_layer"].values())
+    assert v.canaries(cmp) == [] and v.canaries(v._merged(pay, None, ref, facts)) == []
+    assert v.decode_check(pay, pay.meta["version"]) == {"decode": "ok", "rows": 193}
+    recorded = summary["cases"][name]["vs_reference"]               # what the device computed, recomputed here
+    assert cmp["prompt"] == recorded["prompt"] and cmp["generated"] == recorded["generated"]
+    assert {str(k): val for k, val in cmp["per_layer"].items()} == recorded["per_layer"]
+
+
+def test_the_hf_reference_needs_the_runs_head_width(setup):
+    """bf16 engine vs fp32 HF with heads of 64: drift (0.88-0.99 per layer), not replay, and the
+    device's numbers exactly; with the default heads of 8 the same seed is another model."""
+    v, pays, facts, ref, _, summary = setup
+    for name, pay in pays.items():
+        got = v.hf_check(pay, ref, facts)
+        assert got["hf_agreement_per_layer"] == summary["cases"][name]["hf_agreement_per_layer"]
+        assert 0.85 < min(got["hf_agreement_per_layer"]) and got["hf_agreement"] < 1.0
+    facts8, ref8, _ = _models("8")
+    assert v.hf_check(pays["spec_reference"], ref8, facts8)["hf_agreement"] < 0.1
 
 
 def test_a_draft_written_layer_0_is_silent_but_for_the_canary(setup):
-    v, pay, facts, ref, draft = setup
+    v, pays, facts, ref, draft, _ = setup
+    pay = pays["spec_draft"]
     bad = _draft_wrote_layer_0(pay, draft)
     assert bad.problems() == []                                  # every shape, dtype and id valid
-    assert v.decode_check(bad, "0.26.0") == {"decode": "ok", "rows": 141}
+    assert v.decode_check(bad, pay.meta["version"]) == {"decode": "ok", "rows": 193}
     vs_hf = v._merged(bad, None, ref, facts)
     agree0, rows0 = vs_hf["per_layer"][0]
-    assert rows0 == 141 and agree0 / rows0 < 0.25
+    assert rows0 == 193 and agree0 / rows0 < 0.25
     [warning] = v.canaries(vs_hf)
     assert "layer 0 collapsed" in warning and "#48622" in warning
-    vs_reference = v._merged(bad, pay, None, facts)              # the run without speculation, same tokens
-    assert all(a == n for lid, (a, n) in vs_reference["per_layer"].items() if lid != 0)
+    vs_reference = v._merged(bad, pays["spec_reference"], None, facts)   # the run without speculation
+    assert all(a == n == 193 for lid, (a, n) in vs_reference["per_layer"].items() if lid != 0)
     assert vs_reference["per_layer"][0][0] / vs_reference["per_layer"][0][1] < 0.25
     assert all(layers == [0] for diffs in vs_reference["differing"].values() for _, layers in diffs)
     [warning] = v.canaries(vs_reference)
@@ -83,8 +135,9 @@ def test_rows_are_compared_only_over_the_tokens_both_runs_share(setup):
     """A speculative run whose greedy output leaves the reference's at generated token 3 of request
     0 is compared over the prompt and the 3 shared tokens' rows only; a row that differs there is
     listed with its layers and counted as a prompt or generated row."""
-    v, pay, facts, _, _ = setup
-    other = copy.deepcopy(pay)
+    v, pays, facts, _, _, _ = setup
+    pay = pays["spec_reference"]
+    other = copy.deepcopy(pays["spec_draft"])
     other.outputs[0][3] = (other.outputs[0][3] + 1) % 64
     p0 = len(pay.prompts[0])
     r = other.routes[0]
@@ -93,6 +146,33 @@ def test_rows_are_compared_only_over_the_tokens_both_runs_share(setup):
     assert cmp["rows"] == sum(len(x) for x in pay.routes) - (len(pay.routes[0]) - (p0 + 3))
     assert cmp["differing"] == {0: [[p0 + 1, [2]]]}
     assert cmp["prompt"] == [0, sum(len(p) for p in pay.prompts)] and cmp["generated"][0] == 1
+
+
+RECORDED_CASES = ("chunked_prefill", "prefix_cache", "prompt_start", "e320_dense_first", "spec_reference", *SPEC_RUNS)
+
+
+def test_the_recorded_routes_replay_exactly_in_megatron():
+    """Every recorded 0.26.0 payload (the direct cases, model B's 320 experts with a dense layer 0
+    among them, and the three speculative-decoding runs) replayed under R3 in the megatron-core
+    model converted from the HF model vLLM served (heads of 64, one gloo rank, local spec, fp32):
+    every router row dispatches exactly vLLM's routes, read through 0.26.0's decoder. The native pass (megatron's own fp32 routing) agrees with vLLM as the
+    fp32 HF model did on the GPU (0.87-0.95): the converted model is the one vLLM served."""
+    from r3bridge.testing.harness.dist import Layout, spawn_layouts
+    from testlab.vllm_payloads import replay_recorded_rank
+
+    summary = recorded_summary()
+    head_dim = int(summary["variant_environment"]["R3E2E_HEAD_DIM"])
+    paths = [os.path.join(FIXTURES, f"vllm026_{c}.npz") for c in RECORDED_CASES]
+    [[out]] = spawn_layouts(replay_recorded_rank, world_size=1, layouts=[Layout()], args=(paths, head_dim),
+                            timeout=600)
+    assert sorted(out) == sorted(RECORDED_CASES)
+    for case, o in out.items():
+        assert o["result"] == "exact", (case, o)
+        assert o["r3_rows"] == len(o["replayer_layers"]) * o["rows"] > 0 and o["r3_mismatching_rows"] == 0 and not o["errors"], (case, o)
+        recorded = summary["cases"][case]                   # the fp32 HF model's agreement with vLLM on the GPU
+        assert o["rows"] == recorded["rows"] and abs(o["native_agreement"] - recorded["hf_agreement"]) <= 0.01, (case, o)
+        assert o["native_agreement"] < 1.0                     # bf16 engine vs fp32 trainer: R3 is what makes it exact
+    assert out["spec_ngram"]["rows"] == out["spec_draft"]["rows"] == out["spec_reference"]["rows"] == 193
 
 
 DEVICE_SH = os.path.join(ROOT, "scripts", "gpu", "vllm026_device.sh")

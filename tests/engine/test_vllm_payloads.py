@@ -15,6 +15,11 @@ recorded payload from :func:`load` and overwrite one sample's rows, as
 :func:`test_format_checker_reports_each_deviation` does; R3 with speculative decoding on a vLLM
 older than 0.26.0 is refused naming both settings (branch ``field``): ``meta["version"]`` of a
 recorded payload is the version that returned it.
+
+``tests/fixtures/vllm026/``: the same cases plus speculative decoding, recorded from vLLM 0.26.0 on
+1 x H200 (2026-11-29, ``scripts/gpu/vllm026_device.sh variants``, variant ``inproc_hd64``:
+model A's heads 64 wide, docs/gpu-results/vllm-0.26.0). Each goes through the same checks and,
+by its ``meta["version"]``, through the decoder r3bridge's format table picks for that release.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import numpy as np
 import pytest
 import torch
 
-from r3bridge import ParallelLayout, shard
+from r3bridge import ParallelLayout, PayloadError, ReplayBatch, shard
+from r3bridge.engines.route_formats import route_format
 from r3bridge.rollout.stitching import rollout_routes
 from testlab.gpu_scripts import gpu_script
 from testlab.vllm_payloads import load_payloads, route_dtype, vllm_format_problems
@@ -33,21 +39,28 @@ from testlab.vllm_payloads import load_payloads, route_dtype, vllm_format_proble
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "vllm")
 CASES = ("smoke", "routes_chunked_prefill", "routes_prefix_cache", "routes_prompt_start", "routes_e320_dense_first")
+FIXTURES_026 = os.path.join(ROOT, "tests", "fixtures", "vllm026")
+CASES_026 = ("chunked_prefill", "prefix_cache", "prompt_start", "e320_dense_first", "spec_reference", "spec_ngram",
+             "spec_draft")
 
 
 def load(case: str):
     return load_payloads(os.path.join(FIXTURES, f"vllm_{case}.npz"))
 
 
-@pytest.mark.parametrize("case", CASES)
+def load_026(case: str):
+    return load_payloads(os.path.join(FIXTURES_026, f"vllm026_{case}.npz"))
+
+
+@pytest.mark.parametrize("case", [*CASES, *(f"0.26.0/{c}" for c in CASES_026)])
 def test_fixture_is_in_vllms_format_and_ingests(case):
-    pay = load(case)
+    pay = load_026(case.split("/")[1]) if case.startswith("0.26.0/") else load(case)
     m = pay.meta
     assert pay.problems() == []
     arrays = [r for r in pay.routes if r is not None]
     assert arrays and all(r.dtype == route_dtype(m["num_experts"]) for r in arrays)
     dense = [i for i in range(m["num_hidden_layers"]) if i not in m["moe_layer_ids"]]
-    if case != "routes_prompt_start":
+    if not any(pay.prompt_starts):
         rb = pay.replay_batch()
         assert list(rb.layer_ids) == m["moe_layer_ids"]                 # dense columns dropped by id
         assert rb.rows_per_seq == [len(p) + len(o) - 1 for p, o in zip(pay.prompts, pay.outputs)]
@@ -64,6 +77,40 @@ def test_fixture_is_in_vllms_format_and_ingests(case):
                            torch.from_numpy(arrays[0][:, lid].astype(np.int64)).sort(-1).values)
     if dense:
         assert all(not r[:, dense].any() for r in arrays)
+
+
+@pytest.mark.parametrize("case", CASES_026)
+def test_026_payloads_decode_through_their_releases_decoder(case):
+    """A recorded 0.26.0 payload names its release (``meta["version"]``); the format table picks the
+    0.22-0.30 array decoder for it, and ``from_vllm(engine_version=...)`` gives the batch the plain
+    array path gives (start rows kept, dense layers checked empty). The same arrays claimed by
+    vLLM 0.21 (split lists) are refused naming that release."""
+    pay = load_026(case)
+    m = pay.meta
+    assert m["engine"] == "vllm" and m["version"] == "0.26.0" and m["recorded"] is True
+    assert route_format("vllm", m["version"]).name == "vllm-array"
+    kw = dict(num_experts=m["num_experts"], moe_layer_ids=m["moe_layer_ids"], start_rows=pay.prompt_starts)
+    by_release = ReplayBatch.from_vllm(list(pay.routes), engine_version=m["version"], **kw)
+    plain = ReplayBatch.from_vllm(list(pay.routes), **kw)
+    assert by_release.rows_per_seq == plain.rows_per_seq and by_release.routes.tolist() == plain.routes.tolist()
+    assert by_release.total_rows == sum(len(r) for r in pay.routes)
+    with pytest.raises(PayloadError, match=r"vLLM 0.21.0 ships vllm-split-int16 .*got no prompt_routed_experts"):
+        ReplayBatch.from_vllm(list(pay.routes), engine_version="0.21.0", **kw)
+
+
+def test_026_prompt_start_rows_stitch_into_one_sequence():
+    """0.26.0's ``routed_experts_prompt_start`` turn (start 22, 16 tokens from the prefix cache):
+    stitched after turn 1's rows, the two calls cover the whole sample once."""
+    pay = load_026("prompt_start")
+    m = pay.meta
+    t1, t2 = pay.routes
+    start = pay.prompt_starts[1]
+    assert start == len(pay.prompts[0]) + len(pay.outputs[0]) - 1 == len(t1) and m["num_cached_tokens"][1] > 0
+    rb = rollout_routes([[t1, t2]], num_experts=m["num_experts"], moe_layer_ids=m["moe_layer_ids"],
+                        start_rows=[[0, start]])
+    assert rb.rows_per_seq == [len(pay.tokens(1)) - 1] and bool(rb.valid.all())
+    seq, _ = rb.sequence(0)
+    assert torch.equal(seq[start:].to(torch.int64), torch.from_numpy(t2[:, m["moe_layer_ids"]].astype(np.int64)))
 
 
 def test_prompt_start_rows_stitch_into_one_sequence():
@@ -85,11 +132,12 @@ def test_prompt_start_rows_stitch_into_one_sequence():
     assert torch.equal(seq[start:].to(torch.int64), torch.from_numpy(t2[:, moe].astype(np.int64)))
 
 
-def test_prefix_cache_hits_return_the_prompt_rows():
+@pytest.mark.parametrize("release", ["0.24.0", "0.26.0"])
+def test_prefix_cache_hits_return_the_prompt_rows(release):
     """The same prompt served twice from the prefix cache: both requests return every prompt row
     (vLLM reads them from its slot buffer), equal to the first computation's (``meta``, counted
     on the GPU), so the cached requests replay like uncached ones."""
-    pay = load("routes_prefix_cache")
+    pay = load("routes_prefix_cache") if release == "0.24.0" else load_026("prefix_cache")
     n = pay.meta["prompt_rows"]
     a, b = pay.routes
     assert len(a) >= n and len(b) >= n and np.array_equal(a[:n], b[:n])
