@@ -68,10 +68,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default=None,
                    help="megatron trainer: bf16 params + fp32 main weights (default on cuda) or fp32 (cpu)")
     r.add_argument("--spec", choices=["local", "te"], default="local", help="trainer layer spec (te: cuda)")
-    r.add_argument("--grpo-router-losses", choices=["off", "warm"], default="off",
-                   help="warm: the trainer keeps the warm start's load-balancing and z-loss during GRPO (as "
-                        "megatron's moe_aux_loss_coeff / moe_z_loss_coeff), which holds the routers' margins "
-                        "where the warm start left them; off: the GRPO loss alone (default)")
+    r.add_argument("--grpo-router-losses", type=float, default=0.0, metavar="SCALE",
+                   help="the trainer keeps the warm start's load-balancing and z-loss during GRPO, times SCALE "
+                        "(as megatron's moe_aux_loss_coeff / moe_z_loss_coeff): they hold the routers' margins "
+                        "narrow, which GRPO alone widens; 1 overpowers GRPO's gradient on the routers "
+                        "(docs/evidence.md); default 0: the GRPO loss alone")
     r.add_argument("--sft-steps", type=int, default=None,
                    help="warm-start steps at most (default 3000; it stops at 60%% greedy accuracy or after 150 s)")
     r.add_argument("--sft-batch", type=int, default=None, help="warm-start batch (default 256)")

@@ -57,10 +57,10 @@ class GRPOOptions:
     trainer_dtype: str = "fp32"     # "bf16": bf16 parameters + fp32 main weights (Megatron's recipe)
     layer_spec: str = "local"       # "te": Transformer Engine layer spec (THD input; cuda only)
     checkpoint_every: int = 100     # steps between resumable checkpoints (0: never)
-    # "warm": the trainer keeps the warm start's router losses (load balancing, z-loss) during GRPO,
-    # as megatron's moe_aux_loss_coeff / moe_z_loss_coeff (r3bridge.demo.grpo.trainer_router_losses),
-    # as Megatron RL jobs keep their pre-training coefficient; "off": GRPO's loss alone
-    router_losses: str = "off"
+    # > 0: the trainer keeps the warm start's router losses (load balancing, z-loss) during GRPO, times
+    # this, as megatron's moe_aux_loss_coeff / moe_z_loss_coeff (r3bridge.demo.grpo.trainer_router_losses),
+    # as Megatron RL jobs keep their pre-training coefficient; 0: GRPO's loss alone
+    router_losses: float = 0.0
     vllm_kv_cache_mb: int = 64      # 256 samples x 14 tokens of this model need about 8 MB
 
     def __post_init__(self) -> None:
@@ -70,8 +70,8 @@ class GRPOOptions:
                              f"and {self.logprob_micro_batches} log-prob micro-batches")
         if self.trainer_dtype not in ("fp32", "bf16") or self.layer_spec not in ("local", "te"):
             raise ValueError("trainer_dtype must be fp32 or bf16, layer_spec local or te")
-        if self.router_losses not in ("off", "warm"):
-            raise ValueError(f"router_losses must be off or warm, got {self.router_losses!r}")
+        if not self.router_losses >= 0:
+            raise ValueError(f"router_losses must be >= 0 (a scale of the warm start's), got {self.router_losses!r}")
 
 
 class EvidenceError(ReplayError, RuntimeError):

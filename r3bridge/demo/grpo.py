@@ -314,9 +314,9 @@ class StepLog:
         self.fp.close()
 
 
-def trainer_router_losses(warm: WarmStartOptions, hf_config: Any) -> tuple[float, Optional[float]]:
+def trainer_router_losses(warm: WarmStartOptions, hf_config: Any, scale: float = 1.0) -> tuple[float, Optional[float]]:
     """megatron's ``moe_aux_loss_coeff`` and ``moe_z_loss_coeff`` that give the GRPO trainer's routers
-    the warm start's router losses (GRPOOptions.router_losses = "warm").
+    the warm start's router losses times ``scale`` (GRPOOptions.router_losses).
 
     The z-loss is the same per MoE layer on both sides (mean logsumexp^2, summed over layers). The
     load-balancing loss is not: HF's ``load_balancing_loss_func`` is one switch loss over the tokens
@@ -326,8 +326,9 @@ def trainer_router_losses(warm: WarmStartOptions, hf_config: Any) -> tuple[float
     ``coeff = aux * top_k / moe_layers`` pulls against an imbalance the layers share as the warm start
     did (one layer's own imbalance harder)."""
     moe_layers = hf_config.num_hidden_layers - len(getattr(hf_config, "mlp_only_layers", None) or [])
-    aux = warm.aux_loss * hf_config.num_experts_per_tok / max(1, moe_layers)
-    return aux, (warm.router_z_loss if warm.router_z_loss > 0 else None)
+    aux = scale * warm.aux_loss * hf_config.num_experts_per_tok / max(1, moe_layers)
+    z = scale * warm.router_z_loss
+    return aux, (z if z > 0 else None)
 
 
 def _take_router_losses(m: dict[str, float], updates: int, moe_layers: int) -> None:
@@ -356,10 +357,10 @@ class ArmRunner:
         bf16 = opts.trainer_dtype == "bf16"
         spec = spec_from_hf(self.cfg)
         aux, z = 0.0, None
-        if opts.router_losses == "warm":
+        if opts.router_losses > 0:
             if warm is None:
-                raise ValueError("router_losses='warm' needs the warm start's options")
-            aux, z = trainer_router_losses(warm, self.cfg)
+                raise ValueError("router_losses > 0 needs the warm start's options")
+            aux, z = trainer_router_losses(warm, self.cfg, opts.router_losses)
         extra = {**spec.extra_config, "moe_aux_loss_coeff": aux, "moe_z_loss_coeff": z}
         if bf16:
             extra.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)

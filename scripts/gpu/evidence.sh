@@ -77,7 +77,7 @@ start|start-from)
     # choose an -fp32 candidate): collect puts run.json beside warmstart/; the report refuses arms
     # whose settings differ
     same=$(python -c "import json, sys; g = json.load(open(sys.argv[1]))['grpo']; \
-print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('router_losses', 'off'))" \
+print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('router_losses', 0.0))" \
       "$warm/../run.json" 2>/dev/null || true)
     [ -n "$same" ] && echo "start-from: $same (from $warm/../run.json)"
     # shellcheck disable=SC2086

@@ -182,8 +182,8 @@ def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
     doc = json.loads((other / "run.json").read_text())
     for change, message in ((lambda d: d.update(warm_start_sha256="0" * 64), "warm start 000000000000 is not"),
                             (lambda d: d["grpo"].update(lr=1e-3), "differ in grpo.lr (0.0001 vs 0.001)"),
-                            (lambda d: d["grpo"].update(router_losses="warm"),
-                             "differ in grpo.router_losses ('off' vs 'warm')")):
+                            (lambda d: d["grpo"].update(router_losses=0.1),
+                             "differ in grpo.router_losses (0.0 vs 0.1)")):
         changed = json.loads(json.dumps(doc))
         change(changed)
         (other / "run.json").write_text(json.dumps(changed))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from r3bridge.testing.harness.dist import spawn
 
 
@@ -28,7 +30,7 @@ def _r3w_arm(ctx, root: str) -> str:
     # the trainer keeps the warm start's router losses during GRPO: megatron computes them on the
     # replayed routing map, with the rows that have no route masked out of their statistics
     run = evidence_config.RunConfig(shape=shape, task=task, warm=warm,
-                                    grpo=evidence_config.GRPOOptions(steps=2, prompts=4, group=2, router_losses="warm"),
+                                    grpo=evidence_config.GRPOOptions(steps=2, prompts=4, group=2, router_losses=1.0),
                                     arms=[evidence_config.Arm("R3w-s0", "R3w", 0, "hf")])
     return _run_one(ctx, run_dir, run, run.arms[0], HFRollout(shape.hf_config(), "cpu"))
 
@@ -67,6 +69,7 @@ def test_trainer_router_losses_match_the_warm_starts_pull():
     assert trainer_router_losses(WarmStartOptions(aux_loss=1.0, router_z_loss=0.1), cfg) == (2.0, 0.1)
     dense = EvidenceModelShape(layers=4, experts=64, topk=8, dense_first=True).hf_config()
     assert trainer_router_losses(WarmStartOptions(aux_loss=1.0, router_z_loss=0.0), dense) == (8 / 3, None)
+    assert trainer_router_losses(WarmStartOptions(aux_loss=1.0, router_z_loss=0.1), cfg, 0.1) == pytest.approx((0.2, 0.01))
     # the gradient claim itself, on HF's own loss and megatron's, for an imbalance every layer shares
     # (the experts' loads per layer equal the all-layer ones up to sampling noise; an imbalance of one
     # layer alone megatron's per-layer loss pulls harder)
