@@ -17,6 +17,11 @@
 # Rollout backend: R3E2E_ROLLOUT=hf (default: testlab/verl_hf_rollout.py), vllm or sglang (verl's own
 # vLLM / SGLang server, agent loop and weight sync; needs the bundle's vllm / sglang set in
 # /tmp/site-vllm / /tmp/site-sglang, which testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH);
+# R3E2E_VLLM_RELEASE=0.24.0 (default, set `vllm`, /tmp/site-vllm, TAG vllm_...) or 0.26.0 (set `vllm026`,
+# /tmp/site-vllm026, TAG vllm026_..., heads of 64: 0.26.0's first forward never returns with the model's
+# heads of 8; testlab/verl_e2e.py:VLLM_RELEASES); before the job starts, the vLLM the job's processes
+# would import is compared with the release asked for (rc 3 when they differ, nothing run);
+# R3E2E_DRY_RUN=1: write the job, print the command, environment and that check, run nothing;
 # R3E2E_PREFIX_CACHE=0|1 (vLLM prefix caching / SGLang radix cache, default 1); R3E2E_VLLM_GPU_MEM /
 # R3E2E_SGLANG_GPU_MEM (the engine's share of the GPU, default 0.3, beside the trainer). SGLang: verl's
 # own rollout name `sglang`, its routes read by r3bridge (adapters/verl/sglang_routes.py: verl 0.9.1's
@@ -76,6 +81,17 @@ store = os.path.join(root, "route-store")
 command = E.job_command(paths, mode)
 if handles:     # routes by reference: route files under the job's folder, released after each step
     command += ["r3bridge.route_transport=handles", f"r3bridge.route_store={store}"]
+release = E.vllm_release().version if E.rollout_backend() == "vllm" else None
+# the vLLM release asked for (R3E2E_VLLM_RELEASE) must be the one the job's processes import: told
+# in a second, not after the job's minutes on the wrong engine
+problem = None if os.environ.get("R3E2E_CHECK_ONLY") == "1" else E.installed_vllm_problem(env)
+if problem or os.environ.get("R3E2E_DRY_RUN") == "1":   # dry run: the job as it would start, not started
+    with open(os.path.join(paths["model"], "config.json")) as f:
+        head_dim = json.load(f)["head_dim"]
+    print(json.dumps({"tag": tag, "rc": 3 if problem else 0, "error": problem, "vllm_release": release,
+                      "head_dim": head_dim, "pythonpath": env["PYTHONPATH"].split(os.pathsep),
+                      "command": command[1:]}))
+    sys.exit(3 if problem else 0)
 t0 = time.monotonic()
 if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
     rc = 0
@@ -94,7 +110,8 @@ with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e
 if rc:
     print("\n".join(text.splitlines()[-80:]))
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
-summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "layout": layout,
+summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "vllm_release": release, "tag": tag,
+           "layout": layout,
            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res),
@@ -118,5 +135,5 @@ if variant == "last" and rc == 0:
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
-*) sed -n 2,46p "$0"; exit 2 ;;
+*) sed -n 2,51p "$0"; exit 2 ;;
 esac
