@@ -5,7 +5,9 @@
 # call checked per (sample, token, layer) (testlab/verl_e2e.py: check_run).
 #
 #   bundle.sh prepare .dev/b base te ray verl   here: the wheels (TE, megatron-core 0.16.1, ray, verl's
-#                                 stack) in 58.5 MiB parts .dev/b/q0..qN (scripts/gpu/bundle.sh)
+#                                 stack) in 52 MiB parts .dev/b/q0..qN (scripts/gpu/bundle.sh); add the
+#                                 set `vllm` (vLLM 0.24.0), `vllm026` (0.26.0) or `sglang sglang_verl`
+#                                 for those rollouts (docs/gpu.md, "verl on vLLM 0.26.0")
 #   bundle.sh stash .dev/b/qI     on the device, one call per part but the last (carry .dev/b/qI)
 #   bundle.sh install .dev/b/qN   on the device (carry .dev/b/qN): join, install, then run at once:
 #   verl_e2e.sh run MODE [last]   on the device: the job for MODE (R3 | R2 | off); `last` switches
@@ -135,5 +137,5 @@ if variant == "last" and rc == 0:
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
-*) sed -n 2,51p "$0"; exit 2 ;;
+*) sed -n 2,53p "$0"; exit 2 ;;
 esac
