@@ -357,7 +357,44 @@ def job_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
     env.update(add)
     env.update(R3E2E_LOG_DIR=paths["logs"], R3E2E_AGENT_LOG_DIR=paths["agent_calls"], RAY_DEDUP_LOGS="0",
                HYDRA_FULL_ERROR="1")
-    return rollout_env(env)
+    return stacks_env(rollout_env(env), os.path.join(paths["root"], "stacks"))
+
+
+# a sitecustomize: each Python process of the job writes its threads' stacks every R3E2E_STACKS_AFTER s
+STACKS_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stacks")
+
+
+def stacks_env(env: dict[str, str], stacks_dir: str) -> dict[str, str]:
+    """``R3E2E_STACKS_AFTER=S``: every Python process of the job appends all its threads' stacks to
+    ``stacks_dir/<pid>.txt`` every S seconds of its life and keeps running (``testlab/stacks``, last
+    on ``PYTHONPATH``). For a device call whose job might hang: a failed job then leaves the frames
+    each process last stood in (``verl_e2e.sh`` puts them into ``$OUT``), not only a timeout.
+    Unset: nothing added."""
+    after = os.environ.get("R3E2E_STACKS_AFTER")
+    if not after:
+        return env
+    try:
+        ok = float(after) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"R3E2E_STACKS_AFTER={after!r}: every how many seconds the job's processes write their "
+                         f"stacks (a number > 0)")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != STACKS_FOLDER]
+    return {**env, "PYTHONPATH": os.pathsep.join([*parts, STACKS_FOLDER]), "R3E2E_STACKS_AFTER": after,
+            "R3E2E_STACKS_DIR": stacks_dir}
+
+
+def stack_dumps(stacks_dir: str) -> dict[str, str]:
+    """The stacks the job's processes wrote (``{pid file: text}``), empty files (processes that
+    ended before the dump) left out."""
+    out = {}
+    for f in sorted(glob.glob(os.path.join(stacks_dir, "*.txt"))):
+        with open(f, errors="replace") as fh:
+            text = fh.read()
+        if text.strip():
+            out[os.path.basename(f)] = text
+    return out
 
 
 # ------------------------------------------------------------------------------------ after the run

@@ -24,6 +24,9 @@
 # heads of 8; testlab/verl_e2e.py:VLLM_RELEASES); before the job starts, the vLLM the job's processes
 # would import is compared with the release asked for (rc 3 when they differ, nothing run);
 # R3E2E_DRY_RUN=1: write the job, print the command, environment and that check, run nothing;
+# R3E2E_STACKS_AFTER=S: every Python process of the job writes its threads' stacks every S s and runs on
+# (testlab/stacks); a job that fails or times out returns them as $OUT/verl_e2e_TAG_stacks.txt (a hung
+# job then shows where each process stood);
 # R3E2E_PREFIX_CACHE=0|1 (vLLM prefix caching / SGLang radix cache, default 1); R3E2E_VLLM_GPU_MEM /
 # R3E2E_SGLANG_GPU_MEM (the engine's share of the GPU, default 0.3, beside the trainer). SGLang: verl's
 # own rollout name `sglang`, its routes read by r3bridge (adapters/verl/sglang_routes.py: verl 0.9.1's
@@ -111,13 +114,18 @@ with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e
     dst.write(text[-400000:])
 if rc:
     print("\n".join(text.splitlines()[-80:]))
+dumps = E.stack_dumps(os.path.join(root, "stacks"))     # R3E2E_STACKS_AFTER: where each process stood
+if dumps and rc:    # a failed or hung job: each process's latest dumps (the last 200 kB of its file)
+    with open(os.path.join(out, f"verl_e2e_{tag}_stacks.txt"), "w") as f:
+        f.writelines(f"==== {name}\n{body[-200000:]}\n" for name, body in dumps.items())
+    print(f"stacks of {len(dumps)} processes in verl_e2e_{tag}_stacks.txt")
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
 summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "vllm_release": release, "tag": tag,
            "layout": layout,
            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res),
-           "route_transport": "handles" if handles else "inline",
+           "route_transport": "handles" if handles else "inline", "stack_dumps": len(dumps),
            "route_files_left": sum(len(f) for _, _, f in os.walk(store)) if handles else None}
 json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
 print(json.dumps({k: summary[k] for k in ("tag", "rc", "wall_s", "server_calls", "router_calls", "route_files_left")}))
@@ -137,5 +145,5 @@ if variant == "last" and rc == 0:
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
-*) sed -n 2,53p "$0"; exit 2 ;;
+*) sed -n 2,56p "$0"; exit 2 ;;
 esac

@@ -228,3 +228,40 @@ def test_verl_e2e_sh_dry_run_on_vllm026(tmp_path):
     assert os.path.exists(tmp_path / "work" / "verl_e2e_vllm026_R3_first_pc1" / "model" / "model.safetensors")
     rc, out = run("R2", _fake_vllm_site(tmp_path / "v24", "0.24.0"))
     assert rc == 3 and out["tag"] == "vllm026_R2_first_pc1" and "would import vLLM 0.24.0" in out["error"]
+
+
+def test_stacks_after_dumps_every_job_process(monkeypatch, tmp_path):
+    """``R3E2E_STACKS_AFTER=S``: the job's environment makes each Python process write its threads'
+    stacks to the job's ``stacks`` folder every S seconds and run on (a hung device job then shows
+    where it stood); unset, the environment is as before; a value that is not a positive number is
+    refused."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
+    monkeypatch.setenv("R3E2E_VLLM_RELEASE", "0.26.0")
+    monkeypatch.delenv("R3E2E_HEAD_DIM", raising=False)
+    monkeypatch.delenv("R3E2E_VLLM_SITE", raising=False)
+    monkeypatch.delenv("R3E2E_STACKS_AFTER", raising=False)
+    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
+                                           "agent_calls", "metrics", "lab")}
+    plain = E.job_env(paths, gpu=True)
+    assert E.STACKS_FOLDER not in plain["PYTHONPATH"] and "R3E2E_STACKS_DIR" not in plain
+    monkeypatch.setenv("R3E2E_STACKS_AFTER", "1")
+    env = E.job_env(paths, gpu=True)
+    path = env["PYTHONPATH"].split(os.pathsep)
+    assert path[0] == "/tmp/site-vllm026" and path[-1] == E.STACKS_FOLDER
+    # one process that waits past S (dumps, then finishes its work: rc 0) and one that ends first (no dump)
+    waits = ("import time\ndef waiting_for_the_engine():\n    time.sleep(3.5)\nwaiting_for_the_engine()\n"
+             "print('still running')")
+    got = subprocess.run([sys.executable, "-c", waits], env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and "still running" in got.stdout, got.stderr
+    assert subprocess.run([sys.executable, "-c", "pass"], env=env, timeout=60).returncode == 0
+    dumps = E.stack_dumps(os.path.join(paths["root"], "stacks"))
+    assert len(dumps) == 1 and len(os.listdir(os.path.join(paths["root"], "stacks"))) == 2
+    (text,) = dumps.values()
+    assert text.count('File "<string>", line 3 in waiting_for_the_engine') >= 2, text     # at 1, 2, 3 s
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("R3E2E_STACKS_AFTER", bad)
+        with pytest.raises(ValueError, match="R3E2E_STACKS_AFTER"):
+            E.job_env(paths, gpu=True)
