@@ -14,6 +14,7 @@ metrics; :func:`check_dispatch` compares them per (sample, token, layer) through
 The rollout backend is chosen by ``R3E2E_ROLLOUT`` (:func:`rollout_backend`): ``hf`` (default,
 :mod:`testlab.verl_hf_rollout`, which logs its own calls), ``vllm`` or ``sglang`` (verl's own
 vLLM / SGLang server, agent loop and weight sync; :func:`rollout_overrides`, :func:`rollout_env`;
+vLLM's release by ``R3E2E_VLLM_RELEASE``, :func:`vllm_release`;
 SGLang's routes read by r3bridge's :mod:`r3bridge.adapters.verl.sglang_routes` inside verl's
 server), whose returned routes are logged by the agent loops
 (:class:`testlab.verl_e2e_agent.CallRecorder`) and checked the same way.
