@@ -265,3 +265,17 @@ def test_stacks_after_dumps_every_job_process(monkeypatch, tmp_path):
         monkeypatch.setenv("R3E2E_STACKS_AFTER", bad)
         with pytest.raises(ValueError, match="R3E2E_STACKS_AFTER"):
             E.job_env(paths, gpu=True)
+
+
+def test_each_vllm_release_names_the_wheel_set_that_carries_it():
+    """Each release's site is where ``scripts/gpu/bundle.sh install`` puts a wheel set
+    (``/tmp/site-SET``), and that set's list pins exactly that vLLM release."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for version, release in E.VLLM_RELEASES.items():
+        assert release.version == version and os.path.dirname(release.site) == "/tmp"
+        name = os.path.basename(release.site).removeprefix("site-")
+        with open(os.path.join(root, "scripts", "gpu", "wheels", f"{name}.txt")) as f:
+            pins = re.findall(r"^vllm==(\S+)", f.read(), flags=re.M)
+        assert pins == [version], (name, pins)
