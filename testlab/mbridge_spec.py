@@ -218,8 +218,11 @@ def te_free_bridges(*, attention: Literal["real", "identity"] = "real", seed: in
         registry.update(saved)
 
 
-__all__ = ["TE_ONLY_OFF", "TEFreeBridgeMixin", "hf_moe_layer_freq", "rank_context_from_mpu", "seeded_init",
+__all__ = ["DEFAULT_HEAD_DIM", "TE_ONLY_OFF", "TEFreeBridgeMixin", "hf_moe_layer_freq", "rank_context_from_mpu", "seeded_init",
            "te_free_bridges"]
+
+
+DEFAULT_HEAD_DIM = 8     # the tiny models' attention head width unless R3E2E_HEAD_DIM or the caller widens it
 
 
 def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int = 4, topk: int = 2,
@@ -229,7 +232,7 @@ def tiny_qwen3_moe(*, num_layers: int = 4, dense: tuple = (0,), num_experts: int
     (a GPU run can widen the heads without a code change, should an engine's attention kernels refuse 8)."""
     from transformers import Qwen3MoeConfig
 
-    head_dim = head_dim if head_dim is not None else int(os.environ.get("R3E2E_HEAD_DIM", "8"))
+    head_dim = head_dim if head_dim is not None else int(os.environ.get("R3E2E_HEAD_DIM", DEFAULT_HEAD_DIM))
 
     cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,

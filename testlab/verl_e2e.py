@@ -14,6 +14,7 @@ metrics; :func:`check_dispatch` compares them per (sample, token, layer) through
 The rollout backend is chosen by ``R3E2E_ROLLOUT`` (:func:`rollout_backend`): ``hf`` (default,
 :mod:`testlab.verl_hf_rollout`, which logs its own calls), ``vllm`` or ``sglang`` (verl's own
 vLLM / SGLang server, agent loop and weight sync; :func:`rollout_overrides`, :func:`rollout_env`;
+vLLM's release by ``R3E2E_VLLM_RELEASE``, :func:`vllm_release`;
 SGLang's routes read by r3bridge's :mod:`r3bridge.adapters.verl.sglang_routes` inside verl's
 server), whose returned routes are logged by the agent loops
 (:class:`testlab.verl_e2e_agent.CallRecorder`) and checked the same way.
@@ -81,7 +82,7 @@ def write_model(path: str, *, save_weights: bool = False) -> None:
     os.makedirs(path, exist_ok=True)
     tok = write_tokenizer(path)
     cfg = tiny_qwen3_moe(num_layers=NUM_LAYERS, dense=DENSE, num_experts=NUM_EXPERTS, topk=TOPK, vocab=VOCAB,
-                         max_positions=256)
+                         max_positions=256, head_dim=model_head_dim())
     cfg.pad_token_id = tok.pad_token_id
     cfg.eos_token_id = tok.eos_token_id
     cfg.bos_token_id = None
@@ -177,10 +178,82 @@ def job_command(paths: dict[str, str], mode: str, *, steps: int = 2) -> list[str
 
 
 # ------------------------------------------------------------------------------------ rollout backend
-VLLM_SITE = "/tmp/site-vllm"      # scripts/gpu/bundle.sh installs the vLLM wheel set there
+VLLM_SITE = "/tmp/site-vllm"      # scripts/gpu/bundle.sh installs the vLLM 0.24.0 wheel set there
 SGLANG_SITE = "/tmp/site-sglang"  # ... and the SGLang one there,
 SGLANG_VERL_SITE = "/tmp/site-sglang_verl"   # and what verl needs over it (transformers 5.9.0), first
 ROLLOUTS = ("hf", "vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """A vLLM release verl's job runs on (``R3E2E_VLLM_RELEASE``): its wheel set's site (``bundle.sh
+    install`` puts set SET into ``/tmp/site-SET``), the engine name in the output tag, and the
+    narrowest attention head the release serves (``None``: any; the model's default is
+    :data:`testlab.mbridge_spec.DEFAULT_HEAD_DIM`)."""
+
+    version: str
+    site: str
+    tag: str
+    min_head_dim: Optional[int] = None
+
+
+VLLM_RELEASES = {
+    "0.24.0": VllmRelease("0.24.0", VLLM_SITE, "vllm"),          # verl 0.9.1's pin; set `vllm`
+    # set `vllm026`. Heads of 8 (the tiny model's default) never come back from the first forward on
+    # 0.26.0 (FA3 and FA2; docs/gpu-results/vllm-0.26.0), heads of 64 do, as in the SGLang runs
+    "0.26.0": VllmRelease("0.26.0", "/tmp/site-vllm026", "vllm026", min_head_dim=64),
+}
+
+
+def vllm_release() -> VllmRelease:
+    """``R3E2E_VLLM_RELEASE`` (default 0.24.0) for ``R3E2E_ROLLOUT=vllm``; an unknown release, or a
+    model head (``R3E2E_HEAD_DIM``) narrower than the release serves, is refused here, before any
+    device time is spent on a job that cannot return."""
+    release = _named_release()
+    head = model_head_dim()
+    if release.min_head_dim is not None and head is not None and head < release.min_head_dim:
+        raise ValueError(f"R3E2E_HEAD_DIM={head} with vLLM {release.version}: its first forward never returns with "
+                         f"attention heads narrower than {release.min_head_dim} (docs/gpu-results/vllm-0.26.0); leave "
+                         f"R3E2E_HEAD_DIM unset (the job then uses {release.min_head_dim}) or set it to >= "
+                         f"{release.min_head_dim}")
+    return release
+
+
+def _named_release() -> VllmRelease:
+    name = os.environ.get("R3E2E_VLLM_RELEASE", "0.24.0")
+    if name not in VLLM_RELEASES:
+        raise ValueError(f"R3E2E_VLLM_RELEASE={name!r}: one of {', '.join(VLLM_RELEASES)}")
+    return VLLM_RELEASES[name]
+
+
+def model_head_dim() -> Optional[int]:
+    """The job model's attention head width: ``R3E2E_HEAD_DIM`` when set, else the chosen vLLM
+    release's narrowest (``R3E2E_ROLLOUT=vllm``), else ``None`` (the model's default, 8)."""
+    if os.environ.get("R3E2E_HEAD_DIM"):
+        return int(os.environ["R3E2E_HEAD_DIM"])
+    return _named_release().min_head_dim if rollout_backend() == "vllm" else None
+
+
+def installed_vllm_problem(env: dict[str, str]) -> Optional[str]:
+    """Whether the job's processes (environment ``env``) import the chosen vLLM release: the
+    version of the ``vllm`` distribution first on their path (read from its metadata in a child
+    process, nothing imported), ``None`` when it is the one asked for. A missing or wrong site
+    (the wrong set installed, an old ``/tmp/site-vllm`` first) is told before the job starts."""
+    import subprocess
+
+    if rollout_backend() != "vllm":
+        return None
+    want = vllm_release()
+    probe = ("import importlib.metadata as m\ntry:\n    print(m.version('vllm'))\n"
+             "except m.PackageNotFoundError:\n    print('none')")
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    found = got.stdout.strip() or f"unknown ({got.stderr.strip()[-200:]})"
+    if found == want.version:
+        return None
+    site = env.get("PYTHONPATH", "").split(os.pathsep)[0]
+    return (f"R3E2E_VLLM_RELEASE={want.version}: the job's processes would import vLLM {found} (PYTHONPATH starts with "
+            f"{site}); install the wheel set of {want.version} there (scripts/gpu/bundle.sh install, "
+            f"set {os.path.basename(want.site).removeprefix('site-')}) or point R3E2E_VLLM_SITE at it")
 
 
 def rollout_backend() -> str:
@@ -233,9 +306,10 @@ def sglang_overrides(common: list[str], radix_cache: bool) -> list[str]:
 
 
 def rollout_env(env: dict[str, str]) -> dict[str, str]:
-    """The backend's environment: its wheel set's site first on ``PYTHONPATH``. vLLM: fastapi
-    0.136 over verl's 0.165 (vLLM 0.24.0 pins < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0`` (the set
-    carries no flashinfer; vLLM's sampler imports it unguarded at the default). SGLang: its set
+    """The backend's environment: its wheel set's site first on ``PYTHONPATH``. vLLM (the site of
+    :func:`vllm_release`, or ``R3E2E_VLLM_SITE``): fastapi 0.136 over verl's 0.165 (vLLM 0.24.0 and
+    0.26.0 pin < 0.137) and ``VLLM_USE_FLASHINFER_SAMPLER=0`` (neither set carries flashinfer; vLLM's
+    sampler imports it unguarded at the default). SGLang: its set
     (fastapi 0.136, uvicorn, sglang-kernel, soundfile, ...: scripts/gpu/wheels/sglang.txt) behind
     ``sglang_verl`` (transformers 5.9.0: verl 0.9.1 excludes the sglang set's 5.6.0;
     scripts/gpu/wheels/sglang_verl.txt), for every process of the job (verl's trainer workers import
@@ -243,7 +317,7 @@ def rollout_env(env: dict[str, str]) -> dict[str, str]:
     backend = rollout_backend()
     if backend == "hf":
         return env
-    sites = ([os.environ.get("R3E2E_VLLM_SITE", VLLM_SITE)] if backend == "vllm" else
+    sites = ([os.environ.get("R3E2E_VLLM_SITE", vllm_release().site)] if backend == "vllm" else
              [os.environ.get("R3E2E_SGLANG_VERL_SITE", SGLANG_VERL_SITE), os.environ.get("R3E2E_SGLANG_SITE", SGLANG_SITE)])
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sites]
     out = {**env, "PYTHONPATH": os.pathsep.join([*sites, *parts])}
@@ -259,7 +333,8 @@ def run_tag(mode: str, variant: str) -> str:
     if backend == "hf":
         return f"{mode}_{variant}"
     arm = "pc" if backend == "vllm" else "rc"
-    return f"{backend}_{mode}_{variant}_{arm}{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
+    engine = vllm_release().tag if backend == "vllm" else backend
+    return f"{engine}_{mode}_{variant}_{arm}{os.environ.get('R3E2E_PREFIX_CACHE', '1')}"
 
 
 def stand_in_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
@@ -283,7 +358,44 @@ def job_env(paths: dict[str, str], *, gpu: bool = False) -> dict[str, str]:
     env.update(add)
     env.update(R3E2E_LOG_DIR=paths["logs"], R3E2E_AGENT_LOG_DIR=paths["agent_calls"], RAY_DEDUP_LOGS="0",
                HYDRA_FULL_ERROR="1")
-    return rollout_env(env)
+    return stacks_env(rollout_env(env), os.path.join(paths["root"], "stacks"))
+
+
+# a sitecustomize: each Python process of the job writes its threads' stacks every R3E2E_STACKS_AFTER s
+STACKS_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stacks")
+
+
+def stacks_env(env: dict[str, str], stacks_dir: str) -> dict[str, str]:
+    """``R3E2E_STACKS_AFTER=S``: every Python process of the job appends all its threads' stacks to
+    ``stacks_dir/<pid>.txt`` every S seconds of its life and keeps running (``testlab/stacks``, last
+    on ``PYTHONPATH``). For a device call whose job might hang: a failed job then leaves the frames
+    each process last stood in (``verl_e2e.sh`` puts them into ``$OUT``), not only a timeout.
+    Unset: nothing added."""
+    after = os.environ.get("R3E2E_STACKS_AFTER")
+    if not after:
+        return env
+    try:
+        ok = float(after) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"R3E2E_STACKS_AFTER={after!r}: every how many seconds the job's processes write their "
+                         f"stacks (a number > 0)")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != STACKS_FOLDER]
+    return {**env, "PYTHONPATH": os.pathsep.join([*parts, STACKS_FOLDER]), "R3E2E_STACKS_AFTER": after,
+            "R3E2E_STACKS_DIR": stacks_dir}
+
+
+def stack_dumps(stacks_dir: str) -> dict[str, str]:
+    """The stacks the job's processes wrote (``{pid file: text}``), empty files (processes that
+    ended before the dump) left out."""
+    out = {}
+    for f in sorted(glob.glob(os.path.join(stacks_dir, "*.txt"))):
+        with open(f, errors="replace") as fh:
+            text = fh.read()
+        if text.strip():
+            out[os.path.basename(f)] = text
+    return out
 
 
 # ------------------------------------------------------------------------------------ after the run

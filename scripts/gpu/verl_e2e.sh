@@ -5,7 +5,9 @@
 # call checked per (sample, token, layer) (testlab/verl_e2e.py: check_run).
 #
 #   bundle.sh prepare .dev/b base te ray verl   here: the wheels (TE, megatron-core 0.16.1, ray, verl's
-#                                 stack) in 58.5 MiB parts .dev/b/q0..qN (scripts/gpu/bundle.sh)
+#                                 stack) in 52 MiB parts .dev/b/q0..qN (scripts/gpu/bundle.sh); add the
+#                                 set `vllm` (vLLM 0.24.0), `vllm026` (0.26.0) or `sglang sglang_verl`
+#                                 for those rollouts (docs/gpu.md, "verl on vLLM 0.26.0")
 #   bundle.sh stash .dev/b/qI     on the device, one call per part but the last (carry .dev/b/qI)
 #   bundle.sh install .dev/b/qN   on the device (carry .dev/b/qN): join, install, then run at once:
 #   verl_e2e.sh run MODE [last]   on the device: the job for MODE (R3 | R2 | off); `last` switches
@@ -17,6 +19,14 @@
 # Rollout backend: R3E2E_ROLLOUT=hf (default: testlab/verl_hf_rollout.py), vllm or sglang (verl's own
 # vLLM / SGLang server, agent loop and weight sync; needs the bundle's vllm / sglang set in
 # /tmp/site-vllm / /tmp/site-sglang, which testlab/verl_e2e.py:rollout_env puts first on PYTHONPATH);
+# R3E2E_VLLM_RELEASE=0.24.0 (default, set `vllm`, /tmp/site-vllm, TAG vllm_...) or 0.26.0 (set `vllm026`,
+# /tmp/site-vllm026, TAG vllm026_..., heads of 64: 0.26.0's first forward never returns with the model's
+# heads of 8; testlab/verl_e2e.py:VLLM_RELEASES); before the job starts, the vLLM the job's processes
+# would import is compared with the release asked for (rc 3 when they differ, nothing run);
+# R3E2E_DRY_RUN=1: write the job, print the command, environment and that check, run nothing;
+# R3E2E_STACKS_AFTER=S: every Python process of the job writes its threads' stacks every S s and runs on
+# (testlab/stacks); a job that fails or times out returns them as $OUT/verl_e2e_TAG_stacks.txt (a hung
+# job then shows where each process stood);
 # R3E2E_PREFIX_CACHE=0|1 (vLLM prefix caching / SGLang radix cache, default 1); R3E2E_VLLM_GPU_MEM /
 # R3E2E_SGLANG_GPU_MEM (the engine's share of the GPU, default 0.3, beside the trainer). SGLang: verl's
 # own rollout name `sglang`, its routes read by r3bridge (adapters/verl/sglang_routes.py: verl 0.9.1's
@@ -76,6 +86,17 @@ store = os.path.join(root, "route-store")
 command = E.job_command(paths, mode)
 if handles:     # routes by reference: route files under the job's folder, released after each step
     command += ["r3bridge.route_transport=handles", f"r3bridge.route_store={store}"]
+release = E.vllm_release().version if E.rollout_backend() == "vllm" else None
+# the vLLM release asked for (R3E2E_VLLM_RELEASE) must be the one the job's processes import: told
+# in a second, not after the job's minutes on the wrong engine
+problem = None if os.environ.get("R3E2E_CHECK_ONLY") == "1" else E.installed_vllm_problem(env)
+if problem or os.environ.get("R3E2E_DRY_RUN") == "1":   # dry run: the job as it would start, not started
+    with open(os.path.join(paths["model"], "config.json")) as f:
+        head_dim = json.load(f)["head_dim"]
+    print(json.dumps({"tag": tag, "rc": 3 if problem else 0, "error": problem, "vllm_release": release,
+                      "head_dim": head_dim, "pythonpath": env["PYTHONPATH"].split(os.pathsep),
+                      "command": command[1:]}))
+    sys.exit(3 if problem else 0)
 t0 = time.monotonic()
 if os.environ.get("R3E2E_CHECK_ONLY") == "1":    # re-check a finished job's records (the job is not rerun)
     rc = 0
@@ -93,12 +114,18 @@ with open(os.path.join(root, "job.log")) as src, open(os.path.join(out, f"verl_e
     dst.write(text[-400000:])
 if rc:
     print("\n".join(text.splitlines()[-80:]))
+dumps = E.stack_dumps(os.path.join(root, "stacks"))     # R3E2E_STACKS_AFTER: where each process stood
+if dumps and rc:    # a failed or hung job: each process's latest dumps (the last 200 kB of its file)
+    with open(os.path.join(out, f"verl_e2e_{tag}_stacks.txt"), "w") as f:
+        f.writelines(f"==== {name}\n{body[-200000:]}\n" for name, body in dumps.items())
+    print(f"stacks of {len(dumps)} processes in verl_e2e_{tag}_stacks.txt")
 checks = E.check_run(res, mode, first_seen=variant != "last") if rc == 0 else []
-summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "tag": tag, "layout": layout,
+summary = {"mode": mode, "variant": variant, "rollout": E.rollout_backend(), "vllm_release": release, "tag": tag,
+           "layout": layout,
            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
            "server_calls": len(res.calls), "router_calls": len(res.dispatch),
            "steps": [c.__dict__ for c in checks], "metrics": E.r3bridge_metrics(res),
-           "route_transport": "handles" if handles else "inline",
+           "route_transport": "handles" if handles else "inline", "stack_dumps": len(dumps),
            "route_files_left": sum(len(f) for _, _, f in os.walk(store)) if handles else None}
 json.dump(summary, open(os.path.join(out, f"verl_e2e_{tag}.json"), "w"), indent=1, default=str)
 print(json.dumps({k: summary[k] for k in ("tag", "rc", "wall_s", "server_calls", "router_calls", "route_files_left")}))
@@ -118,5 +145,5 @@ if variant == "last" and rc == 0:
 sys.exit(rc or int(any(c.errors for c in checks)) or int(not control_ok) or int(bool(summary["route_files_left"])))
 PY
   ;;
-*) sed -n 2,46p "$0"; exit 2 ;;
+*) sed -n 2,56p "$0"; exit 2 ;;
 esac

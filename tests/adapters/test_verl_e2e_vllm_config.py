@@ -117,3 +117,165 @@ def test_sglang_job_composes_into_verls_rollout_config(monkeypatch, tmp_path, mo
     monkeypatch.setenv("R3E2E_PREFIX_CACHE", "0")
     assert "++actor_rollout_ref.rollout.engine_kwargs.sglang.disable_radix_cache=True" in E.rollout_overrides(mode)
     assert E.run_tag(mode, "last") == f"sglang_{mode}_last_rc0"
+
+
+def _fake_vllm_site(path, version: str) -> str:
+    """A folder holding what ``pip install --target`` leaves for the ``vllm`` distribution's metadata
+    (its ``dist-info``), so the job's version check reads a real installed-package record."""
+    info = path / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return str(path)
+
+
+def test_vllm026_is_chosen_by_release(monkeypatch, tmp_path):
+    """``R3E2E_VLLM_RELEASE=0.26.0``: the same verl job (verl's ``rollout.name=vllm``, R3's routes on),
+    the vllm026 set's site first, the output tag ``vllm026_...``, and a model with heads of 64
+    (0.26.0's first forward never returned with the default 8); heads narrower than 64 and unknown
+    releases are refused before anything runs; 0.24.0 stays the default, unchanged."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from r3bridge.adapters.verl.config import prepare_verl_config
+    from testlab.mbridge_spec import DEFAULT_HEAD_DIM
+
+    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
+    monkeypatch.setenv("R3E2E_PREFIX_CACHE", "1")
+    monkeypatch.delenv("R3E2E_HEAD_DIM", raising=False)
+    monkeypatch.delenv("R3E2E_VLLM_SITE", raising=False)
+    monkeypatch.delenv("R3E2E_VLLM_RELEASE", raising=False)
+    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
+                                           "agent_calls", "metrics", "lab")}
+    # the default: 0.24.0 as before (its set, its tag, the model's own heads)
+    assert E.vllm_release().version == "0.24.0" and E.model_head_dim() is None
+    assert E.run_tag("R3", "first") == "vllm_R3_first_pc1"
+    assert E.job_env(paths, gpu=True)["PYTHONPATH"].split(os.pathsep)[0] == E.VLLM_SITE
+
+    monkeypatch.setenv("R3E2E_VLLM_RELEASE", "0.26.0")
+    cfg = _compose(E.job_command(paths, "R3"))
+    prepare_verl_config(cfg, announce_where="test")
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert rollout.name == "vllm" and rollout.enable_rollout_routing_replay is True and rollout.load_format == "dummy"
+    assert E.run_tag("R3", "first") == "vllm026_R3_first_pc1"
+    env = E.job_env(paths, gpu=True)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == "/tmp/site-vllm026" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("R3E2E_VLLM_SITE", str(tmp_path / "elsewhere"))     # an explicit site still wins
+    assert E.job_env(paths, gpu=True)["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "elsewhere")
+    E.write_model(paths["model"])
+    import json
+    with open(os.path.join(paths["model"], "config.json")) as f:
+        assert json.load(f)["head_dim"] == 64 != DEFAULT_HEAD_DIM
+
+    monkeypatch.setenv("R3E2E_HEAD_DIM", "8")
+    with pytest.raises(ValueError, match=r"R3E2E_HEAD_DIM=8 with vLLM 0\.26\.0: its first forward never returns"):
+        E.run_tag("R3", "first")
+    monkeypatch.setenv("R3E2E_HEAD_DIM", "128")
+    assert E.model_head_dim() == 128 and E.vllm_release().version == "0.26.0"
+    monkeypatch.setenv("R3E2E_VLLM_RELEASE", "0.25.1")
+    with pytest.raises(ValueError, match=r"R3E2E_VLLM_RELEASE='0\.25\.1': one of 0\.24\.0, 0\.26\.0"):
+        E.job_env(paths, gpu=True)
+
+
+def test_installed_vllm_is_the_release_asked_for(monkeypatch, tmp_path):
+    """The job's processes must import the release asked for: the ``vllm`` distribution first on
+    their path is read in a child process and compared (the wrong set, or none, is named)."""
+    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
+    monkeypatch.setenv("R3E2E_VLLM_RELEASE", "0.26.0")
+    monkeypatch.delenv("R3E2E_HEAD_DIM", raising=False)
+    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
+                                           "agent_calls", "metrics", "lab")}
+    monkeypatch.setenv("R3E2E_VLLM_SITE", _fake_vllm_site(tmp_path / "v26", "0.26.0"))
+    assert E.installed_vllm_problem(E.job_env(paths, gpu=True)) is None
+    monkeypatch.setenv("R3E2E_VLLM_SITE", _fake_vllm_site(tmp_path / "v24", "0.24.0"))
+    problem = E.installed_vllm_problem(E.job_env(paths, gpu=True))
+    assert "would import vLLM 0.24.0" in problem and str(tmp_path / "v24") in problem and "set vllm026" in problem
+    monkeypatch.setenv("R3E2E_VLLM_SITE", str(tmp_path / "empty"))     # nothing installed there (nor here)
+    assert "would import vLLM none" in E.installed_vllm_problem(E.job_env(paths, gpu=True))
+    monkeypatch.setenv("R3E2E_ROLLOUT", "hf")
+    assert E.installed_vllm_problem(E.job_env(paths, gpu=True)) is None
+
+
+def test_verl_e2e_sh_dry_run_on_vllm026(tmp_path):
+    """``scripts/gpu/verl_e2e.sh run`` as the device runs it, with ``R3E2E_DRY_RUN=1``: the job is
+    written (model with heads of 64 and its weights), the command and environment composed, the
+    installed-release check made; nothing started. The wrong release first on the path ends the
+    call with rc 3 and the reason, before any job."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("R3E2E_", "R3BRIDGE_"))}
+    base.update(PATH=os.path.dirname(sys.executable) + os.pathsep + base.get("PATH", ""), OMP_NUM_THREADS="1",
+                R3E2E_ROLLOUT="vllm", R3E2E_VLLM_RELEASE="0.26.0", R3E2E_DRY_RUN="1",
+                R3E2E_WORK=str(tmp_path / "work"), OUT=str(tmp_path / "out"))
+
+    def run(mode: str, site: str) -> tuple[int, dict]:
+        got = subprocess.run(["bash", os.path.join(root, "scripts", "gpu", "verl_e2e.sh"), "run", mode],
+                             env={**base, "R3E2E_VLLM_SITE": site}, capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in got.stdout.splitlines() if ln.startswith("{")]
+        assert lines, got.stdout[-2000:] + got.stderr[-2000:]
+        return got.returncode, json.loads(lines[-1])
+
+    rc, out = run("R3", _fake_vllm_site(tmp_path / "v26", "0.26.0"))
+    assert rc == 0 and out["error"] is None and out["tag"] == "vllm026_R3_first_pc1"
+    assert out["vllm_release"] == "0.26.0" and out["head_dim"] == 64
+    assert out["pythonpath"][0] == str(tmp_path / "v26")
+    assert "actor_rollout_ref.rollout.name=vllm" in out["command"]
+    assert "actor_rollout_ref.rollout.enable_rollout_routing_replay=True" in out["command"]
+    assert os.path.exists(tmp_path / "work" / "verl_e2e_vllm026_R3_first_pc1" / "model" / "model.safetensors")
+    rc, out = run("R2", _fake_vllm_site(tmp_path / "v24", "0.24.0"))
+    assert rc == 3 and out["tag"] == "vllm026_R2_first_pc1" and "would import vLLM 0.24.0" in out["error"]
+
+
+def test_stacks_after_dumps_every_job_process(monkeypatch, tmp_path):
+    """``R3E2E_STACKS_AFTER=S``: the job's environment makes each Python process write its threads'
+    stacks to the job's ``stacks`` folder every S seconds and run on (a hung device job then shows
+    where it stood); unset, the environment is as before; a value that is not a positive number is
+    refused."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
+    monkeypatch.setenv("R3E2E_VLLM_RELEASE", "0.26.0")
+    monkeypatch.delenv("R3E2E_HEAD_DIM", raising=False)
+    monkeypatch.delenv("R3E2E_VLLM_SITE", raising=False)
+    monkeypatch.delenv("R3E2E_STACKS_AFTER", raising=False)
+    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
+                                           "agent_calls", "metrics", "lab")}
+    plain = E.job_env(paths, gpu=True)
+    assert E.STACKS_FOLDER not in plain["PYTHONPATH"] and "R3E2E_STACKS_DIR" not in plain
+    monkeypatch.setenv("R3E2E_STACKS_AFTER", "1")
+    env = E.job_env(paths, gpu=True)
+    path = env["PYTHONPATH"].split(os.pathsep)
+    assert path[0] == "/tmp/site-vllm026" and path[-1] == E.STACKS_FOLDER
+    # one process that waits past S (dumps, then finishes its work: rc 0) and one that ends first (no dump)
+    waits = ("import time\ndef waiting_for_the_engine():\n    time.sleep(3.5)\nwaiting_for_the_engine()\n"
+             "print('still running')")
+    got = subprocess.run([sys.executable, "-c", waits], env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and "still running" in got.stdout, got.stderr
+    assert subprocess.run([sys.executable, "-c", "pass"], env=env, timeout=60).returncode == 0
+    dumps = E.stack_dumps(os.path.join(paths["root"], "stacks"))
+    assert len(dumps) == 1 and len(os.listdir(os.path.join(paths["root"], "stacks"))) == 2
+    (text,) = dumps.values()
+    assert text.count('File "<string>", line 3 in waiting_for_the_engine') >= 2, text     # at 1, 2, 3 s
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("R3E2E_STACKS_AFTER", bad)
+        with pytest.raises(ValueError, match="R3E2E_STACKS_AFTER"):
+            E.job_env(paths, gpu=True)
+
+
+def test_each_vllm_release_names_the_wheel_set_that_carries_it():
+    """Each release's site is where ``scripts/gpu/bundle.sh install`` puts a wheel set
+    (``/tmp/site-SET``), and that set's list pins exactly that vLLM release."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for version, release in E.VLLM_RELEASES.items():
+        assert release.version == version and os.path.dirname(release.site) == "/tmp"
+        name = os.path.basename(release.site).removeprefix("site-")
+        with open(os.path.join(root, "scripts", "gpu", "wheels", f"{name}.txt")) as f:
+            pins = re.findall(r"^vllm==(\S+)", f.read(), flags=re.M)
+        assert pins == [version], (name, pins)
