@@ -29,18 +29,23 @@ def _compose(cmd: list[str]):
         return compose(config_name=cmd[3].split("=", 1)[1], overrides=section_overrides(cmd[4:]))
 
 
+def _job_paths(monkeypatch, tmp_path, rollout: str, prefix_cache: str) -> dict[str, str]:
+    """The rollout settings verl_e2e.sh reads, and the job's folders."""
+    monkeypatch.setenv("R3E2E_ROLLOUT", rollout)
+    monkeypatch.setenv("R3E2E_PREFIX_CACHE", prefix_cache)
+    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):     # recorded: prepare()'s os.environ writes are undone
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    return {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
+                                          "agent_calls", "metrics", "lab")}
+
+
 def test_vllm_job_composes_into_verls_rollout_config(monkeypatch, tmp_path):
     from verl.utils.config import omega_conf_to_dataclass
 
     from r3bridge.adapters.verl.config import prepare_verl_config
 
-    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
-    monkeypatch.setenv("R3E2E_PREFIX_CACHE", "0")
-    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):     # recorded: prepare()'s os.environ writes are undone
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
-                                           "agent_calls", "metrics", "lab")}
+    paths = _job_paths(monkeypatch, tmp_path, "vllm", "0")
     cfg = _compose(E.job_command(paths, "R3"))
     prepare_verl_config(cfg, announce_where="test")
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
@@ -87,14 +92,8 @@ def test_sglang_job_composes_into_verls_rollout_config(monkeypatch, tmp_path, mo
     from r3bridge.adapters.verl.config import prepare_verl_config
     from r3bridge.adapters.verl.sglang_routes import check_sglang_rollout
 
-    monkeypatch.setenv("R3E2E_ROLLOUT", "sglang")
-    monkeypatch.setenv("R3E2E_PREFIX_CACHE", "1")
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
-                                           "agent_calls", "metrics", "lab")}
+    paths = _job_paths(monkeypatch, tmp_path, "sglang", "1")
     cfg = _compose(E.job_command(paths, mode))
     prepare_verl_config(cfg, announce_where="test")
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
@@ -138,16 +137,10 @@ def test_vllm026_is_chosen_by_release(monkeypatch, tmp_path):
     from r3bridge.adapters.verl.config import prepare_verl_config
     from testlab.mbridge_spec import DEFAULT_HEAD_DIM
 
-    monkeypatch.setenv("R3E2E_ROLLOUT", "vllm")
-    monkeypatch.setenv("R3E2E_PREFIX_CACHE", "1")
     monkeypatch.delenv("R3E2E_HEAD_DIM", raising=False)
     monkeypatch.delenv("R3E2E_VLLM_SITE", raising=False)
     monkeypatch.delenv("R3E2E_VLLM_RELEASE", raising=False)
-    for var in ("R3BRIDGE_CONFIG", "R3BRIDGE_CONFIG_FROM"):
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    paths = {k: str(tmp_path / k) for k in ("root", "model", "train", "reward", "agent", "tools", "logs",
-                                           "agent_calls", "metrics", "lab")}
+    paths = _job_paths(monkeypatch, tmp_path, "vllm", "1")
     # the default: 0.24.0 as before (its set, its tag, the model's own heads)
     assert E.vllm_release().version == "0.24.0" and E.model_head_dim() is None
     assert E.run_tag("R3", "first") == "vllm_R3_first_pc1"
