@@ -14,8 +14,8 @@
 #                                                 calibration, only the ARMs named (e.g. off-s1 R2-s1 R3-s1; or
 #                                                 one comma-separated word), with the same settings ($SESSION_ARGS,
 #                                                 --wall-s $WALL_S, and the trainer dtype and GRPO router losses of
-#                                                 WARMDIR/../run.json where collect put one); the model and task are
-#                                                 the warm start's
+#                                                 WARMDIR/../run.json where collect put one, unless SESSION_ARGS
+#                                                 names them); the model and task are the warm start's
 #   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
 #   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
 #   bash scripts/gpu/evidence.sh collect          into $OUT (what comes back from the device: at most 8 files of
@@ -80,9 +80,9 @@ start|start-from)
     same=$(python -c "import json, sys; g = json.load(open(sys.argv[1]))['grpo']; \
 print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('router_losses', 0.0))" \
       "$warm/../run.json" 2>/dev/null || true)
-    [ -n "$same" ] && echo "start-from: $same (from $warm/../run.json)"
-    # shellcheck disable=SC2086
-    set -- $SESSION_ARGS $same --warm-start "$warm" --arms "$arms" --wall-s "$WALL_S"
+    [ -n "$same" ] && echo "start-from: $same (from $warm/../run.json; SESSION_ARGS override it)"
+    # shellcheck disable=SC2086   # argparse keeps an option's last value: SESSION_ARGS after them win
+    set -- $same $SESSION_ARGS --warm-start "$warm" --arms "$arms" --wall-s "$WALL_S"
   else
     shift
     # shellcheck disable=SC2086
