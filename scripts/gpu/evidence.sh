@@ -43,9 +43,8 @@
 # has no .git: set R3BRIDGE_COMMIT=<commit> on the command line so run.json says which code ran.
 #
 # Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
-# the base, te, ray, verl and vllm sets (scripts/gpu/bundle.sh; megatron-core 0.16.1 and pydantic come
-# with `te`: a bundle without it stopped at `No module named 'megatron'` on 2026-11-29), which puts the
-# vllm set in /tmp/site-vllm; EXTRA_PYTHONPATH overrides that folder. The run lives in $RUN (default
+# the base, ray, verl and vllm sets (scripts/gpu/bundle.sh; megatron-core 0.16.1 and pydantic come
+# with `base`; `te` only for --spec te), which puts the vllm set in /tmp/site-vllm; EXTRA_PYTHONPATH overrides that folder. The run lives in $RUN (default
 # ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
 set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
