@@ -86,15 +86,6 @@ def load_logs(path: str | Path) -> list[ArmLog]:
 MERGE_IGNORES = ("vllm_kv_cache_mb", "checkpoint_every")
 
 
-def _grpo_defaults() -> dict[str, Any]:
-    from r3bridge.demo.evidence_config import GRPOOptions
-
-    return asdict(GRPOOptions())
-
-
-_DEFAULTS = {"shape": dict, "task": dict, "grpo": _grpo_defaults}
-
-
 def _run_json(path: Path) -> Optional[dict[str, Any]]:
     """The run.json of a run folder, or the one next to a logs folder (``collect`` copies it there)."""
     root = Path(path)
@@ -109,7 +100,9 @@ def load_runs(paths: list[str | Path]) -> tuple[list[ArmLog], list[dict[str, Any
     came from: folder, the warm start's sha256, the commit, its arms. Several runs merge only where
     every one says which warm start it loaded, all loaded the same one, with the same model, task
     and GRPO options, and no arm name repeats; else :class:`EvidenceError` names what differs."""
-    from r3bridge.demo.evidence_config import EvidenceError
+    from r3bridge.demo.evidence_config import EvidenceError, GRPOOptions
+    from r3bridge.demo.task import AdditionTask
+    from r3bridge.demo.warmstart import EvidenceModelShape
 
     arms: list[ArmLog] = []
     runs: list[dict[str, Any]] = []
@@ -125,6 +118,8 @@ def load_runs(paths: list[str | Path]) -> tuple[list[ArmLog], list[dict[str, Any
             raise EvidenceError(f"cannot merge runs: {', '.join(unknown)} says no warm start sha256 (no run.json "
                                 "beside its logs, or a run from before runs recorded it)")
         first = runs[0]
+        defaults = {part: asdict(kind()) for part, kind in
+                    (("shape", EvidenceModelShape), ("task", AdditionTask), ("grpo", GRPOOptions))}
         for r in runs[1:]:
             if r["warm_start_sha256"] != first["warm_start_sha256"]:
                 raise EvidenceError(f"cannot merge runs: {r['folder']}'s warm start {r['warm_start_sha256'][:12]} is "
@@ -133,9 +128,9 @@ def load_runs(paths: list[str | Path]) -> tuple[list[ArmLog], list[dict[str, Any
             bad = []
             for part in ("shape", "task", "grpo"):
                 # an option a run predates is its default (router_losses came after 33cfc8e's arms)
-                want = {**_DEFAULTS[part](), **first["run_json"][part]}
+                want = {**defaults[part], **first["run_json"][part]}
                 want = {k: v for k, v in want.items() if k not in MERGE_IGNORES}
-                have = {**_DEFAULTS[part](), **r["run_json"][part]}
+                have = {**defaults[part], **r["run_json"][part]}
                 bad += [f"{part}.{k} ({want[k]!r} vs {have.get(k)!r})" for k in want if have.get(k) != want[k]]
             if bad:
                 raise EvidenceError(f"cannot merge runs: {first['folder']} and {r['folder']} differ in "

@@ -39,13 +39,15 @@
 # its evidence/warmstart is carried to the next ones (a git-ignored folder, `carry`), which run
 #   bash scripts/gpu/bundle.sh install DIR/qN && bash scripts/gpu/evidence.sh start-from WARMDIR off-s1 R2-s1 ...
 # then wait / collect as above; `r3bridge evidence report S1/evidence S2/evidence ...` merges the
-# sessions' arms into one table (refused if their warm starts or settings differ). The device's tree
-# has no .git: set R3BRIDGE_COMMIT=<commit> on the command line so run.json says which code ran.
+# sessions' arms into one table (refused if their warm starts or settings differ). The device's copy
+# of the tree has no .git, or an older one: set R3BRIDGE_COMMIT=<commit> on the command line so
+# run.json says which code ran.
 #
 # Needs megatron-core 0.16.1, transformers and vLLM 0.24.0 importable: after `bundle.sh install` of
 # the base, ray, verl and vllm sets (scripts/gpu/bundle.sh; megatron-core 0.16.1 and pydantic come
-# with `base`; `te` only for --spec te), which puts the vllm set in /tmp/site-vllm; EXTRA_PYTHONPATH overrides that folder. The run lives in $RUN (default
-# ~/evidence), outside $OUT, so the calls after `start` find it while the machine stays warm.
+# with `base`; `te` only for --spec te), which puts the vllm set in /tmp/site-vllm; EXTRA_PYTHONPATH
+# overrides that folder. The run lives in $RUN (default ~/evidence), outside $OUT, so the calls
+# after `start` find it while the machine stays warm.
 set -euo pipefail
 RUN=${RUN:-$HOME/evidence}
 # the settings every session's arms share (the report refuses to merge arms run with others)
