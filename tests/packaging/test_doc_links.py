@@ -4,6 +4,8 @@ and every #anchor into a markdown file names one of its headings (GitHub's slug 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,15 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
+def git_ignores(path: Path) -> bool:
+    """A link to an ignored file resolves on the machine that wrote it and nowhere else (CI
+    failed on an ignored *.png once). Checked only where the tree is a git checkout."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return False
+    result = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", str(path)], check=False)
+    return result.returncode == 0
+
+
 def broken_links() -> list[str]:
     broken = []
     for doc in doc_files():
@@ -57,6 +68,8 @@ def broken_links() -> list[str]:
                 where = f"{doc.relative_to(ROOT)}:{number}: {target}"
                 if not resolved.exists():
                     broken.append(f"{where} (no such file)")
+                elif git_ignores(resolved):
+                    broken.append(f"{where} (git-ignored: exists here, missing from every checkout)")
                 elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                     broken.append(f"{where} (no heading #{anchor})")
     return broken
