@@ -419,7 +419,8 @@ class ArmRunner:
         return res, st, prb
 
     def _engine_hf_state(self) -> dict[str, torch.Tensor]:
-        full = gather_full_state(self.trainer, self.ctx)
+        # one rank: the weights stay on the trainer's device and reach the engine device to device
+        full = gather_full_state(self.trainer, self.ctx, on_device=self.ctx.world_size == 1)
         return mcore_to_hf(from_te_names(full) if self.te else full, self.cfg, self.hf_ref)
 
     @torch.no_grad()

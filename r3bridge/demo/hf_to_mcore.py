@@ -126,7 +126,7 @@ def mcore_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf_reference: dict[str
     (the zero attention of an identity-attention model) and the dtypes."""
     nh, ng, d, h = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.head_dim), int(cfg.hidden_size)
     moe = set(moe_layer_ids_from_hf_config(cfg))
-    out = {k: v.clone() for k, v in hf_reference.items()}
+    out: dict[str, torch.Tensor] = {}
 
     def put(name: str, t: torch.Tensor) -> None:
         out[name] = t.to(hf_reference[name].dtype).reshape(hf_reference[name].shape).clone()
@@ -159,7 +159,8 @@ def mcore_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf_reference: dict[str
             put(hp + "mlp.gate_proj.weight", gate)
             put(hp + "mlp.up_proj.weight", up)
             put(hp + "mlp.down_proj.weight", state[mp + "mlp.linear_fc2.weight"])
-    return out
+    # in the reference's order; what megatron does not hold is the reference's (copied, not shared)
+    return {k: out[k] if k in out else v.clone() for k, v in hf_reference.items()}
 
 
 _LAYER = re.compile(r"(decoder\.layers\.\d+\.)(.*)")
@@ -242,17 +243,27 @@ def packed_from_tokens(tokens: Sequence[Sequence[int]], *, align: int = 1, pad_t
     return b
 
 
-def gather_full_state(chunks: Sequence[torch.nn.Module], ctx: Any) -> dict[str, torch.Tensor]:
+def gather_full_state(chunks: Sequence[torch.nn.Module], ctx: Any, *, on_device: bool = False) -> dict[str, torch.Tensor]:
     """Every rank's parameters, unsharded under canonical names, on every rank (for pushing the
-    trainer's weights into the engine; the tiny models make an object all-gather cheap)."""
+    trainer's weights into the engine; the tiny models make an object all-gather cheap), as fp32.
+
+    On the CPU by default (what ``all_gather_object`` pickles, and what a caller keeping a history
+    of states wants). ``on_device`` keeps them where the parameters are, for one rank only: the
+    evidence run's per-step weight sync then copies device to device without a host round trip.
+    Moving each of a model's hundreds of parameters to the host is a synchronising copy apiece, and
+    with several runs' processes taking turns on one GPU each sync waits for the process's turn.
+    """
     from r3bridge.testing.harness.models import _named_params_with_module, _shard_info, canonical_name
 
+    if on_device and ctx.world_size != 1:
+        raise ValueError(f"gather_full_state(on_device=True) is for one rank; this run has {ctx.world_size}")
     mine = {}
     for chunk in chunks:
         for name, p, _ in _named_params_with_module(chunk):
             cname = canonical_name(chunk, name, ctx)
             dim, rank, world = _shard_info(cname, p, ctx)
-            mine[cname] = (dim, rank, world, int(getattr(p, "partition_stride", 1)), p.detach().float().cpu())
+            full = p.detach().float() if on_device else p.detach().float().cpu()
+            mine[cname] = (dim, rank, world, int(getattr(p, "partition_stride", 1)), full)
     if ctx.world_size == 1:
         parts = [mine]
     else:
