@@ -99,7 +99,16 @@ print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('rout
 status)
   grep '\[calibrate\]' "$RUN/orchestrator.log" | tail -n 8 || true
   tail -n 3 "$RUN/orchestrator.log"
-  for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && echo "$(basename "$f" .jsonl): $(wc -l < "$f") steps"; done
+  # steps per arm, and each arm's route agreement over its last 20 steps (issue 49's first goal: an
+  # `off` arm above 0.95 by step ~60 means stopping the run for the fallback calibration)
+  for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && python - "$f" <<'PY'; done
+import json, pathlib, sys
+f = pathlib.Path(sys.argv[1])
+rows = [json.loads(line)["data"] for line in f.read_text().splitlines() if line.strip()]
+agree = [r["route/native_vs_engine"] for r in rows[-20:] if "route/native_vs_engine" in r]
+mean = f", agreement (last {len(agree)}) {sum(agree) / len(agree):.4f}" if agree else ""
+print(f"{f.stem}: {len(rows)} steps{mean}")
+PY
   for f in "$RUN"/run/procs/*.log "$RUN"/run/calib/*/procs/*.log; do
     [ -e "$f" ] && grep -q Traceback "$f" && { echo "== $f"; tail -n 4 "$f"; }; done || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true ;;
