@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -142,6 +143,30 @@ def source_commit() -> Optional[str]:
     return None
 
 
+# the distributions whose code computes a step (engine, trainer, their kernels); an absent one is None
+VERSIONED = ("torch", "transformers", "megatron-core", "vllm", "transformer-engine", "triton")
+
+
+def run_versions(device: str) -> dict[str, Optional[str]]:
+    """The installed releases of :data:`VERSIONED` (read from their metadata, nothing imported)
+    and, on cuda, the GPU's name: arms of two sessions compare only if these are the same. A
+    Transformer Engine installed beside the local layer spec changes no kernel megatron-core runs
+    with its fusions off, but the report cannot check that, so it is recorded like the rest."""
+    from importlib import metadata
+
+    out: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    if device == "cuda":
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return out
+
+
 def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_s: float,
         log: Callable[[str], None] = _stderr, warm_from: Optional[Path] = None) -> dict[str, Any]:
     """The whole run, bounded by ``wall_s`` seconds; returns each arm's status and steps.
@@ -152,6 +177,7 @@ def run(root: Path, run: RunConfig, *, device: str, procs: int, gpus: int, wall_
         (root / sub).mkdir(parents=True, exist_ok=True)
     run.deadline = t0 + wall_s
     run.commit = source_commit()
+    run.versions = run_versions(device)
     _write_model_dir(root, run.shape)
     if warm_from is not None and warm_from.resolve() != (root / "warmstart").resolve():
         for name in WARM_START_FILES:         # state.pt last: the arms wait for it

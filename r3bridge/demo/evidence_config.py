@@ -94,6 +94,9 @@ class RunConfig:
     # the sha256 of the warm start's state.pt they all load, and the source commit (None: unknown)
     warm_start_sha256: Optional[str] = None
     commit: Optional[str] = None
+    # what the arms ran on (evidence.run_versions: the packages whose kernels compute a step, and
+    # the GPU): runs merge only where these are the same
+    versions: Optional[dict[str, Optional[str]]] = None
 
     def __post_init__(self) -> None:
         n = self.grpo.prompts * self.grpo.group
@@ -122,7 +125,7 @@ class RunConfig:
         return cls(shape=EvidenceModelShape(**d["shape"]), task=AdditionTask(**d["task"]), warm=WarmStartOptions(**d["warm"]),
                    grpo=GRPOOptions(**d["grpo"]), arms=[Arm(**a) for a in d["arms"]], deadline=d["deadline"],
                    resume=d["resume"], start_gate=d.get("start_gate"), warm_start_sha256=d.get("warm_start_sha256"),
-                   commit=d.get("commit"))
+                   commit=d.get("commit"), versions=d.get("versions"))
 
 
 # ------------------------------------------------------------------------------ the warm start folder

@@ -622,7 +622,8 @@ class ArmRunner:
                   "actor/ppo_kl": float(np.mean([x["ppo_kl"] for x in stats])),
                   "actor/grad_norm": float(np.mean(norms)),
                   "actor/grad_norm/p50": float(np.percentile(norms, 50)),
-                  "actor/grad_norm/p99": float(np.percentile(norms, 99))})
+                  "actor/grad_norm/p99": float(np.percentile(norms, 99)),
+                  "actor/grad_norm/max": float(np.max(norms))})
         if cov:
             m["actor/r3bridge/update/coverage"] = float(np.mean(cov))
             m["actor/r3bridge/update/agreement/mean"] = float(np.mean(agree))

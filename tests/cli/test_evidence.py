@@ -17,7 +17,7 @@ from r3bridge.demo import evidence, evidence_config, evidence_report
 
 KEYS = {"critic/score/mean", "task/accuracy", "actor/entropy", "route/native_vs_engine",
         "actor/r3bridge/old_log_prob/mismatch/k3_kl", "actor/r3bridge/old_log_prob/mismatch/F2",
-        "actor/r3bridge/update/mismatch/k3_kl", "actor/grad_norm/p50", "actor/grad_norm/p99",
+        "actor/r3bridge/update/mismatch/k3_kl", "actor/grad_norm/p50", "actor/grad_norm/p99", "actor/grad_norm/max",
         "actor/first_update/abs_log_ratio", "timing_s/step"}
 
 
@@ -72,6 +72,11 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, caps
     assert spec["shape"] == run["shape"] and spec["task"] == run["task"]
     assert spec["state_sha256"] == run["warm_start_sha256"] == evidence_config.sha256_of(out / "warmstart" / "state.pt")
     assert run["commit"] == evidence.source_commit()
+    import megatron.core
+    import transformers
+    assert (run["versions"]["megatron-core"], run["versions"]["transformers"]) == (
+        megatron.core.__version__, transformers.__version__)
+    assert run["versions"]["vllm"] is None and "gpu" not in run["versions"]     # the CPU run: no engine, no GPU
 
     # a later session: the first run's warm start, one more arm, the same options (model and task
     # taken from the warm start's spec.json)
@@ -147,6 +152,11 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, caps
     assert "off/R2 (every seed?)" in text and "R2 against R3 at 1, 4 and 8 mini-batches" in text
     assert "off's route agreement <= 0.95" in text and "not measured" in text
     assert "Where a step's seconds go" in text
+    # each arm's largest update gradient norm, and the step it came at, as the logs have it
+    for name, arm_log in ((a.name, a) for a in evidence_report.load_logs(packed)):
+        value, step = max((d["actor/grad_norm/max"], s) for s, d in zip(arm_log.steps, arm_log.data))
+        assert value >= max(d["actor/grad_norm/p99"] for d in arm_log.data)
+        assert f"{name} {evidence_report._fmt(value)} ({step})" in text
     assert f"Chosen: `{want}`" in evidence_report.calibration_table(calib)
     _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run)
 
@@ -183,7 +193,9 @@ def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
     for change, message in ((lambda d: d.update(warm_start_sha256="0" * 64), "warm start 000000000000 is not"),
                             (lambda d: d["grpo"].update(lr=1e-3), "differ in grpo.lr (0.0001 vs 0.001)"),
                             (lambda d: d["grpo"].update(router_losses=0.1),
-                             "differ in grpo.router_losses (0.0 vs 0.1)")):
+                             "differ in grpo.router_losses (0.0 vs 0.1)"),
+                            (lambda d: d["versions"].update(vllm="0.26.0"),
+                             "ran on different software or GPUs: vllm (None vs 0.26.0)")):
         changed = json.loads(json.dumps(doc))
         change(changed)
         (other / "run.json").write_text(json.dumps(changed))
@@ -192,8 +204,12 @@ def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
     # a run from before an option existed (router_losses: 2026-11-29's arms) holds its default
     older = json.loads(json.dumps(doc))
     del older["grpo"]["router_losses"]
+    del older["versions"]       # nor did it record its versions: shown as unknown, not compared
     (other / "run.json").write_text(json.dumps(older))
-    assert len(evidence_report.load_runs([out, other])[1]) == 2
+    merged = evidence_report.load_runs([out, other])[1]
+    assert len(merged) == 2 and merged[1]["versions"] is None
+    shown = evidence_report.runs_table(merged).splitlines()
+    assert f"megatron-core {run['versions']['megatron-core']}" in shown[2] and "| unknown |" in shown[3]
     (other / "run.json").write_text(json.dumps(doc))
     with pytest.raises(evidence_config.EvidenceError, match="arm R3-mb1-s0 is in both"):
         evidence_report.load_runs([out2, other])
