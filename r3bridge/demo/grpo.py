@@ -49,7 +49,6 @@ from r3bridge.demo.evidence_config import Arm, GRPOOptions, RunConfig, wait_for_
 from r3bridge.demo.hf_engine import Completion, HFEngine
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
-    gather_full_state,
     hf_to_mcore,
     mcore_to_hf,
     packed_from_tokens,
@@ -61,7 +60,7 @@ from r3bridge.demo.warmstart import WarmStartOptions, margins_of
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
 from r3bridge.testing.harness.dist import RankContext
-from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.models import build_model_chunks, gather_full_state, load_reference_state
 from r3bridge.testing.harness.probe import RoutingProbe, find_routers
 from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 

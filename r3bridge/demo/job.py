@@ -35,7 +35,6 @@ from r3bridge.config import Phase, phase_plan
 from r3bridge.demo.hf_engine import HFEngine, build_hf_model, tiny_qwen3_moe_config
 from r3bridge.demo.hf_to_mcore import (
     from_te_names,
-    gather_full_state,
     hf_to_mcore,
     mcore_to_hf,
     packed_from_tokens,
@@ -47,7 +46,7 @@ from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.parallel.sharding import shard
 from r3bridge.testing.harness.data import align_for
 from r3bridge.testing.harness.dist import RankContext
-from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+from r3bridge.testing.harness.models import build_model_chunks, gather_full_state, load_reference_state
 from r3bridge.testing.harness.probe import RoutingProbe
 from r3bridge.testing.harness.schedule import make_forward_step, run_schedule
 

@@ -43,9 +43,9 @@ def _weight_sync_job(ctx, dense_first: bool) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from r3bridge.demo.hf_to_mcore import gather_full_state, hf_to_mcore, mcore_to_hf, spec_from_hf
+    from r3bridge.demo.hf_to_mcore import hf_to_mcore, mcore_to_hf, spec_from_hf
     from r3bridge.demo.warmstart import EvidenceModelShape
-    from r3bridge.testing.harness.models import build_model_chunks, load_reference_state
+    from r3bridge.testing.harness.models import build_model_chunks, gather_full_state, load_reference_state
 
     cfg = EvidenceModelShape(layers=2, experts=8, topk=2, dense_first=dense_first).hf_config()
     torch.manual_seed(0)

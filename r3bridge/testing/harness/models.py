@@ -441,3 +441,47 @@ def load_reference_state(
             if cname not in full_state_dict:
                 raise KeyError(f"{cname} (local {name}) missing from reference state")
             p.copy_(shard_of(full_state_dict[cname].to(p.dtype), cname, p, ctx))
+
+
+def gather_full_state(chunks: list[torch.nn.Module], ctx: "RankContext", *, on_device: bool = False) -> dict[str, torch.Tensor]:
+    """Every rank's parameters, unsharded under canonical names, on every rank, as fp32: the inverse
+    of :func:`load_reference_state` (the demo and evidence runs push the trainer's weights into their
+    engine with it; the tiny models make an object all-gather cheap).
+
+    On the CPU by default (what ``all_gather_object`` pickles, and what a caller keeping a history
+    of states wants). ``on_device`` keeps them where the parameters are, for one rank only: the
+    evidence run's per-step weight sync then copies device to device without a host round trip.
+    Moving each of a model's hundreds of parameters to the host is a synchronising copy apiece, and
+    with several runs' processes taking turns on one GPU each sync waits for the process's turn.
+    """
+    if on_device and ctx.world_size != 1:
+        raise ValueError(f"gather_full_state(on_device=True) is for one rank; this run has {ctx.world_size}")
+    mine = {}
+    for chunk in chunks:
+        for name, p, _ in _named_params_with_module(chunk):
+            cname = canonical_name(chunk, name, ctx)
+            dim, rank, world = _shard_info(cname, p, ctx)
+            value = p.detach().float() if on_device else p.detach().float().cpu()
+            mine[cname] = (dim, rank, world, int(getattr(p, "partition_stride", 1)), value)
+    if ctx.world_size == 1:
+        parts = [mine]
+    else:
+        parts = [None] * ctx.world_size
+        torch.distributed.all_gather_object(parts, mine)
+    full: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, tuple]] = {}
+    for part in parts:
+        for cname, (dim, rank, world, stride, t) in part.items():
+            pieces.setdefault(cname, {})[rank] = (dim, world, stride, t)
+    for cname, by_rank in pieces.items():
+        dim, world, stride, _ = next(iter(by_rank.values()))
+        if world == 1:
+            full[cname] = by_rank[0][3]
+            continue
+        shards = [by_rank[r][3] for r in range(world)]
+        if stride == 1:
+            full[cname] = torch.cat(shards, dim)
+        else:
+            blocks = [torch.cat([s.chunk(stride, dim)[j] for s in shards], dim) for j in range(stride)]
+            full[cname] = torch.cat(blocks, dim)
+    return full
