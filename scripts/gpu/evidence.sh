@@ -104,7 +104,12 @@ status)
   for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && python - "$f" <<'PY'; done
 import json, pathlib, sys
 f = pathlib.Path(sys.argv[1])
-rows = [json.loads(line)["data"] for line in f.read_text().splitlines() if line.strip()]
+rows = []
+for line in f.read_text().splitlines():
+    try:                          # the arm may be writing its last line right now
+        rows.append(json.loads(line)["data"])
+    except (ValueError, KeyError):
+        pass
 agree = [r["route/native_vs_engine"] for r in rows[-20:] if "route/native_vs_engine" in r]
 mean = f", agreement (last {len(agree)}) {sum(agree) / len(agree):.4f}" if agree else ""
 print(f"{f.stem}: {len(rows)} steps{mean}")
