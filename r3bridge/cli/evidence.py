@@ -46,7 +46,7 @@ def _modes(text: str) -> list[str]:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(NAME, help="GRPO run off / R2 / R3 side by side, and its figure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = p.add_subparsers(dest="evidence_command", metavar="{run,plot,report}")
+    cmds = p.add_subparsers(dest="evidence_command", metavar="{run,plot,report,status}")
     cmds.required = True
     r = cmds.add_parser("run", help="the whole run: warm start, then every arm, within --wall-s")
     r.add_argument("--out", required=True, help="run folder (created); logs in OUT/logs")
@@ -132,11 +132,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--window", type=int, default=10, help="running mean of the thick lines, in steps")
     q.add_argument("--title", default="")
     q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    st = cmds.add_parser("status", help="a running run's arms: steps, route agreement of the last 20 steps, pace "
+                         "against the run's wall")
+    st.add_argument("run", help="the run folder (evidence run's --out)")
+    st.add_argument("--json", action="store_true", help="one JSON list, an object per arm")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.evidence_command == "status":
+        return _status(args)
     return _run(args) if args.evidence_command == "run" else _plot(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from r3bridge.demo.evidence_report import progress, progress_lines
+
+    arms = progress(args.run)
+    if args.json:
+        print_json(arms)
+    else:
+        print("\n".join(progress_lines(arms)) if arms else f"{args.run}: no arm has logged a step yet")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

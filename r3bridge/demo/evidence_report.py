@@ -14,6 +14,7 @@ import gzip
 import json
 import math
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -340,6 +341,53 @@ def table(summary: dict[str, Any]) -> str:
         verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
         lines.append(f"- {g['goal']}: {_fmt(g['value'])} - **{verdict}**")
     return "\n".join(lines)
+
+
+def progress(run_dir: str | Path, now: Optional[float] = None, *, window: int = 10) -> list[dict[str, Any]]:
+    """A running run's arms, read while they write (a line being written is skipped): per arm its
+    steps, route agreement over its last 20 steps (issue 49's stop rule: off above 0.95 by step
+    ~60), and its pace, the mean of its last ``window`` steps' seconds, with the steps it will
+    have when the run's wall (run.json's deadline) comes: whatever else shares the GPU slows it."""
+    root = Path(run_dir)
+    info = _run_json(root) or {}
+    target, deadline = info.get("grpo", {}).get("steps"), info.get("deadline")
+    now = time.time() if now is None else now
+    logs = root / "logs" if (root / "logs").is_dir() else root
+    out = []
+    for f in sorted(logs.glob("*.jsonl")):
+        rows = []
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line)["data"])
+            except (ValueError, KeyError):
+                pass
+        arm: dict[str, Any] = {"arm": f.stem, "steps": len(rows), "target": target, "agreement": None,
+                               "step_s": None, "steps_by_wall": None}
+        agree = [r[AGREE] for r in rows[-20:] if AGREE in r]
+        if agree:
+            arm["agreement"] = _mean(agree)
+        pace = [r["timing_s/step"] for r in rows[-window:] if "timing_s/step" in r]
+        if pace:
+            arm["step_s"] = _mean(pace)
+            if deadline is not None:
+                arm["steps_by_wall"] = len(rows) + int(max(0.0, deadline - now) / arm["step_s"])
+        out.append(arm)
+    return out
+
+
+def progress_lines(arms: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for a in arms:
+        text = f"{a['arm']}: {a['steps']} steps"
+        if a["agreement"] is not None:
+            text += f", agreement (last 20) {a['agreement']:.4f}"
+        if a["step_s"] is not None and a["target"] and a["steps"] < a["target"]:
+            text += f", {a['step_s']:.2f} s a step"
+            if a["steps_by_wall"] is not None:
+                text += (": on pace" if a["steps_by_wall"] >= a["target"]
+                         else f": SHORT, {a['steps_by_wall']} of {a['target']} steps by the wall")
+        lines.append(text)
+    return lines
 
 
 def load_calibration(path: str | Path) -> Optional[dict[str, Any]]:

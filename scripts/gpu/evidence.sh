@@ -16,7 +16,8 @@
 #                                                 --wall-s $WALL_S, and the trainer dtype and GRPO router losses of
 #                                                 WARMDIR/../run.json where collect put one, unless SESSION_ARGS
 #                                                 names them); the model and task are the warm start's
-#   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration and steps per arm
+#   bash scripts/gpu/evidence.sh status           the orchestrator's last lines, the calibration, and per arm its
+#                                                 steps, route agreement (last 20 steps) and pace against the wall
 #   bash scripts/gpu/evidence.sh wait [SECONDS]   status every 60 s until the run ends or SECONDS (default 540) pass
 #   bash scripts/gpu/evidence.sh collect          into $OUT (what comes back from the device: at most 8 files of
 #                                                 16 MiB, 64 MiB in all): evidence.tar.gz (the logs, run.json, the
@@ -99,21 +100,9 @@ print('--trainer-dtype', g['trainer_dtype'], '--grpo-router-losses', g.get('rout
 status)
   grep '\[calibrate\]' "$RUN/orchestrator.log" | tail -n 8 || true
   tail -n 3 "$RUN/orchestrator.log"
-  # steps per arm, and each arm's route agreement over its last 20 steps (issue 49's first goal: an
-  # `off` arm above 0.95 by step ~60 means stopping the run for the fallback calibration)
-  for f in "$RUN"/run/logs/*.jsonl; do [ -e "$f" ] && python - "$f" <<'PY'; done
-import json, pathlib, sys
-f = pathlib.Path(sys.argv[1])
-rows = []
-for line in f.read_text().splitlines():
-    try:                          # the arm may be writing its last line right now
-        rows.append(json.loads(line)["data"])
-    except (ValueError, KeyError):
-        pass
-agree = [r["route/native_vs_engine"] for r in rows[-20:] if "route/native_vs_engine" in r]
-mean = f", agreement (last {len(agree)}) {sum(agree) / len(agree):.4f}" if agree else ""
-print(f"{f.stem}: {len(rows)} steps{mean}")
-PY
+  # per arm: steps, route agreement of the last 20 steps (stop the run if off's is above 0.95 by
+  # step ~60) and pace against the run's wall (r3bridge/demo/evidence_report.py: progress)
+  [ -d "$RUN/run/logs" ] && { python -m r3bridge evidence status "$RUN/run" || true; }
   for f in "$RUN"/run/procs/*.log "$RUN"/run/calib/*/procs/*.log; do
     [ -e "$f" ] && grep -q Traceback "$f" && { echo "== $f"; tail -n 4 "$f"; }; done || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true ;;

@@ -158,7 +158,38 @@ def test_evidence_calibrates_then_runs_the_chosen_model_and_plots(tmp_path, caps
         assert value >= max(d["actor/grad_norm/p99"] for d in arm_log.data)
         assert f"{name} {evidence_report._fmt(value)} ({step})" in text
     assert f"Chosen: `{want}`" in evidence_report.calibration_table(calib)
+    _status_of_a_running_run(tmp_path, capsys, out)
     _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run)
+
+
+def _status_of_a_running_run(tmp_path, capsys, out):
+    """`r3bridge evidence status` on the run above, as if still running: a copy whose run.json asks for
+    10 steps (2 done), read at two moments before its wall, with a log line half written."""
+    from r3bridge.cli.main import main
+
+    live = tmp_path / "live"
+    shutil.copytree(out / "logs", live / "logs")
+    doc = json.loads((out / "run.json").read_text())
+    doc["grpo"]["steps"] = 10
+    (live / "run.json").write_text(json.dumps(doc))
+    with open(live / "logs" / "off-s0.jsonl", "a") as f:
+        f.write('{"step": 2, "data": {"route/nat')
+    logged = {n: _steps(out / "logs" / f"{n}.jsonl") for n in ("R2-s0", "floor-s0", "off-s0")}
+    step_s = {n: sum(x["data"]["timing_s/step"] for x in rows) / len(rows) for n, rows in logged.items()}
+    slowest = max(step_s.values())
+    arms = evidence_report.progress(live, now=doc["deadline"] - 8.5 * slowest)
+    assert [a["arm"] for a in arms] == sorted(logged) and all(a["steps"] == 2 for a in arms)
+    for a in arms:
+        rows = logged[a["arm"]]
+        assert a["agreement"] == sum(x["data"]["route/native_vs_engine"] for x in rows) / len(rows)
+        assert a["step_s"] == step_s[a["arm"]] and a["steps_by_wall"] >= 10
+    assert all(line.endswith(": on pace") for line in evidence_report.progress_lines(arms))
+    short = evidence_report.progress(live, now=doc["deadline"] - 3.5 * slowest)
+    slow = next(a for a in short if a["step_s"] == slowest)
+    assert slow["steps_by_wall"] == 5
+    assert main(["evidence", "status", str(live)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{slow['arm']}: 2 steps, agreement (last 20) " in printed and " s a step: " in printed   # pace: now's
 
 
 def _refusals_of_warm_starts_and_merges(tmp_path, capsys, out, out2, run):
