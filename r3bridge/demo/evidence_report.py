@@ -62,6 +62,23 @@ class ArmLog:
 _ARM = re.compile(r"^(?P<group>.+?)-s(?P<seed>\d+)$")
 
 
+def _log_lines(f: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
+    """An arm's ``{"step", "data"}`` lines from ``<arm>.jsonl`` or ``.jsonl.gz``. ``while_written``:
+    the arm may be writing its last line right now, so a line that does not parse is skipped."""
+    opener = gzip.open if f.name.endswith(".gz") else open
+    rows = []
+    with opener(f, "rt") as fp:
+        for line in fp:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                if not while_written:
+                    raise
+    return rows
+
+
 def load_logs(path: str | Path) -> list[ArmLog]:
     root = Path(path)
     if (root / "logs").is_dir():
@@ -72,9 +89,7 @@ def load_logs(path: str | Path) -> list[ArmLog]:
     arms = []
     for f in files:
         name = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.stem
-        opener = gzip.open if f.name.endswith(".gz") else open
-        with opener(f, "rt") as fp:
-            rows = [json.loads(line) for line in fp if line.strip()]
+        rows = _log_lines(f)
         m = _ARM.match(name)
         arms.append(ArmLog(name, m.group("group") if m else name, int(m.group("seed")) if m else None,
                            [int(r["step"]) for r in rows], [r["data"] for r in rows]))
@@ -355,12 +370,7 @@ def progress(run_dir: str | Path, now: Optional[float] = None, *, window: int = 
     logs = root / "logs" if (root / "logs").is_dir() else root
     out = []
     for f in sorted(logs.glob("*.jsonl")):
-        rows = []
-        for line in f.read_text().splitlines():
-            try:
-                rows.append(json.loads(line)["data"])
-            except (ValueError, KeyError):
-                pass
+        rows = [line["data"] for line in _log_lines(f, while_written=True) if "data" in line]
         arm: dict[str, Any] = {"arm": f.stem, "steps": len(rows), "target": target, "agreement": None,
                                "step_s": None, "steps_by_wall": None}
         agree = [r[AGREE] for r in rows[-20:] if AGREE in r]

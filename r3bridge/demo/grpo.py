@@ -57,6 +57,7 @@ from r3bridge.demo.hf_to_mcore import (
 )
 from r3bridge.demo.job import batch_to, count_agreement
 from r3bridge.demo.warmstart import WarmStartOptions, margins_of
+from r3bridge.hf import moe_layer_ids_from_hf_config
 from r3bridge.metrics import logprob_mismatch_sums, mismatch_from_sums
 from r3bridge.testing.harness.data import local_inputs, packed_causal_mask, packed_seq_params
 from r3bridge.testing.harness.dist import RankContext
@@ -324,7 +325,7 @@ def trainer_router_losses(warm: WarmStartOptions, hf_config: Any, scale: float =
     routing); megatron's is one switch loss per layer, ``coeff * load_of_the_layer / tokens``. So
     ``coeff = aux * top_k / moe_layers`` pulls against an imbalance the layers share as the warm start
     did (one layer's own imbalance harder)."""
-    moe_layers = hf_config.num_hidden_layers - len(getattr(hf_config, "mlp_only_layers", None) or [])
+    moe_layers = len(moe_layer_ids_from_hf_config(hf_config))
     aux = scale * warm.aux_loss * hf_config.num_experts_per_tok / max(1, moe_layers)
     z = scale * warm.router_z_loss
     return aux, (z if z > 0 else None)
